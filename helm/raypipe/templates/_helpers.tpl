@@ -1,0 +1,234 @@
+{{/* Names, labels and the shared pieces of the RayJob and RayCluster specs. */}}
+
+{{- define "raypipe.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name of the release's resources. 47 characters at most: KubeRay appends
+6 characters to a RayJob's name to name its RayCluster, and rejects RayCluster
+names longer than 53 (it must also be a DNS-1035 label).
+*/}}
+{{- define "raypipe.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 47 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 47 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 47 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "raypipe.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that identify the release's pods (the PodMonitor selects on them). */}}
+{{- define "raypipe.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "raypipe.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "raypipe.labels" -}}
+helm.sh/chart: {{ include "raypipe.chart" . }}
+{{ include "raypipe.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "raypipe.image" -}}
+{{- printf "%s:%v" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Named container port of the raypipe exporter (at most 15 characters). */}}
+{{- define "raypipe.metricsPortName" -}}raypipe-metrics{{- end }}
+
+{{/*
+Checks across values that values.schema.json cannot express; each failure names
+the values involved and what is allowed.
+*/}}
+{{- define "raypipe.validate" -}}
+{{- $w := .Values.gpuWorkers }}
+{{- if not (or .Values.job.enabled .Values.rayCluster.enabled) }}
+{{- fail "nothing to deploy: set job.enabled=true (a RayJob) and/or rayCluster.enabled=true (a standalone RayCluster)" }}
+{{- end }}
+{{- if or (gt (int $w.minReplicas) (int $w.replicas)) (gt (int $w.replicas) (int $w.maxReplicas)) }}
+{{- fail (printf "gpuWorkers: need minReplicas <= replicas <= maxReplicas, got minReplicas=%d replicas=%d maxReplicas=%d" (int $w.minReplicas) (int $w.replicas) (int $w.maxReplicas)) }}
+{{- end }}
+{{- $gpus := int (index ($w.resources.limits | default dict) "nvidia.com/gpu" | default 0) }}
+{{- if and (eq (toString .Values.training.preset) "7b") .Values.job.enabled }}
+{{- if eq $gpus 0 }}
+{{- fail "training.preset=7b runs one pipeline stage per GPU, but gpuWorkers.resources.limits has no nvidia.com/gpu; set it (e.g. 8) or use training.preset=tiny" }}
+{{- end }}
+{{- if gt (int .Values.training.stages) (mul $gpus (int $w.maxReplicas)) }}
+{{- fail (printf "training.stages=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (int .Values.training.stages) (int $w.maxReplicas) $gpus (mul $gpus (int $w.maxReplicas))) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.job.enabled .Values.rayCluster.enabled (eq .Values.job.submissionMode "SidecarMode") }}
+{{- fail "job.submissionMode=SidecarMode cannot run on the standalone RayCluster (rayCluster.enabled=true): KubeRay supports it only for a RayJob's own cluster; use K8sJobMode or HTTPMode" }}
+{{- end }}
+{{- end }}
+
+{{/* The training command: the flags of jobs/train_7b.py. */}}
+{{- define "raypipe.entrypoint" -}}
+{{- $t := .Values.training -}}
+python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --metrics-port {{ int $t.metricsPort }}
+{{- if $t.metricsHost }} --metrics-host {{ $t.metricsHost }}{{ end }}
+{{- range $t.extraArgs }} {{ . }}{{ end }}
+{{- end }}
+
+{{/* `ray start` parameters as a JSON (flow YAML) map: KubeRay wants string values. */}}
+{{- define "raypipe.rayStartParams" -}}
+{{- $params := dict }}
+{{- range $key, $value := . }}
+{{- $_ := set $params $key (toString $value) }}
+{{- end }}
+{{- toJson $params }}
+{{- end }}
+
+{{/* Pod-level settings shared by every pod the chart defines. */}}
+{{- define "raypipe.podCommon" -}}
+{{- with .Values.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* Container settings shared by the Ray head and worker containers. */}}
+{{- define "raypipe.containerCommon" -}}
+image: {{ include "raypipe.image" . }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+securityContext:
+  {{- toYaml .Values.containerSecurityContext | nindent 2 }}
+{{- with .Values.env }}
+env:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+volumeMounts:
+  # Ray's object store lives in /dev/shm; the container default (64 MiB) is far too small.
+  - name: dshm
+    mountPath: /dev/shm
+  {{- with .Values.volumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
+{{/* Volumes of a Ray pod; the argument is (dict "root" $ "shmSize" size). */}}
+{{- define "raypipe.volumes" -}}
+volumes:
+  - name: dshm
+    emptyDir:
+      medium: Memory
+      sizeLimit: {{ .shmSize }}
+  {{- with .root.Values.volumes }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
+{{/* Scheduling of a pod group; the argument is head or gpuWorkers values. */}}
+{{- define "raypipe.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Metadata of a Ray pod; the argument is (dict "root" $ "component" name). */}}
+{{- define "raypipe.podMetadata" -}}
+labels:
+  {{- include "raypipe.selectorLabels" .root | nindent 2 }}
+  app.kubernetes.io/component: {{ .component }}
+  {{- with .root.Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with .root.Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The Ray cluster: used as the RayJob's rayClusterSpec and the RayCluster's spec. */}}
+{{- define "raypipe.rayClusterSpec" -}}
+{{- $w := .Values.gpuWorkers -}}
+rayVersion: {{ .Values.rayVersion | quote }}
+enableInTreeAutoscaling: {{ .Values.autoscaling.enabled }}
+{{- if .Values.autoscaling.enabled }}
+autoscalerOptions:
+  version: {{ .Values.autoscaling.version }}
+  upscalingMode: {{ .Values.autoscaling.upscalingMode }}
+  idleTimeoutSeconds: {{ int .Values.autoscaling.idleTimeoutSeconds }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  resources:
+    {{- toYaml .Values.autoscaling.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+{{- end }}
+headGroupSpec:
+  rayStartParams: {{ include "raypipe.rayStartParams" .Values.head.rayStartParams }}
+  template:
+    metadata:
+      {{- include "raypipe.podMetadata" (dict "root" . "component" "ray-head") | nindent 6 }}
+    spec:
+      {{- include "raypipe.podCommon" . | trim | nindent 6 }}
+      {{- with include "raypipe.scheduling" .Values.head | trim }}{{ . | nindent 6 }}{{ end }}
+      containers:
+        - name: ray-head
+          {{- include "raypipe.containerCommon" . | nindent 10 }}
+          ports:
+            - name: gcs-server
+              containerPort: 6379
+            - name: dashboard
+              containerPort: 8265
+            - name: client
+              containerPort: 10001
+            # Ray's own metrics (ray_*); KubeRay starts Ray with --metrics-export-port=8080.
+            - name: metrics
+              containerPort: 8080
+            # raypipe's exporter: the driver runs on the head.
+            - name: {{ include "raypipe.metricsPortName" . }}
+              containerPort: {{ int .Values.training.metricsPort }}
+          resources:
+            {{- toYaml .Values.head.resources | nindent 12 }}
+      {{- include "raypipe.volumes" (dict "root" . "shmSize" .Values.head.shmSize) | nindent 6 }}
+workerGroupSpecs:
+  - groupName: {{ $w.groupName }}
+    replicas: {{ int $w.replicas }}
+    minReplicas: {{ int $w.minReplicas }}
+    maxReplicas: {{ int $w.maxReplicas }}
+    rayStartParams: {{ include "raypipe.rayStartParams" $w.rayStartParams }}
+    template:
+      metadata:
+        {{- include "raypipe.podMetadata" (dict "root" . "component" "ray-gpu-worker") | nindent 8 }}
+      spec:
+        {{- include "raypipe.podCommon" . | trim | nindent 8 }}
+        {{- with include "raypipe.scheduling" $w | trim }}{{ . | nindent 8 }}{{ end }}
+        containers:
+          - name: ray-worker
+            {{- include "raypipe.containerCommon" . | nindent 12 }}
+            ports:
+              - name: metrics
+                containerPort: 8080
+            resources:
+              {{- toYaml $w.resources | nindent 14 }}
+        {{- include "raypipe.volumes" (dict "root" . "shmSize" $w.shmSize) | nindent 8 }}
+{{- end }}

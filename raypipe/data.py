@@ -1,0 +1,683 @@
+"""Parquet token shards: ``prepare`` a text corpus once, read batches deterministically.
+
+``prepare`` tokenizes documents, wraps each in <bos>/<eos>, concatenates them
+and cuts fixed rows of ``seq_len + 1`` tokens (inputs are a row's first
+``seq_len`` tokens, targets its last ``seq_len``). Rows go to Parquet shards of
+a train and a validation split, described by ``manifest.json`` (tokenizer,
+vocabulary size, row counts, sha256 of every shard).
+
+:class:`TokenDataset` reads those shards. The rows of ``(step, micro_batch,
+replica)`` come from a seeded permutation of the split per epoch, so any
+process computes the same batch from the same arguments and a restart resumes
+exactly from :meth:`TokenDataset.state_dict`.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from pyarrow import fs as pafs
+
+from raypipe.checkpoint import filesystem_for
+from raypipe.tokenizer import ByteTokenizer, Tokenizer, tokenizer_name
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "raypipe-tokens"
+VERSION = 1
+COLUMN = "tokens"
+SPLITS = ("train", "validation")
+DEFAULT_ROWS_PER_SHARD = 4096
+STDLIB_CORPUS = "python-stdlib"
+_SNIFF_BYTES = 8192
+
+
+# --- corpus ------------------------------------------------------------------
+
+
+def stdlib_corpus_files() -> list[Path]:
+    """All ``*.py`` files of the running interpreter's standard library, sorted.
+
+    Installed packages (site-packages, dist-packages) are excluded, so the
+    corpus is the same on every machine with the same Python version.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [name for name in subdirs if name not in skip]
+        files.extend(Path(directory, name) for name in names if name.endswith(".py"))
+    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+
+
+def corpus_files(corpus: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """The text files of ``corpus``: a file, a directory (recursively), or a list of them.
+
+    ``None`` means the Python standard library. Inside directories, hidden
+    entries and binary files (a NUL byte near the start) are skipped; files
+    named explicitly are always used.
+    """
+    if corpus is None:
+        return stdlib_corpus_files()
+    items = [corpus] if isinstance(corpus, (str, Path)) else list(corpus)
+    files: list[Path] = []
+    for item in items:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            files.extend(_text_files_under(path))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"corpus path {path} does not exist")
+    return files
+
+
+def _text_files_under(directory: Path) -> list[Path]:
+    files = []
+    for current, subdirs, names in os.walk(directory):
+        subdirs[:] = sorted(name for name in subdirs if not name.startswith("."))
+        for name in sorted(names):
+            path = Path(current, name)
+            if not name.startswith(".") and path.is_file() and not _looks_binary(path):
+                files.append(path)
+    return files
+
+
+def _looks_binary(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return b"\0" in handle.read(_SNIFF_BYTES)
+
+
+def _documents(files: Iterable[Path], max_bytes: int | None) -> Iterator[tuple[Path, str, int]]:
+    """(path, text, bytes read) of each non-empty file, stopping once ``max_bytes`` are read."""
+    remaining = max_bytes
+    for path in files:
+        if remaining is not None and remaining <= 0:
+            return
+        with open(path, "rb") as handle:
+            data = handle.read() if remaining is None else handle.read(remaining)
+        if remaining is not None:
+            remaining -= len(data)
+        if data:
+            # A byte cap can split a character, and some corpora hold a few
+            # non-UTF-8 files (the stdlib has latin-1 test data): replace, not fail.
+            yield path, data.decode("utf-8", errors="replace"), len(data)
+
+
+def _corpus_description(corpus: str | Path | Sequence[str | Path] | None) -> str | list[str]:
+    if corpus is None:
+        return STDLIB_CORPUS
+    items = [corpus] if isinstance(corpus, (str, Path)) else list(corpus)
+    return [str(Path(item).expanduser().resolve()) for item in items]
+
+
+# --- prepare -----------------------------------------------------------------
+
+
+def prepare(
+    out_dir: str | Path,
+    corpus: str | Path | Sequence[str | Path] | None = None,
+    seq_len: int = 256,
+    tokenizer: Tokenizer | None = None,
+    val_fraction: float = 0.05,
+    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+    seed: int = 0,
+    max_bytes: int | None = None,
+) -> Path:
+    """Tokenize ``corpus`` into Parquet shards under ``out_dir`` and return ``out_dir``.
+
+    ``corpus`` is a text file, a directory, a list of them, or None for the
+    Python standard library; ``max_bytes`` caps how much of it is read. Each
+    row holds ``seq_len + 1`` token ids; a deterministic ``val_fraction`` of
+    rows (placement depends on ``seed``) forms the validation split. Output is
+    built in a temporary directory next to ``out_dir`` and renamed into place
+    when complete, so a failed run leaves no ``out_dir``; an existing dataset
+    at ``out_dir`` is replaced only on success.
+    """
+    tokenizer = tokenizer or ByteTokenizer()
+    _check_prepare_arguments(seq_len, val_fraction, rows_per_shard, max_bytes)
+    out = Path(out_dir).expanduser().resolve()
+    _check_replaceable(out)
+    files = corpus_files(corpus)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        stats = _write_shards(staging, files, tokenizer, seq_len, val_fraction, rows_per_shard, seed, max_bytes)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tokenizer": {
+                "name": tokenizer_name(tokenizer),
+                "bos_id": tokenizer.bos_id,
+                "eos_id": tokenizer.eos_id,
+                "pad_id": tokenizer.pad_id,
+            },
+            "vocab_size": int(tokenizer.vocab_size),
+            "seq_len": seq_len,
+            "row_length": seq_len + 1,
+            "column": COLUMN,
+            "splits": stats.pop("splits"),
+            "source": stats,
+            "params": {
+                "corpus": _corpus_description(corpus),
+                "seq_len": seq_len,
+                "tokenizer": tokenizer_name(tokenizer),
+                "val_fraction": val_fraction,
+                "rows_per_shard": rows_per_shard,
+                "seed": seed,
+                "max_bytes": max_bytes,
+            },
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _install(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_prepare_arguments(seq_len: int, val_fraction: float, rows_per_shard: int, max_bytes: int | None) -> None:
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    if not isinstance(rows_per_shard, int) or rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be a positive int, got {rows_per_shard!r}")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+        raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to replace a directory that is not an earlier prepared dataset."""
+    if out.exists() and not (out / MANIFEST).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(
+            f"{out} exists and is not a prepared dataset (no {MANIFEST}); "
+            "choose another --out or remove it"
+        )
+
+
+def _install(staging: Path, out: Path) -> None:
+    """Move the finished ``staging`` directory to ``out``, replacing an old dataset."""
+    _check_replaceable(out)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    retired = out.with_name(f".{out.name}.old-{uuid.uuid4().hex}")
+    os.rename(out, retired)
+    os.rename(staging, out)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+class _SplitWriter:
+    """Buffers the rows of one split and writes them as checksummed Parquet shards."""
+
+    def __init__(self, directory: Path, split: str, row_length: int, rows_per_shard: int) -> None:
+        self.directory = directory
+        self.split = split
+        self.row_length = row_length
+        self.rows_per_shard = rows_per_shard
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
+        self.shards: list[dict[str, Any]] = []
+
+    def add(self, row: np.ndarray) -> None:
+        self.pending.append(row)
+        self.pending_rows += 1
+        if self.pending_rows == self.rows_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        rows = np.stack(self.pending).astype(np.int32, copy=False)
+        values = pa.array(rows.reshape(-1), type=pa.int32())
+        table = pa.table({COLUMN: pa.FixedSizeListArray.from_arrays(values, self.row_length)})
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        data = sink.getvalue()
+        name = f"{self.split}-{len(self.shards):05d}.parquet"
+        (self.directory / name).write_bytes(memoryview(data))
+        self.shards.append(
+            {"file": name, "num_rows": len(rows), "sha256": hashlib.sha256(memoryview(data)).hexdigest()}
+        )
+        self.pending, self.pending_rows = [], 0
+
+    def summary(self) -> dict[str, Any]:
+        self.flush()
+        return {"num_rows": sum(shard["num_rows"] for shard in self.shards), "shards": self.shards}
+
+
+def _write_shards(
+    directory: Path,
+    files: list[Path],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    val_fraction: float,
+    rows_per_shard: int,
+    seed: int,
+    max_bytes: int | None,
+) -> dict[str, Any]:
+    row_length = seq_len + 1
+    writers = {split: _SplitWriter(directory, split, row_length, rows_per_shard) for split in SPLITS}
+    # Row i is a validation row when floor(i*f + phase) steps up: exactly a
+    # fraction f of rows, spread evenly, placed by the seed.
+    phase = random.Random(seed).random()
+    carry = np.empty(0, dtype=np.int64)
+    documents = total_bytes = total_tokens = rows = 0
+    for path, text, size in _documents(files, max_bytes):
+        ids = _encode(tokenizer, text, path)
+        documents += 1
+        total_bytes += size
+        total_tokens += len(ids) + 2
+        carry = np.concatenate([carry, [tokenizer.bos_id], ids, [tokenizer.eos_id]])
+        full = len(carry) // row_length
+        for row in carry[: full * row_length].reshape(full, row_length):
+            is_validation = math.floor((rows + 1) * val_fraction + phase) > math.floor(rows * val_fraction + phase)
+            writers["validation" if is_validation else "train"].add(row)
+            rows += 1
+        carry = carry[full * row_length:]
+    if documents == 0:
+        raise ValueError(f"the corpus is empty: no non-empty text files among {len(files)} file(s)")
+    splits = {split: writer.summary() for split, writer in writers.items()}
+    _check_splits(splits, total_tokens, row_length, val_fraction)
+    return {
+        "splits": splits,
+        "num_documents": documents,
+        "num_bytes": total_bytes,
+        "num_tokens": total_tokens,
+        "dropped_tokens": int(len(carry)),
+    }
+
+
+def _encode(tokenizer: Tokenizer, text: str, path: Path) -> np.ndarray:
+    """Token ids of one document, checked against the tokenizer's vocabulary."""
+    if type(tokenizer) is ByteTokenizer:
+        # Same ids as ByteTokenizer.encode, without a Python list per byte
+        # (not for subclasses, which may encode differently).
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= tokenizer.vocab_size))
+    if bad.size:
+        raise ValueError(
+            f"tokenizer {tokenizer_name(tokenizer)!r} returned id {int(ids[bad[0]])} at token "
+            f"{int(bad[0])} of {path}, outside its vocabulary [0, {tokenizer.vocab_size})"
+        )
+    return ids
+
+
+def _check_splits(splits: dict[str, Any], total_tokens: int, row_length: int, val_fraction: float) -> None:
+    rows = sum(split["num_rows"] for split in splits.values())
+    if rows == 0:
+        raise ValueError(
+            f"the corpus is too small: {total_tokens} tokens make no row of seq_len+1 = {row_length} tokens"
+        )
+    if val_fraction > 0 and (splits["validation"]["num_rows"] == 0 or splits["train"]["num_rows"] == 0):
+        raise ValueError(
+            f"the corpus is too small for a train/validation split: {rows} rows of {row_length} tokens "
+            f"with val_fraction={val_fraction}; use a larger corpus, a smaller seq_len or val_fraction=0"
+        )
+
+
+def ensure_prepared(out_dir: str | Path, **kwargs: Any) -> Path:
+    """``out_dir`` if it holds a valid dataset made with the given ``prepare`` arguments, else prepare it.
+
+    Only arguments passed here are compared with those recorded in the
+    manifest, so ``ensure_prepared(path)`` accepts any valid dataset.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if (out / MANIFEST).is_file():
+        try:
+            manifest = read_manifest(out)
+            for split in SPLITS:
+                _verify_split_files(out, manifest, split)
+        except (ValueError, OSError) as error:
+            logger.warning("re-preparing %s: %s", out, error)
+        else:
+            differences = _parameter_differences(manifest["params"], kwargs)
+            if not differences:
+                return out
+            logger.warning("re-preparing %s: %s", out, "; ".join(differences))
+    return prepare(out, **kwargs)
+
+
+def _parameter_differences(recorded: dict[str, Any], requested: dict[str, Any]) -> list[str]:
+    differences = []
+    for key, value in requested.items():
+        if key == "corpus":
+            value = _corpus_description(value)
+        elif key == "tokenizer":
+            value = tokenizer_name(value) if value is not None else "byte"
+        if recorded.get(key) != value:
+            differences.append(f"{key} is {recorded.get(key)!r}, wanted {value!r}")
+    return differences
+
+
+# --- CLI ---------------------------------------------------------------------
+
+
+def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the arguments of ``raypipe prepare`` to ``parser``."""
+    parser.add_argument("--corpus", action="append", metavar="PATH",
+                        help="text file or directory (repeatable); default: the Python standard library")
+    parser.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")
+    parser.add_argument("--seq-len", type=int, default=256, metavar="N", help="tokens per training sequence")
+    parser.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+                        help="fraction of rows held out for validation")
+    parser.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD, metavar="N")
+    parser.add_argument("--seed", type=int, default=0, help="places the validation rows")
+    parser.add_argument("--max-bytes", type=int, default=None, metavar="N", help="read at most N bytes of the corpus")
+    parser.add_argument("--if-missing", action="store_true",
+                        help="keep an existing dataset made with the same arguments")
+    return parser
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Run ``raypipe prepare`` with parsed ``args``; returns the exit status."""
+    build = ensure_prepared if args.if_missing else prepare
+    try:
+        out = build(
+            args.out,
+            corpus=args.corpus,
+            seq_len=args.seq_len,
+            val_fraction=args.val_fraction,
+            rows_per_shard=args.rows_per_shard,
+            seed=args.seed,
+            max_bytes=args.max_bytes,
+        )
+    except (ValueError, OSError) as error:
+        print(f"raypipe prepare: error: {error}", file=sys.stderr)
+        return 2
+    manifest = read_manifest(out)
+    splits = manifest["splits"]
+    print(
+        f"prepared {out}: {manifest['source']['num_documents']} documents, "
+        f"train {splits['train']['num_rows']} rows, validation {splits['validation']['num_rows']} rows "
+        f"of {manifest['seq_len']}+1 tokens (tokenizer {manifest['tokenizer']['name']}, "
+        f"vocab {manifest['vocab_size']})"
+    )
+    return 0
+
+
+# --- reading -----------------------------------------------------------------
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the dataset at ``path`` (local path or URI), checked for the fields readers need."""
+    filesystem, root = filesystem_for(path)
+    manifest_path = f"{root}/{MANIFEST}"
+    if filesystem.get_file_info(manifest_path).type != pafs.FileType.File:
+        raise FileNotFoundError(f"no dataset at {path}: {manifest_path} does not exist (run `raypipe prepare`)")
+    with filesystem.open_input_stream(manifest_path) as stream:
+        raw = stream.read()
+    try:
+        manifest = json.loads(raw)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format must be {FORMAT!r}, got {manifest.get('format')!r}")
+        for key in ("vocab_size", "seq_len", "splits", "tokenizer"):
+            if key not in manifest:
+                raise ValueError(f"missing field {key!r}")
+        for split in SPLITS:
+            for shard in manifest["splits"][split]["shards"]:
+                if not {"file", "num_rows", "sha256"} <= shard.keys():
+                    raise ValueError(f"shard entry {shard} of split {split!r} needs file, num_rows and sha256")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"dataset manifest {manifest_path} is invalid: {error}") from None
+    return manifest
+
+
+def _read_file(filesystem: pafs.FileSystem, path: str) -> pa.Buffer:
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return pa.memory_map(path).read_buffer()  # pages in lazily, zero-copy
+    with filesystem.open_input_file(path) as stream:
+        return stream.read_buffer()
+
+
+def _verify_shard(path: str, data: pa.Buffer, shard: dict[str, Any], row_length: int) -> None:
+    """Checksum, row count and schema of one shard, against its manifest entry."""
+    digest = hashlib.sha256(memoryview(data)).hexdigest()
+    if digest != shard["sha256"]:
+        raise ValueError(
+            f"checksum mismatch for shard {path}: sha256 {digest}, manifest says {shard['sha256']} "
+            "(the file changed after `raypipe prepare`; prepare the dataset again)"
+        )
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+    except pa.ArrowException as error:
+        raise ValueError(f"shard {path} is not a readable Parquet file: {error}") from None
+    schema = parquet.schema_arrow
+    _check_schema(path, schema, row_length)
+    if parquet.metadata.num_rows != shard["num_rows"]:
+        raise ValueError(
+            f"shard {path} holds {parquet.metadata.num_rows} rows, manifest says {shard['num_rows']}"
+        )
+
+
+def _check_schema(path: str, schema: pa.Schema, row_length: int) -> None:
+    expected = f"a column {COLUMN!r} of list<int> (or fixed_size_list<int>[{row_length}])"
+    if COLUMN not in schema.names:
+        raise ValueError(f"shard {path} has the wrong schema: columns {schema.names}, expected {expected}")
+    kind = schema.field(COLUMN).type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    if not is_list or not pa.types.is_integer(kind.value_type):
+        raise ValueError(f"shard {path} has the wrong schema: column {COLUMN!r} is {kind}, expected {expected}")
+    if pa.types.is_fixed_size_list(kind) and kind.list_size != row_length:
+        raise ValueError(
+            f"shard {path} has the wrong schema: rows of {kind.list_size} tokens, "
+            f"expected seq_len+1 = {row_length}"
+        )
+
+
+def _decode_rows(path: str, data: pa.Buffer, row_length: int, vocab_size: int) -> np.ndarray:
+    """The (rows, row_length) int32 token array of a verified shard; bad rows are named."""
+    column = pq.read_table(pa.BufferReader(data), columns=[COLUMN]).column(COLUMN).combine_chunks()
+    if column.null_count:
+        row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"shard {path} row {row} is null")
+    if not pa.types.is_fixed_size_list(column.type):
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(lengths != row_length)
+        if wrong.size:
+            row = int(wrong[0])
+            raise ValueError(f"shard {path} row {row} has {lengths[row]} tokens, expected seq_len+1 = {row_length}")
+    values = column.flatten()
+    if values.null_count:
+        position = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"shard {path} row {position // row_length} has a null token")
+    tokens = values.to_numpy(zero_copy_only=False).reshape(-1, row_length)
+    bad = np.flatnonzero(((tokens < 0) | (tokens >= vocab_size)).any(axis=1))
+    if bad.size:
+        row = int(bad[0])
+        token = int(tokens[row][(tokens[row] < 0) | (tokens[row] >= vocab_size)][0])
+        raise ValueError(
+            f"shard {path} row {row} holds token id {token}, outside the vocabulary [0, {vocab_size})"
+        )
+    return tokens.astype(np.int32, copy=False)
+
+
+def _verify_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:
+    filesystem, base = filesystem_for(root)
+    for shard in manifest["splits"][split]["shards"]:
+        path = f"{base}/{shard['file']}"
+        _verify_shard(path, _read_file(filesystem, path), shard, manifest["seq_len"] + 1)
+
+
+class TokenDataset:
+    """Deterministic, resumable batches of one split of a prepared dataset.
+
+    ``get(step, micro_batch, replica)`` returns ``(inputs, targets)`` int64
+    tensors of shape ``(micro_batch_size, seq_len)``, targets shifted by one.
+    Each epoch visits every row at most once in a permutation seeded by
+    ``(seed, epoch)``; a step takes ``micro_batch_size * num_micro_batches *
+    num_replicas`` rows, split disjointly between replicas and micro-batches.
+
+    Opening checks the manifest, and the checksum and schema of every shard
+    of the split; token ids are checked against ``vocab_size`` (default: the
+    manifest's) when a shard is first loaded. The object is small to pickle:
+    loaded shards are a per-process cache, rebuilt lazily after unpickling.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        split: str = "train",
+        micro_batch_size: int = 4,
+        num_micro_batches: int = 4,
+        num_replicas: int = 1,
+        seed: int = 0,
+        vocab_size: int | None = None,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
+                            ("num_replicas", num_replicas)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.uri = str(path)
+        self.split = split
+        self.micro_batch_size = micro_batch_size
+        self.num_micro_batches = num_micro_batches
+        self.num_replicas = num_replicas
+        self.seed = int(seed)
+        manifest = read_manifest(path)
+        self.tokenizer_name: str = manifest["tokenizer"]["name"]
+        self.seq_len: int = manifest["seq_len"]
+        self.vocab_size: int = manifest["vocab_size"] if vocab_size is None else int(vocab_size)
+        self.shards: list[dict[str, Any]] = manifest["splits"][split]["shards"]
+        self.num_rows: int = sum(shard["num_rows"] for shard in self.shards)
+        self.rows_per_step = micro_batch_size * num_micro_batches * num_replicas
+        if self.num_rows < self.rows_per_step:
+            raise ValueError(
+                f"the {split} split of {path} has {self.num_rows} rows, fewer than one step needs "
+                f"({micro_batch_size} x {num_micro_batches} micro-batches x {num_replicas} replicas)"
+            )
+        self.steps_per_epoch = self.num_rows // self.rows_per_step
+        self.next_step = 0
+        self._offsets = np.cumsum([0] + [shard["num_rows"] for shard in self.shards])
+        _verify_split_files(path, manifest, split)
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        self._loaded: dict[int, np.ndarray] = {}
+        self._permutation: tuple[int, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_loaded"], state["_permutation"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_caches()
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Input tokens in one optimizer step, over all micro-batches and replicas."""
+        return self.rows_per_step * self.seq_len
+
+    @property
+    def epoch(self) -> int:
+        """The epoch that ``next_step`` falls in."""
+        return self.next_step // self.steps_per_epoch
+
+    def row_indices(self, step: int, micro_batch: int, replica: int = 0) -> np.ndarray:
+        """Split-wide row numbers of ``(step, micro_batch, replica)``."""
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not 0 <= micro_batch < self.num_micro_batches:
+            raise ValueError(f"micro_batch must be in [0, {self.num_micro_batches}), got {micro_batch}")
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica must be in [0, {self.num_replicas}), got {replica}")
+        epoch, step_in_epoch = divmod(int(step), self.steps_per_epoch)
+        start = step_in_epoch * self.rows_per_step + (replica * self.num_micro_batches + micro_batch) * self.micro_batch_size
+        return self._epoch_permutation(epoch)[start:start + self.micro_batch_size]
+
+    def get(self, step: int, micro_batch: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of one micro-batch: int64, ``(micro_batch_size, seq_len)``."""
+        rows = torch.from_numpy(self._gather(self.row_indices(step, micro_batch, replica)).astype(np.int64))
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All micro-batches of replica 0 at ``step``, concatenated in order."""
+        parts = [self.get(step, micro_batch) for micro_batch in range(self.num_micro_batches)]
+        return torch.cat([inputs for inputs, _ in parts]), torch.cat([targets for _, targets in parts])
+
+    def advance(self) -> int:
+        """Mark ``next_step`` as consumed; returns the new ``next_step``."""
+        self.next_step += 1
+        return self.next_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reader's position: small and JSON-serializable."""
+        return {
+            "next_step": self.next_step,
+            "seed": self.seed,
+            "split": self.split,
+            "rows_per_step": self.rows_per_step,
+            "num_rows": self.num_rows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; refuses a position from a different layout."""
+        for key in ("rows_per_step", "num_rows"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume: the saved data position has {key}={state[key]}, this reader has "
+                    f"{getattr(self, key)}; the same rows would not come back in the same order"
+                )
+        next_step = state["next_step"]
+        if not isinstance(next_step, int) or next_step < 0:
+            raise ValueError(f"next_step must be a non-negative int, got {next_step!r}")
+        self.next_step = next_step
+        self.seed = int(state.get("seed", self.seed))
+        self._permutation = None
+
+    def _epoch_permutation(self, epoch: int) -> np.ndarray:
+        if self._permutation is None or self._permutation[0] != epoch:
+            generator = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
+            self._permutation = (epoch, generator.permutation(self.num_rows))
+        return self._permutation[1]
+
+    def _gather(self, rows: np.ndarray) -> np.ndarray:
+        shard_of_row = np.searchsorted(self._offsets, rows, side="right") - 1
+        out = np.empty((len(rows), self.seq_len + 1), dtype=np.int32)
+        for shard_index in np.unique(shard_of_row):
+            chosen = shard_of_row == shard_index
+            out[chosen] = self._shard(int(shard_index))[rows[chosen] - self._offsets[shard_index]]
+        return out
+
+    def _shard(self, index: int) -> np.ndarray:
+        if index not in self._loaded:
+            filesystem, base = filesystem_for(self.uri)
+            shard = self.shards[index]
+            path = f"{base}/{shard['file']}"
+            data = _read_file(filesystem, path)
+            _verify_shard(path, data, shard, self.seq_len + 1)
+            self._loaded[index] = _decode_rows(path, data, self.seq_len + 1, self.vocab_size)
+        return self._loaded[index]
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset({self.uri!r}, split={self.split!r}, rows={self.num_rows}, seq_len={self.seq_len}, "
+            f"micro_batch_size={self.micro_batch_size}, num_micro_batches={self.num_micro_batches}, "
+            f"num_replicas={self.num_replicas}, next_step={self.next_step})"
+        )

@@ -1,0 +1,57 @@
+"""raypipe's exception types."""
+from __future__ import annotations
+
+
+class RaypipeError(RuntimeError):
+    """Base class of raypipe's runtime errors."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; raised before any actor starts."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid {field}={value!r}: {allowed}")
+
+
+class StageError(RaypipeError):
+    """An op failed inside a stage actor.
+
+    ``stage``, ``op`` and ``micro_batch`` say where; ``__cause__`` is the original
+    exception and ``remote_traceback`` its traceback in the stage process.
+    """
+
+    def __init__(self, stage: int, op: str, micro_batch: int | None, message: str,
+                 remote_traceback: str = "", original: BaseException | None = None) -> None:
+        self.original = original
+        self.__cause__ = original
+        self.stage = stage
+        self.op = op
+        self.micro_batch = micro_batch
+        self.message = message
+        self.remote_traceback = remote_traceback
+        where = f"stage {stage}, op {op}" + ("" if micro_batch is None else f", micro-batch {micro_batch}")
+        super().__init__(f"{where}: {message}")
+
+    def __reduce__(self):  # keep the fields across Ray's pickling
+        return (type(self), (self.stage, self.op, self.micro_batch, self.message,
+                             self.remote_traceback, _picklable(self.original)))
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    """The error itself if it survives pickling, else a RuntimeError with its text."""
+    import pickle
+
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure gets the fallback
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+class PlacementError(RaypipeError):
+    """The cluster cannot hold the requested stage actors."""

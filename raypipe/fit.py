@@ -1,0 +1,81 @@
+"""The training loop over a dataset: stages read their own micro-batches,
+the driver keeps the data position, evaluates and checkpoints."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from raypipe.result import StepResult
+
+
+def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_every: int = 0,
+        eval_steps: int = 1, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+        progress: bool = True, callback: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+    """Train ``steps`` optimizer steps from the dataset's current position.
+
+    ``dataset`` (and ``validation``) follow :class:`raypipe.data.TokenDataset`:
+    ``get(step, micro_batch)``, ``next_step``, ``advance()``, ``state_dict()``,
+    ``tokens_per_step``. The first and last stages get a copy and read
+    ``(step, micro_batch)`` themselves, so no data passes through the driver.
+    Every ``eval_every`` steps (and at the end) the mean loss of ``eval_steps``
+    validation steps is recorded in ``result.eval_loss``; checkpoints go
+    to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end, with
+    the data position, so a restart resumes exactly.
+    """
+    _check_dataset(dataset, trainer.config.num_micro_batches, "dataset")
+    if validation is not None:
+        _check_dataset(validation, trainer.config.num_micro_batches, "validation")
+    trainer.attach_datasets(dataset, validation)
+    samples_per_step = dataset.micro_batch_size * dataset.num_micro_batches
+    results: list[StepResult] = []
+    bar = _progress_bar(steps, progress)
+    try:
+        for done in range(1, steps + 1):
+            result = trainer.step_from_datasets(dataset.next_step, samples_per_step, dataset.tokens_per_step)
+            dataset.advance()
+            if validation is not None and eval_every and (done % eval_every == 0 or done == steps):
+                result.eval_loss = evaluate(trainer, eval_steps)
+            results.append(result)
+            _show(bar, result)
+            if checkpoint_dir and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
+                trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()})
+            if callback is not None:
+                callback(result)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def evaluate(trainer: Any, eval_steps: int) -> float:
+    """Mean validation loss over the validation dataset's first ``eval_steps`` steps."""
+    losses = [trainer.evaluate_from_datasets(step) for step in range(eval_steps)]
+    return sum(losses) / len(losses)
+
+
+def _check_dataset(dataset: Any, num_micro_batches: int, name: str) -> None:
+    for attribute in ("get", "advance", "state_dict", "next_step", "tokens_per_step", "micro_batch_size"):
+        if not hasattr(dataset, attribute):
+            raise TypeError(f"{name} has no {attribute!r}: fit() needs a raypipe.data.TokenDataset-like reader")
+    if dataset.num_micro_batches != num_micro_batches:
+        raise ValueError(f"{name} yields {dataset.num_micro_batches} micro-batches per step but the pipeline "
+                         f"runs num_micro_batches={num_micro_batches}")
+
+
+def _progress_bar(steps: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _show(bar: Any, result: StepResult) -> None:
+    if bar is None:
+        return
+    postfix = {"step": result.step, "loss": f"{result.loss:.4f}", "tok/s": f"{result.tokens_per_second:,.0f}"}
+    if result.eval_loss is not None and not math.isnan(result.eval_loss):
+        postfix["eval"] = f"{result.eval_loss:.4f}"
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(1)

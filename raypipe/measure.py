@@ -1,0 +1,52 @@
+"""Measure what a stage holds for backward: tensors saved by autograd."""
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+class SavedTensorMeter:
+    """Counts the bytes of unique storages autograd saves inside the context.
+
+    Parameters (and the storages they live in) are excluded: they are static
+    memory, counted by the memory model apart from activations. Storages are
+    counted once however many views of them are saved.
+    """
+
+    def __init__(self, parameters: list[torch.Tensor]) -> None:
+        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self._seen and pointer not in self._parameter_storages:
+            self._seen.add(pointer)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def tensor_bytes(tensor: torch.Tensor | None) -> int:
+    """Bytes of a tensor's own elements (not its whole storage)."""
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

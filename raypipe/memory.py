@@ -1,0 +1,431 @@
+"""The memory model: what a pipeline stage of the LLaMA model holds, from first principles.
+
+Two parts, per stage:
+
+* **Static** memory, per parameter (:data:`STATIC_BYTES_PER_PARAMETER`):
+
+  ============  ========  =====  ======  =========  =====
+  precision     weights   grads  master  Adam m, v  total
+  ============  ========  =====  ======  =========  =====
+  fp32          4         4      0       8          16
+  bf16 / fp16   2         2      4       8          16
+  ============  ========  =====  ======  =========  =====
+
+  The bf16/fp16 row is the standard mixed-precision convention (low-precision
+  weights and gradients used by forward/backward, fp32 master weights and fp32
+  Adam moments in the optimizer): a 7B model needs 16 B/param ≈ 112 GB.
+  raypipe's own ``precision="bf16"`` keeps fp32 parameters and gradients and
+  runs the forward under ``torch.autocast`` (``amp="autocast"`` here): 4 + 4 + 0
+  + 8 = 16 B/param as well, but autocast casts the weights once per forward, so
+  every micro-batch whose graph is kept also holds a 2-byte copy of the stage's
+  weights (counted with the activations, where autograd saves it).
+
+* **Activations**: per micro-batch and layer, the bytes of the distinct
+  storages autograd saves for backward, op by op as :mod:`raypipe.models.llama`
+  runs them (see :func:`activation_breakdown`); then, per stage, the peak over
+  the schedule of what is kept between forward and backward for the checkpoint
+  mode (:func:`estimate_stage`). This is what a stage measures as
+  "held-for-backward bytes" with ``saved_tensors_hooks`` (parameters excluded),
+  and the fp32 figures are checked against that measurement on CPU.
+
+Not modelled: the CUDA context and allocator fragmentation, and transient
+buffers of a single op (e.g. the logits' gradient during the head's backward);
+keep some headroom below the device's capacity.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
+from raypipe.schedule import make_schedule
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINT_MODES = ("never", "always", "except_last")
+AMP_STYLES = ("standard", "autocast")
+LAYER_KINDS = ("embedding", "block", "head", "loss")
+
+FP32 = 4
+INDEX = 8  # token ids and targets are int64
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """Bytes per parameter of one precision setting with Adam (moments in fp32)."""
+
+    weights: int
+    gradients: int
+    master: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.master + self.optimizer
+
+
+STATIC_BYTES_PER_PARAMETER: dict[str, StaticBytes] = {
+    "fp32": StaticBytes(weights=4, gradients=4, master=0, optimizer=8),
+    "bf16": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
+    "fp16": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
+}
+AUTOCAST_STATIC_BYTES = StaticBytes(weights=4, gradients=4, master=0, optimizer=8)
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # fp32 state per parameter
+
+
+def static_bytes_per_parameter(precision: str, amp: str = "standard", optimizer: str = "adam") -> StaticBytes:
+    """Static bytes per parameter for a precision, mixed-precision style and optimizer."""
+    _check_choice("precision", precision, PRECISIONS)
+    _check_choice("amp", amp, AMP_STYLES)
+    _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
+    table = AUTOCAST_STATIC_BYTES if (amp == "autocast" and precision != "fp32") else STATIC_BYTES_PER_PARAMETER[precision]
+    return StaticBytes(table.weights, table.gradients, table.master, OPTIMIZER_STATE_BYTES[optimizer])
+
+
+# -- activations per layer -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Dtypes:
+    """Element sizes of the tensors autograd saves, for one precision setting."""
+
+    act: int  # outputs of matmuls and attention
+    resid: int  # residual stream: norm inputs, stage boundaries
+    norm: int  # normalized activations inside RMSNorm
+    math_attention: int  # the unfused (math) attention path
+    autocast: bool  # linears save low-precision copies of their input and weight
+    exact_tables: bool  # fp32 rotary tables are saved as views of the whole buffer
+
+
+def _dtypes(precision: str, amp: str) -> _Dtypes:
+    _check_choice("precision", precision, PRECISIONS)
+    _check_choice("amp", amp, AMP_STYLES)
+    if precision == "fp32":
+        return _Dtypes(FP32, FP32, FP32, FP32, autocast=False, exact_tables=True)
+    if amp == "standard":
+        return _Dtypes(2, 2, 2, 2, autocast=False, exact_tables=False)
+    # torch.autocast: parameters stay fp32, so the embedding output, the residual
+    # stream and RMSNorm (fed fp32) stay fp32; matmuls run in 2 bytes; torch's
+    # math attention upcasts 2-byte inputs to fp32 (allow_fp16_bf16_reduction_math_sdp
+    # is off by default).
+    return _Dtypes(2, FP32, FP32, FP32, autocast=True, exact_tables=False)
+
+
+def activation_breakdown(config: LlamaConfig, layer_kind: str, micro_batch_size: int, seq_len: int,
+                         precision: str = "fp32", fused_attention: bool = True, *,
+                         amp: str = "standard", device: str = "cuda") -> dict[str, int]:
+    """Bytes autograd saves for one micro-batch in one layer, by tensor.
+
+    ``layer_kind``: "embedding", "block", "head", or "loss" (the cross entropy
+    the last stage computes on the head's logits, in fp32). ``fused_attention``:
+    a fused kernel (flash-attn, torch's flash/efficient SDPA) saves Q, K, V, the
+    output and the softmax log-sum-exp; the unfused math path saves the
+    (b, heads, s, s) probabilities instead. ``device`` matters for dropout
+    masks: CUDA saves a 1-byte mask, CPU a mask in the activation dtype.
+    """
+    _check_choice("layer_kind", layer_kind, LAYER_KINDS)
+    _check_positive("micro_batch_size", micro_batch_size)
+    _check_positive("seq_len", seq_len)
+    if seq_len > config.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={config.max_seq_len}")
+    dt = _dtypes(precision, amp)
+    tokens = micro_batch_size * seq_len
+    if layer_kind == "embedding":
+        return {"token_ids": INDEX * tokens}
+    if layer_kind == "loss":
+        return {"log_probs": FP32 * tokens * config.vocab_size, "targets": INDEX * tokens, "total_weight": FP32}
+    if layer_kind == "head":
+        saved = _rms_norm("norm", config.dim, tokens, dt)
+        saved.update(_linears("output", [(config.dim, config.vocab_size)], tokens, dt, input_bytes=dt.norm))
+        return saved
+    return _block(config, micro_batch_size, seq_len, dt, fused_attention, device)
+
+
+def _rms_norm(name: str, dim: int, tokens: int, dt: _Dtypes) -> dict[str, int]:
+    # F.rms_norm is a composite op: x * rsqrt(mean(x^2) + eps) * weight saves
+    # its input, the reciprocal rms, and the normalized x (for the weight's grad)
+    return {f"{name}.input": dt.resid * tokens * dim, f"{name}.rstd": FP32 * tokens,
+            f"{name}.normalized": dt.norm * tokens * dim}
+
+
+def _linears(name: str, shapes: list[tuple[int, int]], tokens: int, dt: _Dtypes, input_bytes: int) -> dict[str, int]:
+    """Linears fed by one tensor: without autocast they share one saved input
+    (the producer's output); with autocast each casts its own 2-byte input copy
+    (when the producer is fp32) and its own 2-byte weight copy."""
+    in_features = shapes[0][0]
+    if not dt.autocast:
+        return {f"{name}.input": input_bytes * tokens * in_features}
+    saved = {}
+    for index, (fan_in, fan_out) in enumerate(shapes):
+        if input_bytes != dt.act:
+            saved[f"{name}.input_copy{index}"] = dt.act * tokens * fan_in
+        saved[f"{name}.weight_copy{index}"] = dt.act * fan_in * fan_out
+    if input_bytes == dt.act:  # already low precision: one shared input
+        saved[f"{name}.input"] = dt.act * tokens * in_features
+    return saved
+
+
+def _block(config: LlamaConfig, batch: int, seq_len: int, dt: _Dtypes, fused: bool, device: str) -> dict[str, int]:
+    d, kv, f, heads, head_dim = config.dim, config.kv_dim, config.ffn_dim, config.n_heads, config.head_dim
+    tokens = batch * seq_len
+    saved = _rms_norm("attention_norm", d, tokens, dt)
+    saved.update(_linears("qkv", [(d, d), (d, kv), (d, kv)], tokens, dt, input_bytes=dt.norm))
+    # cos and sin, saved by the rotary multiplies: in fp32 a slice of the whole
+    # buffer (its storage is what is held), else a cast copy of the first seq_len rows
+    rows, table_bytes = (config.max_seq_len, FP32) if dt.exact_tables else (seq_len, dt.act)
+    saved["rotary_tables"] = 2 * rows * (head_dim // 2) * table_bytes
+    if fused:
+        saved.update({"q": dt.act * tokens * d, "k": dt.act * tokens * kv, "v": dt.act * tokens * kv,
+                      "softmax_lse": FP32 * batch * heads * seq_len,
+                      "attention_out": dt.act * tokens * d})  # also the input of wo
+        wo_input = None
+    else:
+        # math path: q and k pre-scaled by sqrt(scale), k and v repeated to all heads (GQA)
+        e = dt.math_attention
+        saved.update({"q_scaled": e * tokens * d, "k_scaled": e * tokens * d, "v": e * tokens * d,
+                      "attention_probs": e * batch * heads * seq_len * seq_len})
+        wo_input = dt.act * tokens * d  # the output, made contiguous (a copy) for wo
+    if dt.autocast:
+        saved["wo.weight_copy0"] = dt.act * d * d
+    if wo_input is not None:
+        saved["wo.input"] = wo_input
+    saved.update(_dropout("attention_dropout", config, tokens, dt, device))
+    saved.update(_rms_norm("ffn_norm", d, tokens, dt))
+    saved.update(_linears("w1_w3", [(d, f), (d, f)], tokens, dt, input_bytes=dt.norm))
+    # silu saves its input (w1's output), the product saves silu's output and
+    # w3's output, w2 saves the product
+    saved.update({"mlp.gate": dt.act * tokens * f, "mlp.silu": dt.act * tokens * f,
+                  "mlp.up": dt.act * tokens * f, "mlp.product": dt.act * tokens * f})
+    if dt.autocast:
+        saved["w2.weight_copy0"] = dt.act * f * d
+    saved.update(_dropout("mlp_dropout", config, tokens, dt, device))
+    return saved
+
+
+def _dropout(name: str, config: LlamaConfig, tokens: int, dt: _Dtypes, device: str) -> dict[str, int]:
+    if config.dropout <= 0:
+        return {}
+    mask_bytes = 1 if device == "cuda" else dt.act  # CUDA: bool mask; CPU: mask in the input dtype
+    return {f"{name}.mask": mask_bytes * tokens * config.dim}
+
+
+def estimate_layer_activation_bytes(config: LlamaConfig, layer_kind: str, micro_batch_size: int, seq_len: int,
+                                    precision: str = "fp32", fused_attention: bool = True, *,
+                                    amp: str = "standard", device: str = "cuda") -> int:
+    """Bytes one micro-batch keeps for backward in one layer (sum of :func:`activation_breakdown`)."""
+    return sum(activation_breakdown(config, layer_kind, micro_batch_size, seq_len, precision,
+                                    fused_attention, amp=amp, device=device).values())
+
+
+def layer_kinds(config: LlamaConfig) -> list[str]:
+    """Kind of each global layer index of :func:`~raypipe.models.llama.llama_layers`."""
+    return ["embedding"] + ["block"] * config.n_layers + ["head"]
+
+
+def layer_parameter_counts(config: LlamaConfig) -> list[int]:
+    """Parameters of each global layer, from the shapes."""
+    d, kv = config.dim, config.kv_dim
+    block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * config.ffn_dim
+    return [config.vocab_size * d] + [block] * config.n_layers + [d + d * config.vocab_size]
+
+
+def stage_input_bytes(config: LlamaConfig, first_layer: int, micro_batch_size: int, seq_len: int,
+                      precision: str = "fp32", amp: str = "standard") -> int:
+    """Bytes of a stage's input: token ids on the first stage, hidden states after."""
+    tokens = micro_batch_size * seq_len
+    if first_layer == 0:
+        return INDEX * tokens
+    return _dtypes(precision, amp).resid * tokens * config.dim
+
+
+# -- per stage -----------------------------------------------------------------------
+
+@dataclass
+class StageMemory:
+    """Predicted memory of one pipeline stage, in bytes.
+
+    ``activation_bytes`` is the peak over a step of what is held for backward
+    on the device (kept graphs and stage inputs, plus a recompute in
+    progress); ``offloaded_bytes`` the peak of kept inputs living in host
+    memory instead. ``total_bytes`` = static + activations (device memory).
+
+    ``held_for_backward_bytes`` is what a stage's ``saved_tensors_hooks`` meter
+    reports (:attr:`raypipe.result.StageStats.held_for_backward_bytes`): the
+    same walk without the per-segment recompute of ``checkpoint_segments``,
+    which runs inside autograd's backward where the meter does not look. A
+    recomputed micro-batch's input counts both as kept and as saved by its
+    first layer, as the meter counts it.
+    """
+
+    stage: int
+    layers: list[int]
+    num_parameters: int
+    parameters_bytes: int
+    gradients_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    static_bytes: int
+    activation_bytes: int
+    held_for_backward_bytes: int
+    offloaded_bytes: int
+    total_bytes: int
+    fits: bool | None  # None when no device memory was given
+    graph_bytes: int  # one micro-batch's saved tensors, all layers of the stage (+ loss)
+    input_bytes: int  # one micro-batch's stage input
+    micro_batches_in_flight: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_micro_batches: int,
+                   micro_batch_size: int, seq_len: int, precision: str = "fp32", checkpoint: str = "never",
+                   checkpoint_segments: int | None = None, offload: bool = False, fused_attention: bool = True,
+                   schedule: str = "gpipe", stage_index: int = 0, num_stages: int = 1,
+                   gpu_memory_bytes: int | None = None, amp: str = "standard", device: str = "cuda",
+                   optimizer: str = "adam", optimizer_shards: int = 1) -> StageMemory:
+    """Memory of the stage holding global layers ``layer_indices`` (contiguous).
+
+    Walks the stage's ops in schedule order the way a stage keeps state:
+    a forward keeps the graph (checkpoint "never", and the last micro-batch of
+    "except_last") or only the stage input (offloaded when ``offload``); a
+    backward of a kept input recomputes that micro-batch's graph. With
+    ``checkpoint_segments=k`` a graph keeps only the input of every k layers
+    (plus the loss), and a backward recomputes one segment at a time.
+    ``optimizer_shards`` > 1 splits master weights and optimizer state over
+    data-parallel replicas (ZeRO-1).
+    """
+    layers = list(layer_indices)
+    kinds = layer_kinds(config)
+    _check_stage_args(layers, len(kinds), checkpoint, checkpoint_segments, offload, num_micro_batches, optimizer_shards)
+    per_layer = [estimate_layer_activation_bytes(config, kinds[i], micro_batch_size, seq_len, precision,
+                                                 fused_attention, amp=amp, device=device) for i in layers]
+    holds_loss = layers[-1] == len(kinds) - 1
+    loss = estimate_layer_activation_bytes(config, "loss", micro_batch_size, seq_len, precision, amp=amp) if holds_loss else 0
+    input_bytes = stage_input_bytes(config, layers[0], micro_batch_size, seq_len, precision, amp)
+    full_graph = sum(per_layer) + loss
+    if checkpoint_segments:
+        starts = range(0, len(layers), checkpoint_segments)
+        segment_inputs = [stage_input_bytes(config, layers[s], micro_batch_size, seq_len, precision, amp) for s in starts]
+        graph = sum(segment_inputs) + loss
+        # a segment's recompute during backward re-saves its input's storage, already held
+        segment_transient = max(sum(per_layer[s:s + checkpoint_segments]) - inputs
+                                for s, inputs in zip(starts, segment_inputs))
+    else:
+        graph, segment_transient = full_graph, 0
+    ops = make_schedule(schedule, num_stages, num_micro_batches)[stage_index]
+    measured, offloaded, in_flight = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, 0)
+    held = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, segment_transient)[0]
+    counts = layer_parameter_counts(config)
+    count = sum(counts[i] for i in layers)
+    per_param = static_bytes_per_parameter(precision, amp, optimizer)
+    weights, grads = count * per_param.weights, count * per_param.gradients
+    master, optim = -(-count * per_param.master // optimizer_shards), -(-count * per_param.optimizer // optimizer_shards)
+    static = weights + grads + master + optim
+    total = static + held
+    return StageMemory(stage=stage_index, layers=layers, num_parameters=count, parameters_bytes=weights,
+                       gradients_bytes=grads, master_bytes=master, optimizer_bytes=optim, static_bytes=static,
+                       activation_bytes=held, held_for_backward_bytes=measured, offloaded_bytes=offloaded,
+                       total_bytes=total,
+                       fits=None if gpu_memory_bytes is None else total <= gpu_memory_bytes,
+                       graph_bytes=graph, input_bytes=input_bytes, micro_batches_in_flight=in_flight)
+
+
+def _walk(ops, num_micro_batches: int, checkpoint: str, offload: bool, graph: int, input_bytes: int,
+          segment_transient: int) -> tuple[int, int, int]:
+    """Peak held bytes, peak offloaded bytes and peak micro-batches in flight over one step."""
+    held = offloaded = peak_held = peak_offloaded = in_flight = peak_in_flight = 0
+    for op in ops:
+        recompute = checkpoint == "always" or (checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
+        if op.kind == "F":
+            in_flight += 1
+            if not recompute:
+                held += graph
+            elif offload:
+                offloaded += input_bytes
+            else:
+                held += input_bytes
+        else:
+            # backward: a recompute rebuilds this micro-batch's graph while the
+            # others stay kept (its input counts in both, as the stage measures)
+            peak_held = max(peak_held, held + (graph if recompute else 0) + segment_transient)
+            in_flight -= 1
+            if not recompute:
+                held -= graph
+            elif offload:
+                offloaded -= input_bytes
+            else:
+                held -= input_bytes
+        peak_held, peak_offloaded = max(peak_held, held), max(peak_offloaded, offloaded)
+        peak_in_flight = max(peak_in_flight, in_flight)
+    return peak_held, peak_offloaded, peak_in_flight
+
+
+def balanced_partition(config: LlamaConfig, num_stages: int) -> list[int]:
+    """Layers per stage, contiguous, balanced by parameter count (embedding and head included)."""
+    from raypipe.partition import partition_by_cost
+
+    return partition_by_cost(layer_parameter_counts(config), num_stages)
+
+
+def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: int, micro_batch_size: int,
+                      seq_len: int, precision: str = "fp32", checkpoint: str = "never", offload: bool = False,
+                      fused_attention: bool = True, balance: Sequence[int] | None = None,
+                      gpu_memory_bytes: int | None = None, *, checkpoint_segments: int | None = None,
+                      schedule: str = "gpipe", amp: str = "standard", device: str = "cuda",
+                      optimizer: str = "adam", optimizer_shards: int = 1) -> list[StageMemory]:
+    """:func:`estimate_stage` for every stage of ``llama_layers(config)`` split by ``balance``
+    (layers per stage; default: balanced by parameter count)."""
+    num_layers = config.n_layers + 2
+    _check_positive("num_stages", num_stages)
+    if num_stages > num_layers:
+        raise ValueError(f"num_stages={num_stages}: the model has only {num_layers} layers "
+                         f"(embedding, {config.n_layers} blocks, head)")
+    balance = list(balance) if balance is not None else balanced_partition(config, num_stages)
+    if len(balance) != num_stages or any(size < 1 for size in balance) or sum(balance) != num_layers:
+        raise ValueError(f"balance={balance}: needs {num_stages} positive entries summing to {num_layers} layers")
+    stages, start = [], 0
+    for stage, size in enumerate(balance):
+        stages.append(estimate_stage(
+            config, range(start, start + size), num_micro_batches=num_micro_batches,
+            micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, checkpoint=checkpoint,
+            checkpoint_segments=checkpoint_segments, offload=offload, fused_attention=fused_attention,
+            schedule=schedule, stage_index=stage, num_stages=num_stages, gpu_memory_bytes=gpu_memory_bytes,
+            amp=amp, device=device, optimizer=optimizer, optimizer_shards=optimizer_shards))
+        start += size
+    return stages
+
+
+def spec_parameter_count(config: LlamaConfig) -> int:
+    """Parameter count from building every layer on the meta device (cross-checks :func:`num_parameters`)."""
+    return sum(spec.num_parameters() for spec in llama_layers(config))
+
+
+# -- argument checks -------------------------------------------------------------------
+
+def _check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: must be one of {list(allowed)}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an int >= 1")
+
+
+def _check_stage_args(layers: list[int], num_layers: int, checkpoint: str, segments: int | None, offload: bool,
+                      num_micro_batches: int, optimizer_shards: int) -> None:
+    if not layers or layers != list(range(layers[0], layers[0] + len(layers))) or layers[0] < 0 \
+            or layers[-1] >= num_layers:
+        raise ValueError(f"layer_indices={layers}: must be a non-empty contiguous run within 0..{num_layers - 1}")
+    _check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
+    if segments is not None:
+        _check_positive("checkpoint_segments", segments)
+    if offload and checkpoint == "never":
+        raise ValueError('offload=True keeps checkpointed stage inputs: use checkpoint="always" or "except_last"')
+    _check_positive("num_micro_batches", num_micro_batches)
+    _check_positive("optimizer_shards", optimizer_shards)
+
+
+__all__ = ["STATIC_BYTES_PER_PARAMETER", "StageMemory", "StaticBytes", "activation_breakdown", "balanced_partition",
+           "estimate_layer_activation_bytes", "estimate_pipeline", "estimate_stage", "layer_kinds",
+           "layer_parameter_counts", "num_parameters", "spec_parameter_count", "stage_input_bytes",
+           "static_bytes_per_parameter"]

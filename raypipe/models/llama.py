@@ -1,0 +1,266 @@
+"""A LLaMA-style decoder as a list of pipeline layers.
+
+One readable file, in the spirit of nanoGPT: token embedding, ``n_layers``
+blocks (RMSNorm, causal self-attention with rotary position embeddings,
+SwiGLU MLP, residuals), final RMSNorm and LM head. Every layer takes one
+tensor and returns one tensor, so any contiguous run of them is a pipeline
+stage: ``llama_layers(config)`` gives the list as :class:`~raypipe.LayerSpec`.
+
+Attention runs flash-attn's ``flash_attn_func`` when it imports and the
+tensors are CUDA bf16/fp16, otherwise ``torch.nn.functional.
+scaled_dot_product_attention``. Rotary embeddings use the "rotate half"
+pairing (dimension ``j`` with ``j + head_dim/2``), as Hugging Face checkpoints do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raypipe.layers import LayerSpec
+
+try:  # optional: the [gpu] extra
+    from flash_attn import flash_attn_func as _flash_attn_func
+except ImportError:  # also when flash-attn is installed without a usable CUDA build
+    _flash_attn_func = None
+
+IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in its mean
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of a LLaMA-style model. ``n_kv_heads`` < ``n_heads`` is grouped-query attention."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    n_kv_heads: int | None = None  # None: as many as n_heads (multi-head attention)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0  # on the attention and MLP outputs, before each residual add
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LlamaConfig.{name}={value!r}: must be an int >= 1")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"LlamaConfig.n_kv_heads={self.n_kv_heads!r}: must be an int >= 1 "
+                             f"dividing n_heads={self.n_heads}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(f"LlamaConfig.dim={self.dim}: must be n_heads ({self.n_heads}) times an "
+                             "even head dimension (rotary embeddings rotate pairs of dimensions)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LlamaConfig.dropout={self.dropout!r}: must be in [0, 1)")
+        if not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(f"LlamaConfig: norm_eps={self.norm_eps!r} and rope_theta={self.rope_theta!r} must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def replace(self, **changes: object) -> LlamaConfig:
+        """A copy with some fields changed (e.g. ``dropout=0.1``)."""
+        return dataclasses.replace(self, **changes)
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    # byte tokenizer: 256 bytes + <bos>, <eos>, <pad>; ~0.8M parameters, trains on CPU in minutes
+    "tiny": LlamaConfig(vocab_size=259, dim=128, n_layers=4, n_heads=4, ffn_dim=352, max_seq_len=256),
+    # TinyLlama-1.1B's shape (grouped-query attention, 4 KV heads)
+    "llama-1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4,
+                            ffn_dim=5632, max_seq_len=2048),
+    # LLaMA-2 7B's shape: ~6.74e9 parameters
+    "llama-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008,
+                            max_seq_len=4096),
+}
+
+
+def get_config(name: str) -> LlamaConfig:
+    """The named config (a copy, safe to modify)."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(CONFIGS))}")
+    return dataclasses.replace(CONFIGS[name])
+
+
+def num_parameters(config: LlamaConfig) -> int:
+    """Parameter count, computed from the shapes (no weights built)."""
+    d, kv = config.dim, config.kv_dim
+    block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * config.ffn_dim  # 2 norms, wq wo, wk wv, w1 w2 w3
+    return config.vocab_size * d + config.n_layers * block + d + d * config.vocab_size
+
+
+# -- building blocks ---------------------------------------------------------------
+
+def _init_linear(linear: nn.Linear, std: float) -> None:
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, shape (max_seq_len, head_dim // 2), fp32.
+
+    Position ``t`` rotates the pair (j, j + head_dim/2) by ``t * theta**(-2j/head_dim)``.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, T, heads, head_dim) by the angles of its positions; cos/sin are (T, head_dim/2)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(QKᵀ/√d)V on (B, T, heads, head_dim) tensors; k/v may have fewer heads (GQA)."""
+    if _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return _flash_attn_func(q, k, v, causal=True)  # same layout, GQA built in
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=k.size(2) != q.size(2))
+    return out.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, over the last dimension."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with rotary embeddings."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.max_seq_len = config.max_seq_len
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.kv_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        cos, sin = rotary_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        # derived from the config, so not part of the state dict
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len={self.max_seq_len}")
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        cos, sin = self.rope_cos[:seq_len].to(q.dtype), self.rope_sin[:seq_len].to(q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = causal_attention(q, k, v)
+        return self.wo(out.reshape(batch, seq_len, -1))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# -- the pipeline layers -----------------------------------------------------------
+
+class LlamaEmbedding(nn.Module):
+    """Token ids (B, T) -> hidden states (B, T, dim)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.vocab_size, self.max_seq_len = config.vocab_size, config.max_seq_len
+        self.tokens = nn.Embedding(config.vocab_size, config.dim)
+        nn.init.normal_(self.tokens.weight, mean=0.0, std=0.02)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if token_ids.dtype not in (torch.int64, torch.int32) or token_ids.dim() != 2:
+            raise ValueError(f"LlamaEmbedding expects token ids of shape (batch, seq_len) and dtype "
+                             f"int64/int32, got shape {tuple(token_ids.shape)} and {token_ids.dtype}")
+        if token_ids.size(1) > self.max_seq_len:
+            raise ValueError(f"sequence length {token_ids.size(1)} exceeds the model's max_seq_len={self.max_seq_len}")
+        if token_ids.numel():
+            low, high = int(token_ids.min()), int(token_ids.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return self.tokens(token_ids)
+
+
+class LlamaBlock(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)), with dropout on both branches when configured."""
+
+    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = SwiGLU(config)
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+        # GPT-2 init: residual projections scaled down with depth, so the residual
+        # stream's variance does not grow with the number of blocks
+        std = 0.02
+        for linear in (self.attention.wq, self.attention.wk, self.attention.wv,
+                       self.feed_forward.w1, self.feed_forward.w3):
+            _init_linear(linear, std)
+        for linear in (self.attention.wo, self.feed_forward.w2):
+            _init_linear(linear, std / math.sqrt(2 * config.n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x)))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class LlamaHead(nn.Module):
+    """Hidden states (B, T, dim) -> logits (B, T, vocab_size)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        _init_linear(self.output, 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+
+def llama_layers(config: LlamaConfig | str) -> list[LayerSpec]:
+    """The model as pipeline layers: embedding, ``n_layers`` blocks, head."""
+    if isinstance(config, str):
+        config = get_config(config)
+    return ([LayerSpec(LlamaEmbedding, config)]
+            + [LayerSpec(LlamaBlock, config, layer_id) for layer_id in range(config.n_layers)]
+            + [LayerSpec(LlamaHead, config)])
+
+
+def llama_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over the targets that are not ``IGNORE_INDEX`` (-100)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)

@@ -1,0 +1,49 @@
+"""What one training step reports: plain dataclasses, no Ray, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OpEvent:
+    """One timed op on one stage (wall-clock seconds from ``time.time()``)."""
+
+    stage: int
+    op: str  # "F", "B", "recv", "grad_stats", "optimizer"
+    micro_batch: int | None
+    start: float
+    end: float
+
+
+@dataclass
+class StageStats:
+    """Per-stage measurements of one step."""
+
+    stage: int
+    busy_seconds: float = 0.0
+    held_for_backward_bytes: int = 0  # peak bytes kept for backward in this step
+    offloaded_bytes: int = 0  # peak bytes of kept inputs living in the object store
+    device_allocated_bytes: int | None = None  # CUDA only
+    device_peak_bytes: int | None = None  # CUDA only
+    rss_bytes: int = 0
+
+
+@dataclass
+class StepResult:
+    """The outcome of one optimizer step over one global batch."""
+
+    step: int
+    loss: float  # exact mean over the global batch
+    grad_norm: float  # global norm before clipping (unscaled, fp32)
+    step_time: float  # seconds, wall clock on the driver
+    clip_coefficient: float = 1.0
+    skipped: bool = False  # fp16 overflow: no stage stepped
+    loss_scale: float | None = None
+    num_samples: int = 0
+    num_tokens: int = 0
+    tokens_per_second: float = 0.0
+    mfu: float | None = None
+    eval_loss: float | None = None  # set by fit() on the steps it evaluates
+    stages: list[StageStats] = field(default_factory=list)
+    timeline: list[OpEvent] = field(default_factory=list)
+    bubble_fraction: list[float] = field(default_factory=list)  # measured, per stage

@@ -1,0 +1,139 @@
+"""A training run from a flat config: data, LLaMA model, trainer, outputs.
+
+Shared by ``jobs/train_tiny.py``, ``jobs/train_7b.py`` and ``raypipe train``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raypipe.config import PipelineConfig
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs; ``pipeline`` holds PipelineConfig fields."""
+
+    model: str = "tiny"
+    data: str = "data/stdlib"  # prepared dataset (local path or s3:// / gs:// URI)
+    prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
+    steps: int = 200
+    micro_batch_size: int = 4
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.1
+    eval_every: int = 50
+    eval_steps: int = 2
+    out: str = "runs/tiny"
+    checkpoint_dir: str | None = None  # default: OUT/checkpoints
+    checkpoint_every: int = 0
+    resume: bool = False
+    progress: bool = True
+    pipeline: dict[str, Any] = field(default_factory=lambda: {"num_stages": 2, "num_micro_batches": 4})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown run config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def llama_count_tokens(targets: torch.Tensor) -> int:
+    """The tokens the LLaMA loss averages over (those not ignored)."""
+    from raypipe.models.llama import IGNORE_INDEX
+
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def train(run: RunConfig) -> dict[str, Any]:
+    """Run the training and write summary.json, the loss curve, trace and checkpoint to ``run.out``."""
+    from raypipe.data import TokenDataset, ensure_prepared
+    from raypipe.models.llama import get_config, llama_layers, llama_loss
+    from raypipe.trainer import PipelineTrainer
+
+    pipeline = PipelineConfig.from_dict(run.pipeline)
+    model = get_config(run.model)
+    if run.prepare_if_missing and "://" not in run.data:
+        ensure_prepared(run.data, seq_len=model.max_seq_len)
+    datasets = [TokenDataset(run.data, split, run.micro_batch_size, pipeline.num_micro_batches,
+                             seed=pipeline.seed, vocab_size=model.vocab_size) for split in ("train", "validation")]
+    out = Path(run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
+    optimizer = _adamw(run.learning_rate, run.weight_decay)
+    with PipelineTrainer(llama_layers(model), llama_loss, optimizer, pipeline,
+                         loss_count_fn=llama_count_tokens) as trainer:
+        if run.resume and _has_checkpoint(checkpoint_dir):
+            extra = trainer.load_checkpoint(checkpoint_dir)
+            datasets[0].load_state_dict(extra["dataset"])
+        results = trainer.fit(datasets[0], run.steps, validation=datasets[1], eval_every=run.eval_every,
+                              eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
+                              checkpoint_every=run.checkpoint_every, progress=run.progress)
+    summary = _summary(run, results, trainer.num_parameters, checkpoint_dir)
+    _write_outputs(out, results, summary)
+    return summary
+
+
+def _adamw(learning_rate: float, weight_decay: float):
+    def build(params):
+        return torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+    return build
+
+
+def _has_checkpoint(checkpoint_dir: str) -> bool:
+    from raypipe.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(checkpoint_dir) is not None
+
+
+def _summary(run: RunConfig, results: list, num_parameters: int, checkpoint_dir: str) -> dict[str, Any]:
+    if not results:
+        raise ValueError("steps must be >= 1")
+    eval_losses = [r.eval_loss for r in results if r.eval_loss is not None]
+    timed = results[1:] or results  # the first step includes warm-up
+    tokens_per_second = sum(r.num_tokens for r in timed) / sum(r.step_time for r in timed)
+    return {
+        "model": run.model, "num_parameters": num_parameters, "steps": len(results),
+        "initial_loss": results[0].loss, "final_loss": results[-1].loss,
+        "final_eval_loss": eval_losses[-1] if eval_losses else math.nan,
+        "tokens_per_second": tokens_per_second,
+        "uniform_byte_loss": math.log(256), "checkpoint_dir": checkpoint_dir,
+        "pipeline": run.pipeline, "losses": [r.loss for r in results],
+    }
+
+
+def _write_outputs(out: Path, results: list, summary: dict[str, Any]) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot_losses(out / "loss.png", results)
+    from raypipe.trace import plot_gantt, write_chrome_trace
+
+    write_chrome_trace(results[-1].timeline, out / "trace.json")
+    plot_gantt(results[-1].timeline, out / "timeline.png", title=f"step {results[-1].step}")
+
+
+def _plot_losses(path: Path, results: list) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot([r.step for r in results], [r.loss for r in results], label="train loss")
+    evals = [(r.step, r.eval_loss) for r in results if r.eval_loss is not None]
+    if evals:
+        axis.plot(*zip(*evals), "o-", label="eval loss")
+    axis.axhline(math.log(256), color="grey", linestyle="--", label="uniform over bytes, ln 256")
+    axis.set_xlabel("step")
+    axis.set_ylabel("cross entropy (nats/token)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,53 @@
+"""The first and last stages' own view of the dataset (``fit``): data never
+passes through the driver."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def count_samples(targets: torch.Tensor) -> int:
+    """Default loss count: the micro-batch's samples (its first dimension)."""
+    return int(targets.shape[0])
+
+
+class StageData:
+    """Reads ``(step, micro_batch)`` from the attached datasets and weights losses."""
+
+    def __init__(self, loss_count_fn: Callable[[torch.Tensor], int] | None) -> None:
+        self.count = loss_count_fn or count_samples
+        self._datasets: dict[str, Any] = {}
+        self._weights: dict[tuple[str, int], list[float]] = {}
+
+    def attach(self, train: Any, validation: Any = None) -> None:
+        self._datasets = {"train": train, "validation": validation}
+        self._weights.clear()
+
+    def inputs(self, step: int, micro_batch: int, split: str) -> torch.Tensor:
+        return self._dataset(split).get(step, micro_batch)[0]
+
+    def targets_and_weight(self, step: int, micro_batch: int, split: str,
+                           num_micro_batches: int) -> tuple[torch.Tensor, float]:
+        """The micro-batch's targets and its share of the step's loss count."""
+        dataset = self._dataset(split)
+        key = (split, step)
+        if key not in self._weights:
+            counts = [self.count(dataset.get(step, mb)[1]) for mb in range(num_micro_batches)]
+            self._weights = {key: loss_weights(counts)}  # only the current step is needed
+        return dataset.get(step, micro_batch)[1], self._weights[key][micro_batch]
+
+    def _dataset(self, split: str) -> Any:
+        dataset = self._datasets.get(split)
+        if dataset is None:
+            raise RuntimeError(f"no {split} dataset attached to this stage: pass inputs or call fit()")
+        return dataset
+
+
+def loss_weights(counts: list[int]) -> list[float]:
+    """Weights that turn per-micro-batch mean losses into the exact global mean."""
+    total = sum(counts)
+    if total <= 0:
+        raise ValueError(f"the global batch has no counted targets (counts per micro-batch: {counts})")
+    return [count / total for count in counts]

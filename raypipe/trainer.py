@@ -1,0 +1,327 @@
+"""PipelineTrainer: the driver. It places stage actors, submits each step's
+schedule as actor tasks wired by object references, reduces the gradient norm
+and overflow flag over all stages, and tells every stage to step (or not)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+from torch import nn
+
+from raypipe import cluster
+from raypipe.config import PipelineConfig
+from raypipe.errors import ConfigError, RaypipeError, StageError
+from raypipe.layers import LayerSpec, layer_parameter_count
+from raypipe.partition import partition_by_cost, stage_layer_ranges
+from raypipe.precision import LossScaler
+from raypipe.result import StepResult
+from raypipe.schedule import make_schedule, submission_order
+from raypipe.stage_data import count_samples, loss_weights
+from raypipe.step_report import build_step_result
+from raypipe.transport import make_transport
+
+Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
+Batch = torch.Tensor | Sequence[torch.Tensor]
+
+
+class PipelineTrainer:
+    """Train ``model`` with pipeline parallelism over Ray stage actors.
+
+    ``model`` is an ``nn.Sequential``, a list of modules, or a list of
+    :class:`~raypipe.LayerSpec` (built inside the stage actors). ``loss_fn(output,
+    target)`` returns the mean loss of one micro-batch; ``optimizer(params)``
+    builds each stage's optimizer. ``loss_count_fn(target)`` counts what
+    ``loss_fn`` averages over (default: the micro-batch's samples), so that the
+    weighted sum over micro-batches is the exact global-batch mean.
+    """
+
+    def __init__(self, model: Model, loss_fn: Callable, optimizer: Callable | None = None,
+                 config: PipelineConfig | None = None, *,
+                 loss_count_fn: Callable[[torch.Tensor], int] | None = None) -> None:
+        self.config = config = (config or PipelineConfig()).replace()
+        layers, self._layer_names = _as_layers(model)
+        config.validate(len(layers))
+        self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
+                                                                config.num_stages))
+        self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
+        self._order = submission_order(self.schedule)
+        self._loss_count_fn = loss_count_fn or count_samples
+        self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
+                                 min_scale=config.min_loss_scale) if config.precision == "fp16" else None
+        self.step_count = 0
+        self._actors: list[Any] = []
+        self._group = None
+        self.metrics = None
+        self._start_actors(layers, optimizer, loss_fn)
+
+    # -- lifecycle ------------------------------------------------------------
+    def _start_actors(self, layers: list, optimizer: Callable | None, loss_fn: Callable) -> None:
+        cluster.connect(self.config.ray_address)
+        self.config.use_gpu = cluster.resolve_use_gpu(self.config)
+        self._transport = make_transport(self.config.transport)
+        self._group = cluster.reserve_stages(self.config)
+        try:
+            args = [(stage, self.config.num_stages, [layers[i] for i in indices], list(indices), optimizer,
+                     loss_fn if stage == self.config.num_stages - 1 else None, self.config, self._loss_count_fn)
+                    for stage, indices in enumerate(stage_layer_ranges(self.balance))]
+            self._actors = cluster.create_actors(self._transport.actor_class(), self._group, self.config, args)
+            infos = self._get([actor.ready.remote() for actor in self._actors])
+            self._transport.connect(self._actors)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_parameters = sum(info["num_parameters"] for info in infos)
+        self.device_name = infos[0]["device_name"]
+        self._start_metrics()
+
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port is None:
+            return
+        from raypipe.metrics import MetricsExporter
+
+        self.metrics = MetricsExporter(self.config.metrics_host, self.config.metrics_port)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus scrape address, when ``metrics_port`` is configured."""
+        return None if self.metrics is None else self.metrics.url
+
+    def shutdown(self) -> None:
+        """Free the stage actors, the placement group and the metrics server."""
+        if self._actors:
+            self._transport.close(self._actors)
+        cluster.release(self._actors, self._group)
+        self._actors, self._group = [], None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    def __enter__(self) -> PipelineTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- training ---------------------------------------------------------------
+    def step(self, inputs: Batch, targets: Batch) -> StepResult:
+        """One optimizer step over the global batch ``(inputs, targets)``.
+
+        Tensors are split into ``num_micro_batches`` with ``torch.tensor_split``;
+        lists of tensors are taken as the micro-batches themselves (they may
+        differ in shape, e.g. sequence length).
+        """
+        start = time.time()
+        input_refs, target_refs, weights = self._split(inputs, targets)
+        loss_refs = self._submit("forward", input_refs, target_refs, weights)
+        parts = targets if isinstance(targets, (list, tuple)) else [targets]
+        num_samples = sum(part.shape[0] for part in parts)
+        num_tokens = sum(part.numel() if part.dim() > 1 else part.shape[0] for part in parts)
+        return self._finish_step(loss_refs, start, num_samples=num_samples, num_tokens=num_tokens)
+
+    def step_from_datasets(self, step: int, num_samples: int, num_tokens: int) -> StepResult:
+        """One optimizer step whose micro-batches the first and last stages read
+        themselves (``(step, micro_batch)`` of the datasets given to :meth:`attach_datasets`)."""
+        start = time.time()
+        none = [None] * self.config.num_micro_batches
+        loss_refs = self._submit("forward", none, none, none, data_step=step)
+        return self._finish_step(loss_refs, start, num_samples, num_tokens)
+
+    def attach_datasets(self, train: Any, validation: Any = None) -> None:
+        """Send the datasets to the stages that read them (first and last)."""
+        readers = {0, self.config.num_stages - 1}
+        self._get([self._actors[stage].attach_datasets.remote(train, validation) for stage in readers])
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
+        input_refs, target_refs, weights = self._split(inputs, targets)
+        loss = sum(self._get(self._submit("evaluate", input_refs, target_refs, weights)))
+        if self.metrics is not None:
+            self.metrics.record_eval(loss)
+        return loss
+
+    def evaluate_from_datasets(self, step: int) -> float:
+        """Validation loss of the validation dataset's ``step``, read by the stages."""
+        none = [None] * self.config.num_micro_batches
+        loss = sum(self._get(self._submit("evaluate", none, none, none, data_step=step)))
+        if self.metrics is not None:
+            self.metrics.record_eval(loss)
+        return loss
+
+    def fit(self, dataset: Any, steps: int, **options: Any) -> list[StepResult]:
+        """Train for ``steps`` steps on ``dataset``; see :func:`raypipe.fit.fit`."""
+        from raypipe.fit import fit
+
+        return fit(self, dataset, steps, **options)
+
+    # -- step internals -------------------------------------------------------
+    def _split(self, inputs: Batch, targets: Batch) -> tuple[list, list, list[float]]:
+        """Micro-batches (``torch.tensor_split`` sizes, or given as lists) as object refs."""
+        input_parts, target_parts = _micro_batches(inputs, targets, self.config.num_micro_batches)
+        weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
+        return [ray.put(p) for p in input_parts], [ray.put(p) for p in target_parts], weights
+
+    def _submit(self, method: str, input_refs: list, target_refs: list, weights: list,
+                data_step: int | None = None) -> list:
+        """Submit every stage's ops in schedule order; return the last stage's loss refs."""
+        step = self.step_count if data_step is None else data_step
+        last = self.config.num_stages - 1
+        if method == "evaluate":
+            order = [(stage, op) for op in self.schedule[0] if op.kind == "F" for stage in range(last + 1)]
+        else:
+            order = self._order
+        forward, backward = {}, {}
+        scale = self.scaler.scale if self.scaler else 1.0
+        for stage, op in order:
+            actor, mb = self._actors[stage], op.micro_batch
+            if op.kind == "F":
+                x = input_refs[mb] if stage == 0 else forward[(stage - 1, mb)]
+                extra = (target_refs[mb], weights[mb]) if stage == last else (None, None)
+                forward[(stage, mb)] = getattr(actor, method).remote(mb, x, *extra, step)
+            else:
+                grad = None if stage == last else backward[(stage + 1, mb)]
+                backward[(stage, mb)] = actor.backward.remote(mb, grad, scale if stage == last else 1.0)
+        self._pending_backward = list(backward.values())
+        return [forward[(last, mb)] for mb in range(self.config.num_micro_batches)]
+
+    def _finish_step(self, loss_refs: list, start: float, num_samples: int, num_tokens: int) -> StepResult:
+        inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
+        stat_refs = [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
+        losses = self._get(loss_refs)
+        stats = self._get(stat_refs)
+        self._pending_backward = []
+        grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
+        found_inf = any(s[1] for s in stats)
+        max_norm = self.config.clip_grad_norm
+        reports = self._get([a.apply.remote(max_norm, grad_norm, found_inf) for a in self._actors])
+        loss_scale = self.scaler.scale if self.scaler else None
+        if self.scaler:
+            self.scaler.update(found_inf)
+        result = build_step_result(
+            step=self.step_count, loss=float(sum(losses)),
+            grad_norm=grad_norm, max_norm=max_norm, skipped=found_inf, loss_scale=loss_scale,
+            step_time=time.time() - start, num_samples=num_samples, num_tokens=num_tokens, reports=reports,
+            num_parameters=self.num_parameters, peak_flops=self._peak_flops(), num_devices=self.config.num_stages)
+        self.step_count += 1
+        if self.metrics is not None:
+            self.metrics.record_step(result)
+        return result
+
+    def _peak_flops(self) -> float | None:
+        if self.config.peak_flops_per_second is not None:
+            return self.config.peak_flops_per_second
+        if not self.config.use_gpu:
+            return None
+        from raypipe.metrics import peak_flops_for_device
+
+        return peak_flops_for_device(self.device_name)
+
+    def _get(self, refs: list) -> list:
+        """``ray.get`` that turns stage failures into :class:`StageError` on the driver."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as error:
+            cause = error.cause
+            if isinstance(cause, StageError):
+                raise StageError(cause.stage, cause.op, cause.micro_batch, cause.message,
+                                 cause.remote_traceback, cause.original) from cause.original
+            raise RaypipeError(f"a stage task failed: {error}") from error
+        except ray.exceptions.RayActorError as error:
+            raise RaypipeError(f"stage {self._stage_of(error)} died: {error}") from error
+
+    def _stage_of(self, error: Exception) -> int | str:
+        actor_id = getattr(error, "actor_id", None)
+        for stage, actor in enumerate(self._actors):
+            if actor_id and actor._actor_id.hex() == actor_id:
+                return stage
+        return "?"
+
+    # -- state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model, with the user's parameter names (``model.state_dict()`` keys)."""
+        per_layer: dict[int, dict] = {}
+        for states in self._get([actor.state_dict.remote() for actor in self._actors]):
+            per_layer.update(states)
+        return {f"{self._layer_names[index]}.{key}": value
+                for index in sorted(per_layer) for key, value in per_layer[index].items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Scatter a full state dict (keys as :meth:`state_dict`) to the stages."""
+        per_layer = _split_by_layer(state_dict, self._layer_names)
+        calls = []
+        for actor, indices in zip(self._actors, stage_layer_ranges(self.balance)):
+            calls.append(actor.load_state_dict.remote({i: per_layer[i] for i in indices}))
+        self._get(calls)
+
+
+    def save_checkpoint(self, root_uri: str, extra: dict | None = None) -> int:
+        """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
+
+        Stages write their own layers in parallel; the manifest, written last,
+        makes the checkpoint complete.
+        """
+        from raypipe.checkpoint import write_manifest
+
+        layer_files: dict[int, str] = {}
+        for files in self._get([a.save_checkpoint.remote(str(root_uri), self.step_count) for a in self._actors]):
+            layer_files.update(files)
+        state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "layer_names": self._layer_names, **(extra or {})}
+        write_manifest(str(root_uri), self.step_count, layer_files, extra=state)
+        return self.step_count
+
+    def load_checkpoint(self, root_uri: str, step: int | None = None) -> dict:
+        """Load the newest complete checkpoint (or ``step``) into any partition; returns its extra state."""
+        from raypipe.checkpoint import latest_checkpoint, read_manifest
+
+        step = latest_checkpoint(str(root_uri)) if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint under {root_uri}")
+        extra = read_manifest(str(root_uri), step).get("extra", {})
+        self._get([a.load_checkpoint.remote(str(root_uri), step) for a in self._actors])
+        self.step_count = extra.get("step_count", step)
+        if self.scaler and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+        return extra
+
+
+def _as_layers(model: Model) -> tuple[list, list[str]]:
+    """The model's layers and their names (the prefixes of their state-dict keys)."""
+    if isinstance(model, nn.Sequential):
+        names = list(model._modules)
+        return [model._modules[name] for name in names], names
+    if isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__,
+                          "must be an nn.Sequential, a list of nn.Module, or a list of raypipe.LayerSpec")
+    layers = list(model)
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, (nn.Module, LayerSpec)):
+            raise ConfigError(f"model[{index}]", type(layer).__name__, "must be an nn.Module or a raypipe.LayerSpec")
+    return layers, [str(i) for i in range(len(layers))]
+
+
+def _micro_batches(inputs: Batch, targets: Batch, count: int) -> tuple[list, list]:
+    if isinstance(inputs, (list, tuple)) or isinstance(targets, (list, tuple)):
+        if len(inputs) != count or len(targets) != count:
+            raise ValueError(f"got {len(inputs)} input and {len(targets)} target micro-batches; "
+                             f"num_micro_batches={count}")
+        return list(inputs), list(targets)
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"inputs have {inputs.shape[0]} samples but targets have {targets.shape[0]}")
+    if inputs.shape[0] < count:
+        raise ValueError(f"global batch of {inputs.shape[0]} samples is smaller than "
+                         f"num_micro_batches={count}: every micro-batch needs at least one sample")
+    return list(torch.tensor_split(inputs, count)), list(torch.tensor_split(targets, count))
+
+
+def _split_by_layer(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[int, dict]:
+    index_of = {name: index for index, name in enumerate(names)}
+    per_layer: dict[int, dict] = {index: {} for index in range(len(names))}
+    for key, value in state_dict.items():
+        prefix, _, rest = key.partition(".")
+        if prefix not in index_of or not rest:
+            raise KeyError(f"unexpected key {key!r} in state_dict: layers are named {names[:5]}...")
+        per_layer[index_of[prefix]][rest] = value
+    return per_layer

@@ -1,0 +1,84 @@
+"""How a tensor crosses a stage boundary.
+
+``object_store`` (default, CPU and GPU): a stage returns its activation or
+gradient, Ray stores it and resolves the reference as the next op's argument.
+``gloo`` / ``nccl``: Ray Direct Transport over a Ray collective group — the
+tensor stays with its producer and is sent point-to-point to the consumer
+(NCCL between GPUs; gloo between CPU processes, which lets the same code path be
+tested without GPUs). The driver is the same for all: it only wires references.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from raypipe.stage import StageWorker
+
+
+class Transport:
+    """Object-store transport; the base of the collective ones."""
+
+    name = "object_store"
+
+    def actor_class(self) -> Any:
+        """The Ray actor class whose F/B outputs travel by this transport."""
+        return ray.remote(StageWorker)
+
+    def connect(self, actors: list[Any]) -> None:
+        """Prepare the actors for transfers (nothing to do for the object store)."""
+
+    def close(self, actors: list[Any]) -> None:
+        """Release what :meth:`connect` set up."""
+
+
+class CollectiveTransport(Transport):
+    """Ray Direct Transport over a collective group of the stage actors."""
+
+    def __init__(self, backend: str) -> None:
+        self.name = backend
+        self._group = None
+
+    def actor_class(self) -> Any:
+        return ray.remote(_direct_transport_worker(self.name))
+
+    def connect(self, actors: list[Any]) -> None:
+        from ray.experimental.collective import create_collective_group
+
+        self._group = create_collective_group(actors, backend=self.name)
+
+    def close(self, actors: list[Any]) -> None:
+        if self._group is None:
+            return
+        from ray.experimental.collective import destroy_collective_group
+
+        try:
+            destroy_collective_group(self._group)
+        except Exception:  # noqa: BLE001 - actors may already be gone at shutdown
+            pass
+        self._group = None
+
+
+def _direct_transport_worker(backend: str) -> type:
+    """A StageWorker whose forward/backward results go by ``backend``."""
+
+    class DirectTransportStageWorker(StageWorker):
+        @ray.method(tensor_transport=backend)
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return super().forward(*args, **kwargs)
+
+        @ray.method(tensor_transport=backend)
+        def backward(self, *args: Any, **kwargs: Any) -> Any:
+            return super().backward(*args, **kwargs)
+
+    DirectTransportStageWorker.__name__ = f"StageWorker_{backend}"
+    return DirectTransportStageWorker
+
+
+def make_transport(name: str) -> Transport:
+    """The transport called ``name``: "object_store", "gloo" or "nccl"."""
+    if name == "object_store":
+        return Transport()
+    if name in ("gloo", "nccl"):
+        return CollectiveTransport(name)
+    raise ValueError(f"unknown transport {name!r}: expected object_store, gloo or nccl")

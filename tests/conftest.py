@@ -1,0 +1,43 @@
+"""One shared local Ray instance per test session; GPU tests only where CUDA is."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    _pickle_test_code_by_value(items)
+    # GPU-marked tests are deselected (not skipped) on machines without CUDA, and
+    # run where one exists: `pytest -m gpu` on a GPU machine runs just those.
+    if torch.cuda.is_available():
+        return
+    selected = [item for item in items if "gpu" not in item.keywords]
+    deselected = [item for item in items if "gpu" in item.keywords]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray instance with 4 logical CPUs (stages take 1 each; the machine has 2 cores)."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+def _pickle_test_code_by_value(items) -> None:
+    # Ray workers cannot import test modules; ship their functions and classes by value.
+    import sys
+
+    from ray import cloudpickle
+
+    for name, module in list(sys.modules.items()):
+        if name == "tests" or name.startswith("tests."):
+            cloudpickle.register_pickle_by_value(module)

@@ -1,0 +1,109 @@
+"""Pipeline training equals a single-process loop with gradient accumulation."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import raypipe
+from tests.reference import assert_parameters_match, make_mlp, reference_step
+
+STEPS = 3
+BATCH = 10  # does not divide evenly into 3 or 4 micro-batches
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def batches(seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 4, generator=generator))
+            for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("num_micro_batches", [1, 3, 4])
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_matches_single_process_reference(ray_cluster, num_stages, num_micro_batches, clip):
+    model = make_mlp()
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference.parameters())
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches, clip_grad_norm=clip)
+    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+        for x, y in batches():
+            result = trainer.step(x, y)
+            loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y,
+                                        num_micro_batches, clip)
+            assert result.loss == pytest.approx(loss, rel=1e-5)
+            assert result.grad_norm == pytest.approx(norm, rel=1e-5)
+            if clip is not None:
+                assert result.clip_coefficient == pytest.approx(min(1.0, clip / (norm + 1e-6)), rel=1e-5)
+                assert result.clip_coefficient < 1.0  # the clip really bites
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+
+
+def test_1f1b_and_clip_by_value_match_reference(ray_cluster):
+    model = make_mlp()
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference.parameters())
+    config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=4, schedule="1f1b", clip_grad_value=0.01)
+    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+        for x, y in batches(seed=2):
+            trainer.step(x, y)
+            for xm, ym in zip(torch.tensor_split(x, 4), torch.tensor_split(y, 4)):
+                (nn.functional.mse_loss(reference(xm), ym) * (xm.shape[0] / BATCH)).backward()
+            torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+
+
+class TokenMLP(nn.Module):
+    """Embedding + per-token MLP: works on any sequence length."""
+
+    def __init__(self, vocab=32, width=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+
+    def forward(self, tokens):
+        return self.embed(tokens)
+
+
+def test_micro_batches_with_different_sequence_lengths_train(ray_cluster):
+    torch.manual_seed(0)
+    layers = [TokenMLP(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32)]
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    loss_fn = lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
+    lengths = [5, 9, 3]
+    generator = torch.Generator().manual_seed(3)
+    xs = [torch.randint(0, 32, (2, t), generator=generator) for t in lengths]
+    ys = [torch.randint(0, 32, (2, t), generator=generator) for t in lengths]
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3)
+    # weight by token count so the loss is the exact mean over all tokens of the step
+    with raypipe.PipelineTrainer(layers, loss_fn, adamw, config, loss_count_fn=lambda y: y.numel()) as trainer:
+        first = trainer.step(xs, ys)
+        second = trainer.step(xs, ys)
+        state = trainer.state_dict()
+    optimizer = adamw(reference.parameters())
+    total = sum(y.numel() for y in ys)
+    expected = sum(loss_fn(reference(x), y).item() * y.numel() / total for x, y in zip(xs, ys))
+    assert first.loss == pytest.approx(expected, rel=1e-5)
+    for x, y in zip(xs, ys):
+        (loss_fn(reference(x), y) * y.numel() / total).backward()
+    optimizer.step()
+    assert second.loss < first.loss
+    assert state.keys() == {f"{i}.{k}" for i, layer in enumerate(layers) for k in layer.state_dict()}
+
+
+def test_layer_specs_are_built_in_the_stages_and_state_round_trips(ray_cluster):
+    specs = [raypipe.LayerSpec(nn.Linear, 8, 16), raypipe.LayerSpec(nn.Tanh), raypipe.LayerSpec(nn.Linear, 16, 4)]
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1])
+    with raypipe.PipelineTrainer(specs, nn.functional.mse_loss, adamw, config) as trainer:
+        state = trainer.state_dict()
+        assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        zeros = {k: torch.zeros_like(v) for k, v in state.items()}
+        trainer.load_state_dict(zeros)
+        assert all(torch.equal(v, zeros[k]) for k, v in trainer.state_dict().items())
+        with pytest.raises(KeyError, match="9.weight"):
+            trainer.load_state_dict({**zeros, "9.weight": torch.zeros(1)})

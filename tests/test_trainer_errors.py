@@ -1,0 +1,85 @@
+"""Failures are clear: where they happened, what was asked, and nothing hangs."""
+import pytest
+import torch
+from torch import nn
+
+import raypipe
+from raypipe import ConfigError, PlacementError, StageError
+
+
+class FailOnNegativeFirst(nn.Module):
+    """Raises when a micro-batch's first element is negative (a 'bad sample')."""
+
+    def forward(self, x):
+        if x[0, 0] < 0:
+            raise ValueError("negative sample reached the layer")
+        return x
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_stage_failure_names_stage_micro_batch_and_op_with_cause(ray_cluster):
+    layers = [nn.Linear(4, 4), FailOnNegativeFirst(), nn.Linear(4, 2)]
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, balance=[1, 2])
+    x = torch.ones(6, 4)
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, sgd, config) as trainer:
+        trainer.load_state_dict({"0.weight": torch.eye(4), "0.bias": torch.zeros(4),
+                                 "2.weight": torch.zeros(2, 4), "2.bias": torch.zeros(2)})
+        x[4, 0] = -1.0  # first row of micro-batch 2 (rows 4-5)
+        with pytest.raises(StageError) as error:
+            trainer.step(x, torch.zeros(6, 2))
+        assert (error.value.stage, error.value.op, error.value.micro_batch) == (1, "F", 2)
+        assert "stage 1, op F, micro-batch 2" in str(error.value)
+        assert isinstance(error.value.__cause__, ValueError)
+        assert "negative sample" in str(error.value.__cause__)
+
+
+def test_batch_smaller_than_micro_batches_is_rejected_before_submitting(ray_cluster):
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=4)
+    with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, sgd, config) as trainer:
+        with pytest.raises(ValueError, match="smaller than num_micro_batches=4"):
+            trainer.step(torch.ones(3, 2), torch.ones(3, 2))
+        with pytest.raises(ValueError, match="targets have 2"):
+            trainer.step(torch.ones(4, 2), torch.ones(2, 2))
+        assert trainer.step(torch.ones(4, 2), torch.ones(4, 2)).loss >= 0  # still usable
+
+
+def test_config_errors_are_raised_before_any_actor_starts(ray_cluster):
+    import ray
+
+    groups_before = len(ray.util.placement_group_table())
+    with pytest.raises(ConfigError, match="num_stages"):
+        raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, sgd, raypipe.PipelineConfig(num_stages=2))
+    with pytest.raises(ConfigError, match="model"):
+        raypipe.PipelineTrainer(nn.Linear(2, 2), nn.functional.mse_loss, sgd)
+    with pytest.raises(ConfigError, match=r"model\[1\]"):
+        raypipe.PipelineTrainer([nn.Linear(2, 2), "relu"], nn.functional.mse_loss, sgd)
+    assert len(ray.util.placement_group_table()) == groups_before  # nothing was reserved
+
+
+def test_unplaceable_pipeline_fails_with_what_was_asked_and_what_exists(ray_cluster):
+    config = raypipe.PipelineConfig(num_stages=2, cpus_per_stage=64, placement_timeout_s=2)
+    with pytest.raises(PlacementError) as error:
+        raypipe.PipelineTrainer([nn.Linear(2, 2), nn.Linear(2, 2)], nn.functional.mse_loss, sgd, config)
+    message = str(error.value)
+    assert "2 stage(s) of {'CPU': 64.0}" in message and "'CPU': 4.0" in message
+    import ray
+
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_gloo_direct_transport_gives_the_same_training(ray_cluster):
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)]
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    states = []
+    for transport in ("object_store", "gloo"):
+        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, transport=transport)
+        with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, sgd, config) as trainer:
+            losses = [trainer.step(x, y).loss for _ in range(2)]
+            states.append((losses, trainer.state_dict()))
+    assert states[0][0] == states[1][0]
+    for key, value in states[0][1].items():
+        assert torch.equal(value, states[1][1][key]), key
