@@ -294,39 +294,48 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
     data-parallel replicas (ZeRO-1).
     """
     layers = list(layer_indices)
-    kinds = layer_kinds(config)
-    _check_stage_args(layers, len(kinds), checkpoint, checkpoint_segments, offload, num_micro_batches, optimizer_shards)
-    per_layer = [estimate_layer_activation_bytes(config, kinds[i], micro_batch_size, seq_len, precision,
-                                                 fused_attention, amp=amp, device=device) for i in layers]
-    holds_loss = layers[-1] == len(kinds) - 1
-    loss = estimate_layer_activation_bytes(config, "loss", micro_batch_size, seq_len, precision, amp=amp) if holds_loss else 0
-    input_bytes = stage_input_bytes(config, layers[0], micro_batch_size, seq_len, precision, amp)
-    full_graph = sum(per_layer) + loss
-    if checkpoint_segments:
-        starts = range(0, len(layers), checkpoint_segments)
-        segment_inputs = [stage_input_bytes(config, layers[s], micro_batch_size, seq_len, precision, amp) for s in starts]
-        graph = sum(segment_inputs) + loss
-        # a segment's recompute during backward re-saves its input's storage, already held
-        segment_transient = max(sum(per_layer[s:s + checkpoint_segments]) - inputs
-                                for s, inputs in zip(starts, segment_inputs))
-    else:
-        graph, segment_transient = full_graph, 0
+    _check_stage_args(layers, config.n_layers + 2, checkpoint, checkpoint_segments, offload, num_micro_batches,
+                      optimizer_shards)
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index={stage_index}: must be in 0..{num_stages - 1} (num_stages={num_stages})")
+    shape = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, amp=amp)
+    graph, segment_transient = _graph_bytes(config, layers, checkpoint_segments, fused_attention, device, **shape)
+    input_bytes = stage_input_bytes(config, layers[0], **shape)
     ops = make_schedule(schedule, num_stages, num_micro_batches)[stage_index]
     measured, offloaded, in_flight = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, 0)
     held = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, segment_transient)[0]
-    counts = layer_parameter_counts(config)
-    count = sum(counts[i] for i in layers)
-    per_param = static_bytes_per_parameter(precision, amp, optimizer)
-    weights, grads = count * per_param.weights, count * per_param.gradients
-    master, optim = -(-count * per_param.master // optimizer_shards), -(-count * per_param.optimizer // optimizer_shards)
-    static = weights + grads + master + optim
-    total = static + held
-    return StageMemory(stage=stage_index, layers=layers, num_parameters=count, parameters_bytes=weights,
-                       gradients_bytes=grads, master_bytes=master, optimizer_bytes=optim, static_bytes=static,
-                       activation_bytes=held, held_for_backward_bytes=measured, offloaded_bytes=offloaded,
-                       total_bytes=total,
+    count = sum(layer_parameter_counts(config)[i] for i in layers)
+    static = _static_bytes(count, static_bytes_per_parameter(precision, amp, optimizer), optimizer_shards)
+    total = sum(static.values()) + held
+    return StageMemory(stage=stage_index, layers=layers, num_parameters=count, **static,
+                       static_bytes=sum(static.values()), activation_bytes=held, held_for_backward_bytes=measured,
+                       offloaded_bytes=offloaded, total_bytes=total,
                        fits=None if gpu_memory_bytes is None else total <= gpu_memory_bytes,
                        graph_bytes=graph, input_bytes=input_bytes, micro_batches_in_flight=in_flight)
+
+
+def _graph_bytes(config: LlamaConfig, layers: list[int], segments: int | None, fused_attention: bool, device: str,
+                 *, micro_batch_size: int, seq_len: int, precision: str, amp: str) -> tuple[int, int]:
+    """One micro-batch's kept graph, and the extra a segment's recompute adds during backward."""
+    kinds = layer_kinds(config)
+    per_layer = [estimate_layer_activation_bytes(config, kinds[i], micro_batch_size, seq_len, precision,
+                                                 fused_attention, amp=amp, device=device) for i in layers]
+    holds_loss = layers[-1] == len(kinds) - 1  # the last stage computes the loss (outside any segment)
+    loss = estimate_layer_activation_bytes(config, "loss", micro_batch_size, seq_len, precision, amp=amp) if holds_loss else 0
+    if not segments:
+        return sum(per_layer) + loss, 0
+    starts = range(0, len(layers), segments)
+    inputs = [stage_input_bytes(config, layers[s], micro_batch_size, seq_len, precision, amp) for s in starts]
+    # a segment's recompute re-saves its input's storage, which is already held
+    transient = max(sum(per_layer[s:s + segments]) - kept for s, kept in zip(starts, inputs))
+    return sum(inputs) + loss, transient
+
+
+def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int) -> dict[str, int]:
+    return {"parameters_bytes": count * per_param.weights, "gradients_bytes": count * per_param.gradients,
+            # ZeRO-1: each data-parallel replica keeps its shard of master weights and optimizer state
+            "master_bytes": -(-count * per_param.master // optimizer_shards),
+            "optimizer_bytes": -(-count * per_param.optimizer // optimizer_shards)}
 
 
 def _walk(ops, num_micro_batches: int, checkpoint: str, offload: bool, graph: int, input_bytes: int,

@@ -1,0 +1,177 @@
+"""TokenDataset: deterministic, resumable batches of a prepared split."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raypipe.checkpoint import filesystem_for
+
+logger = logging.getLogger(__name__)
+
+from raypipe.data.shards import SPLITS, _decode_rows, _read_file, _verify_shard, _verify_split_files, read_manifest
+
+
+class TokenDataset:
+    """Deterministic, resumable batches of one split of a prepared dataset.
+
+    ``get(step, micro_batch, replica)`` returns ``(inputs, targets)`` int64
+    tensors of shape ``(micro_batch_size, seq_len)``, targets shifted by one.
+    Each epoch visits every row at most once in a permutation seeded by
+    ``(seed, epoch)``; a step takes ``micro_batch_size * num_micro_batches *
+    num_replicas`` rows, split disjointly between replicas and micro-batches.
+
+    Opening checks the manifest, and the checksum and schema of every shard
+    of the split; token ids are checked against ``vocab_size`` (default: the
+    manifest's) when a shard is first loaded. The object is small to pickle:
+    loaded shards are a per-process cache, rebuilt lazily after unpickling.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        split: str = "train",
+        micro_batch_size: int = 4,
+        num_micro_batches: int = 4,
+        num_replicas: int = 1,
+        seed: int = 0,
+        vocab_size: int | None = None,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
+                            ("num_replicas", num_replicas)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.uri = str(path)
+        self.split = split
+        self.micro_batch_size = micro_batch_size
+        self.num_micro_batches = num_micro_batches
+        self.num_replicas = num_replicas
+        self.seed = int(seed)
+        manifest = read_manifest(path)
+        self.tokenizer_name: str = manifest["tokenizer"]["name"]
+        self.seq_len: int = manifest["seq_len"]
+        self.vocab_size: int = manifest["vocab_size"] if vocab_size is None else int(vocab_size)
+        self.shards: list[dict[str, Any]] = manifest["splits"][split]["shards"]
+        self.num_rows: int = sum(shard["num_rows"] for shard in self.shards)
+        self.rows_per_step = micro_batch_size * num_micro_batches * num_replicas
+        if self.num_rows < self.rows_per_step:
+            raise ValueError(
+                f"the {split} split of {path} has {self.num_rows} rows, fewer than one step needs "
+                f"({micro_batch_size} x {num_micro_batches} micro-batches x {num_replicas} replicas)"
+            )
+        self.steps_per_epoch = self.num_rows // self.rows_per_step
+        self.next_step = 0
+        self._offsets = np.cumsum([0] + [shard["num_rows"] for shard in self.shards])
+        _verify_split_files(path, manifest, split)
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        self._loaded: dict[int, np.ndarray] = {}
+        self._permutation: tuple[int, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_loaded"], state["_permutation"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_caches()
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Input tokens in one optimizer step, over all micro-batches and replicas."""
+        return self.rows_per_step * self.seq_len
+
+    @property
+    def epoch(self) -> int:
+        """The epoch that ``next_step`` falls in."""
+        return self.next_step // self.steps_per_epoch
+
+    def row_indices(self, step: int, micro_batch: int, replica: int = 0) -> np.ndarray:
+        """Split-wide row numbers of ``(step, micro_batch, replica)``."""
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not 0 <= micro_batch < self.num_micro_batches:
+            raise ValueError(f"micro_batch must be in [0, {self.num_micro_batches}), got {micro_batch}")
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica must be in [0, {self.num_replicas}), got {replica}")
+        epoch, step_in_epoch = divmod(int(step), self.steps_per_epoch)
+        start = step_in_epoch * self.rows_per_step + (replica * self.num_micro_batches + micro_batch) * self.micro_batch_size
+        return self._epoch_permutation(epoch)[start:start + self.micro_batch_size]
+
+    def get(self, step: int, micro_batch: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of one micro-batch: int64, ``(micro_batch_size, seq_len)``."""
+        rows = torch.from_numpy(self._gather(self.row_indices(step, micro_batch, replica)).astype(np.int64))
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All micro-batches of replica 0 at ``step``, concatenated in order."""
+        parts = [self.get(step, micro_batch) for micro_batch in range(self.num_micro_batches)]
+        return torch.cat([inputs for inputs, _ in parts]), torch.cat([targets for _, targets in parts])
+
+    def advance(self) -> int:
+        """Mark ``next_step`` as consumed; returns the new ``next_step``."""
+        self.next_step += 1
+        return self.next_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reader's position: small and JSON-serializable."""
+        return {
+            "next_step": self.next_step,
+            "seed": self.seed,
+            "split": self.split,
+            "rows_per_step": self.rows_per_step,
+            "num_rows": self.num_rows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; refuses a position from a different layout."""
+        for key in ("rows_per_step", "num_rows"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume: the saved data position has {key}={state[key]}, this reader has "
+                    f"{getattr(self, key)}; the same rows would not come back in the same order"
+                )
+        next_step = state["next_step"]
+        if not isinstance(next_step, int) or next_step < 0:
+            raise ValueError(f"next_step must be a non-negative int, got {next_step!r}")
+        self.next_step = next_step
+        self.seed = int(state.get("seed", self.seed))
+        self._permutation = None
+
+    def _epoch_permutation(self, epoch: int) -> np.ndarray:
+        if self._permutation is None or self._permutation[0] != epoch:
+            generator = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
+            self._permutation = (epoch, generator.permutation(self.num_rows))
+        return self._permutation[1]
+
+    def _gather(self, rows: np.ndarray) -> np.ndarray:
+        shard_of_row = np.searchsorted(self._offsets, rows, side="right") - 1
+        out = np.empty((len(rows), self.seq_len + 1), dtype=np.int32)
+        for shard_index in np.unique(shard_of_row):
+            chosen = shard_of_row == shard_index
+            out[chosen] = self._shard(int(shard_index))[rows[chosen] - self._offsets[shard_index]]
+        return out
+
+    def _shard(self, index: int) -> np.ndarray:
+        if index not in self._loaded:
+            filesystem, base = filesystem_for(self.uri)
+            shard = self.shards[index]
+            path = f"{base}/{shard['file']}"
+            data = _read_file(filesystem, path)
+            _verify_shard(path, data, shard, self.seq_len + 1)
+            self._loaded[index] = _decode_rows(path, data, self.seq_len + 1, self.vocab_size)
+        return self._loaded[index]
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset({self.uri!r}, split={self.split!r}, rows={self.num_rows}, seq_len={self.seq_len}, "
+            f"micro_batch_size={self.micro_batch_size}, num_micro_batches={self.num_micro_batches}, "
+            f"num_replicas={self.num_replicas}, next_step={self.next_step})"
+        )

@@ -1,0 +1,133 @@
+"""The on-disk format of a prepared dataset: manifest, Parquet shards, their checks."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyarrow import fs as pafs
+
+from raypipe.checkpoint import filesystem_for
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "raypipe-tokens"
+VERSION = 1
+COLUMN = "tokens"
+SPLITS = ("train", "validation")
+DEFAULT_ROWS_PER_SHARD = 4096
+STDLIB_CORPUS = "python-stdlib"
+_SNIFF_BYTES = 8192
+
+
+
+# --- reading -----------------------------------------------------------------
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the dataset at ``path`` (local path or URI), checked for the fields readers need."""
+    filesystem, root = filesystem_for(path)
+    manifest_path = f"{root}/{MANIFEST}"
+    if filesystem.get_file_info(manifest_path).type != pafs.FileType.File:
+        raise FileNotFoundError(f"no dataset at {path}: {manifest_path} does not exist (run `raypipe prepare`)")
+    with filesystem.open_input_stream(manifest_path) as stream:
+        raw = stream.read()
+    try:
+        manifest = json.loads(raw)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format must be {FORMAT!r}, got {manifest.get('format')!r}")
+        for key in ("vocab_size", "seq_len", "splits", "tokenizer"):
+            if key not in manifest:
+                raise ValueError(f"missing field {key!r}")
+        for split in SPLITS:
+            for shard in manifest["splits"][split]["shards"]:
+                if not {"file", "num_rows", "sha256"} <= shard.keys():
+                    raise ValueError(f"shard entry {shard} of split {split!r} needs file, num_rows and sha256")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"dataset manifest {manifest_path} is invalid: {error}") from None
+    return manifest
+
+
+def _read_file(filesystem: pafs.FileSystem, path: str) -> pa.Buffer:
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return pa.memory_map(path).read_buffer()  # pages in lazily, zero-copy
+    with filesystem.open_input_file(path) as stream:
+        return stream.read_buffer()
+
+
+def _verify_shard(path: str, data: pa.Buffer, shard: dict[str, Any], row_length: int) -> None:
+    """Checksum, row count and schema of one shard, against its manifest entry."""
+    digest = hashlib.sha256(memoryview(data)).hexdigest()
+    if digest != shard["sha256"]:
+        raise ValueError(
+            f"checksum mismatch for shard {path}: sha256 {digest}, manifest says {shard['sha256']} "
+            "(the file changed after `raypipe prepare`; prepare the dataset again)"
+        )
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+    except pa.ArrowException as error:
+        raise ValueError(f"shard {path} is not a readable Parquet file: {error}") from None
+    schema = parquet.schema_arrow
+    _check_schema(path, schema, row_length)
+    if parquet.metadata.num_rows != shard["num_rows"]:
+        raise ValueError(
+            f"shard {path} holds {parquet.metadata.num_rows} rows, manifest says {shard['num_rows']}"
+        )
+
+
+def _check_schema(path: str, schema: pa.Schema, row_length: int) -> None:
+    expected = f"a column {COLUMN!r} of list<int> (or fixed_size_list<int>[{row_length}])"
+    if COLUMN not in schema.names:
+        raise ValueError(f"shard {path} has the wrong schema: columns {schema.names}, expected {expected}")
+    kind = schema.field(COLUMN).type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    if not is_list or not pa.types.is_integer(kind.value_type):
+        raise ValueError(f"shard {path} has the wrong schema: column {COLUMN!r} is {kind}, expected {expected}")
+    if pa.types.is_fixed_size_list(kind) and kind.list_size != row_length:
+        raise ValueError(
+            f"shard {path} has the wrong schema: rows of {kind.list_size} tokens, "
+            f"expected seq_len+1 = {row_length}"
+        )
+
+
+def _decode_rows(path: str, data: pa.Buffer, row_length: int, vocab_size: int) -> np.ndarray:
+    """The (rows, row_length) int32 token array of a verified shard; bad rows are named."""
+    column = pq.read_table(pa.BufferReader(data), columns=[COLUMN]).column(COLUMN).combine_chunks()
+    if column.null_count:
+        row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"shard {path} row {row} is null")
+    if not pa.types.is_fixed_size_list(column.type):
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(lengths != row_length)
+        if wrong.size:
+            row = int(wrong[0])
+            raise ValueError(f"shard {path} row {row} has {lengths[row]} tokens, expected seq_len+1 = {row_length}")
+    values = column.flatten()
+    if values.null_count:
+        position = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"shard {path} row {position // row_length} has a null token")
+    tokens = values.to_numpy(zero_copy_only=False).reshape(-1, row_length)
+    bad = np.flatnonzero(((tokens < 0) | (tokens >= vocab_size)).any(axis=1))
+    if bad.size:
+        row = int(bad[0])
+        token = int(tokens[row][(tokens[row] < 0) | (tokens[row] >= vocab_size)][0])
+        raise ValueError(
+            f"shard {path} row {row} holds token id {token}, outside the vocabulary [0, {vocab_size})"
+        )
+    return tokens.astype(np.int32, copy=False)
+
+
+def _verify_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:
+    filesystem, base = filesystem_for(root)
+    for shard in manifest["splits"][split]["shards"]:
+        path = f"{base}/{shard['file']}"
+        _verify_shard(path, _read_file(filesystem, path), shard, manifest["seq_len"] + 1)
+
+

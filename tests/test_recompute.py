@@ -1,0 +1,73 @@
+"""Activation checkpointing and offload change memory, never the result."""
+import pytest
+import torch
+
+import raypipe
+from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
+
+CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=32, dropout=0.1)
+MODES = [
+    {"checkpoint": "never"},
+    {"checkpoint": "always"},
+    {"checkpoint": "except_last"},
+    {"checkpoint": "never", "checkpoint_segments": 2},
+    {"checkpoint": "always", "checkpoint_segments": 2},
+    {"checkpoint": "always", "offload": True},
+    {"checkpoint": "except_last", "offload": True},
+]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def token_batches(steps=2, batch=6, seq=16):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 64, (batch, seq), generator=generator),
+             torch.randint(0, 64, (batch, seq), generator=generator)) for _ in range(steps)]
+
+
+def train(mode, schedule="gpipe"):
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, schedule=schedule, seed=7, **mode)
+    with raypipe.PipelineTrainer(llama_layers(CONFIG), llama_loss, adamw, config) as trainer:
+        results = [trainer.step(x, y) for x, y in token_batches()]
+        return results, trainer.state_dict()
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_cluster):
+    return train(MODES[0])
+
+
+@pytest.mark.parametrize("mode", MODES[1:], ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_checkpoint_modes_give_identical_parameters_with_dropout(baseline, mode):
+    results, state = train(mode)
+    base_results, base_state = baseline
+    assert [r.loss for r in results] == pytest.approx([r.loss for r in base_results], rel=1e-6)
+    for key, value in base_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def test_dropout_is_active_so_the_comparison_means_something(baseline, ray_cluster):
+    _, base_state = baseline
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, seed=7)  # same init, no dropout
+    no_dropout = llama_layers(CONFIG.replace(dropout=0.0))
+    with raypipe.PipelineTrainer(no_dropout, llama_loss, adamw, config) as trainer:
+        for x, y in token_batches():
+            trainer.step(x, y)
+        other = trainer.state_dict()
+    assert any(not torch.allclose(other[k], v) for k, v in base_state.items())
+
+
+def test_held_bytes_shrink_with_checkpointing_and_offload(ray_cluster):
+    held = {}
+    for name, mode in {"never": MODES[0], "always": MODES[1], "offload": MODES[5]}.items():
+        results, _ = train(mode)
+        held[name] = results[-1].stages
+    for stage in range(2):
+        never = held["never"][stage].held_for_backward_bytes
+        always = held["always"][stage].held_for_backward_bytes
+        offload = held["offload"][stage]
+        assert always < never / 2, (stage, always, never)
+        assert offload.held_for_backward_bytes < always
+        assert offload.offloaded_bytes > 0 and held["always"][stage].offloaded_bytes == 0
