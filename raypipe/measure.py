@@ -1,9 +1,6 @@
 """Measure what a stage holds for backward: tensors saved by autograd."""
 from __future__ import annotations
 
-import resource
-import sys
-
 import torch
 
 
@@ -15,19 +12,24 @@ class SavedTensorMeter:
     counted once however many views of them are saved.
     """
 
-    def __init__(self, parameters: list[torch.Tensor]) -> None:
-        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+    def __init__(self, parameters: list[torch.Tensor], counted: tuple[torch.Tensor, ...] = ()) -> None:
+        # parameters are static memory; ``counted`` tensors are already accounted for elsewhere
+        self._parameter_storages = {t.untyped_storage().data_ptr() for t in (*parameters, *counted)}
         self._seen: set[int] = set()
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.add(tensor)
+        return tensor
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Count a tensor the stage keeps by other means (e.g. its graph's output)."""
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in self._seen and pointer not in self._parameter_storages:
             self._seen.add(pointer)
             self.bytes += storage.nbytes()
-        return tensor
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
@@ -47,6 +49,7 @@ def tensor_bytes(tensor: torch.Tensor | None) -> int:
 
 
 def rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """Resident set size of this process now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss

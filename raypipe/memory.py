@@ -298,7 +298,7 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
                       optimizer_shards)
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index={stage_index}: must be in 0..{num_stages - 1} (num_stages={num_stages})")
-    shape = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, amp=amp)
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision, "amp": amp}
     graph, segment_transient = _graph_bytes(config, layers, checkpoint_segments, fused_attention, device, **shape)
     input_bytes = stage_input_bytes(config, layers[0], **shape)
     ops = make_schedule(schedule, num_stages, num_micro_batches)[stage_index]
@@ -322,6 +322,9 @@ def _graph_bytes(config: LlamaConfig, layers: list[int], segments: int | None, f
                                                  fused_attention, amp=amp, device=device) for i in layers]
     holds_loss = layers[-1] == len(kinds) - 1  # the last stage computes the loss (outside any segment)
     loss = estimate_layer_activation_bytes(config, "loss", micro_batch_size, seq_len, precision, amp=amp) if holds_loss else 0
+    # the stage's output stays alive as the root of its graph until backward
+    output = 0 if holds_loss else stage_input_bytes(config, layers[-1] + 1, micro_batch_size, seq_len, precision, amp)
+    loss += output
     if not segments:
         return sum(per_layer) + loss, 0
     starts = range(0, len(layers), segments)
@@ -353,9 +356,10 @@ def _walk(ops, num_micro_batches: int, checkpoint: str, offload: bool, graph: in
             else:
                 held += input_bytes
         else:
-            # backward: a recompute rebuilds this micro-batch's graph while the
-            # others stay kept (its input counts in both, as the stage measures)
-            peak_held = max(peak_held, held + (graph if recompute else 0) + segment_transient)
+            # backward: a recompute rebuilds this micro-batch's graph while the others
+            # stay kept; its input is already counted as kept unless it was offloaded
+            rebuilt = graph - (0 if offload else input_bytes) if recompute else 0
+            peak_held = max(peak_held, held + rebuilt + segment_transient)
             in_flight -= 1
             if not recompute:
                 held -= graph

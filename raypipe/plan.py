@@ -14,7 +14,13 @@ import re
 import sys
 from dataclasses import dataclass, replace
 
-from raypipe.memory import AMP_STYLES, CHECKPOINT_MODES, PRECISIONS, StageMemory, estimate_pipeline
+from raypipe.memory import (
+    AMP_STYLES,
+    CHECKPOINT_MODES,
+    PRECISIONS,
+    StageMemory,
+    estimate_pipeline,
+)
 from raypipe.models.llama import CONFIGS, LlamaConfig, get_config
 from raypipe.schedule import SCHEDULES
 

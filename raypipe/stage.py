@@ -115,6 +115,7 @@ class StageWorker:
             leaf = self._as_leaf(inputs)
             with SavedTensorMeter(list(self.layers.parameters())) as meter:
                 outputs = self._run(leaf, micro_batch, targets, loss_weight)
+            meter.add(outputs)  # the graph's root stays alive until backward
             self.store.keep_graph(micro_batch, leaf, outputs, meter.bytes)
         if self.is_last:
             return float(outputs.detach())
@@ -130,9 +131,11 @@ class StageWorker:
         if outputs is None:  # re-materialize: replay the forward with the same seeds
             inputs = self._as_leaf(inputs)
             targets, loss_weight = kept.extra
-            with SavedTensorMeter(list(self.layers.parameters())) as meter:
-                outputs = self._run(inputs, micro_batch, targets, loss_weight, segments=True)
-            self.store.note_transient(meter.bytes)
+            # the kept input is still counted in the store until release()
+            with SavedTensorMeter(list(self.layers.parameters()), counted=(inputs,)) as meter:
+                outputs = self._run(inputs, micro_batch, targets, loss_weight)
+            meter.add(outputs)
+            self.store.note_transient(meter.bytes + kept.offloaded_bytes)  # + the fetched-back input
         if self.is_last:
             outputs.backward(torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device))
         else:
@@ -258,7 +261,7 @@ class StageWorker:
         return inputs.detach().requires_grad_(True)
 
     def _run(self, hidden: torch.Tensor, micro_batch: int, targets: torch.Tensor | None,
-             loss_weight: float | None, training: bool = True, segments: bool = False) -> torch.Tensor:
+             loss_weight: float | None, training: bool = True) -> torch.Tensor:
         """The stage's layers (and loss, on the last stage), seeded per layer."""
         self.layers.train(training)
         with autocast(self.config.precision, self.device.type):

@@ -103,10 +103,10 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
         row = row_of[event.stage]
         colour = OP_COLOURS.get(event.op, OTHER_COLOUR)
         axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.5)
-        # Label only bars wide enough to hold the text (~2.5% of the axis).
-        if event.op in OP_COLOURS and event.micro_batch is not None and width_ms > 0.025 * span_ms:
-            axes.text(start_ms + width_ms / 2, row, str(event.micro_batch), ha="center", va="center",
-                      fontsize=8, color="white")
+        # Label F/B bars with their micro-batch where the digits fit (~1.2% of the axis each).
+        label = str(event.micro_batch)
+        if event.op in OP_COLOURS and event.micro_batch is not None and width_ms > 0.012 * span_ms * len(label):
+            axes.text(start_ms + width_ms / 2, row, label, ha="center", va="center", fontsize=8, color="white")
 
     axes.set_yticks(range(len(stages)), [f"stage {stage}" for stage in stages])
     axes.set_ylim(len(stages) - 0.5, -0.5)  # stage 0 on top, as a pipeline is usually drawn

@@ -313,7 +313,9 @@ def _micro_batches(inputs: Batch, targets: Batch, count: int) -> tuple[list, lis
     if inputs.shape[0] < count:
         raise ValueError(f"global batch of {inputs.shape[0]} samples is smaller than "
                          f"num_micro_batches={count}: every micro-batch needs at least one sample")
-    return list(torch.tensor_split(inputs, count)), list(torch.tensor_split(targets, count))
+    # clone: a view pickles its whole storage, i.e. the whole global batch per micro-batch
+    return ([part.clone() for part in torch.tensor_split(inputs, count)],
+            [part.clone() for part in torch.tensor_split(targets, count)])
 
 
 def _split_by_layer(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[int, dict]:

@@ -9,8 +9,18 @@ import torch.nn.functional as F
 
 from raypipe.layers import LayerSpec
 from raypipe.models.llama import (
-    CONFIGS, LlamaBlock, LlamaConfig, LlamaEmbedding, LlamaHead, apply_rotary, causal_attention, get_config,
-    llama_layers, llama_loss, num_parameters, rotary_tables,
+    CONFIGS,
+    LlamaBlock,
+    LlamaConfig,
+    LlamaEmbedding,
+    LlamaHead,
+    apply_rotary,
+    causal_attention,
+    get_config,
+    llama_layers,
+    llama_loss,
+    num_parameters,
+    rotary_tables,
 )
 
 
@@ -30,6 +40,11 @@ def test_named_configs():
     seven = get_config("llama-7b")
     assert (seven.n_layers, seven.dim, seven.n_heads, seven.ffn_dim, seven.vocab_size) == (32, 4096, 32, 11008, 32000)
     assert get_config("tiny") is not CONFIGS["tiny"]  # a copy: callers may modify it
+
+
+def test_replacing_heads_keeps_multi_head_attention():
+    config = get_config("tiny").replace(n_heads=8)
+    assert config.n_kv_heads is None and config.num_kv_heads == 8
 
 
 def test_unknown_config_lists_known_names():
@@ -155,7 +170,7 @@ def test_dropout_only_when_configured_and_only_in_training():
 
 def naive_rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Pair dimension j with j + d/2 as a complex number and multiply by e^{i t theta^(-2j/d)}."""
-    batch, seq_len, heads, dim = x.shape
+    _batch, seq_len, _heads, dim = x.shape
     half = dim // 2
     out = torch.empty_like(x, dtype=torch.float64)
     for t in range(seq_len):
@@ -282,3 +297,14 @@ def test_block_on_cuda_bf16_uses_flash_and_trains():
     out = block(x)
     out.float().square().mean().backward()
     assert out.dtype == torch.bfloat16 and torch.isfinite(x.grad).all()
+
+
+def test_partition_gives_first_and_last_stages_fewer_blocks_for_their_embedding_and_head():
+    from raypipe.layers import layer_parameter_count
+    from raypipe.partition import partition_by_cost
+
+    specs = llama_layers("llama-1b")  # embedding and head are ~1.5 blocks of parameters each
+    balance = partition_by_cost([layer_parameter_count(spec) for spec in specs], 4)
+    blocks = [balance[0] - 1, *balance[1:-1], balance[-1] - 1]
+    assert blocks[0] < min(blocks[1:-1]) and blocks[-1] < min(blocks[1:-1]), balance
+    assert sum(blocks) == 22

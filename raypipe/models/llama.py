@@ -25,7 +25,7 @@ from raypipe.layers import LayerSpec
 
 try:  # optional: the [gpu] extra
     from flash_attn import flash_attn_func as _flash_attn_func
-except ImportError:  # also when flash-attn is installed without a usable CUDA build
+except (ImportError, OSError):  # not installed, or built against another CUDA/torch
     _flash_attn_func = None
 
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in its mean
@@ -51,10 +51,9 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LlamaConfig.{name}={value!r}: must be an int >= 1")
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"LlamaConfig.n_kv_heads={self.n_kv_heads!r}: must be an int >= 1 "
+        kv_heads = self.n_kv_heads
+        if kv_heads is not None and (not isinstance(kv_heads, int) or kv_heads < 1 or self.n_heads % kv_heads):
+            raise ValueError(f"LlamaConfig.n_kv_heads={kv_heads!r}: must be None or an int >= 1 "
                              f"dividing n_heads={self.n_heads}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"LlamaConfig.dim={self.dim}: must be n_heads ({self.n_heads}) times an "
@@ -69,8 +68,13 @@ class LlamaConfig:
         return self.dim // self.n_heads
 
     @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads (``n_kv_heads``, or ``n_heads`` when it is None)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
     def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
+        return self.num_kv_heads * self.head_dim
 
     def replace(self, **changes: object) -> LlamaConfig:
         """A copy with some fields changed (e.g. ``dropout=0.1``)."""
@@ -152,7 +156,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.num_kv_heads, config.head_dim
         self.max_seq_len = config.max_seq_len
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, config.kv_dim, bias=False)

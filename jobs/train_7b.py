@@ -1,0 +1,203 @@
+"""Train LLaMA-7B with pipeline parallelism on a Ray cluster: one GPU per stage.
+
+    ray job submit --working-dir . -- python jobs/train_7b.py \\
+        --stages 8 --micro-batches 32 --micro-batch-size 1 --seq-len 2048 --steps 1000 \\
+        --data s3://bucket/tokens --checkpoint-dir s3://bucket/checkpoints --metrics-port 8090
+
+The ``7b`` preset is the ``llama-7b`` config in bf16 with activation
+checkpointing ("always": each stage keeps only its inputs and recomputes the
+forward in backward), 8 stages of one GPU each; attention runs flash-attn where
+it is installed. ``--preset tiny`` runs the same code path with the tiny model
+on CPU (2 stages), for CI and laptops.
+
+The job connects to the cluster like any Ray job (``RAY_ADDRESS``; without
+one it starts a local Ray instance). ``--data`` is a prepared dataset
+(``raypipe prepare``): a local path, prepared from the Python standard library
+if missing, or an ``s3://`` / ``gs://`` URI read through ``pyarrow.fs``. The
+first and last stages read it themselves, so on a multi-node cluster a local
+path must exist on every node (use a URI or a shared filesystem).
+
+``--steps`` is the run's total: by default the job resumes from the newest
+complete checkpoint in ``--checkpoint-dir`` and trains the steps still missing,
+so a retried job (KubeRay ``backoffLimit``) continues where it stopped.
+Without a progress bar (not a terminal, or ``--no-progress``) it prints one
+line per step, for job logs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from raypipe.models.llama import get_config  # noqa: E402
+from raypipe.result import StepResult  # noqa: E402
+from raypipe.run import RunConfig, train  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The defaults of one kind of run; every field but ``model`` and ``use_gpu`` has a flag."""
+
+    model: str
+    use_gpu: bool
+    stages: int
+    micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    steps: int
+    precision: str
+    checkpoint: str  # activation checkpointing mode
+    learning_rate: float
+    eval_every: int
+    checkpoint_every: int
+    placement_timeout: float  # seconds
+
+
+PRESETS = {
+    # 8 x 80 GB GPUs: bf16 weights, grads and AdamW state of ~6.7e9 parameters
+    # are ~13 GB per stage; activation checkpointing keeps 32 micro-batches of
+    # stage inputs instead of whole graphs. GPU nodes may take minutes to be
+    # added by the autoscaler, hence the long placement timeout.
+    "7b": Preset(model="llama-7b", use_gpu=True, stages=8, micro_batches=32, micro_batch_size=1, seq_len=2048,
+                 steps=1000, precision="bf16", checkpoint="always", learning_rate=3e-4, eval_every=100,
+                 checkpoint_every=100, placement_timeout=900.0),
+    # the same code path on CPU, small enough for CI
+    "tiny": Preset(model="tiny", use_gpu=False, stages=2, micro_batches=4, micro_batch_size=4, seq_len=256,
+                   steps=20, precision="bf16", checkpoint="always", learning_rate=3e-3, eval_every=0,
+                   checkpoint_every=0, placement_timeout=60.0),
+}
+DEFAULT_DATA_SEQ_LEN = 256  # data/stdlib holds sequences of this length (jobs/train_tiny.py uses it too)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The job's flags; those left unset take the preset's values (see :func:`apply_preset`)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="7b",
+                        help="7b: llama-7b, bf16, one GPU per stage; tiny: the tiny model on CPU (default: 7b)")
+    parser.add_argument("--stages", type=int, help="pipeline stages, one GPU each with the 7b preset (7b: 8)")
+    parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step (7b: 32)")
+    parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
+    parser.add_argument("--steps", type=int, help="total optimizer steps of the run, resumed steps included (7b: 1000)")
+    parser.add_argument("--learning-rate", type=float, help="AdamW learning rate (7b: 3e-4)")
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="(default: bf16)")
+    parser.add_argument("--checkpoint", choices=["always", "except_last", "never"],
+                        help="activation checkpointing mode (default: always)")
+    parser.add_argument("--eval-every", type=int, help="validation loss every N steps; 0: at the end only")
+    parser.add_argument("--data", help="prepared dataset: local path (prepared from the Python stdlib if "
+                                       "missing) or s3:// / gs:// URI (default: data/stdlib[-SEQ_LEN])")
+    parser.add_argument("--checkpoint-dir", help="checkpoints, local or s3:// / gs:// (default: OUT/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end) (7b: 100)")
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                        help="continue from the newest complete checkpoint in --checkpoint-dir (default: on)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics server listens on; 0.0.0.0 to be scraped from outside the pod")
+    parser.add_argument("--placement-timeout", type=float,
+                        help="seconds to wait for the stages' resources, e.g. while the autoscaler adds GPU nodes")
+    parser.add_argument("--out", help="summary.json, loss.png, trace.json, timeline.png (default: runs/train_7b-PRESET)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bar instead of a line per step (default: when stdout is a terminal)")
+    args = parser.parse_args(argv)
+    apply_preset(args)
+    _check(parser, args)
+    return args
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill the flags left unset from ``PRESETS[args.preset]`` and derive the default paths."""
+    preset = PRESETS[args.preset]
+    for name, value in asdict(preset).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.data is None:
+        suffix = "" if args.seq_len == DEFAULT_DATA_SEQ_LEN else f"-{args.seq_len}"
+        args.data = f"data/stdlib{suffix}"
+    if args.out is None:
+        args.out = f"runs/train_7b-{args.preset}"
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = str(Path(args.out) / "checkpoints")
+    if args.progress is None:
+        args.progress = sys.stdout.isatty()
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("stages", "micro_batches", "micro_batch_size", "seq_len", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("eval_every", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    max_seq_len = get_config(args.model).max_seq_len
+    if args.seq_len > max_seq_len:
+        parser.error(f"--seq-len {args.seq_len} exceeds the max_seq_len of {args.model} ({max_seq_len})")
+    if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
+        parser.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
+    if not args.placement_timeout > 0:
+        parser.error(f"--placement-timeout must be > 0 seconds, got {args.placement_timeout}")
+
+
+def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
+    """The shared run config of these flags, training ``steps`` steps in this invocation."""
+    return RunConfig(
+        model=args.model, data=args.data, seq_len=args.seq_len, steps=steps,
+        micro_batch_size=args.micro_batch_size, learning_rate=args.learning_rate,
+        eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, progress=args.progress,
+        pipeline={"num_stages": args.stages, "num_micro_batches": args.micro_batches,
+                  "precision": args.precision, "checkpoint": args.checkpoint, "use_gpu": args.use_gpu,
+                  "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
+                  "metrics_port": args.metrics_port, "metrics_host": args.metrics_host})
+
+
+def completed_steps(args: argparse.Namespace) -> int:
+    """Steps already trained: the newest complete checkpoint's step when resuming, else 0."""
+    if not args.resume:
+        return 0
+    from raypipe.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(args.checkpoint_dir) or 0
+
+
+def format_step(result: StepResult, total_steps: int) -> str:
+    """One log line per step: ``step 3/1000 loss 4.1234 grad_norm 0.81 tokens/s 1,234 time 0.52s``."""
+    line = (f"step {result.step + 1}/{total_steps} loss {result.loss:.4f} grad_norm {result.grad_norm:.3g} "
+            f"tokens/s {result.tokens_per_second:,.0f} time {result.step_time:.2f}s")
+    if result.mfu is not None:
+        line += f" mfu {result.mfu:.1%}"
+    if result.eval_loss is not None and not math.isnan(result.eval_loss):
+        line += f" eval_loss {result.eval_loss:.4f}"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    done = completed_steps(args)
+    if done >= args.steps:
+        print(f"nothing to do: {args.checkpoint_dir} holds step {done} of --steps {args.steps}")
+        return 0
+    if done:
+        print(f"resuming from the checkpoint of step {done} in {args.checkpoint_dir}")
+    print(f"training {args.model} for steps {done + 1}..{args.steps}: {args.stages} stages "
+          f"({'one GPU' if args.use_gpu else 'one CPU'} each), {args.micro_batches} micro-batches of "
+          f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, checkpoint={args.checkpoint}, "
+          f"data {args.data}", flush=True)
+
+    def log_step(result: StepResult) -> None:
+        print(format_step(result, args.steps), flush=True)
+
+    summary = train(run_config(args, args.steps - done), callback=None if args.progress else log_step)
+    shown = {k: summary[k] for k in ("num_parameters", "steps", "initial_loss", "final_loss", "final_eval_loss",
+                                     "tokens_per_second")}
+    print(json.dumps(shown, indent=2))
+    print(f"outputs in {args.out}; checkpoints in {summary['checkpoint_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
