@@ -269,8 +269,6 @@ def test_tiny_model_learns_a_repeated_sequence():
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_flash_attn_path_matches_sdpa(dtype, kv_heads):
     pytest.importorskip("flash_attn")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from raypipe.models import llama
 
     assert llama._flash_attn_func is not None
@@ -289,8 +287,6 @@ def test_flash_attn_path_matches_sdpa(dtype, kv_heads):
 @pytest.mark.gpu
 def test_block_on_cuda_bf16_uses_flash_and_trains():
     pytest.importorskip("flash_attn")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     torch.manual_seed(0)
     block = LlamaBlock(tiny(), 0).cuda().to(torch.bfloat16)
     x = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -16,6 +16,11 @@ from raypipe.precision import LossScaler
 from raypipe.stage import StageWorker
 from tests.reference import make_mlp
 
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3)
+
+
 # -- LossScaler (no Ray) --------------------------------------------------------
 
 
@@ -197,7 +202,6 @@ def test_overflow_in_one_stage_skips_the_step_on_every_stage(ray_cluster, tmp_pa
     config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=2, balance=[2, 2, 2], precision="fp16",
                                     initial_loss_scale=scale, growth_interval=2, use_gpu=False)
     generator = torch.Generator().manual_seed(0)
-    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     with raypipe.PipelineTrainer(poisonable_model(), nn.functional.mse_loss, adamw, config) as trainer:
         first = trainer.step(*marked_batch(generator))
         assert not first.skipped and first.loss_scale == scale
@@ -266,7 +270,9 @@ def grad_scaler_reference(model, batches, num_micro_batches):
 
 
 @pytest.mark.timeout(120)
-def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster):
+@pytest.mark.parametrize("schedule, checkpoint", [("gpipe", "never"), ("1f1b", "always")])
+def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster, schedule, checkpoint):
+    # "always" re-runs each forward under autocast in backward: it must round the same way
     model = make_mlp()
     reference = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(1)
@@ -274,7 +280,8 @@ def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster):
                for _ in range(FP16_STEPS)]
     expected = grad_scaler_reference(reference, batches, 3)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, precision="fp16", clip_grad_norm=FP16_CLIP,
-                                    initial_loss_scale=FP16_SCALE, growth_interval=2, use_gpu=False)
+                                    initial_loss_scale=FP16_SCALE, growth_interval=2, use_gpu=False,
+                                    schedule=schedule, checkpoint=checkpoint)
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, sgd, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
         params = trainer.state_dict()
@@ -313,10 +320,6 @@ def llama_batch():
     start = torch.randint(0, LLAMA.vocab_size, (8, 1), generator=generator)
     tokens = (start + torch.arange(LLAMA.max_seq_len + 1) * 3) % LLAMA.vocab_size
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=3e-3)
 
 
 def fp32_reference(state_dict, inputs, targets, num_micro_batches):

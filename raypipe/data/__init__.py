@@ -11,15 +11,9 @@ replica)`` come from a seeded permutation of the split per epoch, so any
 process computes the same batch from the same arguments and a restart resumes
 exactly from :meth:`TokenDataset.state_dict`.
 """
+from raypipe.data.corpus import corpus_files, stdlib_corpus_files
 from raypipe.data.dataset import TokenDataset
-from raypipe.data.prepare import (
-                                  add_prepare_arguments,
-                                  corpus_files,
-                                  ensure_prepared,
-                                  prepare,
-                                  run_prepare,
-                                  stdlib_corpus_files,
-)
+from raypipe.data.prepare import add_prepare_arguments, ensure_prepared, prepare, run_prepare
 from raypipe.data.shards import COLUMN, FORMAT, MANIFEST, SPLITS, VERSION, read_manifest
 
 __all__ = ["TokenDataset", "add_prepare_arguments", "corpus_files", "ensure_prepared", "prepare", "run_prepare",
