@@ -74,9 +74,8 @@ def pippy_worker(rank: int, port: int, args: argparse.Namespace, commands: list,
         module = stage_blocks(build_model(), rank)
         optimizer = make_optimizer(args.optimizer)(list(module.parameters()))
         inputs, targets = make_batch(args.batch_size)
-        micro = inputs.shape[0] // args.micro_batches
-        stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"),
-                              input_args=(torch.empty(micro, WIDTH),), output_args=(torch.empty(micro, WIDTH),))
+        # Shapes are inferred on the first (warm-up) step.
+        stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"))
         schedule = ScheduleGPipe(stage, n_microbatches=args.micro_batches, loss_fn=nn.functional.mse_loss)
         last = rank == NUM_STAGES - 1
         while (count := commands[rank].get()) is not None:

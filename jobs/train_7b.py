@@ -59,9 +59,10 @@ class Preset:
 
 
 PRESETS = {
-    # 8 x 80 GB GPUs: bf16 weights, grads and AdamW state of ~6.7e9 parameters
-    # are ~13 GB per stage; activation checkpointing keeps 32 micro-batches of
-    # stage inputs instead of whole graphs. GPU nodes may take minutes to be
+    # 8 x 80 GB GPUs: a stage holds ~0.84e9 of the ~6.7e9 parameters, with fp32
+    # master weights, grads and AdamW state (16 bytes each, bf16 is autocast
+    # compute) ~13.5 GB; activation checkpointing keeps only the 32 micro-batches'
+    # stage inputs (32 MB each, fp32 at 2048 tokens). GPU nodes may take minutes to be
     # added by the autoscaler, hence the long placement timeout.
     "7b": Preset(model="llama-7b", use_gpu=True, stages=8, micro_batches=32, micro_batch_size=1, seq_len=2048,
                  steps=1000, precision="bf16", checkpoint="always", learning_rate=3e-4, eval_every=100,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ class RunConfig:
     data: str = "data/stdlib"  # prepared dataset (local path or s3:// / gs:// URI)
     prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
     steps: int = 200
+    seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     micro_batch_size: int = 4
     learning_rate: float = 3e-3
     weight_decay: float = 0.1
@@ -52,18 +54,25 @@ def llama_count_tokens(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
-def train(run: RunConfig) -> dict[str, Any]:
-    """Run the training and write summary.json, the loss curve, trace and checkpoint to ``run.out``."""
-    from raypipe.data import TokenDataset, ensure_prepared
+def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Run the training and write summary.json, the loss curve, trace and checkpoint to ``run.out``.
+
+    ``callback(result)`` is called with each step's StepResult (e.g. to log a
+    line per step where there is no progress bar).
+    """
+    from raypipe.data import TokenDataset, prepare
     from raypipe.models.llama import get_config, llama_layers, llama_loss
     from raypipe.trainer import PipelineTrainer
 
     pipeline = PipelineConfig.from_dict(run.pipeline)
     model = get_config(run.model)
-    if run.prepare_if_missing and "://" not in run.data:
-        ensure_prepared(run.data, seq_len=model.max_seq_len)
+    seq_len = _seq_len(run.seq_len, model.max_seq_len)
+    if run.prepare_if_missing and "://" not in run.data and not (Path(run.data) / "manifest.json").exists():
+        # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
+        prepare(run.data, seq_len=seq_len)
     datasets = [TokenDataset(run.data, split, run.micro_batch_size, pipeline.num_micro_batches,
                              seed=pipeline.seed, vocab_size=model.vocab_size) for split in ("train", "validation")]
+    _check_dataset_seq_len(run.data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
@@ -75,10 +84,28 @@ def train(run: RunConfig) -> dict[str, Any]:
             datasets[0].load_state_dict(extra["dataset"])
         results = trainer.fit(datasets[0], run.steps, validation=datasets[1], eval_every=run.eval_every,
                               eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
-                              checkpoint_every=run.checkpoint_every, progress=run.progress)
+                              checkpoint_every=run.checkpoint_every, progress=run.progress, callback=callback)
     summary = _summary(run, results, trainer.num_parameters, checkpoint_dir)
     _write_outputs(out, results, summary)
     return summary
+
+
+def _seq_len(requested: int | None, max_seq_len: int) -> int:
+    if requested is None:
+        return max_seq_len
+    if isinstance(requested, bool) or not isinstance(requested, int) or not 1 <= requested <= max_seq_len:
+        raise ValueError(f"seq_len={requested!r}: must be an int in 1..{max_seq_len} (the model's max_seq_len)")
+    return requested
+
+
+def _check_dataset_seq_len(data: str, found: int, requested: int | None, max_seq_len: int) -> None:
+    """Rows are read whole, so the dataset must hold the requested length (or, if none, fit the model)."""
+    if requested is not None and found != requested:
+        raise ValueError(f"dataset {data} holds sequences of {found} tokens, the run asks for seq_len={requested}: "
+                         f"prepare it with `raypipe prepare --seq-len {requested}`")
+    if found > max_seq_len:
+        raise ValueError(f"dataset {data} holds sequences of {found} tokens, more than the model's "
+                         f"max_seq_len={max_seq_len}: prepare it with a smaller --seq-len")
 
 
 def _adamw(learning_rate: float, weight_decay: float):
