@@ -38,12 +38,17 @@ def _train(args: argparse.Namespace) -> int:
     from raypipe.config import load_yaml
     from raypipe.run import RunConfig, train
 
-    values = load_yaml(args.config)
-    if args.steps is not None:
-        values["steps"] = args.steps
-    if args.out is not None:
-        values["out"] = args.out
-    summary = train(RunConfig.from_dict(values))
+    try:
+        values = load_yaml(args.config)
+        if args.steps is not None:
+            values["steps"] = args.steps
+        if args.out is not None:
+            values["out"] = args.out
+        run = RunConfig.from_dict(values)
+    except ValueError as error:  # ConfigError included
+        print(f"raypipe train: error in {args.config}: {error}", file=sys.stderr)
+        return 2
+    summary = train(run)
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2))
     return 0
 

@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from raypipe.checkpoint import latest_checkpoint, read_manifest
 from raypipe.data import prepare
@@ -206,3 +207,24 @@ def test_train_7b_tiny_preset_through_ray_job_submit(ray_head, dataset, tmp_path
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "tiny" and summary["steps"] == 3
     assert summary["pipeline"]["num_stages"] == 2 and summary["pipeline"]["use_gpu"] is False
+
+
+def test_raypipe_train_runs_a_yaml_config(dataset, tmp_path):
+    config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    config.update(data=str(dataset), steps=3, eval_every=3, progress=False)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    completed = subprocess.run([sys.executable, "-m", "raypipe.cli", "train", "--config", str(path), "--out", str(out)],
+                               cwd=REPO, env=_own_ray_env(), capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_loss"] < summary["initial_loss"]
+
+
+def test_raypipe_train_names_a_bad_config_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: tiny\nstepz: 3\n")
+    completed = subprocess.run([sys.executable, "-m", "raypipe.cli", "train", "--config", str(path)],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode != 0 and "stepz" in completed.stderr
