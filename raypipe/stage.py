@@ -180,6 +180,13 @@ class StageWorker:
             p.grad = None
         self.store.clear()
 
+    def abort_step(self) -> None:
+        """Drop a failed step's partial state: kept activations, gradients, timings."""
+        self.store.clear()
+        for parameter in self.layers.parameters():
+            parameter.grad = None
+        self._events.clear()
+
     @_stage_op("eval", timed=False)
     def evaluate(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
                  loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:

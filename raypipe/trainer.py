@@ -183,15 +183,16 @@ class PipelineTrainer:
             else:
                 grad = None if stage == last else backward[(stage + 1, mb)]
                 backward[(stage, mb)] = actor.backward.remote(mb, grad, scale if stage == last else 1.0)
-        self._pending_backward = list(backward.values())
+        # stage 0's backward results depend on every other backward: waiting on them surfaces any failure
+        self._first_stage_backward = [ref for (stage, _), ref in backward.items() if stage == 0]
         return [forward[(last, mb)] for mb in range(self.config.num_micro_batches)]
 
     def _finish_step(self, loss_refs: list, start: float, num_samples: int, num_tokens: int) -> StepResult:
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
         stat_refs = [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
         losses = self._get(loss_refs)
+        self._get(self._first_stage_backward)
         stats = self._get(stat_refs)
-        self._pending_backward = []
         grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
         found_inf = any(s[1] for s in stats)
         max_norm = self.config.clip_grad_norm
@@ -219,10 +220,15 @@ class PipelineTrainer:
         return peak_flops_for_device(self.device_name)
 
     def _get(self, refs: list) -> list:
-        """``ray.get`` that turns stage failures into :class:`StageError` on the driver."""
+        """``ray.get`` that turns stage failures into :class:`StageError` on the driver.
+
+        After a failed op the stages drop the step's partial state (kept
+        activations, accumulated gradients), so the trainer stays usable.
+        """
         try:
             return ray.get(refs)
         except ray.exceptions.RayTaskError as error:
+            self._abort_step()
             cause = error.cause
             if isinstance(cause, StageError):
                 raise StageError(cause.stage, cause.op, cause.micro_batch, cause.message,
@@ -230,6 +236,12 @@ class PipelineTrainer:
             raise RaypipeError(f"a stage task failed: {error}") from error
         except ray.exceptions.RayActorError as error:
             raise RaypipeError(f"stage {self._stage_of(error)} died: {error}") from error
+
+    def _abort_step(self) -> None:
+        try:
+            ray.get([actor.abort_step.remote() for actor in self._actors])
+        except ray.exceptions.RayError:
+            pass  # a dead stage is reported by the original error
 
     def _stage_of(self, error: Exception) -> int | str:
         actor_id = getattr(error, "actor_id", None)

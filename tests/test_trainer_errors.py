@@ -5,6 +5,7 @@ from torch import nn
 
 import raypipe
 from raypipe import ConfigError, PlacementError, StageError
+from tests.reference import assert_parameters_match, reference_step
 
 
 class FailOnNegativeFirst(nn.Module):
@@ -34,6 +35,42 @@ def test_stage_failure_names_stage_micro_batch_and_op_with_cause(ray_cluster):
         assert "stage 1, op F, micro-batch 2" in str(error.value)
         assert isinstance(error.value.__cause__, ValueError)
         assert "negative sample" in str(error.value.__cause__)
+        # the failed step left nothing behind: the next clean step is exactly a fresh one
+        x[4, 0] = 1.0
+        y = torch.ones(6, 2)
+        reference = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2))
+        reference.load_state_dict({k: v for k, v in trainer.state_dict().items()})
+        loss, norm = reference_step(reference, sgd(reference.parameters()), nn.functional.mse_loss, x, y, 3)
+        result = trainer.step(x, y)
+        assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-6), pytest.approx(norm, rel=1e-6))
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("backward blew up")
+
+
+class FailInBackward(nn.Module):
+    def forward(self, x):
+        return _FailingBackward.apply(x)
+
+
+def test_backward_failure_is_reported_not_swallowed(ray_cluster):
+    layers = [nn.Linear(4, 4), FailInBackward(), nn.Linear(4, 2)]
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1])
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, sgd, config) as trainer:
+        before = trainer.state_dict()
+        with pytest.raises(StageError) as error:
+            trainer.step(torch.ones(4, 4), torch.zeros(4, 2))
+        assert (error.value.stage, error.value.op) == (0, "B")
+        assert isinstance(error.value.__cause__, FloatingPointError)
+        assert_parameters_match(trainer.state_dict(), before, rtol=0, atol=0)  # no stage stepped
 
 
 def test_batch_smaller_than_micro_batches_is_rejected_before_submitting(ray_cluster):
