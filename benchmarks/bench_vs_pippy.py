@@ -142,9 +142,12 @@ class RaypipeRunner:
 
         import raypipe
 
-        ray.init(num_cpus=NUM_STAGES, include_dashboard=False, logging_level="WARNING")
+        # Objects up to max_direct_call_object_size (Ray's default: 100 KiB) travel inline in
+        # task replies; larger ones go through the plasma object store (~1 ms per put+get here).
+        system_config = {"max_direct_call_object_size": args.inline_bytes} if args.inline_bytes else {}
+        ray.init(num_cpus=NUM_STAGES, include_dashboard=False, logging_level="WARNING", _system_config=system_config)
         config = raypipe.PipelineConfig(num_stages=NUM_STAGES, num_micro_batches=args.micro_batches,
-                                        balance=[NUM_BLOCKS // NUM_STAGES] * NUM_STAGES)
+                                        balance=[NUM_BLOCKS // NUM_STAGES] * NUM_STAGES, transport=args.transport)
         self.trainer = raypipe.PipelineTrainer(build_model(), nn.MSELoss(), optimizer=make_optimizer(args.optimizer),
                                                config=config)
         self.inputs, self.targets = make_batch(args.batch_size)
@@ -173,6 +176,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--transport", choices=("object_store", "gloo"), default="object_store",
+                        help="raypipe's stage-to-stage transport (default object_store)")
+    parser.add_argument("--inline-bytes", type=int, default=None,
+                        help="Ray's max_direct_call_object_size for the local Ray instance "
+                             "(default: Ray's own, 100 KiB); e.g. 1048576 inlines 128 KiB activations")
     return parser.parse_args()
 
 
@@ -181,7 +189,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"{NUM_BLOCKS} blocks {WIDTH}->{HIDDEN}->{WIDTH}, {NUM_STAGES} stages, m={args.micro_batches}, "
-          f"batch {args.batch_size}, {args.optimizer}")
+          f"batch {args.batch_size}, {args.optimizer}; raypipe transport {args.transport}, "
+          f"max_direct_call_object_size {args.inline_bytes or 'Ray default'}")
     pippy = PippyRunner(args)
     raypipe_runner = RaypipeRunner(args)
     try:

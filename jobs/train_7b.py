@@ -85,7 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
     parser.add_argument("--steps", type=int, help="total optimizer steps of the run, resumed steps included (7b: 1000)")
-    parser.add_argument("--learning-rate", type=float, help="AdamW learning rate (7b: 3e-4)")
+    parser.add_argument("--learning-rate", type=float, help="AdamW peak learning rate (7b: 3e-4)")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="linear warm-up steps, then cosine decay over --steps (default: 10%% of --steps)")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="(default: bf16)")
     parser.add_argument("--checkpoint", choices=["always", "except_last", "never"],
                         help="activation checkpointing mode (default: always)")
@@ -148,6 +150,8 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
     return RunConfig(
         model=args.model, data=args.data, seq_len=args.seq_len, steps=steps,
         micro_batch_size=args.micro_batch_size, learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
+        lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
         eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=args.progress,
         pipeline={"num_stages": args.stages, "num_micro_batches": args.micro_batches,

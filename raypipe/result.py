@@ -26,6 +26,7 @@ class StageStats:
     device_allocated_bytes: int | None = None  # CUDA only
     device_peak_bytes: int | None = None  # CUDA only
     rss_bytes: int = 0
+    learning_rate: float | None = None  # of the stage's first parameter group, after this step
 
 
 @dataclass
@@ -44,6 +45,7 @@ class StepResult:
     tokens_per_second: float = 0.0
     mfu: float | None = None
     eval_loss: float | None = None  # set by fit() on the steps it evaluates
+    learning_rate: float | None = None  # after this step (first stage's first parameter group)
     stages: list[StageStats] = field(default_factory=list)
     timeline: list[OpEvent] = field(default_factory=list)
     bubble_fraction: list[float] = field(default_factory=list)  # measured, per stage

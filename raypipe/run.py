@@ -29,6 +29,9 @@ class RunConfig:
     micro_batch_size: int = 4
     learning_rate: float = 3e-3
     weight_decay: float = 0.1
+    warmup_steps: int = 10  # linear warm-up, then cosine decay to min_lr_ratio * learning_rate
+    lr_decay_steps: int | None = None  # None: decay over ``steps``
+    min_lr_ratio: float = 0.1
     eval_every: int = 50
     eval_steps: int = 2
     out: str = "runs/tiny"
@@ -77,8 +80,9 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
     optimizer = _adamw(run.learning_rate, run.weight_decay)
+    schedule = warmup_cosine(run.warmup_steps, run.lr_decay_steps or run.steps, run.min_lr_ratio)
     with PipelineTrainer(llama_layers(model), llama_loss, optimizer, pipeline,
-                         loss_count_fn=llama_count_tokens) as trainer:
+                         loss_count_fn=llama_count_tokens, lr_scheduler=schedule) as trainer:
         if run.resume and _has_checkpoint(checkpoint_dir):
             extra = trainer.load_checkpoint(checkpoint_dir)
             datasets[0].load_state_dict(extra["dataset"])
@@ -111,6 +115,21 @@ def _check_dataset_seq_len(data: str, found: int, requested: int | None, max_seq
 def _adamw(learning_rate: float, weight_decay: float):
     def build(params):
         return torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+    return build
+
+
+def warmup_cosine(warmup_steps: int, decay_steps: int, min_ratio: float):
+    """A LambdaLR factory: linear warm-up over ``warmup_steps``, then cosine to ``min_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def build(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     return build
 

@@ -59,7 +59,7 @@ class StageWorker:
     def __init__(self, stage_index: int, num_stages: int, layers: Sequence[nn.Module | LayerSpec],
                  layer_indices: Sequence[int], optimizer_factory: Callable | None,
                  loss_fn: Callable | None, config: PipelineConfig,
-                 loss_count_fn: Callable | None = None) -> None:
+                 loss_count_fn: Callable | None = None, scheduler_factory: Callable | None = None) -> None:
         torch.set_num_threads(config.cpus_per_stage)
         self.stage_index, self.num_stages, self.config = stage_index, num_stages, config
         self.layer_indices = list(layer_indices)
@@ -69,6 +69,7 @@ class StageWorker:
         self.layers.to(self.device)
         parameters = [p for p in self.layers.parameters() if p.requires_grad]
         self.optimizer = optimizer_factory(parameters) if optimizer_factory and parameters else None
+        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer else None
         self.loss_fn = loss_fn
         self.data = StageData(loss_count_fn)
         self.store = ActivationStore(Offloader(self.device) if config.offload else None)
@@ -176,6 +177,8 @@ class StageWorker:
                 # the global norm, reduced by the driver over every stage
                 clip_grads_with_norm_(self.layers.parameters(), max_norm, torch.tensor(total_norm))
             self.optimizer.step()
+            if self.scheduler is not None:  # a skipped (overflowed) step does not advance the schedule
+                self.scheduler.step()
         for p in self.layers.parameters():
             p.grad = None
         self.store.clear()
@@ -225,8 +228,9 @@ class StageWorker:
 
         optimizer = self.optimizer_state()
         groups = optimizer.pop(-1, {})
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         return {index: write_layer(root_uri, step, index, {"model": state, "optimizer": optimizer.get(index, {}),
-                                                           **groups})
+                                                           "scheduler": scheduler, **groups})
                 for index, state in self.state_dict().items()}
 
     def load_checkpoint(self, root_uri: str, step: int) -> None:
@@ -236,9 +240,11 @@ class StageWorker:
         files = {index: read_layer(root_uri, step, index) for index in self.layer_indices}
         self.load_state_dict({index: f["model"] for index, f in files.items()})
         optimizer = {index: f["optimizer"] for index, f in files.items()}
-        if files:
-            optimizer[-1] = {"param_groups": files[self.layer_indices[0]].get("param_groups", [])}
+        first = files[self.layer_indices[0]]
+        optimizer[-1] = {"param_groups": first.get("param_groups", [])}
         self.load_optimizer_state(optimizer)
+        if self.scheduler is not None and first.get("scheduler") is not None:
+            self.scheduler.load_state_dict(first["scheduler"])
 
     # -- helpers -------------------------------------------------------------
     def _begin_step(self, step: int) -> None:
@@ -318,4 +324,5 @@ class StageWorker:
             offloaded_bytes=self.store.peak_offloaded_bytes,
             device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else None,
             device_peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            rss_bytes=rss_bytes())
+            rss_bytes=rss_bytes(),
+            learning_rate=self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)

@@ -41,4 +41,5 @@ def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: flo
         clip_coefficient=1.0 if skipped else clip_coefficient(grad_norm, max_norm),
         skipped=skipped, loss_scale=loss_scale, num_samples=num_samples, num_tokens=num_tokens,
         tokens_per_second=num_tokens / step_time if step_time > 0 else 0.0, mfu=mfu,
+        learning_rate=next((s.learning_rate for s in stages if s.learning_rate is not None), None),
         stages=stages, timeline=timeline, bubble_fraction=measured_bubble(timeline, len(stages)))

@@ -36,11 +36,14 @@ class PipelineTrainer:
     builds each stage's optimizer. ``loss_count_fn(target)`` counts what
     ``loss_fn`` averages over (default: the micro-batch's samples), so that the
     weighted sum over micro-batches is the exact global-batch mean.
+    ``lr_scheduler(optimizer)`` optionally builds each stage's scheduler, stepped
+    after every applied optimizer step (not after an fp16 overflow skip).
     """
 
     def __init__(self, model: Model, loss_fn: Callable, optimizer: Callable | None = None,
                  config: PipelineConfig | None = None, *,
-                 loss_count_fn: Callable[[torch.Tensor], int] | None = None) -> None:
+                 loss_count_fn: Callable[[torch.Tensor], int] | None = None,
+                 lr_scheduler: Callable | None = None) -> None:
         self.config = config = (config or PipelineConfig()).replace()
         layers, self._layer_names = _as_layers(model)
         config.validate(len(layers))
@@ -55,6 +58,7 @@ class PipelineTrainer:
         self._actors: list[Any] = []
         self._group = None
         self.metrics = None
+        self._lr_scheduler = lr_scheduler
         self._start_actors(layers, optimizer, loss_fn)
 
     # -- lifecycle ------------------------------------------------------------
@@ -65,7 +69,8 @@ class PipelineTrainer:
         self._group = cluster.reserve_stages(self.config)
         try:
             args = [(stage, self.config.num_stages, [layers[i] for i in indices], list(indices), optimizer,
-                     loss_fn if stage == self.config.num_stages - 1 else None, self.config, self._loss_count_fn)
+                     loss_fn if stage == self.config.num_stages - 1 else None, self.config, self._loss_count_fn,
+                     self._lr_scheduler)
                     for stage, indices in enumerate(stage_layer_ranges(self.balance))]
             self._actors = cluster.create_actors(self._transport.actor_class(), self._group, self.config, args)
             infos = self._get([actor.ready.remote() for actor in self._actors])

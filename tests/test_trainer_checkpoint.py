@@ -1,0 +1,71 @@
+"""A checkpoint restores weights, optimizer and LR-schedule state into any partition."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import raypipe
+from tests.reference import assert_parameters_match, make_mlp
+
+STEPS = 4
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def warmup(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+
+
+def batches():
+    generator = torch.Generator().manual_seed(5)
+    return [(torch.randn(12, 8, generator=generator), torch.randn(12, 4, generator=generator)) for _ in range(STEPS)]
+
+
+def test_lr_schedule_matches_single_process(ray_cluster):
+    model = make_mlp()
+    reference = copy.deepcopy(model)
+    optimizer = adamw(reference.parameters())
+    scheduler = warmup(optimizer)
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3)
+    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config, lr_scheduler=warmup) as trainer:
+        for x, y in batches():
+            result = trainer.step(x, y)
+            for xm, ym in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3)):
+                (nn.functional.mse_loss(reference(xm), ym) * xm.shape[0] / 12).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            assert result.learning_rate == pytest.approx(optimizer.param_groups[0]["lr"])
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+
+
+def test_resume_into_another_partition_equals_an_uninterrupted_run(ray_cluster, tmp_path):
+    data = batches()
+    straight = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, balance=[2, 5])
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, straight, lr_scheduler=warmup) as trainer:
+        for x, y in data:
+            trainer.step(x, y)
+        expected = trainer.state_dict()
+
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, straight, lr_scheduler=warmup) as trainer:
+        for x, y in data[:2]:
+            trainer.step(x, y)
+        assert trainer.save_checkpoint(tmp_path, extra={"note": "half way"}) == 2
+    other_partition = raypipe.PipelineConfig(num_stages=3, num_micro_batches=3, balance=[3, 2, 2])
+    with raypipe.PipelineTrainer(make_mlp(seed=99), nn.functional.mse_loss, adamw, other_partition,
+                                 lr_scheduler=warmup) as trainer:
+        extra = trainer.load_checkpoint(tmp_path)
+        assert extra["note"] == "half way" and trainer.step_count == 2
+        for x, y in data[2:]:
+            trainer.step(x, y)
+        assert_parameters_match(trainer.state_dict(), expected)
+
+
+def test_loading_without_a_checkpoint_names_the_directory(ray_cluster, tmp_path):
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
+    with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, adamw, config) as trainer:
+        with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+            trainer.load_checkpoint(tmp_path)
