@@ -1,8 +1,10 @@
 """Offload of kept stage inputs to Ray's object store.
 
-On CPU the object store itself holds the tensor. On CUDA the tensor is first
-copied to pinned host memory on a side stream, so the copy overlaps compute;
-``prefetch`` starts the copy back to the device ahead of the backward that
+On CPU the object store itself holds the tensor. On CUDA the tensor is copied
+to pinned host memory on a side stream, so the copy overlaps the next
+micro-batch's compute; it enters the object store once the copy has finished
+(checked without blocking at every later offloader call). ``prefetch`` starts
+the copy back to the device on the side stream ahead of the backward that
 needs it.
 """
 from __future__ import annotations
@@ -16,12 +18,13 @@ import torch
 
 @dataclass
 class OffloadedTensor:
-    """A kept tensor living in the object store (``ref``) until fetched back."""
+    """A kept tensor off the device: in the object store (``ref``), or still
+    being copied to pinned host memory (``host`` with its ``copied`` event)."""
 
-    ref: Any
     nbytes: int
-    device: torch.device
-    ready: torch.cuda.Event | None = None
+    ref: Any = None
+    host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
 
 
 class Offloader:
@@ -30,30 +33,36 @@ class Offloader:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copying: list[OffloadedTensor] = []
         self._prefetched: dict[int, torch.Tensor] = {}
 
     def put(self, tensor: torch.Tensor) -> OffloadedTensor:
         nbytes = tensor.numel() * tensor.element_size()
         if self._stream is None:
-            return OffloadedTensor(ray.put(tensor.detach()), nbytes, tensor.device)
+            return OffloadedTensor(nbytes, ref=ray.put(tensor.detach()))
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             host.copy_(tensor.detach(), non_blocking=True)
-            tensor.record_stream(self._stream)
-        self._stream.synchronize()
-        return OffloadedTensor(ray.put(host), nbytes, tensor.device)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        tensor.record_stream(self._stream)  # keep the device buffer until the copy has read it
+        offloaded = OffloadedTensor(nbytes, host=host, copied=copied)
+        self._copying.append(offloaded)
+        self._store_finished_copies()
+        return offloaded
 
     def prefetch(self, key: int, offloaded: OffloadedTensor) -> None:
         """Start bringing ``offloaded`` back to the device (CUDA: on the side stream)."""
         if key in self._prefetched:
             return
-        host = ray.get(offloaded.ref)
+        self._store_finished_copies()
         if self._stream is None:
-            self._prefetched[key] = host.clone()  # the store's buffer is read-only
+            self._prefetched[key] = ray.get(offloaded.ref).clone()  # the store's buffer is read-only
             return
+        host = offloaded.host if offloaded.host is not None else ray.get(offloaded.ref).pin_memory()
         with torch.cuda.stream(self._stream):
-            self._prefetched[key] = host.pin_memory().to(self.device, non_blocking=True)
+            self._prefetched[key] = host.to(self.device, non_blocking=True)
 
     def get(self, key: int, offloaded: OffloadedTensor) -> torch.Tensor:
         """The tensor back on its device, waiting for a prefetch when one is running."""
@@ -63,3 +72,13 @@ class Offloader:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             tensor.record_stream(torch.cuda.current_stream(self.device))
         return tensor
+
+    def _store_finished_copies(self) -> None:
+        """Hand host copies whose device-to-host transfer is done to the object store."""
+        still_copying = []
+        for offloaded in self._copying:
+            if offloaded.copied.query():
+                offloaded.ref, offloaded.host = ray.put(offloaded.host), None
+            else:
+                still_copying.append(offloaded)
+        self._copying = still_copying
