@@ -8,11 +8,14 @@ is ``StepResult.bubble_fraction``: 1 - (the stage's F/B busy time) / (the step's
 F/B window, first F start to last B end). Theory: (p-1)/(m+p-1).
 
 The model is 8 blocks of Linear 512->2048, GELU, Linear 2048->512 (4 per
-stage) on micro-batches of 128 rows: about 30 ms per forward and 70 ms per
-backward on one thread, so the ~0.6 ms per actor task and the ~1 ms hop
-between stages are small next to an op. Target: within 5 percentage points.
+stage) on micro-batches of 512 rows: about 120 ms per forward and 240 ms per
+backward on one thread. That keeps the fixed costs small next to an op: on a
+2-core machine an actor task whose result is a tensor costs 2-4 ms between ops
+on the same stage and a stage-to-stage hop 3-5 ms, and both count as idle time
+(with 128-row micro-batches they alone add ~5 points at m=16).
+Target: within 5 percentage points.
 
-    python benchmarks/bench_bubble.py --rounds 4 --steps 2
+    python benchmarks/bench_bubble.py --rounds 3 --steps 2
 """
 from __future__ import annotations
 
@@ -49,11 +52,11 @@ def make_trainer(num_micro_batches: int) -> raypipe.PipelineTrainer:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps per m per round (default 2)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per m first (default 1)")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--micro-batch-size", type=int, default=128, help="rows per micro-batch (default 128)")
+    parser.add_argument("--micro-batch-size", type=int, default=512, help="rows per micro-batch (default 512)")
     return parser.parse_args()
 
 

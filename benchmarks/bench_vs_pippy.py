@@ -50,7 +50,7 @@ def make_batch(batch_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tens
 
 
 def make_optimizer(name: str, lr: float = 1e-3):
-    """An optimizer factory (a named function, so Ray can ship it to the stages)."""
+    """The optimizer factory both sides use: ``factory(params) -> torch.optim.Optimizer``."""
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=lr)
     if name == "adamw":
