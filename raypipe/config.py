@@ -11,7 +11,7 @@ from raypipe.schedule import SCHEDULES
 
 CHECKPOINT_MODES = ("never", "always", "except_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
-TRANSPORTS = ("object_store", "gloo", "nccl")
+TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
 
 
 @dataclass
@@ -33,7 +33,8 @@ class PipelineConfig:
     clip_grad_value: float | None = None
     precision: str = "fp32"
     balance: list[int] | None = None  # layers per stage; None = balanced by parameters
-    transport: str = "object_store"
+    transport: str = "object_store"  # "p2p": one task per stage per step, direct sends (see raypipe.p2p)
+    p2p_timeout_s: float = 300.0  # a p2p receive waiting longer than this fails the step
     use_gpu: bool | None = None  # None: use a GPU per stage when the cluster has GPUs
     cpus_per_stage: int = 1
     placement_timeout_s: float = 60.0

@@ -55,6 +55,7 @@ class PipelineTrainer:
         self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
                                  min_scale=config.min_loss_scale) if config.precision == "fp16" else None
         self.step_count = 0
+        self._broken = False
         self._actors: list[Any] = []
         self._group = None
         self.metrics = None
@@ -65,7 +66,7 @@ class PipelineTrainer:
     def _start_actors(self, layers: list, optimizer: Callable | None, loss_fn: Callable) -> None:
         cluster.connect(self.config.ray_address)
         self.config.use_gpu = cluster.resolve_use_gpu(self.config)
-        self._transport = make_transport(self.config.transport)
+        self._transport = make_transport(self.config.transport, self.config.p2p_timeout_s)
         self._group = cluster.reserve_stages(self.config)
         try:
             args = [(stage, self.config.num_stages, [layers[i] for i in indices], list(indices), optimizer,
@@ -96,7 +97,7 @@ class PipelineTrainer:
 
     def shutdown(self) -> None:
         """Free the stage actors, the placement group and the metrics server."""
-        if self._actors:
+        if self._actors and not self._broken:
             self._transport.close(self._actors)
         cluster.release(self._actors, self._group)
         self._actors, self._group = [], None
@@ -119,6 +120,7 @@ class PipelineTrainer:
         differ in shape, e.g. sequence length).
         """
         start = time.time()
+        self._check_usable()
         input_refs, target_refs, weights = self._split(inputs, targets)
         loss_refs = self._submit("forward", input_refs, target_refs, weights)
         parts = targets if isinstance(targets, (list, tuple)) else [targets]
@@ -130,6 +132,7 @@ class PipelineTrainer:
         """One optimizer step whose micro-batches the first and last stages read
         themselves (``(step, micro_batch)`` of the datasets given to :meth:`attach_datasets`)."""
         start = time.time()
+        self._check_usable()
         none = [None] * self.config.num_micro_batches
         loss_refs = self._submit("forward", none, none, none, data_step=step)
         return self._finish_step(loss_refs, start, num_samples, num_tokens)
@@ -173,12 +176,14 @@ class PipelineTrainer:
         """Submit every stage's ops in schedule order; return the last stage's loss refs."""
         step = self.step_count if data_step is None else data_step
         last = self.config.num_stages - 1
+        scale = self.scaler.scale if self.scaler else 1.0
+        if method == "forward" and self._transport.whole_step:
+            return self._submit_whole_step(step, input_refs, target_refs, weights, scale)
         if method == "evaluate":
             order = [(stage, op) for op in self.schedule[0] if op.kind == "F" for stage in range(last + 1)]
         else:
             order = self._order
         forward, backward = {}, {}
-        scale = self.scaler.scale if self.scaler else 1.0
         for stage, op in order:
             actor, mb = self._actors[stage], op.micro_batch
             if op.kind == "F":
@@ -189,19 +194,38 @@ class PipelineTrainer:
                 grad = None if stage == last else backward[(stage + 1, mb)]
                 backward[(stage, mb)] = actor.backward.remote(mb, grad, scale if stage == last else 1.0)
         # stage 0's backward results depend on every other backward: waiting on them surfaces any failure
-        self._first_stage_backward = [ref for (stage, _), ref in backward.items() if stage == 0]
+        self._first_stage_done = [ref for (stage, _), ref in backward.items() if stage == 0][-1:]
         return [forward[(last, mb)] for mb in range(self.config.num_micro_batches)]
+
+    def _submit_whole_step(self, step: int, input_refs: list, target_refs: list, weights: list,
+                           scale: float) -> list:
+        """p2p: one ``run_step`` task per stage; only the last returns (the step's loss)."""
+        last = self.config.num_stages - 1
+        refs = [actor.run_step.remote(step, input_refs if stage == 0 else None,
+                                      target_refs if stage == last else None,
+                                      weights if stage == last else None, scale)
+                for stage, actor in enumerate(self._actors)]
+        self._first_stage_done = refs[:1]
+        return refs[-1:]
 
     def _finish_step(self, loss_refs: list, start: float, num_samples: int, num_tokens: int) -> StepResult:
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
         stat_refs = [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
+        max_norm = self.config.clip_grad_norm
+        needs_global_decision = max_norm is not None or self.scaler is not None
+        if not needs_global_decision:
+            # Nothing to reduce first: step right away, saving a driver round trip. Each
+            # apply depends on stage 0's last backward, which depends on every other
+            # backward, so a failure anywhere in the step keeps every stage from stepping.
+            apply_refs = self._submit_apply(None, 0.0, False)
         losses = self._get(loss_refs)
-        self._get(self._first_stage_backward)
+        self._get(self._first_stage_done)
         stats = self._get(stat_refs)
         grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
         found_inf = any(s[1] for s in stats)
-        max_norm = self.config.clip_grad_norm
-        reports = self._get([a.apply.remote(max_norm, grad_norm, found_inf) for a in self._actors])
+        if needs_global_decision:
+            apply_refs = self._submit_apply(max_norm, grad_norm, found_inf)
+        reports = self._get(apply_refs)
         loss_scale = self.scaler.scale if self.scaler else None
         if self.scaler:
             self.scaler.update(found_inf)
@@ -214,6 +238,14 @@ class PipelineTrainer:
         if self.metrics is not None:
             self.metrics.record_step(result)
         return result
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise RaypipeError("a stage failed during a p2p step, so its neighbours' receives were left hanging: "
+                               "shut this trainer down and start a new one (load_checkpoint resumes)")
+
+    def _submit_apply(self, max_norm: float | None, total_norm: float, skip: bool) -> list:
+        return [a.apply.remote(max_norm, total_norm, skip, *self._first_stage_done) for a in self._actors]
 
     def _peak_flops(self) -> float | None:
         if self.config.peak_flops_per_second is not None:
@@ -243,6 +275,11 @@ class PipelineTrainer:
             raise RaypipeError(f"stage {self._stage_of(error)} died: {error}") from error
 
     def _abort_step(self) -> None:
+        if self._transport.whole_step:
+            # p2p neighbours of the failed stage wait in a receive until p2p_timeout_s:
+            # the group cannot be trusted any more (see _check_usable)
+            self._broken = True
+            return
         try:
             ray.get([actor.abort_step.remote() for actor in self._actors])
         except ray.exceptions.RayError:

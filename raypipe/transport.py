@@ -5,7 +5,9 @@ gradient, Ray stores it and resolves the reference as the next op's argument.
 ``gloo`` / ``nccl``: Ray Direct Transport over a Ray collective group — the
 tensor stays with its producer and is sent point-to-point to the consumer
 (NCCL between GPUs; gloo between CPU processes, which lets the same code path be
-tested without GPUs). The driver is the same for all: it only wires references.
+tested without GPUs). For these the driver submits one task per op and wires
+references. ``p2p``: the per-step executor of :mod:`raypipe.p2p` — one task per
+stage per step, direct sends between neighbouring stages.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class Transport:
     """Object-store transport; the base of the collective ones."""
 
     name = "object_store"
+    whole_step = False  # True: each stage runs its whole schedule in one task (run_step)
 
     def actor_class(self) -> Any:
         """The Ray actor class whose F/B outputs travel by this transport."""
@@ -75,10 +78,37 @@ def _direct_transport_worker(backend: str) -> type:
     return DirectTransportStageWorker
 
 
-def make_transport(name: str) -> Transport:
-    """The transport called ``name``: "object_store", "gloo" or "nccl"."""
+class P2PTransport(Transport):
+    """Stages join a torch.distributed group and run whole steps (see :mod:`raypipe.p2p`)."""
+
+    name = "p2p"
+    whole_step = True
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def actor_class(self) -> Any:
+        from raypipe.p2p import P2PStageWorker
+
+        return ray.remote(P2PStageWorker)
+
+    def connect(self, actors: list[Any]) -> None:
+        address, port = ray.get(actors[0].rendezvous_address.remote())
+        ray.get([actor.join_group.remote(address, port, self.timeout_s) for actor in actors])
+
+    def close(self, actors: list[Any]) -> None:
+        try:
+            ray.get([actor.leave_group.remote() for actor in actors], timeout=30)
+        except Exception:  # noqa: BLE001 - actors may already be gone at shutdown
+            pass
+
+
+def make_transport(name: str, p2p_timeout_s: float = 300.0) -> Transport:
+    """The transport called ``name``: "object_store", "gloo", "nccl" or "p2p"."""
     if name == "object_store":
         return Transport()
+    if name == "p2p":
+        return P2PTransport(p2p_timeout_s)
     if name in ("gloo", "nccl"):
         return CollectiveTransport(name)
-    raise ValueError(f"unknown transport {name!r}: expected object_store, gloo or nccl")
+    raise ValueError(f"unknown transport {name!r}: expected object_store, gloo, nccl or p2p")
