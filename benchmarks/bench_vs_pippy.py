@@ -176,7 +176,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    parser.add_argument("--transport", choices=("object_store", "gloo"), default="object_store",
+    parser.add_argument("--transport", choices=("object_store", "gloo", "p2p"), default="object_store",
                         help="raypipe's stage-to-stage transport (default object_store)")
     parser.add_argument("--inline-bytes", type=int, default=None,
                         help="Ray's max_direct_call_object_size for the local Ray instance "

@@ -72,12 +72,15 @@ class P2PStageWorker(StageWorker):
             dist.destroy_process_group()
 
     def run_step(self, step: int, inputs: list | None, targets: list | None, weights: list | None,
-                 loss_scale: float = 1.0) -> float | None:
-        """This stage's ops of one step, in schedule order; the last stage returns the loss."""
+                 loss_scale: float = 1.0, inv_scale: float = 1.0,
+                 clip_value: float | None = None) -> dict[str, Any]:
+        """This stage's ops of one step in schedule order, then its gradient statistics.
+
+        Returns ``{"loss": weighted loss sum (last stage) or None, "grad_stats":
+        (squared norm, found_inf)}`` as :meth:`StageWorker.grad_stats` reports them.
+        """
         count = self.config.num_micro_batches
-        inputs = ray.get(inputs) if inputs and inputs[0] is not None else [None] * count
-        targets = ray.get(targets) if targets and targets[0] is not None else [None] * count
-        weights = weights or [None] * count
+        inputs, targets, weights = inputs or [None] * count, targets or [None] * count, weights or [None] * count
         loss, sends = 0.0, []
         for kind, micro_batch in self._own_ops:
             if kind == "F":
@@ -95,7 +98,7 @@ class P2PStageWorker(StageWorker):
         for works, _buffers in sends:  # the buffers stay alive until their sends complete
             for work in works:
                 work.wait()
-        return loss if self.is_last else None
+        return {"loss": loss if self.is_last else None, "grad_stats": self.grad_stats(inv_scale, clip_value)}
 
     @property
     def _header_device(self) -> torch.device:

@@ -121,8 +121,8 @@ class PipelineTrainer:
         """
         start = time.time()
         self._check_usable()
-        input_refs, target_refs, weights = self._split(inputs, targets)
-        loss_refs = self._submit("forward", input_refs, target_refs, weights)
+        input_parts, target_parts, weights = self._split(inputs, targets)
+        loss_refs = self._submit("forward", input_parts, target_parts, weights)
         parts = targets if isinstance(targets, (list, tuple)) else [targets]
         num_samples = sum(part.shape[0] for part in parts)
         num_tokens = sum(part.numel() if part.dim() > 1 else part.shape[0] for part in parts)
@@ -144,8 +144,8 @@ class PipelineTrainer:
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
-        input_refs, target_refs, weights = self._split(inputs, targets)
-        loss = sum(self._get(self._submit("evaluate", input_refs, target_refs, weights)))
+        input_parts, target_parts, weights = self._split(inputs, targets)
+        loss = sum(self._get(self._submit("evaluate", input_parts, target_parts, weights)))
         if self.metrics is not None:
             self.metrics.record_eval(loss)
         return loss
@@ -166,19 +166,23 @@ class PipelineTrainer:
 
     # -- step internals -------------------------------------------------------
     def _split(self, inputs: Batch, targets: Batch) -> tuple[list, list, list[float]]:
-        """Micro-batches (``torch.tensor_split`` sizes, or given as lists) as object refs."""
+        """Micro-batches (``torch.tensor_split`` sizes, or given as lists) and their loss weights.
+
+        They travel as task arguments: Ray inlines small ones and puts large ones
+        in the object store as it submits the task that needs them.
+        """
         input_parts, target_parts = _micro_batches(inputs, targets, self.config.num_micro_batches)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
-        return [ray.put(p) for p in input_parts], [ray.put(p) for p in target_parts], weights
+        return input_parts, target_parts, weights
 
-    def _submit(self, method: str, input_refs: list, target_refs: list, weights: list,
+    def _submit(self, method: str, input_parts: list, target_parts: list, weights: list,
                 data_step: int | None = None) -> list:
         """Submit every stage's ops in schedule order; return the last stage's loss refs."""
         step = self.step_count if data_step is None else data_step
         last = self.config.num_stages - 1
         scale = self.scaler.scale if self.scaler else 1.0
         if method == "forward" and self._transport.whole_step:
-            return self._submit_whole_step(step, input_refs, target_refs, weights, scale)
+            return self._submit_whole_step(step, input_parts, target_parts, weights, scale)
         if method == "evaluate":
             order = [(stage, op) for op in self.schedule[0] if op.kind == "F" for stage in range(last + 1)]
         else:
@@ -187,8 +191,8 @@ class PipelineTrainer:
         for stage, op in order:
             actor, mb = self._actors[stage], op.micro_batch
             if op.kind == "F":
-                x = input_refs[mb] if stage == 0 else forward[(stage - 1, mb)]
-                extra = (target_refs[mb], weights[mb]) if stage == last else (None, None)
+                x = input_parts[mb] if stage == 0 else forward[(stage - 1, mb)]
+                extra = (target_parts[mb], weights[mb]) if stage == last else (None, None)
                 forward[(stage, mb)] = getattr(actor, method).remote(mb, x, *extra, step)
             else:
                 grad = None if stage == last else backward[(stage + 1, mb)]
@@ -197,20 +201,23 @@ class PipelineTrainer:
         self._first_stage_done = [ref for (stage, _), ref in backward.items() if stage == 0][-1:]
         return [forward[(last, mb)] for mb in range(self.config.num_micro_batches)]
 
-    def _submit_whole_step(self, step: int, input_refs: list, target_refs: list, weights: list,
-                           scale: float) -> list:
-        """p2p: one ``run_step`` task per stage; only the last returns (the step's loss)."""
+    def _submit_whole_step(self, step: int, inputs: list, targets: list, weights: list, scale: float) -> list:
+        """p2p: one ``run_step`` task per stage; each returns its loss share and grad stats."""
         last = self.config.num_stages - 1
-        refs = [actor.run_step.remote(step, input_refs if stage == 0 else None,
-                                      target_refs if stage == last else None,
-                                      weights if stage == last else None, scale)
-                for stage, actor in enumerate(self._actors)]
-        self._first_stage_done = refs[:1]
-        return refs[-1:]
+        given = inputs[0] is not None  # else the stages read the datasets
+        inv_scale = 1.0 / scale
+        self._step_refs = [actor.run_step.remote(step, inputs if stage == 0 and given else None,
+                                                 targets if stage == last and given else None,
+                                                 weights if stage == last and given else None,
+                                                 scale, inv_scale, self.config.clip_grad_value)
+                           for stage, actor in enumerate(self._actors)]
+        self._first_stage_done = self._step_refs[:1]
+        return []
 
     def _finish_step(self, loss_refs: list, start: float, num_samples: int, num_tokens: int) -> StepResult:
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
-        stat_refs = [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
+        if not self._transport.whole_step:
+            stat_refs = [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
         max_norm = self.config.clip_grad_norm
         needs_global_decision = max_norm is not None or self.scaler is not None
         if not needs_global_decision:
@@ -218,9 +225,13 @@ class PipelineTrainer:
             # apply depends on stage 0's last backward, which depends on every other
             # backward, so a failure anywhere in the step keeps every stage from stepping.
             apply_refs = self._submit_apply(None, 0.0, False)
-        losses = self._get(loss_refs)
-        self._get(self._first_stage_done)
-        stats = self._get(stat_refs)
+        if self._transport.whole_step:
+            outputs = self._get(self._step_refs)
+            losses, stats = [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
+        else:
+            losses = self._get(loss_refs)
+            self._get(self._first_stage_done)
+            stats = self._get(stat_refs)
         grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
         found_inf = any(s[1] for s in stats)
         if needs_global_decision:
