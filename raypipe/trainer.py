@@ -219,7 +219,9 @@ class PipelineTrainer:
         if not self._transport.whole_step:
             stat_refs = [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
         max_norm = self.config.clip_grad_norm
-        needs_global_decision = max_norm is not None or self.scaler is not None
+        # (direct-transport results are not plain objects: don't make apply depend on one)
+        needs_global_decision = (max_norm is not None or self.scaler is not None
+                                 or self._transport.name in ("gloo", "nccl"))
         if not needs_global_decision:
             # Nothing to reduce first: step right away, saving a driver round trip. Each
             # apply depends on stage 0's last backward, which depends on every other
