@@ -226,7 +226,7 @@ class PipelineTrainer:
             # Nothing to reduce first: step right away, saving a driver round trip. Each
             # apply depends on stage 0's last backward, which depends on every other
             # backward, so a failure anywhere in the step keeps every stage from stepping.
-            apply_refs = self._submit_apply(None, 0.0, False)
+            apply_refs = self._submit_apply(None, 0.0, False, after=self._first_stage_done)
         if self._transport.whole_step:
             outputs = self._get(self._step_refs)
             losses, stats = [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
@@ -257,8 +257,8 @@ class PipelineTrainer:
             raise RaypipeError("a stage failed during a p2p step, so its neighbours' receives were left hanging: "
                                "shut this trainer down and start a new one (load_checkpoint resumes)")
 
-    def _submit_apply(self, max_norm: float | None, total_norm: float, skip: bool) -> list:
-        return [a.apply.remote(max_norm, total_norm, skip, *self._first_stage_done) for a in self._actors]
+    def _submit_apply(self, max_norm: float | None, total_norm: float, skip: bool, after: list = ()) -> list:
+        return [a.apply.remote(max_norm, total_norm, skip, *after) for a in self._actors]
 
     def _peak_flops(self) -> float | None:
         if self.config.peak_flops_per_second is not None:
