@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from raypipe.errors import ConfigError
+
 
 class LayerSpec:
     """A recipe for one pipeline layer: ``LayerSpec(cls, *args, **kwargs)``.
@@ -52,3 +54,29 @@ def build_layer(layer: nn.Module | LayerSpec, index: int, seed: int) -> nn.Modul
 
     torch.manual_seed(derive_seed(seed, "init", index))
     return layer.build()
+
+
+def model_layers(model: Any) -> tuple[list, list[str]]:
+    """The model's layers and their names (the prefixes of their state-dict keys)."""
+    if isinstance(model, nn.Sequential):
+        names = list(model._modules)
+        return [model._modules[name] for name in names], names
+    if isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__,
+                          "must be an nn.Sequential, a list of nn.Module, or a list of raypipe.LayerSpec")
+    layers = list(model)
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, (nn.Module, LayerSpec)):
+            raise ConfigError(f"model[{index}]", type(layer).__name__, "must be an nn.Module or a raypipe.LayerSpec")
+    return layers, [str(i) for i in range(len(layers))]
+
+
+def split_state_by_layer(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[int, dict]:
+    index_of = {name: index for index, name in enumerate(names)}
+    per_layer: dict[int, dict] = {index: {} for index in range(len(names))}
+    for key, value in state_dict.items():
+        prefix, _, rest = key.partition(".")
+        if prefix not in index_of or not rest:
+            raise KeyError(f"unexpected key {key!r} in state_dict: layers are named {names[:5]}...")
+        per_layer[index_of[prefix]][rest] = value
+    return per_layer

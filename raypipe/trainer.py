@@ -13,13 +13,13 @@ from torch import nn
 
 from raypipe import cluster
 from raypipe.config import PipelineConfig
-from raypipe.errors import ConfigError, RaypipeError, StageError
-from raypipe.layers import LayerSpec, layer_parameter_count
+from raypipe.errors import RaypipeError, StageError
+from raypipe.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.partition import partition_by_cost, stage_layer_ranges
 from raypipe.precision import LossScaler
 from raypipe.result import StepResult
 from raypipe.schedule import make_schedule, submission_order
-from raypipe.stage_data import count_samples, loss_weights
+from raypipe.stage_data import count_samples, loss_weights, split_micro_batches
 from raypipe.step_report import build_step_result
 from raypipe.transport import make_transport
 
@@ -45,7 +45,7 @@ class PipelineTrainer:
                  loss_count_fn: Callable[[torch.Tensor], int] | None = None,
                  lr_scheduler: Callable | None = None) -> None:
         self.config = config = (config or PipelineConfig()).replace()
-        layers, self._layer_names = _as_layers(model)
+        layers, self._layer_names = model_layers(model)
         config.validate(len(layers))
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
                                                                 config.num_stages))
@@ -171,7 +171,7 @@ class PipelineTrainer:
         They travel as task arguments: Ray inlines small ones and puts large ones
         in the object store as it submits the task that needs them.
         """
-        input_parts, target_parts = _micro_batches(inputs, targets, self.config.num_micro_batches)
+        input_parts, target_parts = split_micro_batches(inputs, targets, self.config.num_micro_batches)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
         return input_parts, target_parts, weights
 
@@ -215,28 +215,18 @@ class PipelineTrainer:
         return []
 
     def _finish_step(self, loss_refs: list, start: float, num_samples: int, num_tokens: int) -> StepResult:
-        inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
-        if not self._transport.whole_step:
-            stat_refs = [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
+        stat_refs = self._submit_grad_stats()  # before any apply: each actor runs tasks in order
         max_norm = self.config.clip_grad_norm
-        # (direct-transport results are not plain objects: don't make apply depend on one)
-        needs_global_decision = (max_norm is not None or self.scaler is not None
-                                 or self._transport.name in ("gloo", "nccl"))
-        if not needs_global_decision:
+        apply_refs = None
+        if self._can_apply_early():
             # Nothing to reduce first: step right away, saving a driver round trip. Each
             # apply depends on stage 0's last backward, which depends on every other
             # backward, so a failure anywhere in the step keeps every stage from stepping.
             apply_refs = self._submit_apply(None, 0.0, False, after=self._first_stage_done)
-        if self._transport.whole_step:
-            outputs = self._get(self._step_refs)
-            losses, stats = [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
-        else:
-            losses = self._get(loss_refs)
-            self._get(self._first_stage_done)
-            stats = self._get(stat_refs)
+        losses, stats = self._losses_and_grad_stats(loss_refs, stat_refs)
         grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
         found_inf = any(s[1] for s in stats)
-        if needs_global_decision:
+        if apply_refs is None:
             apply_refs = self._submit_apply(max_norm, grad_norm, found_inf)
         reports = self._get(apply_refs)
         loss_scale = self.scaler.scale if self.scaler else None
@@ -251,6 +241,26 @@ class PipelineTrainer:
         if self.metrics is not None:
             self.metrics.record_step(result)
         return result
+
+    def _submit_grad_stats(self) -> list:
+        if self._transport.whole_step:
+            return []  # run_step reports them
+        inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
+        return [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
+
+    def _can_apply_early(self) -> bool:
+        """No global norm to clip by and no overflow to check: stages may step at once.
+        (Not with direct-transport refs, which are not plain objects to depend on.)"""
+        return (self.config.clip_grad_norm is None and self.scaler is None
+                and self._transport.name not in ("gloo", "nccl"))
+
+    def _losses_and_grad_stats(self, loss_refs: list, stat_refs: list) -> tuple[list, list]:
+        if self._transport.whole_step:
+            outputs = self._get(self._step_refs)
+            return [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
+        losses = self._get(loss_refs)
+        self._get(self._first_stage_done)
+        return losses, self._get(stat_refs)
 
     def _check_usable(self) -> None:
         if self._broken:
@@ -316,7 +326,7 @@ class PipelineTrainer:
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Scatter a full state dict (keys as :meth:`state_dict`) to the stages."""
-        per_layer = _split_by_layer(state_dict, self._layer_names)
+        per_layer = split_state_by_layer(state_dict, self._layer_names)
         calls = []
         for actor, indices in zip(self._actors, stage_layer_ranges(self.balance)):
             calls.append(actor.load_state_dict.remote({i: per_layer[i] for i in indices}))
@@ -352,45 +362,3 @@ class PipelineTrainer:
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         return extra
-
-
-def _as_layers(model: Model) -> tuple[list, list[str]]:
-    """The model's layers and their names (the prefixes of their state-dict keys)."""
-    if isinstance(model, nn.Sequential):
-        names = list(model._modules)
-        return [model._modules[name] for name in names], names
-    if isinstance(model, nn.Module):
-        raise ConfigError("model", type(model).__name__,
-                          "must be an nn.Sequential, a list of nn.Module, or a list of raypipe.LayerSpec")
-    layers = list(model)
-    for index, layer in enumerate(layers):
-        if not isinstance(layer, (nn.Module, LayerSpec)):
-            raise ConfigError(f"model[{index}]", type(layer).__name__, "must be an nn.Module or a raypipe.LayerSpec")
-    return layers, [str(i) for i in range(len(layers))]
-
-
-def _micro_batches(inputs: Batch, targets: Batch, count: int) -> tuple[list, list]:
-    if isinstance(inputs, (list, tuple)) or isinstance(targets, (list, tuple)):
-        if len(inputs) != count or len(targets) != count:
-            raise ValueError(f"got {len(inputs)} input and {len(targets)} target micro-batches; "
-                             f"num_micro_batches={count}")
-        return list(inputs), list(targets)
-    if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(f"inputs have {inputs.shape[0]} samples but targets have {targets.shape[0]}")
-    if inputs.shape[0] < count:
-        raise ValueError(f"global batch of {inputs.shape[0]} samples is smaller than "
-                         f"num_micro_batches={count}: every micro-batch needs at least one sample")
-    # clone: a view pickles its whole storage, i.e. the whole global batch per micro-batch
-    return ([part.clone() for part in torch.tensor_split(inputs, count)],
-            [part.clone() for part in torch.tensor_split(targets, count)])
-
-
-def _split_by_layer(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[int, dict]:
-    index_of = {name: index for index, name in enumerate(names)}
-    per_layer: dict[int, dict] = {index: {} for index in range(len(names))}
-    for key, value in state_dict.items():
-        prefix, _, rest = key.partition(".")
-        if prefix not in index_of or not rest:
-            raise KeyError(f"unexpected key {key!r} in state_dict: layers are named {names[:5]}...")
-        per_layer[index_of[prefix]][rest] = value
-    return per_layer
