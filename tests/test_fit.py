@@ -1,0 +1,52 @@
+"""fit(): stages read their own micro-batches; both executors give the same training."""
+import pytest
+import torch
+
+import raypipe
+from raypipe.data import TokenDataset, prepare
+from raypipe.layers import build_layer
+from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
+from raypipe.run import llama_count_tokens
+
+MODEL = LlamaConfig(vocab_size=259, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepare(tmp_path_factory.mktemp("fit") / "tokens", seq_len=32, max_bytes=300_000)
+
+
+def fit(data, transport):
+    train, validation = (TokenDataset(data, split, micro_batch_size=2, num_micro_batches=3) for split in
+                         ("train", "validation"))
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, transport=transport, clip_grad_norm=1.0)
+    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
+                                 loss_count_fn=llama_count_tokens) as trainer:
+        results = trainer.fit(train, 4, validation=validation, eval_every=2, progress=False)
+        return results, train.state_dict(), trainer.state_dict()
+
+
+def test_fit_reads_data_in_the_stages_and_executors_agree(ray_cluster, data):
+    tasks, position, state = fit(data, "object_store")
+    p2p, p2p_position, p2p_state = fit(data, "p2p")
+    assert position["next_step"] == p2p_position["next_step"] == 4
+    assert [r.eval_loss is not None for r in tasks] == [False, True, False, True]
+    assert [r.loss for r in p2p] == pytest.approx([r.loss for r in tasks], rel=1e-6)
+    assert [r.eval_loss for r in p2p] == pytest.approx([r.eval_loss for r in tasks], rel=1e-6)
+    assert tasks[-1].loss < tasks[0].loss
+    for key, value in state.items():
+        torch.testing.assert_close(p2p_state[key], value, rtol=1e-6, atol=1e-7)
+    assert tasks[0].num_tokens == 3 * 2 * 32  # micro-batches x micro-batch size x sequence length
+    # the stages read exactly the dataset's step 0: the first loss is the initial model's on that batch
+    reference = torch.nn.Sequential(*[build_layer(spec, index, seed=0) for index, spec in
+                                      enumerate(llama_layers(MODEL))])
+    inputs, targets = TokenDataset(data, micro_batch_size=2, num_micro_batches=3).global_batch(0)
+    with torch.no_grad():
+        assert tasks[0].loss == pytest.approx(llama_loss(reference(inputs), targets).item(), rel=1e-5)
+
+
+def test_fit_rejects_a_dataset_with_other_micro_batches(ray_cluster, data):
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2)
+    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, config=config) as trainer:
+        with pytest.raises(ValueError, match="num_micro_batches=2"):
+            trainer.fit(TokenDataset(data, micro_batch_size=2, num_micro_batches=3), 1, progress=False)
