@@ -63,8 +63,7 @@ class P2PStageWorker(StageWorker):
         return ray.util.get_node_ip_address(), free_port()
 
     def join_group(self, address: str, port: int, timeout_s: float) -> None:
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.stage_index,
+        dist.init_process_group(self._backend, init_method=f"tcp://{address}:{port}", rank=self.stage_index,
                                 world_size=self.num_stages, timeout=timedelta(seconds=timeout_s))
 
     def leave_group(self) -> None:
@@ -81,7 +80,7 @@ class P2PStageWorker(StageWorker):
         """
         count = self.config.num_micro_batches
         inputs, targets, weights = inputs or [None] * count, targets or [None] * count, weights or [None] * count
-        loss, sends = 0.0, []
+        loss, sends, gradients = 0.0, [], {}
         for kind, micro_batch in self._own_ops:
             if kind == "F":
                 hidden = inputs[micro_batch] if self.is_first else self._receive(self.stage_index - 1, micro_batch)
@@ -90,15 +89,50 @@ class P2PStageWorker(StageWorker):
                     loss += output
                 else:
                     sends.append(send_tensor(output, self.stage_index + 1, self._header_device))
+                    gradients[micro_batch] = self._expect_gradient(output, micro_batch)
             else:
-                grad = None if self.is_last else self._receive(self.stage_index + 1, micro_batch)
+                grad = None if self.is_last else self._gradient(gradients.pop(micro_batch), micro_batch)
                 grad_input = self.backward(micro_batch, grad, loss_scale if self.is_last else 1.0)
                 if not self.is_first:
-                    sends.append(send_tensor(grad_input, self.stage_index - 1, self._header_device))
+                    sends.append(self._send_gradient(grad_input, micro_batch))
         for works, _buffers in sends:  # the buffers stay alive until their sends complete
             for work in works:
                 work.wait()
         return {"loss": loss if self.is_last else None, "grad_stats": self.grad_stats(inv_scale, clip_value)}
+
+    # A gradient has the shape and dtype of the activation this stage sent for the
+    # same micro-batch, so it needs no header. With gloo its receive is posted as
+    # soon as that activation is sent (tagged by micro-batch): the transfer then
+    # completes in the background instead of after the previous backward. NCCL
+    # matches point-to-point ops in stream order, so there it is received in turn.
+
+    def _expect_gradient(self, output: torch.Tensor, micro_batch: int) -> Any:
+        buffer = torch.empty_like(output)
+        if self._backend == "gloo":
+            return dist.irecv(buffer, self.stage_index + 1, tag=micro_batch + 1), buffer
+        return None, buffer
+
+    def _gradient(self, expected: Any, micro_batch: int) -> torch.Tensor:
+        work, buffer = expected
+        start = time.time()
+        if work is not None:
+            work.wait()
+        else:
+            dist.recv(buffer, self.stage_index + 1)
+        self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time()))
+        return buffer
+
+    def _send_gradient(self, grad_input: torch.Tensor, micro_batch: int) -> tuple[list[Any], tuple]:
+        if grad_input is None:
+            raise RuntimeError(f"stage {self.stage_index} has no gradient for its input of micro-batch "
+                               f"{micro_batch}: the stage does not use its input")
+        payload = grad_input.detach().contiguous()
+        tag = micro_batch + 1 if self._backend == "gloo" else 0
+        return [dist.isend(payload, self.stage_index - 1, tag=tag)], (payload,)
+
+    @property
+    def _backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
 
     @property
     def _header_device(self) -> torch.device:
