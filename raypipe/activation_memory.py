@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raypipe.config import PRECISIONS
 from raypipe.models.llama import LlamaConfig
 
 FP32 = 4
 INDEX = 8  # token ids and targets are int64
 LAYER_KINDS = ("embedding", "block", "head", "loss")
-PRECISIONS = ("fp32", "bf16", "fp16")
 AMP_STYLES = ("standard", "autocast")
 
 # -- activations per layer -----------------------------------------------------------

@@ -12,9 +12,10 @@ class SavedTensorMeter:
     counted once however many views of them are saved.
     """
 
-    def __init__(self, parameters: list[torch.Tensor], counted: tuple[torch.Tensor, ...] = ()) -> None:
-        # parameters are static memory; ``counted`` tensors are already accounted for elsewhere
-        self._parameter_storages = {t.untyped_storage().data_ptr() for t in (*parameters, *counted)}
+    def __init__(self, parameter_storages: set[int], counted: tuple[torch.Tensor, ...] = ()) -> None:
+        # parameters are static memory (see storage_pointers); ``counted`` tensors are
+        # already accounted for elsewhere
+        self._parameter_storages = parameter_storages | storage_pointers(counted)
         self._seen: set[int] = set()
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -37,6 +38,11 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+def storage_pointers(tensors) -> set[int]:
+    """The storages ``tensors`` live in (parameters: computed once per stage)."""
+    return {t.untyped_storage().data_ptr() for t in tensors}
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

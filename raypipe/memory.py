@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass
 from raypipe.activation_memory import (AMP_STYLES, PRECISIONS, _check_choice, _check_positive,
                                        activation_breakdown, estimate_layer_activation_bytes, layer_kinds,
                                        layer_parameter_counts, stage_input_bytes)
+from raypipe.config import CHECKPOINT_MODES
 from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
 from raypipe.schedule import make_schedule
 
-CHECKPOINT_MODES = ("never", "always", "except_last")
 
 
 

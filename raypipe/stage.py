@@ -20,7 +20,7 @@ from raypipe.activations import ActivationStore
 from raypipe.config import PipelineConfig
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
-from raypipe.measure import SavedTensorMeter, rss_bytes, tensor_bytes
+from raypipe.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
 from raypipe.offload import Offloader
 from raypipe.precision import autocast
 from raypipe.result import OpEvent, StageStats
@@ -68,6 +68,7 @@ class StageWorker:
         self.layers = nn.ModuleList(build_layer(layer, index, config.seed) for layer, index in zip(layers, layer_indices))
         self.layers.to(self.device)
         parameters = [p for p in self.layers.parameters() if p.requires_grad]
+        self._parameter_storages = storage_pointers(self.layers.parameters())  # excluded from held bytes
         self.optimizer = optimizer_factory(parameters) if optimizer_factory and parameters else None
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer else None
         self.loss_fn = loss_fn
@@ -114,7 +115,7 @@ class StageWorker:
             self.store.keep_input(micro_batch, inputs, tensor_bytes(inputs), extra=(targets, loss_weight))
         else:
             leaf = self._as_leaf(inputs)
-            with SavedTensorMeter(list(self.layers.parameters())) as meter:
+            with SavedTensorMeter(self._parameter_storages) as meter:
                 outputs = self._run(leaf, micro_batch, targets, loss_weight)
             meter.add(outputs)  # the graph's root stays alive until backward
             self.store.keep_graph(micro_batch, leaf, outputs, meter.bytes)
@@ -133,7 +134,7 @@ class StageWorker:
             inputs = self._as_leaf(inputs)
             targets, loss_weight = kept.extra
             # the kept input is still counted in the store until release()
-            with SavedTensorMeter(list(self.layers.parameters()), counted=(inputs,)) as meter:
+            with SavedTensorMeter(self._parameter_storages, counted=(inputs,)) as meter:
                 outputs = self._run(inputs, micro_batch, targets, loss_weight)
             meter.add(outputs)
             self.store.note_transient(meter.bytes + kept.offloaded_bytes)  # + the fetched-back input

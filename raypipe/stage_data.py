@@ -19,24 +19,30 @@ class StageData:
     def __init__(self, loss_count_fn: Callable[[torch.Tensor], int] | None) -> None:
         self.count = loss_count_fn or count_samples
         self._datasets: dict[str, Any] = {}
-        self._weights: dict[tuple[str, int], list[float]] = {}
+        self._step_targets: dict[tuple[str, int], tuple[list[torch.Tensor], list[float]]] = {}
 
     def attach(self, train: Any, validation: Any = None) -> None:
         self._datasets = {"train": train, "validation": validation}
-        self._weights.clear()
+        self._step_targets.clear()
 
     def inputs(self, step: int, micro_batch: int, split: str) -> torch.Tensor:
         return self._dataset(split).get(step, micro_batch)[0]
 
     def targets_and_weight(self, step: int, micro_batch: int, split: str,
                            num_micro_batches: int) -> tuple[torch.Tensor, float]:
-        """The micro-batch's targets and its share of the step's loss count."""
-        dataset = self._dataset(split)
+        """The micro-batch's targets and its share of the step's loss count.
+
+        The weights need every micro-batch's count, so the step's targets are
+        read once, at its first micro-batch, and kept for the rest of the step.
+        """
         key = (split, step)
-        if key not in self._weights:
-            counts = [self.count(dataset.get(step, mb)[1]) for mb in range(num_micro_batches)]
-            self._weights = {key: loss_weights(counts)}  # only the current step is needed
-        return dataset.get(step, micro_batch)[1], self._weights[key][micro_batch]
+        if key not in self._step_targets:
+            dataset = self._dataset(split)
+            targets = [dataset.get(step, mb)[1] for mb in range(num_micro_batches)]
+            weights = loss_weights([self.count(t) for t in targets])
+            self._step_targets = {key: (targets, weights)}  # only the current step is needed
+        targets, weights = self._step_targets[key]
+        return targets[micro_batch], weights[micro_batch]
 
     def _dataset(self, split: str) -> Any:
         dataset = self._datasets.get(split)
