@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import raypipe
+from alternate import add_round_arguments, run_alternating
 
 NUM_STAGES = 2
 WIDTH, HIDDEN, NUM_BLOCKS = 512, 2048, 8
@@ -52,9 +53,7 @@ def make_trainer(num_micro_batches: int) -> raypipe.PipelineTrainer:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps per m per round (default 2)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per m first (default 1)")
+    add_round_arguments(parser, rounds=3, steps=2, warmup=1)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--micro-batch-size", type=int, default=512, help="rows per micro-batch (default 512)")
     return parser.parse_args()
@@ -71,19 +70,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     batches = {m: (torch.randn(m * args.micro_batch_size, WIDTH, generator=generator),
                    torch.randn(m * args.micro_batch_size, WIDTH, generator=generator)) for m in args.micro_batches}
-    results: dict[int, list[raypipe.StepResult]] = {m: [] for m in args.micro_batches}
-    try:
-        for m, trainer in trainers.items():
-            for _ in range(args.warmup):
-                trainer.step(*batches[m])
-        for round_index in range(args.rounds):
-            for m, trainer in trainers.items():
-                results[m] += [trainer.step(*batches[m]) for _ in range(args.steps)]
-            print(f"round {round_index + 1} done")
-    finally:
-        for trainer in trainers.values():
-            trainer.shutdown()
-        ray.shutdown()
+    results = run_alternating(trainers, batches, args,
+                              on_round=lambda index, _: print(f"round {index + 1} done"))
     report(results)
 
 

@@ -25,6 +25,7 @@ import ray
 import torch
 
 import raypipe
+from alternate import add_round_arguments, run_alternating
 from raypipe.models.llama import get_config, llama_layers, llama_loss
 
 MODES = {  # name -> PipelineConfig fields
@@ -56,11 +57,14 @@ def op_means(results: list[raypipe.StepResult], op: str) -> float:
     return 1e3 * statistics.mean(durations)
 
 
+def print_round(index: int, results: dict[str, list[raypipe.StepResult]], steps: int) -> None:
+    latest = {name: statistics.median(r.step_time for r in res[-steps:]) for name, res in results.items()}
+    print(f"round {index + 1}: " + "  ".join(f"{n} {1e3 * t:.1f} ms" for n, t in latest.items()))
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode per round (default 3)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first (default 2)")
+    add_round_arguments(parser, rounds=5, steps=3, warmup=2)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -77,20 +81,8 @@ def main() -> None:
           f"{NUM_STAGES} stages, m={args.micro_batches}, micro-batch {args.micro_batch_size}x{args.seq_len} tokens")
     trainers = {name: make_trainer(args, mode) for name, mode in MODES.items()}
     inputs, targets = make_batch(args, get_config("tiny").vocab_size)
-    results: dict[str, list[raypipe.StepResult]] = {name: [] for name in MODES}
-    try:
-        for name, trainer in trainers.items():
-            for _ in range(args.warmup):
-                trainer.step(inputs, targets)
-        for round_index in range(args.rounds):
-            for name, trainer in trainers.items():
-                results[name] += [trainer.step(inputs, targets) for _ in range(args.steps)]
-            latest = {name: statistics.median(r.step_time for r in res[-args.steps:]) for name, res in results.items()}
-            print(f"round {round_index + 1}: " + "  ".join(f"{n} {1e3 * t:.1f} ms" for n, t in latest.items()))
-    finally:
-        for trainer in trainers.values():
-            trainer.shutdown()
-        ray.shutdown()
+    results = run_alternating(trainers, {name: (inputs, targets) for name in trainers}, args,
+                              on_round=lambda index, results: print_round(index, results, args.steps))
     report(results)
 
 

@@ -31,6 +31,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from alternate import add_round_arguments
+
 NUM_BLOCKS = 8
 WIDTH, HIDDEN = 512, 2048
 NUM_STAGES = 2
@@ -170,9 +172,7 @@ class RaypipeRunner:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round (default 3)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (default 3)")
+    add_round_arguments(parser, rounds=10, steps=3, warmup=3)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
