@@ -249,10 +249,9 @@ class PipelineTrainer:
         return [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
 
     def _can_apply_early(self) -> bool:
-        """No global norm to clip by and no overflow to check: stages may step at once.
-        (Not with direct-transport refs, which are not plain objects to depend on.)"""
-        return (self.config.clip_grad_norm is None and self.scaler is None
-                and self._transport.name not in ("gloo", "nccl"))
+        """No global norm to clip by and no overflow to check: stages may step at once
+        (given a backward result they can depend on)."""
+        return self.config.clip_grad_norm is None and self.scaler is None and self._transport.plain_results
 
     def _losses_and_grad_stats(self, loss_refs: list, stat_refs: list) -> tuple[list, list]:
         if self._transport.whole_step:

@@ -23,6 +23,7 @@ class Transport:
 
     name = "object_store"
     whole_step = False  # True: each stage runs its whole schedule in one task (run_step)
+    plain_results = True  # op results are ordinary objects another task may depend on
 
     def actor_class(self) -> Any:
         """The Ray actor class whose F/B outputs travel by this transport."""
@@ -37,6 +38,8 @@ class Transport:
 
 class CollectiveTransport(Transport):
     """Ray Direct Transport over a collective group of the stage actors."""
+
+    plain_results = False  # direct-transport tensors stay with their producer
 
     def __init__(self, backend: str) -> None:
         self.name = backend
