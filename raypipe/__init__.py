@@ -1,6 +1,6 @@
 """raypipe: elastic GPipe pipeline-parallel training on Ray and PyTorch."""
 from raypipe.config import PipelineConfig
-from raypipe.errors import ConfigError, PlacementError, RaypipeError, StageError
+from raypipe.errors import CheckpointError, ConfigError, PlacementError, RaypipeError, StageError, StepAborted
 from raypipe.result import OpEvent, StageStats, StepResult
 
 __version__ = "0.1.0"
@@ -20,4 +20,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["PipelineConfig", "PipelineTrainer", "LayerSpec", "StepResult", "StageStats", "OpEvent",
-           "ConfigError", "PlacementError", "RaypipeError", "StageError"]
+           "CheckpointError", "ConfigError", "PlacementError", "RaypipeError", "StageError", "StepAborted"]

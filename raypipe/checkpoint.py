@@ -11,25 +11,39 @@ Stage actors write their layers in parallel; the driver writes the manifest
 once every layer is stored. A checkpoint exists only when its manifest does,
 so a crash mid-save leaves an incomplete step that :func:`latest_checkpoint`
 ignores. Keys are global layer indices, so a checkpoint loads into any
-partition of the model.
+partition of the model. The manifest records each file's size and SHA-256,
+hashed as it is written and verified as it is read: a damaged or missing file
+raises :class:`~raypipe.errors.CheckpointError` naming it.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 from pyarrow import fs as pafs
 
+from raypipe.errors import CheckpointError
+
 MANIFEST = "manifest.json"
 FORMAT = "raypipe-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: per-file SHA-256; version 1 manifests (sizes only) still load
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _BLOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class StoredFile(NamedTuple):
+    """A file written into a checkpoint step: its name there, size and SHA-256 (hex)."""
+
+    name: str
+    size: int
+    sha256: str
 
 
 def filesystem_for(uri: str | Path) -> tuple[pafs.FileSystem, str]:
@@ -54,8 +68,8 @@ def layer_file_name(layer_index: int) -> str:
     return f"layer_{layer_index:05d}.pt"
 
 
-def write_layer(root_uri: str | Path, step: int, layer_index: int, state: Mapping[str, Any]) -> str:
-    """Store one layer's state (``torch.save``) and return its file name within the step.
+def write_layer(root_uri: str | Path, step: int, layer_index: int, state: Mapping[str, Any]) -> StoredFile:
+    """Store one layer's state (``torch.save``); returns the file written, with its checksum.
 
     Safe to call from many stage actors at once: each writes its own file.
     """
@@ -63,51 +77,52 @@ def write_layer(root_uri: str | Path, step: int, layer_index: int, state: Mappin
         raise TypeError(f"layer {layer_index} state must be a dict, got {type(state).__name__}")
     name = layer_file_name(layer_index)
     filesystem, step_dir = _open_step_for_writing(root_uri, step)
-    _write_atomically(filesystem, f"{step_dir}/{name}", lambda stream: torch.save(dict(state), stream))
-    return name
+    return _write_atomically(filesystem, f"{step_dir}/{name}", lambda stream: torch.save(dict(state), stream))
 
 
-def write_blob(root_uri: str | Path, step: int, name: str, obj: Any) -> str:
-    """Store an extra object (optimizer state, data position, ...) as ``<name>.pt``."""
+def write_blob(root_uri: str | Path, step: int, name: str, obj: Any) -> StoredFile:
+    """Store an extra object (optimizer state, data position, ...) as ``<name>.pt``;
+    pass what it returns to :func:`write_manifest`'s ``blobs``."""
     file_name = _blob_file_name(name)
     filesystem, step_dir = _open_step_for_writing(root_uri, step)
-    _write_atomically(filesystem, f"{step_dir}/{file_name}", lambda stream: torch.save(obj, stream))
-    return file_name
+    return _write_atomically(filesystem, f"{step_dir}/{file_name}", lambda stream: torch.save(obj, stream))
 
 
 def write_manifest(
     root_uri: str | Path,
     step: int,
-    layer_files: Mapping[int, str],
+    layer_files: Mapping[int, StoredFile],
     extra: Mapping[str, Any] | None = None,
+    blobs: Iterable[StoredFile] = (),
 ) -> str:
-    """Complete checkpoint ``step``: check that every layer file is stored, then write the manifest.
+    """Complete checkpoint ``step``: check that every file is stored, then write the manifest.
 
-    ``layer_files`` maps every global layer index 0..n-1 to the name
-    :func:`write_layer` returned; ``extra`` is any JSON-serializable metadata
-    (config, data position, metrics). Blobs present in the step are recorded.
-    Returns the manifest's path.
+    ``layer_files`` maps every global layer index 0..n-1 to what
+    :func:`write_layer` returned, ``blobs`` are what :func:`write_blob`
+    returned; ``extra`` is any JSON-serializable metadata (config, data
+    position, metrics). Returns the manifest's path.
     """
     filesystem, step_dir = _open_step_for_writing(root_uri, step)
     layers = _check_layer_files(layer_files)
+    blobs = sorted(blobs, key=lambda blob: blob.name)
     stored = {info.base_name: info for info in _list_files(filesystem, step_dir)}
-    for index, name in layers.items():
-        if name not in stored:
+    for what, file in [*((f"layer {index} file", file) for index, file in layers.items()),
+                       *(("blob", blob) for blob in blobs)]:
+        if file.name not in stored or stored[file.name].size != file.size:
             raise FileNotFoundError(
-                f"cannot complete checkpoint {step_dir}: layer {index} file {name!r} is not stored there"
-            )
-    blobs = sorted(
-        name for name in stored
-        if name.endswith(".pt") and not name.startswith((".", "layer_"))
-    )
+                f"cannot complete checkpoint {step_dir}: {what} {file.name!r} is not stored there"
+                + ("" if file.name not in stored else f" as written ({stored[file.name].size} bytes, "
+                                                      f"{file.size} written)"))
+    files = [*layers.values(), *blobs]
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
         "num_layers": len(layers),
-        "layers": {str(index): name for index, name in layers.items()},
-        "sizes": {name: stored[name].size for name in [*layers.values(), *blobs]},
-        "blobs": [name[: -len(".pt")] for name in blobs],
+        "layers": {str(index): file.name for index, file in layers.items()},
+        "sizes": {file.name: file.size for file in files},
+        "sha256": {file.name: file.sha256 for file in files},
+        "blobs": [blob.name[: -len(".pt")] for blob in blobs],
         "created_unix": time.time(),
         "extra": dict(extra or {}),
     }
@@ -154,9 +169,9 @@ def read_manifest(root_uri: str | Path, step: int) -> dict[str, Any]:
     try:
         manifest = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"checkpoint manifest {path} is not valid JSON: {error}") from None
+        raise CheckpointError(path, f"is not valid JSON (a damaged manifest): {error}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a raypipe checkpoint manifest (format must be {FORMAT!r})")
+        raise CheckpointError(path, f"is not a raypipe checkpoint manifest (format must be {FORMAT!r})")
     return manifest
 
 
@@ -171,7 +186,7 @@ def read_layer(
             f"checkpoint step {step} under {root_uri} has no layer {layer_index}; "
             f"it holds layers 0..{manifest['num_layers'] - 1}"
         )
-    return _load(root_uri, step, name, map_location, weights_only=True)
+    return _load(root_uri, step, manifest, name, map_location, weights_only=True)
 
 
 def read_blob(
@@ -188,7 +203,7 @@ def read_blob(
             f"checkpoint step {step} under {root_uri} has no blob {name!r}; "
             f"it holds {manifest['blobs']}"
         )
-    return _load(root_uri, step, _blob_file_name(name), map_location, weights_only)
+    return _load(root_uri, step, manifest, _blob_file_name(name), map_location, weights_only)
 
 
 def delete_checkpoint(root_uri: str | Path, step: int) -> None:
@@ -221,13 +236,14 @@ def _blob_file_name(name: str) -> str:
     return f"{name}.pt"
 
 
-def _check_layer_files(layer_files: Mapping[int, str]) -> dict[int, str]:
+def _check_layer_files(layer_files: Mapping[int, StoredFile]) -> dict[int, StoredFile]:
     layers = {}
-    for index, name in layer_files.items():
+    for index, file in layer_files.items():
         expected = layer_file_name(int(index))
-        if name != expected:
-            raise ValueError(f"layer {index} file must be {expected!r}, got {name!r}")
-        layers[int(index)] = name
+        if not isinstance(file, StoredFile) or file.name != expected:
+            raise ValueError(f"layer {index} file must be the StoredFile of {expected!r} that write_layer "
+                             f"returned, got {file!r}")
+        layers[int(index)] = file
     missing = sorted(set(range(len(layers))) - set(layers))
     if not layers or missing:
         raise ValueError(
@@ -250,40 +266,68 @@ def _open_step_for_writing(root_uri: str | Path, step: int) -> tuple[pafs.FileSy
     return filesystem, step_dir
 
 
-def _write_atomically(filesystem: pafs.FileSystem, path: str, write) -> None:
-    """Write ``path`` so that readers never see a partial file.
+class _HashingWriter:
+    """A write-only stream that hashes and counts what passes through it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._stream.write(data)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _write_atomically(filesystem: pafs.FileSystem, path: str, write) -> StoredFile:
+    """Write ``path`` so that readers never see a partial file; return it with its checksum.
 
     On a local disk: write a hidden temporary file, then rename it. Object
     stores (S3, GCS) publish an object only when its upload completes, and
     their "rename" is a copy, so they are written in place.
     """
-    if not isinstance(filesystem, pafs.LocalFileSystem):
-        with filesystem.open_output_stream(path) as stream:
-            write(stream)
-        return
     directory, _, name = path.rpartition("/")
-    temporary = f"{directory}/.{name}.tmp-{uuid.uuid4().hex}"
+    local = isinstance(filesystem, pafs.LocalFileSystem)
+    target = f"{directory}/.{name}.tmp-{uuid.uuid4().hex}" if local else path
     try:
-        with filesystem.open_output_stream(temporary) as stream:
-            write(stream)
-        filesystem.move(temporary, path)
+        with filesystem.open_output_stream(target) as stream:
+            hashing = _HashingWriter(stream)
+            write(hashing)
+        if local:
+            filesystem.move(target, path)
     except BaseException:
-        if filesystem.get_file_info(temporary).type == pafs.FileType.File:
-            filesystem.delete_file(temporary)
+        if local and filesystem.get_file_info(target).type == pafs.FileType.File:
+            filesystem.delete_file(target)
         raise
+    return StoredFile(name, hashing.size, hashing.sha256.hexdigest())
 
 
 def _list_files(filesystem: pafs.FileSystem, directory: str) -> list[pafs.FileInfo]:
     return filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
 
 
-def _load(root_uri: str | Path, step: int, name: str, map_location: Any, weights_only: bool) -> Any:
+def _load(root_uri: str | Path, step: int, manifest: Mapping[str, Any], name: str, map_location: Any,
+          weights_only: bool) -> Any:
     filesystem, root = filesystem_for(root_uri)
     path = f"{root}/{step_dir_name(step)}/{name}"
     if filesystem.get_file_info(path).type != pafs.FileType.File:
-        raise FileNotFoundError(f"checkpoint file {path} is listed in its manifest but missing")
+        raise CheckpointError(path, "is listed in its manifest but missing")
+    with filesystem.open_input_stream(path) as stream:
+        data = stream.read()
+    _verify(path, data, manifest.get("sizes", {}).get(name), manifest.get("sha256", {}).get(name))
     try:
-        with filesystem.open_input_file(path) as stream:
-            return torch.load(stream, map_location=map_location, weights_only=weights_only)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as error:
-        raise ValueError(f"cannot read checkpoint file {path}: {error}") from error
+        raise CheckpointError(path, f"cannot be read: {error}") from error
+
+
+def _verify(path: str, data: bytes, size: int | None, sha256: str | None) -> None:
+    """The file is what the manifest recorded (version 1 manifests record sizes only)."""
+    if size is not None and len(data) != size:
+        raise CheckpointError(path, f"is damaged: {len(data)} bytes where the manifest recorded {size}")
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(path, "is damaged: its SHA-256 differs from the one in the manifest")

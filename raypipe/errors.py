@@ -40,6 +40,12 @@ class StageError(RaypipeError):
                              self.remote_traceback, _picklable(self.original)))
 
 
+class StepAborted(StageError):
+    """A stage stopped its step because another stage failed: the consequence,
+    never the cause. The driver reports the cause (a plain :class:`StageError`)
+    when one exists."""
+
+
 def _picklable(error: BaseException | None) -> BaseException | None:
     """The error itself if it survives pickling, else a RuntimeError with its text."""
     import pickle
@@ -55,3 +61,15 @@ def _picklable(error: BaseException | None) -> BaseException | None:
 
 class PlacementError(RaypipeError):
     """The cluster cannot hold the requested stage actors."""
+
+
+class CheckpointError(RaypipeError):
+    """A checkpoint file is missing, unreadable or damaged; ``path`` names it."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"checkpoint file {path} {problem}")
+
+    def __reduce__(self):  # keep the fields across Ray's pickling
+        return (type(self), (self.path, self.problem))

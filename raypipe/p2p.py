@@ -4,13 +4,21 @@ sending activations and gradients straight to its neighbours over
 
 One task per stage per step instead of one per op, and no hop through the
 object store: the per-op overhead that shows with small micro-batches goes.
-Every tensor is preceded by a fixed-size header with its dtype and shape, so
-micro-batches of different shapes flow without any fixed-shape agreement.
+Activations are preceded by a fixed-size header with their dtype and shape, so
+micro-batches of different shapes flow without any fixed-shape agreement;
+gradients need none (see ``_expect_gradient``).
+
+A stage whose step fails closes its connections at once (``_leave_failed_step``):
+a neighbour blocked on a receive from it fails immediately with
+:class:`~raypipe.errors.StepAborted` and closes its own, so the whole group
+stops within milliseconds instead of waiting ``p2p_timeout_s``. The driver then
+re-forms the group under a fresh rendezvous before the next step.
 """
 from __future__ import annotations
 
 import socket
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +26,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from raypipe.errors import StepAborted
 from raypipe.result import OpEvent
 from raypipe.stage import StageWorker
 
@@ -58,6 +67,13 @@ def free_port() -> int:
 class P2PStageWorker(StageWorker):
     """A StageWorker that also runs a whole step's schedule with direct sends."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the running step's unfinished sends and posted gradient receives: a pending
+        # operation keeps the group's connections open, so a failed step drops them all
+        self._sends: list[tuple[list[Any], tuple]] = []
+        self._expected_gradients: dict[int, tuple[Any, torch.Tensor]] = {}
+
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the other stages meet this one (called on stage 0)."""
         return ray.util.get_node_ip_address(), free_port()
@@ -67,8 +83,14 @@ class P2PStageWorker(StageWorker):
                                 world_size=self.num_stages, timeout=timedelta(seconds=timeout_s))
 
     def leave_group(self) -> None:
+        self._sends.clear()
+        self._expected_gradients.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def in_group(self) -> bool:
+        """Whether this worker is a member of a live group (a failed step leaves it)."""
+        return dist.is_initialized()
 
     def run_step(self, step: int, inputs: list | None, targets: list | None, weights: list | None,
                  loss_scale: float = 1.0, inv_scale: float = 1.0,
@@ -77,10 +99,21 @@ class P2PStageWorker(StageWorker):
 
         Returns ``{"loss": weighted loss sum (last stage) or None, "grad_stats":
         (squared norm, found_inf)}`` as :meth:`StageWorker.grad_stats` reports them.
+        On any failure this worker leaves the group first, releasing its neighbours.
         """
+        try:
+            loss = self._run_ops(step, inputs, targets, weights, loss_scale)
+            self._finish_sends()
+        except BaseException as error:
+            self._leave_failed_step(error)
+            raise
+        return {"loss": loss if self.is_last else None, "grad_stats": self.grad_stats(inv_scale, clip_value)}
+
+    def _run_ops(self, step: int, inputs: list | None, targets: list | None, weights: list | None,
+                 loss_scale: float) -> float:
         count = self.config.num_micro_batches
         inputs, targets, weights = inputs or [None] * count, targets or [None] * count, weights or [None] * count
-        loss, sends, gradients = 0.0, [], {}
+        loss = 0.0
         for kind, micro_batch in self._own_ops:
             if kind == "F":
                 hidden = inputs[micro_batch] if self.is_first else self._receive(self.stage_index - 1, micro_batch)
@@ -88,17 +121,41 @@ class P2PStageWorker(StageWorker):
                 if self.is_last:
                     loss += output
                 else:
-                    sends.append(send_tensor(output, self.stage_index + 1, self._header_device))
-                    gradients[micro_batch] = self._expect_gradient(output, micro_batch)
+                    self._sends.append(send_tensor(output, self.stage_index + 1, self._header_device))
+                    self._expected_gradients[micro_batch] = self._expect_gradient(output, micro_batch)
             else:
-                grad = None if self.is_last else self._gradient(gradients.pop(micro_batch), micro_batch)
+                grad = None if self.is_last else self._gradient(micro_batch)
                 grad_input = self.backward(micro_batch, grad, loss_scale if self.is_last else 1.0)
                 if not self.is_first:
-                    sends.append(self._send_gradient(grad_input, micro_batch))
-        for works, _buffers in sends:  # the buffers stay alive until their sends complete
+                    self._sends.append(self._send_gradient(grad_input, micro_batch))
+        return loss
+
+    def _finish_sends(self) -> None:
+        for works, _buffers in self._sends:  # the buffers stay alive until their sends complete
             for work in works:
-                work.wait()
-        return {"loss": loss if self.is_last else None, "grad_stats": self.grad_stats(inv_scale, clip_value)}
+                self._wait(work, "send", None)
+        self._sends.clear()
+
+    def _leave_failed_step(self, error: BaseException) -> None:
+        """Close this worker's connections now, so that neighbours blocked on it fail at once.
+
+        Every pending operation holds the connections open: the step's own lists,
+        and the frames of the error's traceback (cleared: only its text is kept).
+        """
+        cause = error.__cause__
+        for failure in (error, cause):
+            if failure is not None and failure.__traceback__ is not None:
+                traceback.clear_frames(failure.__traceback__)
+        self.leave_group()
+        self.abort_step()
+
+    def _wait(self, work: Any, what: str, micro_batch: int | None) -> None:
+        """Wait for a send or receive; a peer that left the group aborts this step."""
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise StepAborted(self.stage_index, what, micro_batch,
+                              f"a neighbouring stage left the step ({error})") from None
 
     # A gradient has the shape and dtype of the activation this stage sent for the
     # same micro-batch, so it needs no header. With gloo its receive is posted as
@@ -112,13 +169,12 @@ class P2PStageWorker(StageWorker):
             return dist.irecv(buffer, self.stage_index + 1, tag=micro_batch + 1), buffer
         return None, buffer
 
-    def _gradient(self, expected: Any, micro_batch: int) -> torch.Tensor:
-        work, buffer = expected
+    def _gradient(self, micro_batch: int) -> torch.Tensor:
+        work, buffer = self._expected_gradients.pop(micro_batch)
         start = time.time()
-        if work is not None:
-            work.wait()
-        else:
-            dist.recv(buffer, self.stage_index + 1)
+        if work is None:
+            work = dist.irecv(buffer, self.stage_index + 1)
+        self._wait(work, "recv", micro_batch)
         self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time()))
         return buffer
 
@@ -140,6 +196,10 @@ class P2PStageWorker(StageWorker):
 
     def _receive(self, peer: int, micro_batch: int) -> torch.Tensor:
         start = time.time()
-        tensor = recv_tensor(peer, self.device)
+        try:
+            tensor = recv_tensor(peer, self.device)
+        except RuntimeError as error:
+            raise StepAborted(self.stage_index, "recv", micro_batch,
+                              f"stage {peer} left the step before sending this activation ({error})") from None
         self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time()))
         return tensor

@@ -18,7 +18,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from raypipe.activations import ActivationStore
 from raypipe.config import PipelineConfig
-from raypipe.errors import StageError
+from raypipe.errors import StageError, StepAborted
 from raypipe.layers import LayerSpec, build_layer
 from raypipe.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
 from raypipe.offload import Offloader
@@ -29,8 +29,13 @@ from raypipe.seeding import derive_seed
 from raypipe.stage_data import StageData
 
 
-def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True) -> Callable:
-    """Time the op into the stage's timeline and re-raise failures as StageError."""
+def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step: bool = False) -> Callable:
+    """Time the op into the stage's timeline and re-raise failures as StageError.
+
+    ``in_step`` ops (forward, backward of a training step) also remember their
+    failure: :meth:`StageWorker.finish_backward` raises it again, so that no
+    stage steps its optimizer after a failed op.
+    """
 
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
@@ -39,11 +44,16 @@ def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True) -> Call
             start = time.time()
             try:
                 return method(self, *args, **kwargs)
-            except StageError:
+            except StageError as error:
+                if in_step:
+                    self._step_failure = self._step_failure or error
                 raise
             except Exception as error:  # noqa: BLE001 - every failure gets the stage's name
-                raise StageError(self.stage_index, op, micro_batch, f"{type(error).__name__}: {error}",
-                                 remote_traceback=traceback.format_exc(), original=error) from error
+                stage_error = StageError(self.stage_index, op, micro_batch, f"{type(error).__name__}: {error}",
+                                         remote_traceback=traceback.format_exc(), original=error)
+                if in_step:
+                    self._step_failure = self._step_failure or stage_error
+                raise stage_error from error
             finally:
                 if timed:
                     self._events.append(OpEvent(self.stage_index, op, micro_batch, start, time.time()))
@@ -75,6 +85,8 @@ class StageWorker:
         self.data = StageData(loss_count_fn)
         self.store = ActivationStore(Offloader(self.device) if config.offload else None)
         self._step = -1
+        self._step_failure: StageError | None = None  # the first failed op of the running step
+        self._backwards_done: set[int] = set()  # micro-batches whose backward ran in the running step
         self._events: list[OpEvent] = []
         self._last_micro_batch = config.num_micro_batches - 1
         self._own_ops = make_schedule(config.schedule, num_stages, config.num_micro_batches)[stage_index]
@@ -96,7 +108,7 @@ class StageWorker:
         self.data.attach(train, validation)
 
     # -- the ops of a step --------------------------------------------------
-    @_stage_op("F")
+    @_stage_op("F", in_step=True)
     def forward(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
                 loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:
         """Run this stage on one micro-batch; keep what backward needs.
@@ -123,7 +135,7 @@ class StageWorker:
             return float(outputs.detach())
         return outputs.detach()
 
-    @_stage_op("B")
+    @_stage_op("B", in_step=True)
     def backward(self, micro_batch: int, grad_outputs: torch.Tensor | None = None,
                  loss_scale: float = 1.0) -> torch.Tensor | None:
         """Backpropagate one micro-batch, accumulating into ``.grad``; return the input gradient."""
@@ -144,9 +156,22 @@ class StageWorker:
             grad_outputs = grad_outputs.to(self.device)
             torch.autograd.backward(outputs, grad_outputs.to(outputs.dtype))
         self.store.release(kept)
+        self._backwards_done.add(micro_batch)
         if self.is_first or inputs is None or inputs.grad is None:
             return None
         return inputs.grad
+
+    def finish_backward(self, inv_scale: float = 1.0, clip_value: float | None = None) -> tuple[float, bool]:
+        """:meth:`grad_stats` of a step whose ops the driver submitted one by one.
+
+        Raises when this stage's step is not whole: the error of its failed op,
+        or :class:`StepAborted` when an op never ran because an op it depends on
+        failed on another stage. The driver makes every stage's optimizer step
+        depend on every stage's ``finish_backward``, so a failure anywhere
+        reaches no optimizer.
+        """
+        self._check_step_is_whole()
+        return self.grad_stats(inv_scale, clip_value)
 
     @_stage_op("grad_stats", per_micro_batch=False)
     def grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> tuple[float, bool]:
@@ -164,12 +189,22 @@ class StageWorker:
             norm = get_total_norm([g.float() for g in grads])
         return float(norm.to(torch.float32)) ** 2, found_inf
 
+    def _check_step_is_whole(self) -> None:
+        if self._step_failure is not None:
+            raise self._step_failure
+        missing = sorted(set(range(self.config.num_micro_batches)) - self._backwards_done)
+        if missing:
+            raise StepAborted(self.stage_index, "B", missing[0],
+                              f"the backward of micro-batch(es) {missing} did not run: an op it depends on "
+                              "failed on another stage")
+
     def apply(self, max_norm: float | None = None, total_norm: float = 0.0, skip: bool = False,
               *after: Any) -> tuple[list[OpEvent], StageStats]:
         """Clip by the global norm and step, or skip (as every stage does); then report.
 
-        ``after`` are results this must wait for (the driver passes the end of
-        the step's backward pass, so a failed step never reaches the optimizer).
+        ``after`` are results this must wait for: the driver passes every
+        stage's ``finish_backward`` (or ``run_step``) result, which raises unless that
+        stage's step is whole, so a failed step never reaches any optimizer.
         """
         self._optimizer_step(max_norm, total_norm, skip)
         events, self._events = self._events, []
@@ -184,16 +219,19 @@ class StageWorker:
             self.optimizer.step()
             if self.scheduler is not None:  # a skipped (overflowed) step does not advance the schedule
                 self.scheduler.step()
-        for p in self.layers.parameters():
-            p.grad = None
-        self.store.clear()
+        self._end_step()
 
     def abort_step(self) -> None:
         """Drop a failed step's partial state: kept activations, gradients, timings."""
-        self.store.clear()
+        self._end_step()
+        self._events.clear()
+
+    def _end_step(self) -> None:
         for parameter in self.layers.parameters():
             parameter.grad = None
-        self._events.clear()
+        self.store.clear()
+        self._step_failure = None
+        self._backwards_done.clear()
 
     @_stage_op("eval", timed=False)
     def evaluate(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import ray
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from raypipe import cluster
 from raypipe.config import PipelineConfig
-from raypipe.errors import RaypipeError, StageError
+from raypipe.errors import RaypipeError, StageError, StepAborted
 from raypipe.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.partition import partition_by_cost, stage_layer_ranges
 from raypipe.precision import LossScaler
@@ -122,11 +123,11 @@ class PipelineTrainer:
         start = time.time()
         self._check_usable()
         input_parts, target_parts, weights = self._split(inputs, targets)
-        loss_refs = self._submit("forward", input_parts, target_parts, weights)
+        submitted = self._submit("forward", input_parts, target_parts, weights)
         parts = targets if isinstance(targets, (list, tuple)) else [targets]
         num_samples = sum(part.shape[0] for part in parts)
         num_tokens = sum(part.numel() if part.dim() > 1 else part.shape[0] for part in parts)
-        return self._finish_step(loss_refs, start, num_samples=num_samples, num_tokens=num_tokens)
+        return self._finish_step(submitted, start, num_samples=num_samples, num_tokens=num_tokens)
 
     def step_from_datasets(self, step: int, num_samples: int, num_tokens: int) -> StepResult:
         """One optimizer step whose micro-batches the first and last stages read
@@ -134,8 +135,8 @@ class PipelineTrainer:
         start = time.time()
         self._check_usable()
         none = [None] * self.config.num_micro_batches
-        loss_refs = self._submit("forward", none, none, none, data_step=step)
-        return self._finish_step(loss_refs, start, num_samples, num_tokens)
+        submitted = self._submit("forward", none, none, none, data_step=step)
+        return self._finish_step(submitted, start, num_samples, num_tokens)
 
     def attach_datasets(self, train: Any, validation: Any = None) -> None:
         """Send the datasets to the stages that read them (first and last)."""
@@ -145,7 +146,7 @@ class PipelineTrainer:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
         input_parts, target_parts, weights = self._split(inputs, targets)
-        loss = sum(self._get(self._submit("evaluate", input_parts, target_parts, weights)))
+        loss = sum(self._get(self._submit("evaluate", input_parts, target_parts, weights).losses))
         if self.metrics is not None:
             self.metrics.record_eval(loss)
         return loss
@@ -153,7 +154,7 @@ class PipelineTrainer:
     def evaluate_from_datasets(self, step: int) -> float:
         """Validation loss of the validation dataset's ``step``, read by the stages."""
         none = [None] * self.config.num_micro_batches
-        loss = sum(self._get(self._submit("evaluate", none, none, none, data_step=step)))
+        loss = sum(self._get(self._submit("evaluate", none, none, none, data_step=step).losses))
         if self.metrics is not None:
             self.metrics.record_eval(loss)
         return loss
@@ -176,13 +177,13 @@ class PipelineTrainer:
         return input_parts, target_parts, weights
 
     def _submit(self, method: str, input_parts: list, target_parts: list, weights: list,
-                data_step: int | None = None) -> list:
-        """Submit every stage's ops in schedule order; return the last stage's loss refs."""
+                data_step: int | None = None) -> _Submitted:
+        """Submit every stage's ops of one step (or one evaluation) in schedule order."""
         step = self.step_count if data_step is None else data_step
+        if method == "forward" and self._transport.whole_step:
+            return self._submit_whole_step(step, input_parts, target_parts, weights)
         last = self.config.num_stages - 1
         scale = self.scaler.scale if self.scaler else 1.0
-        if method == "forward" and self._transport.whole_step:
-            return self._submit_whole_step(step, input_parts, target_parts, weights, scale)
         if method == "evaluate":
             order = [(stage, op) for op in self.schedule[0] if op.kind == "F" for stage in range(last + 1)]
         else:
@@ -197,38 +198,43 @@ class PipelineTrainer:
             else:
                 grad = None if stage == last else backward[(stage + 1, mb)]
                 backward[(stage, mb)] = actor.backward.remote(mb, grad, scale if stage == last else 1.0)
-        # stage 0's backward results depend on every other backward: waiting on them surfaces any failure
-        self._first_stage_done = [ref for (stage, _), ref in backward.items() if stage == 0][-1:]
-        return [forward[(last, mb)] for mb in range(self.config.num_micro_batches)]
+        losses = [forward[(last, mb)] for mb in range(self.config.num_micro_batches)]
+        if method == "evaluate":
+            return _Submitted(losses, [])
+        # submitted after every op: each actor runs its tasks in order, and
+        # finish_backward raises unless every op of its stage ran
+        inv_scale = 1.0 / scale
+        return _Submitted(losses, [a.finish_backward.remote(inv_scale, self.config.clip_grad_value)
+                                   for a in self._actors])
 
-    def _submit_whole_step(self, step: int, inputs: list, targets: list, weights: list, scale: float) -> list:
+    def _submit_whole_step(self, step: int, inputs: list, targets: list, weights: list) -> _Submitted:
         """p2p: one ``run_step`` task per stage; each returns its loss share and grad stats."""
         last = self.config.num_stages - 1
         given = inputs[0] is not None  # else the stages read the datasets
-        inv_scale = 1.0 / scale
-        self._step_refs = [actor.run_step.remote(step, inputs if stage == 0 and given else None,
-                                                 targets if stage == last and given else None,
-                                                 weights if stage == last and given else None,
-                                                 scale, inv_scale, self.config.clip_grad_value)
-                           for stage, actor in enumerate(self._actors)]
-        self._first_stage_done = self._step_refs[:1]
-        return []
+        scale = self.scaler.scale if self.scaler else 1.0
+        return _Submitted([], [actor.run_step.remote(step, inputs if stage == 0 and given else None,
+                                                     targets if stage == last and given else None,
+                                                     weights if stage == last and given else None,
+                                                     scale, 1.0 / scale, self.config.clip_grad_value)
+                               for stage, actor in enumerate(self._actors)])
 
-    def _finish_step(self, loss_refs: list, start: float, num_samples: int, num_tokens: int) -> StepResult:
-        stat_refs = self._submit_grad_stats()  # before any apply: each actor runs tasks in order
+    def _finish_step(self, submitted: _Submitted, start: float, num_samples: int, num_tokens: int) -> StepResult:
         max_norm = self.config.clip_grad_norm
         apply_refs = None
         if self._can_apply_early():
-            # Nothing to reduce first: step right away, saving a driver round trip. Each
-            # apply depends on stage 0's last backward, which depends on every other
-            # backward, so a failure anywhere in the step keeps every stage from stepping.
-            apply_refs = self._submit_apply(None, 0.0, False, after=self._first_stage_done)
-        losses, stats = self._losses_and_grad_stats(loss_refs, stat_refs)
-        grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
-        found_inf = any(s[1] for s in stats)
-        if apply_refs is None:
-            apply_refs = self._submit_apply(max_norm, grad_norm, found_inf)
-        reports = self._get(apply_refs)
+            # Nothing to reduce first: step without a driver round trip. Every stage's
+            # apply depends on every stage's outcome, and an outcome raises unless its
+            # stage's step is whole, so a failure anywhere keeps every stage from stepping.
+            apply_refs = self._submit_apply(None, 0.0, False, after=submitted.outcomes)
+        try:
+            losses, stats = self._losses_and_grad_stats(submitted)
+            grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
+            found_inf = any(s[1] for s in stats)
+            if apply_refs is None:
+                apply_refs = self._submit_apply(max_norm, grad_norm, found_inf)
+            reports = ray.get(apply_refs)
+        except ray.exceptions.RayError as error:
+            self._fail_step(submitted, error)
         loss_scale = self.scaler.scale if self.scaler else None
         if self.scaler:
             self.scaler.update(found_inf)
@@ -242,29 +248,38 @@ class PipelineTrainer:
             self.metrics.record_step(result)
         return result
 
-    def _submit_grad_stats(self) -> list:
-        if self._transport.whole_step:
-            return []  # run_step reports them
-        inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
-        return [a.grad_stats.remote(inv_scale, self.config.clip_grad_value) for a in self._actors]
-
     def _can_apply_early(self) -> bool:
-        """No global norm to clip by and no overflow to check: stages may step at once
-        (given a backward result they can depend on)."""
-        return self.config.clip_grad_norm is None and self.scaler is None and self._transport.plain_results
+        """No global norm to clip by and no overflow to check: stages may step at once."""
+        return self.config.clip_grad_norm is None and self.scaler is None
 
-    def _losses_and_grad_stats(self, loss_refs: list, stat_refs: list) -> tuple[list, list]:
+    def _losses_and_grad_stats(self, submitted: _Submitted) -> tuple[list, list]:
         if self._transport.whole_step:
-            outputs = self._get(self._step_refs)
+            outputs = ray.get(submitted.outcomes)
             return [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
-        losses = self._get(loss_refs)
-        self._get(self._first_stage_done)
-        return losses, self._get(stat_refs)
+        return ray.get(submitted.losses), ray.get(submitted.outcomes)
+
+    def _fail_step(self, submitted: _Submitted, error: ray.exceptions.RayError) -> NoReturn:
+        """Report the step's first real failure, once every stage has dropped the step.
+
+        No stage stepped its optimizer (each apply depends on every stage's outcome),
+        so dropping the partial gradients and activations leaves every parameter,
+        optimizer and scheduler state as it was before the step.
+        """
+        refs = submitted.losses + submitted.outcomes
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.p2p_timeout_s, fetch_local=False)
+        cause = _first_failure(done) or error
+        try:
+            if len(done) < len(refs):
+                raise TimeoutError("a stage never finished the failed step")
+            self._abort_step()
+        except (ray.exceptions.RayError, TimeoutError):
+            self._broken = True  # a stage died or hangs: the group cannot be made whole again
+        raise _as_raypipe_error(cause, self._stage_of) from _cause_of(cause)
 
     def _check_usable(self) -> None:
         if self._broken:
-            raise RaypipeError("a stage failed during a p2p step, so its neighbours' receives were left hanging: "
-                               "shut this trainer down and start a new one (load_checkpoint resumes)")
+            raise RaypipeError("a stage died or never finished a failed step, so the pipeline cannot be made "
+                               "whole again: shut this trainer down and start a new one (load_checkpoint resumes)")
 
     def _submit_apply(self, max_norm: float | None, total_norm: float, skip: bool, after: list = ()) -> list:
         return [a.apply.remote(max_norm, total_norm, skip, *after) for a in self._actors]
@@ -279,33 +294,16 @@ class PipelineTrainer:
         return peak_flops_for_device(self.device_name)
 
     def _get(self, refs: list) -> list:
-        """``ray.get`` that turns stage failures into :class:`StageError` on the driver.
-
-        After a failed op the stages drop the step's partial state (kept
-        activations, accumulated gradients), so the trainer stays usable.
-        """
+        """``ray.get`` that turns stage failures into raypipe's errors on the driver."""
         try:
             return ray.get(refs)
-        except ray.exceptions.RayTaskError as error:
-            self._abort_step()
-            cause = error.cause
-            if isinstance(cause, StageError):
-                raise StageError(cause.stage, cause.op, cause.micro_batch, cause.message,
-                                 cause.remote_traceback, cause.original) from cause.original
-            raise RaypipeError(f"a stage task failed: {error}") from error
-        except ray.exceptions.RayActorError as error:
-            raise RaypipeError(f"stage {self._stage_of(error)} died: {error}") from error
+        except ray.exceptions.RayError as error:
+            raise _as_raypipe_error(error, self._stage_of) from _cause_of(error)
 
     def _abort_step(self) -> None:
-        if self._transport.whole_step:
-            # p2p neighbours of the failed stage wait in a receive until p2p_timeout_s:
-            # the group cannot be trusted any more (see _check_usable)
-            self._broken = True
-            return
-        try:
-            ray.get([actor.abort_step.remote() for actor in self._actors])
-        except ray.exceptions.RayError:
-            pass  # a dead stage is reported by the original error
+        """Every stage drops the failed step's partial state; the transport is made whole."""
+        ray.get([actor.abort_step.remote() for actor in self._actors])
+        self._transport.reconnect(self._actors)
 
     def _stage_of(self, error: Exception) -> int | str:
         actor_id = getattr(error, "actor_id", None)
@@ -361,3 +359,48 @@ class PipelineTrainer:
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         return extra
+
+
+@dataclass
+class _Submitted:
+    """The references of one submitted step: the last stage's per-micro-batch
+    losses (per-op executor) and one outcome per stage (its grad stats, or its
+    whole ``run_step``), which raises unless that stage's step is whole."""
+
+    losses: list
+    outcomes: list
+
+
+def _first_failure(refs: list) -> BaseException | None:
+    """The step's cause: the first stage error that is not a consequence
+    (:class:`StepAborted`) of another; else the first failure of any kind."""
+    failures = []
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as error:
+            failures.append(error.cause if isinstance(error.cause, StageError) else error)
+        except ray.exceptions.RayError as error:
+            failures.append(error)
+    causes = [f for f in failures if isinstance(f, StageError) and not isinstance(f, StepAborted)]
+    return (causes or failures or [None])[0]
+
+
+def _as_raypipe_error(error: BaseException, stage_of: Callable[[Exception], int | str]) -> RaypipeError:
+    """A failure seen through Ray, as the raypipe error a user can act on."""
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, RaypipeError):
+        error = error.cause
+    if isinstance(error, StageError):
+        return type(error)(error.stage, error.op, error.micro_batch, error.message,
+                           error.remote_traceback, error.original)
+    if isinstance(error, RaypipeError):
+        return error
+    if isinstance(error, ray.exceptions.RayActorError):
+        return RaypipeError(f"stage {stage_of(error)} died: {error}")
+    return RaypipeError(f"a stage task failed: {error}")
+
+
+def _cause_of(error: BaseException) -> BaseException | None:
+    if isinstance(error, ray.exceptions.RayTaskError):
+        error = error.cause
+    return getattr(error, "original", None)

@@ -23,7 +23,6 @@ class Transport:
 
     name = "object_store"
     whole_step = False  # True: each stage runs its whole schedule in one task (run_step)
-    plain_results = True  # op results are ordinary objects another task may depend on
 
     def actor_class(self) -> Any:
         """The Ray actor class whose F/B outputs travel by this transport."""
@@ -35,11 +34,13 @@ class Transport:
     def close(self, actors: list[Any]) -> None:
         """Release what :meth:`connect` set up."""
 
+    def reconnect(self, actors: list[Any]) -> None:
+        """Make the transport usable again after a failed step (nothing to do here:
+        a failed op leaves nothing behind in the object store)."""
+
 
 class CollectiveTransport(Transport):
     """Ray Direct Transport over a collective group of the stage actors."""
-
-    plain_results = False  # direct-transport tensors stay with their producer
 
     def __init__(self, backend: str) -> None:
         self.name = backend
@@ -104,6 +105,12 @@ class P2PTransport(Transport):
             ray.get([actor.leave_group.remote() for actor in actors], timeout=30)
         except Exception:  # noqa: BLE001 - actors may already be gone at shutdown
             pass
+
+    def reconnect(self, actors: list[Any]) -> None:
+        """A failed step leaves the group broken (its failing stage closed its connections):
+        every worker leaves it, and all join a new one under a fresh rendezvous."""
+        ray.get([actor.leave_group.remote() for actor in actors])
+        self.connect(actors)
 
 
 def make_transport(name: str, p2p_timeout_s: float = 300.0) -> Transport:

@@ -1,6 +1,7 @@
 """Sharded per-layer checkpoints: round trip, completeness, repartitioning, errors."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from raypipe import checkpoint as ckpt
+from raypipe.errors import CheckpointError
 
 
 def make_model(seed: int) -> nn.Sequential:
@@ -18,14 +20,15 @@ def make_model(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
 
 
-def save_model(root, step: int, model: nn.Sequential, stages: list[list[int]], extra=None) -> dict[int, str]:
+def save_model(root, step: int, model: nn.Sequential, stages: list[list[int]], extra=None,
+               blobs=()) -> dict[int, ckpt.StoredFile]:
     """Save as pipeline stages would: each stage writes its own global layers, in parallel."""
-    def save_stage(layer_indices: list[int]) -> dict[int, str]:
+    def save_stage(layer_indices: list[int]) -> dict[int, ckpt.StoredFile]:
         return {index: ckpt.write_layer(root, step, index, model[index].state_dict()) for index in layer_indices}
 
     with ThreadPoolExecutor(len(stages)) as pool:
-        files = {index: name for part in pool.map(save_stage, stages) for index, name in part.items()}
-    ckpt.write_manifest(root, step, files, extra or {})
+        files = {index: file for part in pool.map(save_stage, stages) for index, file in part.items()}
+    ckpt.write_manifest(root, step, files, extra or {}, blobs=blobs)
     return files
 
 
@@ -35,16 +38,20 @@ def test_round_trip_loads_into_a_different_partition(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
-    assert ckpt.write_blob(root, 120, "optim_00000", optimizer.state_dict()) == "optim_00000.pt"
-    files = save_model(root, 120, model, stages=[[0, 1], [2, 3, 4]], extra={"data": {"next_step": 121}})
+    blob = ckpt.write_blob(root, 120, "optim_00000", optimizer.state_dict())
+    assert blob.name == "optim_00000.pt"
+    files = save_model(root, 120, model, stages=[[0, 1], [2, 3, 4]], extra={"data": {"next_step": 121}},
+                       blobs=[blob])
 
-    assert files == {index: f"layer_{index:05d}.pt" for index in range(5)}
+    assert {index: file.name for index, file in files.items()} == {index: f"layer_{index:05d}.pt" for index in range(5)}
     step_dir = root / "step_00000120"
     assert sorted(os.listdir(step_dir)) == [*(f"layer_{i:05d}.pt" for i in range(5)), "manifest.json", "optim_00000.pt"]
     manifest = ckpt.read_manifest(root, 120)
     assert manifest["step"] == 120 and manifest["num_layers"] == 5
     assert manifest["extra"] == {"data": {"next_step": 121}}
     assert manifest["sizes"]["layer_00002.pt"] == (step_dir / "layer_00002.pt").stat().st_size
+    assert manifest["sha256"]["layer_00002.pt"] == hashlib.sha256((step_dir / "layer_00002.pt").read_bytes()).hexdigest()
+    assert manifest["sha256"]["optim_00000.pt"] == blob.sha256
     assert manifest["blobs"] == ["optim_00000"]
     with pytest.raises(FileExistsError, match="already complete"):
         ckpt.write_blob(root, 120, "late", {})
@@ -64,9 +71,9 @@ def test_blobs_written_before_the_manifest_are_recorded(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    ckpt.write_blob(root, 7, "optim_00000", optimizer.state_dict())
-    ckpt.write_blob(root, 7, "data", {"next_step": 8, "seed": 0})
-    save_model(root, 7, model, stages=[[0, 1, 2, 3, 4]])
+    blobs = [ckpt.write_blob(root, 7, "optim_00000", optimizer.state_dict()),
+             ckpt.write_blob(root, 7, "data", {"next_step": 8, "seed": 0})]
+    save_model(root, 7, model, stages=[[0, 1, 2, 3, 4]], blobs=blobs)
     assert ckpt.read_manifest(root, 7)["blobs"] == ["data", "optim_00000"]
     assert ckpt.read_blob(root, 7, "data") == {"next_step": 8, "seed": 0}
     loaded = ckpt.read_blob(root, 7, "optim_00000")
@@ -102,15 +109,20 @@ def test_latest_ignores_incomplete_checkpoints(tmp_path):
 def test_manifest_requires_every_layer_file(tmp_path):
     root = tmp_path / "ckpt"
     model = make_model(0)
-    ckpt.write_layer(root, 1, 0, model[0].state_dict())
+    first = ckpt.write_layer(root, 1, 0, model[0].state_dict())
+    unwritten = ckpt.StoredFile("layer_00001.pt", 10, "0" * 64)
     with pytest.raises(FileNotFoundError, match="step_00000001: layer 1 file 'layer_00001.pt' is not stored"):
-        ckpt.write_manifest(root, 1, {0: "layer_00000.pt", 1: "layer_00001.pt"}, {})
+        ckpt.write_manifest(root, 1, {0: first, 1: unwritten}, {})
+    with pytest.raises(FileNotFoundError, match="layer 0 file 'layer_00000.pt' is not stored there as written"):
+        ckpt.write_manifest(root, 1, {0: first._replace(size=first.size + 1)}, {})
     with pytest.raises(ValueError, match="every global layer 0..n-1; got layers \\[0, 2\\], missing \\[1\\]"):
-        ckpt.write_manifest(root, 1, {0: "layer_00000.pt", 2: "layer_00002.pt"}, {})
-    with pytest.raises(ValueError, match="layer 0 file must be 'layer_00000.pt', got 'weights.pt'"):
-        ckpt.write_manifest(root, 1, {0: "weights.pt"}, {})
+        ckpt.write_manifest(root, 1, {0: first, 2: unwritten._replace(name="layer_00002.pt")}, {})
+    with pytest.raises(ValueError, match="layer 0 file must be the StoredFile of 'layer_00000.pt'"):
+        ckpt.write_manifest(root, 1, {0: first._replace(name="weights.pt")}, {})
+    with pytest.raises(ValueError, match="layer 0 file must be the StoredFile"):
+        ckpt.write_manifest(root, 1, {0: "layer_00000.pt"}, {})
     with pytest.raises(TypeError, match="extra metadata .* is not JSON-serializable"):
-        ckpt.write_manifest(root, 1, {0: "layer_00000.pt"}, {"tensor": torch.ones(1)})
+        ckpt.write_manifest(root, 1, {0: first}, {"tensor": torch.ones(1)})
     assert ckpt.latest_checkpoint(root) is None
 
 
@@ -132,18 +144,33 @@ def test_read_errors_name_the_path(tmp_path):
     with pytest.raises(KeyError, match="has no layer 9; it holds layers 0..4"):
         ckpt.read_layer(root, 3, 9)
     (root / "step_00000003" / "layer_00002.pt").write_bytes(b"not a torch file")
-    with pytest.raises(ValueError, match="cannot read checkpoint file .*step_00000003/layer_00002.pt"):
+    with pytest.raises(CheckpointError, match="step_00000003/layer_00002.pt is damaged: 16 bytes where"):
         ckpt.read_layer(root, 3, 2)
     (root / "step_00000003" / "layer_00004.pt").unlink()
-    with pytest.raises(FileNotFoundError, match="layer_00004.pt is listed in its manifest but missing"):
+    with pytest.raises(CheckpointError, match="layer_00004.pt is listed in its manifest but missing") as error:
         ckpt.read_layer(root, 3, 4)
+    assert error.value.path.endswith("step_00000003/layer_00004.pt")
     manifest = root / "step_00000003" / "manifest.json"
     manifest.write_text("{truncated")
-    with pytest.raises(ValueError, match="manifest .*step_00000003/manifest.json is not valid JSON"):
+    with pytest.raises(CheckpointError, match="step_00000003/manifest.json is not valid JSON"):
         ckpt.read_manifest(root, 3)
     manifest.write_text(json.dumps({"format": "other"}))
-    with pytest.raises(ValueError, match="is not a raypipe checkpoint manifest"):
+    with pytest.raises(CheckpointError, match="is not a raypipe checkpoint manifest"):
         ckpt.read_manifest(root, 3)
+
+
+@pytest.mark.parametrize("where", [0.5, -1])  # inside a tensor's bytes; the zip directory at the end
+def test_a_flipped_byte_of_the_same_size_is_detected(tmp_path, where):
+    root = tmp_path / "ckpt"
+    save_model(root, 4, make_model(0), stages=[[0, 1, 2, 3, 4]])
+    path = root / "step_00000004" / "layer_00002.pt"
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="layer_00002.pt is damaged: its SHA-256 differs") as error:
+        ckpt.read_layer(root, 4, 2)
+    assert error.value.path == str(path)
+    assert ckpt.read_layer(root, 4, 0).keys() == {"weight", "bias"}  # the other files still load
 
 
 def test_argument_errors(tmp_path):

@@ -9,16 +9,33 @@ import torch
 from torch import nn
 
 import raypipe
-from raypipe.transport import CollectiveTransport, make_transport
+import raypipe.stage
+from raypipe.transport import CollectiveTransport, _direct_transport_worker, make_transport
 
 
-def test_nccl_transport_is_selectable_without_a_gpu():
+def test_nccl_worker_sends_only_activations_and_gradients_by_nccl():
+    # Runs without a GPU: the NCCL actor class is built exactly as on a GPU cluster.
+    # Only forward/backward results may go by NCCL: grad stats and the optimizer step
+    # must stay plain objects, because every stage's apply depends on them.
     transport = make_transport("nccl")
     assert isinstance(transport, CollectiveTransport) and transport.name == "nccl"
-    actor_class = transport.actor_class()  # builds the RDT-decorated actor class
-    assert actor_class is not None
+    routes = transport.actor_class().__ray_metadata__.method_meta.method_name_to_tensor_transport
+    assert routes == {"forward": "NCCL", "backward": "NCCL"}
     with pytest.raises(ValueError, match="unknown transport"):
         make_transport("infiniband")
+
+
+def test_nccl_worker_computes_what_a_plain_stage_worker_computes():
+    # The NCCL worker's own code (its forward/backward overrides), run in-process on the CPU.
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
+    results = []
+    for worker_class in (raypipe.stage.StageWorker, _direct_transport_worker("nccl")):
+        torch.manual_seed(0)
+        worker = worker_class(0, 1, [nn.Linear(4, 3)], [0], None, nn.functional.mse_loss, config)
+        loss = worker.forward(0, torch.ones(2, 4), torch.zeros(2, 3), 1.0, 0)
+        worker.backward(0, None, 1.0)
+        results.append((loss, worker.finish_backward()))
+    assert results[0] == results[1] and results[0][1][0] > 0
 
 
 def _train(config, steps=3):

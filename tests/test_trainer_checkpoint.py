@@ -69,3 +69,23 @@ def test_loading_without_a_checkpoint_names_the_directory(ray_cluster, tmp_path)
     with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, adamw, config) as trainer:
         with pytest.raises(FileNotFoundError, match=str(tmp_path)):
             trainer.load_checkpoint(tmp_path)
+
+
+def test_a_damaged_checkpoint_file_raises_a_checkpoint_error_naming_it(ray_cluster, tmp_path):
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
+        x, y = batches()[0]
+        trainer.step(x, y)
+        step = trainer.save_checkpoint(tmp_path)
+        before = trainer.state_dict()
+        damaged = tmp_path / f"step_{step:08d}" / "layer_00004.pt"
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0x01  # same size, still a zip file
+        damaged.write_bytes(bytes(data))
+        with pytest.raises(raypipe.CheckpointError, match="layer_00004.pt is damaged") as error:
+            trainer.load_checkpoint(tmp_path)
+        assert error.value.path == str(damaged)
+        damaged.unlink()
+        with pytest.raises(raypipe.CheckpointError, match="layer_00004.pt is listed in its manifest but missing"):
+            trainer.load_checkpoint(tmp_path, step=step)
+        assert_parameters_match(trainer.state_dict(), before, rtol=0, atol=0)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything a fresh machine needs to run the main job and the tests, at the
+# exact versions of constraints.txt (refresh it with scripts/lock.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# the CPU build of torch first, so nothing pulls a multi-GB CUDA build
+python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -c constraints.txt -e ".[test]"
+
+# Prometheus (Debian's package) for the metrics integration test
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    echo "note: no prometheus binary; tests/test_prometheus.py's integration test will skip (apt-get install prometheus)"
+  fi
+fi
