@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from raypipe.models.llama import get_config  # noqa: E402
-from raypipe.result import StepResult  # noqa: E402
+from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -164,7 +164,7 @@ def completed_steps(args: argparse.Namespace) -> int:
     """Steps already trained: the newest complete checkpoint's step when resuming, else 0."""
     if not args.resume:
         return 0
-    from raypipe.checkpoint import latest_checkpoint
+    from raypipe.checkpoint.store import latest_checkpoint
 
     return latest_checkpoint(args.checkpoint_dir) or 0
 

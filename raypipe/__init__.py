@@ -1,19 +1,19 @@
 """raypipe: elastic GPipe pipeline-parallel training on Ray and PyTorch."""
 from raypipe.config import PipelineConfig
 from raypipe.errors import CheckpointError, ConfigError, PlacementError, RaypipeError, StageError, StepAborted
-from raypipe.result import OpEvent, StageStats, StepResult
+from raypipe.core.result import OpEvent, StageStats, StepResult
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # The trainer imports Ray and torch: keep `import raypipe.schedule` free of both.
+    # The trainer imports Ray and torch: keep `import raypipe.core.schedule` free of both.
     if name == "PipelineTrainer":
         from raypipe.trainer import PipelineTrainer
 
         return PipelineTrainer
     if name == "LayerSpec":
-        from raypipe.layers import LayerSpec
+        from raypipe.models.layers import LayerSpec
 
         return LayerSpec
     raise AttributeError(f"module 'raypipe' has no attribute {name!r}")

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--out", help="override the config's output directory")
 
     from raypipe.data import add_prepare_arguments
-    from raypipe.plan import add_plan_arguments
+    from raypipe.planning.plan import add_plan_arguments
 
     add_plan_arguments(commands.add_parser("plan", help="predict per-stage memory of a model and pipeline"))
     add_prepare_arguments(commands.add_parser("prepare", help="turn a text corpus into Parquet token shards"))
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "plan":
-        from raypipe.plan import run_plan
+        from raypipe.planning.plan import run_plan
 
         return run_plan(args)
     from raypipe.data import run_prepare

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.errors import ConfigError
-from raypipe.schedule import SCHEDULES
+from raypipe.core.schedule import SCHEDULES
 
 CHECKPOINT_MODES = ("never", "always", "except_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -33,7 +33,7 @@ class PipelineConfig:
     clip_grad_value: float | None = None
     precision: str = "fp32"
     balance: list[int] | None = None  # layers per stage; None = balanced by parameters
-    transport: str = "object_store"  # "p2p": one task per stage per step, direct sends (see raypipe.p2p)
+    transport: str = "object_store"  # "p2p": one task per stage per step, direct sends (see raypipe.comm.p2p)
     p2p_timeout_s: float = 300.0  # a p2p receive waiting longer than this fails the step
     use_gpu: bool | None = None  # None: use a GPU per stage when the cluster has GPUs
     cpus_per_stage: int = 1

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from raypipe.result import StepResult
+from raypipe.core.result import StepResult
 
 
 def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_every: int = 0,

@@ -135,7 +135,7 @@ def warmup_cosine(warmup_steps: int, decay_steps: int, min_ratio: float):
 
 
 def _has_checkpoint(checkpoint_dir: str) -> bool:
-    from raypipe.checkpoint import latest_checkpoint
+    from raypipe.checkpoint.store import latest_checkpoint
 
     return latest_checkpoint(checkpoint_dir) is not None
 
@@ -159,7 +159,7 @@ def _summary(run: RunConfig, results: list, num_parameters: int, checkpoint_dir:
 def _write_outputs(out: Path, results: list, summary: dict[str, Any]) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot_losses(out / "loss.png", results)
-    from raypipe.trace import plot_gantt, write_chrome_trace
+    from raypipe.observability.trace import plot_gantt, write_chrome_trace
 
     write_chrome_trace(results[-1].timeline, out / "trace.json")
     plot_gantt(results[-1].timeline, out / "timeline.png", title=f"step {results[-1].step}")

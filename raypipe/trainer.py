@@ -12,17 +12,17 @@ import ray
 import torch
 from torch import nn
 
-from raypipe import cluster
+from raypipe.runtime import cluster
 from raypipe.config import PipelineConfig
 from raypipe.errors import RaypipeError, StageError, StepAborted
-from raypipe.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
-from raypipe.partition import partition_by_cost, stage_layer_ranges
-from raypipe.precision import LossScaler
-from raypipe.result import StepResult
-from raypipe.schedule import make_schedule, submission_order
-from raypipe.stage_data import count_samples, loss_weights, split_micro_batches
-from raypipe.step_report import build_step_result
-from raypipe.transport import make_transport
+from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
+from raypipe.core.partition import partition_by_cost, stage_layer_ranges
+from raypipe.core.loss_scale import LossScaler
+from raypipe.core.result import StepResult
+from raypipe.core.schedule import make_schedule, submission_order
+from raypipe.core.micro_batches import count_samples, loss_weights, split_micro_batches
+from raypipe.observability.step_report import build_step_result
+from raypipe.comm.transport import make_transport
 
 Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
 Batch = torch.Tensor | Sequence[torch.Tensor]
@@ -87,7 +87,7 @@ class PipelineTrainer:
     def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
             return
-        from raypipe.metrics import MetricsExporter
+        from raypipe.observability.metrics import MetricsExporter
 
         self.metrics = MetricsExporter(self.config.metrics_host, self.config.metrics_port)
 
@@ -289,7 +289,7 @@ class PipelineTrainer:
             return self.config.peak_flops_per_second
         if not self.config.use_gpu:
             return None
-        from raypipe.metrics import peak_flops_for_device
+        from raypipe.observability.metrics import peak_flops_for_device
 
         return peak_flops_for_device(self.device_name)
 
@@ -336,7 +336,7 @@ class PipelineTrainer:
         Stages write their own layers in parallel; the manifest, written last,
         makes the checkpoint complete.
         """
-        from raypipe.checkpoint import write_manifest
+        from raypipe.checkpoint.store import write_manifest
 
         layer_files: dict[int, str] = {}
         for files in self._get([a.save_checkpoint.remote(str(root_uri), self.step_count) for a in self._actors]):
@@ -348,7 +348,7 @@ class PipelineTrainer:
 
     def load_checkpoint(self, root_uri: str, step: int | None = None) -> dict:
         """Load the newest complete checkpoint (or ``step``) into any partition; returns its extra state."""
-        from raypipe.checkpoint import latest_checkpoint, read_manifest
+        from raypipe.checkpoint.store import latest_checkpoint, read_manifest
 
         step = latest_checkpoint(str(root_uri)) if step is None else step
         if step is None:

@@ -4,7 +4,7 @@ import torch
 
 import raypipe
 from raypipe.data import TokenDataset, prepare
-from raypipe.layers import build_layer
+from raypipe.models.layers import build_layer
 from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
 from raypipe.run import llama_count_tokens
 

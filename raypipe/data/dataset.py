@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raypipe.checkpoint import filesystem_for
+from raypipe.filesystem import filesystem_for
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raypipe.tokenizer import ByteTokenizer, Tokenizer, tokenizer_name
+from raypipe.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_name
 
 logger = logging.getLogger(__name__)
 

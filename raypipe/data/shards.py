@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
-from raypipe.checkpoint import filesystem_for
+from raypipe.filesystem import filesystem_for
 
 logger = logging.getLogger(__name__)
 

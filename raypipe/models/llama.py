@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypipe.layers import LayerSpec
+from raypipe.models.layers import LayerSpec
 
 try:  # optional: the [gpu] extra
     from flash_attn import flash_attn_func as _flash_attn_func

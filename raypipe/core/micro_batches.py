@@ -1,0 +1,36 @@
+"""Micro-batches of a global batch and their loss weights: the step's arithmetic."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def count_samples(targets: torch.Tensor) -> int:
+    """Default loss count: the micro-batch's samples (its first dimension)."""
+    return int(targets.shape[0])
+
+
+def loss_weights(counts: list[int]) -> list[float]:
+    """Weights that turn per-micro-batch mean losses into the exact global mean."""
+    total = sum(counts)
+    if total <= 0:
+        raise ValueError(f"the global batch has no counted targets (counts per micro-batch: {counts})")
+    return [count / total for count in counts]
+
+
+def split_micro_batches(inputs: Any, targets: Any, count: int) -> tuple[list, list]:
+    """Micro-batches by ``torch.tensor_split`` sizes, or as given (lists of tensors)."""
+    if isinstance(inputs, (list, tuple)) or isinstance(targets, (list, tuple)):
+        if len(inputs) != count or len(targets) != count:
+            raise ValueError(f"got {len(inputs)} input and {len(targets)} target micro-batches; "
+                             f"num_micro_batches={count}")
+        return list(inputs), list(targets)
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"inputs have {inputs.shape[0]} samples but targets have {targets.shape[0]}")
+    if inputs.shape[0] < count:
+        raise ValueError(f"global batch of {inputs.shape[0]} samples is smaller than "
+                         f"num_micro_batches={count}: every micro-batch needs at least one sample")
+    # clone: a view pickles its whole storage, i.e. the whole global batch per micro-batch
+    return ([part.clone() for part in torch.tensor_split(inputs, count)],
+            [part.clone() for part in torch.tensor_split(targets, count)])

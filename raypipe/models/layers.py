@@ -1,0 +1,82 @@
+"""LayerSpec: a layer described on the driver and built inside its stage actor."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from raypipe.errors import ConfigError
+
+
+class LayerSpec:
+    """A recipe for one pipeline layer: ``LayerSpec(cls, *args, **kwargs)``.
+
+    The layer is only constructed by :meth:`build`, which a stage actor calls,
+    so a model too large for the driver's memory is never materialized there.
+    """
+
+    def __init__(self, cls: type[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"LayerSpec needs an nn.Module subclass, got {cls!r}")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+
+    def build(self, device: torch.device | str | None = None) -> nn.Module:
+        """Construct the layer (on ``device`` when given; "meta" allocates nothing)."""
+        if device is None:
+            return self.cls(*self.args, **self.kwargs)
+        with torch.device(device):
+            return self.cls(*self.args, **self.kwargs)
+
+    def num_parameters(self) -> int:
+        """Parameter count, computed on the meta device without allocating weights."""
+        return sum(p.numel() for p in self.build("meta").parameters())
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.cls.__name__})"
+
+
+def layer_parameter_count(layer: nn.Module | LayerSpec) -> int:
+    """Parameters of a built module or of a spec (the latter on the meta device)."""
+    if isinstance(layer, LayerSpec):
+        return layer.num_parameters()
+    return sum(p.numel() for p in layer.parameters())
+
+
+def build_layer(layer: nn.Module | LayerSpec, index: int, seed: int) -> nn.Module:
+    """The module for global layer ``index``; a spec is built with a seed derived
+    from ``(seed, "init", index)``, so initial weights do not depend on the partition."""
+    if not isinstance(layer, LayerSpec):
+        return layer
+    from raypipe.core.seeding import derive_seed
+
+    torch.manual_seed(derive_seed(seed, "init", index))
+    return layer.build()
+
+
+def model_layers(model: Any) -> tuple[list, list[str]]:
+    """The model's layers and their names (the prefixes of their state-dict keys)."""
+    if isinstance(model, nn.Sequential):
+        names = list(model._modules)
+        return [model._modules[name] for name in names], names
+    if isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__,
+                          "must be an nn.Sequential, a list of nn.Module, or a list of raypipe.LayerSpec")
+    layers = list(model)
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, (nn.Module, LayerSpec)):
+            raise ConfigError(f"model[{index}]", type(layer).__name__, "must be an nn.Module or a raypipe.LayerSpec")
+    return layers, [str(i) for i in range(len(layers))]
+
+
+def split_state_by_layer(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[int, dict]:
+    index_of = {name: index for index, name in enumerate(names)}
+    per_layer: dict[int, dict] = {index: {} for index in range(len(names))}
+    for key, value in state_dict.items():
+        prefix, _, rest = key.partition(".")
+        if prefix not in index_of or not rest:
+            raise KeyError(f"unexpected key {key!r} in state_dict: layers are named {names[:5]}...")
+        per_layer[index_of[prefix]][rest] = value
+    return per_layer

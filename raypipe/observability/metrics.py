@@ -1,0 +1,301 @@
+"""Prometheus exporter for the driver, and model-FLOPs-utilization (MFU) helpers.
+
+The exporter serves a snapshot of the latest step: every scrape reports the
+values of the most recent :class:`~raypipe.core.result.StepResult` plus running
+counters. Building the metrics in a custom collector (rather than keeping
+``Gauge`` objects around) means a value that is not known (no eval yet, no MFU,
+CPU-only memory fields) is absent instead of a misleading 0, and stages that
+disappear after an elastic resize stop being reported.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from raypipe.core.result import StageStats, StepResult
+
+# Every stage-labelled metric also carries a ``replica`` label so data-parallel
+# replicas of a stage can be told apart without changing metric names or the
+# dashboard. Until the trainer reports replicas, all stages are replica "0".
+STAGE_LABELS = ("stage", "replica")
+DEFAULT_REPLICA = "0"
+
+# (kind label, StageStats field) for raypipe_stage_memory_bytes.
+MEMORY_KINDS = (
+    ("held_for_backward", "held_for_backward_bytes"),
+    ("offloaded", "offloaded_bytes"),
+    ("device_allocated", "device_allocated_bytes"),
+    ("device_peak", "device_peak_bytes"),
+    ("rss", "rss_bytes"),
+)
+
+
+class _TrainingCollector(Collector):
+    """Yields the metric families of the latest step; thread-safe snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: StepResult | None = None
+        self._eval_loss: float | None = None
+        self._steps = 0
+        self._skipped = 0
+        self._restarts = 0
+
+    def record_step(self, result: StepResult) -> None:
+        with self._lock:
+            self._last = result
+            self._steps += 1
+            self._skipped += int(result.skipped)
+
+    def record_eval(self, loss: float) -> None:
+        with self._lock:
+            self._eval_loss = float(loss)
+
+    def record_restart(self) -> None:
+        with self._lock:
+            self._restarts += 1
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            last, eval_loss = self._last, self._eval_loss
+            steps, skipped, restarts = self._steps, self._skipped, self._restarts
+        yield CounterMetricFamily(
+            "raypipe_steps_total", "Optimizer steps run (skipped ones included).", value=steps
+        )
+        yield CounterMetricFamily(
+            "raypipe_skipped_steps_total",
+            "Steps whose optimizer update was skipped (fp16 overflow).",
+            value=skipped,
+        )
+        yield CounterMetricFamily(
+            "raypipe_restarts_total",
+            "Times training was restored after a failure.",
+            value=restarts,
+        )
+        if eval_loss is not None:
+            yield _gauge("raypipe_eval_loss", "Latest evaluation loss.", eval_loss)
+        if last is not None:
+            yield from _step_families(last)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def _stage_labels(stage: int) -> list[str]:
+    return [str(stage), DEFAULT_REPLICA]
+
+
+def _step_families(result: StepResult) -> Iterator[Metric]:
+    """The gauges describing one step."""
+    yield _gauge("raypipe_loss", "Training loss of the latest step (global-batch mean).", result.loss)
+    yield _gauge(
+        "raypipe_grad_norm", "Global gradient L2 norm of the latest step, before clipping.",
+        result.grad_norm,
+    )
+    yield _gauge(
+        "raypipe_clip_coefficient",
+        "Factor the gradients were scaled by when clipping (1 = not clipped).",
+        result.clip_coefficient,
+    )
+    yield _gauge("raypipe_step_seconds", "Wall-clock duration of the latest step.", result.step_time)
+    yield _gauge(
+        "raypipe_tokens_per_second", "Training throughput of the latest step.",
+        result.tokens_per_second,
+    )
+    # No loss scaling (fp32/bf16) means the gradients were scaled by 1.
+    scale = 1.0 if result.loss_scale is None else result.loss_scale
+    yield _gauge("raypipe_loss_scale", "Loss scale in effect (1 without fp16 scaling).", scale)
+    if result.mfu is not None:
+        yield _gauge(
+            "raypipe_mfu",
+            "Model FLOPs utilization of the latest step (6*N FLOPs per token / peak).",
+            result.mfu,
+        )
+    yield _bubble_family(result.bubble_fraction)
+    yield _busy_family(result.stages)
+    yield _memory_family(result.stages)
+
+
+def _bubble_family(bubble_fraction: list[float]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "raypipe_bubble_fraction",
+        "Measured idle share of the step per stage: 1 - busy time / step wall time.",
+        labels=STAGE_LABELS,
+    )
+    for stage, fraction in enumerate(bubble_fraction):
+        family.add_metric(_stage_labels(stage), float(fraction))
+    return family
+
+
+def _busy_family(stages: list[StageStats]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "raypipe_stage_busy_seconds",
+        "Seconds the stage spent running ops during the latest step.",
+        labels=STAGE_LABELS,
+    )
+    for stats in stages:
+        family.add_metric(_stage_labels(stats.stage), float(stats.busy_seconds))
+    return family
+
+
+def _memory_family(stages: list[StageStats]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "raypipe_stage_memory_bytes",
+        "Per-stage memory of the latest step by kind: held_for_backward and offloaded "
+        "(peak bytes kept for backward, in device memory / object store), device_allocated "
+        "and device_peak (CUDA), rss (process resident set).",
+        labels=(*STAGE_LABELS, "kind"),
+    )
+    for stats in stages:
+        for kind, attribute in MEMORY_KINDS:
+            value = getattr(stats, attribute)
+            if value is not None:  # None = not measurable here (CUDA fields on CPU)
+                family.add_metric([*_stage_labels(stats.stage), kind], float(value))
+    return family
+
+
+class MetricsExporter:
+    """Serves raypipe's training metrics over HTTP for Prometheus to scrape.
+
+    Each exporter has its own :class:`CollectorRegistry` (unless one is passed),
+    so several trainers in one process do not clash. It listens on loopback by
+    default; ``port=0`` picks a free port (read it back from :attr:`port`).
+    """
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, registry: CollectorRegistry | None = None
+    ) -> None:
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"metrics port must be an int in 0..65535 (0 = any free port), got {port!r}")
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._collector = _TrainingCollector()
+        self.registry.register(self._collector)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            self.registry.unregister(self._collector)
+            raise OSError(error.errno, f"cannot serve metrics on {host}:{port}: {error.strerror}") from error
+        self.host = host
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The (host, port) the server socket is actually bound to."""
+        host, port = self._server.server_address[:2]
+        return host, port
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    @property
+    def url(self) -> str:
+        """Scrape address, e.g. ``http://127.0.0.1:9100/metrics``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def record_step(self, result: StepResult) -> None:
+        """Publish one step's measurements and count it."""
+        self._collector.record_step(result)
+
+    def record_eval(self, loss: float) -> None:
+        """Publish the latest evaluation loss."""
+        self._collector.record_eval(loss)
+
+    def record_restart(self) -> None:
+        """Count one recovery from a failure."""
+        self._collector.record_restart()
+
+    def close(self) -> None:
+        """Stop serving and release the port. Idempotent."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+        self.registry.unregister(self._collector)
+        self._server = None
+
+    def __enter__(self) -> MetricsExporter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from NVIDIA's
+# datasheets (their headline figures are often "with sparsity", i.e. 2x these).
+# Keys are matched as whole words of the device name, longest key first, so
+# "H100 PCIe" wins over "H100", and "A10" does not match "A100" or "A10G".
+PEAK_FLOPS_BY_DEVICE: dict[str, float] = {
+    "B200": 2.25e15,
+    "H200": 989e12,  # SXM
+    "H200 NVL": 835e12,
+    "GH200": 989e12,
+    "H100": 989e12,  # SXM (cuda name "NVIDIA H100 80GB HBM3")
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "A6000": 155e12,
+}
+
+
+def _words(name: str) -> list[str]:
+    return re.findall(r"[A-Z0-9]+", name.upper())
+
+
+def peak_flops_for_device(name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a device name such as ``torch.cuda.get_device_name()``.
+
+    Returns None when the device is not in :data:`PEAK_FLOPS_BY_DEVICE` (then MFU
+    is not reported unless the user configures a peak).
+    """
+    words = _words(name)
+    for key in sorted(PEAK_FLOPS_BY_DEVICE, key=lambda k: len(_words(k)), reverse=True):
+        key_words = _words(key)
+        for i in range(len(words) - len(key_words) + 1):
+            if words[i : i + len(key_words)] == key_words:
+                return PEAK_FLOPS_BY_DEVICE[key]
+    return None
+
+
+def model_flops_per_token(num_parameters: int) -> float:
+    """Training FLOPs per token, approximated as ``6 * N``.
+
+    2N for the forward matmuls plus 4N for backward (input and weight grads).
+    It ignores attention's sequence-length term and activation-checkpoint
+    recomputation: MFU counts the model's FLOPs, not the hardware's.
+    """
+    if num_parameters <= 0:
+        raise ValueError(f"num_parameters must be positive, got {num_parameters!r}")
+    return 6.0 * num_parameters
+
+
+def mfu(
+    num_parameters: int,
+    tokens: int,
+    seconds: float,
+    peak_flops_per_device: float,
+    num_devices: int,
+) -> float:
+    """Model FLOPs utilization: achieved model FLOP/s over the devices' peak FLOP/s."""
+    for name, value in (
+        ("tokens", tokens),
+        ("seconds", seconds),
+        ("peak_flops_per_device", peak_flops_per_device),
+        ("num_devices", num_devices),
+    ):
+        if not value > 0:
+            raise ValueError(f"mfu: {name} must be positive, got {value!r}")
+    achieved = model_flops_per_token(num_parameters) * tokens / seconds
+    return achieved / (peak_flops_per_device * num_devices)

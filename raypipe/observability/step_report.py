@@ -1,0 +1,45 @@
+"""Turn the stages' reports of one step into a StepResult (measured bubble, MFU)."""
+from __future__ import annotations
+
+from raypipe.core.result import OpEvent, StageStats, StepResult
+
+
+def clip_coefficient(grad_norm: float, max_norm: float | None) -> float:
+    """The factor gradients were scaled by (as ``torch.nn.utils.clip_grad_norm_``)."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (grad_norm + 1e-6))
+
+
+def measured_bubble(timeline: list[OpEvent], num_stages: int) -> list[float]:
+    """Per stage, 1 - busy/window over the step's F/B phase (first F start to last B end)."""
+    compute = [e for e in timeline if e.op in ("F", "B")]
+    if not compute:
+        return [0.0] * num_stages
+    window = max(e.end for e in compute) - min(e.start for e in compute)
+    if window <= 0:
+        return [0.0] * num_stages
+    busy = [0.0] * num_stages
+    for event in compute:
+        busy[event.stage] += event.end - event.start
+    return [max(0.0, 1.0 - b / window) for b in busy]
+
+
+def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: float | None, skipped: bool,
+                      loss_scale: float | None, step_time: float, num_samples: int, num_tokens: int,
+                      reports: list[tuple[list[OpEvent], StageStats]], num_parameters: int,
+                      peak_flops: float | None, num_devices: int) -> StepResult:
+    timeline = sorted((event for events, _ in reports for event in events), key=lambda e: (e.stage, e.start))
+    stages = [stats for _, stats in reports]
+    mfu = None
+    if peak_flops:
+        from raypipe.observability.metrics import mfu as model_flops_utilization
+
+        mfu = model_flops_utilization(num_parameters, num_tokens, step_time, peak_flops, num_devices)
+    return StepResult(
+        step=step, loss=loss, grad_norm=grad_norm, step_time=step_time,
+        clip_coefficient=1.0 if skipped else clip_coefficient(grad_norm, max_norm),
+        skipped=skipped, loss_scale=loss_scale, num_samples=num_samples, num_tokens=num_tokens,
+        tokens_per_second=num_tokens / step_time if step_time > 0 else 0.0, mfu=mfu,
+        learning_rate=next((s.learning_rate for s in stages if s.learning_rate is not None), None),
+        stages=stages, timeline=timeline, bubble_fraction=measured_bubble(timeline, len(stages)))

@@ -1,0 +1,122 @@
+"""A step's measured per-stage timeline as a Chrome trace JSON or a PNG Gantt chart.
+
+The input is :attr:`raypipe.core.result.StepResult.timeline`: one
+:class:`~raypipe.core.result.OpEvent` per op, with wall-clock start/end seconds.
+Times are shown relative to the earliest event, so the gaps between a stage's
+ops are its idle time (the pipeline bubble plus any waiting on transfers).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from raypipe.core.result import OpEvent
+
+# Colours for the Gantt chart; ops without an entry (recv, grad_stats,
+# optimizer, ...) are drawn grey.
+OP_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
+OTHER_COLOUR = "#9A9A9A"
+OP_LABELS = {"F": "forward (F)", "B": "backward (B)"}
+
+
+def _check_events(events: Sequence[OpEvent]) -> None:
+    for index, event in enumerate(events):
+        if event.end < event.start:
+            raise ValueError(
+                f"timeline event {index} (stage {event.stage}, op {event.op!r}, "
+                f"micro_batch {event.micro_batch}) ends before it starts: "
+                f"start={event.start}, end={event.end}"
+            )
+
+
+def _event_name(event: OpEvent) -> str:
+    return event.op if event.micro_batch is None else f"{event.op}{event.micro_batch}"
+
+
+def chrome_trace(events: Sequence[OpEvent]) -> dict:
+    """Chrome trace-event JSON (a dict) for Perfetto or ``chrome://tracing``.
+
+    Each op is a complete ("X") event; ``pid`` is the stage (named "stage N"),
+    ``ts``/``dur`` are microseconds since the first event's start, and ``args``
+    holds the micro-batch. Events keep the order they are given in.
+    """
+    _check_events(events)
+    trace_events: list[dict] = []
+    for stage in sorted({event.stage for event in events}):
+        trace_events.append(
+            {"name": "process_name", "ph": "M", "pid": stage, "tid": 0, "args": {"name": f"stage {stage}"}}
+        )
+        # Keep stage rows in stage order regardless of which reported first.
+        trace_events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": stage, "tid": 0, "args": {"sort_index": stage}}
+        )
+    origin = min((event.start for event in events), default=0.0)
+    for event in events:
+        trace_events.append(
+            {
+                "name": _event_name(event),
+                "cat": event.op,
+                "ph": "X",
+                "pid": event.stage,
+                "tid": 0,
+                "ts": (event.start - origin) * 1e6,
+                "dur": (event.end - event.start) * 1e6,
+                "args": {"micro_batch": event.micro_batch},
+            }
+        )
+    return {"traceEvents": trace_events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(events: Sequence[OpEvent], path: str | os.PathLike) -> None:
+    """Write :func:`chrome_trace` of ``events`` to ``path`` as JSON."""
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(chrome_trace(events), file)
+
+
+def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | None = None) -> None:
+    """Draw the timeline as a Gantt chart PNG: one row per stage, time in ms.
+
+    F and B ops are coloured (labelled with their micro-batch where wide
+    enough), other ops are grey; white space in a row is that stage idling.
+    """
+    # The object-oriented API with an Agg canvas: no pyplot global state, no
+    # display needed, safe to call from any thread.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    _check_events(events)
+    if not events:
+        raise ValueError("plot_gantt: the timeline has no events to draw")
+    origin = min(event.start for event in events)
+    span_ms = max(event.end for event in events) * 1e3 - origin * 1e3
+    stages = sorted({event.stage for event in events})
+    row_of = {stage: row for row, stage in enumerate(stages)}
+
+    figure = Figure(figsize=(11, 1.0 + 0.7 * len(stages)), dpi=120, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for event in events:
+        start_ms = (event.start - origin) * 1e3
+        width_ms = (event.end - event.start) * 1e3
+        row = row_of[event.stage]
+        colour = OP_COLOURS.get(event.op, OTHER_COLOUR)
+        axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.5)
+        # Label F/B bars with their micro-batch where the digits fit (~1.2% of the axis each).
+        label = str(event.micro_batch)
+        if event.op in OP_COLOURS and event.micro_batch is not None and width_ms > 0.012 * span_ms * len(label):
+            axes.text(start_ms + width_ms / 2, row, label, ha="center", va="center", fontsize=8, color="white")
+
+    axes.set_yticks(range(len(stages)), [f"stage {stage}" for stage in stages])
+    axes.set_ylim(len(stages) - 0.5, -0.5)  # stage 0 on top, as a pipeline is usually drawn
+    axes.set_xlim(0, span_ms * 1.01 if span_ms > 0 else 1)
+    axes.set_xlabel("time since first op (ms)")
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_axisbelow(True)
+    handles = [Patch(facecolor=colour, label=OP_LABELS[op]) for op, colour in OP_COLOURS.items()]
+    handles.append(Patch(facecolor=OTHER_COLOUR, label="other (transfer, grad stats, optimizer)"))
+    handles.append(Patch(facecolor="white", edgecolor="#444444", label="idle (bubble)"))
+    figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=8)
+    axes.set_title(title or "pipeline timeline, one step")
+    figure.savefig(path, format="png")

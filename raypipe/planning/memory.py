@@ -1,0 +1,277 @@
+"""The memory model: what a pipeline stage of the LLaMA model holds, from first principles.
+
+Two parts, per stage:
+
+* **Static** memory, per parameter (:data:`STATIC_BYTES_PER_PARAMETER`):
+
+  ============  ========  =====  ======  =========  =====
+  precision     weights   grads  master  Adam m, v  total
+  ============  ========  =====  ======  =========  =====
+  fp32          4         4      0       8          16
+  bf16 / fp16   2         2      4       8          16
+  ============  ========  =====  ======  =========  =====
+
+  The bf16/fp16 row is the standard mixed-precision convention (low-precision
+  weights and gradients used by forward/backward, fp32 master weights and fp32
+  Adam moments in the optimizer): a 7B model needs 16 B/param ≈ 112 GB.
+  raypipe's own ``precision="bf16"`` keeps fp32 parameters and gradients and
+  runs the forward under ``torch.autocast`` (``amp="autocast"`` here): 4 + 4 + 0
+  + 8 = 16 B/param as well, but autocast casts the weights once per forward, so
+  every micro-batch whose graph is kept also holds a 2-byte copy of the stage's
+  weights (counted with the activations, where autograd saves it).
+
+* **Activations**: per micro-batch and layer, the bytes of the distinct
+  storages autograd saves for backward, op by op as :mod:`raypipe.models.llama`
+  runs them (see :func:`activation_breakdown`); then, per stage, the peak over
+  the schedule of what is kept between forward and backward for the checkpoint
+  mode (:func:`estimate_stage`). This is what a stage measures as
+  "held-for-backward bytes" with ``saved_tensors_hooks`` (parameters excluded),
+  and the fp32 figures are checked against that measurement on CPU.
+
+Not modelled: the CUDA context and allocator fragmentation, and transient
+buffers of a single op (e.g. the logits' gradient during the head's backward);
+keep some headroom below the device's capacity.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from raypipe.planning.activation_memory import (AMP_STYLES, PRECISIONS, _check_choice, _check_positive,
+                                       activation_breakdown, estimate_layer_activation_bytes, layer_kinds,
+                                       layer_parameter_counts, stage_input_bytes)
+from raypipe.config import CHECKPOINT_MODES
+from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
+from raypipe.core.schedule import make_schedule
+
+
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """Bytes per parameter of one precision setting with Adam (moments in fp32)."""
+
+    weights: int
+    gradients: int
+    master: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.master + self.optimizer
+
+
+STATIC_BYTES_PER_PARAMETER: dict[str, StaticBytes] = {
+    "fp32": StaticBytes(weights=4, gradients=4, master=0, optimizer=8),
+    "bf16": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
+    "fp16": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
+}
+AUTOCAST_STATIC_BYTES = StaticBytes(weights=4, gradients=4, master=0, optimizer=8)
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # fp32 state per parameter
+
+
+def static_bytes_per_parameter(precision: str, amp: str = "standard", optimizer: str = "adam") -> StaticBytes:
+    """Static bytes per parameter for a precision, mixed-precision style and optimizer."""
+    _check_choice("precision", precision, PRECISIONS)
+    _check_choice("amp", amp, AMP_STYLES)
+    _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
+    table = AUTOCAST_STATIC_BYTES if (amp == "autocast" and precision != "fp32") else STATIC_BYTES_PER_PARAMETER[precision]
+    return StaticBytes(table.weights, table.gradients, table.master, OPTIMIZER_STATE_BYTES[optimizer])
+
+
+# -- per stage -----------------------------------------------------------------------
+
+@dataclass
+class StageMemory:
+    """Predicted memory of one pipeline stage, in bytes.
+
+    ``activation_bytes`` is the peak over a step of what is held for backward
+    on the device (kept graphs and stage inputs, plus a recompute in
+    progress); ``offloaded_bytes`` the peak of kept inputs living in host
+    memory instead. ``total_bytes`` = static + activations (device memory).
+
+    ``held_for_backward_bytes`` is what a stage's ``saved_tensors_hooks`` meter
+    reports (:attr:`raypipe.core.result.StageStats.held_for_backward_bytes`): the
+    same walk without the per-segment recompute of ``checkpoint_segments``,
+    which runs inside autograd's backward where the meter does not look. A
+    recomputed micro-batch's input counts both as kept and as saved by its
+    first layer, as the meter counts it.
+    """
+
+    stage: int
+    layers: list[int]
+    num_parameters: int
+    parameters_bytes: int
+    gradients_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    static_bytes: int
+    activation_bytes: int
+    held_for_backward_bytes: int
+    offloaded_bytes: int
+    total_bytes: int
+    fits: bool | None  # None when no device memory was given
+    graph_bytes: int  # one micro-batch's saved tensors, all layers of the stage (+ loss)
+    input_bytes: int  # one micro-batch's stage input
+    micro_batches_in_flight: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_micro_batches: int,
+                   micro_batch_size: int, seq_len: int, precision: str = "fp32", checkpoint: str = "never",
+                   checkpoint_segments: int | None = None, offload: bool = False, fused_attention: bool = True,
+                   schedule: str = "gpipe", stage_index: int = 0, num_stages: int = 1,
+                   gpu_memory_bytes: int | None = None, amp: str = "standard", device: str = "cuda",
+                   optimizer: str = "adam", optimizer_shards: int = 1) -> StageMemory:
+    """Memory of the stage holding global layers ``layer_indices`` (contiguous).
+
+    Walks the stage's ops in schedule order the way a stage keeps state:
+    a forward keeps the graph (checkpoint "never", and the last micro-batch of
+    "except_last") or only the stage input (offloaded when ``offload``); a
+    backward of a kept input recomputes that micro-batch's graph. With
+    ``checkpoint_segments=k`` a graph keeps only the input of every k layers
+    (plus the loss), and a backward recomputes one segment at a time.
+    ``optimizer_shards`` > 1 splits master weights and optimizer state over
+    data-parallel replicas (ZeRO-1).
+    """
+    layers = list(layer_indices)
+    _check_stage_args(layers, config.n_layers + 2, checkpoint, checkpoint_segments, offload, num_micro_batches,
+                      optimizer_shards)
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index={stage_index}: must be in 0..{num_stages - 1} (num_stages={num_stages})")
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision, "amp": amp}
+    graph, segment_transient = _graph_bytes(config, layers, checkpoint_segments, fused_attention, device, **shape)
+    input_bytes = stage_input_bytes(config, layers[0], **shape)
+    ops = make_schedule(schedule, num_stages, num_micro_batches)[stage_index]
+    measured, offloaded, in_flight = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, 0)
+    held = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, segment_transient)[0]
+    count = sum(layer_parameter_counts(config)[i] for i in layers)
+    static = _static_bytes(count, static_bytes_per_parameter(precision, amp, optimizer), optimizer_shards)
+    total = sum(static.values()) + held
+    return StageMemory(stage=stage_index, layers=layers, num_parameters=count, **static,
+                       static_bytes=sum(static.values()), activation_bytes=held, held_for_backward_bytes=measured,
+                       offloaded_bytes=offloaded, total_bytes=total,
+                       fits=None if gpu_memory_bytes is None else total <= gpu_memory_bytes,
+                       graph_bytes=graph, input_bytes=input_bytes, micro_batches_in_flight=in_flight)
+
+
+def _graph_bytes(config: LlamaConfig, layers: list[int], segments: int | None, fused_attention: bool, device: str,
+                 *, micro_batch_size: int, seq_len: int, precision: str, amp: str) -> tuple[int, int]:
+    """One micro-batch's kept graph, and the extra a segment's recompute adds during backward."""
+    kinds = layer_kinds(config)
+    per_layer = [estimate_layer_activation_bytes(config, kinds[i], micro_batch_size, seq_len, precision,
+                                                 fused_attention, amp=amp, device=device) for i in layers]
+    holds_loss = layers[-1] == len(kinds) - 1  # the last stage computes the loss (outside any segment)
+    loss = estimate_layer_activation_bytes(config, "loss", micro_batch_size, seq_len, precision, amp=amp) if holds_loss else 0
+    # the stage's output stays alive as the root of its graph until backward
+    output = 0 if holds_loss else stage_input_bytes(config, layers[-1] + 1, micro_batch_size, seq_len, precision, amp)
+    loss += output
+    if not segments:
+        return sum(per_layer) + loss, 0
+    starts = range(0, len(layers), segments)
+    inputs = [stage_input_bytes(config, layers[s], micro_batch_size, seq_len, precision, amp) for s in starts]
+    # a segment's recompute re-saves its input's storage, which is already held
+    transient = max(sum(per_layer[s:s + segments]) - kept for s, kept in zip(starts, inputs))
+    return sum(inputs) + loss, transient
+
+
+def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int) -> dict[str, int]:
+    return {"parameters_bytes": count * per_param.weights, "gradients_bytes": count * per_param.gradients,
+            # ZeRO-1: each data-parallel replica keeps its shard of master weights and optimizer state
+            "master_bytes": -(-count * per_param.master // optimizer_shards),
+            "optimizer_bytes": -(-count * per_param.optimizer // optimizer_shards)}
+
+
+def _walk(ops, num_micro_batches: int, checkpoint: str, offload: bool, graph: int, input_bytes: int,
+          segment_transient: int) -> tuple[int, int, int]:
+    """Peak held bytes, peak offloaded bytes and peak micro-batches in flight over one step."""
+    held = offloaded = peak_held = peak_offloaded = in_flight = peak_in_flight = 0
+    for op in ops:
+        recompute = checkpoint == "always" or (checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
+        if op.kind == "F":
+            in_flight += 1
+            if not recompute:
+                held += graph
+            elif offload:
+                offloaded += input_bytes
+            else:
+                held += input_bytes
+        else:
+            # backward: a recompute rebuilds this micro-batch's graph while the others
+            # stay kept; its input is already counted as kept unless it was offloaded
+            rebuilt = graph - (0 if offload else input_bytes) if recompute else 0
+            peak_held = max(peak_held, held + rebuilt + segment_transient)
+            in_flight -= 1
+            if not recompute:
+                held -= graph
+            elif offload:
+                offloaded -= input_bytes
+            else:
+                held -= input_bytes
+        peak_held, peak_offloaded = max(peak_held, held), max(peak_offloaded, offloaded)
+        peak_in_flight = max(peak_in_flight, in_flight)
+    return peak_held, peak_offloaded, peak_in_flight
+
+
+def balanced_partition(config: LlamaConfig, num_stages: int) -> list[int]:
+    """Layers per stage, contiguous, balanced by parameter count (embedding and head included)."""
+    from raypipe.core.partition import partition_by_cost
+
+    return partition_by_cost(layer_parameter_counts(config), num_stages)
+
+
+def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: int, micro_batch_size: int,
+                      seq_len: int, precision: str = "fp32", checkpoint: str = "never", offload: bool = False,
+                      fused_attention: bool = True, balance: Sequence[int] | None = None,
+                      gpu_memory_bytes: int | None = None, *, checkpoint_segments: int | None = None,
+                      schedule: str = "gpipe", amp: str = "standard", device: str = "cuda",
+                      optimizer: str = "adam", optimizer_shards: int = 1) -> list[StageMemory]:
+    """:func:`estimate_stage` for every stage of ``llama_layers(config)`` split by ``balance``
+    (layers per stage; default: balanced by parameter count)."""
+    num_layers = config.n_layers + 2
+    _check_positive("num_stages", num_stages)
+    if num_stages > num_layers:
+        raise ValueError(f"num_stages={num_stages}: the model has only {num_layers} layers "
+                         f"(embedding, {config.n_layers} blocks, head)")
+    balance = list(balance) if balance is not None else balanced_partition(config, num_stages)
+    if len(balance) != num_stages or any(size < 1 for size in balance) or sum(balance) != num_layers:
+        raise ValueError(f"balance={balance}: needs {num_stages} positive entries summing to {num_layers} layers")
+    stages, start = [], 0
+    for stage, size in enumerate(balance):
+        stages.append(estimate_stage(
+            config, range(start, start + size), num_micro_batches=num_micro_batches,
+            micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, checkpoint=checkpoint,
+            checkpoint_segments=checkpoint_segments, offload=offload, fused_attention=fused_attention,
+            schedule=schedule, stage_index=stage, num_stages=num_stages, gpu_memory_bytes=gpu_memory_bytes,
+            amp=amp, device=device, optimizer=optimizer, optimizer_shards=optimizer_shards))
+        start += size
+    return stages
+
+
+def spec_parameter_count(config: LlamaConfig) -> int:
+    """Parameter count from building every layer on the meta device (cross-checks :func:`num_parameters`)."""
+    return sum(spec.num_parameters() for spec in llama_layers(config))
+
+
+# -- argument checks -------------------------------------------------------------------
+
+def _check_stage_args(layers: list[int], num_layers: int, checkpoint: str, segments: int | None, offload: bool,
+                      num_micro_batches: int, optimizer_shards: int) -> None:
+    if not layers or layers != list(range(layers[0], layers[0] + len(layers))) or layers[0] < 0 \
+            or layers[-1] >= num_layers:
+        raise ValueError(f"layer_indices={layers}: must be a non-empty contiguous run within 0..{num_layers - 1}")
+    _check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
+    if segments is not None:
+        _check_positive("checkpoint_segments", segments)
+    if offload and checkpoint == "never":
+        raise ValueError('offload=True keeps checkpointed stage inputs: use checkpoint="always" or "except_last"')
+    _check_positive("num_micro_batches", num_micro_batches)
+    _check_positive("optimizer_shards", optimizer_shards)
+
+
+__all__ = ["STATIC_BYTES_PER_PARAMETER", "StageMemory", "StaticBytes", "activation_breakdown", "balanced_partition",
+           "estimate_layer_activation_bytes", "estimate_pipeline", "estimate_stage", "layer_kinds",
+           "layer_parameter_counts", "num_parameters", "spec_parameter_count", "stage_input_bytes",
+           "static_bytes_per_parameter"]

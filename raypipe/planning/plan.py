@@ -1,0 +1,278 @@
+"""``raypipe plan``: will this pipeline fit, and if not, which knob makes it fit.
+
+Prints the memory model's per-stage figures (:mod:`raypipe.planning.memory`) and, when
+a stage does not fit in ``--gpu-memory``, the usual knobs in the usual order —
+mixed precision, activation checkpointing, fused attention, a smaller
+micro-batch, more stages (or optimizer-state sharding), offload — applied one
+after another, each with the largest stage total it gives, until one fits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, replace
+
+from raypipe.planning.memory import (
+    AMP_STYLES,
+    CHECKPOINT_MODES,
+    PRECISIONS,
+    StageMemory,
+    estimate_pipeline,
+)
+from raypipe.models.llama import CONFIGS, LlamaConfig, get_config
+from raypipe.core.schedule import SCHEDULES
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
+MAX_OPTIMIZER_SHARDS = 64
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30; a unit is required."""
+    match = _SIZE.match(str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid memory size {text!r}: expected a number and a unit, e.g. 80GB or 141GiB "
+            f"(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(count: int | None) -> str:
+    """Decimal units, as GPU memory is usually quoted."""
+    if count is None:
+        return "-"
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count} B"
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``raypipe plan``."""
+    parser.add_argument("--model", default="llama-7b", choices=sorted(CONFIGS), help="named model config")
+    parser.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (default 1)")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's max)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--checkpoint", default="never", choices=CHECKPOINT_MODES, help="activation checkpointing")
+    parser.add_argument("--checkpoint-segments", type=int, default=None, metavar="K",
+                        help="inside a stage keep the input of every K layers")
+    parser.add_argument("--offload", action="store_true", help="kept stage inputs live in host memory")
+    parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
+                        help="flash-style attention that saves no (s x s) probabilities (default: on)")
+    parser.add_argument("--schedule", default="gpipe", choices=SCHEDULES)
+    parser.add_argument("--amp", default="standard", choices=AMP_STYLES,
+                        help="bf16/fp16 style: 'standard' = 2-byte weights and grads + fp32 master; "
+                             "'autocast' = fp32 weights under torch.autocast (weight copies per micro-batch)")
+    parser.add_argument("--gpu-memory", type=parse_bytes, default=None, metavar="SIZE",
+                        help="device memory per stage, e.g. 80GB or 80GiB; enables fits/suggestions")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The knobs a plan (and each suggestion) is evaluated with."""
+
+    num_stages: int
+    num_micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    checkpoint: str
+    checkpoint_segments: int | None
+    offload: bool
+    fused_attention: bool
+    schedule: str
+    amp: str
+    optimizer_shards: int = 1
+
+    def estimate(self, config: LlamaConfig, gpu_memory_bytes: int | None) -> list[StageMemory]:
+        return estimate_pipeline(
+            config, self.num_stages, self.num_micro_batches, self.micro_batch_size, self.seq_len,
+            self.precision, self.checkpoint, self.offload, self.fused_attention,
+            gpu_memory_bytes=gpu_memory_bytes, checkpoint_segments=self.checkpoint_segments,
+            schedule=self.schedule, amp=self.amp, optimizer_shards=self.optimizer_shards)
+
+
+def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> list[dict]:
+    """The knobs, applied cumulatively in the usual order, until the largest stage fits."""
+    suggestions = []
+
+    def tried(knob: str, change: str, flags: str, new: PlanSettings, alternative: str | None = None) -> bool:
+        largest = _max_total(new.estimate(config, gpu_memory_bytes))
+        entry = {"knob": knob, "change": change, "flags": flags, "max_total_bytes": largest,
+                 "fits": largest <= gpu_memory_bytes}
+        if alternative:
+            entry["alternative"] = alternative
+        suggestions.append(entry)
+        return entry["fits"]
+
+    if settings.precision == "fp32":
+        settings = replace(settings, precision="bf16")
+        if tried("mixed precision", "bf16 weights and activations, fp32 master weights", "--precision bf16", settings):
+            return suggestions
+    if settings.checkpoint == "never":
+        settings = replace(settings, checkpoint="always")
+        if tried("activation checkpointing", "keep only stage inputs, recompute in backward",
+                 "--checkpoint always", settings):
+            return suggestions
+    if not settings.fused_attention:
+        settings = replace(settings, fused_attention=True)
+        if tried("fused attention", "flash attention: no (s x s) probabilities saved", "--fused-attention", settings):
+            return suggestions
+    if settings.micro_batch_size > 1:
+        micro_batches = settings.num_micro_batches * settings.micro_batch_size
+        settings = replace(settings, micro_batch_size=1, num_micro_batches=micro_batches)
+        if tried("smaller micro-batch", f"micro-batch size 1, {micro_batches} micro-batches (same global batch)",
+                 f"--micro-batch-size 1 --micro-batches {micro_batches}", settings):
+            return suggestions
+    shards = _fitting_shards(config, settings, gpu_memory_bytes)
+    alternative = (f"or keep {settings.num_stages} stages and shard optimizer state and master weights over "
+                   f"{shards} data-parallel replicas" if shards else None)
+    stages = _fitting_stages(config, settings, gpu_memory_bytes)
+    if stages != settings.num_stages:
+        settings = replace(settings, num_stages=stages)
+        if tried("more stages", f"{stages} pipeline stages", f"--stages {stages}", settings, alternative):
+            return suggestions
+    if settings.checkpoint != "never" and not settings.offload:
+        settings = replace(settings, offload=True)
+        tried("offload", "kept stage inputs in host memory", "--offload", settings)
+    return suggestions
+
+
+def _max_total(stages: list[StageMemory]) -> int:
+    return max(stage.total_bytes for stage in stages)
+
+
+def _fitting_stages(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> int:
+    """Fewest stages (doubling) whose largest stage fits; at most one layer per stage."""
+    most = config.n_layers + 2
+    stages = settings.num_stages
+    while stages < most:
+        stages = min(stages * 2, most)
+        if _max_total(replace(settings, num_stages=stages).estimate(config, gpu_memory_bytes)) <= gpu_memory_bytes:
+            break
+    return stages
+
+
+def _fitting_shards(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> int | None:
+    shards = 2
+    while shards <= MAX_OPTIMIZER_SHARDS:
+        sharded = replace(settings, optimizer_shards=shards)
+        if _max_total(sharded.estimate(config, gpu_memory_bytes)) <= gpu_memory_bytes:
+            return shards
+        shards *= 2
+    return None
+
+
+def describe_layers(config: LlamaConfig, layers: list[int]) -> str:
+    """Global layer indices as "embedding + blocks 0-3" etc."""
+    parts = []
+    if layers[0] == 0:
+        parts.append("embedding")
+    blocks = [index - 1 for index in layers if 1 <= index <= config.n_layers]
+    if blocks:
+        parts.append(f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}")
+    if layers[-1] == config.n_layers + 1:
+        parts.append("head")
+    return " + ".join(parts)
+
+
+def build_plan(args: argparse.Namespace) -> dict:
+    """Everything ``raypipe plan`` prints, as plain data."""
+    config = get_config(args.model)
+    settings = PlanSettings(
+        num_stages=args.stages, num_micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len or config.max_seq_len, precision=args.precision, checkpoint=args.checkpoint,
+        checkpoint_segments=args.checkpoint_segments, offload=args.offload,
+        fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp)
+    stages = settings.estimate(config, args.gpu_memory)
+    fits = None if args.gpu_memory is None else all(stage.fits for stage in stages)
+    rows = []
+    for stage in stages:
+        row = stage.to_dict()
+        row["description"] = describe_layers(config, stage.layers)
+        rows.append(row)
+    return {
+        "model": args.model,
+        "num_parameters": sum(stage.num_parameters for stage in stages),
+        "settings": {k: v for k, v in vars(settings).items()},
+        "gpu_memory_bytes": args.gpu_memory,
+        "fits": fits,
+        "max_total_bytes": _max_total(stages),
+        "stages": rows,
+        "suggestions": suggest(config, settings, args.gpu_memory) if fits is False else [],
+    }
+
+
+def render_table(plan: dict) -> str:
+    """The plan as a human-readable table."""
+    settings = plan["settings"]
+    lines = [
+        f"{plan['model']}: {plan['num_parameters'] / 1e9:.2f}B parameters, {settings['num_stages']} stages, "
+        f"{settings['num_micro_batches']} micro-batches of {settings['micro_batch_size']} x {settings['seq_len']} "
+        f"tokens, {settings['precision']}"
+        + (f" ({settings['amp']})" if settings["precision"] != "fp32" else "")
+        + f", checkpoint={settings['checkpoint']}"
+        + (f" every {settings['checkpoint_segments']} layers" if settings["checkpoint_segments"] else "")
+        + (", offload" if settings["offload"] else "")
+        + f", {'fused' if settings['fused_attention'] else 'unfused'} attention, {settings['schedule']}",
+    ]
+    header = ["stage", "layers", "params", "weights", "grads", "master", "optimizer", "activations",
+              "offloaded", "total", "fits"]
+    table = [header]
+    for row in plan["stages"]:
+        table.append([
+            str(row["stage"]), row["description"], f"{row['num_parameters'] / 1e6:.0f}M",
+            format_bytes(row["parameters_bytes"]), format_bytes(row["gradients_bytes"]),
+            format_bytes(row["master_bytes"]), format_bytes(row["optimizer_bytes"]),
+            format_bytes(row["activation_bytes"]), format_bytes(row["offloaded_bytes"]),
+            format_bytes(row["total_bytes"]), {True: "yes", False: "NO", None: "-"}[row["fits"]]])
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(header))]
+    for cells in table:
+        lines.append("  ".join(cell.rjust(width) if i != 1 else cell.ljust(width)
+                               for i, (cell, width) in enumerate(zip(cells, widths))))
+    if plan["gpu_memory_bytes"] is not None:
+        verdict = "fits" if plan["fits"] else "does NOT fit"
+        lines.append(f"largest stage {format_bytes(plan['max_total_bytes'])} {verdict} in "
+                     f"{format_bytes(plan['gpu_memory_bytes'])} per device")
+    if plan["suggestions"]:
+        lines.append("next knobs, applied one after another:")
+        for number, item in enumerate(plan["suggestions"], 1):
+            mark = "fits" if item["fits"] else "still too large"
+            lines.append(f"  {number}. {item['knob']} ({item['flags']}): {item['change']} -> largest stage "
+                         f"{format_bytes(item['max_total_bytes'])}, {mark}")
+            if "alternative" in item:
+                lines.append(f"     {item['alternative']}")
+        if not plan["suggestions"][-1]["fits"]:
+            lines.append("  even with all of these the largest stage does not fit: a larger device, "
+                         "shorter sequences or tensor parallelism is needed")
+    lines.append("(not modelled: CUDA context, allocator fragmentation, per-op temporaries; keep headroom)")
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Entry point of ``raypipe plan``; returns the exit status."""
+    try:
+        plan = build_plan(args)
+    except ValueError as error:
+        print(f"raypipe plan: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else render_table(plan))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m raypipe.planning.plan ...`` (the same as ``raypipe plan ...``)."""
+    parser = argparse.ArgumentParser(prog="raypipe plan", description=__doc__.splitlines()[0])
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

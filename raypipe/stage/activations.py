@@ -1,0 +1,91 @@
+"""What a stage keeps between a micro-batch's forward and its backward.
+
+Per micro-batch either the autograd graph (inputs and outputs; all
+activations stay alive) or only the stage input for re-materialization,
+optionally offloaded to the object store. The store also tracks the bytes it
+holds, for the memory measurement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raypipe.stage.offload import OffloadedTensor, Offloader
+
+
+@dataclass
+class Kept:
+    """One micro-batch's kept state."""
+
+    inputs: torch.Tensor | OffloadedTensor | None
+    outputs: torch.Tensor | None  # graph root; None means recompute in backward
+    held_bytes: int
+    offloaded_bytes: int = 0
+    extra: object = None  # e.g. the targets the last stage needs to recompute its loss
+
+
+class ActivationStore:
+    """Kept state per in-flight micro-batch, with current and peak byte counts."""
+
+    def __init__(self, offloader: Offloader | None) -> None:
+        self._offloader = offloader
+        self._kept: dict[int, Kept] = {}
+        self.held_bytes = 0
+        self.offloaded_bytes = 0
+        self.peak_held_bytes = 0
+        self.peak_offloaded_bytes = 0
+
+    def reset_peaks(self) -> None:
+        self.peak_held_bytes = self.held_bytes
+        self.peak_offloaded_bytes = self.offloaded_bytes
+
+    def keep_graph(self, micro_batch: int, inputs: torch.Tensor, outputs: torch.Tensor, saved_bytes: int) -> None:
+        """Keep the whole autograd graph of this micro-batch."""
+        self._add(micro_batch, Kept(inputs, outputs, saved_bytes))
+
+    def keep_input(self, micro_batch: int, inputs: torch.Tensor, input_bytes: int, extra: object = None) -> None:
+        """Keep only the stage input (offloaded when configured); backward recomputes."""
+        if self._offloader is not None:
+            offloaded = self._offloader.put(inputs)
+            self._add(micro_batch, Kept(offloaded, None, 0, offloaded.nbytes, extra))
+        else:
+            self._add(micro_batch, Kept(inputs, None, input_bytes, 0, extra))
+
+    def take(self, micro_batch: int) -> Kept:
+        """Remove and return the kept state; offloaded inputs come back to the device."""
+        kept = self._kept.pop(micro_batch)
+        if isinstance(kept.inputs, OffloadedTensor):
+            kept.inputs = self._offloader.get(micro_batch, kept.inputs)
+        return kept
+
+    def prefetch(self, micro_batch: int) -> None:
+        """Start fetching an offloaded input ahead of its backward."""
+        kept = self._kept.get(micro_batch)
+        if kept is not None and isinstance(kept.inputs, OffloadedTensor):
+            self._offloader.prefetch(micro_batch, kept.inputs)
+
+    def release(self, kept: Kept) -> None:
+        """Account for a taken micro-batch whose backward finished."""
+        self.held_bytes -= kept.held_bytes
+        self.offloaded_bytes -= kept.offloaded_bytes
+
+    def note_transient(self, nbytes: int) -> None:
+        """A recompute briefly holds ``nbytes`` more than what is kept."""
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes + nbytes)
+
+    def clear(self) -> None:
+        self._kept.clear()
+        self.held_bytes = self.offloaded_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def _add(self, micro_batch: int, kept: Kept) -> None:
+        if micro_batch in self._kept:
+            raise RuntimeError(f"micro-batch {micro_batch} already has a forward without backward")
+        self._kept[micro_batch] = kept
+        self.held_bytes += kept.held_bytes
+        self.offloaded_bytes += kept.offloaded_bytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        self.peak_offloaded_bytes = max(self.peak_offloaded_bytes, self.offloaded_bytes)

@@ -1,0 +1,374 @@
+"""StageWorker: one pipeline stage's layers, optimizer and per-micro-batch compute.
+
+It knows nothing of the driver: it runs the ops it is given (forward,
+backward, grad statistics, optimizer step) and reports timings and memory.
+:mod:`raypipe.comm.transport` turns it into a Ray actor.
+"""
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from raypipe.stage.activations import ActivationStore
+from raypipe.config import PipelineConfig
+from raypipe.errors import StageError, StepAborted
+from raypipe.models.layers import LayerSpec, build_layer
+from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
+from raypipe.stage.offload import Offloader
+from raypipe.stage.precision import autocast
+from raypipe.core.result import OpEvent, StageStats
+from raypipe.core.schedule import make_schedule
+from raypipe.core.seeding import derive_seed
+from raypipe.stage.data_reader import StageData
+
+
+def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step: bool = False) -> Callable:
+    """Time the op into the stage's timeline and re-raise failures as StageError.
+
+    ``in_step`` ops (forward, backward of a training step) also remember their
+    failure: :meth:`StageWorker.finish_backward` raises it again, so that no
+    stage steps its optimizer after a failed op.
+    """
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def wrapper(self: StageWorker, *args: Any, **kwargs: Any) -> Any:
+            micro_batch = args[0] if per_micro_batch and args else None
+            start = time.time()
+            try:
+                return method(self, *args, **kwargs)
+            except StageError as error:
+                if in_step:
+                    self._step_failure = self._step_failure or error
+                raise
+            except Exception as error:  # noqa: BLE001 - every failure gets the stage's name
+                stage_error = StageError(self.stage_index, op, micro_batch, f"{type(error).__name__}: {error}",
+                                         remote_traceback=traceback.format_exc(), original=error)
+                if in_step:
+                    self._step_failure = self._step_failure or stage_error
+                raise stage_error from error
+            finally:
+                if timed:
+                    self._events.append(OpEvent(self.stage_index, op, micro_batch, start, time.time()))
+
+        return wrapper
+
+    return decorate
+
+
+class StageWorker:
+    """The layers ``layer_indices`` of the model, with their optimizer."""
+
+    def __init__(self, stage_index: int, num_stages: int, layers: Sequence[nn.Module | LayerSpec],
+                 layer_indices: Sequence[int], optimizer_factory: Callable | None,
+                 loss_fn: Callable | None, config: PipelineConfig,
+                 loss_count_fn: Callable | None = None, scheduler_factory: Callable | None = None) -> None:
+        torch.set_num_threads(config.cpus_per_stage)
+        self.stage_index, self.num_stages, self.config = stage_index, num_stages, config
+        self.layer_indices = list(layer_indices)
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.device = torch.device("cuda", torch.cuda.current_device()) if config.use_gpu else torch.device("cpu")
+        self.layers = nn.ModuleList(build_layer(layer, index, config.seed) for layer, index in zip(layers, layer_indices))
+        self.layers.to(self.device)
+        parameters = [p for p in self.layers.parameters() if p.requires_grad]
+        self._parameter_storages = storage_pointers(self.layers.parameters())  # excluded from held bytes
+        self.optimizer = optimizer_factory(parameters) if optimizer_factory and parameters else None
+        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer else None
+        self.loss_fn = loss_fn
+        self.data = StageData(loss_count_fn)
+        self.store = ActivationStore(Offloader(self.device) if config.offload else None)
+        self._step = -1
+        self._step_failure: StageError | None = None  # the first failed op of the running step
+        self._backwards_done: set[int] = set()  # micro-batches whose backward ran in the running step
+        self._events: list[OpEvent] = []
+        self._last_micro_batch = config.num_micro_batches - 1
+        self._own_ops = make_schedule(config.schedule, num_stages, config.num_micro_batches)[stage_index]
+        self._backward_order = [op.micro_batch for op in self._own_ops if op.kind == "B"]
+
+    # -- setup --------------------------------------------------------------
+    def ready(self) -> dict[str, Any]:
+        """Parameter count and device, once the layers are built (waits for construction)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {"num_parameters": sum(p.numel() for p in self.layers.parameters()), "device_name": name}
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def attach_datasets(self, train: Any, validation: Any = None) -> None:
+        """First and last stages read their own micro-batches in ``fit``."""
+        self.data.attach(train, validation)
+
+    # -- the ops of a step --------------------------------------------------
+    @_stage_op("F", in_step=True)
+    def forward(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
+                loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:
+        """Run this stage on one micro-batch; keep what backward needs.
+
+        Returns the activation for the next stage, or on the last stage the
+        loss weighted so that summing over micro-batches gives the global mean.
+        """
+        self._begin_step(step)
+        inputs = self._stage_input(micro_batch, inputs, step, "train")
+        if self.is_last:
+            targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "train")
+        recompute = self._recomputes(micro_batch)
+        if recompute:
+            with torch.no_grad():
+                outputs = self._run(inputs, micro_batch, targets, loss_weight)
+            self.store.keep_input(micro_batch, inputs, tensor_bytes(inputs), extra=(targets, loss_weight))
+        else:
+            leaf = self._as_leaf(inputs)
+            with SavedTensorMeter(self._parameter_storages) as meter:
+                outputs = self._run(leaf, micro_batch, targets, loss_weight)
+            meter.add(outputs)  # the graph's root stays alive until backward
+            self.store.keep_graph(micro_batch, leaf, outputs, meter.bytes)
+        if self.is_last:
+            return float(outputs.detach())
+        return outputs.detach()
+
+    @_stage_op("B", in_step=True)
+    def backward(self, micro_batch: int, grad_outputs: torch.Tensor | None = None,
+                 loss_scale: float = 1.0) -> torch.Tensor | None:
+        """Backpropagate one micro-batch, accumulating into ``.grad``; return the input gradient."""
+        kept = self.store.take(micro_batch)
+        self._prefetch_next(micro_batch)
+        inputs, outputs = kept.inputs, kept.outputs
+        if outputs is None:  # re-materialize: replay the forward with the same seeds
+            inputs = self._as_leaf(inputs)
+            targets, loss_weight = kept.extra
+            # the kept input is still counted in the store until release()
+            with SavedTensorMeter(self._parameter_storages, counted=(inputs,)) as meter:
+                outputs = self._run(inputs, micro_batch, targets, loss_weight)
+            meter.add(outputs)
+            self.store.note_transient(meter.bytes + kept.offloaded_bytes)  # + the fetched-back input
+        if self.is_last:
+            outputs.backward(torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device))
+        else:
+            grad_outputs = grad_outputs.to(self.device)
+            torch.autograd.backward(outputs, grad_outputs.to(outputs.dtype))
+        self.store.release(kept)
+        self._backwards_done.add(micro_batch)
+        if self.is_first or inputs is None or inputs.grad is None:
+            return None
+        return inputs.grad
+
+    def finish_backward(self, inv_scale: float = 1.0, clip_value: float | None = None) -> tuple[float, bool]:
+        """:meth:`grad_stats` of a step whose ops the driver submitted one by one.
+
+        Raises when this stage's step is not whole: the error of its failed op,
+        or :class:`StepAborted` when an op never ran because an op it depends on
+        failed on another stage. The driver makes every stage's optimizer step
+        depend on every stage's ``finish_backward``, so a failure anywhere
+        reaches no optimizer.
+        """
+        self._check_step_is_whole()
+        return self.grad_stats(inv_scale, clip_value)
+
+    @_stage_op("grad_stats", per_micro_batch=False)
+    def grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> tuple[float, bool]:
+        """Unscale gradients, clamp them elementwise if asked, and report
+        (squared L2 norm in fp32, whether any gradient is inf/NaN)."""
+        grads = [p.grad for p in self.layers.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0, False
+        if inv_scale != 1.0:
+            torch._foreach_mul_(grads, inv_scale)
+        norm = get_total_norm([g.float() for g in grads])
+        found_inf = not bool(torch.isfinite(norm))
+        if clip_value is not None and not found_inf:
+            torch.nn.utils.clip_grad_value_(self.layers.parameters(), clip_value)
+            norm = get_total_norm([g.float() for g in grads])
+        return float(norm.to(torch.float32)) ** 2, found_inf
+
+    def _check_step_is_whole(self) -> None:
+        if self._step_failure is not None:
+            raise self._step_failure
+        missing = sorted(set(range(self.config.num_micro_batches)) - self._backwards_done)
+        if missing:
+            raise StepAborted(self.stage_index, "B", missing[0],
+                              f"the backward of micro-batch(es) {missing} did not run: an op it depends on "
+                              "failed on another stage")
+
+    def apply(self, max_norm: float | None = None, total_norm: float = 0.0, skip: bool = False,
+              *after: Any) -> tuple[list[OpEvent], StageStats]:
+        """Clip by the global norm and step, or skip (as every stage does); then report.
+
+        ``after`` are results this must wait for: the driver passes every
+        stage's ``finish_backward`` (or ``run_step``) result, which raises unless that
+        stage's step is whole, so a failed step never reaches any optimizer.
+        """
+        self._optimizer_step(max_norm, total_norm, skip)
+        events, self._events = self._events, []
+        return events, self._stats(events)
+
+    @_stage_op("optimizer", per_micro_batch=False)
+    def _optimizer_step(self, max_norm: float | None, total_norm: float, skip: bool) -> None:
+        if self.optimizer is not None and not skip:
+            if max_norm is not None:
+                # the global norm, reduced by the driver over every stage
+                clip_grads_with_norm_(self.layers.parameters(), max_norm, torch.tensor(total_norm))
+            self.optimizer.step()
+            if self.scheduler is not None:  # a skipped (overflowed) step does not advance the schedule
+                self.scheduler.step()
+        self._end_step()
+
+    def abort_step(self) -> None:
+        """Drop a failed step's partial state: kept activations, gradients, timings."""
+        self._end_step()
+        self._events.clear()
+
+    def _end_step(self) -> None:
+        for parameter in self.layers.parameters():
+            parameter.grad = None
+        self.store.clear()
+        self._step_failure = None
+        self._backwards_done.clear()
+
+    @_stage_op("eval", timed=False)
+    def evaluate(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
+                 loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:
+        """Forward only, keeping nothing: activation or weighted loss."""
+        inputs = self._stage_input(micro_batch, inputs, step, "validation")
+        if self.is_last:
+            targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "validation")
+        with torch.no_grad():
+            outputs = self._run(inputs, micro_batch, targets, loss_weight, training=False)
+        return float(outputs) if self.is_last else outputs
+
+    # -- state -------------------------------------------------------------
+    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per global layer index, that layer's state on CPU."""
+        return {index: {k: v.detach().cpu() for k, v in layer.state_dict().items()}
+                for index, layer in zip(self.layer_indices, self.layers)}
+
+    def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        for index, layer in zip(self.layer_indices, self.layers):
+            layer.load_state_dict(states[index])
+
+    def optimizer_state(self) -> dict[int, dict[str, Any]]:
+        """Optimizer state per global layer index and parameter name (partition-independent)."""
+        from raypipe.stage.optimizer_state import gather_optimizer_state
+
+        return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices)
+
+    def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
+        from raypipe.stage.optimizer_state import scatter_optimizer_state
+
+        scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
+
+    def save_checkpoint(self, root_uri: str, step: int) -> dict[int, str]:
+        """Write this stage's layers (weights and optimizer state), one file per global layer."""
+        from raypipe.checkpoint.store import write_layer
+
+        optimizer = self.optimizer_state()
+        groups = optimizer.pop(-1, {})
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        return {index: write_layer(root_uri, step, index, {"model": state, "optimizer": optimizer.get(index, {}),
+                                                           "scheduler": scheduler, **groups})
+                for index, state in self.state_dict().items()}
+
+    def load_checkpoint(self, root_uri: str, step: int) -> None:
+        """Load this stage's layers from a checkpoint written by any partition."""
+        from raypipe.checkpoint.store import read_layer
+
+        files = {index: read_layer(root_uri, step, index) for index in self.layer_indices}
+        self.load_state_dict({index: f["model"] for index, f in files.items()})
+        optimizer = {index: f["optimizer"] for index, f in files.items()}
+        first = files[self.layer_indices[0]]
+        optimizer[-1] = {"param_groups": first.get("param_groups", [])}
+        self.load_optimizer_state(optimizer)
+        if self.scheduler is not None and first.get("scheduler") is not None:
+            self.scheduler.load_state_dict(first["scheduler"])
+
+    # -- helpers -------------------------------------------------------------
+    def _begin_step(self, step: int) -> None:
+        if step != self._step:
+            self._step = step
+            self.store.reset_peaks()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _recomputes(self, micro_batch: int) -> bool:
+        mode = self.config.checkpoint
+        return mode == "always" or (mode == "except_last" and micro_batch != self._last_micro_batch)
+
+    def _stage_input(self, micro_batch: int, inputs: torch.Tensor | None, step: int, split: str) -> torch.Tensor:
+        if inputs is None:
+            inputs = self.data.inputs(step, micro_batch, split)
+        return inputs.to(self.device, non_blocking=True)
+
+    def _targets(self, micro_batch, targets, loss_weight, step, split):
+        if targets is None:
+            return self.data.targets_and_weight(step, micro_batch, split, self.config.num_micro_batches)
+        return targets, 1.0 if loss_weight is None else loss_weight
+
+    def _as_leaf(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.is_first or not inputs.is_floating_point():
+            return inputs
+        return inputs.detach().requires_grad_(True)
+
+    def _run(self, hidden: torch.Tensor, micro_batch: int, targets: torch.Tensor | None,
+             loss_weight: float | None, training: bool = True) -> torch.Tensor:
+        """The stage's layers (and loss, on the last stage), seeded per layer."""
+        self.layers.train(training)
+        with autocast(self.config.precision, self.device.type):
+            hidden = self._run_layers(hidden, micro_batch, training)
+        if not self.is_last:
+            return hidden
+        return self.loss_fn(hidden.float(), targets.to(self.device)) * loss_weight
+
+    def _run_layers(self, hidden: torch.Tensor, micro_batch: int, training: bool) -> torch.Tensor:
+        size = self.config.checkpoint_segments
+        if not size or not training or not torch.is_grad_enabled():
+            for position in range(len(self.layers)):
+                hidden = self._run_layer(position, hidden, micro_batch)
+            return hidden
+        from torch.utils.checkpoint import checkpoint
+
+        for start in range(0, len(self.layers), size):
+            segment = range(start, min(start + size, len(self.layers)))
+            hidden = checkpoint(self._run_segment, segment, hidden, micro_batch, use_reentrant=False)
+        return hidden
+
+    def _run_segment(self, positions: range, hidden: torch.Tensor, micro_batch: int) -> torch.Tensor:
+        for position in positions:
+            hidden = self._run_layer(position, hidden, micro_batch)
+        return hidden
+
+    def _run_layer(self, position: int, hidden: torch.Tensor, micro_batch: int) -> torch.Tensor:
+        # Randomness from (seed, step, micro-batch, layer): a recompute replays the
+        # same dropout masks, whatever the partition or checkpoint mode.
+        seed = derive_seed(self.config.seed, self._step, micro_batch, self.layer_indices[position])
+        torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(seed)
+        return self.layers[position](hidden)
+
+    def _prefetch_next(self, micro_batch: int) -> None:
+        """Start fetching the input of the backward that runs after this one."""
+        if not self.config.offload:
+            return
+        position = self._backward_order.index(micro_batch)
+        if position + 1 < len(self._backward_order):
+            self.store.prefetch(self._backward_order[position + 1])
+
+    def _stats(self, events: list[OpEvent]) -> StageStats:
+        busy = sum(e.end - e.start for e in events if e.op in ("F", "B"))
+        cuda = self.device.type == "cuda"
+        return StageStats(
+            stage=self.stage_index, busy_seconds=busy,
+            held_for_backward_bytes=self.store.peak_held_bytes,
+            offloaded_bytes=self.store.peak_offloaded_bytes,
+            device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else None,
+            device_peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            rss_bytes=rss_bytes(),
+            learning_rate=self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)

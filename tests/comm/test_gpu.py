@@ -1,0 +1,70 @@
+"""GPU paths: NCCL direct transport, pinned-memory offload, bf16 on CUDA.
+
+Marked ``gpu``: deselected where CUDA is absent (see conftest), run where it exists.
+Their CPU fallbacks run everywhere: the gloo transport (tests/test_trainer_errors.py) and
+object-store offload (tests/test_recompute.py).
+"""
+import pytest
+import torch
+from torch import nn
+
+import raypipe
+import raypipe.stage.worker
+from raypipe.comm.transport import CollectiveTransport, _direct_transport_worker, make_transport
+
+
+def test_nccl_worker_sends_only_activations_and_gradients_by_nccl():
+    # Runs without a GPU: the NCCL actor class is built exactly as on a GPU cluster.
+    # Only forward/backward results may go by NCCL: grad stats and the optimizer step
+    # must stay plain objects, because every stage's apply depends on them.
+    transport = make_transport("nccl")
+    assert isinstance(transport, CollectiveTransport) and transport.name == "nccl"
+    routes = transport.actor_class().__ray_metadata__.method_meta.method_name_to_tensor_transport
+    assert routes == {"forward": "NCCL", "backward": "NCCL"}
+    with pytest.raises(ValueError, match="unknown transport"):
+        make_transport("infiniband")
+
+
+def test_nccl_worker_computes_what_a_plain_stage_worker_computes():
+    # The NCCL worker's own code (its forward/backward overrides), run in-process on the CPU.
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
+    results = []
+    for worker_class in (StageWorker, _direct_transport_worker("nccl")):
+        torch.manual_seed(0)
+        worker = worker_class(0, 1, [nn.Linear(4, 3)], [0], None, nn.functional.mse_loss, config)
+        loss = worker.forward(0, torch.ones(2, 4), torch.zeros(2, 3), 1.0, 0)
+        worker.backward(0, None, 1.0)
+        results.append((loss, worker.finish_backward()))
+    assert results[0] == results[1] and results[0][1][0] > 0
+
+
+def _train(config, steps=3):
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 8)]
+    x, y = torch.randn(32, 64), torch.randn(32, 8)
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                 config) as trainer:
+        losses = [trainer.step(x, y).loss for _ in range(steps)]
+        return losses, trainer.state_dict()
+
+
+@pytest.mark.gpu
+def test_nccl_transport_matches_object_store_on_gpus(ray_cluster):
+    if torch.cuda.device_count() < 2:
+        pytest.fail("the NCCL transport test needs 2 GPUs on this node")
+    base = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, use_gpu=True)
+    reference = _train(base)
+    nccl = _train(base.replace(transport="nccl"))
+    assert nccl[0] == pytest.approx(reference[0], rel=1e-6)
+    for key, value in reference[1].items():
+        torch.testing.assert_close(nccl[1][key], value)
+
+
+@pytest.mark.gpu
+def test_pinned_memory_offload_matches_no_offload_on_gpu(ray_cluster):
+    base = raypipe.PipelineConfig(num_stages=1, num_micro_batches=4, use_gpu=True, checkpoint="always")
+    plain = _train(base)
+    offloaded = _train(base.replace(offload=True))
+    assert offloaded[0] == pytest.approx(plain[0], rel=1e-6)
+    for key, value in plain[1].items():
+        torch.testing.assert_close(offloaded[1][key], value)

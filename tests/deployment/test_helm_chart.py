@@ -1,0 +1,482 @@
+"""The KubeRay Helm chart in helm/raypipe, rendered offline by Helm's own Go SDK.
+
+`helm_python` (PyPI `helm-python-sdk`) renders and lints the chart exactly as
+`helm template` / `helm lint` would. The rendered RayJob and RayCluster are
+validated against the OpenAPI schemas of the KubeRay v1.7.0 CRDs
+(tests/fixtures/kuberay-crds/), made strict about unknown fields, plus the
+spec rules KubeRay's operator enforces on admission.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = ROOT / "helm" / "raypipe"
+CRD_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "kuberay-crds"
+CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+
+RELEASE = "demo"
+NAMESPACE = "ml"
+METRICS_PORT_NAME = "raypipe-metrics"
+
+# Value overrides the chart must handle; each renders, lints clean and validates.
+CASES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "standalone-raycluster": {"rayCluster": {"enabled": True}},
+    "raycluster-only": {"job": {"enabled": False}, "rayCluster": {"enabled": True}},
+    "no-podmonitor": {"podMonitor": {"enabled": False}},
+    "16-stages-on-2-to-4-nodes": {
+        "training": {"stages": 16, "microBatches": 64},
+        "gpuWorkers": {"replicas": 2, "minReplicas": 2, "maxReplicas": 4},
+    },
+    "tolerations-and-node-selectors": {
+        "gpuWorkers": {
+            "tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"},
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            ],
+            "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        },
+        "head": {"nodeSelector": {"pool": "cpu"}, "rayStartParams": {"num-cpus": 0}},
+    },
+    "tiny-on-cpu-without-autoscaler": {
+        "training": {"preset": "tiny", "stages": 2, "microBatches": 4, "seqLen": 64, "steps": 3},
+        # null deletes a default key in Helm's value coalescing: no GPUs.
+        "gpuWorkers": {
+            "resources": {
+                "requests": {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": None},
+                "limits": {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": None},
+            },
+            "tolerations": [],
+        },
+        "autoscaling": {"enabled": False},
+        "job": {"submissionMode": "HTTPMode", "shutdownAfterJobFinishes": False, "activeDeadlineSeconds": 3600},
+        "grafanaDashboard": {"enabled": False},
+    },
+    "private-image-and-credentials": {
+        "image": {"repository": "registry.example.com/ml/raypipe", "tag": "0.1.0-cu124"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccountName": "raypipe-s3",
+        "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+        "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "raypipe-ckpt"}}],
+        "volumeMounts": [{"name": "ckpt", "mountPath": "/mnt/ckpt"}],
+        "training": {"checkpointDir": "/mnt/ckpt/llama-7b", "extraArgs": ["--eval-every", "100"]},
+    },
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[helm_python.Chart]:
+    with helm_python.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+def render(chart: helm_python.Chart, values: dict[str, Any] | None = None, name: str = RELEASE) -> dict[str, list[dict]]:
+    """Rendered manifests grouped by kind (NOTES.txt left out)."""
+    files = chart.render(values=values or {}, name=name, namespace=NAMESPACE)
+    by_kind: dict[str, list[dict]] = {}
+    for path, text in files.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                by_kind.setdefault(doc["kind"], []).append(doc)
+    return by_kind
+
+
+def only(manifests: dict[str, list[dict]], kind: str) -> dict:
+    (manifest,) = manifests[kind]
+    return manifest
+
+
+def _closed(schema: Any) -> Any:
+    """Forbid fields a structural schema does not declare.
+
+    The API server prunes unknown fields of a custom resource silently, so a
+    misspelt field in the chart would vanish instead of failing; here it fails.
+    """
+    if isinstance(schema, dict):
+        schema = {key: _closed(value) for key, value in schema.items()}
+        if (
+            schema.get("type") == "object"
+            and "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_closed(item) for item in schema]
+    return schema
+
+
+@functools.cache
+def crd_validator(kind: str) -> jsonschema.Draft7Validator:
+    """Validator for `kind` from the served v1 version of its KubeRay CRD."""
+    with (CRD_DIR / CRD_FILES[kind]).open() as f:
+        crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    assert crd["spec"]["names"]["kind"] == kind
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"]]
+    return jsonschema.Draft7Validator(_closed(version["schema"]["openAPIV3Schema"]))
+
+
+def crd_errors(manifest: dict) -> list[str]:
+    errors = crd_validator(manifest["kind"]).iter_errors(manifest)
+    return sorted(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+
+
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# KubeRay: RayCluster names <= 53; a RayJob's cluster is its name + 6 characters.
+MAX_NAME = {"RayCluster": 53, "RayJob": 47}
+
+
+def kuberay_spec_errors(manifest: dict) -> list[str]:
+    """The RayJob/RayCluster rules KubeRay v1.7's operator enforces (utils/validation.go)."""
+    errors = []
+    name, spec = manifest["metadata"]["name"], manifest["spec"]
+    if len(name) > MAX_NAME[manifest["kind"]] or not DNS_1035.match(name):
+        errors.append(f"name {name!r} is not a DNS-1035 label of <= {MAX_NAME[manifest['kind']]} characters")
+    cluster_specs = [spec] if manifest["kind"] == "RayCluster" else [spec.get("rayClusterSpec")]
+    if manifest["kind"] == "RayJob":
+        selector = spec.get("clusterSelector", {})
+        if bool(spec.get("rayClusterSpec")) == bool(selector):
+            errors.append("exactly one of rayClusterSpec and clusterSelector must be set")
+        if selector and not selector.get("ray.io/cluster"):
+            errors.append("clusterSelector needs ray.io/cluster")
+        if spec.get("ttlSecondsAfterFinished", 0) > 0 and not spec.get("shutdownAfterJobFinishes"):
+            errors.append("ttlSecondsAfterFinished needs shutdownAfterJobFinishes")
+        if spec.get("submissionMode") == "SidecarMode" and (selector or "submitterPodTemplate" in spec):
+            errors.append("SidecarMode supports neither clusterSelector nor submitterPodTemplate")
+        if spec.get("activeDeadlineSeconds", 1) <= 0 or spec.get("backoffLimit", 0) < 0:
+            errors.append("activeDeadlineSeconds must be > 0 and backoffLimit >= 0")
+    for cluster in filter(None, cluster_specs):
+        groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+        for group in groups:
+            if not group["template"]["spec"]["containers"]:
+                errors.append("every group needs a container")
+        for group in cluster.get("workerGroupSpecs", []):
+            if not group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"]:
+                errors.append(f"worker group {group['groupName']}: replicas outside [minReplicas, maxReplicas]")
+    return errors
+
+
+def ray_clusters(manifests: dict[str, list[dict]]) -> list[dict]:
+    """Every Ray cluster spec rendered: embedded in the RayJob and standalone."""
+    specs = [m["spec"]["rayClusterSpec"] for m in manifests.get("RayJob", []) if "rayClusterSpec" in m["spec"]]
+    return specs + [m["spec"] for m in manifests.get("RayCluster", [])]
+
+
+def pod_specs(manifests: dict[str, list[dict]]) -> list[dict]:
+    pods = []
+    for cluster in ray_clusters(manifests):
+        pods.append(cluster["headGroupSpec"]["template"]["spec"])
+        pods += [group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
+    pods += [m["spec"]["submitterPodTemplate"]["spec"] for m in manifests.get("RayJob", []) if "submitterPodTemplate" in m["spec"]]
+    return pods
+
+
+def head_container(cluster: dict) -> dict:
+    (container,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    return container
+
+
+def entrypoint_flags(rayjob: dict) -> tuple[list[str], dict[str, list[str]]]:
+    """(command before the first flag, {flag: [values]}) of the RayJob entrypoint."""
+    argv = shlex.split(rayjob["spec"]["entrypoint"])
+    first_flag = next(i for i, arg in enumerate(argv) if arg.startswith("--"))
+    flags: dict[str, list[str]] = {}
+    current = ""
+    for arg in argv[first_flag:]:
+        if arg.startswith("--"):
+            current = arg
+            flags.setdefault(current, [])
+        else:
+            flags[current].append(arg)
+    return argv[:first_flag], flags
+
+
+def combined(*overrides: dict[str, Any]) -> dict[str, Any]:
+    """Several override sets deep-merged into one (later ones win)."""
+    result: dict[str, Any] = {}
+    for override in overrides:
+        for key, value in override.items():
+            if isinstance(value, dict) and isinstance(result.get(key), dict):
+                result[key] = combined(result[key], value)
+            else:
+                result[key] = value
+    return result
+
+
+# --------------------------------------------------------------------------- every case
+
+
+@pytest.mark.parametrize("values", CASES.values(), ids=CASES.keys())
+def test_chart_lints_clean(values: dict[str, Any]) -> None:
+    report = helm_python.lint(CHART_DIR, values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_lint_reports_values_that_break_the_schema() -> None:
+    report = helm_python.lint(CHART_DIR, {"training": {"stages": 0}}, strict=True, namespace=NAMESPACE)
+    assert any("/training/stages" in error for error in report["errors"])
+
+
+@pytest.mark.parametrize("values", CASES.values(), ids=CASES.keys())
+def test_rendered_kuberay_resources_match_the_kuberay_crds(chart, values: dict[str, Any]) -> None:
+    manifests = render(chart, values)
+    kuberay = manifests.get("RayJob", []) + manifests.get("RayCluster", [])
+    assert kuberay, "neither a RayJob nor a RayCluster rendered"
+    for manifest in kuberay:
+        assert manifest["apiVersion"] == "ray.io/v1"
+        assert crd_errors(manifest) == []
+        assert kuberay_spec_errors(manifest) == []
+
+
+@pytest.mark.parametrize("values", CASES.values(), ids=CASES.keys())
+def test_every_pod_runs_as_non_root_without_privilege_escalation(chart, values: dict[str, Any]) -> None:
+    manifests = render(chart, values)
+    pods = pod_specs(manifests)
+    assert pods
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] > 0
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+    for cluster in ray_clusters(manifests):
+        if cluster["enableInTreeAutoscaling"]:
+            # KubeRay injects the autoscaler sidecar with this context.
+            autoscaler = cluster["autoscalerOptions"]["securityContext"]
+            assert autoscaler["allowPrivilegeEscalation"] is False
+            assert autoscaler["capabilities"]["drop"] == ["ALL"]
+
+
+# --------------------------------------------------------------------------- RayJob
+
+
+def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:
+    overrides = combined(CASES["16-stages-on-2-to-4-nodes"], CASES["private-image-and-credentials"])
+    training = chart.merge_values(overrides)["training"]
+    rayjob = only(render(chart, overrides), "RayJob")
+    command, flags = entrypoint_flags(rayjob)
+    assert command == ["python", "jobs/train_7b.py"]
+    assert flags == {
+        "--preset": ["7b"],
+        "--stages": ["16"],
+        "--micro-batches": ["64"],
+        "--micro-batch-size": [str(training["microBatchSize"])],
+        "--seq-len": [str(training["seqLen"])],
+        "--steps": [str(training["steps"])],
+        "--data": [training["dataPath"]],
+        "--checkpoint-dir": ["/mnt/ckpt/llama-7b"],
+        "--metrics-port": [str(training["metricsPort"])],
+        "--metrics-host": ["0.0.0.0"],
+        "--eval-every": ["100"],
+    }
+
+
+def test_large_step_counts_render_as_integers(chart) -> None:
+    # Helm holds numbers as float64; a bare {{ .steps }} would print 1e+06.
+    _, flags = entrypoint_flags(only(render(chart, {"training": {"steps": 1_000_000}}), "RayJob"))
+    assert flags["--steps"] == ["1000000"]
+
+
+def test_job_lifecycle_follows_values(chart) -> None:
+    job_values = chart.values["job"]
+    spec = only(render(chart), "RayJob")["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert spec["ttlSecondsAfterFinished"] == job_values["ttlSecondsAfterFinished"]
+    assert spec["backoffLimit"] == job_values["backoffLimit"]
+    assert "activeDeadlineSeconds" not in spec  # 0 means no deadline
+    assert yaml.safe_load(spec["runtimeEnvYAML"]) == job_values["runtimeEnv"]
+
+    spec = only(render(chart, {"job": {"ttlSecondsAfterFinished": 60, "backoffLimit": 5, "activeDeadlineSeconds": 86400}}), "RayJob")["spec"]
+    assert (spec["ttlSecondsAfterFinished"], spec["backoffLimit"], spec["activeDeadlineSeconds"]) == (60, 5, 86400)
+
+    # Without shutdown KubeRay rejects a TTL, so none is rendered.
+    spec = only(render(chart, {"job": {"shutdownAfterJobFinishes": False}}), "RayJob")["spec"]
+    assert spec["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in spec
+
+
+def test_gpu_worker_group_follows_values(chart) -> None:
+    overrides = combined(CASES["16-stages-on-2-to-4-nodes"], CASES["tolerations-and-node-selectors"])
+    values = chart.merge_values(overrides)
+    cluster = only(render(chart, overrides), "RayJob")["spec"]["rayClusterSpec"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] == values["autoscaling"]["idleTimeoutSeconds"]
+    (group,) = cluster["workerGroupSpecs"]
+    assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == ("gpu", 2, 2, 4)
+    pod = group["template"]["spec"]
+    assert pod["tolerations"] == values["gpuWorkers"]["tolerations"]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["image"] == f"{values['image']['repository']}:0.1.0"
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"] == {"num-cpus": "0"}  # KubeRay wants strings
+    assert head["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert "tolerations" not in head["template"]["spec"]
+
+
+def test_autoscaler_can_be_turned_off(chart) -> None:
+    cluster = only(render(chart, {"autoscaling": {"enabled": False}}), "RayJob")["spec"]["rayClusterSpec"]
+    assert cluster["enableInTreeAutoscaling"] is False
+    assert "autoscalerOptions" not in cluster
+
+
+def test_every_ray_pod_gets_a_memory_backed_dev_shm(chart) -> None:
+    for pod in pod_specs(render(chart))[:2]:  # head and GPU workers
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["emptyDir"]["medium"] == "Memory"
+
+
+def test_standalone_raycluster_runs_the_job_and_matches_the_embedded_spec(chart) -> None:
+    embedded = only(render(chart), "RayJob")["spec"]["rayClusterSpec"]
+    manifests = render(chart, {"rayCluster": {"enabled": True}})
+    raycluster, rayjob = only(manifests, "RayCluster"), only(manifests, "RayJob")
+    assert raycluster["spec"] == embedded
+    assert rayjob["spec"]["clusterSelector"] == {"ray.io/cluster": raycluster["metadata"]["name"]}
+    assert "rayClusterSpec" not in rayjob["spec"]
+    assert rayjob["spec"]["shutdownAfterJobFinishes"] is False
+    assert "ttlSecondsAfterFinished" not in rayjob["spec"]
+
+
+def test_names_fit_kuberay_limits_for_long_release_names(chart) -> None:
+    manifests = render(chart, {"rayCluster": {"enabled": True}}, name="a-very-long-release-name-for-a-training-run-of-llama")
+    for manifest in manifests["RayJob"] + manifests["RayCluster"]:
+        assert kuberay_spec_errors(manifest) == []
+
+
+# --------------------------------------------------------------------------- monitoring
+
+
+def test_podmonitor_scrapes_the_raypipe_exporter_on_the_head(chart) -> None:
+    manifests = render(chart, {"training": {"metricsPort": 9123}})
+    monitor = only(manifests, "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [METRICS_PORT_NAME, "metrics"]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+    cluster = ray_clusters(manifests)[0]
+    head_pod = cluster["headGroupSpec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in head_container(cluster)["ports"]}
+    assert ports[METRICS_PORT_NAME] == 9123
+    _, flags = entrypoint_flags(only(manifests, "RayJob"))
+    assert flags["--metrics-port"] == ["9123"] and flags["--metrics-host"] == ["0.0.0.0"]
+    # The selector picks the head pod (and workers, for Ray's own metrics).
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    for pod in [head_pod] + [g["template"] for g in cluster["workerGroupSpecs"]]:
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        assert "metrics" in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+
+
+def test_podmonitor_options(chart) -> None:
+    assert "PodMonitor" not in render(chart, {"podMonitor": {"enabled": False}})
+    monitor = only(render(chart, {"podMonitor": {"rayMetrics": False, "labels": {"release": "kube-prometheus-stack"}}}), "PodMonitor")
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [METRICS_PORT_NAME]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
+    configmap = only(render(chart, {"grafanaDashboard": {"namespace": "monitoring"}}), "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["namespace"] == "monitoring"
+    (text,) = configmap["data"].values()
+    dashboard = json.loads(text)
+    assert dashboard == json.loads((CHART_DIR / "dashboards" / "raypipe.json").read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert queries and all("raypipe_" in q for q in queries)
+    assert "ConfigMap" not in render(chart, {"grafanaDashboard": {"enabled": False}})
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("values", "error", "message"),
+    [
+        pytest.param({"training": {"stages": 0}}, helm_python.HelmValuesError, "/training/stages", id="zero-stages"),
+        pytest.param({"training": {"preset": "70b"}}, helm_python.HelmValuesError, "/training/preset", id="unknown-preset"),
+        pytest.param({"gpuWorker": {"replicas": 2}}, helm_python.HelmValuesError, "'gpuWorker' not allowed", id="misspelt-key"),
+        pytest.param({"image": {"tag": 1.10}}, helm_python.HelmValuesError, "/image/tag", id="unquoted-numeric-tag"),
+        pytest.param({"training": {"dataPath": "s3://b/x; rm -rf /"}}, helm_python.HelmValuesError, "/training/dataPath", id="shell-in-path"),
+        pytest.param(
+            {"gpuWorkers": {"replicas": 3}}, helm_python.HelmRenderError,
+            "need minReplicas <= replicas <= maxReplicas, got minReplicas=1 replicas=3 maxReplicas=2", id="replicas-above-max",
+        ),
+        pytest.param(
+            {"training": {"stages": 24}}, helm_python.HelmRenderError,
+            "training.stages=24 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs", id="more-stages-than-gpus",
+        ),
+        pytest.param(
+            {"gpuWorkers": {"resources": {"limits": {"nvidia.com/gpu": None}}}}, helm_python.HelmRenderError,
+            "has no nvidia.com/gpu", id="7b-without-gpus",
+        ),
+        pytest.param(
+            {"job": {"enabled": False}}, helm_python.HelmRenderError, "nothing to deploy", id="nothing-enabled",
+        ),
+        pytest.param(
+            {"rayCluster": {"enabled": True}, "job": {"submissionMode": "SidecarMode"}}, helm_python.HelmRenderError,
+            "SidecarMode cannot run on the standalone RayCluster", id="sidecar-on-standalone",
+        ),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_them(chart, values, error, message) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+
+
+# A broken manifest must fail the CRD validation, or the checks above prove nothing.
+def _misspell_max_replicas(job: dict) -> None:
+    group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    group["maxReplica"] = group.pop("maxReplicas")
+
+
+def _integer_ray_start_param(job: dict) -> None:
+    job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"] = {"num-cpus": 0}
+
+
+def _string_backoff_limit(job: dict) -> None:
+    job["spec"]["backoffLimit"] = "2"
+
+
+def _unknown_container_field(job: dict) -> None:
+    job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["securityContxt"] = {}
+
+
+def _bad_resource_quantity(job: dict) -> None:
+    job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] = "lots"
+
+
+@pytest.mark.parametrize(
+    ("break_manifest", "where"),
+    [
+        pytest.param(_misspell_max_replicas, "spec/rayClusterSpec/workerGroupSpecs/0", id="misspelt-maxReplicas"),
+        pytest.param(_integer_ray_start_param, "spec/rayClusterSpec/headGroupSpec/rayStartParams/num-cpus", id="integer-rayStartParams"),
+        pytest.param(_string_backoff_limit, "spec/backoffLimit", id="string-backoffLimit"),
+        pytest.param(_unknown_container_field, "spec/rayClusterSpec/headGroupSpec/template/spec/containers/0", id="unknown-field"),
+        pytest.param(_bad_resource_quantity, "containers/0/resources/limits/memory", id="bad-quantity"),
+    ],
+)
+def test_crd_validation_rejects_a_broken_rayjob(chart, break_manifest, where: str) -> None:
+    rayjob = copy.deepcopy(only(render(chart), "RayJob"))
+    break_manifest(rayjob)
+    errors = crd_errors(rayjob)
+    assert errors and any(where in error for error in errors), errors

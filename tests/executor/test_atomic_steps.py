@@ -1,0 +1,128 @@
+"""A step completes on every stage or changes nothing, in every executor.
+
+A forward or a backward failure on a middle micro-batch of a middle stage
+raises a StageError naming that stage and micro-batch within seconds (the p2p
+executor does not wait out ``p2p_timeout_s``), leaves every parameter,
+optimizer and LR-scheduler state bitwise as it was, and the next step trains
+exactly like a single process that never saw the failed batches.
+"""
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import raypipe
+from raypipe import StageError, StepAborted
+from raypipe.checkpoint.store import read_layer
+from tests.reference import assert_parameters_match, reference_step
+
+MARK = -100.0  # an input value no real sample has: the tripwire's signal
+BATCH, MICRO_BATCHES, FAILING = 6, 3, 1  # micro-batch 1 holds rows 2-3
+
+
+class _FailBackwardIf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise FloatingPointError("tripwire in backward")
+        return grad, None
+
+
+class Tripwire(nn.Module):
+    """Identity that fails in forward when column 0 of its first row is marked,
+    and in backward when column 1 is."""
+
+    def forward(self, x):
+        if x[0, 0] < MARK / 2:
+            raise ValueError("tripwire in forward")
+        return _FailBackwardIf.apply(x, bool(x[0, 1] < MARK / 2))
+
+
+def layers_and_balance(num_stages):
+    torch.manual_seed(0)
+    first = nn.Linear(4, 4)
+    with torch.no_grad():  # the marks reach the tripwire unchanged
+        first.weight.copy_(torch.eye(4))
+        first.bias.zero_()
+    layers = [first, Tripwire(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
+    return layers, {2: [1, 4], 3: [1, 2, 2]}[num_stages]  # the tripwire opens stage 1
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def halving(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def marked(x, column):
+    x = x.clone()
+    x[FAILING * 2, column] = MARK  # first row of micro-batch 1
+    return x
+
+
+def checkpoint_state(trainer, root, num_layers):
+    trainer.save_checkpoint(root)
+    return [read_layer(root, trainer.step_count, index) for index in range(num_layers)]
+
+
+def assert_bitwise_equal(before, after, where="state"):
+    if isinstance(before, torch.Tensor):
+        assert torch.equal(before, after), where
+    elif isinstance(before, dict):
+        assert before.keys() == after.keys(), where
+        for key in before:
+            assert_bitwise_equal(before[key], after[key], f"{where}.{key}")
+    elif isinstance(before, (list, tuple)):
+        assert len(before) == len(after), where
+        for index, (a, b) in enumerate(zip(before, after)):
+            assert_bitwise_equal(a, b, f"{where}[{index}]")
+    else:
+        assert before == after, where
+
+
+@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p"])
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_path, transport, num_stages):
+    layers, balance = layers_and_balance(num_stages)
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    reference_optimizer = adamw(reference.parameters())
+    reference_scheduler = halving(reference_optimizer)
+    clip = 1.0 if num_stages == 3 else None  # both the early-apply path and the reduce-first path
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=MICRO_BATCHES, balance=balance,
+                                    transport=transport, clip_grad_norm=clip)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator))
+               for _ in range(2)]
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
+        x, y = batches[0]
+        trainer.step(x, y)
+        reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, MICRO_BATCHES, clip)
+        reference_scheduler.step()
+        before = checkpoint_state(trainer, tmp_path / "before", len(layers))
+
+        for column, op in ((0, "F"), (1, "B")):
+            started = time.monotonic()
+            with pytest.raises(StageError) as error:
+                trainer.step(marked(x, column), y)
+            assert time.monotonic() - started < 10
+            assert not isinstance(error.value, StepAborted)  # the cause, not a consequence
+            assert (error.value.stage, error.value.op, error.value.micro_batch) == (1, op, FAILING)
+            assert f"stage 1, op {op}, micro-batch {FAILING}" in str(error.value)
+            assert "tripwire" in str(error.value.__cause__)
+            assert trainer.step_count == 1
+
+        assert_bitwise_equal(before, checkpoint_state(trainer, tmp_path / "after", len(layers)))
+        x, y = batches[1]
+        result = trainer.step(x, y)
+        loss, _ = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, MICRO_BATCHES, clip)
+        assert result.loss == pytest.approx(loss, rel=1e-5)
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())

@@ -1,0 +1,222 @@
+"""The Grafana dashboard against a real Prometheus scraping a real trainer.
+
+Every PromQL expression of every dashboard panel must return data after a
+short training run. Without a ``prometheus`` binary the integration test
+skips, except under ``CI=true`` where a missing binary is a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "raypipe" / "dashboards" / "raypipe.json"
+
+# Grafana's built-in interval variables, replaced by windows that hold several
+# 1 s scrapes when the expressions are sent to Prometheus directly.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "5m"}
+
+EXPORTED_NAMES = {
+    "raypipe_loss", "raypipe_eval_loss", "raypipe_grad_norm", "raypipe_clip_coefficient",
+    "raypipe_bubble_fraction", "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
+    "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
+    "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
+}
+
+
+def dashboard_panels() -> list[dict]:
+    return json.loads(DASHBOARD.read_text())["panels"]
+
+
+def dashboard_exprs() -> list[str]:
+    return [target["expr"] for panel in dashboard_panels() for target in panel["targets"]]
+
+
+def promql(expr: str) -> str:
+    """A dashboard expression with Grafana's variables substituted."""
+    for variable, window in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, window)
+    assert "$" not in expr, f"unsubstituted Grafana variable in {expr!r}"
+    return expr
+
+
+def test_dashboard_panels_use_the_datasource_variable_and_exported_metrics():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    referenced = set()
+    for panel in dashboard["panels"]:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], f"panel {panel['title']!r} has no queries"
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"], panel["title"]
+            names = set(re.findall(r"\braypipe_[a-z_]+", target["expr"]))
+            assert names <= EXPORTED_NAMES, f"{panel['title']!r} queries unknown metrics {names - EXPORTED_NAMES}"
+            referenced |= names
+    assert referenced == EXPORTED_NAMES, f"metrics on no panel: {EXPORTED_NAMES - referenced}"
+
+
+def prometheus_binary() -> str:
+    path = shutil.which("prometheus") or ("/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else None)
+    if path is None:
+        reason = "no `prometheus` binary on PATH (Debian: apt-get install prometheus)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason + "; CI=true requires it")
+        pytest.skip(reason)
+    return path
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.5):
+    """Poll ``condition()`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        outcome = condition()
+        if outcome:
+            return outcome
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Prometheus:
+    """A Prometheus server on a free loopback port, scraping one target every second."""
+
+    def __init__(self, binary: str, target: str, directory: Path) -> None:
+        self.port = free_loopback_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = directory / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+            f"scrape_configs:\n  - job_name: raypipe\n    static_configs:\n      - targets: ['{target}']\n"
+        )
+        self.log = (directory / "prometheus.log").open("w")
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={directory / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            pytest.fail(f"prometheus exited with {self.process.returncode}; see {self.log.name}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    def query(self, expr: str) -> list[dict]:
+        answer = get_json(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+        assert answer["status"] == "success", f"{expr!r}: {answer}"
+        return answer["data"]["result"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path):
+    """Start Prometheus scraping a given target; always stopped at teardown."""
+    binary = prometheus_binary()
+    started: list[Prometheus] = []
+
+    def start(target: str) -> Prometheus:
+        prometheus = Prometheus(binary, target, tmp_path)
+        started.append(prometheus)
+        wait_until(prometheus.ready, 30, "prometheus to become ready")
+        return prometheus
+
+    yield start
+    for prometheus in started:
+        prometheus.stop()
+
+
+def assert_every_dashboard_expr_has_data(prometheus: Prometheus, target: str, min_steps: int) -> None:
+    up = wait_until(lambda: prometheus.query('up{job="raypipe"} == 1'), 30, f"{target} to be scraped")
+    assert up[0]["metric"]["instance"] == target
+    exprs = [promql(expr) for expr in dashboard_exprs()]
+
+    def empty_exprs() -> list[str]:
+        return [expr for expr in exprs if not prometheus.query(expr)]
+
+    # Bounded: rate() needs two scrapes in its window, so allow a few seconds.
+    deadline = time.monotonic() + 30
+    while (empty := empty_exprs()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not empty, f"dashboard expressions with no data from Prometheus: {empty}"
+    steps = prometheus.query("raypipe_steps_total")
+    assert float(steps[0]["value"][1]) >= min_steps
+
+
+def test_dashboard_queries_against_the_exporter(prometheus_factory):
+    """The dashboard and the exporter agree, checked through Prometheus without Ray."""
+    from raypipe.observability.metrics import MetricsExporter
+    from raypipe.core.result import StageStats, StepResult
+
+    with MetricsExporter() as exporter:
+        target = urllib.parse.urlsplit(exporter.url).netloc
+        prometheus = prometheus_factory(target)
+        for step in range(3):
+            exporter.record_step(StepResult(
+                step=step, loss=1.0 / (step + 1), grad_norm=2.0, step_time=0.1, tokens_per_second=100.0,
+                mfu=0.01, stages=[StageStats(stage=s, busy_seconds=0.05, rss_bytes=10**8) for s in range(2)],
+                bubble_fraction=[0.5, 0.5],
+            ))
+        exporter.record_eval(0.9)
+        assert_every_dashboard_expr_has_data(prometheus, target, min_steps=3)
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(ray_cluster, prometheus_factory):
+    """A short real training run, scraped by Prometheus, fills every dashboard panel."""
+    import torch
+    from torch import nn
+
+    import raypipe
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, metrics_port=0, peak_flops_per_second=1e12)
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+
+    with raypipe.PipelineTrainer(model, nn.functional.mse_loss,
+                                 optimizer=lambda params: torch.optim.SGD(params, lr=0.01), config=config) as trainer:
+        url = urllib.parse.urlsplit(trainer.metrics_url)
+        assert url.hostname == "127.0.0.1"  # loopback unless configured otherwise
+        prometheus = prometheus_factory(url.netloc)
+        trainer.step(inputs, targets)
+        trainer.evaluate(inputs, targets)
+        # Keep training while Prometheus scrapes, so rate() windows hold several samples.
+        steps = 1
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            trainer.step(inputs, targets)
+            steps += 1
+        assert_every_dashboard_expr_has_data(prometheus, url.netloc, min_steps=steps)

@@ -1,0 +1,378 @@
+"""The memory model against measurements (saved-tensor hooks on CPU) and the standard figures."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from raypipe.planning.memory import (
+    StageMemory,
+    activation_breakdown,
+    estimate_layer_activation_bytes,
+    estimate_pipeline,
+    estimate_stage,
+    spec_parameter_count,
+    stage_input_bytes,
+    static_bytes_per_parameter,
+)
+from raypipe.models.llama import get_config, llama_layers, llama_loss, num_parameters
+from raypipe.planning.plan import add_plan_arguments, parse_bytes, run_plan
+
+TINY = get_config("tiny")
+
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves inside the context (parameters excluded)."""
+
+    def __init__(self, modules) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.skip:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def build_layers(config, seed=0):
+    torch.manual_seed(seed)
+    return [spec.build() for spec in llama_layers(config)]
+
+
+def measure_layer(config, kind, batch, seq_len, contexts=()):
+    """Forward one layer of ``kind`` on a fresh input; return the saved bytes."""
+    layers = build_layers(config)
+    layer = {"embedding": layers[0], "block": layers[1], "head": layers[-1]}[kind]
+    if kind == "embedding":
+        inputs = torch.randint(0, config.vocab_size, (batch, seq_len))
+    else:
+        inputs = torch.randn(batch, seq_len, config.dim, requires_grad=True)
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        with SavedBytes([layer]) as meter:
+            layer(inputs)
+    return meter.bytes
+
+
+def assert_close(predicted: int, measured: int, tolerance: float = 0.01) -> None:
+    assert measured > 0
+    assert abs(predicted - measured) / measured <= tolerance, (predicted, measured)
+
+
+# -- one layer, one micro-batch, "never" ----------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["embedding", "block", "head"])
+@pytest.mark.parametrize("batch, seq_len", [(1, 8), (2, 32), (3, 100)])
+def test_layer_prediction_matches_saved_tensors_fp32(kind, batch, seq_len):
+    predicted = estimate_layer_activation_bytes(TINY, kind, batch, seq_len, "fp32", fused_attention=True)
+    assert_close(predicted, measure_layer(TINY, kind, batch, seq_len))
+
+
+@pytest.mark.parametrize("batch, seq_len", [(2, 16), (1, 64)])
+def test_loss_prediction_matches_saved_tensors(batch, seq_len):
+    logits = torch.randn(batch, seq_len, TINY.vocab_size, requires_grad=True)
+    targets = torch.randint(0, TINY.vocab_size, (batch, seq_len))
+    with SavedBytes([]) as meter:
+        llama_loss(logits, targets) * 0.5
+    assert_close(estimate_layer_activation_bytes(TINY, "loss", batch, seq_len), meter.bytes)
+
+
+def test_unfused_attention_prediction_matches_the_math_kernel():
+    measured = measure_layer(TINY, "block", 2, 48, [sdpa_kernel(SDPBackend.MATH)])
+    predicted = estimate_layer_activation_bytes(TINY, "block", 2, 48, "fp32", fused_attention=False)
+    assert_close(predicted, measured)
+    fused = estimate_layer_activation_bytes(TINY, "block", 2, 48, "fp32", fused_attention=True)
+    probabilities = 2 * TINY.n_heads * 48 * 48 * 4
+    assert predicted - fused >= probabilities - 2 * 48 * TINY.dim * 4  # the (s x s) matrix is the difference
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_grouped_query_attention_prediction(fused):
+    config = TINY.replace(n_kv_heads=2)
+    contexts = [] if fused else [sdpa_kernel(SDPBackend.MATH)]
+    assert_close(estimate_layer_activation_bytes(config, "block", 2, 24, "fp32", fused),
+                 measure_layer(config, "block", 2, 24, contexts))
+
+
+@pytest.mark.parametrize("kind", ["block", "head"])
+def test_autocast_bf16_prediction_matches_saved_tensors(kind):
+    measured = measure_layer(TINY, kind, 2, 40, [torch.autocast("cpu", dtype=torch.bfloat16)])
+    predicted = estimate_layer_activation_bytes(TINY, kind, 2, 40, "bf16", amp="autocast")
+    assert_close(predicted, measured)
+    # autocast saves a 2-byte copy of every weight of the layer, per forward
+    breakdown = activation_breakdown(TINY, kind, 2, 40, "bf16", amp="autocast")
+    copies = sum(v for k, v in breakdown.items() if "weight_copy" in k)
+    layer = build_layers(TINY)[1 if kind == "block" else -1]
+    norms = sum(p.numel() for name, p in layer.named_parameters() if "norm" in name)
+    assert copies == 2 * (sum(p.numel() for p in layer.parameters()) - norms)
+
+
+def test_dropout_masks_on_cpu():
+    config = TINY.replace(dropout=0.1)
+    predicted = estimate_layer_activation_bytes(config, "block", 2, 16, device="cpu")
+    assert_close(predicted, measure_layer(config, "block", 2, 16))
+    # CUDA keeps 1-byte masks
+    cuda = estimate_layer_activation_bytes(config, "block", 2, 16, device="cuda")
+    assert predicted - cuda == 2 * (4 - 1) * 2 * 16 * config.dim
+
+
+# -- a whole stage, single process ----------------------------------------------------------
+
+def run_stage_forward(layers, inputs, with_loss, segments=None):
+    """The stage's forward as a stage runs it (optionally checkpointed in segments), metered."""
+    from torch.utils.checkpoint import checkpoint
+
+    def segment(chunk, hidden):
+        for layer in chunk:
+            hidden = layer(hidden)
+        return hidden
+
+    with SavedBytes(layers) as meter:
+        hidden = inputs
+        size = segments or len(layers)
+        for start in range(0, len(layers), size):
+            chunk = layers[start:start + size]
+            hidden = checkpoint(segment, chunk, hidden, use_reentrant=False) if segments else segment(chunk, hidden)
+        if with_loss:
+            llama_loss(hidden.float(), torch.randint(0, TINY.vocab_size, hidden.shape[:2]))
+        else:
+            meter.pack(hidden)  # a non-last stage keeps its output alive as the graph's root
+    return meter.bytes
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("segments", [None, 1, 2])
+def test_stage_graph_prediction_matches_measurement(first, segments):
+    layers = build_layers(TINY)
+    indices = range(3) if first else range(3, 6)
+    batch, seq_len = 2, 32
+    inputs = (torch.randint(0, 259, (batch, seq_len)) if first
+              else torch.randn(batch, seq_len, TINY.dim, requires_grad=True))
+    measured = run_stage_forward([layers[i] for i in indices], inputs, with_loss=not first, segments=segments)
+    stage = estimate_stage(TINY, indices, num_micro_batches=1, micro_batch_size=batch, seq_len=seq_len,
+                           checkpoint_segments=segments, device="cpu")
+    assert_close(stage.graph_bytes, measured)
+
+
+def test_stage_worker_measurement_matches_prediction_in_every_mode():
+    """The stage's own meter (StageWorker, no Ray) against the model, GPipe, 2 stages."""
+    from raypipe.config import PipelineConfig
+    from raypipe.stage.worker import StageWorker
+
+    layers, ranges = llama_layers(TINY), [range(3), range(3, 6)]
+    micro_batches, batch, seq_len = 3, 2, 24
+    inputs = [torch.randint(0, 259, (batch, seq_len)) for _ in range(micro_batches)]
+    targets = [torch.randint(0, 259, (batch, seq_len)) for _ in range(micro_batches)]
+    for mode in ("never", "always", "except_last"):
+        config = PipelineConfig(num_stages=2, num_micro_batches=micro_batches, checkpoint=mode)
+        stages = [StageWorker(i, 2, [layers[j] for j in r], list(r), lambda p: torch.optim.SGD(p, lr=0.1),
+                              llama_loss, config) for i, r in enumerate(ranges)]
+        for mb in range(micro_batches):
+            stages[1].forward(mb, stages[0].forward(mb, inputs[mb]), targets[mb], 1 / micro_batches)
+        for mb in reversed(range(micro_batches)):
+            stages[0].backward(mb, stages[1].backward(mb))
+        for index, stage in enumerate(stages):
+            measured = stage.apply()[1].held_for_backward_bytes
+            predicted = estimate_stage(TINY, ranges[index], num_micro_batches=micro_batches,
+                                       micro_batch_size=batch, seq_len=seq_len, checkpoint=mode,
+                                       stage_index=index, num_stages=2, device="cpu")
+            assert_close(predicted.held_for_backward_bytes, measured, tolerance=0.10)
+
+
+# -- schedules and checkpoint modes -------------------------------------------------------------
+
+def stage_memory(**overrides) -> StageMemory:
+    settings = {"num_micro_batches": 8, "micro_batch_size": 2, "seq_len": 64, "stage_index": 1, "num_stages": 3}
+    settings.update(overrides)
+    return estimate_stage(TINY, range(2, 4), **settings)
+
+
+def test_checkpoint_modes_hold_what_gpipe_keeps():
+    never = stage_memory(checkpoint="never")
+    graph, kept = never.graph_bytes, never.input_bytes
+    assert kept == 2 * 64 * TINY.dim * 4
+    assert never.activation_bytes == 8 * graph
+    # the micro-batch being rebuilt: its kept input is not counted twice
+    assert stage_memory(checkpoint="always").activation_bytes == 8 * kept + graph - kept
+    assert stage_memory(checkpoint="except_last").activation_bytes == 7 * kept + graph
+    offloaded = stage_memory(checkpoint="always", offload=True)
+    assert (offloaded.activation_bytes, offloaded.offloaded_bytes) == (graph, 8 * kept)  # about one micro-batch
+    offloaded = stage_memory(checkpoint="except_last", offload=True)
+    assert (offloaded.activation_bytes, offloaded.offloaded_bytes) == (graph, 7 * kept)
+
+
+def test_one_f_one_b_holds_at_most_stages_minus_index_micro_batches():
+    for index, in_flight in [(0, 3), (1, 2), (2, 1)]:
+        memory = stage_memory(checkpoint="never", schedule="1f1b", stage_index=index)
+        assert memory.micro_batches_in_flight == in_flight
+        assert memory.activation_bytes == in_flight * memory.graph_bytes
+
+
+def test_segments_keep_segment_inputs_and_recompute_one_segment():
+    four_blocks = range(1, 5)
+    full = estimate_stage(TINY, four_blocks, num_micro_batches=4, micro_batch_size=2, seq_len=64)
+    for size, segments in [(1, 4), (2, 2)]:
+        memory = estimate_stage(TINY, four_blocks, num_micro_batches=4, micro_batch_size=2, seq_len=64,
+                                checkpoint_segments=size)
+        # every segment's input, plus the stage output (the graph's root)
+        assert memory.graph_bytes == (segments + 1) * full.input_bytes
+        block = estimate_layer_activation_bytes(TINY, "block", 2, 64)
+        assert memory.held_for_backward_bytes == 4 * memory.graph_bytes  # what a stage's meter sees
+        assert memory.activation_bytes == 4 * memory.graph_bytes + size * block - full.input_bytes
+
+
+def test_bad_stage_arguments_are_clear():
+    with pytest.raises(ValueError, match="offload"):
+        stage_memory(checkpoint="never", offload=True)
+    with pytest.raises(ValueError, match="checkpoint='sometimes'"):
+        stage_memory(checkpoint="sometimes")
+    with pytest.raises(ValueError, match="seq_len=300"):
+        stage_memory(seq_len=300)
+    with pytest.raises(ValueError, match="layer_indices"):
+        estimate_stage(TINY, [1, 3], num_micro_batches=1, micro_batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match="only 6 layers"):
+        estimate_pipeline(TINY, 7, 1, 1, 8)
+
+
+def test_pipeline_partition_covers_every_layer_once():
+    stages = estimate_pipeline(TINY, 2, 4, 2, 32)
+    assert [s.layers for s in stages] == [[0, 1, 2], [3, 4, 5]]
+    assert sum(s.num_parameters for s in stages) == num_parameters(TINY)
+    assert stages[0].input_bytes == 2 * 32 * 8  # token ids
+    assert stage_input_bytes(TINY, 3, 2, 32) == 2 * 32 * TINY.dim * 4
+
+
+# -- the standard figures ------------------------------------------------------------------------
+
+def test_7b_bf16_mixed_precision_adam_is_16_bytes_per_parameter():
+    config = get_config("llama-7b")
+    assert static_bytes_per_parameter("bf16").total == 16
+    assert static_bytes_per_parameter("fp32").total == 16
+    assert static_bytes_per_parameter("bf16", amp="autocast").total == 16
+    stages = estimate_pipeline(config, 8, 32, 1, 4096, "bf16", "always")
+    static = sum(s.static_bytes for s in stages)
+    assert static == 16 * num_parameters(config)
+    assert abs(static - 112e9) / 112e9 < 0.05
+    master = sum(s.master_bytes for s in stages)
+    assert master == 4 * num_parameters(config)
+
+
+def test_unfused_attention_scores_are_4_3_gb_per_layer():
+    config = get_config("llama-7b").replace(max_seq_len=8192)
+    probabilities = activation_breakdown(config, "block", 1, 8192, "bf16", fused_attention=False)["attention_probs"]
+    assert probabilities == 1 * 32 * 8192 * 8192 * 2
+    assert abs(probabilities - 4.3e9) / 4.3e9 < 0.01
+    assert "attention_probs" not in activation_breakdown(config, "block", 1, 8192, "bf16", fused_attention=True)
+
+
+def test_llama_7b_parameter_count_from_analytic_and_meta_build():
+    config = get_config("llama-7b")
+    assert num_parameters(config) == spec_parameter_count(config)
+    assert abs(num_parameters(config) - 6.74e9) / 6.74e9 < 0.001
+
+
+# -- raypipe plan ------------------------------------------------------------------------------
+
+def plan(*argv: str, capsys) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    status = run_plan(parser.parse_args(list(argv)))
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+SEVEN_B = ["--model", "llama-7b", "--stages", "8", "--micro-batches", "32", "--micro-batch-size", "1",
+           "--seq-len", "4096", "--precision", "bf16", "--checkpoint", "always", "--gpu-memory", "80GB"]
+
+
+def test_plan_table_for_7b_on_8_stages(capsys):
+    status, out = plan(*SEVEN_B, capsys=capsys)
+    assert status == 0
+    assert "embedding + blocks 0-3" in out and "blocks 28-31 + head" in out
+    assert "fits in 80.00 GB" in out and "NO" not in out
+
+
+def test_plan_json_for_7b_on_8_stages(capsys):
+    status, out = plan(*SEVEN_B, "--json", capsys=capsys)
+    assert status == 0
+    result = json.loads(out)
+    stages = result["stages"]
+    assert [s["stage"] for s in stages] == list(range(8))
+    assert sorted(i for s in stages for i in s["layers"]) == list(range(34))
+    for s in stages:
+        assert s["total_bytes"] == s["static_bytes"] + s["activation_bytes"]
+        assert s["fits"] is True and s["total_bytes"] < 25e9
+    assert abs(sum(s["static_bytes"] for s in stages) - 112e9) / 112e9 < 0.05
+    assert result["fits"] is True and result["suggestions"] == []
+
+
+def test_plan_suggests_knobs_in_order_until_it_fits(capsys):
+    status, out = plan("--model", "llama-7b", "--stages", "2", "--micro-batches", "8", "--micro-batch-size", "4",
+                       "--no-fused-attention", "--gpu-memory", "80GB", "--json", capsys=capsys)
+    result = json.loads(out)
+    assert status == 0 and result["fits"] is False
+    knobs = [s["knob"] for s in result["suggestions"]]
+    assert knobs == ["mixed precision", "activation checkpointing", "fused attention", "smaller micro-batch"]
+    totals = [s["max_total_bytes"] for s in result["suggestions"]]
+    assert totals == sorted(totals, reverse=True) and totals[0] < result["max_total_bytes"]
+    assert [s["fits"] for s in result["suggestions"]] == [False, False, False, True]
+    _, table = plan("--model", "llama-7b", "--stages", "2", "--micro-batches", "8", "--micro-batch-size", "4",
+                    "--no-fused-attention", "--gpu-memory", "80GB", capsys=capsys)
+    assert "does NOT fit" in table and "--precision bf16" in table
+
+
+def test_plan_suggests_more_stages_or_sharding(capsys):
+    status, out = plan("--model", "llama-7b", "--stages", "1", "--micro-batches", "64", "--precision", "bf16",
+                       "--checkpoint", "always", "--gpu-memory", "80GB", "--json", capsys=capsys)
+    result = json.loads(out)
+    assert status == 0 and result["fits"] is False
+    [more] = result["suggestions"]
+    assert more["knob"] == "more stages" and more["flags"] == "--stages 2" and more["fits"]
+    assert "data-parallel replicas" in more["alternative"]
+
+
+def test_plan_suggests_offload_when_kept_inputs_dominate(capsys):
+    # one block per stage, but 2048 kept inputs of 33.5 MB each
+    _status, out = plan("--model", "llama-7b", "--stages", "34", "--micro-batches", "2048", "--precision", "bf16",
+                       "--checkpoint", "always", "--gpu-memory", "40GB", "--json", capsys=capsys)
+    result = json.loads(out)
+    assert [s["knob"] for s in result["suggestions"]] == ["offload"]
+    assert result["suggestions"][0]["fits"] and result["suggestions"][0]["max_total_bytes"] < 10e9
+
+
+def test_plan_errors(capsys):
+    status, out = plan("--model", "tiny", "--stages", "9", capsys=capsys)
+    assert status == 2 and "only 6 layers" in out
+    status, out = plan("--model", "tiny", "--seq-len", "1000", capsys=capsys)
+    assert status == 2 and "max_seq_len=256" in out
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gpu-memory", "80"])
+    assert "expected a number and a unit" in capsys.readouterr().err
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80 GiB") == 80 * 2**30
+    assert parse_bytes("1.5tb") == 1.5e12
+    assert parse_bytes("512MiB") == 512 * 2**20
+    for bad in ("80", "GB", "80XB", "-1GB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
