@@ -4,9 +4,9 @@ Three trainers on the same model, batch and seed live side by side and take
 turns, round by round (their actors sit idle while another one steps, so each
 gets the two cores alone and load from other users of the CPU hits all alike):
 
-* ``checkpoint="never"``: every stage keeps each micro-batch's autograd graph;
-* ``checkpoint="always"``: only the stage inputs; backward recomputes the forward;
-* ``checkpoint="always", offload=True``: the kept inputs live in Ray's object store.
+* ``activation_checkpoint="never"``: every stage keeps each micro-batch's autograd graph;
+* ``activation_checkpoint="always"``: only the stage inputs; backward recomputes the forward;
+* ``activation_checkpoint="always", offload_activations=True``: the kept inputs live in Ray's object store.
 
 Printed: median step time per mode and the ratio always/never (theory 4/3 when
 a backward costs two forwards: F + B + F over F + B; target <= 1.40), the mean
@@ -29,9 +29,9 @@ from alternate import add_round_arguments, run_alternating
 from raypipe.models.llama import get_config, llama_layers, llama_loss
 
 MODES = {  # name -> PipelineConfig fields
-    "never": {"checkpoint": "never"},
-    "always": {"checkpoint": "always"},
-    "always+offload": {"checkpoint": "always", "offload": True},
+    "never": {"activation_checkpoint": "never"},
+    "always": {"activation_checkpoint": "always"},
+    "always+offload": {"activation_checkpoint": "always", "offload_activations": True},
 }
 NUM_STAGES = 2
 

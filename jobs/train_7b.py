@@ -34,8 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from raypipe.models.llama import get_config  # noqa: E402
+from raypipe.config import activation_arguments, add_activation_arguments  # noqa: E402
 from raypipe.core.result import StepResult  # noqa: E402
+from raypipe.models.llama import get_config  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -51,7 +52,7 @@ class Preset:
     seq_len: int
     steps: int
     precision: str
-    checkpoint: str  # activation checkpointing mode
+    activation_checkpoint: str  # recompute activations in backward: "never" | "always" | "except_last"
     learning_rate: float
     eval_every: int
     checkpoint_every: int
@@ -65,11 +66,11 @@ PRESETS = {
     # stage inputs (32 MB each, fp32 at 2048 tokens). GPU nodes may take minutes to be
     # added by the autoscaler, hence the long placement timeout.
     "7b": Preset(model="llama-7b", use_gpu=True, stages=8, micro_batches=32, micro_batch_size=1, seq_len=2048,
-                 steps=1000, precision="bf16", checkpoint="always", learning_rate=3e-4, eval_every=100,
+                 steps=1000, precision="bf16", activation_checkpoint="always", learning_rate=3e-4, eval_every=100,
                  checkpoint_every=100, placement_timeout=900.0),
     # the same code path on CPU, small enough for CI
     "tiny": Preset(model="tiny", use_gpu=False, stages=2, micro_batches=4, micro_batch_size=4, seq_len=256,
-                   steps=20, precision="bf16", checkpoint="always", learning_rate=3e-3, eval_every=0,
+                   steps=20, precision="bf16", activation_checkpoint="always", learning_rate=3e-3, eval_every=0,
                    checkpoint_every=0, placement_timeout=60.0),
 }
 DEFAULT_DATA_SEQ_LEN = 256  # data/stdlib holds sequences of this length (jobs/train_tiny.py uses it too)
@@ -89,8 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="linear warm-up steps, then cosine decay over --steps (default: 10%% of --steps)")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="(default: bf16)")
-    parser.add_argument("--checkpoint", choices=["always", "except_last", "never"],
-                        help="activation checkpointing mode (default: always)")
+    add_activation_arguments(parser, default=None)  # None: the preset's
     parser.add_argument("--eval-every", type=int, help="validation loss every N steps; 0: at the end only")
     parser.add_argument("--data", help="prepared dataset: local path (prepared from the Python stdlib if "
                                        "missing) or s3:// / gs:// URI (default: data/stdlib[-SEQ_LEN])")
@@ -155,7 +155,7 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
         eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=args.progress,
         pipeline={"num_stages": args.stages, "num_micro_batches": args.micro_batches,
-                  "precision": args.precision, "checkpoint": args.checkpoint, "use_gpu": args.use_gpu,
+                  "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host})
 
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resuming from the checkpoint of step {done} in {args.checkpoint_dir}")
     print(f"training {args.model} for steps {done + 1}..{args.steps}: {args.stages} stages "
           f"({'one GPU' if args.use_gpu else 'one CPU'} each), {args.micro_batches} micro-batches of "
-          f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, checkpoint={args.checkpoint}, "
+          f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, "
+          f"activation_checkpoint={args.activation_checkpoint}, "
           f"data {args.data}", flush=True)
 
     def log_step(result: StepResult) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from raypipe.config import activation_arguments, add_activation_arguments  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -25,8 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
-    parser.add_argument("--checkpoint", default="never", choices=["never", "always", "except_last"],
-                        help="activation checkpointing mode")
+    add_activation_arguments(parser)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--data", default="data/stdlib", help="prepared dataset (made from the stdlib if missing)")
     parser.add_argument("--out", default="runs/tiny", help="output directory")
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         model="tiny", data=args.data, steps=args.steps, micro_batch_size=args.micro_batch_size,
         eval_every=args.eval_every, out=args.out, progress=not args.no_progress,
         pipeline={"num_stages": args.stages, "num_micro_batches": args.micro_batches,
-                  "checkpoint": args.checkpoint, "precision": args.precision,
+                  **activation_arguments(args), "precision": args.precision,
                   "metrics_port": args.metrics_port})
     summary = train(run)
     shown = {k: summary[k] for k in ("steps", "initial_loss", "final_loss", "final_eval_loss", "tokens_per_second")}

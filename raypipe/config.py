@@ -1,22 +1,32 @@
 """PipelineConfig: every knob of a pipeline run, validated before any actor starts."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raypipe.errors import ConfigError
 from raypipe.core.schedule import SCHEDULES
+from raypipe.core.validation import (check_choice, check_int, check_number, check_positive_int,
+                                     check_positive_number, check_renamed, from_mapping)
+from raypipe.errors import ConfigError
 
 CHECKPOINT_MODES = ("never", "always", "except_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
+# Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
+_RENAMED: dict[str, str] = {
+    "checkpoint": 'activation_checkpoint ("checkpoint" now means saved training state)',
+    "checkpoint_segments": "activation_checkpoint_segments",
+    "offload": "offload_activations",
+}
 
 
 @dataclass
 class PipelineConfig:
-    """How the model is pipelined, checkpointed, scaled and observed.
+    """How the model is pipelined, its activations recomputed, and the run scaled and observed.
 
     ``validate(num_layers)`` is called by :class:`~raypipe.PipelineTrainer`
     before any actor starts; each error names the field, its value and what
@@ -26,9 +36,9 @@ class PipelineConfig:
     num_stages: int = 1
     num_micro_batches: int = 1
     schedule: str = "gpipe"
-    checkpoint: str = "never"
-    checkpoint_segments: int | None = None  # keep every k-th layer input inside a stage
-    offload: bool = False  # kept stage inputs live in Ray's object store
+    activation_checkpoint: str = "never"  # recompute activations in backward: "never" | "always" | "except_last"
+    activation_checkpoint_segments: int | None = None  # keep every k-th layer input inside a stage
+    offload_activations: bool = False  # kept stage inputs live in Ray's object store
     clip_grad_norm: float | None = None
     clip_grad_value: float | None = None
     precision: str = "fp32"
@@ -48,39 +58,32 @@ class PipelineConfig:
     metrics_host: str = "127.0.0.1"
     peak_flops_per_second: float | None = None  # per device; None: known GPUs only
     ray_address: str | None = None  # None: connected cluster, RAY_ADDRESS, or a local one
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, num_layers: int | None = None) -> None:
         """Raise :class:`ConfigError` on the first invalid field."""
-        _positive_int("num_stages", self.num_stages)
-        _positive_int("num_micro_batches", self.num_micro_batches)
-        _choice("schedule", self.schedule, SCHEDULES)
-        _choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("transport", self.transport, TRANSPORTS)
-        if self.checkpoint_segments is not None:
-            _positive_int("checkpoint_segments", self.checkpoint_segments)
-        if self.offload and self.checkpoint == "never":
-            raise ConfigError("offload", True, 'offload keeps checkpointed stage inputs: use checkpoint="always" or "except_last"')
+        check_positive_int("num_stages", self.num_stages)
+        check_positive_int("num_micro_batches", self.num_micro_batches)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("transport", self.transport, TRANSPORTS)
+        if self.activation_checkpoint_segments is not None:
+            check_positive_int("activation_checkpoint_segments", self.activation_checkpoint_segments)
+        check_offload_activations(self.offload_activations, self.activation_checkpoint)
         for name in ("clip_grad_norm", "clip_grad_value"):
-            value = getattr(self, name)
-            if value is not None and not (_is_number(value) and value > 0):
-                raise ConfigError(name, value, "must be a number > 0, or None to disable")
-        _positive_int("cpus_per_stage", self.cpus_per_stage)
-        if not (_is_number(self.placement_timeout_s) and self.placement_timeout_s > 0):
-            raise ConfigError("placement_timeout_s", self.placement_timeout_s, "must be a number of seconds > 0")
-        self._validate_loss_scaling()
-        if self.metrics_port is not None and not (isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535):
-            raise ConfigError("metrics_port", self.metrics_port, "must be an int in 0..65535 (0 picks a free port) or None")
+            if getattr(self, name) is not None:
+                check_positive_number(name, getattr(self, name), "must be a number > 0, or None to disable")
+        check_positive_int("cpus_per_stage", self.cpus_per_stage)
+        check_positive_number("placement_timeout_s", self.placement_timeout_s, "must be a number of seconds > 0")
+        check_positive_number("initial_loss_scale", self.initial_loss_scale)
+        check_number("min_loss_scale", self.min_loss_scale, lambda scale: 0 < scale <= self.initial_loss_scale,
+                     "must be a number > 0 and <= initial_loss_scale")
+        check_positive_int("growth_interval", self.growth_interval)
+        if self.metrics_port is not None:
+            check_int("metrics_port", self.metrics_port, 0, 65535,
+                      "must be an int in 0..65535 (0 picks a free port) or None")
         if num_layers is not None:
             self._validate_against_layers(num_layers)
-
-    def _validate_loss_scaling(self) -> None:
-        if not (_is_number(self.initial_loss_scale) and self.initial_loss_scale > 0):
-            raise ConfigError("initial_loss_scale", self.initial_loss_scale, "must be > 0")
-        if not (_is_number(self.min_loss_scale) and 0 < self.min_loss_scale <= self.initial_loss_scale):
-            raise ConfigError("min_loss_scale", self.min_loss_scale, "must be > 0 and <= initial_loss_scale")
-        _positive_int("growth_interval", self.growth_interval)
 
     def _validate_against_layers(self, num_layers: int) -> None:
         if num_layers < 1:
@@ -103,12 +106,59 @@ class PipelineConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PipelineConfig:
-        """Build from a mapping; unknown keys raise a ConfigError naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError("pipeline", unknown, f"unknown keys; known: {sorted(known)}")
-        return cls(**values)
+        """Build from a mapping; unknown and renamed keys raise a ConfigError naming them."""
+        return from_mapping(cls, values, "pipeline", _RENAMED)
+
+
+_dataclass_init = PipelineConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_rejecting_renamed(self: PipelineConfig, *args: Any, **kwargs: Any) -> None:
+    check_renamed(kwargs, _RENAMED)  # before the generated __init__'s TypeError on unknown keywords
+    _dataclass_init(self, *args, **kwargs)
+
+
+PipelineConfig.__init__ = _init_rejecting_renamed  # type: ignore[method-assign]
+
+
+def check_offload_activations(offload_activations: bool, activation_checkpoint: str) -> None:
+    """Offloading keeps the inputs of recomputed stages, so it needs activation checkpointing."""
+    if offload_activations and activation_checkpoint == "never":
+        raise ConfigError("offload_activations", True, "offloading keeps the inputs of recomputed stages: use "
+                          'activation_checkpoint="always" or "except_last"')
+
+
+class _RenamedFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        old = self.dest  # the old keyword: "checkpoint", "checkpoint_segments" or "offload"
+        new = _RENAMED[old].replace("_", "-")
+        raise ConfigError(f"--{old.replace('_', '-')}", True if values == [] else values, f"renamed to --{new}")
+
+
+def add_activation_arguments(parser: argparse.ArgumentParser, default: str | None = "never") -> None:
+    """``--activation-checkpoint`` (default ``default``), ``--activation-checkpoint-segments`` and
+    ``--offload-activations``; the old ``--checkpoint``, ``--checkpoint-segments`` and ``--offload``
+    are hidden flags that raise a ConfigError naming the new flag (``--checkpoint-dir`` and
+    ``--checkpoint-every``, about saved training state, are not touched)."""
+    shown = default or "the preset's"
+    parser.add_argument("--activation-checkpoint", default=default, choices=CHECKPOINT_MODES,
+                        help=f"recompute activations in backward (default: {shown})")
+    parser.add_argument("--activation-checkpoint-segments", type=int, default=None, metavar="K",
+                        help="inside a stage keep the input of every K layers")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="kept stage inputs live off the device (needs --activation-checkpoint)")
+    for old in _RENAMED:
+        parser.add_argument(f"--{old.replace('_', '-')}", dest=old, action=_RenamedFlag, default=argparse.SUPPRESS,
+                            nargs=0 if old == "offload" else None, help=argparse.SUPPRESS)
+
+
+def activation_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The PipelineConfig fields of :func:`add_activation_arguments`' flags."""
+    return {"activation_checkpoint": args.activation_checkpoint,
+            "activation_checkpoint_segments": args.activation_checkpoint_segments,
+            "offload_activations": args.offload_activations}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -126,16 +176,3 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", str(path), "must be a YAML mapping")
     return values
 
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(name, value, "must be an int >= 1")
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(name, value, f"must be one of {list(allowed)}")

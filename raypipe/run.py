@@ -4,7 +4,6 @@ Shared by ``jobs/train_tiny.py``, ``jobs/train_7b.py`` and ``raypipe train``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from raypipe.config import PipelineConfig
+from raypipe.core.validation import from_mapping
 
 
 @dataclass
@@ -43,11 +43,11 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown run config keys {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        """Build from a mapping (e.g. a YAML file); unknown keys, here or in ``pipeline``, and the
+        renamed activation-checkpointing keys raise a ConfigError naming them."""
+        run = from_mapping(cls, values, "run config")
+        PipelineConfig.from_dict(run.pipeline)  # fail now, before any data is prepared
+        return run
 
 
 def llama_count_tokens(targets: torch.Tensor) -> int:

@@ -1,28 +1,27 @@
-"""PipelineTrainer: the driver. It places stage actors, submits each step's
-schedule as actor tasks wired by object references, reduces the gradient norm
-and overflow flag over all stages, and tells every stage to step (or not)."""
+"""PipelineTrainer: the facade users see. Config -> topology -> group of stage
+workers -> executor; it keeps the step count, the loss scale and the metrics."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-import ray
 import torch
 from torch import nn
 
-from raypipe.runtime import cluster
 from raypipe.config import PipelineConfig
-from raypipe.errors import RaypipeError, StageError, StepAborted
-from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
-from raypipe.core.partition import partition_by_cost, stage_layer_ranges
 from raypipe.core.loss_scale import LossScaler
+from raypipe.core.micro_batches import MicroBatches, count_samples, loss_weights, split_micro_batches
+from raypipe.core.partition import partition_by_cost, stage_layer_ranges
 from raypipe.core.result import StepResult
-from raypipe.core.schedule import make_schedule, submission_order
-from raypipe.core.micro_batches import count_samples, loss_weights, split_micro_batches
+from raypipe.core.schedule import make_schedule
+from raypipe.core.topology import Topology
+from raypipe.executor import make_executor
+from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.observability.step_report import build_step_result
-from raypipe.comm.transport import make_transport
+from raypipe.runtime import cluster
+from raypipe.runtime.group import StageGroup, WorkerInfo
+from raypipe.stage.spec import WorkerSpec
 
 Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
 Batch = torch.Tensor | Sequence[torch.Tensor]
@@ -48,35 +47,35 @@ class PipelineTrainer:
         self.config = config = (config or PipelineConfig()).replace()
         layers, self._layer_names = model_layers(model)
         config.validate(len(layers))
+        self.topology = Topology(config.num_stages)
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
                                                                 config.num_stages))
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
-        self._order = submission_order(self.schedule)
         self._loss_count_fn = loss_count_fn or count_samples
         self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
                                  min_scale=config.min_loss_scale) if config.precision == "fp16" else None
         self.step_count = 0
-        self._broken = False
-        self._actors: list[Any] = []
-        self._group = None
         self.metrics = None
-        self._lr_scheduler = lr_scheduler
-        self._start_actors(layers, optimizer, loss_fn)
+        self._group: StageGroup | None = None
+        self._executor = make_executor(config, self.schedule)
+        self._start(layers, optimizer, loss_fn, lr_scheduler)
 
     # -- lifecycle ------------------------------------------------------------
-    def _start_actors(self, layers: list, optimizer: Callable | None, loss_fn: Callable) -> None:
+    def _start(self, layers: list, optimizer: Callable | None, loss_fn: Callable,
+               lr_scheduler: Callable | None) -> None:
         cluster.connect(self.config.ray_address)
-        self.config.use_gpu = cluster.resolve_use_gpu(self.config)
-        self._transport = make_transport(self.config.transport, self.config.p2p_timeout_s)
-        self._group = cluster.reserve_stages(self.config)
+        self.use_gpu = cluster.resolve_use_gpu(self.config)
+        specs = [WorkerSpec(stage=stage, num_stages=self.topology.num_stages,
+                            layers=tuple(layers[i] for i in indices), layer_indices=tuple(indices),
+                            config=self.config, use_gpu=self.use_gpu, optimizer_factory=optimizer,
+                            loss_fn=loss_fn if stage == self.topology.num_stages - 1 else None,
+                            loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
+                 for stage, indices in enumerate(stage_layer_ranges(self.balance))]
+        self._group = StageGroup(self._executor.actor_class(), specs, cluster.worker_bundle(self.config, self.use_gpu),
+                                 self.config.placement_timeout_s)
         try:
-            args = [(stage, self.config.num_stages, [layers[i] for i in indices], list(indices), optimizer,
-                     loss_fn if stage == self.config.num_stages - 1 else None, self.config, self._loss_count_fn,
-                     self._lr_scheduler)
-                    for stage, indices in enumerate(stage_layer_ranges(self.balance))]
-            self._actors = cluster.create_actors(self._transport.actor_class(), self._group, self.config, args)
-            infos = self._get([actor.ready.remote() for actor in self._actors])
-            self._transport.connect(self._actors)
+            infos = self._group.wait_ready()
+            self._executor.connect(self._group)
         except BaseException:
             self.shutdown()
             raise
@@ -96,12 +95,17 @@ class PipelineTrainer:
         """The Prometheus scrape address, when ``metrics_port`` is configured."""
         return None if self.metrics is None else self.metrics.url
 
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        """The live workers as ``WorkerInfo(replica, stage, node_id, pid)``, in (replica, stage) order."""
+        return [] if self._group is None else self._group.workers
+
     def shutdown(self) -> None:
         """Free the stage actors, the placement group and the metrics server."""
-        if self._actors and not self._broken:
-            self._transport.close(self._actors)
-        cluster.release(self._actors, self._group)
-        self._actors, self._group = [], None
+        if self._group is not None:
+            self._executor.close()
+            self._group.shutdown()
+            self._group = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -121,43 +125,35 @@ class PipelineTrainer:
         differ in shape, e.g. sequence length).
         """
         start = time.time()
-        self._check_usable()
-        input_parts, target_parts, weights = self._split(inputs, targets)
-        submitted = self._submit("forward", input_parts, target_parts, weights)
+        self._executor.check_usable()
+        batch = self._split(inputs, targets)
         parts = targets if isinstance(targets, (list, tuple)) else [targets]
         num_samples = sum(part.shape[0] for part in parts)
         num_tokens = sum(part.numel() if part.dim() > 1 else part.shape[0] for part in parts)
-        return self._finish_step(submitted, start, num_samples=num_samples, num_tokens=num_tokens)
+        return self._run_step(self.step_count, batch, start, num_samples, num_tokens)
 
     def step_from_datasets(self, step: int, num_samples: int, num_tokens: int) -> StepResult:
         """One optimizer step whose micro-batches the first and last stages read
         themselves (``(step, micro_batch)`` of the datasets given to :meth:`attach_datasets`)."""
         start = time.time()
-        self._check_usable()
-        none = [None] * self.config.num_micro_batches
-        submitted = self._submit("forward", none, none, none, data_step=step)
-        return self._finish_step(submitted, start, num_samples, num_tokens)
+        self._executor.check_usable()
+        return self._run_step(step, None, start, num_samples, num_tokens)
 
     def attach_datasets(self, train: Any, validation: Any = None) -> None:
         """Send the datasets to the stages that read them (first and last)."""
-        readers = {0, self.config.num_stages - 1}
-        self._get([self._actors[stage].attach_datasets.remote(train, validation) for stage in readers])
+        actors = self._group.actors
+        readers = {0: actors[0], len(actors) - 1: actors[-1]}.values()
+        self._executor.get([actor.attach_datasets.remote(train, validation) for actor in readers])
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
-        input_parts, target_parts, weights = self._split(inputs, targets)
-        loss = sum(self._get(self._submit("evaluate", input_parts, target_parts, weights).losses))
-        if self.metrics is not None:
-            self.metrics.record_eval(loss)
-        return loss
+        self._executor.check_usable()
+        return self._record_eval(self._executor.evaluate(self.step_count, self._split(inputs, targets)))
 
     def evaluate_from_datasets(self, step: int) -> float:
         """Validation loss of the validation dataset's ``step``, read by the stages."""
-        none = [None] * self.config.num_micro_batches
-        loss = sum(self._get(self._submit("evaluate", none, none, none, data_step=step).losses))
-        if self.metrics is not None:
-            self.metrics.record_eval(loss)
-        return loss
+        self._executor.check_usable()
+        return self._record_eval(self._executor.evaluate(step, None))
 
     def fit(self, dataset: Any, steps: int, **options: Any) -> list[StepResult]:
         """Train for ``steps`` steps on ``dataset``; see :func:`raypipe.fit.fit`."""
@@ -166,7 +162,7 @@ class PipelineTrainer:
         return fit(self, dataset, steps, **options)
 
     # -- step internals -------------------------------------------------------
-    def _split(self, inputs: Batch, targets: Batch) -> tuple[list, list, list[float]]:
+    def _split(self, inputs: Batch, targets: Batch) -> MicroBatches:
         """Micro-batches (``torch.tensor_split`` sizes, or given as lists) and their loss weights.
 
         They travel as task arguments: Ray inlines small ones and puts large ones
@@ -174,149 +170,44 @@ class PipelineTrainer:
         """
         input_parts, target_parts = split_micro_batches(inputs, targets, self.config.num_micro_batches)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
-        return input_parts, target_parts, weights
+        return MicroBatches(input_parts, target_parts, weights)
 
-    def _submit(self, method: str, input_parts: list, target_parts: list, weights: list,
-                data_step: int | None = None) -> _Submitted:
-        """Submit every stage's ops of one step (or one evaluation) in schedule order."""
-        step = self.step_count if data_step is None else data_step
-        if method == "forward" and self._transport.whole_step:
-            return self._submit_whole_step(step, input_parts, target_parts, weights)
-        last = self.config.num_stages - 1
-        scale = self.scaler.scale if self.scaler else 1.0
-        if method == "evaluate":
-            order = [(stage, op) for op in self.schedule[0] if op.kind == "F" for stage in range(last + 1)]
-        else:
-            order = self._order
-        forward, backward = {}, {}
-        for stage, op in order:
-            actor, mb = self._actors[stage], op.micro_batch
-            if op.kind == "F":
-                x = input_parts[mb] if stage == 0 else forward[(stage - 1, mb)]
-                extra = (target_parts[mb], weights[mb]) if stage == last else (None, None)
-                forward[(stage, mb)] = getattr(actor, method).remote(mb, x, *extra, step)
-            else:
-                grad = None if stage == last else backward[(stage + 1, mb)]
-                backward[(stage, mb)] = actor.backward.remote(mb, grad, scale if stage == last else 1.0)
-        losses = [forward[(last, mb)] for mb in range(self.config.num_micro_batches)]
-        if method == "evaluate":
-            return _Submitted(losses, [])
-        # submitted after every op: each actor runs its tasks in order, and
-        # finish_backward raises unless every op of its stage ran
-        inv_scale = 1.0 / scale
-        return _Submitted(losses, [a.finish_backward.remote(inv_scale, self.config.clip_grad_value)
-                                   for a in self._actors])
-
-    def _submit_whole_step(self, step: int, inputs: list, targets: list, weights: list) -> _Submitted:
-        """p2p: one ``run_step`` task per stage; each returns its loss share and grad stats."""
-        last = self.config.num_stages - 1
-        given = inputs[0] is not None  # else the stages read the datasets
-        scale = self.scaler.scale if self.scaler else 1.0
-        return _Submitted([], [actor.run_step.remote(step, inputs if stage == 0 and given else None,
-                                                     targets if stage == last and given else None,
-                                                     weights if stage == last and given else None,
-                                                     scale, 1.0 / scale, self.config.clip_grad_value)
-                               for stage, actor in enumerate(self._actors)])
-
-    def _finish_step(self, submitted: _Submitted, start: float, num_samples: int, num_tokens: int) -> StepResult:
-        max_norm = self.config.clip_grad_norm
-        apply_refs = None
-        if self._can_apply_early():
-            # Nothing to reduce first: step without a driver round trip. Every stage's
-            # apply depends on every stage's outcome, and an outcome raises unless its
-            # stage's step is whole, so a failure anywhere keeps every stage from stepping.
-            apply_refs = self._submit_apply(None, 0.0, False, after=submitted.outcomes)
-        try:
-            losses, stats = self._losses_and_grad_stats(submitted)
-            grad_norm = float(torch.tensor([s[0] for s in stats], dtype=torch.float32).sum().sqrt())
-            found_inf = any(s[1] for s in stats)
-            if apply_refs is None:
-                apply_refs = self._submit_apply(max_norm, grad_norm, found_inf)
-            reports = ray.get(apply_refs)
-        except ray.exceptions.RayError as error:
-            self._fail_step(submitted, error)
+    def _run_step(self, data_step: int, batch: MicroBatches | None, start: float, num_samples: int,
+                  num_tokens: int) -> StepResult:
         loss_scale = self.scaler.scale if self.scaler else None
+        outcome = self._executor.run_step(data_step, batch, loss_scale or 1.0, self.config.clip_grad_norm,
+                                          check_overflow=self.scaler is not None)
         if self.scaler:
-            self.scaler.update(found_inf)
+            self.scaler.update(outcome.found_inf)
         result = build_step_result(
-            step=self.step_count, loss=float(sum(losses)),
-            grad_norm=grad_norm, max_norm=max_norm, skipped=found_inf, loss_scale=loss_scale,
-            step_time=time.time() - start, num_samples=num_samples, num_tokens=num_tokens, reports=reports,
-            num_parameters=self.num_parameters, peak_flops=self._peak_flops(), num_devices=self.config.num_stages)
+            step=self.step_count, loss=float(sum(outcome.losses)), grad_norm=outcome.grad_norm,
+            max_norm=self.config.clip_grad_norm, skipped=outcome.found_inf, loss_scale=loss_scale,
+            step_time=time.time() - start, num_samples=num_samples, num_tokens=num_tokens, reports=outcome.reports,
+            num_parameters=self.num_parameters, peak_flops=self._peak_flops(), num_devices=self.topology.world_size)
         self.step_count += 1
         if self.metrics is not None:
             self.metrics.record_step(result)
         return result
 
-    def _can_apply_early(self) -> bool:
-        """No global norm to clip by and no overflow to check: stages may step at once."""
-        return self.config.clip_grad_norm is None and self.scaler is None
-
-    def _losses_and_grad_stats(self, submitted: _Submitted) -> tuple[list, list]:
-        if self._transport.whole_step:
-            outputs = ray.get(submitted.outcomes)
-            return [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
-        return ray.get(submitted.losses), ray.get(submitted.outcomes)
-
-    def _fail_step(self, submitted: _Submitted, error: ray.exceptions.RayError) -> NoReturn:
-        """Report the step's first real failure, once every stage has dropped the step.
-
-        No stage stepped its optimizer (each apply depends on every stage's outcome),
-        so dropping the partial gradients and activations leaves every parameter,
-        optimizer and scheduler state as it was before the step.
-        """
-        refs = submitted.losses + submitted.outcomes
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.p2p_timeout_s, fetch_local=False)
-        cause = _first_failure(done) or error
-        try:
-            if len(done) < len(refs):
-                raise TimeoutError("a stage never finished the failed step")
-            self._abort_step()
-        except (ray.exceptions.RayError, TimeoutError):
-            self._broken = True  # a stage died or hangs: the group cannot be made whole again
-        raise _as_raypipe_error(cause, self._stage_of) from _cause_of(cause)
-
-    def _check_usable(self) -> None:
-        if self._broken:
-            raise RaypipeError("a stage died or never finished a failed step, so the pipeline cannot be made "
-                               "whole again: shut this trainer down and start a new one (load_checkpoint resumes)")
-
-    def _submit_apply(self, max_norm: float | None, total_norm: float, skip: bool, after: list = ()) -> list:
-        return [a.apply.remote(max_norm, total_norm, skip, *after) for a in self._actors]
+    def _record_eval(self, loss: float) -> float:
+        if self.metrics is not None:
+            self.metrics.record_eval(loss)
+        return loss
 
     def _peak_flops(self) -> float | None:
         if self.config.peak_flops_per_second is not None:
             return self.config.peak_flops_per_second
-        if not self.config.use_gpu:
+        if not self.use_gpu:
             return None
         from raypipe.observability.metrics import peak_flops_for_device
 
         return peak_flops_for_device(self.device_name)
 
-    def _get(self, refs: list) -> list:
-        """``ray.get`` that turns stage failures into raypipe's errors on the driver."""
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayError as error:
-            raise _as_raypipe_error(error, self._stage_of) from _cause_of(error)
-
-    def _abort_step(self) -> None:
-        """Every stage drops the failed step's partial state; the transport is made whole."""
-        ray.get([actor.abort_step.remote() for actor in self._actors])
-        self._transport.reconnect(self._actors)
-
-    def _stage_of(self, error: Exception) -> int | str:
-        actor_id = getattr(error, "actor_id", None)
-        for stage, actor in enumerate(self._actors):
-            if actor_id and actor._actor_id.hex() == actor_id:
-                return stage
-        return "?"
-
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model, with the user's parameter names (``model.state_dict()`` keys)."""
         per_layer: dict[int, dict] = {}
-        for states in self._get([actor.state_dict.remote() for actor in self._actors]):
+        for states in self._executor.get([actor.state_dict.remote() for actor in self._group.actors]):
             per_layer.update(states)
         return {f"{self._layer_names[index]}.{key}": value
                 for index in sorted(per_layer) for key, value in per_layer[index].items()}
@@ -324,11 +215,8 @@ class PipelineTrainer:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Scatter a full state dict (keys as :meth:`state_dict`) to the stages."""
         per_layer = split_state_by_layer(state_dict, self._layer_names)
-        calls = []
-        for actor, indices in zip(self._actors, stage_layer_ranges(self.balance)):
-            calls.append(actor.load_state_dict.remote({i: per_layer[i] for i in indices}))
-        self._get(calls)
-
+        self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
+                            for actor, indices in zip(self._group.actors, stage_layer_ranges(self.balance))])
 
     def save_checkpoint(self, root_uri: str, extra: dict | None = None) -> int:
         """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
@@ -338,8 +226,9 @@ class PipelineTrainer:
         """
         from raypipe.checkpoint.store import write_manifest
 
-        layer_files: dict[int, str] = {}
-        for files in self._get([a.save_checkpoint.remote(str(root_uri), self.step_count) for a in self._actors]):
+        layer_files: dict = {}
+        for files in self._executor.get([actor.save_checkpoint.remote(str(root_uri), self.step_count)
+                                         for actor in self._group.actors]):
             layer_files.update(files)
         state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "layer_names": self._layer_names, **(extra or {})}
@@ -354,53 +243,8 @@ class PipelineTrainer:
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint under {root_uri}")
         extra = read_manifest(str(root_uri), step).get("extra", {})
-        self._get([a.load_checkpoint.remote(str(root_uri), step) for a in self._actors])
+        self._executor.get([actor.load_checkpoint.remote(str(root_uri), step) for actor in self._group.actors])
         self.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         return extra
-
-
-@dataclass
-class _Submitted:
-    """The references of one submitted step: the last stage's per-micro-batch
-    losses (per-op executor) and one outcome per stage (its grad stats, or its
-    whole ``run_step``), which raises unless that stage's step is whole."""
-
-    losses: list
-    outcomes: list
-
-
-def _first_failure(refs: list) -> BaseException | None:
-    """The step's cause: the first stage error that is not a consequence
-    (:class:`StepAborted`) of another; else the first failure of any kind."""
-    failures = []
-    for ref in refs:
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayTaskError as error:
-            failures.append(error.cause if isinstance(error.cause, StageError) else error)
-        except ray.exceptions.RayError as error:
-            failures.append(error)
-    causes = [f for f in failures if isinstance(f, StageError) and not isinstance(f, StepAborted)]
-    return (causes or failures or [None])[0]
-
-
-def _as_raypipe_error(error: BaseException, stage_of: Callable[[Exception], int | str]) -> RaypipeError:
-    """A failure seen through Ray, as the raypipe error a user can act on."""
-    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, RaypipeError):
-        error = error.cause
-    if isinstance(error, StageError):
-        return type(error)(error.stage, error.op, error.micro_batch, error.message,
-                           error.remote_traceback, error.original)
-    if isinstance(error, RaypipeError):
-        return error
-    if isinstance(error, ray.exceptions.RayActorError):
-        return RaypipeError(f"stage {stage_of(error)} died: {error}")
-    return RaypipeError(f"a stage task failed: {error}")
-
-
-def _cause_of(error: BaseException) -> BaseException | None:
-    if isinstance(error, ray.exceptions.RayTaskError):
-        error = error.cause
-    return getattr(error, "original", None)

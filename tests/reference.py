@@ -37,3 +37,17 @@ def assert_parameters_match(actual: dict, expected: dict, rtol: float = 1e-5, at
     assert actual.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+class ReplaceGradientIf(torch.autograd.Function):
+    """Identity in forward; in backward, ``replace(grad)`` instead of ``grad`` when
+    ``active``: a fault injected into one micro-batch's backward pass."""
+
+    @staticmethod
+    def forward(ctx, tensor, active, replace):
+        ctx.active, ctx.replace = active, replace
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (ctx.replace(grad) if ctx.active else grad), None, None

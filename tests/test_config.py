@@ -1,7 +1,19 @@
 """Every invalid config raises a ConfigError naming the field, the value and what is allowed."""
+import dataclasses
+import runpy
+from pathlib import Path
+
 import pytest
 
 from raypipe import ConfigError, PipelineConfig
+from raypipe.cli import main as raypipe_cli
+from raypipe.config import load_yaml
+from raypipe.core.loss_scale import LossScaler
+from raypipe.models.llama import get_config
+from raypipe.planning.memory import estimate_pipeline, estimate_stage
+from raypipe.run import RunConfig
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("changes,num_layers,field", [
@@ -10,7 +22,7 @@ from raypipe import ConfigError, PipelineConfig
     ({"num_stages": 2.0}, 4, "num_stages"),
     ({"num_micro_batches": 0}, 4, "num_micro_batches"),
     ({"schedule": "zigzag"}, 4, "schedule"),
-    ({"checkpoint": "sometimes"}, 4, "checkpoint"),
+    ({"activation_checkpoint": "sometimes"}, 4, "activation_checkpoint"),
     ({"precision": "fp8"}, 4, "precision"),
     ({"transport": "carrier-pigeon"}, 4, "transport"),
     ({"clip_grad_norm": 0.0}, 4, "clip_grad_norm"),
@@ -19,8 +31,8 @@ from raypipe import ConfigError, PipelineConfig
     ({"num_stages": 2, "balance": [4]}, 4, "balance"),
     ({"num_stages": 2, "balance": [1, 2]}, 4, "balance"),
     ({"num_stages": 2, "balance": [4, 0]}, 4, "balance"),
-    ({"checkpoint_segments": 0}, 4, "checkpoint_segments"),
-    ({"offload": True}, 4, "offload"),
+    ({"activation_checkpoint_segments": 0}, 4, "activation_checkpoint_segments"),
+    ({"offload_activations": True}, 4, "offload_activations"),
     ({"metrics_port": 70000}, 4, "metrics_port"),
     ({"placement_timeout_s": 0}, 4, "placement_timeout_s"),
     ({"min_loss_scale": 0}, 4, "min_loss_scale"),
@@ -38,11 +50,117 @@ def test_invalid_config_names_field_value_and_allowed(changes, num_layers, field
 
 def test_valid_configs_pass():
     PipelineConfig().validate(1)
-    PipelineConfig(num_stages=2, num_micro_batches=8, balance=[3, 1], checkpoint="always", offload=True,
-                   clip_grad_norm=1.0, precision="fp16", schedule="1f1b").validate(4)
+    PipelineConfig(num_stages=2, num_micro_batches=8, balance=[3, 1], activation_checkpoint="always",
+                   offload_activations=True, clip_grad_norm=1.0, precision="fp16", schedule="1f1b").validate(4)
 
 
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(ConfigError, match="num_stagez"):
         PipelineConfig.from_dict({"num_stagez": 2})
     assert PipelineConfig.from_dict({"num_stages": 2}).num_stages == 2
+
+
+# -- the activation-recompute fields were renamed: "checkpoint" means saved training state ----------
+
+RENAMED = [("checkpoint", "always", "activation_checkpoint"),
+           ("checkpoint_segments", 2, "activation_checkpoint_segments"),
+           ("offload", True, "offload_activations")]
+SAVED_STATE = '("checkpoint" now means saved training state)'
+
+
+@pytest.mark.parametrize("old,value,new", RENAMED)
+def test_old_keywords_name_their_new_name(old, value, new):
+    for build in (lambda: PipelineConfig(**{old: value}), lambda: PipelineConfig.from_dict({old: value}),
+                  lambda: PipelineConfig().replace(**{old: value})):
+        with pytest.raises(ConfigError, match=f"invalid {old}={value!r}: renamed to {new}") as error:
+            build()
+        assert error.value.field == old and error.value.value == value
+    assert getattr(PipelineConfig(**{new: value}), new) == value
+
+
+def test_old_checkpoint_keyword_says_what_checkpoint_means_now():
+    with pytest.raises(ConfigError) as error:
+        PipelineConfig(checkpoint="always")
+    assert str(error.value) == f"invalid checkpoint='always': renamed to activation_checkpoint {SAVED_STATE}"
+
+
+def test_old_keys_in_a_yaml_run_config_name_their_new_name(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\npipeline:\n  num_stages: 2\n  checkpoint: always\n")
+    with pytest.raises(ConfigError, match="invalid checkpoint='always': renamed to activation_checkpoint"):
+        RunConfig.from_dict(load_yaml(path))
+    path.write_text("model: tiny\npipeline:\n  num_stages: 2\n  activation_checkpoint: always\n")
+    assert RunConfig.from_dict(load_yaml(path)).pipeline["activation_checkpoint"] == "always"
+    assert load_yaml(REPO / "configs" / "tiny.yaml")["pipeline"]["activation_checkpoint"] == "never"
+
+
+def load_job(name: str) -> dict:
+    """The globals of ``jobs/<name>.py`` (the jobs are scripts, not a package)."""
+    return runpy.run_path(str(REPO / "jobs" / f"{name}.py"), run_name=f"job_{name}")
+
+
+def test_old_flags_name_their_new_flag():
+    job = load_job("train_7b")
+    with pytest.raises(ConfigError) as error:
+        job["parse_args"](["--preset", "tiny", "--checkpoint", "always"])
+    assert str(error.value) == f"invalid --checkpoint='always': renamed to --activation-checkpoint {SAVED_STATE}"
+    with pytest.raises(ConfigError, match="invalid --offload=True: renamed to --offload-activations"):
+        load_job("train_tiny")["parse_args"](["--offload"])
+    with pytest.raises(ConfigError, match="renamed to --activation-checkpoint-segments"):
+        raypipe_cli(["plan", "--model", "tiny", "--checkpoint-segments", "2"])
+    # the flags about saved training state keep their names
+    args = job["parse_args"](["--preset", "tiny", "--checkpoint-dir", "ckpt", "--checkpoint-every", "5",
+                              "--activation-checkpoint", "except_last", "--offload-activations"])
+    assert (args.checkpoint_dir, args.checkpoint_every) == ("ckpt", 5)
+    pipeline = job["run_config"](args, 1).pipeline
+    assert (pipeline["activation_checkpoint"], pipeline["offload_activations"]) == ("except_last", True)
+
+
+def test_extra_is_gone():
+    assert "extra" not in {f.name for f in dataclasses.fields(PipelineConfig)}
+    with pytest.raises(TypeError):
+        PipelineConfig(extra={})
+    with pytest.raises(ConfigError, match="invalid pipeline=\\['extra'\\]: unknown keys"):
+        PipelineConfig.from_dict({"extra": {}})
+
+
+def test_run_config_names_unknown_keys():
+    with pytest.raises(ConfigError, match="invalid run config=\\['stepz'\\]: unknown keys"):
+        RunConfig.from_dict({"stepz": 3})
+    with pytest.raises(ConfigError, match="invalid pipeline=\\['num_stagez'\\]: unknown keys"):
+        RunConfig.from_dict({"pipeline": {"num_stagez": 2}})
+
+
+# -- one set of validators: config, loss scale and the memory model say the same ----------------
+
+def test_positive_int_errors_read_the_same_everywhere():
+    config = PipelineConfig(growth_interval=0)
+    with pytest.raises(ConfigError, match="^invalid growth_interval=0: must be an int >= 1$"):
+        config.validate()
+    with pytest.raises(ConfigError, match="^invalid LossScaler.growth_interval=0: must be an int >= 1$"):
+        LossScaler(growth_interval=0)
+    with pytest.raises(ConfigError, match="^invalid num_micro_batches=0: must be an int >= 1$"):
+        estimate_stage(get_config("tiny"), range(2), num_micro_batches=0, micro_batch_size=1, seq_len=8)
+    with pytest.raises(ConfigError, match="^invalid num_micro_batches=True: must be an int >= 1$"):
+        PipelineConfig(num_micro_batches=True).validate()
+
+
+def test_choice_errors_read_the_same_everywhere():
+    allowed = "must be one of \\['never', 'always', 'except_last'\\]"
+    with pytest.raises(ConfigError, match=f"^invalid activation_checkpoint='sometimes': {allowed}$"):
+        PipelineConfig(activation_checkpoint="sometimes").validate()
+    with pytest.raises(ConfigError, match=f"^invalid activation_checkpoint='sometimes': {allowed}$"):
+        estimate_pipeline(get_config("tiny"), 1, 1, 1, 8, activation_checkpoint="sometimes")
+    with pytest.raises(ConfigError, match="^invalid precision='fp8': must be one of \\['fp32', 'bf16', 'fp16'\\]$"):
+        estimate_pipeline(get_config("tiny"), 1, 1, 1, 8, precision="fp8")
+
+
+def test_number_errors_read_the_same_everywhere():
+    with pytest.raises(ConfigError, match="^invalid initial_loss_scale=0: must be a number > 0$"):
+        PipelineConfig(initial_loss_scale=0).validate()
+    with pytest.raises(ConfigError, match="^invalid LossScaler.min_scale=0: must be a number > 0$"):
+        LossScaler(min_scale=0)
+    with pytest.raises(ConfigError, match="^invalid LossScaler.scale=inf: must be a finite number > 0$"):
+        LossScaler(scale=float("inf"))
+    with pytest.raises(ConfigError, match="offload_activations=True: offloading keeps the inputs"):
+        estimate_pipeline(get_config("tiny"), 1, 1, 1, 8, offload_activations=True)

@@ -5,7 +5,7 @@ from torch import nn
 
 import raypipe
 from raypipe import ConfigError, PlacementError, StageError
-from tests.reference import assert_parameters_match, reference_step
+from tests.reference import ReplaceGradientIf, assert_parameters_match, reference_step
 
 
 class FailOnNegativeFirst(nn.Module):
@@ -46,19 +46,13 @@ def test_stage_failure_names_stage_micro_batch_and_op_with_cause(ray_cluster):
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FloatingPointError("backward blew up")
+def _blow_up(grad):
+    raise FloatingPointError("backward blew up")
 
 
 class FailInBackward(nn.Module):
     def forward(self, x):
-        return _FailingBackward.apply(x)
+        return ReplaceGradientIf.apply(x, True, _blow_up)
 
 
 def test_backward_failure_is_reported_not_swallowed(ray_cluster):

@@ -1,9 +1,10 @@
 """The pipeline-wide dynamic loss scale of fp16 training (owned by the driver)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass
+
+from raypipe.core.validation import check_int, check_number, check_positive_int, check_positive_number, from_mapping
 
 
 @dataclass
@@ -46,39 +47,17 @@ class LossScaler:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output; unknown keys or bad values raise ``ValueError``."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(state) - known)
-        if unknown:
-            raise ValueError(f"LossScaler state has unknown keys {unknown}; known: {sorted(known)}")
-        previous = asdict(self)
-        for key, value in state.items():
-            setattr(self, key, value)
-        try:
-            self._validate()
-        except ValueError:
-            for key, value in previous.items():
-                setattr(self, key, value)
-            raise
+        """Restore :meth:`state_dict` output; unknown keys or bad values raise ``ConfigError``
+        (a ``ValueError``) and leave the scaler unchanged."""
+        restored = from_mapping(LossScaler, {**asdict(self), **state}, "LossScaler state")
+        self.__dict__.update(asdict(restored))
 
     def _validate(self) -> None:
-        checks = {
-            "scale": _is_number(self.scale) and self.scale > 0 and math.isfinite(self.scale),
-            "growth_interval": isinstance(self.growth_interval, int) and not isinstance(self.growth_interval, bool)
-            and self.growth_interval >= 1,
-            "growth_factor": _is_number(self.growth_factor) and self.growth_factor >= 1,
-            "backoff_factor": _is_number(self.backoff_factor) and 0 < self.backoff_factor < 1,
-            "min_scale": _is_number(self.min_scale) and self.min_scale > 0,
-            "clean_steps": isinstance(self.clean_steps, int) and not isinstance(self.clean_steps, bool)
-            and self.clean_steps >= 0,
-        }
-        allowed = {"scale": "a finite number > 0", "growth_interval": "an int >= 1", "growth_factor": "a number >= 1",
-                   "backoff_factor": "a number in (0, 1)", "min_scale": "a number > 0",
-                   "clean_steps": "an int >= 0"}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"LossScaler.{name}={getattr(self, name)!r}: must be {allowed[name]}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        check_number("LossScaler.scale", self.scale, lambda scale: 0 < scale < math.inf, "must be a finite number > 0")
+        check_positive_int("LossScaler.growth_interval", self.growth_interval)
+        check_number("LossScaler.growth_factor", self.growth_factor, lambda factor: factor >= 1,
+                     "must be a number >= 1")
+        check_number("LossScaler.backoff_factor", self.backoff_factor, lambda factor: 0 < factor < 1,
+                     "must be a number in (0, 1)")
+        check_positive_number("LossScaler.min_scale", self.min_scale)
+        check_int("LossScaler.clean_steps", self.clean_steps, minimum=0)

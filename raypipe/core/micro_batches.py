@@ -1,9 +1,20 @@
 """Micro-batches of a global batch and their loss weights: the step's arithmetic."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass
+class MicroBatches:
+    """One step's micro-batches as the driver hands them to the first and last
+    stages, with each micro-batch's loss weight."""
+
+    inputs: list
+    targets: list
+    weights: list[float]
 
 
 def count_samples(targets: torch.Tensor) -> int:

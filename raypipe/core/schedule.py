@@ -1,24 +1,20 @@
 """Pipeline schedules as pure data: per stage, the ordered ops. No Ray, no torch.
 
 A schedule is ``list[list[Op]]``: ``schedule[stage]`` is the order in which that
-stage runs its forward (F) and backward (B) ops. The driver submits each
-stage's ops in exactly this order, so the submission order *is* the schedule.
+stage runs its forward (F) and backward (B) ops. :mod:`raypipe.core.lowering`
+adds the sends, receives and collectives; :mod:`raypipe.core.simulator` checks
+the result runs (``make_schedule`` does for every schedule) and orders it for
+the per-op executor, whose submission order is the schedule.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+
+from raypipe.core.lowering import lower
+from raypipe.core.ops import Op
+from raypipe.core.simulator import simulate
 
 SCHEDULES = ("gpipe", "1f1b")
-
-
-class Op(NamedTuple):
-    """One op of one stage: ``kind`` is "F" or "B", on micro-batch ``micro_batch``."""
-
-    kind: str
-    micro_batch: int
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
 
 
 def gpipe_schedule(num_stages: int, num_micro_batches: int) -> list[list[Op]]:
@@ -52,49 +48,25 @@ def one_f_one_b_schedule(num_stages: int, num_micro_batches: int) -> list[list[O
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> list[list[Op]]:
-    """The schedule called ``name`` (one of :data:`SCHEDULES`)."""
-    if name == "gpipe":
-        return gpipe_schedule(num_stages, num_micro_batches)
-    if name == "1f1b":
-        return one_f_one_b_schedule(num_stages, num_micro_batches)
-    raise ValueError(f"unknown schedule {name!r}: expected one of {SCHEDULES}")
+    """The schedule called ``name`` (one of :data:`SCHEDULES`), checked by a dry-run.
 
-
-def submission_order(schedule: list[list[Op]]) -> list[tuple[int, Op]]:
-    """A global order of ``(stage, op)`` that keeps each stage's order and
-    only submits an op after the ops it takes references from.
-
-    F(s, mb) needs F(s-1, mb); B(s, mb) needs B(s+1, mb) and F(s, mb).
-    Raises ValueError when the schedule deadlocks (no order exists).
+    Raises :class:`~raypipe.core.simulator.ScheduleError` when the lowered
+    schedule would deadlock, mis-pair messages or run F/B out of place.
     """
-    num_stages = len(schedule)
-    position = [0] * num_stages
-    done: set[tuple[int, Op]] = set()
-    order: list[tuple[int, Op]] = []
-    total = sum(len(ops) for ops in schedule)
-    while len(order) < total:
-        progressed = False
-        for stage in range(num_stages):
-            while position[stage] < len(schedule[stage]):
-                op = schedule[stage][position[stage]]
-                if not all(dep in done for dep in _dependencies(stage, op, num_stages)):
-                    break
-                order.append((stage, op))
-                done.add((stage, op))
-                position[stage] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError(f"schedule deadlocks at positions {position}")
-    return order
+    if name == "gpipe":
+        schedule = gpipe_schedule(num_stages, num_micro_batches)
+    elif name == "1f1b":
+        schedule = one_f_one_b_schedule(num_stages, num_micro_batches)
+    else:
+        raise ValueError(f"unknown schedule {name!r}: expected one of {SCHEDULES}")
+    _dry_run(tuple(tuple(ops) for ops in schedule))
+    return schedule
 
 
-def _dependencies(stage: int, op: Op, num_stages: int) -> list[tuple[int, Op]]:
-    if op.kind == "F":
-        return [(stage - 1, op)] if stage > 0 else []
-    deps = [(stage, Op("F", op.micro_batch))]
-    if stage < num_stages - 1:
-        deps.append((stage + 1, op))
-    return deps
+@functools.lru_cache(maxsize=256)
+def _dry_run(schedule: tuple[tuple[Op, ...], ...]) -> None:
+    # once per distinct schedule: the memory planner builds thousands while it searches
+    simulate(lower([list(ops) for ops in schedule]))
 
 
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:

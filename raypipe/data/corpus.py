@@ -1,15 +1,14 @@
 """The text corpus to prepare: files under a path, or the running Python's standard library."""
 from __future__ import annotations
 
-import logging
 import os
 import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from raypipe.data.shards import _SNIFF_BYTES, STDLIB_CORPUS
+from raypipe.data.shards import STDLIB_CORPUS
 
-logger = logging.getLogger(__name__)
+_SNIFF_BYTES = 8192  # a NUL byte among the first this many bytes marks a binary file
 
 
 def stdlib_corpus_files() -> list[Path]:
@@ -65,7 +64,7 @@ def _looks_binary(path: Path) -> bool:
         return b"\0" in handle.read(_SNIFF_BYTES)
 
 
-def _documents(files: Iterable[Path], max_bytes: int | None) -> Iterator[tuple[Path, str, int]]:
+def read_documents(files: Iterable[Path], max_bytes: int | None) -> Iterator[tuple[Path, str, int]]:
     """(path, text, bytes read) of each non-empty file, stopping once ``max_bytes`` are read."""
     remaining = max_bytes
     for path in files:
@@ -81,10 +80,9 @@ def _documents(files: Iterable[Path], max_bytes: int | None) -> Iterator[tuple[P
             yield path, data.decode("utf-8", errors="replace"), len(data)
 
 
-def _corpus_description(corpus: str | Path | Sequence[str | Path] | None) -> str | list[str]:
+def corpus_description(corpus: str | Path | Sequence[str | Path] | None) -> str | list[str]:
+    """How a manifest records ``corpus``: the stdlib's name, or the resolved paths."""
     if corpus is None:
         return STDLIB_CORPUS
     items = [corpus] if isinstance(corpus, (str, Path)) else list(corpus)
     return [str(Path(item).expanduser().resolve()) for item in items]
-
-

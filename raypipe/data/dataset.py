@@ -1,18 +1,14 @@
 """TokenDataset: deterministic, resumable batches of a prepared split."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from raypipe.data.shards import SPLITS, decode_rows, read_file, read_manifest, verify_shard, verify_split_files
 from raypipe.filesystem import filesystem_for
-
-logger = logging.getLogger(__name__)
-
-from raypipe.data.shards import SPLITS, _decode_rows, _read_file, _verify_shard, _verify_split_files, read_manifest
 
 
 class TokenDataset:
@@ -67,7 +63,7 @@ class TokenDataset:
         self.steps_per_epoch = self.num_rows // self.rows_per_step
         self.next_step = 0
         self._offsets = np.cumsum([0] + [shard["num_rows"] for shard in self.shards])
-        _verify_split_files(path, manifest, split)
+        verify_split_files(path, manifest, split)
         self._reset_caches()
 
     def _reset_caches(self) -> None:
@@ -164,9 +160,9 @@ class TokenDataset:
             filesystem, base = filesystem_for(self.uri)
             shard = self.shards[index]
             path = f"{base}/{shard['file']}"
-            data = _read_file(filesystem, path)
-            _verify_shard(path, data, shard, self.seq_len + 1)
-            self._loaded[index] = _decode_rows(path, data, self.seq_len + 1, self.vocab_size)
+            data = read_file(filesystem, path)
+            verify_shard(path, data, shard, self.seq_len + 1)
+            self._loaded[index] = decode_rows(path, data, self.seq_len + 1, self.vocab_size)
         return self._loaded[index]
 
     def __repr__(self) -> str:

@@ -19,11 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raypipe.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_name
-
-logger = logging.getLogger(__name__)
-
-from raypipe.data.corpus import _corpus_description, _documents, corpus_files
+from raypipe.data.corpus import corpus_description, corpus_files, read_documents
 from raypipe.data.shards import (
     COLUMN,
     DEFAULT_ROWS_PER_SHARD,
@@ -31,9 +27,13 @@ from raypipe.data.shards import (
     MANIFEST,
     SPLITS,
     VERSION,
-    _verify_split_files,
     read_manifest,
+    verify_split_files,
 )
+from raypipe.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_name
+
+logger = logging.getLogger(__name__)
+
 
 # --- prepare -----------------------------------------------------------------
 
@@ -83,7 +83,7 @@ def prepare(
             "splits": stats.pop("splits"),
             "source": stats,
             "params": {
-                "corpus": _corpus_description(corpus),
+                "corpus": corpus_description(corpus),
                 "seq_len": seq_len,
                 "tokenizer": tokenizer_name(tokenizer),
                 "val_fraction": val_fraction,
@@ -190,7 +190,7 @@ def _write_shards(
     phase = random.Random(seed).random()
     carry = np.empty(0, dtype=np.int64)
     documents = total_bytes = total_tokens = rows = 0
-    for path, text, size in _documents(files, max_bytes):
+    for path, text, size in read_documents(files, max_bytes):
         ids = _encode(tokenizer, text, path)
         documents += 1
         total_bytes += size
@@ -255,7 +255,7 @@ def ensure_prepared(out_dir: str | Path, **kwargs: Any) -> Path:
         try:
             manifest = read_manifest(out)
             for split in SPLITS:
-                _verify_split_files(out, manifest, split)
+                verify_split_files(out, manifest, split)
         except (ValueError, OSError) as error:
             logger.warning("re-preparing %s: %s", out, error)
         else:
@@ -270,7 +270,7 @@ def _parameter_differences(recorded: dict[str, Any], requested: dict[str, Any]) 
     differences = []
     for key, value in requested.items():
         if key == "corpus":
-            value = _corpus_description(value)
+            value = corpus_description(value)
         elif key == "tokenizer":
             value = tokenizer_name(value) if value is not None else "byte"
         if recorded.get(key) != value:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,6 @@ from pyarrow import fs as pafs
 
 from raypipe.filesystem import filesystem_for
 
-logger = logging.getLogger(__name__)
-
 MANIFEST = "manifest.json"
 FORMAT = "raypipe-tokens"
 VERSION = 1
@@ -24,8 +21,6 @@ COLUMN = "tokens"
 SPLITS = ("train", "validation")
 DEFAULT_ROWS_PER_SHARD = 4096
 STDLIB_CORPUS = "python-stdlib"
-_SNIFF_BYTES = 8192
-
 
 
 # --- reading -----------------------------------------------------------------
@@ -55,14 +50,15 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _read_file(filesystem: pafs.FileSystem, path: str) -> pa.Buffer:
+def read_file(filesystem: pafs.FileSystem, path: str) -> pa.Buffer:
+    """The bytes of one shard: memory-mapped when local, read whole from a remote filesystem."""
     if isinstance(filesystem, pafs.LocalFileSystem):
         return pa.memory_map(path).read_buffer()  # pages in lazily, zero-copy
     with filesystem.open_input_file(path) as stream:
         return stream.read_buffer()
 
 
-def _verify_shard(path: str, data: pa.Buffer, shard: dict[str, Any], row_length: int) -> None:
+def verify_shard(path: str, data: pa.Buffer, shard: dict[str, Any], row_length: int) -> None:
     """Checksum, row count and schema of one shard, against its manifest entry."""
     digest = hashlib.sha256(memoryview(data)).hexdigest()
     if digest != shard["sha256"]:
@@ -97,7 +93,7 @@ def _check_schema(path: str, schema: pa.Schema, row_length: int) -> None:
         )
 
 
-def _decode_rows(path: str, data: pa.Buffer, row_length: int, vocab_size: int) -> np.ndarray:
+def decode_rows(path: str, data: pa.Buffer, row_length: int, vocab_size: int) -> np.ndarray:
     """The (rows, row_length) int32 token array of a verified shard; bad rows are named."""
     column = pq.read_table(pa.BufferReader(data), columns=[COLUMN]).column(COLUMN).combine_chunks()
     if column.null_count:
@@ -124,10 +120,9 @@ def _decode_rows(path: str, data: pa.Buffer, row_length: int, vocab_size: int) -
     return tokens.astype(np.int32, copy=False)
 
 
-def _verify_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:
+def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:
+    """:func:`verify_shard` for every shard of ``split``."""
     filesystem, base = filesystem_for(root)
     for shard in manifest["splits"][split]["shards"]:
         path = f"{base}/{shard['file']}"
-        _verify_shard(path, _read_file(filesystem, path), shard, manifest["seq_len"] + 1)
-
-
+        verify_shard(path, read_file(filesystem, path), shard, manifest["seq_len"] + 1)

@@ -6,10 +6,11 @@ out per stage and schedule.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raypipe.config import PRECISIONS
+from raypipe.core.validation import check_choice, check_positive_int
+from raypipe.errors import ConfigError
 from raypipe.models.llama import LlamaConfig
 
 FP32 = 4
@@ -32,8 +33,8 @@ class _Dtypes:
 
 
 def _dtypes(precision: str, amp: str) -> _Dtypes:
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("amp", amp, AMP_STYLES)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("amp", amp, AMP_STYLES)
     if precision == "fp32":
         return _Dtypes(FP32, FP32, FP32, FP32, autocast=False, exact_tables=True)
     if amp == "standard":
@@ -57,11 +58,11 @@ def activation_breakdown(config: LlamaConfig, layer_kind: str, micro_batch_size:
     (b, heads, s, s) probabilities instead. ``device`` matters for dropout
     masks: CUDA saves a 1-byte mask, CPU a mask in the activation dtype.
     """
-    _check_choice("layer_kind", layer_kind, LAYER_KINDS)
-    _check_positive("micro_batch_size", micro_batch_size)
-    _check_positive("seq_len", seq_len)
+    check_choice("layer_kind", layer_kind, LAYER_KINDS)
+    check_positive_int("micro_batch_size", micro_batch_size)
+    check_positive_int("seq_len", seq_len)
     if seq_len > config.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={config.max_seq_len}")
+        raise ConfigError("seq_len", seq_len, f"exceeds the model's max_seq_len={config.max_seq_len}")
     dt = _dtypes(precision, amp)
     tokens = micro_batch_size * seq_len
     if layer_kind == "embedding":
@@ -171,12 +172,3 @@ def stage_input_bytes(config: LlamaConfig, first_layer: int, micro_batch_size: i
         return INDEX * tokens
     return _dtypes(precision, amp).resid * tokens * config.dim
 
-
-def _check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: must be one of {list(allowed)}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be an int >= 1")

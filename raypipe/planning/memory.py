@@ -23,10 +23,11 @@ Two parts, per stage:
 * **Activations**: per micro-batch and layer, the bytes of the distinct
   storages autograd saves for backward, op by op as :mod:`raypipe.models.llama`
   runs them (see :func:`activation_breakdown`); then, per stage, the peak over
-  the schedule of what is kept between forward and backward for the checkpoint
-  mode (:func:`estimate_stage`). This is what a stage measures as
-  "held-for-backward bytes" with ``saved_tensors_hooks`` (parameters excluded),
-  and the fp32 figures are checked against that measurement on CPU.
+  the schedule of what is kept between forward and backward for the
+  activation-checkpoint mode (:func:`estimate_stage`). This is what a stage
+  measures as "held-for-backward bytes" with ``saved_tensors_hooks``
+  (parameters excluded), and the fp32 figures are checked against that
+  measurement on CPU.
 
 Not modelled: the CUDA context and allocator fragmentation, and transient
 buffers of a single op (e.g. the logits' gradient during the head's backward);
@@ -37,15 +38,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from raypipe.planning.activation_memory import (AMP_STYLES, PRECISIONS, _check_choice, _check_positive,
-                                       activation_breakdown, estimate_layer_activation_bytes, layer_kinds,
-                                       layer_parameter_counts, stage_input_bytes)
-from raypipe.config import CHECKPOINT_MODES
-from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
+from raypipe.config import CHECKPOINT_MODES, check_offload_activations
 from raypipe.core.schedule import make_schedule
-
-
-
+from raypipe.core.validation import check_choice, check_int, check_positive_int
+from raypipe.errors import ConfigError
+from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
+from raypipe.planning.activation_memory import (AMP_STYLES, PRECISIONS, activation_breakdown,
+                                                estimate_layer_activation_bytes, layer_kinds,
+                                                layer_parameter_counts, stage_input_bytes)
 
 @dataclass(frozen=True)
 class StaticBytes:
@@ -72,9 +72,9 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # 
 
 def static_bytes_per_parameter(precision: str, amp: str = "standard", optimizer: str = "adam") -> StaticBytes:
     """Static bytes per parameter for a precision, mixed-precision style and optimizer."""
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("amp", amp, AMP_STYLES)
-    _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("amp", amp, AMP_STYLES)
+    check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
     table = AUTOCAST_STATIC_BYTES if (amp == "autocast" and precision != "fp32") else STATIC_BYTES_PER_PARAMETER[precision]
     return StaticBytes(table.weights, table.gradients, table.master, OPTIMIZER_STATE_BYTES[optimizer])
 
@@ -92,7 +92,7 @@ class StageMemory:
 
     ``held_for_backward_bytes`` is what a stage's ``saved_tensors_hooks`` meter
     reports (:attr:`raypipe.core.result.StageStats.held_for_backward_bytes`): the
-    same walk without the per-segment recompute of ``checkpoint_segments``,
+    same walk without the per-segment recompute of ``activation_checkpoint_segments``,
     which runs inside autograd's backward where the meter does not look. A
     recomputed micro-batch's input counts both as kept and as saved by its
     first layer, as the meter counts it.
@@ -120,33 +120,37 @@ class StageMemory:
 
 
 def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_micro_batches: int,
-                   micro_batch_size: int, seq_len: int, precision: str = "fp32", checkpoint: str = "never",
-                   checkpoint_segments: int | None = None, offload: bool = False, fused_attention: bool = True,
+                   micro_batch_size: int, seq_len: int, precision: str = "fp32",
+                   activation_checkpoint: str = "never", activation_checkpoint_segments: int | None = None,
+                   offload_activations: bool = False, fused_attention: bool = True,
                    schedule: str = "gpipe", stage_index: int = 0, num_stages: int = 1,
                    gpu_memory_bytes: int | None = None, amp: str = "standard", device: str = "cuda",
                    optimizer: str = "adam", optimizer_shards: int = 1) -> StageMemory:
     """Memory of the stage holding global layers ``layer_indices`` (contiguous).
 
     Walks the stage's ops in schedule order the way a stage keeps state:
-    a forward keeps the graph (checkpoint "never", and the last micro-batch of
-    "except_last") or only the stage input (offloaded when ``offload``); a
-    backward of a kept input recomputes that micro-batch's graph. With
-    ``checkpoint_segments=k`` a graph keeps only the input of every k layers
+    a forward keeps the graph (``activation_checkpoint`` "never", and the last
+    micro-batch of "except_last") or only the stage input (offloaded when
+    ``offload_activations``); a backward of a kept input recomputes that
+    micro-batch's graph. With ``activation_checkpoint_segments=k`` a graph
+    keeps only the input of every k layers
     (plus the loss), and a backward recomputes one segment at a time.
     ``optimizer_shards`` > 1 splits master weights and optimizer state over
     data-parallel replicas (ZeRO-1).
     """
     layers = list(layer_indices)
-    _check_stage_args(layers, config.n_layers + 2, checkpoint, checkpoint_segments, offload, num_micro_batches,
-                      optimizer_shards)
-    if not 0 <= stage_index < num_stages:
-        raise ValueError(f"stage_index={stage_index}: must be in 0..{num_stages - 1} (num_stages={num_stages})")
+    _check_stage_args(layers, config.n_layers + 2, activation_checkpoint, activation_checkpoint_segments,
+                      offload_activations, num_micro_batches, optimizer_shards)
+    check_int("stage_index", stage_index, 0, num_stages - 1,
+              f"must be an int in 0..{num_stages - 1} (num_stages={num_stages})")
     shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision, "amp": amp}
-    graph, segment_transient = _graph_bytes(config, layers, checkpoint_segments, fused_attention, device, **shape)
+    graph, segment_transient = _graph_bytes(config, layers, activation_checkpoint_segments, fused_attention, device,
+                                            **shape)
     input_bytes = stage_input_bytes(config, layers[0], **shape)
     ops = make_schedule(schedule, num_stages, num_micro_batches)[stage_index]
-    measured, offloaded, in_flight = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, 0)
-    held = _walk(ops, num_micro_batches, checkpoint, offload, graph, input_bytes, segment_transient)[0]
+    walk = (ops, num_micro_batches, activation_checkpoint, offload_activations, graph, input_bytes)
+    measured, offloaded, in_flight = _walk(*walk, 0)
+    held = _walk(*walk, segment_transient)[0]
     count = sum(layer_parameter_counts(config)[i] for i in layers)
     static = _static_bytes(count, static_bytes_per_parameter(precision, amp, optimizer), optimizer_shards)
     total = sum(static.values()) + held
@@ -184,12 +188,13 @@ def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int) -> 
             "optimizer_bytes": -(-count * per_param.optimizer // optimizer_shards)}
 
 
-def _walk(ops, num_micro_batches: int, checkpoint: str, offload: bool, graph: int, input_bytes: int,
+def _walk(ops, num_micro_batches: int, activation_checkpoint: str, offload: bool, graph: int, input_bytes: int,
           segment_transient: int) -> tuple[int, int, int]:
     """Peak held bytes, peak offloaded bytes and peak micro-batches in flight over one step."""
     held = offloaded = peak_held = peak_offloaded = in_flight = peak_in_flight = 0
     for op in ops:
-        recompute = checkpoint == "always" or (checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
+        recompute = activation_checkpoint == "always" or (
+            activation_checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
         if op.kind == "F":
             in_flight += 1
             if not recompute:
@@ -223,27 +228,29 @@ def balanced_partition(config: LlamaConfig, num_stages: int) -> list[int]:
 
 
 def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: int, micro_batch_size: int,
-                      seq_len: int, precision: str = "fp32", checkpoint: str = "never", offload: bool = False,
-                      fused_attention: bool = True, balance: Sequence[int] | None = None,
-                      gpu_memory_bytes: int | None = None, *, checkpoint_segments: int | None = None,
+                      seq_len: int, precision: str = "fp32", activation_checkpoint: str = "never",
+                      offload_activations: bool = False, fused_attention: bool = True,
+                      balance: Sequence[int] | None = None, gpu_memory_bytes: int | None = None, *,
+                      activation_checkpoint_segments: int | None = None,
                       schedule: str = "gpipe", amp: str = "standard", device: str = "cuda",
                       optimizer: str = "adam", optimizer_shards: int = 1) -> list[StageMemory]:
     """:func:`estimate_stage` for every stage of ``llama_layers(config)`` split by ``balance``
     (layers per stage; default: balanced by parameter count)."""
     num_layers = config.n_layers + 2
-    _check_positive("num_stages", num_stages)
+    check_positive_int("num_stages", num_stages)
     if num_stages > num_layers:
-        raise ValueError(f"num_stages={num_stages}: the model has only {num_layers} layers "
-                         f"(embedding, {config.n_layers} blocks, head)")
+        raise ConfigError("num_stages", num_stages, f"the model has only {num_layers} layers "
+                          f"(embedding, {config.n_layers} blocks, head)")
     balance = list(balance) if balance is not None else balanced_partition(config, num_stages)
     if len(balance) != num_stages or any(size < 1 for size in balance) or sum(balance) != num_layers:
-        raise ValueError(f"balance={balance}: needs {num_stages} positive entries summing to {num_layers} layers")
+        raise ConfigError("balance", balance, f"needs {num_stages} positive entries summing to {num_layers} layers")
     stages, start = [], 0
     for stage, size in enumerate(balance):
         stages.append(estimate_stage(
             config, range(start, start + size), num_micro_batches=num_micro_batches,
-            micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, checkpoint=checkpoint,
-            checkpoint_segments=checkpoint_segments, offload=offload, fused_attention=fused_attention,
+            micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
+            activation_checkpoint=activation_checkpoint, activation_checkpoint_segments=activation_checkpoint_segments,
+            offload_activations=offload_activations, fused_attention=fused_attention,
             schedule=schedule, stage_index=stage, num_stages=num_stages, gpu_memory_bytes=gpu_memory_bytes,
             amp=amp, device=device, optimizer=optimizer, optimizer_shards=optimizer_shards))
         start += size
@@ -257,18 +264,17 @@ def spec_parameter_count(config: LlamaConfig) -> int:
 
 # -- argument checks -------------------------------------------------------------------
 
-def _check_stage_args(layers: list[int], num_layers: int, checkpoint: str, segments: int | None, offload: bool,
-                      num_micro_batches: int, optimizer_shards: int) -> None:
+def _check_stage_args(layers: list[int], num_layers: int, activation_checkpoint: str, segments: int | None,
+                      offload_activations: bool, num_micro_batches: int, optimizer_shards: int) -> None:
     if not layers or layers != list(range(layers[0], layers[0] + len(layers))) or layers[0] < 0 \
             or layers[-1] >= num_layers:
-        raise ValueError(f"layer_indices={layers}: must be a non-empty contiguous run within 0..{num_layers - 1}")
-    _check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
+        raise ConfigError("layer_indices", layers, f"must be a non-empty contiguous run within 0..{num_layers - 1}")
+    check_choice("activation_checkpoint", activation_checkpoint, CHECKPOINT_MODES)
     if segments is not None:
-        _check_positive("checkpoint_segments", segments)
-    if offload and checkpoint == "never":
-        raise ValueError('offload=True keeps checkpointed stage inputs: use checkpoint="always" or "except_last"')
-    _check_positive("num_micro_batches", num_micro_batches)
-    _check_positive("optimizer_shards", optimizer_shards)
+        check_positive_int("activation_checkpoint_segments", segments)
+    check_offload_activations(offload_activations, activation_checkpoint)
+    check_positive_int("num_micro_batches", num_micro_batches)
+    check_positive_int("optimizer_shards", optimizer_shards)
 
 
 __all__ = ["STATIC_BYTES_PER_PARAMETER", "StageMemory", "StaticBytes", "activation_breakdown", "balanced_partition",

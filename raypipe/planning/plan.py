@@ -3,7 +3,7 @@
 Prints the memory model's per-stage figures (:mod:`raypipe.planning.memory`) and, when
 a stage does not fit in ``--gpu-memory``, the usual knobs in the usual order —
 mixed precision, activation checkpointing, fused attention, a smaller
-micro-batch, more stages (or optimizer-state sharding), offload — applied one
+micro-batch, more stages (or optimizer-state sharding), activation offload — applied one
 after another, each with the largest stage total it gives, until one fits.
 """
 from __future__ import annotations
@@ -14,15 +14,15 @@ import re
 import sys
 from dataclasses import dataclass, replace
 
+from raypipe.config import activation_arguments, add_activation_arguments
+from raypipe.core.schedule import SCHEDULES
+from raypipe.models.llama import CONFIGS, LlamaConfig, get_config
 from raypipe.planning.memory import (
     AMP_STYLES,
-    CHECKPOINT_MODES,
     PRECISIONS,
     StageMemory,
     estimate_pipeline,
 )
-from raypipe.models.llama import CONFIGS, LlamaConfig, get_config
-from raypipe.core.schedule import SCHEDULES
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -59,10 +59,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's max)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    parser.add_argument("--checkpoint", default="never", choices=CHECKPOINT_MODES, help="activation checkpointing")
-    parser.add_argument("--checkpoint-segments", type=int, default=None, metavar="K",
-                        help="inside a stage keep the input of every K layers")
-    parser.add_argument("--offload", action="store_true", help="kept stage inputs live in host memory")
+    add_activation_arguments(parser)
     parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
                         help="flash-style attention that saves no (s x s) probabilities (default: on)")
     parser.add_argument("--schedule", default="gpipe", choices=SCHEDULES)
@@ -83,9 +80,9 @@ class PlanSettings:
     micro_batch_size: int
     seq_len: int
     precision: str
-    checkpoint: str
-    checkpoint_segments: int | None
-    offload: bool
+    activation_checkpoint: str
+    activation_checkpoint_segments: int | None
+    offload_activations: bool
     fused_attention: bool
     schedule: str
     amp: str
@@ -94,8 +91,8 @@ class PlanSettings:
     def estimate(self, config: LlamaConfig, gpu_memory_bytes: int | None) -> list[StageMemory]:
         return estimate_pipeline(
             config, self.num_stages, self.num_micro_batches, self.micro_batch_size, self.seq_len,
-            self.precision, self.checkpoint, self.offload, self.fused_attention,
-            gpu_memory_bytes=gpu_memory_bytes, checkpoint_segments=self.checkpoint_segments,
+            self.precision, self.activation_checkpoint, self.offload_activations, self.fused_attention,
+            gpu_memory_bytes=gpu_memory_bytes, activation_checkpoint_segments=self.activation_checkpoint_segments,
             schedule=self.schedule, amp=self.amp, optimizer_shards=self.optimizer_shards)
 
 
@@ -116,10 +113,10 @@ def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) 
         settings = replace(settings, precision="bf16")
         if tried("mixed precision", "bf16 weights and activations, fp32 master weights", "--precision bf16", settings):
             return suggestions
-    if settings.checkpoint == "never":
-        settings = replace(settings, checkpoint="always")
+    if settings.activation_checkpoint == "never":
+        settings = replace(settings, activation_checkpoint="always")
         if tried("activation checkpointing", "keep only stage inputs, recompute in backward",
-                 "--checkpoint always", settings):
+                 "--activation-checkpoint always", settings):
             return suggestions
     if not settings.fused_attention:
         settings = replace(settings, fused_attention=True)
@@ -139,9 +136,9 @@ def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) 
         settings = replace(settings, num_stages=stages)
         if tried("more stages", f"{stages} pipeline stages", f"--stages {stages}", settings, alternative):
             return suggestions
-    if settings.checkpoint != "never" and not settings.offload:
-        settings = replace(settings, offload=True)
-        tried("offload", "kept stage inputs in host memory", "--offload", settings)
+    if settings.activation_checkpoint != "never" and not settings.offload_activations:
+        settings = replace(settings, offload_activations=True)
+        tried("activation offload", "kept stage inputs in host memory", "--offload-activations", settings)
     return suggestions
 
 
@@ -188,8 +185,7 @@ def build_plan(args: argparse.Namespace) -> dict:
     config = get_config(args.model)
     settings = PlanSettings(
         num_stages=args.stages, num_micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len or config.max_seq_len, precision=args.precision, checkpoint=args.checkpoint,
-        checkpoint_segments=args.checkpoint_segments, offload=args.offload,
+        seq_len=args.seq_len or config.max_seq_len, precision=args.precision, **activation_arguments(args),
         fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp)
     stages = settings.estimate(config, args.gpu_memory)
     fits = None if args.gpu_memory is None else all(stage.fits for stage in stages)
@@ -218,9 +214,10 @@ def render_table(plan: dict) -> str:
         f"{settings['num_micro_batches']} micro-batches of {settings['micro_batch_size']} x {settings['seq_len']} "
         f"tokens, {settings['precision']}"
         + (f" ({settings['amp']})" if settings["precision"] != "fp32" else "")
-        + f", checkpoint={settings['checkpoint']}"
-        + (f" every {settings['checkpoint_segments']} layers" if settings["checkpoint_segments"] else "")
-        + (", offload" if settings["offload"] else "")
+        + f", activation_checkpoint={settings['activation_checkpoint']}"
+        + (f" every {settings['activation_checkpoint_segments']} layers"
+           if settings["activation_checkpoint_segments"] else "")
+        + (", offload_activations" if settings["offload_activations"] else "")
         + f", {'fused' if settings['fused_attention'] else 'unfused'} attention, {settings['schedule']}",
     ]
     header = ["stage", "layers", "params", "weights", "grads", "master", "optimizer", "activations",

@@ -2,31 +2,31 @@
 
 It knows nothing of the driver: it runs the ops it is given (forward,
 backward, grad statistics, optimizer step) and reports timings and memory.
-:mod:`raypipe.comm.transport` turns it into a Ray actor.
+An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
 import functools
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from raypipe.stage.activations import ActivationStore
-from raypipe.config import PipelineConfig
-from raypipe.errors import StageError, StepAborted
-from raypipe.models.layers import LayerSpec, build_layer
-from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
-from raypipe.stage.offload import Offloader
-from raypipe.stage.precision import autocast
 from raypipe.core.result import OpEvent, StageStats
 from raypipe.core.schedule import make_schedule
 from raypipe.core.seeding import derive_seed
+from raypipe.errors import StageError, StepAborted
+from raypipe.models.layers import build_layer
+from raypipe.stage.activations import ActivationStore
 from raypipe.stage.data_reader import StageData
+from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
+from raypipe.stage.offload import Offloader
+from raypipe.stage.precision import autocast
+from raypipe.stage.spec import WorkerSpec
 
 
 def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step: bool = False) -> Callable:
@@ -40,7 +40,9 @@ def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def wrapper(self: StageWorker, *args: Any, **kwargs: Any) -> Any:
-            micro_batch = args[0] if per_micro_batch and args else None
+            micro_batch = None
+            if per_micro_batch:
+                micro_batch = kwargs["micro_batch"] if "micro_batch" in kwargs else (args[0] if args else None)
             start = time.time()
             try:
                 return method(self, *args, **kwargs)
@@ -64,44 +66,46 @@ def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step
 
 
 class StageWorker:
-    """The layers ``layer_indices`` of the model, with their optimizer."""
+    """One pipeline stage of one replica: its layers, optimizer and per-micro-batch ops."""
 
-    def __init__(self, stage_index: int, num_stages: int, layers: Sequence[nn.Module | LayerSpec],
-                 layer_indices: Sequence[int], optimizer_factory: Callable | None,
-                 loss_fn: Callable | None, config: PipelineConfig,
-                 loss_count_fn: Callable | None = None, scheduler_factory: Callable | None = None) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
+        config = spec.config
         torch.set_num_threads(config.cpus_per_stage)
-        self.stage_index, self.num_stages, self.config = stage_index, num_stages, config
-        self.layer_indices = list(layer_indices)
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.device = torch.device("cuda", torch.cuda.current_device()) if config.use_gpu else torch.device("cpu")
-        self.layers = nn.ModuleList(build_layer(layer, index, config.seed) for layer, index in zip(layers, layer_indices))
+        self.spec, self.config = spec, config
+        self.stage_index, self.num_stages = spec.stage, spec.num_stages
+        self.layer_indices = list(spec.layer_indices)
+        self.is_first, self.is_last = spec.is_first, spec.is_last
+        self.device = torch.device("cuda", torch.cuda.current_device()) if spec.use_gpu else torch.device("cpu")
+        self.layers = nn.ModuleList(build_layer(layer, index, config.seed)
+                                    for layer, index in zip(spec.layers, spec.layer_indices))
         self.layers.to(self.device)
         parameters = [p for p in self.layers.parameters() if p.requires_grad]
         self._parameter_storages = storage_pointers(self.layers.parameters())  # excluded from held bytes
-        self.optimizer = optimizer_factory(parameters) if optimizer_factory and parameters else None
-        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer else None
-        self.loss_fn = loss_fn
-        self.data = StageData(loss_count_fn)
-        self.store = ActivationStore(Offloader(self.device) if config.offload else None)
+        self.optimizer = spec.optimizer_factory(parameters) if spec.optimizer_factory and parameters else None
+        self.scheduler = (spec.scheduler_factory(self.optimizer)
+                          if spec.scheduler_factory and self.optimizer else None)
+        self.loss_fn = spec.loss_fn
+        self.data = StageData(spec.loss_count_fn)
+        self.store = ActivationStore(Offloader(self.device) if config.offload_activations else None)
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step
         self._backwards_done: set[int] = set()  # micro-batches whose backward ran in the running step
         self._events: list[OpEvent] = []
         self._last_micro_batch = config.num_micro_batches - 1
-        self._own_ops = make_schedule(config.schedule, num_stages, config.num_micro_batches)[stage_index]
-        self._backward_order = [op.micro_batch for op in self._own_ops if op.kind == "B"]
+        self.schedule = make_schedule(config.schedule, spec.num_stages, config.num_micro_batches)
+        self._backward_order = [op.micro_batch for op in self.schedule[spec.stage] if op.kind == "B"]
 
     # -- setup --------------------------------------------------------------
     def ready(self) -> dict[str, Any]:
-        """Parameter count and device, once the layers are built (waits for construction)."""
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return {"num_parameters": sum(p.numel() for p in self.layers.parameters()), "device_name": name}
+        """Once the layers are built: parameter count, device, and where this worker runs."""
+        import os
 
-    def node_id(self) -> str:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {"num_parameters": sum(p.numel() for p in self.layers.parameters()), "device_name": name,
+                "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
 
     def attach_datasets(self, train: Any, validation: Any = None) -> None:
         """First and last stages read their own micro-batches in ``fit``."""
@@ -298,7 +302,7 @@ class StageWorker:
                 torch.cuda.reset_peak_memory_stats(self.device)
 
     def _recomputes(self, micro_batch: int) -> bool:
-        mode = self.config.checkpoint
+        mode = self.config.activation_checkpoint
         return mode == "always" or (mode == "except_last" and micro_batch != self._last_micro_batch)
 
     def _stage_input(self, micro_batch: int, inputs: torch.Tensor | None, step: int, split: str) -> torch.Tensor:
@@ -327,7 +331,7 @@ class StageWorker:
         return self.loss_fn(hidden.float(), targets.to(self.device)) * loss_weight
 
     def _run_layers(self, hidden: torch.Tensor, micro_batch: int, training: bool) -> torch.Tensor:
-        size = self.config.checkpoint_segments
+        size = self.config.activation_checkpoint_segments
         if not size or not training or not torch.is_grad_enabled():
             for position in range(len(self.layers)):
                 hidden = self._run_layer(position, hidden, micro_batch)
@@ -346,7 +350,7 @@ class StageWorker:
 
     def _run_layer(self, position: int, hidden: torch.Tensor, micro_batch: int) -> torch.Tensor:
         # Randomness from (seed, step, micro-batch, layer): a recompute replays the
-        # same dropout masks, whatever the partition or checkpoint mode.
+        # same dropout masks, whatever the partition or activation-checkpoint mode.
         seed = derive_seed(self.config.seed, self._step, micro_batch, self.layer_indices[position])
         torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
         if self.device.type == "cuda":
@@ -355,7 +359,7 @@ class StageWorker:
 
     def _prefetch_next(self, micro_batch: int) -> None:
         """Start fetching the input of the backward that runs after this one."""
-        if not self.config.offload:
+        if not self.config.offload_activations:
             return
         position = self._backward_order.index(micro_batch)
         if position + 1 < len(self._backward_order):

@@ -9,29 +9,32 @@ import torch
 from torch import nn
 
 import raypipe
-import raypipe.stage.worker
-from raypipe.comm.transport import CollectiveTransport, _direct_transport_worker, make_transport
+import raypipe.core.schedule
+from raypipe.comm.direct import DirectTransport, direct_transport_worker
+from raypipe.executor import make_executor
+from raypipe.executor.per_op import PerOpExecutor
+from raypipe.stage.spec import WorkerSpec
+from raypipe.stage.worker import StageWorker
 
 
 def test_nccl_worker_sends_only_activations_and_gradients_by_nccl():
     # Runs without a GPU: the NCCL actor class is built exactly as on a GPU cluster.
     # Only forward/backward results may go by NCCL: grad stats and the optimizer step
     # must stay plain objects, because every stage's apply depends on them.
-    transport = make_transport("nccl")
-    assert isinstance(transport, CollectiveTransport) and transport.name == "nccl"
-    routes = transport.actor_class().__ray_metadata__.method_meta.method_name_to_tensor_transport
+    config = raypipe.PipelineConfig(num_stages=2, transport="nccl")
+    executor = make_executor(config, raypipe.core.schedule.make_schedule("gpipe", 2, 1))
+    assert isinstance(executor, PerOpExecutor) and isinstance(executor.transport, DirectTransport)
+    routes = executor.actor_class().__ray_metadata__.method_meta.method_name_to_tensor_transport
     assert routes == {"forward": "NCCL", "backward": "NCCL"}
-    with pytest.raises(ValueError, match="unknown transport"):
-        make_transport("infiniband")
 
 
 def test_nccl_worker_computes_what_a_plain_stage_worker_computes():
     # The NCCL worker's own code (its forward/backward overrides), run in-process on the CPU.
     config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
     results = []
-    for worker_class in (StageWorker, _direct_transport_worker("nccl")):
+    for worker_class in (StageWorker, direct_transport_worker(StageWorker, "nccl")):
         torch.manual_seed(0)
-        worker = worker_class(0, 1, [nn.Linear(4, 3)], [0], None, nn.functional.mse_loss, config)
+        worker = worker_class(WorkerSpec(0, 1, (nn.Linear(4, 3),), (0,), config, loss_fn=nn.functional.mse_loss))
         loss = worker.forward(0, torch.ones(2, 4), torch.zeros(2, 3), 1.0, 0)
         worker.backward(0, None, 1.0)
         results.append((loss, worker.finish_backward()))
@@ -62,9 +65,9 @@ def test_nccl_transport_matches_object_store_on_gpus(ray_cluster):
 
 @pytest.mark.gpu
 def test_pinned_memory_offload_matches_no_offload_on_gpu(ray_cluster):
-    base = raypipe.PipelineConfig(num_stages=1, num_micro_batches=4, use_gpu=True, checkpoint="always")
+    base = raypipe.PipelineConfig(num_stages=1, num_micro_batches=4, use_gpu=True, activation_checkpoint="always")
     plain = _train(base)
-    offloaded = _train(base.replace(offload=True))
+    offloaded = _train(base.replace(offload_activations=True))
     assert offloaded[0] == pytest.approx(plain[0], rel=1e-6)
     for key, value in plain[1].items():
         torch.testing.assert_close(offloaded[1][key], value)

@@ -4,8 +4,7 @@ import sys
 import pytest
 
 from raypipe.core.partition import partition_by_cost, stage_layer_ranges
-from raypipe.core.schedule import (Op, bubble_fraction, gpipe_schedule, make_schedule, max_in_flight,
-                              one_f_one_b_schedule, submission_order)
+from raypipe.core.schedule import Op, bubble_fraction, gpipe_schedule, make_schedule, max_in_flight, one_f_one_b_schedule
 
 
 def test_schedule_module_needs_neither_ray_nor_torch():
@@ -31,30 +30,6 @@ def test_1f1b_limits_in_flight_micro_batches():
     for ops in schedule:
         assert sorted(op for op in ops if op.kind == "F") == [Op("F", mb) for mb in range(8)]
         assert [op.micro_batch for op in ops if op.kind == "B"] == list(range(8))
-
-
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 3), (3, 4), (4, 2)])
-def test_submission_order_respects_dependencies_and_stage_order(name, stages, micro_batches):
-    schedule = make_schedule(name, stages, micro_batches)
-    order = submission_order(schedule)
-    assert len(order) == 2 * stages * micro_batches
-    for stage in range(stages):
-        assert [op for s, op in order if s == stage] == schedule[stage]
-    position = {item: i for i, item in enumerate(order)}
-    for (stage, op), i in position.items():
-        if op.kind == "F" and stage > 0:
-            assert position[(stage - 1, op)] < i
-        if op.kind == "B":
-            assert position[(stage, Op("F", op.micro_batch))] < i
-            if stage < stages - 1:
-                assert position[(stage + 1, op)] < i
-
-
-def test_submission_order_rejects_a_deadlocking_schedule():
-    bad = [[Op("B", 0), Op("F", 0)], [Op("F", 0), Op("B", 0)]]
-    with pytest.raises(ValueError, match="deadlock"):
-        submission_order(bad)
 
 
 @pytest.mark.parametrize("p,m,expected", [(1, 4, 0.0), (2, 8, 1 / 9), (4, 4, 3 / 7), (8, 32, 7 / 39)])

@@ -228,3 +228,12 @@ def test_raypipe_train_names_a_bad_config_key(tmp_path):
     completed = subprocess.run([sys.executable, "-m", "raypipe.cli", "train", "--config", str(path)],
                                cwd=REPO, capture_output=True, text=True, timeout=120)
     assert completed.returncode != 0 and "stepz" in completed.stderr
+
+
+def test_raypipe_train_names_the_new_name_of_a_renamed_key(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("model: tiny\npipeline:\n  num_stages: 2\n  checkpoint: always\n")
+    completed = subprocess.run([sys.executable, "-m", "raypipe.cli", "train", "--config", str(path)],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    assert "invalid checkpoint='always': renamed to activation_checkpoint" in completed.stderr

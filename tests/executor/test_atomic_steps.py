@@ -16,23 +16,14 @@ from torch import nn
 import raypipe
 from raypipe import StageError, StepAborted
 from raypipe.checkpoint.store import read_layer
-from tests.reference import assert_parameters_match, reference_step
+from tests.reference import ReplaceGradientIf, assert_parameters_match, reference_step
 
 MARK = -100.0  # an input value no real sample has: the tripwire's signal
 BATCH, MICRO_BATCHES, FAILING = 6, 3, 1  # micro-batch 1 holds rows 2-3
 
 
-class _FailBackwardIf(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fail):
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.fail:
-            raise FloatingPointError("tripwire in backward")
-        return grad, None
+def _tripwire_in_backward(grad):
+    raise FloatingPointError("tripwire in backward")
 
 
 class Tripwire(nn.Module):
@@ -42,7 +33,7 @@ class Tripwire(nn.Module):
     def forward(self, x):
         if x[0, 0] < MARK / 2:
             raise ValueError("tripwire in forward")
-        return _FailBackwardIf.apply(x, bool(x[0, 1] < MARK / 2))
+        return ReplaceGradientIf.apply(x, bool(x[0, 1] < MARK / 2), _tripwire_in_backward)
 
 
 def layers_and_balance(num_stages):

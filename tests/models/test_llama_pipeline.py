@@ -89,12 +89,12 @@ def test_micro_batches_really_weigh_differently():
 BACKWARD_ORDER = {"gpipe": list(reversed(range(MICRO_BATCHES))), "1f1b": list(range(MICRO_BATCHES))}
 
 
-@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "never"), ("1f1b", "always")])
-def test_two_stages_match_single_process_training(ray_cluster, schedule, checkpoint):
+@pytest.mark.parametrize(("schedule", "activation_checkpoint"), [("gpipe", "never"), ("1f1b", "always")])
+def test_two_stages_match_single_process_training(ray_cluster, schedule, activation_checkpoint):
     reference = reference_model()
     optimizer = adamw(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES, schedule=schedule,
-                                    checkpoint=checkpoint, precision="fp32", seed=SEED)
+                                    activation_checkpoint=activation_checkpoint, precision="fp32", seed=SEED)
     with raypipe.PipelineTrainer(llama_layers(CONFIG), llama_loss, adamw, config,
                                  loss_count_fn=llama_count_tokens) as trainer:
         assert trainer.balance[0] >= 1 and trainer.balance[1] >= 1 and sum(trainer.balance) == CONFIG.n_layers + 2

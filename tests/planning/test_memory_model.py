@@ -166,13 +166,14 @@ def test_stage_graph_prediction_matches_measurement(first, segments):
               else torch.randn(batch, seq_len, TINY.dim, requires_grad=True))
     measured = run_stage_forward([layers[i] for i in indices], inputs, with_loss=not first, segments=segments)
     stage = estimate_stage(TINY, indices, num_micro_batches=1, micro_batch_size=batch, seq_len=seq_len,
-                           checkpoint_segments=segments, device="cpu")
+                           activation_checkpoint_segments=segments, device="cpu")
     assert_close(stage.graph_bytes, measured)
 
 
 def test_stage_worker_measurement_matches_prediction_in_every_mode():
     """The stage's own meter (StageWorker, no Ray) against the model, GPipe, 2 stages."""
     from raypipe.config import PipelineConfig
+    from raypipe.stage.spec import WorkerSpec
     from raypipe.stage.worker import StageWorker
 
     layers, ranges = llama_layers(TINY), [range(3), range(3, 6)]
@@ -180,9 +181,10 @@ def test_stage_worker_measurement_matches_prediction_in_every_mode():
     inputs = [torch.randint(0, 259, (batch, seq_len)) for _ in range(micro_batches)]
     targets = [torch.randint(0, 259, (batch, seq_len)) for _ in range(micro_batches)]
     for mode in ("never", "always", "except_last"):
-        config = PipelineConfig(num_stages=2, num_micro_batches=micro_batches, checkpoint=mode)
-        stages = [StageWorker(i, 2, [layers[j] for j in r], list(r), lambda p: torch.optim.SGD(p, lr=0.1),
-                              llama_loss, config) for i, r in enumerate(ranges)]
+        config = PipelineConfig(num_stages=2, num_micro_batches=micro_batches, activation_checkpoint=mode)
+        stages = [StageWorker(WorkerSpec(i, 2, tuple(layers[j] for j in r), tuple(r), config,
+                                         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=llama_loss))
+                  for i, r in enumerate(ranges)]
         for mb in range(micro_batches):
             stages[1].forward(mb, stages[0].forward(mb, inputs[mb]), targets[mb], 1 / micro_batches)
         for mb in reversed(range(micro_batches)):
@@ -190,7 +192,7 @@ def test_stage_worker_measurement_matches_prediction_in_every_mode():
         for index, stage in enumerate(stages):
             measured = stage.apply()[1].held_for_backward_bytes
             predicted = estimate_stage(TINY, ranges[index], num_micro_batches=micro_batches,
-                                       micro_batch_size=batch, seq_len=seq_len, checkpoint=mode,
+                                       micro_batch_size=batch, seq_len=seq_len, activation_checkpoint=mode,
                                        stage_index=index, num_stages=2, device="cpu")
             assert_close(predicted.held_for_backward_bytes, measured, tolerance=0.10)
 
@@ -204,22 +206,22 @@ def stage_memory(**overrides) -> StageMemory:
 
 
 def test_checkpoint_modes_hold_what_gpipe_keeps():
-    never = stage_memory(checkpoint="never")
+    never = stage_memory(activation_checkpoint="never")
     graph, kept = never.graph_bytes, never.input_bytes
     assert kept == 2 * 64 * TINY.dim * 4
     assert never.activation_bytes == 8 * graph
     # the micro-batch being rebuilt: its kept input is not counted twice
-    assert stage_memory(checkpoint="always").activation_bytes == 8 * kept + graph - kept
-    assert stage_memory(checkpoint="except_last").activation_bytes == 7 * kept + graph
-    offloaded = stage_memory(checkpoint="always", offload=True)
+    assert stage_memory(activation_checkpoint="always").activation_bytes == 8 * kept + graph - kept
+    assert stage_memory(activation_checkpoint="except_last").activation_bytes == 7 * kept + graph
+    offloaded = stage_memory(activation_checkpoint="always", offload_activations=True)
     assert (offloaded.activation_bytes, offloaded.offloaded_bytes) == (graph, 8 * kept)  # about one micro-batch
-    offloaded = stage_memory(checkpoint="except_last", offload=True)
+    offloaded = stage_memory(activation_checkpoint="except_last", offload_activations=True)
     assert (offloaded.activation_bytes, offloaded.offloaded_bytes) == (graph, 7 * kept)
 
 
 def test_one_f_one_b_holds_at_most_stages_minus_index_micro_batches():
     for index, in_flight in [(0, 3), (1, 2), (2, 1)]:
-        memory = stage_memory(checkpoint="never", schedule="1f1b", stage_index=index)
+        memory = stage_memory(activation_checkpoint="never", schedule="1f1b", stage_index=index)
         assert memory.micro_batches_in_flight == in_flight
         assert memory.activation_bytes == in_flight * memory.graph_bytes
 
@@ -229,7 +231,7 @@ def test_segments_keep_segment_inputs_and_recompute_one_segment():
     full = estimate_stage(TINY, four_blocks, num_micro_batches=4, micro_batch_size=2, seq_len=64)
     for size, segments in [(1, 4), (2, 2)]:
         memory = estimate_stage(TINY, four_blocks, num_micro_batches=4, micro_batch_size=2, seq_len=64,
-                                checkpoint_segments=size)
+                                activation_checkpoint_segments=size)
         # every segment's input, plus the stage output (the graph's root)
         assert memory.graph_bytes == (segments + 1) * full.input_bytes
         block = estimate_layer_activation_bytes(TINY, "block", 2, 64)
@@ -239,9 +241,9 @@ def test_segments_keep_segment_inputs_and_recompute_one_segment():
 
 def test_bad_stage_arguments_are_clear():
     with pytest.raises(ValueError, match="offload"):
-        stage_memory(checkpoint="never", offload=True)
-    with pytest.raises(ValueError, match="checkpoint='sometimes'"):
-        stage_memory(checkpoint="sometimes")
+        stage_memory(activation_checkpoint="never", offload_activations=True)
+    with pytest.raises(ValueError, match="activation_checkpoint='sometimes'"):
+        stage_memory(activation_checkpoint="sometimes")
     with pytest.raises(ValueError, match="seq_len=300"):
         stage_memory(seq_len=300)
     with pytest.raises(ValueError, match="layer_indices"):
@@ -298,7 +300,7 @@ def plan(*argv: str, capsys) -> tuple[int, str]:
 
 
 SEVEN_B = ["--model", "llama-7b", "--stages", "8", "--micro-batches", "32", "--micro-batch-size", "1",
-           "--seq-len", "4096", "--precision", "bf16", "--checkpoint", "always", "--gpu-memory", "80GB"]
+           "--seq-len", "4096", "--precision", "bf16", "--activation-checkpoint", "always", "--gpu-memory", "80GB"]
 
 
 def test_plan_table_for_7b_on_8_stages(capsys):
@@ -339,7 +341,7 @@ def test_plan_suggests_knobs_in_order_until_it_fits(capsys):
 
 def test_plan_suggests_more_stages_or_sharding(capsys):
     status, out = plan("--model", "llama-7b", "--stages", "1", "--micro-batches", "64", "--precision", "bf16",
-                       "--checkpoint", "always", "--gpu-memory", "80GB", "--json", capsys=capsys)
+                       "--activation-checkpoint", "always", "--gpu-memory", "80GB", "--json", capsys=capsys)
     result = json.loads(out)
     assert status == 0 and result["fits"] is False
     [more] = result["suggestions"]
@@ -350,9 +352,9 @@ def test_plan_suggests_more_stages_or_sharding(capsys):
 def test_plan_suggests_offload_when_kept_inputs_dominate(capsys):
     # one block per stage, but 2048 kept inputs of 33.5 MB each
     _status, out = plan("--model", "llama-7b", "--stages", "34", "--micro-batches", "2048", "--precision", "bf16",
-                       "--checkpoint", "always", "--gpu-memory", "40GB", "--json", capsys=capsys)
+                       "--activation-checkpoint", "always", "--gpu-memory", "40GB", "--json", capsys=capsys)
     result = json.loads(out)
-    assert [s["knob"] for s in result["suggestions"]] == ["offload"]
+    assert [s["knob"] for s in result["suggestions"]] == ["activation offload"]
     assert result["suggestions"][0]["fits"] and result["suggestions"][0]["max_total_bytes"] < 10e9
 
 

@@ -13,8 +13,9 @@ from raypipe.checkpoint.store import latest_checkpoint, read_manifest
 from raypipe.config import PipelineConfig
 from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
 from raypipe.core.loss_scale import LossScaler
+from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
-from tests.reference import make_mlp
+from tests.reference import ReplaceGradientIf, make_mlp
 
 
 def adamw(params):
@@ -77,7 +78,7 @@ def test_state_dict_round_trip():
 
 def test_bad_scaler_state_is_a_clear_error():
     scaler = LossScaler(scale=2.0**12)
-    with pytest.raises(ValueError, match="unknown keys.*'scael'"):
+    with pytest.raises(ValueError, match=r"LossScaler state=\['scael'\]: unknown keys"):
         scaler.load_state_dict({"scael": 1.0})
     with pytest.raises(ValueError, match=r"LossScaler.scale=-1.0"):
         scaler.load_state_dict({"scale": -1.0})
@@ -93,7 +94,8 @@ def test_grad_stats_accumulate_the_norm_in_fp32():
     # fp16 gradients whose squares overflow fp16: an fp16 norm would be inf and
     # report a false overflow; the stage must accumulate in fp32.
     layer = nn.Linear(4, 4, bias=False).half()
-    stage = StageWorker(0, 1, [layer], [0], None, nn.functional.mse_loss, PipelineConfig(precision="fp16"))
+    stage = StageWorker(WorkerSpec(0, 1, (layer,), (0,), PipelineConfig(precision="fp16"),
+                                   loss_fn=nn.functional.mse_loss))
     layer.weight.grad = torch.full((4, 4), 30000.0, dtype=torch.float16)
     squared_norm, found_inf = stage.grad_stats(inv_scale=1.0)
     assert not found_inf
@@ -123,17 +125,8 @@ class DropMarker(nn.Module):
         return x[..., :-1]
 
 
-class _InfGradient(torch.autograd.Function):
-    """Identity forward; backward gives an all-inf gradient when ``poisoned``."""
-
-    @staticmethod
-    def forward(ctx, tensor, poisoned):
-        ctx.poisoned = poisoned
-        return tensor.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (torch.full_like(grad, math.inf) if ctx.poisoned else grad), None
+def _all_inf(grad):
+    return torch.full_like(grad, math.inf)
 
 
 class PoisonOnMarker(nn.Module):
@@ -149,7 +142,7 @@ class PoisonOnMarker(nn.Module):
 
     def forward(self, x):
         poisoned = bool((x[..., -1] == MARKER).any())
-        weight = _InfGradient.apply(self.weight, poisoned)
+        weight = ReplaceGradientIf.apply(self.weight, poisoned, _all_inf)
         return torch.cat([x[..., :-1] * weight, x[..., -1:]], dim=-1)
 
 
@@ -171,7 +164,7 @@ def marked_batch(generator, poison_row=None):
 
 
 def optimizer_states(trainer):
-    return [ray.get(actor.optimizer_state.remote()) for actor in trainer._actors]
+    return [ray.get(actor.optimizer_state.remote()) for actor in trainer._group.actors]
 
 
 def assert_same(actual, expected, path="state"):
@@ -270,8 +263,8 @@ def grad_scaler_reference(model, batches, num_micro_batches):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule, checkpoint", [("gpipe", "never"), ("1f1b", "always")])
-def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster, schedule, checkpoint):
+@pytest.mark.parametrize("schedule, activation_checkpoint", [("gpipe", "never"), ("1f1b", "always")])
+def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster, schedule, activation_checkpoint):
     # "always" re-runs each forward under autocast in backward: it must round the same way
     model = make_mlp()
     reference = copy.deepcopy(model)
@@ -281,7 +274,7 @@ def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster, schedule, 
     expected = grad_scaler_reference(reference, batches, 3)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, precision="fp16", clip_grad_norm=FP16_CLIP,
                                     initial_loss_scale=FP16_SCALE, growth_interval=2, use_gpu=False,
-                                    schedule=schedule, checkpoint=checkpoint)
+                                    schedule=schedule, activation_checkpoint=activation_checkpoint)
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, sgd, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
         params = trainer.state_dict()

@@ -7,13 +7,13 @@ from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=32, dropout=0.1)
 MODES = [
-    {"checkpoint": "never"},
-    {"checkpoint": "always"},
-    {"checkpoint": "except_last"},
-    {"checkpoint": "never", "checkpoint_segments": 2},
-    {"checkpoint": "always", "checkpoint_segments": 2},
-    {"checkpoint": "always", "offload": True},
-    {"checkpoint": "except_last", "offload": True},
+    {"activation_checkpoint": "never"},
+    {"activation_checkpoint": "always"},
+    {"activation_checkpoint": "except_last"},
+    {"activation_checkpoint": "never", "activation_checkpoint_segments": 2},
+    {"activation_checkpoint": "always", "activation_checkpoint_segments": 2},
+    {"activation_checkpoint": "always", "offload_activations": True},
+    {"activation_checkpoint": "except_last", "offload_activations": True},
 ]
 
 

@@ -1,0 +1,55 @@
+"""The per-step executor: one ``run_step`` task per worker per step (see
+:mod:`raypipe.executor.per_step_worker`); activations and gradients go straight
+between neighbours over ``torch.distributed``."""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from raypipe.core.micro_batches import MicroBatches
+from raypipe.executor.base import Executor, Submitted
+from raypipe.executor.per_step_worker import PerStepWorker
+from raypipe.runtime.group import StageGroup
+
+
+class PerStepExecutor(Executor):
+    """Each worker runs its whole step; the driver submits one task per worker."""
+
+    def actor_class(self) -> Any:
+        return ray.remote(PerStepWorker)
+
+    def connect(self, group: StageGroup) -> None:
+        super().connect(group)
+        self._join(group.actors)
+
+    def close(self) -> None:
+        if self.group is None or not self.usable:
+            return
+        try:
+            ray.get([actor.leave_group.remote() for actor in self.group.actors], timeout=30)
+        except Exception:  # noqa: BLE001 - actors may already be gone at shutdown
+            pass
+
+    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float) -> Submitted:
+        actors, last = self.group.actors, len(self.group.actors) - 1
+        clip_value = self.config.clip_grad_value
+        return Submitted([], [actor.run_step.remote(
+            step, batch.inputs if batch is not None and stage == 0 else None,
+            batch.targets if batch is not None and stage == last else None,
+            batch.weights if batch is not None and stage == last else None,
+            loss_scale, clip_value) for stage, actor in enumerate(actors)])
+
+    def collect(self, submitted: Submitted) -> tuple[list[float], list[tuple[float, bool]]]:
+        outputs = ray.get(submitted.outcomes)
+        return [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
+
+    def _repair(self) -> None:
+        """A failed step leaves the group broken (its failing stage left it): every
+        worker leaves, and all join a new one under a fresh rendezvous."""
+        ray.get([actor.leave_group.remote() for actor in self.group.actors])
+        self._join(self.group.actors)
+
+    def _join(self, actors: list[Any]) -> None:
+        address, port = ray.get(actors[0].rendezvous_address.remote())
+        ray.get([actor.join_group.remote(address, port, self.config.p2p_timeout_s) for actor in actors])

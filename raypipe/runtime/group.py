@@ -1,0 +1,112 @@
+"""StageGroup: the stage workers of a run, as one thing with a lifecycle.
+
+It creates the workers from frozen :class:`~raypipe.stage.spec.WorkerSpec`s,
+each pinned to its bundle of one placement group, waits for them with a
+timeout, polls their health, replaces one from its spec, and shuts all down
+(modelled on Ray Train v2's ``WorkerGroup``). What the workers compute is not
+its business: executors drive them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raypipe.errors import RaypipeError
+from raypipe.runtime import cluster
+from raypipe.stage.spec import WorkerSpec
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where one live worker runs."""
+
+    replica: int
+    stage: int
+    node_id: str
+    pid: int
+
+
+class StageGroup:
+    """Workers of ``actor_class``, one per spec, in one PACK placement group."""
+
+    def __init__(self, actor_class: Any, specs: list[WorkerSpec], bundle: dict[str, float],
+                 placement_timeout_s: float) -> None:
+        self._actor_class, self._specs, self._bundle = actor_class, list(specs), bundle
+        self._placement = cluster.reserve([bundle] * len(specs), placement_timeout_s)
+        self.actors: list[Any] = [self._create(index) for index in range(len(specs))]
+        self._ready: list[dict[str, Any]] = []
+
+    def wait_ready(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Wait until every worker is built; returns what each ``ready()`` reported.
+
+        A worker that fails to build raises its error; one that is not ready in
+        ``timeout_s`` raises :class:`RaypipeError`.
+        """
+        refs = [actor.ready.remote() for actor in self.actors]
+        try:
+            self._ready = ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RaypipeError(f"stage workers were not ready within {timeout_s:g}s") from None
+        return self._ready
+
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        """The live workers, in (replica, stage) order."""
+        return sorted((WorkerInfo(spec.replica, spec.stage, info["node_id"], info["pid"])
+                       for spec, info in zip(self._specs, self._ready)),
+                      key=lambda worker: (worker.replica, worker.stage))
+
+    def poll(self, timeout_s: float = 5.0) -> list[int]:
+        """Indices of workers that are dead or do not answer within ``timeout_s``."""
+        pings = {actor.ready.remote(): index for index, actor in enumerate(self.actors)}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+        unhealthy = {index for ref, index in pings.items() if ref not in answered}
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                unhealthy.add(pings[ref])
+        return sorted(unhealthy)
+
+    def replace(self, index: int, timeout_s: float | None = None) -> None:
+        """Kill worker ``index`` (if still alive) and start a new one from its spec,
+        in the same bundle; waits until it is ready."""
+        _kill(self.actors[index])
+        self.actors[index] = self._create(index)
+        self._ready[index] = ray.get(self.actors[index].ready.remote(), timeout=timeout_s)
+
+    def index_of(self, error: ray.exceptions.RayActorError) -> int | None:
+        """Which worker a Ray actor error is about, if any of ours."""
+        actor_id = getattr(error, "actor_id", None)
+        for index, info in enumerate(self._ready):
+            if actor_id is not None and info.get("actor_id") == actor_id:
+                return index
+        return None
+
+    def spec(self, index: int) -> WorkerSpec:
+        """The spec worker ``index`` was built from."""
+        return self._specs[index]
+
+    def shutdown(self) -> None:
+        """Kill every worker and free the placement group (idempotent)."""
+        for actor in self.actors:
+            _kill(actor)
+        self.actors = []
+        cluster.release(self._placement)
+        self._placement = None
+
+    def _create(self, index: int) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=index)
+        options = {"num_cpus": self._bundle["CPU"], "num_gpus": self._bundle.get("GPU", 0),
+                   "scheduling_strategy": strategy, "max_restarts": 0}
+        return self._actor_class.options(**options).remote(self._specs[index])
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001 - already dead is fine
+        pass

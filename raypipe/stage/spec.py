@@ -1,0 +1,42 @@
+"""WorkerSpec: everything a stage worker is built from, frozen, so that a
+replacement worker can be built from exactly the same description."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from raypipe.config import PipelineConfig
+from raypipe.models.layers import LayerSpec
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One stage worker: its place, its layers and how it trains them.
+
+    ``layers`` are modules or :class:`~raypipe.LayerSpec` (built inside the
+    worker); ``layer_indices`` their global indices. ``loss_fn`` is given to the
+    last stage only. ``use_gpu`` is what the runtime resolved for this cluster
+    (the config's ``use_gpu`` may say "decide for me").
+    """
+
+    stage: int
+    num_stages: int
+    layers: tuple[nn.Module | LayerSpec, ...]
+    layer_indices: tuple[int, ...]
+    config: PipelineConfig
+    use_gpu: bool = False
+    replica: int = 0
+    optimizer_factory: Callable | None = None
+    loss_fn: Callable | None = None
+    loss_count_fn: Callable | None = None
+    scheduler_factory: Callable | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
