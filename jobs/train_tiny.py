@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from raypipe.config import activation_arguments, add_activation_arguments  # noqa: E402
+from raypipe.config import TRANSPORTS, PipelineConfig, activation_arguments, add_activation_arguments  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
     add_activation_arguments(parser)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--transport", default=PipelineConfig.transport, choices=TRANSPORTS,
+                        help=f"executor/transport between stages (default {PipelineConfig.transport})")
     parser.add_argument("--data", default="data/stdlib", help="prepared dataset (made from the stdlib if missing)")
     parser.add_argument("--out", default="runs/tiny", help="output directory")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every, out=args.out, progress=not args.no_progress,
         pipeline={"num_stages": args.stages, "num_micro_batches": args.micro_batches,
                   **activation_arguments(args), "precision": args.precision,
-                  "metrics_port": args.metrics_port})
+                  "transport": args.transport, "metrics_port": args.metrics_port})
     summary = train(run)
     shown = {k: summary[k] for k in ("steps", "initial_loss", "final_loss", "final_eval_loss", "tokens_per_second")}
     print(json.dumps(shown, indent=2))

@@ -1,6 +1,7 @@
 """raypipe: elastic GPipe pipeline-parallel training on Ray and PyTorch."""
 from raypipe.config import PipelineConfig
-from raypipe.errors import CheckpointError, ConfigError, PlacementError, RaypipeError, StageError, StepAborted
+from raypipe.errors import (CheckpointError, ConfigError, NonFiniteError, PlacementError, RaypipeError, StageError,
+                            StepAborted)
 from raypipe.core.result import OpEvent, StageStats, StepResult
 
 __version__ = "0.1.0"
@@ -20,4 +21,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["PipelineConfig", "PipelineTrainer", "LayerSpec", "StepResult", "StageStats", "OpEvent",
-           "CheckpointError", "ConfigError", "PlacementError", "RaypipeError", "StageError", "StepAborted"]
+           "CheckpointError", "ConfigError", "NonFiniteError", "PlacementError", "RaypipeError", "StageError", "StepAborted"]

@@ -15,6 +15,7 @@ from raypipe.errors import ConfigError
 
 CHECKPOINT_MODES = ("never", "always", "except_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
+NONFINITE_POLICIES = ("skip", "raise")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
 # Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
 _RENAMED: dict[str, str] = {
@@ -43,7 +44,9 @@ class PipelineConfig:
     clip_grad_value: float | None = None
     precision: str = "fp32"
     balance: list[int] | None = None  # layers per stage; None = balanced by parameters
-    transport: str = "object_store"  # "p2p": one task per stage per step, direct sends (see raypipe.comm.p2p)
+    # "p2p": one task per worker per step, direct sends; "object_store", "gloo", "nccl": a task per op
+    transport: str = "p2p"
+    nonfinite: str = "skip"  # a non-finite loss or gradient norm: "skip" the update everywhere, or "raise"
     p2p_timeout_s: float = 300.0  # a p2p receive waiting longer than this fails the step
     use_gpu: bool | None = None  # None: use a GPU per stage when the cluster has GPUs
     cpus_per_stage: int = 1
@@ -67,6 +70,7 @@ class PipelineConfig:
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("transport", self.transport, TRANSPORTS)
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         if self.activation_checkpoint_segments is not None:
             check_positive_int("activation_checkpoint_segments", self.activation_checkpoint_segments)
         check_offload_activations(self.offload_activations, self.activation_checkpoint)

@@ -59,6 +59,21 @@ def _picklable(error: BaseException | None) -> BaseException | None:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class NonFiniteError(RaypipeError):
+    """A step's loss or gradients were not finite and ``nonfinite="raise"``: no
+    worker applied it. ``stage`` is the first stage whose gradient was non-finite
+    (None when only the loss was)."""
+
+    def __init__(self, step: int, stage: int | None, reason: str) -> None:
+        self.step, self.stage, self.reason = step, stage, reason
+        where = "the loss" if stage is None else f"stage {stage}'s gradients (the first non-finite stage)"
+        super().__init__(f"step {step}: non-finite {where}; {reason}. No worker applied the step "
+                         '(nonfinite="skip" would skip it and go on)')
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.stage, self.reason))
+
+
 class PlacementError(RaypipeError):
     """The cluster cannot hold the requested stage actors."""
 

@@ -77,5 +77,7 @@ def _show(bar: Any, result: StepResult) -> None:
     postfix = {"step": result.step, "loss": f"{result.loss:.4f}", "tok/s": f"{result.tokens_per_second:,.0f}"}
     if result.eval_loss is not None and not math.isnan(result.eval_loss):
         postfix["eval"] = f"{result.eval_loss:.4f}"
+    if result.skipped:
+        postfix["skipped"] = result.skip_reason
     bar.set_postfix(postfix, refresh=False)
     bar.update(1)

@@ -15,7 +15,9 @@ from raypipe.core.micro_batches import MicroBatches, count_samples, loss_weights
 from raypipe.core.partition import partition_by_cost, stage_layer_ranges
 from raypipe.core.result import StepResult
 from raypipe.core.schedule import make_schedule
+from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
+from raypipe.errors import NonFiniteError
 from raypipe.executor import make_executor
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.observability.step_report import build_step_result
@@ -175,19 +177,32 @@ class PipelineTrainer:
     def _run_step(self, data_step: int, batch: MicroBatches | None, start: float, num_samples: int,
                   num_tokens: int) -> StepResult:
         loss_scale = self.scaler.scale if self.scaler else None
-        outcome = self._executor.run_step(data_step, batch, loss_scale or 1.0, self.config.clip_grad_norm,
-                                          check_overflow=self.scaler is not None)
+        outcome = self._executor.run_step(data_step, batch, loss_scale)
+        decision = outcome.decision
+        self._check_finite(decision)
         if self.scaler:
-            self.scaler.update(outcome.found_inf)
+            self.scaler.update(decision.skip_reason == OVERFLOW)
         result = build_step_result(
-            step=self.step_count, loss=float(sum(outcome.losses)), grad_norm=outcome.grad_norm,
-            max_norm=self.config.clip_grad_norm, skipped=outcome.found_inf, loss_scale=loss_scale,
-            step_time=time.time() - start, num_samples=num_samples, num_tokens=num_tokens, reports=outcome.reports,
-            num_parameters=self.num_parameters, peak_flops=self._peak_flops(), num_devices=self.topology.world_size)
+            step=self.step_count, loss=decision.loss, grad_norm=decision.grad_norm,
+            max_norm=self.config.clip_grad_norm, skip_reason=decision.skip_reason, loss_scale=loss_scale,
+            step_time=time.time() - start, num_samples=num_samples, num_tokens=num_tokens,
+            reports=outcome.reports, num_parameters=self.num_parameters, peak_flops=self._peak_flops(),
+            num_devices=self.topology.world_size)
         self.step_count += 1
         if self.metrics is not None:
             self.metrics.record_step(result)
         return result
+
+    def _check_finite(self, decision: StepDecision) -> None:
+        """``nonfinite="raise"``: a non-finite step (nothing was applied) raises. In fp16 an
+        overflow lowers the loss scale instead, unless the scale is already at its floor."""
+        if self.config.nonfinite != "raise" or not decision.skipped:
+            return
+        if decision.skip_reason == NONFINITE:
+            raise NonFiniteError(self.step_count, decision.first_nonfinite_stage, "the update was skipped")
+        if self.scaler.scale <= self.scaler.min_scale:
+            raise NonFiniteError(self.step_count, decision.first_nonfinite_stage,
+                                 f"gradients overflow at the minimum loss scale {self.scaler.min_scale:g}")
 
     def _record_eval(self, loss: float) -> float:
         if self.metrics is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raypipe.checkpoint.store import read_layer
+
 
 def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, inputs, targets,
                    num_micro_batches: int, clip_grad_norm: float | None = None) -> tuple[float, float]:
@@ -51,3 +53,73 @@ class ReplaceGradientIf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (ctx.replace(grad) if ctx.active else grad), None, None
+
+
+def bf16_compute_copy(main: nn.Module) -> nn.Module:
+    """A copy of ``main`` whose parameters are bf16 (buffers stay as they are): the
+    compute weights of :func:`bf16_main_weights_step`."""
+    import copy
+
+    compute = copy.deepcopy(main)
+    for parameter in compute.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    return compute
+
+
+def bf16_main_weights_step(main: nn.Module, compute: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, inputs,
+                           targets, num_micro_batches: int, backward_order=None,
+                           clip_grad_norm: float | None = None) -> tuple[float, float]:
+    """One step of bf16 with fp32 main weights (as Megatron-LM does), in one process.
+
+    ``optimizer`` steps ``main``'s fp32 parameters; ``compute`` (:func:`bf16_compute_copy`)
+    gets them cast to bf16 once, at the start of the step. Every micro-batch runs its
+    forward with ``compute`` under ``torch.autocast`` (bf16) and its loss in fp32,
+    weighted by its share of the batch; the backwards run in ``backward_order``
+    (default: first to last; GPipe runs the last micro-batch's first), each adding its
+    bf16 gradients into the fp32 main gradients. Then clip (optional) and step.
+    Returns (loss, grad norm before clipping).
+    """
+    pairs = list(zip(compute.parameters(), main.parameters()))
+    with torch.no_grad():
+        for low, full in pairs:
+            low.copy_(full)
+    batch = inputs.shape[0]
+    losses = []
+    for x, y in zip(torch.tensor_split(inputs, num_micro_batches), torch.tensor_split(targets, num_micro_batches)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs = compute(x)
+        losses.append(loss_fn(outputs.float(), y) * (x.shape[0] / batch))
+    for index in range(num_micro_batches) if backward_order is None else backward_order:
+        losses[index].backward()
+        for low, full in pairs:
+            full.grad = low.grad.float() if full.grad is None else full.grad.add_(low.grad.float())
+            low.grad = None
+    grads = [p.grad for p in main.parameters() if p.grad is not None]
+    norm = (torch.nn.utils.clip_grad_norm_(main.parameters(), clip_grad_norm) if clip_grad_norm is not None
+            else torch.nn.utils.get_total_norm(grads))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return sum(loss.item() for loss in losses), float(norm)
+
+
+# -- every bit of a trainer's state ----------------------------------------------
+
+
+def checkpoint_state(trainer, root, num_layers):
+    trainer.save_checkpoint(root)
+    return [read_layer(root, trainer.step_count, index) for index in range(num_layers)]
+
+
+def assert_bitwise_equal(before, after, where="state"):
+    if isinstance(before, torch.Tensor):
+        assert torch.equal(before, after), where
+    elif isinstance(before, dict):
+        assert before.keys() == after.keys(), where
+        for key in before:
+            assert_bitwise_equal(before[key], after[key], f"{where}.{key}")
+    elif isinstance(before, (list, tuple)):
+        assert len(before) == len(after), where
+        for index, (a, b) in enumerate(zip(before, after)):
+            assert_bitwise_equal(a, b, f"{where}[{index}]")
+    else:
+        assert before == after, where

@@ -110,10 +110,17 @@ class P2PChannel:
             self._wait(work, None, None, "send")
         self._sends.clear()
 
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum of ``values`` over every stage (float64: adding the
+        zeros of the other stages' slots is exact, so every stage gets the same)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self._wait(dist.all_reduce(tensor, async_op=True), None, None, "reduction")
+        return tensor.tolist()
+
     def _wait(self, work: Any, peer: int | None, micro_batch: int | None, what: str) -> None:
         try:
             work.wait()
         except RuntimeError as error:
-            source = "a neighbouring stage" if peer is None else f"stage {peer}"
-            raise StepAborted(self.stage, "recv" if peer is not None else "send", micro_batch,
+            source = "a stage" if peer is None else f"stage {peer}"
+            raise StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch,
                               f"{source} left the step before this {what} completed ({error})") from None

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from raypipe.core.step_decision import StepDecision
 
 
 @dataclass
@@ -27,6 +31,15 @@ class StageStats:
     device_peak_bytes: int | None = None  # CUDA only
     rss_bytes: int = 0
     learning_rate: float | None = None  # of the stage's first parameter group, after this step
+    task_seconds: float | None = None  # per-step executor: the worker's whole step task
+
+
+class StageReport(NamedTuple):
+    """What one stage reports when it ends a step."""
+
+    events: list[OpEvent]
+    stats: StageStats
+    decision: StepDecision
 
 
 @dataclass
@@ -38,7 +51,8 @@ class StepResult:
     grad_norm: float  # global norm before clipping (unscaled, fp32)
     step_time: float  # seconds, wall clock on the driver
     clip_coefficient: float = 1.0
-    skipped: bool = False  # fp16 overflow: no stage stepped
+    skipped: bool = False  # no stage stepped (see skip_reason)
+    skip_reason: str | None = None  # "overflow" (fp16, the loss scale was lowered) or "nonfinite"
     loss_scale: float | None = None
     num_samples: int = 0
     num_tokens: int = 0

@@ -3,11 +3,13 @@
 An executor submits one step (:meth:`Executor.submit`), collects its outcome
 (:meth:`Executor.collect`), and on failure aborts it (:meth:`Executor.abort`):
 every worker drops the step, the transport is made whole, and the cause is
-raised. :meth:`Executor.run_step` is that path, plus the commit: every stage
-applies its optimizer step, or none does.
+raised. :meth:`Executor.run_step` is that path.
 
-Every stage's apply depends on every stage's outcome, and an outcome raises
-unless its stage's step is whole, so a failure anywhere reaches no optimizer.
+The commit is part of the step: every worker gets every stage's gradient
+statistics (as task arguments, or by an all-reduce inside the group), decides
+the same way (:func:`raypipe.core.step_decision.decide`) and steps or skips.
+A worker's statistics exist only when all of its ops ran, so a failure anywhere
+reaches no optimizer, and the driver waits once per step.
 """
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import ray
-import torch
 
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
+from raypipe.core.result import StageReport
+from raypipe.core.step_decision import StepDecision
 from raypipe.errors import RaypipeError
 from raypipe.executor.failures import as_raypipe_error, first_failure, original_cause
 from raypipe.runtime.group import StageGroup
@@ -28,21 +31,19 @@ from raypipe.runtime.group import StageGroup
 
 @dataclass
 class Submitted:
-    """The references of one submitted step: the last stage's per-micro-batch
-    losses (when they come separately) and one outcome per stage."""
+    """The references of one submitted step: one outcome per worker (raises
+    unless that worker's ops all ran) and one commit per worker (its report)."""
 
-    losses: list
     outcomes: list
+    commits: list
 
 
 @dataclass
 class StepOutcome:
     """What the workers reported for one committed (or skipped) step."""
 
-    losses: list[float]
-    grad_norm: float
-    found_inf: bool
-    reports: list
+    decision: StepDecision
+    reports: list[StageReport]
 
 
 class Executor(ABC):
@@ -65,39 +66,32 @@ class Executor(ABC):
         """Tear down what :meth:`connect` set up."""
 
     @abstractmethod
-    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float) -> Submitted:
-        """Submit every worker's ops of one training step (``batch`` None: the
-        first and last stages read the step from their datasets)."""
+    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
+        """Submit every worker's ops of one training step, its commit included
+        (``batch`` None: the first and last stages read the step from their
+        datasets; ``loss_scale`` None: no dynamic loss scale)."""
 
-    @abstractmethod
-    def collect(self, submitted: Submitted) -> tuple[list[float], list[tuple[float, bool]]]:
-        """Wait for a step's losses and per-stage (squared grad norm, found inf)."""
+    def collect(self, submitted: Submitted) -> StepOutcome:
+        """Wait for the step's commit on every worker (a failure raises Ray's error)."""
+        reports = ray.get(submitted.commits)
+        return StepOutcome(reports[0].decision, reports)
 
     @abstractmethod
     def _repair(self) -> None:
         """Make the transport usable again after every worker dropped a failed step."""
 
-    def run_step(self, step: int, batch: MicroBatches | None, loss_scale: float = 1.0,
-                 clip_grad_norm: float | None = None, check_overflow: bool = False) -> StepOutcome:
-        """One step, committed on every stage or on none."""
+    def run_step(self, step: int, batch: MicroBatches | None, loss_scale: float | None = None) -> StepOutcome:
+        """One step, committed on every worker or on none: one wait for the driver."""
         submitted = self.submit(step, batch, loss_scale)
-        applied = None
-        if clip_grad_norm is None and not check_overflow:
-            applied = self._submit_apply(None, 0.0, False, after=submitted.outcomes)  # no round trip
         try:
-            losses, stats = self.collect(submitted)
-            grad_norm, found_inf = global_grad_norm(stats)
-            if applied is None:
-                applied = self._submit_apply(clip_grad_norm, grad_norm, found_inf)
-            reports = ray.get(applied)
+            return self.collect(submitted)
         except ray.exceptions.RayError as error:
             self.abort(submitted, error)
-        return StepOutcome(losses, grad_norm, found_inf, reports)
 
     def abort(self, submitted: Submitted, error: BaseException) -> NoReturn:
         """Wait for the failed step to end everywhere, have every worker drop it,
         repair the transport, and raise the step's first real failure."""
-        refs = submitted.losses + submitted.outcomes
+        refs = list({ref: None for ref in submitted.outcomes + submitted.commits})
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.p2p_timeout_s, fetch_local=False)
         cause = first_failure(done) or error
         try:
@@ -136,11 +130,3 @@ class Executor(ABC):
             raise RaypipeError("a stage died or never finished a failed step, so the pipeline cannot be made "
                                "whole again: shut this trainer down and start a new one (load_checkpoint resumes)")
 
-    def _submit_apply(self, max_norm: float | None, total_norm: float, skip: bool, after: list = ()) -> list:
-        return [actor.apply.remote(max_norm, total_norm, skip, *after) for actor in self.group.actors]
-
-
-def global_grad_norm(stats: list[tuple[float, bool]]) -> tuple[float, bool]:
-    """The global L2 norm (fp32) from every stage's squared norm, and whether any overflowed."""
-    squares = torch.tensor([squared for squared, _ in stats], dtype=torch.float32)
-    return float(squares.sum().sqrt()), any(found_inf for _, found_inf in stats)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
-
 from raypipe.comm.object_store import ObjectStoreTransport
 from raypipe.config import PipelineConfig
 from raypipe.core import lowering, ops
@@ -42,39 +40,60 @@ class PerOpExecutor(Executor):
         if self.group is not None and self.usable:
             self.transport.close(self.group.actors)
 
-    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float) -> Submitted:
-        actors, last = self.group.actors, len(self.group.actors) - 1
-        in_flight: dict[tuple[str, int, int], Any] = {}  # (what, stage, micro-batch) -> reference
-        losses, outcomes = {}, {}
+    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
+        wiring = _Wiring(self.group.actors, step, batch, 1.0 if loss_scale is None else loss_scale,
+                         self.config.clip_grad_value)
         for stage, op in self._order:
-            actor, micro_batch = actors[stage], op.micro_batch
-            if op.kind == ops.F:
-                hidden = in_flight.pop(("activation", stage, micro_batch), None)
-                if stage == 0 and batch is not None:
-                    hidden = batch.inputs[micro_batch]
-                labels = (None, None) if batch is None or stage < last else (
-                    batch.targets[micro_batch], batch.weights[micro_batch])
-                result = actor.forward.remote(micro_batch, hidden, *labels, step)
-                in_flight[("output", stage, micro_batch)] = result
-                if stage == last:
-                    losses[micro_batch] = result
-            elif op.kind == ops.B:
-                gradient = in_flight.pop(("gradient", stage, micro_batch), None)
-                scale = loss_scale if stage == last else 1.0
-                in_flight[("input_gradient", stage, micro_batch)] = actor.backward.remote(micro_batch, gradient, scale)
-            elif op.kind == ops.SEND_ACT:
-                in_flight[("activation", op.peer, micro_batch)] = in_flight.pop(("output", stage, micro_batch))
-            elif op.kind == ops.SEND_GRAD:
-                in_flight[("gradient", op.peer, micro_batch)] = in_flight.pop(("input_gradient", stage, micro_batch))
-            elif op.kind == ops.REDUCE_GRAD:
-                # after every op of the stage (tasks of one actor run in order); raises
-                # unless all of them ran, so no apply runs after a failed op anywhere
-                outcomes[stage] = actor.finish_backward.remote(1.0 / loss_scale, self.config.clip_grad_value)
-            # RECV_*: the reference is already in flight; OPTIMIZER_STEP: see run_step
-        return Submitted([losses[mb] for mb in sorted(losses)], [outcomes[s] for s in sorted(outcomes)])
-
-    def collect(self, submitted: Submitted) -> tuple[list[float], list[tuple[float, bool]]]:
-        return ray.get(submitted.losses), ray.get(submitted.outcomes)
+            wiring.submit(stage, op)
+        stats = [wiring.outcomes[stage] for stage in range(len(self.group.actors))]
+        # Ray resolves the references to every stage's statistics before a commit runs
+        commits = [actor.commit.remote(loss_scale is not None, *stats) for actor in self.group.actors]
+        return Submitted(stats, commits)
 
     def _repair(self) -> None:
         """Nothing to repair: a failed op leaves nothing behind in the transport."""
+
+
+class _Wiring:
+    """One step's tasks, submitted op by op: a SEND hands its op's result reference
+    to the peer, whose op then takes it as an argument."""
+
+    def __init__(self, actors: list[Any], step: int, batch: MicroBatches | None, loss_scale: float,
+                 clip_value: float | None) -> None:
+        self.actors, self.last, self.step, self.batch = actors, len(actors) - 1, step, batch
+        self.loss_scale, self.clip_value = loss_scale, clip_value
+        self.in_flight: dict[tuple[str, int, int], Any] = {}  # (what, stage, micro-batch) -> reference
+        self.outcomes: dict[int, Any] = {}
+        # RECV_*: the reference is already in flight; OPTIMIZER_STEP: the commit, after every op
+        self._handlers = {ops.F: self._forward, ops.B: self._backward, ops.SEND_ACT: self._send,
+                          ops.SEND_GRAD: self._send, ops.REDUCE_GRAD: self._finish}
+
+    def submit(self, stage: int, op: ops.LoweredOp) -> None:
+        handler = self._handlers.get(op.kind)
+        if handler is not None:
+            handler(stage, op)
+
+    def _forward(self, stage: int, op: ops.LoweredOp) -> None:
+        micro_batch, batch = op.micro_batch, self.batch
+        hidden = self.in_flight.pop(("activation", stage, micro_batch), None)
+        if stage == 0 and batch is not None:
+            hidden = batch.inputs[micro_batch]
+        labels = (None, None) if batch is None or stage < self.last else (
+            batch.targets[micro_batch], batch.weights[micro_batch])
+        self.in_flight[("output", stage, micro_batch)] = self.actors[stage].forward.remote(
+            micro_batch, hidden, *labels, self.step)
+
+    def _backward(self, stage: int, op: ops.LoweredOp) -> None:
+        gradient = self.in_flight.pop(("gradient", stage, op.micro_batch), None)
+        scale = self.loss_scale if stage == self.last else 1.0
+        self.in_flight[("input_gradient", stage, op.micro_batch)] = self.actors[stage].backward.remote(
+            op.micro_batch, gradient, scale)
+
+    def _send(self, stage: int, op: ops.LoweredOp) -> None:
+        sent, received = ("output", "activation") if op.kind == ops.SEND_ACT else ("input_gradient", "gradient")
+        self.in_flight[(received, op.peer, op.micro_batch)] = self.in_flight.pop((sent, stage, op.micro_batch))
+
+    def _finish(self, stage: int, _: ops.LoweredOp) -> None:
+        # after every op of the stage (tasks of one actor run in order); raises
+        # unless all of them ran, so no commit runs after a failed op anywhere
+        self.outcomes[stage] = self.actors[stage].finish_backward.remote(1.0 / self.loss_scale, self.clip_value)

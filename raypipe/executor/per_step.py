@@ -31,18 +31,13 @@ class PerStepExecutor(Executor):
         except Exception:  # noqa: BLE001 - actors may already be gone at shutdown
             pass
 
-    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float) -> Submitted:
+    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
         actors, last = self.group.actors, len(self.group.actors) - 1
-        clip_value = self.config.clip_grad_value
-        return Submitted([], [actor.run_step.remote(
-            step, batch.inputs if batch is not None and stage == 0 else None,
-            batch.targets if batch is not None and stage == last else None,
-            batch.weights if batch is not None and stage == last else None,
-            loss_scale, clip_value) for stage, actor in enumerate(actors)])
-
-    def collect(self, submitted: Submitted) -> tuple[list[float], list[tuple[float, bool]]]:
-        outputs = ray.get(submitted.outcomes)
-        return [outputs[-1]["loss"]], [output["grad_stats"] for output in outputs]
+        steps = [actor.run_step.remote(step, batch.inputs if batch is not None and stage == 0 else None,
+                                       batch.targets if batch is not None and stage == last else None,
+                                       batch.weights if batch is not None and stage == last else None,
+                                       loss_scale) for stage, actor in enumerate(actors)]
+        return Submitted(steps, steps)
 
     def _repair(self) -> None:
         """A failed step leaves the group broken (its failing stage left it): every

@@ -13,13 +13,13 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from raypipe.comm.p2p import P2PChannel, rendezvous_address
 from raypipe.core import lowering, ops
-from raypipe.core.result import OpEvent
+from raypipe.core.result import OpEvent, StageReport
+from raypipe.core.step_decision import StageGradStats
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
 
@@ -32,8 +32,10 @@ class _StepState:
     inputs: list
     targets: list
     weights: list
-    loss_scale: float
-    loss: float = 0.0
+    loss_scale: float | None
+    started: float = field(default_factory=time.time)
+    stats: list[StageGradStats] = field(default_factory=list)  # every stage's, after the reduction
+    report: StageReport | None = None
     activations: dict[int, torch.Tensor] = field(default_factory=dict)  # received, per micro-batch
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     gradients: dict[int, torch.Tensor] = field(default_factory=dict)  # received, per micro-batch
@@ -45,11 +47,12 @@ class PerStepWorker(StageWorker):
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
-        self._ops = [op for op in lowering.lower(self.schedule)[spec.stage] if op.kind != ops.OPTIMIZER_STEP]
+        self._ops = lowering.lower(self.schedule)[spec.stage]
         self._channel = P2PChannel(spec.stage, spec.num_stages, self.device)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
-                          ops.B: self._backward, ops.SEND_GRAD: self._send_gradient}
+                          ops.B: self._backward, ops.SEND_GRAD: self._send_gradient,
+                          ops.REDUCE_GRAD: self._reduce, ops.OPTIMIZER_STEP: self._commit}
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the other stages meet this one (called on stage 0)."""
@@ -62,26 +65,22 @@ class PerStepWorker(StageWorker):
         self._channel.leave()
 
     def run_step(self, step: int, inputs: list | None, targets: list | None, weights: list | None,
-                 loss_scale: float = 1.0, clip_value: float | None = None) -> dict[str, Any]:
-        """This stage's ops of one step, then its gradient statistics.
+                 loss_scale: float | None = None) -> StageReport:
+        """This stage's whole step: its ops, one all-reduce of every stage's gradient
+        statistics, then the same decision as every other stage (step or skip).
 
-        Returns ``{"loss": weighted loss sum (last stage) or None, "grad_stats":
-        (squared norm, found_inf)}``. On any failure this worker leaves the group
-        first, releasing its neighbours.
+        On any failure this worker leaves the group first, releasing its
+        neighbours (and failing their reduction, so no stage steps).
         """
         none = [None] * self.config.num_micro_batches
         state = _StepState(step, inputs or none, targets or none, weights or none, loss_scale)
         try:
             for op in self._ops:
-                if op.kind == ops.REDUCE_GRAD:
-                    self._channel.finish_sends()
-                    stats = self.grad_stats(1.0 / loss_scale, clip_value)
-                else:
-                    self._handlers[op.kind](op.micro_batch, state)
+                self._handlers[op.kind](op.micro_batch, state)
         except BaseException as error:
             self._leave_failed_step(error)
             raise
-        return {"loss": state.loss if self.is_last else None, "grad_stats": stats}
+        return state.report
 
     def _recv_activation(self, micro_batch: int, state: _StepState) -> None:
         start = time.time()
@@ -92,9 +91,7 @@ class PerStepWorker(StageWorker):
         hidden = state.inputs[micro_batch] if self.is_first else state.activations.pop(micro_batch)
         output = self.forward(micro_batch, hidden, state.targets[micro_batch], state.weights[micro_batch],
                               state.step)
-        if self.is_last:
-            state.loss += output
-        else:
+        if not self.is_last:
             state.outputs[micro_batch] = output
 
     def _send_activation(self, micro_batch: int, state: _StepState) -> None:
@@ -107,11 +104,27 @@ class PerStepWorker(StageWorker):
 
     def _backward(self, micro_batch: int, state: _StepState) -> None:
         gradient = state.gradients.pop(micro_batch, None)
-        scale = state.loss_scale if self.is_last else 1.0
+        scale = state.loss_scale if self.is_last and state.loss_scale is not None else 1.0
         state.input_gradients[micro_batch] = self.backward(micro_batch, gradient, scale)
 
     def _send_gradient(self, micro_batch: int, state: _StepState) -> None:
         self._channel.send_gradient(state.input_gradients.pop(micro_batch), micro_batch)
+
+    def _reduce(self, _: None, state: _StepState) -> None:
+        self._channel.finish_sends()
+        scale = 1.0 if state.loss_scale is None else state.loss_scale
+        own = self.grad_stats(1.0 / scale, self.config.clip_grad_value)
+        count, me = self.num_stages, self.stage_index
+        slots = [0.0] * (3 * count)  # every stage's squared norm, overflow flag and loss share
+        slots[me], slots[count + me], slots[2 * count + me] = own.squared_norm, float(own.found_inf), own.loss or 0.0
+        reduced = self._channel.all_reduce_sum(slots)
+        state.stats = [StageGradStats(reduced[s], reduced[count + s] > 0, reduced[2 * count + s] if s == count - 1
+                                      else None) for s in range(count)]
+
+    def _commit(self, _: None, state: _StepState) -> None:
+        state.report = self.commit(state.loss_scale is not None, *state.stats)
+        # the driver's overhead is a step's wall time minus the longest of these
+        state.report.stats.task_seconds = time.time() - state.started
 
     def _leave_failed_step(self, error: BaseException) -> None:
         """Leave the group now, so that neighbours blocked on this stage fail at once.

@@ -18,11 +18,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from raypipe.core.result import StageStats, StepResult
+from raypipe.core.step_decision import NONFINITE, OVERFLOW
 
 # Every stage-labelled metric also carries a ``replica`` label so data-parallel
 # replicas of a stage can be told apart without changing metric names or the
 # dashboard. Until the trainer reports replicas, all stages are replica "0".
 STAGE_LABELS = ("stage", "replica")
+SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
 
 # (kind label, StageStats field) for raypipe_stage_memory_bytes.
@@ -43,14 +45,15 @@ class _TrainingCollector(Collector):
         self._last: StepResult | None = None
         self._eval_loss: float | None = None
         self._steps = 0
-        self._skipped = 0
+        self._skipped = {reason: 0 for reason in SKIP_REASONS}
         self._restarts = 0
 
     def record_step(self, result: StepResult) -> None:
         with self._lock:
             self._last = result
             self._steps += 1
-            self._skipped += int(result.skipped)
+            if result.skip_reason is not None:
+                self._skipped[result.skip_reason] += 1
 
     def record_eval(self, loss: float) -> None:
         with self._lock:
@@ -63,15 +66,18 @@ class _TrainingCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             last, eval_loss = self._last, self._eval_loss
-            steps, skipped, restarts = self._steps, self._skipped, self._restarts
+            steps, skipped, restarts = self._steps, dict(self._skipped), self._restarts
         yield CounterMetricFamily(
             "raypipe_steps_total", "Optimizer steps run (skipped ones included).", value=steps
         )
-        yield CounterMetricFamily(
+        skipped_family = CounterMetricFamily(
             "raypipe_skipped_steps_total",
-            "Steps whose optimizer update was skipped (fp16 overflow).",
-            value=skipped,
+            "Steps whose optimizer update was skipped everywhere, by reason (fp16 overflow, non-finite).",
+            labels=["reason"],
         )
+        for reason, count in skipped.items():
+            skipped_family.add_metric([reason], count)
+        yield skipped_family
         yield CounterMetricFamily(
             "raypipe_restarts_total",
             "Times training was restored after a failure.",

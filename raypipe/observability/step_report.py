@@ -1,7 +1,7 @@
 """Turn the stages' reports of one step into a StepResult (measured bubble, MFU)."""
 from __future__ import annotations
 
-from raypipe.core.result import OpEvent, StageStats, StepResult
+from raypipe.core.result import OpEvent, StageReport, StepResult
 
 
 def clip_coefficient(grad_norm: float, max_norm: float | None) -> float:
@@ -25,12 +25,13 @@ def measured_bubble(timeline: list[OpEvent], num_stages: int) -> list[float]:
     return [max(0.0, 1.0 - b / window) for b in busy]
 
 
-def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: float | None, skipped: bool,
-                      loss_scale: float | None, step_time: float, num_samples: int, num_tokens: int,
-                      reports: list[tuple[list[OpEvent], StageStats]], num_parameters: int,
+def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: float | None,
+                      skip_reason: str | None, loss_scale: float | None, step_time: float, num_samples: int,
+                      num_tokens: int, reports: list[StageReport], num_parameters: int,
                       peak_flops: float | None, num_devices: int) -> StepResult:
-    timeline = sorted((event for events, _ in reports for event in events), key=lambda e: (e.stage, e.start))
-    stages = [stats for _, stats in reports]
+    timeline = sorted((event for report in reports for event in report.events), key=lambda e: (e.stage, e.start))
+    stages = [report.stats for report in reports]
+    skipped = skip_reason is not None
     mfu = None
     if peak_flops:
         from raypipe.observability.metrics import mfu as model_flops_utilization
@@ -39,7 +40,7 @@ def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: flo
     return StepResult(
         step=step, loss=loss, grad_norm=grad_norm, step_time=step_time,
         clip_coefficient=1.0 if skipped else clip_coefficient(grad_norm, max_norm),
-        skipped=skipped, loss_scale=loss_scale, num_samples=num_samples, num_tokens=num_tokens,
+        skipped=skipped, skip_reason=skip_reason, loss_scale=loss_scale, num_samples=num_samples, num_tokens=num_tokens,
         tokens_per_second=num_tokens / step_time if step_time > 0 else 0.0, mfu=mfu,
         learning_rate=next((s.learning_rate for s in stages if s.learning_rate is not None), None),
         stages=stages, timeline=timeline, bubble_fraction=measured_bubble(timeline, len(stages)))

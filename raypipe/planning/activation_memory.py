@@ -2,7 +2,8 @@
 
 What autograd saves for backward (distinct storages, parameters excluded), as
 :mod:`raypipe.models.llama` runs its ops; :mod:`raypipe.planning.memory` multiplies it
-out per stage and schedule.
+out per stage and schedule. A stage's bf16 compute weights count as parameters
+(static memory): every micro-batch's graph saves the same copy.
 """
 from __future__ import annotations
 
@@ -16,7 +17,21 @@ from raypipe.models.llama import LlamaConfig
 FP32 = 4
 INDEX = 8  # token ids and targets are int64
 LAYER_KINDS = ("embedding", "block", "head", "loss")
-AMP_STYLES = ("standard", "autocast")
+# How bf16/fp16 runs (fp32 has one way):
+#   "main_weights": 2-byte compute weights shared by every micro-batch of a step, fp32 main
+#                   weights and main gradients, forward under torch.autocast (raypipe's bf16)
+#   "autocast":     fp32 weights under torch.autocast, cast again in every forward (raypipe's fp16)
+#   "standard":     the common convention: 2-byte weights, gradients and activations throughout
+AMP_STYLES = ("main_weights", "autocast", "standard")
+RAYPIPE_AMP = {"bf16": "main_weights", "fp16": "autocast"}  # what PipelineConfig(precision=...) runs
+
+
+def amp_style(precision: str, amp: str | None = None) -> str | None:
+    """``amp``, or (None) the style raypipe runs for ``precision``; None for fp32."""
+    check_choice("precision", precision, PRECISIONS)
+    if amp is not None:
+        check_choice("amp", amp, AMP_STYLES)
+    return None if precision == "fp32" else amp or RAYPIPE_AMP[precision]
 
 # -- activations per layer -----------------------------------------------------------
 
@@ -25,30 +40,35 @@ class _Dtypes:
     """Element sizes of the tensors autograd saves, for one precision setting."""
 
     act: int  # outputs of matmuls and attention
-    resid: int  # residual stream: norm inputs, stage boundaries
+    resid: int  # residual stream: stage boundaries
+    norm_input: int  # what RMSNorm saves of its input
     norm: int  # normalized activations inside RMSNorm
+    norm_output: int  # RMSNorm's output, the input the following linears save
     math_attention: int  # the unfused (math) attention path
-    autocast: bool  # linears save low-precision copies of their input and weight
+    weight_copies: bool  # linears save low-precision copies of their input and weight, per forward
     exact_tables: bool  # fp32 rotary tables are saved as views of the whole buffer
 
 
-def _dtypes(precision: str, amp: str) -> _Dtypes:
-    check_choice("precision", precision, PRECISIONS)
-    check_choice("amp", amp, AMP_STYLES)
-    if precision == "fp32":
-        return _Dtypes(FP32, FP32, FP32, FP32, autocast=False, exact_tables=True)
-    if amp == "standard":
-        return _Dtypes(2, 2, 2, 2, autocast=False, exact_tables=False)
-    # torch.autocast: parameters stay fp32, so the embedding output, the residual
-    # stream and RMSNorm (fed fp32) stay fp32; matmuls run in 2 bytes; torch's
-    # math attention upcasts 2-byte inputs to fp32 (allow_fp16_bf16_reduction_math_sdp
-    # is off by default).
-    return _Dtypes(2, FP32, FP32, FP32, autocast=True, exact_tables=False)
+def _dtypes(precision: str, amp: str | None) -> _Dtypes:
+    style = amp_style(precision, amp)
+    if style is None:
+        return _Dtypes(FP32, FP32, FP32, FP32, FP32, FP32, weight_copies=False, exact_tables=True)
+    if style == "standard":
+        return _Dtypes(2, 2, 2, 2, 2, 2, weight_copies=False, exact_tables=False)
+    # Under torch.autocast matmuls run in 2 bytes and torch's math attention upcasts
+    # 2-byte inputs to fp32 (allow_fp16_bf16_reduction_math_sdp is off by default).
+    if style == "autocast":
+        # fp32 weights: the embedding output, the residual stream and RMSNorm stay fp32
+        return _Dtypes(2, FP32, FP32, FP32, FP32, FP32, weight_copies=True, exact_tables=False)
+    # main_weights: bf16 weights, so the embedding output and the residual stream are
+    # 2-byte; RMSNorm computes in fp32 (it saves an fp32 copy of its input and the fp32
+    # normalized x) and returns its input's dtype, one 2-byte tensor the linears share
+    return _Dtypes(2, 2, FP32, FP32, 2, FP32, weight_copies=False, exact_tables=False)
 
 
 def activation_breakdown(config: LlamaConfig, layer_kind: str, micro_batch_size: int, seq_len: int,
                          precision: str = "fp32", fused_attention: bool = True, *,
-                         amp: str = "standard", device: str = "cuda") -> dict[str, int]:
+                         amp: str | None = None, device: str = "cuda") -> dict[str, int]:
     """Bytes autograd saves for one micro-batch in one layer, by tensor.
 
     ``layer_kind``: "embedding", "block", "head", or "loss" (the cross entropy
@@ -71,7 +91,7 @@ def activation_breakdown(config: LlamaConfig, layer_kind: str, micro_batch_size:
         return {"log_probs": FP32 * tokens * config.vocab_size, "targets": INDEX * tokens, "total_weight": FP32}
     if layer_kind == "head":
         saved = _rms_norm("norm", config.dim, tokens, dt)
-        saved.update(_linears("output", [(config.dim, config.vocab_size)], tokens, dt, input_bytes=dt.norm))
+        saved.update(_linears("output", [(config.dim, config.vocab_size)], tokens, dt, input_bytes=dt.norm_output))
         return saved
     return _block(config, micro_batch_size, seq_len, dt, fused_attention, device)
 
@@ -79,16 +99,17 @@ def activation_breakdown(config: LlamaConfig, layer_kind: str, micro_batch_size:
 def _rms_norm(name: str, dim: int, tokens: int, dt: _Dtypes) -> dict[str, int]:
     # F.rms_norm is a composite op: x * rsqrt(mean(x^2) + eps) * weight saves
     # its input, the reciprocal rms, and the normalized x (for the weight's grad)
-    return {f"{name}.input": dt.resid * tokens * dim, f"{name}.rstd": FP32 * tokens,
+    return {f"{name}.input": dt.norm_input * tokens * dim, f"{name}.rstd": FP32 * tokens,
             f"{name}.normalized": dt.norm * tokens * dim}
 
 
 def _linears(name: str, shapes: list[tuple[int, int]], tokens: int, dt: _Dtypes, input_bytes: int) -> dict[str, int]:
-    """Linears fed by one tensor: without autocast they share one saved input
-    (the producer's output); with autocast each casts its own 2-byte input copy
-    (when the producer is fp32) and its own 2-byte weight copy."""
+    """Linears fed by one tensor: they share one saved input (the producer's
+    output), unless autocast casts fp32 weights (``weight_copies``): then each
+    casts its own 2-byte input copy (when the producer is fp32) and its own
+    2-byte weight copy, in every forward."""
     in_features = shapes[0][0]
-    if not dt.autocast:
+    if not dt.weight_copies:
         return {f"{name}.input": input_bytes * tokens * in_features}
     saved = {}
     for index, (fan_in, fan_out) in enumerate(shapes):
@@ -104,7 +125,7 @@ def _block(config: LlamaConfig, batch: int, seq_len: int, dt: _Dtypes, fused: bo
     d, kv, f, heads, head_dim = config.dim, config.kv_dim, config.ffn_dim, config.n_heads, config.head_dim
     tokens = batch * seq_len
     saved = _rms_norm("attention_norm", d, tokens, dt)
-    saved.update(_linears("qkv", [(d, d), (d, kv), (d, kv)], tokens, dt, input_bytes=dt.norm))
+    saved.update(_linears("qkv", [(d, d), (d, kv), (d, kv)], tokens, dt, input_bytes=dt.norm_output))
     # cos and sin, saved by the rotary multiplies: in fp32 a slice of the whole
     # buffer (its storage is what is held), else a cast copy of the first seq_len rows
     rows, table_bytes = (config.max_seq_len, FP32) if dt.exact_tables else (seq_len, dt.act)
@@ -120,18 +141,18 @@ def _block(config: LlamaConfig, batch: int, seq_len: int, dt: _Dtypes, fused: bo
         saved.update({"q_scaled": e * tokens * d, "k_scaled": e * tokens * d, "v": e * tokens * d,
                       "attention_probs": e * batch * heads * seq_len * seq_len})
         wo_input = dt.act * tokens * d  # the output, made contiguous (a copy) for wo
-    if dt.autocast:
+    if dt.weight_copies:
         saved["wo.weight_copy0"] = dt.act * d * d
     if wo_input is not None:
         saved["wo.input"] = wo_input
     saved.update(_dropout("attention_dropout", config, tokens, dt, device))
     saved.update(_rms_norm("ffn_norm", d, tokens, dt))
-    saved.update(_linears("w1_w3", [(d, f), (d, f)], tokens, dt, input_bytes=dt.norm))
+    saved.update(_linears("w1_w3", [(d, f), (d, f)], tokens, dt, input_bytes=dt.norm_output))
     # silu saves its input (w1's output), the product saves silu's output and
     # w3's output, w2 saves the product
     saved.update({"mlp.gate": dt.act * tokens * f, "mlp.silu": dt.act * tokens * f,
                   "mlp.up": dt.act * tokens * f, "mlp.product": dt.act * tokens * f})
-    if dt.autocast:
+    if dt.weight_copies:
         saved["w2.weight_copy0"] = dt.act * f * d
     saved.update(_dropout("mlp_dropout", config, tokens, dt, device))
     return saved
@@ -146,7 +167,7 @@ def _dropout(name: str, config: LlamaConfig, tokens: int, dt: _Dtypes, device: s
 
 def estimate_layer_activation_bytes(config: LlamaConfig, layer_kind: str, micro_batch_size: int, seq_len: int,
                                     precision: str = "fp32", fused_attention: bool = True, *,
-                                    amp: str = "standard", device: str = "cuda") -> int:
+                                    amp: str | None = None, device: str = "cuda") -> int:
     """Bytes one micro-batch keeps for backward in one layer (sum of :func:`activation_breakdown`)."""
     return sum(activation_breakdown(config, layer_kind, micro_batch_size, seq_len, precision,
                                     fused_attention, amp=amp, device=device).values())
@@ -165,7 +186,7 @@ def layer_parameter_counts(config: LlamaConfig) -> list[int]:
 
 
 def stage_input_bytes(config: LlamaConfig, first_layer: int, micro_batch_size: int, seq_len: int,
-                      precision: str = "fp32", amp: str = "standard") -> int:
+                      precision: str = "fp32", amp: str | None = None) -> int:
     """Bytes of a stage's input: token ids on the first stage, hidden states after."""
     tokens = micro_batch_size * seq_len
     if first_layer == 0:

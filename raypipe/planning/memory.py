@@ -2,23 +2,31 @@
 
 Two parts, per stage:
 
-* **Static** memory, per parameter (:data:`STATIC_BYTES_PER_PARAMETER`):
+* **Static** memory, per parameter (:func:`static_bytes_per_parameter`), with Adam:
 
-  ============  ========  =====  ======  =========  =====
-  precision     weights   grads  master  Adam m, v  total
-  ============  ========  =====  ======  =========  =====
-  fp32          4         4      0       8          16
-  bf16 / fp16   2         2      4       8          16
-  ============  ========  =====  ======  =========  =====
+  ==========================  ========  =====  ======  =========  =====
+  precision (``amp`` style)    weights   grads  master  Adam m, v  total
+  ==========================  ========  =====  ======  =========  =====
+  fp32                        4         4      0       8          16
+  bf16 (``main_weights``)     2         4      4       8          18
+  fp16 (``autocast``)         4         4      0       8          16
+  bf16/fp16 (``standard``)    2         2      4       8          16
+  ==========================  ========  =====  ======  =========  =====
 
-  The bf16/fp16 row is the standard mixed-precision convention (low-precision
-  weights and gradients used by forward/backward, fp32 master weights and fp32
-  Adam moments in the optimizer): a 7B model needs 16 B/param ≈ 112 GB.
-  raypipe's own ``precision="bf16"`` keeps fp32 parameters and gradients and
-  runs the forward under ``torch.autocast`` (``amp="autocast"`` here): 4 + 4 + 0
-  + 8 = 16 B/param as well, but autocast casts the weights once per forward, so
-  every micro-batch whose graph is kept also holds a 2-byte copy of the stage's
-  weights (counted with the activations, where autograd saves it).
+  raypipe's ``precision="bf16"`` (``amp="main_weights"``, the default for
+  bf16) is Megatron-LM's layout: 2-byte bf16 compute weights, fp32 main
+  weights, fp32 main gradients and fp32 Adam moments, 2 + 4 + 4 + 8 = 18
+  B/param. The common 16 B/param table (``amp="standard"``: a 7B model needs
+  ≈ 112 GB) counts 2-byte gradients instead, 2 + 4 + 2 + 8; raypipe
+  accumulates the micro-batches' gradients in fp32 main gradients, +2 B/param.
+  Every micro-batch computes with the same compute weights, so its graph holds
+  no weight copy (each bf16 gradient is added into the main gradient as soon as
+  autograd finishes it, so at most one lives at a time).
+  ``precision="fp16"`` (``amp="autocast"``) keeps fp32 parameters and
+  gradients and runs the forward under ``torch.autocast``: 16 B/param, but
+  autocast casts the weights once per forward, so every micro-batch whose graph
+  is kept also holds a 2-byte copy of the stage's weights (counted with the
+  activations, where autograd saves it).
 
 * **Activations**: per micro-batch and layer, the bytes of the distinct
   storages autograd saves for backward, op by op as :mod:`raypipe.models.llama`
@@ -26,8 +34,8 @@ Two parts, per stage:
   the schedule of what is kept between forward and backward for the
   activation-checkpoint mode (:func:`estimate_stage`). This is what a stage
   measures as "held-for-backward bytes" with ``saved_tensors_hooks``
-  (parameters excluded), and the fp32 figures are checked against that
-  measurement on CPU.
+  (parameters and bf16 compute weights excluded), and the fp32 and bf16
+  figures are checked against that measurement on CPU.
 
 Not modelled: the CUDA context and allocator fragmentation, and transient
 buffers of a single op (e.g. the logits' gradient during the head's backward);
@@ -43,8 +51,8 @@ from raypipe.core.schedule import make_schedule
 from raypipe.core.validation import check_choice, check_int, check_positive_int
 from raypipe.errors import ConfigError
 from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
-from raypipe.planning.activation_memory import (AMP_STYLES, PRECISIONS, activation_breakdown,
-                                                estimate_layer_activation_bytes, layer_kinds,
+from raypipe.planning.activation_memory import (AMP_STYLES, PRECISIONS, RAYPIPE_AMP, activation_breakdown,
+                                                amp_style, estimate_layer_activation_bytes, layer_kinds,
                                                 layer_parameter_counts, stage_input_bytes)
 
 @dataclass(frozen=True)
@@ -61,21 +69,21 @@ class StaticBytes:
         return self.weights + self.gradients + self.master + self.optimizer
 
 
-STATIC_BYTES_PER_PARAMETER: dict[str, StaticBytes] = {
-    "fp32": StaticBytes(weights=4, gradients=4, master=0, optimizer=8),
-    "bf16": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
-    "fp16": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
+# per mixed-precision style (None: fp32), with Adam
+STATIC_BYTES_PER_PARAMETER: dict[str | None, StaticBytes] = {
+    None: StaticBytes(weights=4, gradients=4, master=0, optimizer=8),
+    "main_weights": StaticBytes(weights=2, gradients=4, master=4, optimizer=8),
+    "autocast": StaticBytes(weights=4, gradients=4, master=0, optimizer=8),
+    "standard": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
 }
-AUTOCAST_STATIC_BYTES = StaticBytes(weights=4, gradients=4, master=0, optimizer=8)
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # fp32 state per parameter
 
 
-def static_bytes_per_parameter(precision: str, amp: str = "standard", optimizer: str = "adam") -> StaticBytes:
-    """Static bytes per parameter for a precision, mixed-precision style and optimizer."""
-    check_choice("precision", precision, PRECISIONS)
-    check_choice("amp", amp, AMP_STYLES)
+def static_bytes_per_parameter(precision: str, amp: str | None = None, optimizer: str = "adam") -> StaticBytes:
+    """Static bytes per parameter for a precision, mixed-precision style (None: the one
+    raypipe runs, see :data:`RAYPIPE_AMP`) and optimizer."""
     check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
-    table = AUTOCAST_STATIC_BYTES if (amp == "autocast" and precision != "fp32") else STATIC_BYTES_PER_PARAMETER[precision]
+    table = STATIC_BYTES_PER_PARAMETER[amp_style(precision, amp)]
     return StaticBytes(table.weights, table.gradients, table.master, OPTIMIZER_STATE_BYTES[optimizer])
 
 
@@ -124,7 +132,7 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
                    activation_checkpoint: str = "never", activation_checkpoint_segments: int | None = None,
                    offload_activations: bool = False, fused_attention: bool = True,
                    schedule: str = "gpipe", stage_index: int = 0, num_stages: int = 1,
-                   gpu_memory_bytes: int | None = None, amp: str = "standard", device: str = "cuda",
+                   gpu_memory_bytes: int | None = None, amp: str | None = None, device: str = "cuda",
                    optimizer: str = "adam", optimizer_shards: int = 1) -> StageMemory:
     """Memory of the stage holding global layers ``layer_indices`` (contiguous).
 
@@ -162,7 +170,7 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
 
 
 def _graph_bytes(config: LlamaConfig, layers: list[int], segments: int | None, fused_attention: bool, device: str,
-                 *, micro_batch_size: int, seq_len: int, precision: str, amp: str) -> tuple[int, int]:
+                 *, micro_batch_size: int, seq_len: int, precision: str, amp: str | None) -> tuple[int, int]:
     """One micro-batch's kept graph, and the extra a segment's recompute adds during backward."""
     kinds = layer_kinds(config)
     per_layer = [estimate_layer_activation_bytes(config, kinds[i], micro_batch_size, seq_len, precision,
@@ -232,7 +240,7 @@ def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: i
                       offload_activations: bool = False, fused_attention: bool = True,
                       balance: Sequence[int] | None = None, gpu_memory_bytes: int | None = None, *,
                       activation_checkpoint_segments: int | None = None,
-                      schedule: str = "gpipe", amp: str = "standard", device: str = "cuda",
+                      schedule: str = "gpipe", amp: str | None = None, device: str = "cuda",
                       optimizer: str = "adam", optimizer_shards: int = 1) -> list[StageMemory]:
     """:func:`estimate_stage` for every stage of ``llama_layers(config)`` split by ``balance``
     (layers per stage; default: balanced by parameter count)."""
@@ -277,7 +285,7 @@ def _check_stage_args(layers: list[int], num_layers: int, activation_checkpoint:
     check_positive_int("optimizer_shards", optimizer_shards)
 
 
-__all__ = ["STATIC_BYTES_PER_PARAMETER", "StageMemory", "StaticBytes", "activation_breakdown", "balanced_partition",
-           "estimate_layer_activation_bytes", "estimate_pipeline", "estimate_stage", "layer_kinds",
-           "layer_parameter_counts", "num_parameters", "spec_parameter_count", "stage_input_bytes",
-           "static_bytes_per_parameter"]
+__all__ = ["AMP_STYLES", "PRECISIONS", "RAYPIPE_AMP", "STATIC_BYTES_PER_PARAMETER", "StageMemory", "StaticBytes",
+           "activation_breakdown", "amp_style", "balanced_partition", "estimate_layer_activation_bytes",
+           "estimate_pipeline", "estimate_stage", "layer_kinds", "layer_parameter_counts", "num_parameters",
+           "spec_parameter_count", "stage_input_bytes", "static_bytes_per_parameter"]

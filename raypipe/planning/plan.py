@@ -20,8 +20,11 @@ from raypipe.models.llama import CONFIGS, LlamaConfig, get_config
 from raypipe.planning.memory import (
     AMP_STYLES,
     PRECISIONS,
+    RAYPIPE_AMP,
     StageMemory,
+    amp_style,
     estimate_pipeline,
+    static_bytes_per_parameter,
 )
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -63,9 +66,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
                         help="flash-style attention that saves no (s x s) probabilities (default: on)")
     parser.add_argument("--schedule", default="gpipe", choices=SCHEDULES)
-    parser.add_argument("--amp", default="standard", choices=AMP_STYLES,
-                        help="bf16/fp16 style: 'standard' = 2-byte weights and grads + fp32 master; "
-                             "'autocast' = fp32 weights under torch.autocast (weight copies per micro-batch)")
+    parser.add_argument("--amp", default=None, choices=AMP_STYLES,
+                        help="bf16/fp16 style (default: what raypipe runs, "
+                             + ", ".join(f"{p}: {s}" for p, s in RAYPIPE_AMP.items()) + "): "
+                             "'main_weights' = bf16 compute weights + fp32 main weights and grads (18 B/param); "
+                             "'autocast' = fp32 weights under torch.autocast (weight copies per micro-batch); "
+                             "'standard' = 2-byte weights and grads + fp32 master (the common 16 B/param)")
     parser.add_argument("--gpu-memory", type=parse_bytes, default=None, metavar="SIZE",
                         help="device memory per stage, e.g. 80GB or 80GiB; enables fits/suggestions")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -85,7 +91,7 @@ class PlanSettings:
     offload_activations: bool
     fused_attention: bool
     schedule: str
-    amp: str
+    amp: str | None  # None: the style raypipe runs for the precision
     optimizer_shards: int = 1
 
     def estimate(self, config: LlamaConfig, gpu_memory_bytes: int | None) -> list[StageMemory]:
@@ -111,7 +117,8 @@ def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) 
 
     if settings.precision == "fp32":
         settings = replace(settings, precision="bf16")
-        if tried("mixed precision", "bf16 weights and activations, fp32 master weights", "--precision bf16", settings):
+        if tried("mixed precision", "bf16 compute weights and activations, fp32 main weights and gradients",
+                 "--precision bf16", settings):
             return suggestions
     if settings.activation_checkpoint == "never":
         settings = replace(settings, activation_checkpoint="always")
@@ -188,6 +195,8 @@ def build_plan(args: argparse.Namespace) -> dict:
         seq_len=args.seq_len or config.max_seq_len, precision=args.precision, **activation_arguments(args),
         fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp)
     stages = settings.estimate(config, args.gpu_memory)
+    amp = amp_style(settings.precision, settings.amp)
+    per_parameter = static_bytes_per_parameter(settings.precision, amp)
     fits = None if args.gpu_memory is None else all(stage.fits for stage in stages)
     rows = []
     for stage in stages:
@@ -197,13 +206,36 @@ def build_plan(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
         "num_parameters": sum(stage.num_parameters for stage in stages),
-        "settings": {k: v for k, v in vars(settings).items()},
+        "settings": {**vars(settings), "amp": amp},
+        "bytes_per_parameter": {**vars(per_parameter), "total": per_parameter.total},
         "gpu_memory_bytes": args.gpu_memory,
         "fits": fits,
         "max_total_bytes": _max_total(stages),
         "stages": rows,
         "suggestions": suggest(config, settings, args.gpu_memory) if fits is False else [],
     }
+
+
+# per amp style (None: fp32): what the weights, master and gradients columns hold, and a note
+_STATIC_LABELS = {
+    None: ("weights", "master weights", "gradients", None),
+    "main_weights": ("bf16 compute weights", "fp32 main weights", "fp32 main gradients",
+                     ("the common 16 B/param mixed-precision table counts 2-byte gradients, 2 + 4 + 2 + 8; "
+                      "raypipe accumulates the micro-batches in fp32 main gradients: +2 B/param")),
+    "autocast": ("fp32 weights", "master weights", "fp32 gradients",
+                 ("autocast casts the weights in every forward: a 2-byte copy per kept micro-batch, "
+                  "counted with the activations")),
+    "standard": ("weights", "fp32 master weights", "gradients", None),
+}
+
+
+def describe_bytes_per_parameter(per_parameter: dict, amp: str | None) -> str:
+    """E.g. "per parameter: 2 B bf16 compute weights + 4 B fp32 main weights + ... = 18 B (...)"."""
+    weights, master, gradients, note = _STATIC_LABELS[amp]
+    parts = [(per_parameter["weights"], weights), (per_parameter["master"], master),
+             (per_parameter["gradients"], gradients), (per_parameter["optimizer"], "Adam moments")]
+    text = " + ".join(f"{count} B {label}" for count, label in parts if count)
+    return f"per parameter: {text} = {per_parameter['total']} B" + (f" ({note})" if note else "")
 
 
 def render_table(plan: dict) -> str:
@@ -220,6 +252,7 @@ def render_table(plan: dict) -> str:
         + (", offload_activations" if settings["offload_activations"] else "")
         + f", {'fused' if settings['fused_attention'] else 'unfused'} attention, {settings['schedule']}",
     ]
+    lines.append(describe_bytes_per_parameter(plan["bytes_per_parameter"], settings["amp"]))
     header = ["stage", "layers", "params", "weights", "grads", "master", "optimizer", "activations",
               "offloaded", "total", "fits"]
     table = [header]

@@ -16,16 +16,17 @@ import torch
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from raypipe.core.result import OpEvent, StageStats
+from raypipe.core.result import OpEvent, StageReport, StageStats
 from raypipe.core.schedule import make_schedule
 from raypipe.core.seeding import derive_seed
+from raypipe.core.step_decision import StageGradStats, StepDecision, decide
 from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
 from raypipe.stage.activations import ActivationStore
 from raypipe.stage.data_reader import StageData
 from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
 from raypipe.stage.offload import Offloader
-from raypipe.stage.precision import autocast
+from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
 
 
@@ -79,8 +80,10 @@ class StageWorker:
         self.layers = nn.ModuleList(build_layer(layer, index, config.seed)
                                     for layer, index in zip(spec.layers, spec.layer_indices))
         self.layers.to(self.device)
+        self.weights = compute_weights(config.precision, self.layers, self.device)  # what the layers compute with
         parameters = [p for p in self.layers.parameters() if p.requires_grad]
-        self._parameter_storages = storage_pointers(self.layers.parameters())  # excluded from held bytes
+        # parameters and compute weights: static memory, excluded from held bytes
+        self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
         self.optimizer = spec.optimizer_factory(parameters) if spec.optimizer_factory and parameters else None
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
@@ -90,6 +93,7 @@ class StageWorker:
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step
         self._backwards_done: set[int] = set()  # micro-batches whose backward ran in the running step
+        self._step_loss = 0.0  # last stage: the running step's weighted loss sum
         self._events: list[OpEvent] = []
         self._last_micro_batch = config.num_micro_batches - 1
         self.schedule = make_schedule(config.schedule, spec.num_stages, config.num_micro_batches)
@@ -136,7 +140,9 @@ class StageWorker:
             meter.add(outputs)  # the graph's root stays alive until backward
             self.store.keep_graph(micro_batch, leaf, outputs, meter.bytes)
         if self.is_last:
-            return float(outputs.detach())
+            loss = float(outputs.detach())
+            self._step_loss += loss
+            return loss
         return outputs.detach()
 
     @_stage_op("B", in_step=True)
@@ -165,25 +171,27 @@ class StageWorker:
             return None
         return inputs.grad
 
-    def finish_backward(self, inv_scale: float = 1.0, clip_value: float | None = None) -> tuple[float, bool]:
+    def finish_backward(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
         """:meth:`grad_stats` of a step whose ops the driver submitted one by one.
 
         Raises when this stage's step is not whole: the error of its failed op,
         or :class:`StepAborted` when an op never ran because an op it depends on
-        failed on another stage. The driver makes every stage's optimizer step
-        depend on every stage's ``finish_backward``, so a failure anywhere
+        failed on another stage. Every stage's :meth:`commit` takes every
+        stage's ``finish_backward`` as an argument, so a failure anywhere
         reaches no optimizer.
         """
         self._check_step_is_whole()
         return self.grad_stats(inv_scale, clip_value)
 
     @_stage_op("grad_stats", per_micro_batch=False)
-    def grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> tuple[float, bool]:
-        """Unscale gradients, clamp them elementwise if asked, and report
-        (squared L2 norm in fp32, whether any gradient is inf/NaN)."""
+    def grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
+        """Unscale gradients, clamp them elementwise if asked, and report this stage's
+        squared L2 norm (fp32), whether any gradient is inf/NaN, and (last stage)
+        its weighted loss sum."""
+        loss = self._step_loss if self.is_last else None
         grads = [p.grad for p in self.layers.parameters() if p.grad is not None]
         if not grads:
-            return 0.0, False
+            return StageGradStats(0.0, False, loss)
         if inv_scale != 1.0:
             torch._foreach_mul_(grads, inv_scale)
         norm = get_total_norm([g.float() for g in grads])
@@ -191,7 +199,7 @@ class StageWorker:
         if clip_value is not None and not found_inf:
             torch.nn.utils.clip_grad_value_(self.layers.parameters(), clip_value)
             norm = get_total_norm([g.float() for g in grads])
-        return float(norm.to(torch.float32)) ** 2, found_inf
+        return StageGradStats(float(norm.to(torch.float32)) ** 2, found_inf, loss)
 
     def _check_step_is_whole(self) -> None:
         if self._step_failure is not None:
@@ -202,26 +210,24 @@ class StageWorker:
                               f"the backward of micro-batch(es) {missing} did not run: an op it depends on "
                               "failed on another stage")
 
-    def apply(self, max_norm: float | None = None, total_norm: float = 0.0, skip: bool = False,
-              *after: Any) -> tuple[list[OpEvent], StageStats]:
-        """Clip by the global norm and step, or skip (as every stage does); then report.
-
-        ``after`` are results this must wait for: the driver passes every
-        stage's ``finish_backward`` (or ``run_step``) result, which raises unless that
-        stage's step is whole, so a failed step never reaches any optimizer.
-        """
-        self._optimizer_step(max_norm, total_norm, skip)
+    def commit(self, loss_scaled: bool, *stats: StageGradStats) -> StageReport:
+        """End the step as every stage does: from every stage's statistics (the same
+        numbers, in stage order, on every stage) decide, then clip by the global
+        norm and step, or skip; report the timeline, memory and the decision."""
+        decision = decide(stats, loss_scaled)
+        self._optimizer_step(decision)
         events, self._events = self._events, []
-        return events, self._stats(events)
+        return StageReport(events, self._stats(events), decision)
 
     @_stage_op("optimizer", per_micro_batch=False)
-    def _optimizer_step(self, max_norm: float | None, total_norm: float, skip: bool) -> None:
-        if self.optimizer is not None and not skip:
-            if max_norm is not None:
-                # the global norm, reduced by the driver over every stage
-                clip_grads_with_norm_(self.layers.parameters(), max_norm, torch.tensor(total_norm))
+    def _optimizer_step(self, decision: StepDecision) -> None:
+        if self.optimizer is not None and not decision.skipped:
+            if self.config.clip_grad_norm is not None:
+                clip_grads_with_norm_(self.layers.parameters(), self.config.clip_grad_norm,
+                                      torch.tensor(decision.grad_norm))
             self.optimizer.step()
-            if self.scheduler is not None:  # a skipped (overflowed) step does not advance the schedule
+            self.weights.refresh()
+            if self.scheduler is not None:  # a skipped step does not advance the schedule
                 self.scheduler.step()
         self._end_step()
 
@@ -236,6 +242,7 @@ class StageWorker:
         self.store.clear()
         self._step_failure = None
         self._backwards_done.clear()
+        self._step_loss = 0.0
 
     @_stage_op("eval", timed=False)
     def evaluate(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
@@ -257,6 +264,7 @@ class StageWorker:
     def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
         for index, layer in zip(self.layer_indices, self.layers):
             layer.load_state_dict(states[index])
+        self.weights.refresh()
 
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """Optimizer state per global layer index and parameter name (partition-independent)."""
@@ -355,7 +363,7 @@ class StageWorker:
         torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(seed)
-        return self.layers[position](hidden)
+        return self.weights.run(position, self.layers[position], hidden)
 
     def _prefetch_next(self, micro_batch: int) -> None:
         """Start fetching the input of the backward that runs after this one."""

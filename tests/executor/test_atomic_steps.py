@@ -15,8 +15,8 @@ from torch import nn
 
 import raypipe
 from raypipe import StageError, StepAborted
-from raypipe.checkpoint.store import read_layer
-from tests.reference import ReplaceGradientIf, assert_parameters_match, reference_step
+from tests.reference import (ReplaceGradientIf, assert_bitwise_equal, assert_parameters_match, checkpoint_state,
+                             reference_step)
 
 MARK = -100.0  # an input value no real sample has: the tripwire's signal
 BATCH, MICRO_BATCHES, FAILING = 6, 3, 1  # micro-batch 1 holds rows 2-3
@@ -58,26 +58,6 @@ def marked(x, column):
     x = x.clone()
     x[FAILING * 2, column] = MARK  # first row of micro-batch 1
     return x
-
-
-def checkpoint_state(trainer, root, num_layers):
-    trainer.save_checkpoint(root)
-    return [read_layer(root, trainer.step_count, index) for index in range(num_layers)]
-
-
-def assert_bitwise_equal(before, after, where="state"):
-    if isinstance(before, torch.Tensor):
-        assert torch.equal(before, after), where
-    elif isinstance(before, dict):
-        assert before.keys() == after.keys(), where
-        for key in before:
-            assert_bitwise_equal(before[key], after[key], f"{where}.{key}")
-    elif isinstance(before, (list, tuple)):
-        assert len(before) == len(after), where
-        for index, (a, b) in enumerate(zip(before, after)):
-            assert_bitwise_equal(a, b, f"{where}[{index}]")
-    else:
-        assert before == after, where
 
 
 @pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p"])

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import math
 import socket
 import urllib.error
 import urllib.request
+
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -70,9 +72,11 @@ def exporter():
 
 def test_counters_start_at_zero_and_unknown_gauges_are_absent(exporter):
     scraped = scrape(exporter)
-    assert {name: value(scraped, name) for name in scraped["samples"]} == {
-        "raypipe_steps_total": 0.0, "raypipe_skipped_steps_total": 0.0, "raypipe_restarts_total": 0.0,
+    assert {name: value(scraped, name) for name in scraped["samples"] if name != "raypipe_skipped_steps_total"} == {
+        "raypipe_steps_total": 0.0, "raypipe_restarts_total": 0.0,
     }
+    assert scraped["samples"]["raypipe_skipped_steps_total"] == {
+        frozenset({"reason": "overflow"}.items()): 0.0, frozenset({"reason": "nonfinite"}.items()): 0.0}
 
 
 def test_step_values_labels_and_help(exporter):
@@ -92,7 +96,7 @@ def test_step_values_labels_and_help(exporter):
     assert value(scraped, "raypipe_mfu") == 0.125
     assert value(scraped, "raypipe_loss_scale") == 1.0  # no scaling: the scale in effect is 1
     assert value(scraped, "raypipe_steps_total") == 1.0
-    assert value(scraped, "raypipe_skipped_steps_total") == 0.0
+    assert value(scraped, "raypipe_skipped_steps_total", reason="overflow") == 0.0
 
     assert scraped["samples"]["raypipe_bubble_fraction"] == {
         frozenset({"stage": "0", "replica": "0"}.items()): 0.2,
@@ -116,15 +120,18 @@ def test_step_values_labels_and_help(exporter):
 
 def test_latest_step_wins_and_counters_accumulate(exporter):
     exporter.record_step(known_step())
-    exporter.record_step(known_step(step=8, loss=1.5, skipped=True, loss_scale=32768.0, mfu=None,
+    exporter.record_step(known_step(step=8, loss=1.5, skipped=True, skip_reason="overflow", loss_scale=32768.0,
+                                    mfu=None, stages=known_step().stages[:1], bubble_fraction=[0.3]))
+    exporter.record_step(known_step(step=9, loss=float("nan"), skipped=True, skip_reason="nonfinite", mfu=None,
                                     stages=known_step().stages[:1], bubble_fraction=[0.3]))
     exporter.record_restart()
     exporter.record_restart()
     scraped = scrape(exporter)
-    assert value(scraped, "raypipe_loss") == 1.5
-    assert value(scraped, "raypipe_loss_scale") == 32768.0
-    assert value(scraped, "raypipe_steps_total") == 2.0
-    assert value(scraped, "raypipe_skipped_steps_total") == 1.0
+    assert math.isnan(value(scraped, "raypipe_loss"))
+    assert value(scraped, "raypipe_loss_scale") == 1.0
+    assert value(scraped, "raypipe_steps_total") == 3.0
+    assert value(scraped, "raypipe_skipped_steps_total", reason="overflow") == 1.0
+    assert value(scraped, "raypipe_skipped_steps_total", reason="nonfinite") == 1.0
     assert value(scraped, "raypipe_restarts_total") == 2.0
     assert "raypipe_mfu" not in scraped["samples"]  # unknown peak: no MFU rather than 0
     assert "raypipe_eval_loss" not in scraped["samples"]  # no evaluation yet

@@ -3,19 +3,31 @@ import pytest
 import torch
 
 import raypipe
-from raypipe.planning.memory import estimate_stage
-from raypipe.models.llama import get_config, llama_layers, llama_loss
+from raypipe.config import PipelineConfig
 from raypipe.core.partition import stage_layer_ranges
+from raypipe.models.llama import get_config, llama_layers, llama_loss
+from raypipe.planning.activation_memory import activation_breakdown
+from raypipe.planning.memory import estimate_stage
+from raypipe.stage import worker
+from raypipe.stage.precision import ModuleWeights
+from raypipe.stage.spec import WorkerSpec
+from raypipe.stage.worker import StageWorker
 
 TINY = get_config("tiny")
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN = 4, 2, 64
-MODES = [("never", False), ("always", False), ("except_last", False), ("always", True), ("except_last", True)]
+# (activation_checkpoint, offload_activations, precision)
+MODES = [("never", False, "fp32"), ("always", False, "fp32"), ("except_last", False, "fp32"),
+         ("always", True, "fp32"), ("except_last", True, "fp32"), ("never", False, "bf16"), ("always", True, "bf16")]
 
 
-def measure(activation_checkpoint, offload_activations):
+def mode_id(mode):
+    return f"{mode[0]}{'-offload' if mode[1] else ''}-{mode[2]}"
+
+
+def measure(activation_checkpoint, offload_activations, precision):
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES,
                                     activation_checkpoint=activation_checkpoint,
-                                    offload_activations=offload_activations)
+                                    offload_activations=offload_activations, precision=precision)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, TINY.vocab_size, (MICRO_BATCHES * MICRO_BATCH_SIZE, SEQ_LEN + 1), generator=generator)
     with raypipe.PipelineTrainer(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p), config) as trainer:
@@ -28,26 +40,30 @@ def measurements(ray_cluster):
     return {mode: measure(*mode) for mode in MODES}
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{'-offload' if m[1] else ''}")
+def predict(layers, stage, activation_checkpoint="never", offload_activations=False, precision="fp32",
+            micro_batches=MICRO_BATCHES, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, amp=None):
+    return estimate_stage(TINY, layers, num_micro_batches=micro_batches, micro_batch_size=micro_batch_size,
+                          seq_len=seq_len, activation_checkpoint=activation_checkpoint,
+                          offload_activations=offload_activations, precision=precision, stage_index=stage,
+                          num_stages=2, device="cpu", amp=amp)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_predicted_held_bytes_match_measurement(measurements, mode):
     result, balance = measurements[mode]
     for stage, layers in enumerate(stage_layer_ranges(balance)):
-        predicted = estimate_stage(TINY, layers, num_micro_batches=MICRO_BATCHES, micro_batch_size=MICRO_BATCH_SIZE,
-                                   seq_len=SEQ_LEN, activation_checkpoint=mode[0], offload_activations=mode[1],
-                                   stage_index=stage, num_stages=2, device="cpu")
+        predicted = predict(layers, stage, *mode)
         measured = result.stages[stage]
         assert measured.held_for_backward_bytes == pytest.approx(predicted.held_for_backward_bytes, rel=0.10)
         assert measured.offloaded_bytes == pytest.approx(predicted.offloaded_bytes, rel=0.10, abs=0)
 
 
 def test_checkpointing_holds_inputs_plus_one_micro_batch(measurements):
-    never, _ = measurements[("never", False)]
-    always, balance = measurements[("always", False)]
-    offloaded, _ = measurements[("always", True)]
+    never, _ = measurements[("never", False, "fp32")]
+    always, balance = measurements[("always", False, "fp32")]
+    offloaded, _ = measurements[("always", True, "fp32")]
     for stage, layers in enumerate(stage_layer_ranges(balance)):
-        memory = estimate_stage(TINY, layers, num_micro_batches=MICRO_BATCHES, micro_batch_size=MICRO_BATCH_SIZE,
-                                seq_len=SEQ_LEN, activation_checkpoint="never", stage_index=stage, num_stages=2,
-                                device="cpu")
+        memory = predict(layers, stage)
         one_graph, one_input = memory.graph_bytes, memory.input_bytes
         # never: m graphs; always: m kept inputs + one micro-batch rebuilt; offload: about one micro-batch
         assert never.stages[stage].held_for_backward_bytes == pytest.approx(MICRO_BATCHES * one_graph, rel=0.10)
@@ -55,3 +71,65 @@ def test_checkpointing_holds_inputs_plus_one_micro_batch(measurements):
             MICRO_BATCHES * one_input + one_graph - one_input, rel=0.10)
         assert offloaded.stages[stage].held_for_backward_bytes == pytest.approx(one_graph, rel=0.10)
         assert offloaded.stages[stage].offloaded_bytes == MICRO_BATCHES * one_input
+
+
+# -- the stage's own meter, no Ray -----------------------------------------------------------
+
+RANGES = [range(3), range(3, 6)]  # embedding + 2 blocks | 2 blocks + head
+
+
+def run_stages(micro_batches, batch, seq_len, autocast_fp32_weights=False, **config):
+    """One GPipe step of the tiny LLaMA on two StageWorkers; each stage's held-for-backward peak.
+
+    ``autocast_fp32_weights``: compute with the fp32 parameters under autocast (how bf16 ran
+    before it had bf16 compute weights), for comparison.
+    """
+    layers = llama_layers(TINY)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(0, 259, (batch, seq_len), generator=generator) for _ in range(micro_batches)]
+    targets = [torch.randint(0, 259, (batch, seq_len), generator=generator) for _ in range(micro_batches)]
+    config = PipelineConfig(num_stages=2, num_micro_batches=micro_batches, **config)
+    with pytest.MonkeyPatch.context() as patch:
+        if autocast_fp32_weights:
+            patch.setattr(worker, "compute_weights", lambda *args: ModuleWeights())
+        stages = [StageWorker(WorkerSpec(i, 2, tuple(layers[j] for j in r), tuple(r), config,
+                                         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=llama_loss))
+                  for i, r in enumerate(RANGES)]
+    for mb in range(micro_batches):
+        stages[1].forward(mb, stages[0].forward(mb, inputs[mb]), targets[mb], 1 / micro_batches)
+    for mb in reversed(range(micro_batches)):
+        stages[0].backward(mb, stages[1].backward(mb))
+    stats = [stage.finish_backward() for stage in stages]
+    return [stage.commit(False, *stats).stats.held_for_backward_bytes for stage in stages]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["never", "always", "except_last"])
+def test_stage_worker_measurement_matches_prediction(precision, mode):
+    """The stage's own meter (StageWorker, no Ray) against the model, GPipe, 2 stages."""
+    shape = {"micro_batches": 3, "micro_batch_size": 2, "seq_len": 24}
+    measured = run_stages(3, 2, 24, activation_checkpoint=mode, precision=precision)
+    for stage, layers in enumerate(RANGES):
+        predicted = predict(layers, stage, mode, precision=precision, **shape)
+        assert measured[stage] == pytest.approx(predicted.held_for_backward_bytes, rel=0.10)
+
+
+def test_bf16_micro_batches_share_one_weight_copy():
+    """bf16, GPipe, m = 4, no recompute: each kept micro-batch holds its activations and no copy
+    of the stage's weights; autocast on fp32 weights held one per micro-batch."""
+    micro_batches, batch, seq_len = 4, 2, 24
+    shape = {"micro_batches": micro_batches, "micro_batch_size": batch, "seq_len": seq_len}
+    bf16 = run_stages(micro_batches, batch, seq_len, precision="bf16")
+    autocast = run_stages(micro_batches, batch, seq_len, autocast_fp32_weights=True, precision="bf16")
+    for stage, layers in enumerate(RANGES):
+        predicted = predict(layers, stage, precision="bf16", **shape)
+        assert bf16[stage] == pytest.approx(predicted.held_for_backward_bytes, rel=0.10)
+        assert bf16[stage] == pytest.approx(micro_batches * predicted.graph_bytes, rel=0.10)
+        # the old way, measured and modelled: every micro-batch saved its own 2-byte weight copies
+        old = predict(layers, stage, precision="bf16", amp="autocast", **shape)
+        assert autocast[stage] == pytest.approx(old.held_for_backward_bytes, rel=0.10)
+        weight_copies = sum(size for index in layers for name, size in activation_breakdown(
+            TINY, ["embedding", "block", "block", "block", "block", "head"][index], batch, seq_len, "bf16",
+            amp="autocast").items() if "weight_copy" in name)
+        assert weight_copies > 0
+        assert autocast[stage] - bf16[stage] >= micro_batches * weight_copies

@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raypipe.planning.memory import (
     StageMemory,
+    StaticBytes,
     activation_breakdown,
     estimate_layer_activation_bytes,
     estimate_pipeline,
@@ -21,15 +22,17 @@ from raypipe.planning.memory import (
 )
 from raypipe.models.llama import get_config, llama_layers, llama_loss, num_parameters
 from raypipe.planning.plan import add_plan_arguments, parse_bytes, run_plan
+from raypipe.stage.precision import Bf16ComputeWeights, ModuleWeights
 
 TINY = get_config("tiny")
 
 
 class SavedBytes:
-    """Bytes of the distinct storages autograd saves inside the context (parameters excluded)."""
+    """Bytes of the distinct storages autograd saves inside the context (parameters, and
+    the storages in ``skip``, excluded)."""
 
-    def __init__(self, modules) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+    def __init__(self, modules, skip=frozenset()) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()} | skip
         self.seen: set[int] = set()
         self.bytes = 0
 
@@ -54,19 +57,28 @@ def build_layers(config, seed=0):
     return [spec.build() for spec in llama_layers(config)]
 
 
-def measure_layer(config, kind, batch, seq_len, contexts=()):
-    """Forward one layer of ``kind`` on a fresh input; return the saved bytes."""
+def measure_layer(config, kind, batch, seq_len, contexts=(), bf16_weights=False):
+    """Forward one layer of ``kind`` on a fresh input; return the saved bytes.
+
+    ``bf16_weights``: as a bf16 stage runs it, with bf16 compute weights (not
+    counted, like parameters) on a bf16 input, under autocast.
+    """
     layers = build_layers(config)
     layer = {"embedding": layers[0], "block": layers[1], "head": layers[-1]}[kind]
+    weights, skip, dtype = ModuleWeights(), frozenset(), torch.float32
+    if bf16_weights:
+        weights = Bf16ComputeWeights(torch.nn.ModuleList([layer]), torch.device("cpu"))
+        skip, dtype = weights.storages(), torch.bfloat16
+        contexts = [*contexts, torch.autocast("cpu", dtype=torch.bfloat16)]
     if kind == "embedding":
         inputs = torch.randint(0, config.vocab_size, (batch, seq_len))
     else:
-        inputs = torch.randn(batch, seq_len, config.dim, requires_grad=True)
+        inputs = torch.randn(batch, seq_len, config.dim, dtype=dtype, requires_grad=True)
     with contextlib.ExitStack() as stack:
         for context in contexts:
             stack.enter_context(context)
-        with SavedBytes([layer]) as meter:
-            layer(inputs)
+        with SavedBytes([layer], skip) as meter:
+            weights.run(0, layer, inputs)
     return meter.bytes
 
 
@@ -123,6 +135,26 @@ def test_autocast_bf16_prediction_matches_saved_tensors(kind):
     assert copies == 2 * (sum(p.numel() for p in layer.parameters()) - norms)
 
 
+@pytest.mark.parametrize("kind", ["embedding", "block", "head"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_main_weights_prediction_matches_saved_tensors(kind, fused):
+    """raypipe's bf16 (the default style): shared bf16 compute weights under autocast."""
+    contexts = [] if fused else [sdpa_kernel(SDPBackend.MATH)]
+    measured = measure_layer(TINY, kind, 2, 40, contexts, bf16_weights=True)
+    assert_close(estimate_layer_activation_bytes(TINY, kind, 2, 40, "bf16", fused), measured)
+    breakdown = activation_breakdown(TINY, kind, 2, 40, "bf16", fused)
+    assert breakdown == activation_breakdown(TINY, kind, 2, 40, "bf16", fused, amp="main_weights")
+    assert not any("weight_copy" in name for name in breakdown)  # no weight saved per forward
+    if kind != "embedding":  # far less than autocast on fp32 weights, which saves their copies
+        assert measured < 0.7 * estimate_layer_activation_bytes(TINY, kind, 2, 40, "bf16", fused, amp="autocast")
+
+
+def test_bf16_main_weights_dropout_masks_on_cpu():
+    config = TINY.replace(dropout=0.1)
+    measured = measure_layer(config, "block", 2, 16, bf16_weights=True)
+    assert_close(estimate_layer_activation_bytes(config, "block", 2, 16, "bf16", device="cpu"), measured)
+
+
 def test_dropout_masks_on_cpu():
     config = TINY.replace(dropout=0.1)
     predicted = estimate_layer_activation_bytes(config, "block", 2, 16, device="cpu")
@@ -168,33 +200,6 @@ def test_stage_graph_prediction_matches_measurement(first, segments):
     stage = estimate_stage(TINY, indices, num_micro_batches=1, micro_batch_size=batch, seq_len=seq_len,
                            activation_checkpoint_segments=segments, device="cpu")
     assert_close(stage.graph_bytes, measured)
-
-
-def test_stage_worker_measurement_matches_prediction_in_every_mode():
-    """The stage's own meter (StageWorker, no Ray) against the model, GPipe, 2 stages."""
-    from raypipe.config import PipelineConfig
-    from raypipe.stage.spec import WorkerSpec
-    from raypipe.stage.worker import StageWorker
-
-    layers, ranges = llama_layers(TINY), [range(3), range(3, 6)]
-    micro_batches, batch, seq_len = 3, 2, 24
-    inputs = [torch.randint(0, 259, (batch, seq_len)) for _ in range(micro_batches)]
-    targets = [torch.randint(0, 259, (batch, seq_len)) for _ in range(micro_batches)]
-    for mode in ("never", "always", "except_last"):
-        config = PipelineConfig(num_stages=2, num_micro_batches=micro_batches, activation_checkpoint=mode)
-        stages = [StageWorker(WorkerSpec(i, 2, tuple(layers[j] for j in r), tuple(r), config,
-                                         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=llama_loss))
-                  for i, r in enumerate(ranges)]
-        for mb in range(micro_batches):
-            stages[1].forward(mb, stages[0].forward(mb, inputs[mb]), targets[mb], 1 / micro_batches)
-        for mb in reversed(range(micro_batches)):
-            stages[0].backward(mb, stages[1].backward(mb))
-        for index, stage in enumerate(stages):
-            measured = stage.apply()[1].held_for_backward_bytes
-            predicted = estimate_stage(TINY, ranges[index], num_micro_batches=micro_batches,
-                                       micro_batch_size=batch, seq_len=seq_len, activation_checkpoint=mode,
-                                       stage_index=index, num_stages=2, device="cpu")
-            assert_close(predicted.held_for_backward_bytes, measured, tolerance=0.10)
 
 
 # -- schedules and checkpoint modes -------------------------------------------------------------
@@ -262,25 +267,48 @@ def test_pipeline_partition_covers_every_layer_once():
 
 # -- the standard figures ------------------------------------------------------------------------
 
-def test_7b_bf16_mixed_precision_adam_is_16_bytes_per_parameter():
-    config = get_config("llama-7b")
-    assert static_bytes_per_parameter("bf16").total == 16
+def test_bf16_with_adam_plans_18_bytes_per_parameter():
+    # raypipe's bf16: bf16 compute weights + fp32 main weights + fp32 main gradients + Adam m, v
+    assert static_bytes_per_parameter("bf16") == StaticBytes(weights=2, gradients=4, master=4, optimizer=8)
+    assert static_bytes_per_parameter("bf16").total == 18
+    # fp32: weights + gradients + Adam m, v
+    assert static_bytes_per_parameter("fp32") == StaticBytes(weights=4, gradients=4, master=0, optimizer=8)
     assert static_bytes_per_parameter("fp32").total == 16
-    assert static_bytes_per_parameter("bf16", amp="autocast").total == 16
-    stages = estimate_pipeline(config, 8, 32, 1, 4096, "bf16", "always")
-    static = sum(s.static_bytes for s in stages)
+    # fp16 runs autocast on fp32 weights
+    assert static_bytes_per_parameter("fp16") == static_bytes_per_parameter("bf16", amp="autocast")
+    assert static_bytes_per_parameter("fp16").total == 16
+    for precision, per_parameter in [("bf16", 18), ("fp32", 16)]:
+        stage = estimate_stage(TINY, range(2, 4), num_micro_batches=2, micro_batch_size=1, seq_len=8,
+                               precision=precision)
+        assert stage.static_bytes == per_parameter * stage.num_parameters
+        assert (stage.parameters_bytes, stage.master_bytes, stage.gradients_bytes) == tuple(
+            count * stage.num_parameters for count in ((2, 4, 4) if precision == "bf16" else (4, 0, 4)))
+
+
+def test_7b_standard_mixed_precision_adam_is_16_bytes_per_parameter():
+    """The common table (2-byte gradients): 16 B/param, a 7B model ~112 GB; raypipe's bf16 adds
+    2 B/param of fp32 main gradients."""
+    config = get_config("llama-7b")
+    assert static_bytes_per_parameter("bf16", amp="standard") == StaticBytes(2, 2, 4, 8)
+    standard = estimate_pipeline(config, 8, 32, 1, 4096, "bf16", "always", amp="standard")
+    static = sum(s.static_bytes for s in standard)
     assert static == 16 * num_parameters(config)
     assert abs(static - 112e9) / 112e9 < 0.05
-    master = sum(s.master_bytes for s in stages)
-    assert master == 4 * num_parameters(config)
+    assert sum(s.master_bytes for s in standard) == 4 * num_parameters(config)
+    raypipe = estimate_pipeline(config, 8, 32, 1, 4096, "bf16", "always")
+    assert sum(s.static_bytes for s in raypipe) == static + 2 * num_parameters(config)
 
 
 def test_unfused_attention_scores_are_4_3_gb_per_layer():
     config = get_config("llama-7b").replace(max_seq_len=8192)
-    probabilities = activation_breakdown(config, "block", 1, 8192, "bf16", fused_attention=False)["attention_probs"]
+    probabilities = activation_breakdown(config, "block", 1, 8192, "bf16", fused_attention=False,
+                                         amp="standard")["attention_probs"]
     assert probabilities == 1 * 32 * 8192 * 8192 * 2
     assert abs(probabilities - 4.3e9) / 4.3e9 < 0.01
     assert "attention_probs" not in activation_breakdown(config, "block", 1, 8192, "bf16", fused_attention=True)
+    # under autocast torch's math attention upcasts bf16 inputs: fp32 probabilities
+    upcast = activation_breakdown(config, "block", 1, 8192, "bf16", fused_attention=False)["attention_probs"]
+    assert upcast == 2 * probabilities
 
 
 def test_llama_7b_parameter_count_from_analytic_and_meta_build():
@@ -308,6 +336,10 @@ def test_plan_table_for_7b_on_8_stages(capsys):
     assert status == 0
     assert "embedding + blocks 0-3" in out and "blocks 28-31 + head" in out
     assert "fits in 80.00 GB" in out and "NO" not in out
+    assert "bf16 (main_weights)" in out
+    assert ("per parameter: 2 B bf16 compute weights + 4 B fp32 main weights + 4 B fp32 main gradients "
+            "+ 8 B Adam moments = 18 B") in out
+    assert "16 B/param" in out and "2 + 4 + 2 + 8" in out  # how it relates to the common table
 
 
 def test_plan_json_for_7b_on_8_stages(capsys):
@@ -320,7 +352,9 @@ def test_plan_json_for_7b_on_8_stages(capsys):
     for s in stages:
         assert s["total_bytes"] == s["static_bytes"] + s["activation_bytes"]
         assert s["fits"] is True and s["total_bytes"] < 25e9
-    assert abs(sum(s["static_bytes"] for s in stages) - 112e9) / 112e9 < 0.05
+    assert sum(s["static_bytes"] for s in stages) == 18 * result["num_parameters"]  # ~121 GB
+    assert result["bytes_per_parameter"] == {"weights": 2, "gradients": 4, "master": 4, "optimizer": 8, "total": 18}
+    assert result["settings"]["amp"] == "main_weights"
     assert result["fits"] is True and result["suggestions"] == []
 
 
