@@ -138,7 +138,8 @@ class _RenamedFlag(argparse.Action):
                  option_string: str | None = None) -> None:
         old = self.dest  # the old keyword: "checkpoint", "checkpoint_segments" or "offload"
         new = _RENAMED[old].replace("_", "-")
-        raise ConfigError(f"--{old.replace('_', '-')}", True if values == [] else values, f"renamed to --{new}")
+        error = ConfigError(f"--{old.replace('_', '-')}", True if values == [] else values, f"renamed to --{new}")
+        parser.error(str(error))  # a usage error (exit 2), not a traceback
 
 
 def add_activation_arguments(parser: argparse.ArgumentParser, default: str | None = "never") -> None:

@@ -1,5 +1,6 @@
 """StageGroup: created from frozen specs, waited for, polled, partly replaced, shut down."""
 import os
+import time
 
 import pytest
 import ray
@@ -32,11 +33,13 @@ def test_a_dead_worker_is_found_and_replaced_from_its_spec(ray_cluster):
         assert group.poll() == []
 
         original = ray.get(group.actors[1].state_dict.remote())
-        ray.kill(group.actors[1])
+        ray.kill(group.actors[1])  # asynchronous: the actor dies shortly after
+        deadline = time.monotonic() + 30
+        while group.poll() != [1]:
+            assert time.monotonic() < deadline, "the killed worker still answers"
         with pytest.raises(ray.exceptions.RayActorError) as error:
             ray.get(group.actors[1].ready.remote())
         assert group.index_of(error.value) == 1
-        assert group.poll() == [1]
 
         group.replace(1, timeout_s=60)
         assert group.poll() == []
