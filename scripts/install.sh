@@ -4,9 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# the CPU build of torch first, so nothing pulls a multi-GB CUDA build
-python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -c constraints.txt -e ".[test]"
+# The CPU build of torch first (torch==2.13.0 lies on this machine's disk), so nothing
+# pulls a multi-GB CUDA build; and the build backend, pinned too: pip's isolated build
+# environment would ignore the constraints and take whatever setuptools is newest.
+python -m pip install --quiet -c constraints.txt torch setuptools
+python -m pip install --quiet --no-build-isolation -c constraints.txt -e ".[test]"
 
 # Prometheus (Debian's package) for the metrics integration test
 if ! command -v prometheus >/dev/null 2>&1; then
@@ -15,6 +17,6 @@ if ! command -v prometheus >/dev/null 2>&1; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends prometheus >/dev/null
   else
-    echo "note: no prometheus binary; tests/test_prometheus.py's integration test will skip (apt-get install prometheus)"
+    echo "note: no prometheus binary; tests/observability/test_prometheus.py's integration test will skip (apt-get install prometheus)"
   fi
 fi
