@@ -67,10 +67,11 @@ class PipelineTrainer:
                lr_scheduler: Callable | None) -> None:
         cluster.connect(self.config.ray_address)
         self.use_gpu = cluster.resolve_use_gpu(self.config)
+        last = self.topology.num_stages - 1
         specs = [WorkerSpec(stage=stage, num_stages=self.topology.num_stages,
                             layers=tuple(layers[i] for i in indices), layer_indices=tuple(indices),
-                            config=self.config, use_gpu=self.use_gpu, optimizer_factory=optimizer,
-                            loss_fn=loss_fn if stage == self.topology.num_stages - 1 else None,
+                            config=self.config, ops=tuple(self.schedule[stage]), use_gpu=self.use_gpu,
+                            optimizer_factory=optimizer, loss_fn=loss_fn if stage == last else None,
                             loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
                  for stage, indices in enumerate(stage_layer_ranges(self.balance))]
         self._group = StageGroup(self._executor.actor_class(), specs, cluster.worker_bundle(self.config, self.use_gpu),
@@ -144,7 +145,7 @@ class PipelineTrainer:
     def attach_datasets(self, train: Any, validation: Any = None) -> None:
         """Send the datasets to the stages that read them (first and last)."""
         actors = self._group.actors
-        readers = {0: actors[0], len(actors) - 1: actors[-1]}.values()
+        readers = actors[:1] + actors[1:][-1:]  # the first stage, and the last when it is another
         self._executor.get([actor.attach_datasets.remote(train, validation) for actor in readers])
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:

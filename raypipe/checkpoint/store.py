@@ -99,11 +99,7 @@ def write_manifest(
     stored = {info.base_name: info for info in _list_files(filesystem, step_dir)}
     for what, file in [*((f"layer {index} file", file) for index, file in layers.items()),
                        *(("blob", blob) for blob in blobs)]:
-        if file.name not in stored or stored[file.name].size != file.size:
-            raise FileNotFoundError(
-                f"cannot complete checkpoint {step_dir}: {what} {file.name!r} is not stored there"
-                + ("" if file.name not in stored else f" as written ({stored[file.name].size} bytes, "
-                                                      f"{file.size} written)"))
+        _check_stored(step_dir, what, file, stored.get(file.name))
     files = [*layers.values(), *blobs]
     manifest = {
         "format": FORMAT,
@@ -295,6 +291,15 @@ def _write_atomically(filesystem: pafs.FileSystem, path: str, write) -> StoredFi
             filesystem.delete_file(target)
         raise
     return StoredFile(name, hashing.size, hashing.sha256.hexdigest())
+
+
+def _check_stored(step_dir: str, what: str, file: StoredFile, info: pafs.FileInfo | None) -> None:
+    """``file`` is in the step as it was written (same size)."""
+    if info is None:
+        raise FileNotFoundError(f"cannot complete checkpoint {step_dir}: {what} {file.name!r} is not stored there")
+    if info.size != file.size:
+        raise FileNotFoundError(f"cannot complete checkpoint {step_dir}: {what} {file.name!r} is not stored there "
+                                f"as written ({info.size} bytes, {file.size} written)")
 
 
 def _list_files(filesystem: pafs.FileSystem, directory: str) -> list[pafs.FileInfo]:

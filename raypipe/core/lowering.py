@@ -9,7 +9,10 @@ stage with the step's collectives. No Ray, no torch.
 """
 from __future__ import annotations
 
-from raypipe.core.ops import B, F, OPTIMIZER_STEP, PEER_OFFSET, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT, SEND_GRAD, LoweredOp, Op
+from collections.abc import Sequence
+
+from raypipe.core.ops import (B, F, OPTIMIZER_STEP, PEER_OFFSET, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT, SEND_GRAD,
+                              LoweredOp, Op)
 
 # Per compute kind: the receive of its input and the send of its output.
 _COMMUNICATION = {F: (RECV_ACT, SEND_ACT), B: (RECV_GRAD, SEND_GRAD)}
@@ -24,10 +27,11 @@ def lower(schedule: list[list[Op]]) -> list[list[LoweredOp]]:
     stage: REDUCE_GRAD, then OPTIMIZER_STEP.
     """
     num_stages = len(schedule)
-    return [_lower_stage(stage, ops, num_stages) for stage, ops in enumerate(schedule)]
+    return [lower_stage(stage, ops, num_stages) for stage, ops in enumerate(schedule)]
 
 
-def _lower_stage(stage: int, ops: list[Op], num_stages: int) -> list[LoweredOp]:
+def lower_stage(stage: int, ops: Sequence[Op], num_stages: int) -> list[LoweredOp]:
+    """The lowered ops of ``stage`` alone (see :func:`lower`)."""
     lowered = []
     for op in ops:
         if op.kind not in _COMMUNICATION:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 from raypipe.core.lowering import lower
-from raypipe.core.ops import Op
+from raypipe.core.ops import LoweredOp, Op
 from raypipe.core.simulator import simulate
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -59,14 +59,20 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> list[li
         schedule = one_f_one_b_schedule(num_stages, num_micro_batches)
     else:
         raise ValueError(f"unknown schedule {name!r}: expected one of {SCHEDULES}")
-    _dry_run(tuple(tuple(ops) for ops in schedule))
+    dry_run(schedule)
     return schedule
 
 
+def dry_run(schedule: list[list[Op]]) -> tuple[tuple[int, LoweredOp], ...]:
+    """The simulator's order of the lowered ``schedule`` (each stage's order kept,
+    every receive after its send): the per-op executor submits in it."""
+    return _dry_run(tuple(tuple(ops) for ops in schedule))
+
+
 @functools.lru_cache(maxsize=256)
-def _dry_run(schedule: tuple[tuple[Op, ...], ...]) -> None:
+def _dry_run(schedule: tuple[tuple[Op, ...], ...]) -> tuple[tuple[int, LoweredOp], ...]:
     # once per distinct schedule: the memory planner builds thousands while it searches
-    simulate(lower([list(ops) for ops in schedule]))
+    return tuple(simulate(lower([list(ops) for ops in schedule])))
 
 
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:

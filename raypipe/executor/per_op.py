@@ -12,10 +12,10 @@ from typing import Any
 
 from raypipe.comm.object_store import ObjectStoreTransport
 from raypipe.config import PipelineConfig
-from raypipe.core import lowering, ops
+from raypipe.core import ops
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
-from raypipe.core.simulator import simulate
+from raypipe.core.schedule import dry_run
 from raypipe.executor.base import Executor, Submitted
 from raypipe.runtime.group import StageGroup
 from raypipe.stage.worker import StageWorker
@@ -27,7 +27,7 @@ class PerOpExecutor(Executor):
     def __init__(self, config: PipelineConfig, schedule: list[list[Op]], transport: ObjectStoreTransport) -> None:
         super().__init__(config, schedule)
         self.transport = transport
-        self._order = simulate(lowering.lower(schedule))
+        self._order = dry_run(schedule)  # cached: the trainer's make_schedule ran it
 
     def actor_class(self) -> Any:
         return self.transport.actor_class(StageWorker)

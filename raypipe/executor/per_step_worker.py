@@ -47,7 +47,7 @@ class PerStepWorker(StageWorker):
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
-        self._ops = lowering.lower(self.schedule)[spec.stage]
+        self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
         self._channel = P2PChannel(spec.stage, spec.num_stages, self.device)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from raypipe.config import PipelineConfig
+from raypipe.core.ops import Op
+from raypipe.core.schedule import make_schedule
 from raypipe.models.layers import LayerSpec
 
 
@@ -16,7 +18,8 @@ class WorkerSpec:
     """One stage worker: its place, its layers and how it trains them.
 
     ``layers`` are modules or :class:`~raypipe.LayerSpec` (built inside the
-    worker); ``layer_indices`` their global indices. ``loss_fn`` is given to the
+    worker); ``layer_indices`` their global indices; ``ops`` the stage's part
+    of the schedule the driver built and dry-ran (empty: the config's schedule). ``loss_fn`` is given to the
     last stage only. ``use_gpu`` is what the runtime resolved for this cluster
     (the config's ``use_gpu`` may say "decide for me").
     """
@@ -26,12 +29,19 @@ class WorkerSpec:
     layers: tuple[nn.Module | LayerSpec, ...]
     layer_indices: tuple[int, ...]
     config: PipelineConfig
+    ops: tuple[Op, ...] = ()  # this stage's F/B ops of the (driver-checked) schedule
     use_gpu: bool = False
     replica: int = 0
     optimizer_factory: Callable | None = None
     loss_fn: Callable | None = None
     loss_count_fn: Callable | None = None
     scheduler_factory: Callable | None = None
+
+    def stage_ops(self) -> tuple[Op, ...]:
+        """This stage's F/B ops, in the order it runs them."""
+        if self.ops:
+            return self.ops
+        return tuple(make_schedule(self.config.schedule, self.num_stages, self.config.num_micro_batches)[self.stage])
 
     @property
     def is_first(self) -> bool:

@@ -17,7 +17,6 @@ from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from raypipe.core.result import OpEvent, StageReport, StageStats
-from raypipe.core.schedule import make_schedule
 from raypipe.core.seeding import derive_seed
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide
 from raypipe.errors import StageError, StepAborted
@@ -96,8 +95,7 @@ class StageWorker:
         self._step_loss = 0.0  # last stage: the running step's weighted loss sum
         self._events: list[OpEvent] = []
         self._last_micro_batch = config.num_micro_batches - 1
-        self.schedule = make_schedule(config.schedule, spec.num_stages, config.num_micro_batches)
-        self._backward_order = [op.micro_batch for op in self.schedule[spec.stage] if op.kind == "B"]
+        self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
 
     # -- setup --------------------------------------------------------------
     def ready(self) -> dict[str, Any]:
