@@ -12,7 +12,12 @@ Two trainers, alternating round by round on one local Ray instance:
 
 * ``small``: 4 x Linear(64, 64) (two per stage), 2 stages, m=4, batch 64: a step is
   almost all overhead, so the share is the largest it gets;
-* ``pippy``: bench_vs_pippy.py's preset a (8 blocks 512->2048->512, 2 stages, m=8, batch 512).
+* ``pippy``: bench_vs_pippy.py's preset a (8 blocks 512->2048->512, 2 stages, m=8, batch 512);
+* ``ray floor <trainer>``: no trainer, the least any driver pays with one Ray task
+  per worker per step: two plain actors, each called once per step with what
+  ``run_step`` gets for that trainer's batch (its micro-batches, shipped the same
+  way), returning at once. Its "overhead" is that round trip's whole wall time,
+  so ``overhead - floor`` is what raypipe adds to Ray.
 
 Printed per trainer: the median overhead in ms and its median share of the step
 time, each with the min-max spread of the per-round medians.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from types import SimpleNamespace
 
 import ray
@@ -33,6 +39,7 @@ import raypipe
 from alternate import add_round_arguments, command_line, print_table, round_medians, run_alternating, spread
 from bench_vs_pippy import PRESETS
 from bench_vs_pippy import build_model as mlp
+from raypipe.comm.task_tensors import as_task_argument
 
 NUM_STAGES = 2
 
@@ -55,6 +62,33 @@ def setups(args: argparse.Namespace) -> dict[str, tuple[nn.Module, int, tuple]]:
     }
 
 
+class RayFloor:
+    """Two empty actors called like the per-step executor calls its workers."""
+
+    def __init__(self, micro_batches: int) -> None:
+        self.actors = [_Empty.remote() for _ in range(NUM_STAGES)]
+        self.micro_batches = micro_batches
+        ray.get([actor.run_step.remote() for actor in self.actors])
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> SimpleNamespace:
+        start = time.time()
+        parts = [[as_task_argument(p) for p in torch.tensor_split(t, self.micro_batches)] for t in (inputs, targets)]
+        weights = [1.0 / self.micro_batches] * self.micro_batches
+        ray.get([self.actors[0].run_step.remote(0, parts[0], None, None, None),
+                 self.actors[1].run_step.remote(0, None, parts[1], weights, None)])
+        return SimpleNamespace(step_time=time.time() - start, stages=[SimpleNamespace(task_seconds=0.0)])
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+@ray.remote(num_cpus=1)
+class _Empty:
+    def run_step(self, *args: object) -> None:
+        return None
+
+
 def overhead(result: raypipe.StepResult) -> float:
     return result.step_time - max(stage.task_seconds for stage in result.stages)
 
@@ -64,6 +98,7 @@ def parse_args() -> argparse.Namespace:
     add_round_arguments(parser, rounds=8, steps=5, warmup=3)
     parser.add_argument("--small-batch", type=int, default=64, help="rows per step of the small model (default 64)")
     parser.add_argument("--only", choices=("small", "pippy"), default=None, help="one of the two trainers")
+    parser.add_argument("--no-floor", action="store_true", help="without the bare Ray round trip")
     return parser.parse_args()
 
 
@@ -72,14 +107,18 @@ def main() -> None:
     torch.set_num_threads(1)
     print(command_line())
     chosen = {name: setup for name, setup in setups(args).items() if args.only in (None, name)}
-    ray.init(num_cpus=NUM_STAGES * len(chosen), include_dashboard=False, logging_level="WARNING")
+    ray.init(num_cpus=NUM_STAGES * 2 * len(chosen), include_dashboard=False, logging_level="WARNING")
     print(f"torch {torch.__version__}, ray {ray.__version__}; p2p executor, {NUM_STAGES} stages, SGD, no clipping; "
           f"{args.rounds} rounds x {args.steps} steps", flush=True)
     trainers = {name: raypipe.PipelineTrainer(
         model, nn.MSELoss(), optimizer=lambda params: torch.optim.SGD(params, lr=1e-3),
         config=raypipe.PipelineConfig(num_stages=NUM_STAGES, num_micro_batches=m, transport="p2p"))
         for name, (model, m, _) in chosen.items()}
-    results = run_alternating(trainers, {name: setup[2] for name, setup in chosen.items()}, args,
+    batches = {name: setup[2] for name, setup in chosen.items()}
+    if not args.no_floor:
+        for name, (_, micro_batches, batch) in chosen.items():
+            trainers[f"ray floor {name}"], batches[f"ray floor {name}"] = RayFloor(micro_batches), batch
+    results = run_alternating(trainers, batches, args,
                               on_round=lambda index, _: print(f"round {index + 1} done", flush=True))
     rows = []
     for name, res in results.items():

@@ -168,8 +168,7 @@ class PipelineTrainer:
     def _split(self, inputs: Batch, targets: Batch) -> MicroBatches:
         """Micro-batches (``torch.tensor_split`` sizes, or given as lists) and their loss weights.
 
-        They travel as task arguments: Ray inlines small ones and puts large ones
-        in the object store as it submits the task that needs them.
+        The executor ships them as task arguments (see :mod:`raypipe.comm.task_tensors`).
         """
         input_parts, target_parts = split_micro_batches(inputs, targets, self.config.num_micro_batches)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])

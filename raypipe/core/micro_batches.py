@@ -9,8 +9,8 @@ import torch
 
 @dataclass
 class MicroBatches:
-    """One step's micro-batches as the driver hands them to the first and last
-    stages, with each micro-batch's loss weight."""
+    """One step's micro-batches for the first and last stages (views of the
+    global batch, or the user's list), with each micro-batch's loss weight."""
 
     inputs: list
     targets: list
@@ -42,6 +42,4 @@ def split_micro_batches(inputs: Any, targets: Any, count: int) -> tuple[list, li
     if inputs.shape[0] < count:
         raise ValueError(f"global batch of {inputs.shape[0]} samples is smaller than "
                          f"num_micro_batches={count}: every micro-batch needs at least one sample")
-    # clone: a view pickles its whole storage, i.e. the whole global batch per micro-batch
-    return ([part.clone() for part in torch.tensor_split(inputs, count)],
-            [part.clone() for part in torch.tensor_split(targets, count)])
+    return list(torch.tensor_split(inputs, count)), list(torch.tensor_split(targets, count))

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import ray
 
+from raypipe.comm.task_tensors import as_task_argument
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
@@ -109,10 +110,10 @@ class Executor(ABC):
         last = len(actors) - 1
         losses = []
         for micro_batch in range(count):
-            hidden = None if batch is None else batch.inputs[micro_batch]
+            hidden = None if batch is None else as_task_argument(batch.inputs[micro_batch])
             for stage, actor in enumerate(actors):
                 targets, weight = (None, None) if batch is None or stage < last else (
-                    batch.targets[micro_batch], batch.weights[micro_batch])
+                    as_task_argument(batch.targets[micro_batch]), batch.weights[micro_batch])
                 hidden = actor.evaluate.remote(micro_batch, hidden, targets, weight, step)
             losses.append(hidden)
         return sum(self.get(losses))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from raypipe.comm.object_store import ObjectStoreTransport
+from raypipe.comm.task_tensors import as_task_argument
 from raypipe.config import PipelineConfig
 from raypipe.core import ops
 from raypipe.core.micro_batches import MicroBatches
@@ -77,9 +78,9 @@ class _Wiring:
         micro_batch, batch = op.micro_batch, self.batch
         hidden = self.in_flight.pop(("activation", stage, micro_batch), None)
         if stage == 0 and batch is not None:
-            hidden = batch.inputs[micro_batch]
+            hidden = as_task_argument(batch.inputs[micro_batch])
         labels = (None, None) if batch is None or stage < self.last else (
-            batch.targets[micro_batch], batch.weights[micro_batch])
+            as_task_argument(batch.targets[micro_batch]), batch.weights[micro_batch])
         self.in_flight[("output", stage, micro_batch)] = self.actors[stage].forward.remote(
             micro_batch, hidden, *labels, self.step)
 

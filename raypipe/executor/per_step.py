@@ -7,6 +7,7 @@ from typing import Any
 
 import ray
 
+from raypipe.comm.task_tensors import as_task_argument
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.executor.base import Executor, Submitted
 from raypipe.executor.per_step_worker import PerStepWorker
@@ -33,8 +34,10 @@ class PerStepExecutor(Executor):
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
         actors, last = self.group.actors, len(self.group.actors) - 1
-        steps = [actor.run_step.remote(step, batch.inputs if batch is not None and stage == 0 else None,
-                                       batch.targets if batch is not None and stage == last else None,
+        # all of a stage's micro-batches in one argument (one object-store entry at most)
+        inputs, targets = (None, None) if batch is None else (as_task_argument(batch.inputs),
+                                                              as_task_argument(batch.targets))
+        steps = [actor.run_step.remote(step, inputs if stage == 0 else None, targets if stage == last else None,
                                        batch.weights if batch is not None and stage == last else None,
                                        loss_scale) for stage, actor in enumerate(actors)]
         return Submitted(steps, steps)

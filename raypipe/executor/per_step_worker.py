@@ -48,6 +48,7 @@ class PerStepWorker(StageWorker):
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
         self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
+        self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
         self._channel = P2PChannel(spec.stage, spec.num_stages, self.device)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
@@ -75,6 +76,7 @@ class PerStepWorker(StageWorker):
         none = [None] * self.config.num_micro_batches
         state = _StepState(step, inputs or none, targets or none, weights or none, loss_scale)
         try:
+            self._channel.expect_activations(self._received_micro_batches)
             for op in self._ops:
                 self._handlers[op.kind](op.micro_batch, state)
         except BaseException as error:
