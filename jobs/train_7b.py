@@ -82,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="7b",
                         help="7b: llama-7b, bf16, one GPU per stage; tiny: the tiny model on CPU (default: 7b)")
     parser.add_argument("--stages", type=int, help="pipeline stages, one GPU each with the 7b preset (7b: 8)")
-    parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step (7b: 32)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="data-parallel copies of the pipeline: stages x replicas GPUs (default: 1)")
+    parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step and replica (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
     parser.add_argument("--steps", type=int, help="total optimizer steps of the run, resumed steps included (7b: 1000)")
@@ -130,7 +132,7 @@ def apply_preset(args: argparse.Namespace) -> None:
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("stages", "micro_batches", "micro_batch_size", "seq_len", "steps"):
+    for name in ("stages", "replicas", "micro_batches", "micro_batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("eval_every", "checkpoint_every"):
@@ -154,7 +156,7 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
         eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=args.progress,
-        pipeline={"num_stages": args.stages, "num_micro_batches": args.micro_batches,
+        pipeline={"num_stages": args.stages, "num_replicas": args.replicas, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host})
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if done:
         print(f"resuming from the checkpoint of step {done} in {args.checkpoint_dir}")
-    print(f"training {args.model} for steps {done + 1}..{args.steps}: {args.stages} stages "
+    print(f"training {args.model} for steps {done + 1}..{args.steps}: {args.replicas} x {args.stages} stages "
           f"({'one GPU' if args.use_gpu else 'one CPU'} each), {args.micro_batches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, "
           f"activation_checkpoint={args.activation_checkpoint}, "

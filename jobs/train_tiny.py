@@ -1,6 +1,6 @@
 """Train the tiny LLaMA on the Python standard library, on CPU, in a few minutes.
 
-    python jobs/train_tiny.py [--stages 2] [--micro-batches 4] [--steps 200] [--out runs/tiny]
+    python jobs/train_tiny.py [--stages 2] [--replicas 1] [--micro-batches 4] [--steps 200] [--out runs/tiny]
 
 Prepares the corpus if missing, starts a local Ray instance (or joins
 RAY_ADDRESS), trains on pipeline stages and writes summary.json, loss.png,
@@ -22,7 +22,9 @@ from raypipe.run import RunConfig, train  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (one CPU each)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="data-parallel copies of the pipeline (stages x replicas CPUs)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step and replica")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunConfig(
         model="tiny", data=args.data, steps=args.steps, micro_batch_size=args.micro_batch_size,
         eval_every=args.eval_every, out=args.out, progress=not args.no_progress,
-        pipeline={"num_stages": args.stages, "num_micro_batches": args.micro_batches,
+        pipeline={"num_stages": args.stages, "num_replicas": args.replicas, "num_micro_batches": args.micro_batches,
                   **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "metrics_port": args.metrics_port})
     summary = train(run)

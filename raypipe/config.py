@@ -35,7 +35,8 @@ class PipelineConfig:
     """
 
     num_stages: int = 1
-    num_micro_batches: int = 1
+    num_micro_batches: int = 1  # per replica: a step has num_micro_batches x num_replicas micro-batches
+    num_replicas: int = 1  # data-parallel copies of the pipeline
     schedule: str = "gpipe"
     activation_checkpoint: str = "never"  # recompute activations in backward: "never" | "always" | "except_last"
     activation_checkpoint_segments: int | None = None  # keep every k-th layer input inside a stage
@@ -66,10 +67,15 @@ class PipelineConfig:
         """Raise :class:`ConfigError` on the first invalid field."""
         check_positive_int("num_stages", self.num_stages)
         check_positive_int("num_micro_batches", self.num_micro_batches)
+        check_positive_int("num_replicas", self.num_replicas)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("transport", self.transport, TRANSPORTS)
+        if self.num_replicas > 1 and self.transport != "p2p":
+            raise ConfigError("transport", self.transport, f"num_replicas={self.num_replicas} runs on the per-step "
+                              "executor only (its gradient reduction is a collective inside the group): use "
+                              "transport='p2p'")
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         if self.activation_checkpoint_segments is not None:
             check_positive_int("activation_checkpoint_segments", self.activation_checkpoint_segments)

@@ -19,12 +19,14 @@ class ConfigError(ValueError):
 class StageError(RaypipeError):
     """An op failed inside a stage actor.
 
-    ``stage``, ``op`` and ``micro_batch`` say where; ``__cause__`` is the original
-    exception and ``remote_traceback`` its traceback in the stage process.
+    ``stage``, ``op`` and ``micro_batch`` say where (and ``replica``, when the
+    run has several); ``__cause__`` is the original exception and
+    ``remote_traceback`` its traceback in the stage process.
     """
 
     def __init__(self, stage: int, op: str, micro_batch: int | None, message: str,
-                 remote_traceback: str = "", original: BaseException | None = None) -> None:
+                 remote_traceback: str = "", original: BaseException | None = None,
+                 replica: int | None = None) -> None:
         self.original = original
         self.__cause__ = original
         self.stage = stage
@@ -32,12 +34,14 @@ class StageError(RaypipeError):
         self.micro_batch = micro_batch
         self.message = message
         self.remote_traceback = remote_traceback
-        where = f"stage {stage}, op {op}" + ("" if micro_batch is None else f", micro-batch {micro_batch}")
+        self.replica = replica
+        where = ("" if replica is None else f"replica {replica}, ") + f"stage {stage}, op {op}" + (
+            "" if micro_batch is None else f", micro-batch {micro_batch}")
         super().__init__(f"{where}: {message}")
 
     def __reduce__(self):  # keep the fields across Ray's pickling
         return (type(self), (self.stage, self.op, self.micro_batch, self.message,
-                             self.remote_traceback, _picklable(self.original)))
+                             self.remote_traceback, _picklable(self.original), self.replica))
 
 
 class StepAborted(StageError):

@@ -23,9 +23,10 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end, with
     the data position, so a restart resumes exactly.
     """
-    _check_dataset(dataset, trainer.config.num_micro_batches, "dataset")
+    per_step = trainer.config.num_micro_batches * trainer.num_replicas
+    _check_dataset(dataset, per_step, "dataset")
     if validation is not None:
-        _check_dataset(validation, trainer.config.num_micro_batches, "validation")
+        _check_dataset(validation, per_step, "validation")
     trainer.attach_datasets(dataset, validation)
     samples_per_step = dataset.micro_batch_size * dataset.num_micro_batches
     results: list[StepResult] = []
@@ -54,13 +55,14 @@ def evaluate(trainer: Any, eval_steps: int) -> float:
     return sum(losses) / len(losses)
 
 
-def _check_dataset(dataset: Any, num_micro_batches: int, name: str) -> None:
-    for attribute in ("get", "advance", "state_dict", "next_step", "tokens_per_step", "micro_batch_size"):
+def _check_dataset(dataset: Any, per_step: int, name: str) -> None:
+    for attribute in ("get", "advance", "state_dict", "next_step", "tokens_per_step", "micro_batch_size",
+                      "num_micro_batches"):
         if not hasattr(dataset, attribute):
             raise TypeError(f"{name} has no {attribute!r}: fit() needs a raypipe.data.TokenDataset-like reader")
-    if dataset.num_micro_batches != num_micro_batches:
-        raise ValueError(f"{name} yields {dataset.num_micro_batches} micro-batches per step but the pipeline "
-                         f"runs num_micro_batches={num_micro_batches}")
+    if dataset.num_micro_batches != per_step:
+        raise ValueError(f"{name} yields {dataset.num_micro_batches} micro-batches per step but a step of the "
+                         f"pipeline has {per_step} (num_micro_batches x num_replicas)")
 
 
 def _progress_bar(steps: int, enabled: bool) -> Any:

@@ -73,8 +73,9 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
     if run.prepare_if_missing and "://" not in run.data and not (Path(run.data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
         prepare(run.data, seq_len=seq_len)
-    datasets = [TokenDataset(run.data, split, run.micro_batch_size, pipeline.num_micro_batches,
-                             seed=pipeline.seed, vocab_size=model.vocab_size) for split in ("train", "validation")]
+    per_step = pipeline.num_micro_batches * pipeline.num_replicas  # micro-batches of a step, every replica's
+    datasets = [TokenDataset(run.data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
+                             vocab_size=model.vocab_size) for split in ("train", "validation")]
     _check_dataset_seq_len(run.data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)

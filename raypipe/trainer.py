@@ -49,7 +49,7 @@ class PipelineTrainer:
         self.config = config = (config or PipelineConfig()).replace()
         layers, self._layer_names = model_layers(model)
         config.validate(len(layers))
-        self.topology = Topology(config.num_stages)
+        self.topology = Topology(config.num_stages, config.num_replicas)
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
                                                                 config.num_stages))
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
@@ -65,14 +65,15 @@ class PipelineTrainer:
     # -- lifecycle ------------------------------------------------------------
     def _start(self, layers: list, optimizer: Callable | None, loss_fn: Callable,
                lr_scheduler: Callable | None) -> None:
-        cluster.connect(self.config.ray_address)
+        cluster.connect(self.config.ray_address, self.topology.world_size * self.config.cpus_per_stage)
         self.use_gpu = cluster.resolve_use_gpu(self.config)
         last = self.topology.num_stages - 1
-        specs = [WorkerSpec(stage=stage, num_stages=self.topology.num_stages,
+        specs = [WorkerSpec(stage=stage, num_stages=self.topology.num_stages, replica=replica,
                             layers=tuple(layers[i] for i in indices), layer_indices=tuple(indices),
                             config=self.config, ops=tuple(self.schedule[stage]), use_gpu=self.use_gpu,
                             optimizer_factory=optimizer, loss_fn=loss_fn if stage == last else None,
                             loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
+                 for replica in range(self.topology.num_replicas)  # in rank order: replica-major
                  for stage, indices in enumerate(stage_layer_ranges(self.balance))]
         self._group = StageGroup(self._executor.actor_class(), specs, cluster.worker_bundle(self.config, self.use_gpu),
                                  self.config.placement_timeout_s)
@@ -99,6 +100,15 @@ class PipelineTrainer:
         return None if self.metrics is None else self.metrics.url
 
     @property
+    def num_replicas(self) -> int:
+        """The number of pipeline replicas that will run the next step."""
+        return self.topology.num_replicas
+
+    @property
+    def _first_replica(self) -> list:
+        return self._group.actors[:self.topology.num_stages]
+
+    @property
     def workers(self) -> list[WorkerInfo]:
         """The live workers as ``WorkerInfo(replica, stage, node_id, pid)``, in (replica, stage) order."""
         return [] if self._group is None else self._group.workers
@@ -123,9 +133,11 @@ class PipelineTrainer:
     def step(self, inputs: Batch, targets: Batch) -> StepResult:
         """One optimizer step over the global batch ``(inputs, targets)``.
 
-        Tensors are split into ``num_micro_batches`` with ``torch.tensor_split``;
-        lists of tensors are taken as the micro-batches themselves (they may
-        differ in shape, e.g. sequence length).
+        Tensors are split into ``num_micro_batches x num_replicas`` micro-batches
+        with ``torch.tensor_split`` (replica ``r`` runs the ``r``-th block of
+        ``num_micro_batches``); lists of tensors are taken as the micro-batches
+        themselves (they may differ in shape, e.g. sequence length). The loss is
+        the exact mean over the whole batch, whatever the number of replicas.
         """
         start = time.time()
         self._executor.check_usable()
@@ -143,9 +155,12 @@ class PipelineTrainer:
         return self._run_step(step, None, start, num_samples, num_tokens)
 
     def attach_datasets(self, train: Any, validation: Any = None) -> None:
-        """Send the datasets to the stages that read them (first and last)."""
-        actors = self._group.actors
-        readers = actors[:1] + actors[1:][-1:]  # the first stage, and the last when it is another
+        """Send the datasets to the stages that read them (every replica's first and last).
+
+        A dataset's step is ``num_micro_batches x num_replicas`` micro-batches
+        (``get(step, index)``); replica ``r`` reads the ``r``-th block."""
+        readers = [actor for rank, actor in enumerate(self._group.actors)
+                   if self.topology.coordinates(rank).stage in (0, self.topology.num_stages - 1)]
         self._executor.get([actor.attach_datasets.remote(train, validation) for actor in readers])
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -166,11 +181,13 @@ class PipelineTrainer:
 
     # -- step internals -------------------------------------------------------
     def _split(self, inputs: Batch, targets: Batch) -> MicroBatches:
-        """Micro-batches (``torch.tensor_split`` sizes, or given as lists) and their loss weights.
+        """The step's ``num_micro_batches x num_replicas`` micro-batches (``torch.tensor_split``
+        sizes, or given as lists) and their loss weights over the whole step.
 
         The executor ships them as task arguments (see :mod:`raypipe.comm.task_tensors`).
         """
-        input_parts, target_parts = split_micro_batches(inputs, targets, self.config.num_micro_batches)
+        count = self.config.num_micro_batches * self.topology.num_replicas
+        input_parts, target_parts = split_micro_batches(inputs, targets, count)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
         return MicroBatches(input_parts, target_parts, weights)
 
@@ -222,7 +239,7 @@ class PipelineTrainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model, with the user's parameter names (``model.state_dict()`` keys)."""
         per_layer: dict[int, dict] = {}
-        for states in self._executor.get([actor.state_dict.remote() for actor in self._group.actors]):
+        for states in self._executor.get([actor.state_dict.remote() for actor in self._first_replica]):
             per_layer.update(states)
         return {f"{self._layer_names[index]}.{key}": value
                 for index in sorted(per_layer) for key, value in per_layer[index].items()}
@@ -230,20 +247,22 @@ class PipelineTrainer:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Scatter a full state dict (keys as :meth:`state_dict`) to the stages."""
         per_layer = split_state_by_layer(state_dict, self._layer_names)
+        ranges = stage_layer_ranges(self.balance) * self.topology.num_replicas  # every replica, in rank order
         self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
-                            for actor, indices in zip(self._group.actors, stage_layer_ranges(self.balance))])
+                            for actor, indices in zip(self._group.actors, ranges)])
 
     def save_checkpoint(self, root_uri: str, extra: dict | None = None) -> int:
         """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
 
-        Stages write their own layers in parallel; the manifest, written last,
-        makes the checkpoint complete.
+        Stages write their own layers in parallel (once: the first replica's,
+        every replica holds the same); the manifest, written last, makes the
+        checkpoint complete.
         """
         from raypipe.checkpoint.store import write_manifest
 
         layer_files: dict = {}
         for files in self._executor.get([actor.save_checkpoint.remote(str(root_uri), self.step_count)
-                                         for actor in self._group.actors]):
+                                         for actor in self._first_replica]):
             layer_files.update(files)
         state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "layer_names": self._layer_names, **(extra or {})}

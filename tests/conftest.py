@@ -22,12 +22,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray instance with 4 logical CPUs (stages take 1 each; the machine has 2 cores)."""
+    """A local Ray instance with 6 logical CPUs (workers take 1 each, up to 3 replicas x 2 stages;
+    the machine has 2 cores)."""
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        ray.init(num_cpus=6, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 

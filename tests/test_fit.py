@@ -16,13 +16,14 @@ def data(tmp_path_factory):
     return prepare(tmp_path_factory.mktemp("fit") / "tokens", seq_len=32, max_bytes=300_000)
 
 
-def fit(data, transport):
-    train, validation = (TokenDataset(data, split, micro_batch_size=2, num_micro_batches=3) for split in
-                         ("train", "validation"))
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, transport=transport, clip_grad_norm=1.0)
+def fit(data, transport, num_stages=2, num_replicas=1, micro_batches=3, steps=4):
+    train, validation = (TokenDataset(data, split, micro_batch_size=2, num_micro_batches=micro_batches * num_replicas)
+                         for split in ("train", "validation"))
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, num_replicas=num_replicas,
+                                    transport=transport, clip_grad_norm=1.0)
     with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
                                  loss_count_fn=llama_count_tokens) as trainer:
-        results = trainer.fit(train, 4, validation=validation, eval_every=2, progress=False)
+        results = trainer.fit(train, steps, validation=validation, eval_every=2, progress=False)
         return results, train.state_dict(), trainer.state_dict()
 
 
@@ -46,8 +47,22 @@ def test_fit_reads_data_in_the_stages_and_executors_agree(ray_cluster, data):
         assert tasks[0].loss == pytest.approx(llama_loss(reference(inputs), targets).item(), rel=1e-5)
 
 
+def test_replicas_reading_their_own_data_train_as_one_pipeline(ray_cluster, data):
+    # a step is 6 micro-batches of the dataset: one pipeline runs them all, or 2 and 3 replicas share them
+    one, _, one_state = fit(data, "p2p", num_stages=1, micro_batches=6, steps=2)
+    for num_replicas, num_stages in ((2, 2), (3, 1)):
+        results, position, state = fit(data, "p2p", num_stages=num_stages, num_replicas=num_replicas,
+                                       micro_batches=6 // num_replicas, steps=2)
+        assert position["next_step"] == 2 and results[0].num_replicas == num_replicas
+        assert results[0].num_tokens == one[0].num_tokens == 6 * 2 * 32
+        assert [r.loss for r in results] == pytest.approx([r.loss for r in one], rel=1e-5)
+        assert results[-1].eval_loss == pytest.approx(one[-1].eval_loss, rel=1e-5)  # every replica evaluates
+        for key, value in one_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
 def test_fit_rejects_a_dataset_with_other_micro_batches(ray_cluster, data):
     config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2)
     with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, config=config) as trainer:
-        with pytest.raises(ValueError, match="num_micro_batches=2"):
+        with pytest.raises(ValueError, match=r"yields 3 micro-batches per step but a step of the pipeline has 2 "):
             trainer.fit(TokenDataset(data, micro_batch_size=2, num_micro_batches=3), 1, progress=False)

@@ -70,7 +70,7 @@ def test_backward_failure_is_reported_not_swallowed(ray_cluster):
 def test_batch_smaller_than_micro_batches_is_rejected_before_submitting(ray_cluster):
     config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=4)
     with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, sgd, config) as trainer:
-        with pytest.raises(ValueError, match="smaller than num_micro_batches=4"):
+        with pytest.raises(ValueError, match=r"smaller than the step's 4 micro-batches \(num_micro_batches x num_replicas\)"):
             trainer.step(torch.ones(3, 2), torch.ones(3, 2))
         with pytest.raises(ValueError, match="targets have 2"):
             trainer.step(torch.ones(4, 2), torch.ones(2, 2))
@@ -95,7 +95,7 @@ def test_unplaceable_pipeline_fails_with_what_was_asked_and_what_exists(ray_clus
     with pytest.raises(PlacementError) as error:
         raypipe.PipelineTrainer([nn.Linear(2, 2), nn.Linear(2, 2)], nn.functional.mse_loss, sgd, config)
     message = str(error.value)
-    assert "2 stage(s) of {'CPU': 64.0}" in message and "'CPU': 4.0" in message
+    assert "1 replica(s) of 2 stage(s) of {'CPU': 64.0}" in message and "'CPU': 6.0" in message
     import ray
 
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())

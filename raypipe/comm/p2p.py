@@ -16,8 +16,13 @@ consumed by a filler of the predicted size, so no posted receive is ever left
 unmatched. NCCL matches point-to-point messages in stream order and ignores
 tags (:class:`_InOrder`): there each message is received when it is reached.
 
+With data parallelism the group holds every replica's stages (rank =
+:meth:`~raypipe.core.topology.Topology.rank`, replica-major, so a stage's
+neighbours are the ranks next to it), and the workers of one stage across
+replicas also form a subgroup for the gradient reduction.
+
 A peer that leaves the group (see :meth:`P2PChannel.leave`) makes every receive
-from it fail at once: :class:`~raypipe.errors.StepAborted`.
+from it, and every collective with it, fail at once: :class:`~raypipe.errors.StepAborted`.
 """
 from __future__ import annotations
 
@@ -28,12 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
            torch.bool]
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype code, shape
+_BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets of about this size
 
 # what a message is, for its tag
 HEADER, PREDICTED, UNPREDICTED, GRADIENT = range(4)
@@ -79,10 +86,13 @@ class _InOrder:
 
 
 class P2PChannel:
-    """One stage's links to its neighbours in a pipeline's process group."""
+    """One worker's links to its neighbours in the run's process group, and to
+    the other replicas of its stage."""
 
-    def __init__(self, stage: int, num_stages: int, device: torch.device) -> None:
-        self.stage, self.num_stages, self.device = stage, num_stages, device
+    def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device) -> None:
+        self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
+        self.rank = topology.rank(replica, stage)
+        self._replicas: Any = None  # this stage's data-parallel subgroup
         self._matching = _InOrder() if self.backend == "nccl" else _ByTag()
         # the running step's unfinished sends and posted receives, per micro-batch:
         # a pending operation keeps the group's connections open, so leaving drops them all
@@ -100,22 +110,29 @@ class P2PChannel:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def join(self, address: str, port: int, timeout_s: float) -> None:
-        """Join the group at ``address:port`` (rank = stage)."""
-        dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.stage,
-                                world_size=self.num_stages, timeout=timedelta(seconds=timeout_s))
+        """Join the group at ``address:port``, and this stage's replica subgroup."""
+        topology = self.topology
+        dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
+        if topology.num_replicas > 1:  # every member creates every subgroup, in the same order
+            for stage in range(topology.num_stages):
+                group = dist.new_group(topology.stage_ranks(stage))
+                if stage == self.stage:
+                    self._replicas = group
 
     def leave(self) -> None:
         """Drop pending operations and leave the group, closing its connections;
         forget the predicted shapes (every member leaves before a group re-forms)."""
         for pending in (self._sends, self._headers, self._payloads, self._gradients, self._sent, self._received):
             pending.clear()
+        self._replicas = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def expect_activations(self, micro_batches: list[int]) -> None:
         """Post the receives of this step's activations from the previous stage
         (headers, and payloads of predicted shape), before they are needed."""
-        peer = self.stage - 1
+        peer = self.rank - 1
         for micro_batch in micro_batches:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self._headers[micro_batch] = self._matching.post(header, peer, HEADER, micro_batch), header
@@ -129,7 +146,7 @@ class P2PChannel:
         and post the receive of its gradient."""
         if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
             raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
-        payload, peer = tensor.detach().contiguous(), self.stage + 1
+        payload, peer = tensor.detach().contiguous(), self.rank + 1
         signature, predicted = _signature(payload), self._sent.get(micro_batch)
         self._send(_encode(signature, self.device), peer, HEADER, micro_batch)
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
@@ -142,7 +159,7 @@ class P2PChannel:
 
     def recv_activation(self, micro_batch: int) -> torch.Tensor:
         """The activation of ``micro_batch`` from the previous stage, whatever its shape and dtype."""
-        peer = self.stage - 1
+        peer = self.rank - 1
         signature = _decode(self._receive(self._headers.pop(micro_batch, None), _HEADER_SIGNATURE, peer, HEADER,
                                           micro_batch))
         if self._matching.predicts:
@@ -157,14 +174,14 @@ class P2PChannel:
     def recv_gradient(self, micro_batch: int) -> torch.Tensor:
         """The gradient of the activation sent for ``micro_batch``."""
         work, gradient = self._gradients.pop(micro_batch)
-        return self._receive((work, gradient), None, self.stage + 1, GRADIENT, micro_batch)
+        return self._receive((work, gradient), None, self.rank + 1, GRADIENT, micro_batch)
 
     def send_gradient(self, gradient: torch.Tensor | None, micro_batch: int) -> None:
         """Start sending the gradient of this stage's input to the previous stage."""
         if gradient is None:
             raise RuntimeError(f"stage {self.stage} has no gradient for its input of micro-batch "
                                f"{micro_batch}: the stage does not use its input")
-        self._send(gradient.detach().contiguous(), self.stage - 1, GRADIENT, micro_batch)
+        self._send(gradient.detach().contiguous(), self.rank - 1, GRADIENT, micro_batch)
 
     def finish_sends(self) -> None:
         """Wait until every started send has completed (the buffers live until then)."""
@@ -172,9 +189,28 @@ class P2PChannel:
             self._wait(work, None, None, "send")
         self._sends.clear()
 
+    def start_gradient_reduction(self, gradients: list[torch.Tensor]) -> Any:
+        """Start summing ``gradients`` over this stage's replicas, in flat buckets
+        (one all-reduce each, all in flight at once); :meth:`finish_gradient_reduction`
+        writes the sums back. None without replicas."""
+        if self._replicas is None:
+            return None
+        buckets = [(torch.cat([g.reshape(-1) for g in bucket]), bucket) for bucket in _buckets(gradients)]
+        return [(dist.all_reduce(flat, group=self._replicas, async_op=True), flat, bucket)
+                for flat, bucket in buckets]
+
+    def finish_gradient_reduction(self, pending: Any) -> None:
+        """Wait for :meth:`start_gradient_reduction` and write each sum back."""
+        for work, flat, bucket in pending or ():
+            self._wait(work, None, None, "gradient reduction")
+            offset = 0
+            for gradient in bucket:
+                gradient.copy_(flat[offset:offset + gradient.numel()].view_as(gradient))
+                offset += gradient.numel()
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum of ``values`` over every stage (float64: adding the
-        zeros of the other stages' slots is exact, so every stage gets the same)."""
+        """Element-wise sum of ``values`` over every worker (float64: adding the
+        zeros of the other workers' slots is exact, so every worker gets the same)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         self._wait(dist.all_reduce(tensor, async_op=True), None, None, "reduction")
         return tensor.tolist()
@@ -195,12 +231,27 @@ class P2PChannel:
         try:
             work.wait()
         except RuntimeError as error:
-            source = "a stage" if peer is None else f"stage {peer}"
+            source = "a worker" if peer is None else f"stage {self.topology.coordinates(peer).stage}"
             raise StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch,
-                              f"{source} left the step before this {what} completed ({error})") from None
+                              f"{source} left the step before this {what} completed ({error})",
+                              replica=self.replica if self.topology.num_replicas > 1 else None) from None
 
 
 _HEADER_SIGNATURE: Signature = (_DTYPES.index(torch.int64), (_HEADER,))
+
+
+def _buckets(gradients: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype, about ``_BUCKET_BYTES`` per bucket."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for gradient in gradients:
+        bytes_ = gradient.numel() * gradient.element_size()
+        if not buckets or gradient.dtype != buckets[-1][0].dtype or size + bytes_ > _BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(gradient)
+        size += bytes_
+    return buckets
 
 
 def _empty(signature: Signature, device: torch.device) -> torch.Tensor:

@@ -35,11 +35,12 @@ def split_micro_batches(inputs: Any, targets: Any, count: int) -> tuple[list, li
     if isinstance(inputs, (list, tuple)) or isinstance(targets, (list, tuple)):
         if len(inputs) != count or len(targets) != count:
             raise ValueError(f"got {len(inputs)} input and {len(targets)} target micro-batches; "
-                             f"num_micro_batches={count}")
+                             f"a step has {count} (num_micro_batches x num_replicas)")
         return list(inputs), list(targets)
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"inputs have {inputs.shape[0]} samples but targets have {targets.shape[0]}")
     if inputs.shape[0] < count:
-        raise ValueError(f"global batch of {inputs.shape[0]} samples is smaller than "
-                         f"num_micro_batches={count}: every micro-batch needs at least one sample")
+        raise ValueError(f"global batch of {inputs.shape[0]} samples is smaller than the step's {count} "
+                         "micro-batches (num_micro_batches x num_replicas): every micro-batch needs at least "
+                         "one sample")
     return list(torch.tensor_split(inputs, count)), list(torch.tensor_split(targets, count))

@@ -14,9 +14,10 @@ class OpEvent:
 
     stage: int
     op: str  # "F", "B", "recv", "grad_stats", "optimizer"
-    micro_batch: int | None
+    micro_batch: int | None  # the replica's own index (0..num_micro_batches-1)
     start: float
     end: float
+    replica: int = 0
 
 
 @dataclass
@@ -32,6 +33,7 @@ class StageStats:
     rss_bytes: int = 0
     learning_rate: float | None = None  # of the stage's first parameter group, after this step
     task_seconds: float | None = None  # per-step executor: the worker's whole step task
+    replica: int = 0
 
 
 class StageReport(NamedTuple):
@@ -60,6 +62,7 @@ class StepResult:
     mfu: float | None = None
     eval_loss: float | None = None  # set by fit() on the steps it evaluates
     learning_rate: float | None = None  # after this step (first stage's first parameter group)
-    stages: list[StageStats] = field(default_factory=list)
+    stages: list[StageStats] = field(default_factory=list)  # one per worker, in (replica, stage) order
     timeline: list[OpEvent] = field(default_factory=list)
-    bubble_fraction: list[float] = field(default_factory=list)  # measured, per stage
+    bubble_fraction: list[float] = field(default_factory=list)  # measured, per stage (mean over replicas)
+    num_replicas: int = 1  # pipeline replicas that ran this step

@@ -14,11 +14,13 @@ from raypipe.filesystem import filesystem_for
 class TokenDataset:
     """Deterministic, resumable batches of one split of a prepared dataset.
 
-    ``get(step, micro_batch, replica)`` returns ``(inputs, targets)`` int64
-    tensors of shape ``(micro_batch_size, seq_len)``, targets shifted by one.
-    Each epoch visits every row at most once in a permutation seeded by
-    ``(seed, epoch)``; a step takes ``micro_batch_size * num_micro_batches *
-    num_replicas`` rows, split disjointly between replicas and micro-batches.
+    ``get(step, micro_batch)`` returns ``(inputs, targets)`` int64 tensors of
+    shape ``(micro_batch_size, seq_len)``, targets shifted by one. A step is
+    ``num_micro_batches`` micro-batches in all, whoever runs them: with ``d``
+    pipeline replicas of ``m`` micro-batches each, ``num_micro_batches = m x d``
+    and replica ``r`` reads micro-batches ``r*m .. r*m + m - 1``, so the rows of
+    a step do not depend on how many replicas share it. Each epoch visits every
+    row at most once in a permutation seeded by ``(seed, epoch)``.
 
     Opening checks the manifest, and the checksum and schema of every shard
     of the split; token ids are checked against ``vocab_size`` (default: the
@@ -32,21 +34,18 @@ class TokenDataset:
         split: str = "train",
         micro_batch_size: int = 4,
         num_micro_batches: int = 4,
-        num_replicas: int = 1,
         seed: int = 0,
         vocab_size: int | None = None,
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
-                            ("num_replicas", num_replicas)):
+        for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.uri = str(path)
         self.split = split
         self.micro_batch_size = micro_batch_size
         self.num_micro_batches = num_micro_batches
-        self.num_replicas = num_replicas
         self.seed = int(seed)
         manifest = read_manifest(path)
         self.tokenizer_name: str = manifest["tokenizer"]["name"]
@@ -54,11 +53,11 @@ class TokenDataset:
         self.vocab_size: int = manifest["vocab_size"] if vocab_size is None else int(vocab_size)
         self.shards: list[dict[str, Any]] = manifest["splits"][split]["shards"]
         self.num_rows: int = sum(shard["num_rows"] for shard in self.shards)
-        self.rows_per_step = micro_batch_size * num_micro_batches * num_replicas
+        self.rows_per_step = micro_batch_size * num_micro_batches
         if self.num_rows < self.rows_per_step:
             raise ValueError(
                 f"the {split} split of {path} has {self.num_rows} rows, fewer than one step needs "
-                f"({micro_batch_size} x {num_micro_batches} micro-batches x {num_replicas} replicas)"
+                f"({micro_batch_size} x {num_micro_batches} micro-batches)"
             )
         self.steps_per_epoch = self.num_rows // self.rows_per_step
         self.next_step = 0
@@ -89,25 +88,23 @@ class TokenDataset:
         """The epoch that ``next_step`` falls in."""
         return self.next_step // self.steps_per_epoch
 
-    def row_indices(self, step: int, micro_batch: int, replica: int = 0) -> np.ndarray:
-        """Split-wide row numbers of ``(step, micro_batch, replica)``."""
+    def row_indices(self, step: int, micro_batch: int) -> np.ndarray:
+        """Split-wide row numbers of ``(step, micro_batch)``."""
         if not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not 0 <= micro_batch < self.num_micro_batches:
             raise ValueError(f"micro_batch must be in [0, {self.num_micro_batches}), got {micro_batch}")
-        if not 0 <= replica < self.num_replicas:
-            raise ValueError(f"replica must be in [0, {self.num_replicas}), got {replica}")
         epoch, step_in_epoch = divmod(int(step), self.steps_per_epoch)
-        start = step_in_epoch * self.rows_per_step + (replica * self.num_micro_batches + micro_batch) * self.micro_batch_size
+        start = step_in_epoch * self.rows_per_step + micro_batch * self.micro_batch_size
         return self._epoch_permutation(epoch)[start:start + self.micro_batch_size]
 
-    def get(self, step: int, micro_batch: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, step: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` of one micro-batch: int64, ``(micro_batch_size, seq_len)``."""
-        rows = torch.from_numpy(self._gather(self.row_indices(step, micro_batch, replica)).astype(np.int64))
+        rows = torch.from_numpy(self._gather(self.row_indices(step, micro_batch)).astype(np.int64))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All micro-batches of replica 0 at ``step``, concatenated in order."""
+        """Every micro-batch of ``step``, concatenated in order."""
         parts = [self.get(step, micro_batch) for micro_batch in range(self.num_micro_batches)]
         return torch.cat([inputs for inputs, _ in parts]), torch.cat([targets for _, targets in parts])
 
@@ -169,5 +166,5 @@ class TokenDataset:
         return (
             f"TokenDataset({self.uri!r}, split={self.split!r}, rows={self.num_rows}, seq_len={self.seq_len}, "
             f"micro_batch_size={self.micro_batch_size}, num_micro_batches={self.num_micro_batches}, "
-            f"num_replicas={self.num_replicas}, next_step={self.next_step})"
+            f"next_step={self.next_step})"
         )

@@ -105,15 +105,17 @@ class Executor(ABC):
         raise as_raypipe_error(cause, self.group.index_of) from original_cause(cause)
 
     def evaluate(self, step: int, batch: MicroBatches | None) -> float:
-        """Mean loss of one batch, forward only, through the object store."""
-        actors, count = self.group.actors, self.config.num_micro_batches
-        last = len(actors) - 1
+        """Mean loss of one batch, forward only, through the object store; every
+        replica's pipeline takes its own block of micro-batches, as in a step."""
+        num_stages, count = self.config.num_stages, self.config.num_micro_batches
         losses = []
-        for micro_batch in range(count):
-            hidden = None if batch is None else as_task_argument(batch.inputs[micro_batch])
-            for stage, actor in enumerate(actors):
-                targets, weight = (None, None) if batch is None or stage < last else (
-                    as_task_argument(batch.targets[micro_batch]), batch.weights[micro_batch])
+        for index in range(count * self.config.num_replicas):
+            replica, micro_batch = divmod(index, count)
+            pipeline = self.group.actors[replica * num_stages:(replica + 1) * num_stages]
+            hidden = None if batch is None else as_task_argument(batch.inputs[index])
+            for stage, actor in enumerate(pipeline):
+                targets, weight = (None, None) if batch is None or stage < num_stages - 1 else (
+                    as_task_argument(batch.targets[index]), batch.weights[index])
                 hidden = actor.evaluate.remote(micro_batch, hidden, targets, weight, step)
             losses.append(hidden)
         return sum(self.get(losses))

@@ -30,7 +30,7 @@ def as_raypipe_error(error: BaseException, worker_of: Callable[[Exception], int 
         error = error.cause
     if isinstance(error, StageError):
         return type(error)(error.stage, error.op, error.micro_batch, error.message,
-                           error.remote_traceback, error.original)
+                           error.remote_traceback, error.original, error.replica)
     if isinstance(error, RaypipeError):
         return error
     if isinstance(error, ray.exceptions.RayActorError):

@@ -33,13 +33,18 @@ class PerStepExecutor(Executor):
             pass
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
-        actors, last = self.group.actors, len(self.group.actors) - 1
-        # all of a stage's micro-batches in one argument (one object-store entry at most)
-        inputs, targets = (None, None) if batch is None else (as_task_argument(batch.inputs),
-                                                              as_task_argument(batch.targets))
-        steps = [actor.run_step.remote(step, inputs if stage == 0 else None, targets if stage == last else None,
-                                       batch.weights if batch is not None and stage == last else None,
-                                       loss_scale) for stage, actor in enumerate(actors)]
+        """Replica ``r`` runs the step's micro-batches ``r*m .. r*m + m - 1``
+        (``m = num_micro_batches``), weighted by the whole step's count."""
+        num_stages, count = self.config.num_stages, self.config.num_micro_batches
+        steps = []
+        for rank, actor in enumerate(self.group.actors):
+            replica, stage = divmod(rank, num_stages)
+            own = slice(replica * count, (replica + 1) * count)
+            # all of a worker's micro-batches in one argument (one object-store entry at most)
+            inputs = as_task_argument(batch.inputs[own]) if batch is not None and stage == 0 else None
+            targets, weights = ((as_task_argument(batch.targets[own]), batch.weights[own])
+                                if batch is not None and stage == num_stages - 1 else (None, None))
+            steps.append(actor.run_step.remote(step, inputs, targets, weights, loss_scale))
         return Submitted(steps, steps)
 
     def _repair(self) -> None:

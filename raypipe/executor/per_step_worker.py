@@ -49,7 +49,7 @@ class PerStepWorker(StageWorker):
         super().__init__(spec)
         self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
         self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
-        self._channel = P2PChannel(spec.stage, spec.num_stages, self.device)
+        self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
                           ops.B: self._backward, ops.SEND_GRAD: self._send_gradient,
@@ -87,7 +87,7 @@ class PerStepWorker(StageWorker):
     def _recv_activation(self, micro_batch: int, state: _StepState) -> None:
         start = time.time()
         state.activations[micro_batch] = self._channel.recv_activation(micro_batch)
-        self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time()))
+        self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time(), self.replica))
 
     def _forward(self, micro_batch: int, state: _StepState) -> None:
         hidden = state.inputs[micro_batch] if self.is_first else state.activations.pop(micro_batch)
@@ -102,7 +102,7 @@ class PerStepWorker(StageWorker):
     def _recv_gradient(self, micro_batch: int, state: _StepState) -> None:
         start = time.time()
         state.gradients[micro_batch] = self._channel.recv_gradient(micro_batch)
-        self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time()))
+        self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time(), self.replica))
 
     def _backward(self, micro_batch: int, state: _StepState) -> None:
         gradient = state.gradients.pop(micro_batch, None)
@@ -113,12 +113,17 @@ class PerStepWorker(StageWorker):
         self._channel.send_gradient(state.input_gradients.pop(micro_batch), micro_batch)
 
     def _reduce(self, _: None, state: _StepState) -> None:
+        # the replicas' gradients are summed (the loss weights are global) while the last sends finish
+        reduction = self._channel.start_gradient_reduction(self.gradients_to_reduce())
         self._channel.finish_sends()
+        self._channel.finish_gradient_reduction(reduction)
         scale = 1.0 if state.loss_scale is None else state.loss_scale
         own = self.grad_stats(1.0 / scale, self.config.clip_grad_value)
         count, me = self.num_stages, self.stage_index
-        slots = [0.0] * (3 * count)  # every stage's squared norm, overflow flag and loss share
-        slots[me], slots[count + me], slots[2 * count + me] = own.squared_norm, float(own.found_inf), own.loss or 0.0
+        slots = [0.0] * (3 * count)  # every stage's squared norm, overflow flag and loss share, over all workers
+        if self.spec.replica == 0:  # the norm of the summed gradients: the same in every replica
+            slots[me] = own.squared_norm
+        slots[count + me], slots[2 * count + me] = float(own.found_inf), own.loss or 0.0
         reduced = self._channel.all_reduce_sum(slots)
         state.stats = [StageGradStats(reduced[s], reduced[count + s] > 0, reduced[2 * count + s] if s == count - 1
                                       else None) for s in range(count)]

@@ -22,7 +22,7 @@ from raypipe.core.step_decision import NONFINITE, OVERFLOW
 
 # Every stage-labelled metric also carries a ``replica`` label so data-parallel
 # replicas of a stage can be told apart without changing metric names or the
-# dashboard. Until the trainer reports replicas, all stages are replica "0".
+# dashboard. The bubble gauge is per stage, averaged over replicas (replica "0").
 STAGE_LABELS = ("stage", "replica")
 SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
@@ -93,8 +93,8 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
 
 
-def _stage_labels(stage: int) -> list[str]:
-    return [str(stage), DEFAULT_REPLICA]
+def _stage_labels(stage: int, replica: int | str = DEFAULT_REPLICA) -> list[str]:
+    return [str(stage), str(replica)]
 
 
 def _step_families(result: StepResult) -> Iterator[Metric]:
@@ -146,7 +146,7 @@ def _busy_family(stages: list[StageStats]) -> GaugeMetricFamily:
         labels=STAGE_LABELS,
     )
     for stats in stages:
-        family.add_metric(_stage_labels(stats.stage), float(stats.busy_seconds))
+        family.add_metric(_stage_labels(stats.stage, stats.replica), float(stats.busy_seconds))
     return family
 
 
@@ -162,7 +162,7 @@ def _memory_family(stages: list[StageStats]) -> GaugeMetricFamily:
         for kind, attribute in MEMORY_KINDS:
             value = getattr(stats, attribute)
             if value is not None:  # None = not measurable here (CUDA fields on CPU)
-                family.add_metric([*_stage_labels(stats.stage), kind], float(value))
+                family.add_metric([*_stage_labels(stats.stage, stats.replica), kind], float(value))
     return family
 
 

@@ -11,26 +11,34 @@ def clip_coefficient(grad_norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (grad_norm + 1e-6))
 
 
-def measured_bubble(timeline: list[OpEvent], num_stages: int) -> list[float]:
-    """Per stage, 1 - busy/window over the step's F/B phase (first F start to last B end)."""
-    compute = [e for e in timeline if e.op in ("F", "B")]
-    if not compute:
-        return [0.0] * num_stages
-    window = max(e.end for e in compute) - min(e.start for e in compute)
-    if window <= 0:
-        return [0.0] * num_stages
-    busy = [0.0] * num_stages
-    for event in compute:
-        busy[event.stage] += event.end - event.start
-    return [max(0.0, 1.0 - b / window) for b in busy]
+def measured_bubble(timeline: list[OpEvent], num_stages: int, num_replicas: int = 1) -> list[float]:
+    """Per stage, 1 - busy/window over its replica's F/B phase (first F start to
+    last B end), averaged over the replicas."""
+    bubbles = [0.0] * num_stages
+    for replica in range(num_replicas):
+        compute = [e for e in timeline if e.op in ("F", "B") and e.replica == replica]
+        if not compute:
+            continue
+        window = max(e.end for e in compute) - min(e.start for e in compute)
+        if window <= 0:
+            continue
+        busy = [0.0] * num_stages
+        for event in compute:
+            busy[event.stage] += event.end - event.start
+        for stage in range(num_stages):
+            bubbles[stage] += max(0.0, 1.0 - busy[stage] / window) / num_replicas
+    return bubbles
 
 
 def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: float | None,
                       skip_reason: str | None, loss_scale: float | None, step_time: float, num_samples: int,
                       num_tokens: int, reports: list[StageReport], num_parameters: int,
                       peak_flops: float | None, num_devices: int) -> StepResult:
-    timeline = sorted((event for report in reports for event in report.events), key=lambda e: (e.stage, e.start))
+    timeline = sorted((event for report in reports for event in report.events),
+                      key=lambda e: (e.replica, e.stage, e.start))
     stages = [report.stats for report in reports]
+    num_replicas = 1 + max(stats.replica for stats in stages)
+    num_stages = len(stages) // num_replicas
     skipped = skip_reason is not None
     mfu = None
     if peak_flops:
@@ -43,4 +51,5 @@ def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: flo
         skipped=skipped, skip_reason=skip_reason, loss_scale=loss_scale, num_samples=num_samples, num_tokens=num_tokens,
         tokens_per_second=num_tokens / step_time if step_time > 0 else 0.0, mfu=mfu,
         learning_rate=next((s.learning_rate for s in stages if s.learning_rate is not None), None),
-        stages=stages, timeline=timeline, bubble_fraction=measured_bubble(timeline, len(stages)))
+        stages=stages, timeline=timeline, bubble_fraction=measured_bubble(timeline, num_stages, num_replicas),
+        num_replicas=num_replicas)

@@ -30,6 +30,14 @@ def _check_events(events: Sequence[OpEvent]) -> None:
             )
 
 
+def _rows(events: Sequence[OpEvent]) -> dict[tuple[int, int], tuple[int, str]]:
+    """One row per worker, (replica, stage) -> (row index, name), in rank order."""
+    workers = sorted({(event.replica, event.stage) for event in events})
+    replicated = any(replica for replica, _ in workers)
+    return {worker: (row, f"replica {worker[0]}, stage {worker[1]}" if replicated else f"stage {worker[1]}")
+            for row, worker in enumerate(workers)}
+
+
 def _event_name(event: OpEvent) -> str:
     return event.op if event.micro_batch is None else f"{event.op}{event.micro_batch}"
 
@@ -37,19 +45,19 @@ def _event_name(event: OpEvent) -> str:
 def chrome_trace(events: Sequence[OpEvent]) -> dict:
     """Chrome trace-event JSON (a dict) for Perfetto or ``chrome://tracing``.
 
-    Each op is a complete ("X") event; ``pid`` is the stage (named "stage N"),
-    ``ts``/``dur`` are microseconds since the first event's start, and ``args``
-    holds the micro-batch. Events keep the order they are given in.
+    Each op is a complete ("X") event; ``pid`` is the worker's row (named
+    "stage N", or "replica R, stage N" with several replicas), ``ts``/``dur``
+    are microseconds since the first event's start, and ``args`` holds the
+    micro-batch. Events keep the order they are given in.
     """
     _check_events(events)
+    rows = _rows(events)
     trace_events: list[dict] = []
-    for stage in sorted({event.stage for event in events}):
+    for row, name in rows.values():
+        trace_events.append({"name": "process_name", "ph": "M", "pid": row, "tid": 0, "args": {"name": name}})
+        # Keep rows in rank order regardless of which reported first.
         trace_events.append(
-            {"name": "process_name", "ph": "M", "pid": stage, "tid": 0, "args": {"name": f"stage {stage}"}}
-        )
-        # Keep stage rows in stage order regardless of which reported first.
-        trace_events.append(
-            {"name": "process_sort_index", "ph": "M", "pid": stage, "tid": 0, "args": {"sort_index": stage}}
+            {"name": "process_sort_index", "ph": "M", "pid": row, "tid": 0, "args": {"sort_index": row}}
         )
     origin = min((event.start for event in events), default=0.0)
     for event in events:
@@ -58,7 +66,7 @@ def chrome_trace(events: Sequence[OpEvent]) -> dict:
                 "name": _event_name(event),
                 "cat": event.op,
                 "ph": "X",
-                "pid": event.stage,
+                "pid": rows[event.replica, event.stage][0],
                 "tid": 0,
                 "ts": (event.start - origin) * 1e6,
                 "dur": (event.end - event.start) * 1e6,
@@ -75,7 +83,8 @@ def write_chrome_trace(events: Sequence[OpEvent], path: str | os.PathLike) -> No
 
 
 def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | None = None) -> None:
-    """Draw the timeline as a Gantt chart PNG: one row per stage, time in ms.
+    """Draw the timeline as a Gantt chart PNG: one row per worker (stage, or
+    replica and stage), time in ms.
 
     F and B ops are coloured (labelled with their micro-batch where wide
     enough), other ops are grey; white space in a row is that stage idling.
@@ -91,16 +100,14 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
         raise ValueError("plot_gantt: the timeline has no events to draw")
     origin = min(event.start for event in events)
     span_ms = max(event.end for event in events) * 1e3 - origin * 1e3
-    stages = sorted({event.stage for event in events})
-    row_of = {stage: row for row, stage in enumerate(stages)}
-
-    figure = Figure(figsize=(11, 1.0 + 0.7 * len(stages)), dpi=120, layout="constrained")
+    rows = _rows(events)
+    figure = Figure(figsize=(11, 1.0 + 0.7 * len(rows)), dpi=120, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     for event in events:
         start_ms = (event.start - origin) * 1e3
         width_ms = (event.end - event.start) * 1e3
-        row = row_of[event.stage]
+        row = rows[event.replica, event.stage][0]
         colour = OP_COLOURS.get(event.op, OTHER_COLOUR)
         axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.5)
         # Label F/B bars with their micro-batch where the digits fit (~1.2% of the axis each).
@@ -108,8 +115,8 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
         if event.op in OP_COLOURS and event.micro_batch is not None and width_ms > 0.012 * span_ms * len(label):
             axes.text(start_ms + width_ms / 2, row, label, ha="center", va="center", fontsize=8, color="white")
 
-    axes.set_yticks(range(len(stages)), [f"stage {stage}" for stage in stages])
-    axes.set_ylim(len(stages) - 0.5, -0.5)  # stage 0 on top, as a pipeline is usually drawn
+    axes.set_yticks(range(len(rows)), [name for _, name in rows.values()])
+    axes.set_ylim(len(rows) - 0.5, -0.5)  # stage 0 on top, as a pipeline is usually drawn
     axes.set_xlim(0, span_ms * 1.01 if span_ms > 0 else 1)
     axes.set_xlabel("time since first op (ms)")
     axes.grid(axis="x", alpha=0.3)

@@ -1,6 +1,8 @@
 """Connecting to Ray and reserving placement groups."""
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import ray
@@ -10,10 +12,18 @@ from raypipe.config import PipelineConfig
 from raypipe.errors import PlacementError
 
 
-def connect(address: str | None) -> None:
-    """Use the connected cluster; else ``address`` / RAY_ADDRESS; else start a local one."""
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+def connect(address: str | None, num_workers_cpus: float = 0) -> None:
+    """Use the connected cluster; else ``address`` / RAY_ADDRESS; else start a local one.
+
+    A local instance started here gets at least ``num_workers_cpus`` logical
+    CPUs, more than the machine's cores if need be: on a laptop or a CI box a CPU
+    run of more workers than cores shares them instead of never being placed.
+    """
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS")
+    local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(num_workers_cpus))} if target in (None, "", "local") else {}
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING", **local)
 
 
 def resolve_use_gpu(config: PipelineConfig) -> bool:
@@ -31,30 +41,30 @@ def worker_bundle(config: PipelineConfig, use_gpu: bool) -> dict[str, float]:
     return bundle
 
 
-def reserve(bundles: list[dict[str, float]], timeout_s: float) -> Any:
-    """A PACK placement group of ``bundles``, or a clear PlacementError after
-    ``timeout_s`` naming what was asked and what the cluster has."""
-    group = placement_group(bundles, strategy="PACK")
+def reserve(num_pipelines: int, bundles: list[dict[str, float]], timeout_s: float) -> list[Any]:
+    """One PACK placement group of ``bundles`` per pipeline replica (a pipeline's
+    stages talk to each other most), all placed within ``timeout_s``; or a clear
+    PlacementError naming what was asked and what the cluster has."""
+    groups = [placement_group(bundles, strategy="PACK") for _ in range(num_pipelines)]
     try:
-        ray.get(group.ready(), timeout=timeout_s)
+        ray.get([group.ready() for group in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
+        release(groups)
         raise PlacementError(
-            f"could not place {len(bundles)} stage(s) of {bundles[0]} each (PACK) within "
-            f"{timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in total, "
-            f"{_resources(ray.available_resources())} available. Lower num_stages/cpus_per_stage, "
+            f"could not place {num_pipelines} replica(s) of {len(bundles)} stage(s) of {bundles[0]} each (PACK "
+            f"per replica) within {timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in total, "
+            f"{_resources(ray.available_resources())} available. Lower num_stages/num_replicas/cpus_per_stage, "
             f"add nodes, or raise placement_timeout_s while the autoscaler adds them.") from None
-    return group
+    return groups
 
 
-def release(group: Any) -> None:
-    """Remove the placement group (idempotent)."""
-    if group is None:
-        return
-    try:
-        remove_placement_group(group)
-    except Exception:  # noqa: BLE001 - already removed is fine
-        pass
+def release(groups: list[Any]) -> None:
+    """Remove the placement groups (idempotent)."""
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - already removed is fine
+            pass
 
 
 def _resources(resources: dict[str, float]) -> str:

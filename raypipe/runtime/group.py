@@ -30,12 +30,15 @@ class WorkerInfo:
 
 
 class StageGroup:
-    """Workers of ``actor_class``, one per spec, in one PACK placement group."""
+    """Workers of ``actor_class``, one per spec; each replica's in its own PACK
+    placement group (bundle = stage)."""
 
     def __init__(self, actor_class: Any, specs: list[WorkerSpec], bundle: dict[str, float],
                  placement_timeout_s: float) -> None:
         self._actor_class, self._specs, self._bundle = actor_class, list(specs), bundle
-        self._placement = cluster.reserve([bundle] * len(specs), placement_timeout_s)
+        num_replicas = 1 + max(spec.replica for spec in specs)
+        self._placements = cluster.reserve(num_replicas, [bundle] * (len(specs) // num_replicas),
+                                           placement_timeout_s)
         self.actors: list[Any] = [self._create(index) for index in range(len(specs))]
         self._ready: list[dict[str, Any]] = []
 
@@ -95,14 +98,16 @@ class StageGroup:
         for actor in self.actors:
             _kill(actor)
         self.actors = []
-        cluster.release(self._placement)
-        self._placement = None
+        cluster.release(self._placements)
+        self._placements = []
 
     def _create(self, index: int) -> Any:
-        strategy = PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=index)
+        spec = self._specs[index]
+        strategy = PlacementGroupSchedulingStrategy(self._placements[spec.replica],
+                                                    placement_group_bundle_index=spec.stage)
         options = {"num_cpus": self._bundle["CPU"], "num_gpus": self._bundle.get("GPU", 0),
                    "scheduling_strategy": strategy, "max_restarts": 0}
-        return self._actor_class.options(**options).remote(self._specs[index])
+        return self._actor_class.options(**options).remote(spec)
 
 
 def _kill(actor: Any) -> None:

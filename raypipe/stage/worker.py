@@ -19,6 +19,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from raypipe.core.result import OpEvent, StageReport, StageStats
 from raypipe.core.seeding import derive_seed
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide
+from raypipe.core.topology import Topology
 from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
 from raypipe.stage.activations import ActivationStore
@@ -52,13 +53,15 @@ def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step
                 raise
             except Exception as error:  # noqa: BLE001 - every failure gets the stage's name
                 stage_error = StageError(self.stage_index, op, micro_batch, f"{type(error).__name__}: {error}",
+                                         replica=self.named_replica,
                                          remote_traceback=traceback.format_exc(), original=error)
                 if in_step:
                     self._step_failure = self._step_failure or stage_error
                 raise stage_error from error
             finally:
                 if timed:
-                    self._events.append(OpEvent(self.stage_index, op, micro_batch, start, time.time()))
+                    self._events.append(OpEvent(self.stage_index, op, micro_batch, start, time.time(),
+                                                self.replica))
 
         return wrapper
 
@@ -73,6 +76,9 @@ class StageWorker:
         torch.set_num_threads(config.cpus_per_stage)
         self.spec, self.config = spec, config
         self.stage_index, self.num_stages = spec.stage, spec.num_stages
+        self.replica = spec.replica
+        self.topology = Topology(spec.num_stages, config.num_replicas)
+        self.named_replica = spec.replica if config.num_replicas > 1 else None  # in errors
         self.layer_indices = list(spec.layer_indices)
         self.is_first, self.is_last = spec.is_first, spec.is_last
         self.device = torch.device("cuda", torch.cuda.current_device()) if spec.use_gpu else torch.device("cpu")
@@ -87,7 +93,7 @@ class StageWorker:
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
         self.loss_fn = spec.loss_fn
-        self.data = StageData(spec.loss_count_fn)
+        self.data = StageData(spec.loss_count_fn, first_micro_batch=spec.replica * config.num_micro_batches)
         self.store = ActivationStore(Offloader(self.device) if config.offload_activations else None)
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step
@@ -181,6 +187,12 @@ class StageWorker:
         self._check_step_is_whole()
         return self.grad_stats(inv_scale, clip_value)
 
+    def gradients_to_reduce(self) -> list[torch.Tensor]:
+        """The accumulated gradients, in parameter order: what the replicas of this
+        stage sum. The same model on same-shaped data gives every replica the same
+        set (a parameter used in one replica's step and not another's is not supported)."""
+        return [p.grad for p in self.layers.parameters() if p.grad is not None]
+
     @_stage_op("grad_stats", per_micro_batch=False)
     def grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
         """Unscale gradients, clamp them elementwise if asked, and report this stage's
@@ -206,7 +218,7 @@ class StageWorker:
         if missing:
             raise StepAborted(self.stage_index, "B", missing[0],
                               f"the backward of micro-batch(es) {missing} did not run: an op it depends on "
-                              "failed on another stage")
+                              "failed on another stage", replica=self.named_replica)
 
     def commit(self, loss_scaled: bool, *stats: StageGradStats) -> StageReport:
         """End the step as every stage does: from every stage's statistics (the same
@@ -318,7 +330,7 @@ class StageWorker:
 
     def _targets(self, micro_batch, targets, loss_weight, step, split):
         if targets is None:
-            return self.data.targets_and_weight(step, micro_batch, split, self.config.num_micro_batches)
+            return self.data.targets_and_weight(step, micro_batch, split)
         return targets, 1.0 if loss_weight is None else loss_weight
 
     def _as_leaf(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -357,7 +369,9 @@ class StageWorker:
     def _run_layer(self, position: int, hidden: torch.Tensor, micro_batch: int) -> torch.Tensor:
         # Randomness from (seed, step, micro-batch, layer): a recompute replays the
         # same dropout masks, whatever the partition or activation-checkpoint mode.
-        seed = derive_seed(self.config.seed, self._step, micro_batch, self.layer_indices[position])
+        # the step's global micro-batch index: the same masks whatever the number of replicas
+        global_micro_batch = self.replica * self.config.num_micro_batches + micro_batch
+        seed = derive_seed(self.config.seed, self._step, global_micro_batch, self.layer_indices[position])
         torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(seed)
@@ -375,7 +389,7 @@ class StageWorker:
         busy = sum(e.end - e.start for e in events if e.op in ("F", "B"))
         cuda = self.device.type == "cuda"
         return StageStats(
-            stage=self.stage_index, busy_seconds=busy,
+            stage=self.stage_index, replica=self.replica, busy_seconds=busy,
             held_for_backward_bytes=self.store.peak_held_bytes,
             offloaded_bytes=self.store.peak_offloaded_bytes,
             device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else None,

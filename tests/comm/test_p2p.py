@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from raypipe.comm.p2p import P2PChannel
+from raypipe.core.topology import Topology
 
 # per step, the activations of micro-batches 0..2 (shape, dtype): step 2 repeats
 # step 1 (all predicted), step 3 changes micro-batch 1's shape and micro-batch 2's
@@ -35,7 +36,7 @@ def free_port() -> int:
 
 def run_stage(rank: int, port: int, posted_ahead: mp.Queue) -> None:
     torch.set_num_threads(1)
-    channel = P2PChannel(rank, 2, torch.device("cpu"))
+    channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
     channel.join("127.0.0.1", port, timeout_s=60)
     try:
         for step in range(len(STEPS)):
@@ -71,3 +72,35 @@ def test_activations_of_any_shape_arrive_and_unchanged_shapes_are_received_ahead
         landed.add(posted_ahead.get())
     # step 0 has no prediction; step 2 predicted micro-batches 1 and 2 wrongly
     assert landed == {(1, 0), (1, 1), (1, 2), (2, 0), (3, 0)}
+
+
+def run_replicated_stage(rank: int, port: int) -> None:
+    """Two replicas of a two-stage pipeline (ranks 0, 1 and 2, 3): each replica's
+    stages talk to each other only, each stage's gradients sum over its replicas."""
+    torch.set_num_threads(1)
+    topology = Topology(num_stages=2, num_replicas=2)
+    replica, stage = topology.coordinates(rank)
+    channel = P2PChannel(topology, replica, stage, torch.device("cpu"))
+    channel.join("127.0.0.1", port, timeout_s=60)
+    try:
+        if stage == 0:
+            channel.send_activation(torch.full((3,), float(rank)), 0)
+        else:
+            channel.expect_activations([0])
+            torch.testing.assert_close(channel.recv_activation(0), torch.full((3,), float(rank - 1)))
+        channel.finish_sends()
+        # two dtypes and more than one bucket's worth of elements
+        gradients = [torch.full((5, 2), 1.0 + rank), torch.arange(4, dtype=torch.float64) * (rank + 1),
+                     torch.ones(7_000_000) * rank]
+        channel.finish_gradient_reduction(channel.start_gradient_reduction(gradients))
+        others = [r for r in topology.stage_ranks(stage)]
+        torch.testing.assert_close(gradients[0], torch.full((5, 2), sum(1.0 + r for r in others)))
+        torch.testing.assert_close(gradients[1], torch.arange(4, dtype=torch.float64) * sum(r + 1 for r in others))
+        assert torch.all(gradients[2] == sum(others))
+        assert channel.all_reduce_sum([1.0, float(rank)]) == [4.0, 6.0]
+    finally:
+        channel.leave()
+
+
+def test_replicas_keep_to_their_pipeline_and_sum_gradients_per_stage():
+    mp.start_processes(run_replicated_stage, args=(free_port(),), nprocs=4, start_method="spawn")

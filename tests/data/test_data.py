@@ -261,34 +261,32 @@ def test_reader_returns_shifted_rows_of_the_split(dataset):
 
 
 def test_reader_is_deterministic_across_instances_pickles_and_uris(dataset):
-    first = TokenDataset(dataset, micro_batch_size=2, num_micro_batches=3, num_replicas=2, seed=7)
-    second = TokenDataset(f"file://{dataset}", micro_batch_size=2, num_micro_batches=3, num_replicas=2, seed=7)
+    first = TokenDataset(dataset, micro_batch_size=2, num_micro_batches=6, seed=7)
+    second = TokenDataset(f"file://{dataset}", micro_batch_size=2, num_micro_batches=6, seed=7)
     first.get(0, 0)  # fill the shard cache before pickling
     copy = pickle.loads(pickle.dumps(first))
     assert len(pickle.dumps(first)) < 8_000, "loaded shards must not be pickled"
     for step in (0, 1, 5, 40):
-        for micro_batch in range(3):
-            for replica in range(2):
-                expected = first.get(step, micro_batch, replica)
-                for other in (second, copy):
-                    got = other.get(step, micro_batch, replica)
-                    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    other_seed = TokenDataset(dataset, micro_batch_size=2, num_micro_batches=3, num_replicas=2, seed=8)
+        for micro_batch in range(6):
+            expected = first.get(step, micro_batch)
+            for other in (second, copy):
+                got = other.get(step, micro_batch)
+                assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    other_seed = TokenDataset(dataset, micro_batch_size=2, num_micro_batches=6, seed=8)
     assert not torch.equal(other_seed.global_batch(0)[0], first.global_batch(0)[0])
 
 
-def test_an_epoch_never_repeats_a_row_and_replicas_are_disjoint(dataset):
-    reader = TokenDataset(dataset, micro_batch_size=2, num_micro_batches=3, num_replicas=2)
+def test_an_epoch_never_repeats_a_row_and_micro_batches_are_disjoint(dataset):
+    reader = TokenDataset(dataset, micro_batch_size=2, num_micro_batches=6)
     steps = reader.steps_per_epoch
     assert steps == reader.num_rows // 12
 
     def epoch_rows(epoch: int) -> list[tuple[int, ...]]:
         rows = []
         for step in range(epoch * steps, (epoch + 1) * steps):
-            for replica in range(2):
-                for micro_batch in range(3):
-                    inputs, targets = reader.get(step, micro_batch, replica)
-                    rows += [tuple(i + t[-1:]) for i, t in zip(inputs.tolist(), targets.tolist())]
+            for micro_batch in range(6):
+                inputs, targets = reader.get(step, micro_batch)
+                rows += [tuple(i + t[-1:]) for i, t in zip(inputs.tolist(), targets.tolist())]
         return rows
 
     first, second = epoch_rows(0), epoch_rows(1)
@@ -326,8 +324,6 @@ def test_reader_argument_errors(dataset):
     reader = TokenDataset(dataset, micro_batch_size=2, num_micro_batches=2)
     with pytest.raises(ValueError, match="micro_batch must be in \\[0, 2\\), got 2"):
         reader.get(0, 2)
-    with pytest.raises(ValueError, match="replica must be in \\[0, 1\\), got 1"):
-        reader.get(0, 0, replica=1)
 
 
 # --- bad shards ----------------------------------------------------------------

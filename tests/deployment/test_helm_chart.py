@@ -279,6 +279,7 @@ def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:
     assert flags == {
         "--preset": ["7b"],
         "--stages": ["16"],
+        "--replicas": ["1"],
         "--micro-batches": ["64"],
         "--micro-batch-size": [str(training["microBatchSize"])],
         "--seq-len": [str(training["seqLen"])],
@@ -423,8 +424,16 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
         ),
         pytest.param(
             {"training": {"stages": 24}}, helm_python.HelmRenderError,
-            "training.stages=24 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs", id="more-stages-than-gpus",
+            "training.stages=24 x training.replicas=1 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs",
+            id="more-stages-than-gpus",
         ),
+        pytest.param(
+            {"training": {"stages": 8, "replicas": 3}}, helm_python.HelmRenderError,
+            "training.stages=8 x training.replicas=3 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs",
+            id="more-replicas-than-gpus",
+        ),
+        pytest.param({"training": {"replicas": 0}}, helm_python.HelmValuesError, "/training/replicas",
+                     id="zero-replicas"),
         pytest.param(
             {"gpuWorkers": {"resources": {"limits": {"nvidia.com/gpu": None}}}}, helm_python.HelmRenderError,
             "has no nvidia.com/gpu", id="7b-without-gpus",

@@ -72,6 +72,22 @@ def test_train_tiny_learns_and_writes_its_outputs(dataset, tmp_path):
     assert read_manifest(out / "checkpoints", 30)["extra"]["dataset"]["next_step"] == 30
 
 
+def test_train_tiny_runs_two_replicas_of_two_stages(dataset, tmp_path):
+    # 4 workers on a 2-core machine: the local Ray instance the job starts gets a logical CPU per worker
+    out = tmp_path / "replicas"
+    command = [sys.executable, "jobs/train_tiny.py", "--replicas", "2", "--stages", "2", "--micro-batches", "2",
+               "--steps", "8", "--eval-every", "8", "--out", str(out), "--no-progress", "--data", str(dataset)]
+    done = subprocess.run(command, cwd=REPO, env=_own_ray_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["final_loss"] < summary["initial_loss"]
+    assert math.isfinite(summary["final_eval_loss"])
+    rows = {event["args"]["name"] for event in json.loads((out / "trace.json").read_text())["traceEvents"]
+            if event["name"] == "process_name"}
+    assert rows == {f"replica {r}, stage {s}" for r in range(2) for s in range(2)}
+    assert latest_checkpoint(out / "checkpoints") == 8
+
+
 # -- ray job submit ... jobs/train_7b.py --preset tiny ---------------------------------------
 
 def _free_port() -> int:

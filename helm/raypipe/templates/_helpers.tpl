@@ -63,8 +63,9 @@ the values involved and what is allowed.
 {{- if eq $gpus 0 }}
 {{- fail "training.preset=7b runs one pipeline stage per GPU, but gpuWorkers.resources.limits has no nvidia.com/gpu; set it (e.g. 8) or use training.preset=tiny" }}
 {{- end }}
-{{- if gt (int .Values.training.stages) (mul $gpus (int $w.maxReplicas)) }}
-{{- fail (printf "training.stages=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (int .Values.training.stages) (int $w.maxReplicas) $gpus (mul $gpus (int $w.maxReplicas))) }}
+{{- $workers := mul (int .Values.training.stages) (int (default 1 .Values.training.replicas)) }}
+{{- if gt $workers (mul $gpus (int $w.maxReplicas)) }}
+{{- fail (printf "training.stages=%d x training.replicas=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (int (default 1 .Values.training.replicas)) $workers (int $w.maxReplicas) $gpus (mul $gpus (int $w.maxReplicas))) }}
 {{- end }}
 {{- end }}
 {{- if and .Values.job.enabled .Values.rayCluster.enabled (eq .Values.job.submissionMode "SidecarMode") }}
@@ -75,7 +76,7 @@ the values involved and what is allowed.
 {{/* The training command: the flags of jobs/train_7b.py. */}}
 {{- define "raypipe.entrypoint" -}}
 {{- $t := .Values.training -}}
-python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --metrics-port {{ int $t.metricsPort }}
+python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ int (default 1 $t.replicas) }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --metrics-port {{ int $t.metricsPort }}
 {{- if $t.metricsHost }} --metrics-host {{ $t.metricsHost }}{{ end }}
 {{- range $t.extraArgs }} {{ . }}{{ end }}
 {{- end }}

@@ -1,0 +1,129 @@
+"""Data parallelism: ``num_replicas`` copies of the pipeline train as one process
+on the whole global batch (AdamW, global clipping, uneven splits), every replica
+evaluates, and a skip or a failure in one replica holds for all."""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import raypipe
+from raypipe import ConfigError, StageError
+from tests.executor.test_nonfinite import OverflowOnMarker
+from tests.reference import assert_bitwise_equal, assert_parameters_match, make_mlp, reference_step
+
+STEPS = 3
+BATCH = 11  # uneven over 2, 4 and 6 micro-batches
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def batches(seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 4, generator=generator))
+            for _ in range(STEPS)]
+
+
+def reference_loss(model, x, y, count):
+    with torch.no_grad():
+        return sum(nn.functional.mse_loss(model(xm), ym).item() * xm.shape[0] / x.shape[0]
+                   for xm, ym in zip(torch.tensor_split(x, count), torch.tensor_split(y, count)))
+
+
+CASES = [(2, 1, m) for m in (1, 2, 3)] + [(2, 2, m) for m in (1, 2, 3)] + [(3, 2, 2)]
+
+
+@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches", CASES)
+def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replicas, num_stages, num_micro_batches):
+    clip = 0.05 if num_micro_batches != 2 else None
+    model = make_mlp()
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference.parameters())
+    count = num_replicas * num_micro_batches
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches,
+                                    num_replicas=num_replicas, clip_grad_norm=clip)
+    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+        assert trainer.num_replicas == num_replicas
+        assert [(w.replica, w.stage) for w in trainer.workers] == [
+            (r, s) for r in range(num_replicas) for s in range(num_stages)]
+        assert len({w.pid for w in trainer.workers}) == num_replicas * num_stages
+        for x, y in batches():
+            result = trainer.step(x, y)
+            loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, count, clip)
+            assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
+            if clip is not None:
+                assert result.clip_coefficient < 1.0  # the clip really bites
+        assert result.num_replicas == num_replicas
+        assert [(s.replica, s.stage) for s in result.stages] == [
+            (r, s) for r in range(num_replicas) for s in range(num_stages)]
+        assert {(e.replica, e.stage) for e in result.timeline if e.op == "F"} == {
+            (r, s) for r in range(num_replicas) for s in range(num_stages)}
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+        # every replica evaluates its block with its own weights: equal only if all replicas stepped alike
+        x, y = batches(seed=9)[0]
+        assert trainer.evaluate(x, y) == pytest.approx(reference_loss(reference, x, y, count), rel=1e-5)
+
+
+def test_an_overflow_in_one_replica_skips_the_step_on_every_worker(ray_cluster):
+    layers = [OverflowOnMarker(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=2, precision="fp16",
+                                    initial_loss_scale=4.0, balance=[2, 2])
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+    marked = x.clone()
+    marked[6, 0] = 1e4  # micro-batch 3 of 4: replica 1's second
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
+        before = trainer.state_dict()
+        before_eval = trainer.evaluate(x, y)
+        result = trainer.step(marked, y)
+        assert (result.skipped, result.skip_reason, result.loss_scale) == (True, "overflow", 4.0)
+        assert trainer.scaler.scale == 2.0 and math.isfinite(result.loss)
+        assert_bitwise_equal(before, trainer.state_dict())
+        assert trainer.evaluate(x, y) == before_eval  # replica 1 did not step either
+        assert not trainer.step(x, y).skipped
+
+
+class FailOnMarker(nn.Module):
+    def forward(self, x):
+        if bool((x[:, 0] > 1e3).any()):
+            raise ValueError("a marked row")
+        return x
+
+
+def test_a_failure_in_one_replica_names_it_and_no_worker_steps(ray_cluster):
+    layers = [FailOnMarker(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=2, balance=[2, 2])
+    x, y = batches()[0]
+    marked = x.clone()
+    marked[9, 0] = 1e4  # micro-batch 3 of 4 (rows 9, 10): replica 1's second
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
+        before, before_eval = trainer.state_dict(), trainer.evaluate(x, y)
+        with pytest.raises(StageError, match="replica 1, stage 0, op F, micro-batch 1: ValueError: a marked row"):
+            trainer.step(marked, y)
+        assert_bitwise_equal(before, trainer.state_dict())
+        assert trainer.evaluate(x, y) == before_eval
+        assert not trainer.step(x, y).skipped  # the group was re-formed
+
+
+def test_each_replica_has_its_own_pack_placement_group(ray_cluster):
+    import ray
+
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, num_replicas=2)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config):
+        live = [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+        assert sorted((pg["strategy"], len(pg["bundles"])) for pg in live) == [("PACK", 2), ("PACK", 2)]
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_replicas_need_the_per_step_executor(ray_cluster):
+    with pytest.raises(ConfigError, match="num_replicas=2 runs on the per-step executor only"):
+        raypipe.PipelineConfig(num_stages=1, num_replicas=2, transport="object_store").validate()
+    with pytest.raises(ConfigError, match="invalid num_replicas=0"):
+        raypipe.PipelineConfig(num_replicas=0).validate()
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1, num_replicas=2)
+    with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, adamw, config) as trainer:
+        with pytest.raises(ValueError, match="smaller than the step's 2 micro-batches"):
+            trainer.step(torch.ones(1, 2), torch.ones(1, 2))
