@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stages", type=int, help="pipeline stages, one GPU each with the 7b preset (7b: 8)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="data-parallel copies of the pipeline: stages x replicas GPUs (default: 1)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
     parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step and replica (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
@@ -156,7 +158,8 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
         eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=args.progress,
-        pipeline={"num_stages": args.stages, "num_replicas": args.replicas, "num_micro_batches": args.micro_batches,
+        pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
+                  "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host})

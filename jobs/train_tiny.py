@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (one CPU each)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="data-parallel copies of the pipeline (stages x replicas CPUs)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="ZeRO-1: shard the optimizer state over the replicas")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step and replica")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     run = RunConfig(
         model="tiny", data=args.data, steps=args.steps, micro_batch_size=args.micro_batch_size,
         eval_every=args.eval_every, out=args.out, progress=not args.no_progress,
-        pipeline={"num_stages": args.stages, "num_replicas": args.replicas, "num_micro_batches": args.micro_batches,
+        pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
+                  "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "metrics_port": args.metrics_port})
     summary = train(run)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.core.schedule import SCHEDULES
-from raypipe.core.validation import (check_choice, check_int, check_number, check_positive_int,
+from raypipe.core.validation import (check_bool, check_choice, check_int, check_number, check_positive_int,
                                      check_positive_number, check_renamed, from_mapping)
 from raypipe.errors import ConfigError
 
@@ -37,6 +37,7 @@ class PipelineConfig:
     num_stages: int = 1
     num_micro_batches: int = 1  # per replica: a step has num_micro_batches x num_replicas micro-batches
     num_replicas: int = 1  # data-parallel copies of the pipeline
+    shard_optimizer: bool = False  # ZeRO-1: each replica of a stage keeps the optimizer state of its own parameters
     schedule: str = "gpipe"
     activation_checkpoint: str = "never"  # recompute activations in backward: "never" | "always" | "except_last"
     activation_checkpoint_segments: int | None = None  # keep every k-th layer input inside a stage
@@ -68,6 +69,7 @@ class PipelineConfig:
         check_positive_int("num_stages", self.num_stages)
         check_positive_int("num_micro_batches", self.num_micro_batches)
         check_positive_int("num_replicas", self.num_replicas)
+        check_bool("shard_optimizer", self.shard_optimizer)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
         check_choice("precision", self.precision, PRECISIONS)

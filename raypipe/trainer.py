@@ -260,14 +260,21 @@ class PipelineTrainer:
         """
         from raypipe.checkpoint.store import write_manifest
 
-        layer_files: dict = {}
-        for files in self._executor.get([actor.save_checkpoint.remote(str(root_uri), self.step_count)
-                                         for actor in self._first_replica]):
-            layer_files.update(files)
-        state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
-                 "layer_names": self._layer_names, **(extra or {})}
-        write_manifest(str(root_uri), self.step_count, layer_files, extra=state)
-        return self.step_count
+        root, step = str(root_uri), self.step_count
+        layers = [actor.save_checkpoint.remote(root, step) for actor in self._first_replica]
+        parts = self._optimizer_parts()  # ZeRO-1: the other replicas' optimizer state, as blobs
+        blobs = [actor.save_optimizer_part.remote(root, step) for actor in self._group.actors[len(layers):]
+                 ] if parts > 1 else []
+        written = self._executor.get(layers + blobs)
+        layer_files = {index: file for files in written[:len(layers)] for index, file in files.items()}
+        state = {"step_count": step, "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "layer_names": self._layer_names, "optimizer_parts": parts, **(extra or {})}
+        part_files = [file for files in written[len(layers):] for file in files]
+        write_manifest(root, step, layer_files, extra=state, blobs=part_files)
+        return step
+
+    def _optimizer_parts(self) -> int:
+        return self.topology.num_replicas if self.config.shard_optimizer else 1
 
     def load_checkpoint(self, root_uri: str, step: int | None = None) -> dict:
         """Load the newest complete checkpoint (or ``step``) into any partition; returns its extra state."""
@@ -277,7 +284,8 @@ class PipelineTrainer:
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint under {root_uri}")
         extra = read_manifest(str(root_uri), step).get("extra", {})
-        self._executor.get([actor.load_checkpoint.remote(str(root_uri), step) for actor in self._group.actors])
+        parts = extra.get("optimizer_parts", 1)
+        self._executor.get([actor.load_checkpoint.remote(str(root_uri), step, parts) for actor in self._group.actors])
         self.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])

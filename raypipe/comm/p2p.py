@@ -189,24 +189,54 @@ class P2PChannel:
             self._wait(work, None, None, "send")
         self._sends.clear()
 
-    def start_gradient_reduction(self, gradients: list[torch.Tensor]) -> Any:
+    def start_gradient_reduction(self, gradients: list[torch.Tensor], owners: tuple[int, ...] | None = None) -> Any:
         """Start summing ``gradients`` over this stage's replicas, in flat buckets
-        (one all-reduce each, all in flight at once); :meth:`finish_gradient_reduction`
-        writes the sums back. None without replicas."""
+        (all in flight at once): onto every replica (``owners`` None: all-reduce),
+        or onto each gradient's owning replica only (ZeRO-1: a reduce per owner).
+        :meth:`finish_gradient_reduction` writes the sums back. None without replicas."""
         if self._replicas is None:
             return None
-        buckets = [(torch.cat([g.reshape(-1) for g in bucket]), bucket) for bucket in _buckets(gradients)]
-        return [(dist.all_reduce(flat, group=self._replicas, async_op=True), flat, bucket)
-                for flat, bucket in buckets]
+        pending = []
+        for owner, owned in self._by_owner(gradients, owners):
+            for bucket in _buckets(owned):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                if owner is None:
+                    work = dist.all_reduce(flat, group=self._replicas, async_op=True)
+                else:
+                    work = dist.reduce(flat, self.topology.rank(owner, self.stage), group=self._replicas,
+                                       async_op=True)
+                pending.append((work, flat, bucket if owner in (None, self.replica) else []))
+        return pending
 
     def finish_gradient_reduction(self, pending: Any) -> None:
-        """Wait for :meth:`start_gradient_reduction` and write each sum back."""
+        """Wait for :meth:`start_gradient_reduction` and write back the sums this replica received."""
         for work, flat, bucket in pending or ():
             self._wait(work, None, None, "gradient reduction")
-            offset = 0
-            for gradient in bucket:
-                gradient.copy_(flat[offset:offset + gradient.numel()].view_as(gradient))
-                offset += gradient.numel()
+            _unflatten(flat, bucket)
+
+    def gather_parameters(self, parameters: list[torch.Tensor], owners: tuple[int, ...] | None) -> None:
+        """ZeRO-1, after the owners stepped: every replica gets every parameter's new
+        value from its owner (a broadcast per owner and bucket; nothing unsharded)."""
+        if self._replicas is None or owners is None:
+            return
+        pending = []
+        for owner, owned in self._by_owner(parameters, owners):
+            for bucket in _buckets(owned):
+                flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+                work = dist.broadcast(flat, self.topology.rank(owner, self.stage), group=self._replicas,
+                                      async_op=True)
+                pending.append((work, flat, bucket if owner != self.replica else []))
+        for work, flat, bucket in pending:
+            self._wait(work, None, None, "parameter gather")
+            with torch.no_grad():
+                _unflatten(flat, bucket)
+
+    def _by_owner(self, tensors: list[torch.Tensor], owners: tuple[int, ...] | None
+                  ) -> list[tuple[int | None, list[torch.Tensor]]]:
+        if owners is None:
+            return [(None, tensors)]
+        return [(owner, [t for t, o in zip(tensors, owners, strict=True) if o == owner])
+                for owner in range(self.topology.num_replicas)]
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum of ``values`` over every worker (float64: adding the
@@ -252,6 +282,13 @@ def _buckets(gradients: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         buckets[-1].append(gradient)
         size += bytes_
     return buckets
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
 
 
 def _empty(signature: Signature, device: torch.device) -> torch.Tensor:

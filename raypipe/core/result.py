@@ -34,6 +34,7 @@ class StageStats:
     learning_rate: float | None = None  # of the stage's first parameter group, after this step
     task_seconds: float | None = None  # per-step executor: the worker's whole step task
     replica: int = 0
+    optimizer_bytes: int | None = None  # tensors of this worker's optimizer state (ZeRO-1: its shard)
 
 
 class StageReport(NamedTuple):

@@ -45,6 +45,12 @@ def check_positive_number(name: str, value: object, allowed: str = "must be a nu
     check_number(name, value, lambda number: number > 0, allowed)
 
 
+def check_bool(name: str, value: object) -> None:
+    """``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise ConfigError(name, value, "must be True or False")
+
+
 def check_choice(name: str, value: object, allowed: Collection[object]) -> None:
     """``value`` is one of ``allowed``."""
     if value not in allowed:

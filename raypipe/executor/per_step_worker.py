@@ -114,19 +114,25 @@ class PerStepWorker(StageWorker):
 
     def _reduce(self, _: None, state: _StepState) -> None:
         # the replicas' gradients are summed (the loss weights are global) while the last sends finish
-        reduction = self._channel.start_gradient_reduction(self.gradients_to_reduce())
+        start = time.time()
+        reduction = self._channel.start_gradient_reduction(*self.gradients_to_reduce())
         self._channel.finish_sends()
         self._channel.finish_gradient_reduction(reduction)
+        if reduction is not None:
+            self._events.append(OpEvent(self.stage_index, "reduce", None, start, time.time(), self.replica))
         scale = 1.0 if state.loss_scale is None else state.loss_scale
         own = self.grad_stats(1.0 / scale, self.config.clip_grad_value)
         count, me = self.num_stages, self.stage_index
         slots = [0.0] * (3 * count)  # every stage's squared norm, overflow flag and loss share, over all workers
-        if self.spec.replica == 0:  # the norm of the summed gradients: the same in every replica
+        if self.ownership.counts_in_norm():  # each owner's part, or one replica's whole (all hold the same)
             slots[me] = own.squared_norm
         slots[count + me], slots[2 * count + me] = float(own.found_inf), own.loss or 0.0
         reduced = self._channel.all_reduce_sum(slots)
         state.stats = [StageGradStats(reduced[s], reduced[count + s] > 0, reduced[2 * count + s] if s == count - 1
                                       else None) for s in range(count)]
+
+    def _share_updated_parameters(self) -> None:
+        self._channel.gather_parameters(self._trainable, self.ownership.owners)
 
     def _commit(self, _: None, state: _StepState) -> None:
         state.report = self.commit(state.loss_scale is not None, *state.stats)

@@ -34,6 +34,7 @@ MEMORY_KINDS = (
     ("device_allocated", "device_allocated_bytes"),
     ("device_peak", "device_peak_bytes"),
     ("rss", "rss_bytes"),
+    ("optimizer", "optimizer_bytes"),
 )
 
 
@@ -155,7 +156,8 @@ def _memory_family(stages: list[StageStats]) -> GaugeMetricFamily:
         "raypipe_stage_memory_bytes",
         "Per-stage memory of the latest step by kind: held_for_backward and offloaded "
         "(peak bytes kept for backward, in device memory / object store), device_allocated "
-        "and device_peak (CUDA), rss (process resident set).",
+        "and device_peak (CUDA), rss (process resident set), optimizer (its state's tensors; "
+        "a shard with shard_optimizer).",
         labels=(*STAGE_LABELS, "kind"),
     )
     for stats in stages:

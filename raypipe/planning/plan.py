@@ -58,7 +58,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``raypipe plan``."""
     parser.add_argument("--model", default="llama-7b", choices=sorted(CONFIGS), help="named model config")
     parser.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
-    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (default 1)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step and replica (default 1)")
+    parser.add_argument("--replicas", type=int, default=1, help="data-parallel copies of the pipeline (default 1)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's max)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
@@ -136,8 +139,8 @@ def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) 
                  f"--micro-batch-size 1 --micro-batches {micro_batches}", settings):
             return suggestions
     shards = _fitting_shards(config, settings, gpu_memory_bytes)
-    alternative = (f"or keep {settings.num_stages} stages and shard optimizer state and master weights over "
-                   f"{shards} data-parallel replicas" if shards else None)
+    alternative = (f"or keep {settings.num_stages} stages and shard the optimizer state over {shards} "
+                   f"data-parallel replicas (--replicas {shards} --shard-optimizer)" if shards else None)
     stages = _fitting_stages(config, settings, gpu_memory_bytes)
     if stages != settings.num_stages:
         settings = replace(settings, num_stages=stages)
@@ -193,7 +196,8 @@ def build_plan(args: argparse.Namespace) -> dict:
     settings = PlanSettings(
         num_stages=args.stages, num_micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len or config.max_seq_len, precision=args.precision, **activation_arguments(args),
-        fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp)
+        fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp,
+        optimizer_shards=args.replicas if args.shard_optimizer else 1)
     stages = settings.estimate(config, args.gpu_memory)
     amp = amp_style(settings.precision, settings.amp)
     per_parameter = static_bytes_per_parameter(settings.precision, amp)

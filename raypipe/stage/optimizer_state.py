@@ -33,9 +33,10 @@ def scatter_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.
     """Inverse of :func:`gather_optimizer_state` for this stage's layers."""
     if optimizer is None or not states:
         return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}  # ZeRO-1: owned only
     for index, name, parameter in _named_parameters(layers, layer_indices):
         state = states.get(index, {}).get(name)
-        if state is not None:
+        if state is not None and id(parameter) in stepped:
             optimizer.state[parameter] = {k: v.to(parameter.device) if torch.is_tensor(v) and v.dim() > 0 else v
                                           for k, v in state.items()}
     for group, saved in zip(optimizer.param_groups, states.get(-1, {}).get("param_groups", [])):

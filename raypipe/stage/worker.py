@@ -28,6 +28,12 @@ from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_pointers,
 from raypipe.stage.offload import Offloader
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
+from raypipe.stage.zero import Ownership
+
+
+def optimizer_part_name(layer_index: int, replica: int) -> str:
+    """The checkpoint blob of replica ``replica``'s optimizer state of one layer (ZeRO-1)."""
+    return f"optimizer-layer{layer_index:05d}-part{replica}"
 
 
 def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step: bool = False) -> Callable:
@@ -86,10 +92,13 @@ class StageWorker:
                                     for layer, index in zip(spec.layers, spec.layer_indices))
         self.layers.to(self.device)
         self.weights = compute_weights(config.precision, self.layers, self.device)  # what the layers compute with
-        parameters = [p for p in self.layers.parameters() if p.requires_grad]
+        self._trainable = [p for p in self.layers.parameters() if p.requires_grad]
+        # ZeRO-1: this replica's optimizer holds the parameters it owns (all of them, unsharded)
+        self.ownership = Ownership.assign(self._trainable, config.num_replicas, spec.replica, config.shard_optimizer)
+        self._owned = self.ownership.owned(self._trainable)
         # parameters and compute weights: static memory, excluded from held bytes
         self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
-        self.optimizer = spec.optimizer_factory(parameters) if spec.optimizer_factory and parameters else None
+        self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
         self.loss_fn = spec.loss_fn
@@ -187,11 +196,15 @@ class StageWorker:
         self._check_step_is_whole()
         return self.grad_stats(inv_scale, clip_value)
 
-    def gradients_to_reduce(self) -> list[torch.Tensor]:
-        """The accumulated gradients, in parameter order: what the replicas of this
-        stage sum. The same model on same-shaped data gives every replica the same
-        set (a parameter used in one replica's step and not another's is not supported)."""
-        return [p.grad for p in self.layers.parameters() if p.grad is not None]
+    def gradients_to_reduce(self) -> tuple[list[torch.Tensor], tuple[int, ...] | None]:
+        """The accumulated gradients, in parameter order, and their owners (None:
+        every replica): what the replicas of this stage sum. The same model on
+        same-shaped data gives every replica the same set (a parameter used in one
+        replica's step and not another's is not supported)."""
+        present = [index for index, p in enumerate(self._trainable) if p.grad is not None]
+        owners = self.ownership.owners
+        return ([self._trainable[i].grad for i in present],
+                None if owners is None else tuple(owners[i] for i in present))
 
     @_stage_op("grad_stats", per_micro_batch=False)
     def grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
@@ -199,7 +212,7 @@ class StageWorker:
         squared L2 norm (fp32), whether any gradient is inf/NaN, and (last stage)
         its weighted loss sum."""
         loss = self._step_loss if self.is_last else None
-        grads = [p.grad for p in self.layers.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._owned if p.grad is not None]  # ZeRO-1: only owned sums are whole
         if not grads:
             return StageGradStats(0.0, False, loss)
         if inv_scale != 1.0:
@@ -207,7 +220,7 @@ class StageWorker:
         norm = get_total_norm([g.float() for g in grads])
         found_inf = not bool(torch.isfinite(norm))
         if clip_value is not None and not found_inf:
-            torch.nn.utils.clip_grad_value_(self.layers.parameters(), clip_value)
+            torch.nn.utils.clip_grad_value_(self._owned, clip_value)
             norm = get_total_norm([g.float() for g in grads])
         return StageGradStats(float(norm.to(torch.float32)) ** 2, found_inf, loss)
 
@@ -231,15 +244,20 @@ class StageWorker:
 
     @_stage_op("optimizer", per_micro_batch=False)
     def _optimizer_step(self, decision: StepDecision) -> None:
-        if self.optimizer is not None and not decision.skipped:
-            if self.config.clip_grad_norm is not None:
-                clip_grads_with_norm_(self.layers.parameters(), self.config.clip_grad_norm,
-                                      torch.tensor(decision.grad_norm))
-            self.optimizer.step()
+        if not decision.skipped:
+            if self.optimizer is not None:
+                if self.config.clip_grad_norm is not None:
+                    clip_grads_with_norm_(self._owned, self.config.clip_grad_norm, torch.tensor(decision.grad_norm))
+                self.optimizer.step()
+                if self.scheduler is not None:  # a skipped step does not advance the schedule
+                    self.scheduler.step()
+            self._share_updated_parameters()
             self.weights.refresh()
-            if self.scheduler is not None:  # a skipped step does not advance the schedule
-                self.scheduler.step()
         self._end_step()
+
+    def _share_updated_parameters(self) -> None:
+        """ZeRO-1: give the other replicas the parameters this one stepped (an
+        executor with replicas provides it; nothing to do without)."""
 
     def abort_step(self) -> None:
         """Drop a failed step's partial state: kept activations, gradients, timings."""
@@ -288,28 +306,48 @@ class StageWorker:
         scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
 
     def save_checkpoint(self, root_uri: str, step: int) -> dict[int, str]:
-        """Write this stage's layers (weights and optimizer state), one file per global layer."""
+        """Write this stage's layers (weights and this replica's optimizer state), one file per global layer."""
         from raypipe.checkpoint.store import write_layer
 
-        optimizer = self.optimizer_state()
-        groups = optimizer.pop(-1, {})
-        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
-        return {index: write_layer(root_uri, step, index, {"model": state, "optimizer": optimizer.get(index, {}),
-                                                           "scheduler": scheduler, **groups})
+        parts = self._optimizer_parts()
+        return {index: write_layer(root_uri, step, index, {"model": state, **parts[index]})
                 for index, state in self.state_dict().items()}
 
-    def load_checkpoint(self, root_uri: str, step: int) -> None:
-        """Load this stage's layers from a checkpoint written by any partition."""
-        from raypipe.checkpoint.store import read_layer
+    def save_optimizer_part(self, root_uri: str, step: int) -> list:
+        """ZeRO-1, replicas after the first: the optimizer state of the parameters
+        this replica owns, per layer (the first replica's goes into the layer files)."""
+        from raypipe.checkpoint.store import write_blob
+
+        return [write_blob(root_uri, step, optimizer_part_name(index, self.replica), part)
+                for index, part in self._optimizer_parts().items()]
+
+    def load_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
+        """Load this stage's layers from a checkpoint written by any partition and
+        any number of optimizer parts (ZeRO-1 replicas)."""
+        from raypipe.checkpoint.store import read_blob, read_layer
 
         files = {index: read_layer(root_uri, step, index) for index in self.layer_indices}
         self.load_state_dict({index: f["model"] for index, f in files.items()})
-        optimizer = {index: f["optimizer"] for index, f in files.items()}
-        first = files[self.layer_indices[0]]
-        optimizer[-1] = {"param_groups": first.get("param_groups", [])}
+        parts = {index: [files[index]] + [read_blob(root_uri, step, optimizer_part_name(index, part))
+                                          for part in range(1, optimizer_parts)] for index in self.layer_indices}
+        optimizer = {index: {name: state for part in parts[index] for name, state in part["optimizer"].items()}
+                     for index in self.layer_indices}
+        # hyper-parameters and schedule: the same in every part whose replica has an optimizer
+        candidates = parts[self.layer_indices[0]]
+        groups = next((part["param_groups"] for part in candidates if part.get("param_groups")), [])
+        scheduler = next((part["scheduler"] for part in candidates if part.get("scheduler") is not None), None)
+        optimizer[-1] = {"param_groups": groups}
         self.load_optimizer_state(optimizer)
-        if self.scheduler is not None and first.get("scheduler") is not None:
-            self.scheduler.load_state_dict(first["scheduler"])
+        if self.scheduler is not None and scheduler is not None:
+            self.scheduler.load_state_dict(scheduler)
+
+    def _optimizer_parts(self) -> dict[int, dict[str, Any]]:
+        """Per layer: this replica's optimizer state, hyper-parameters and schedule."""
+        optimizer = self.optimizer_state()
+        groups = optimizer.pop(-1, {})
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups}
+                for index in self.layer_indices}
 
     # -- helpers -------------------------------------------------------------
     def _begin_step(self, step: int) -> None:
@@ -385,6 +423,12 @@ class StageWorker:
         if position + 1 < len(self._backward_order):
             self.store.prefetch(self._backward_order[position + 1])
 
+    def _optimizer_bytes(self) -> int:
+        if self.optimizer is None:
+            return 0
+        return sum(value.numel() * value.element_size() for state in self.optimizer.state.values()
+                   for value in state.values() if torch.is_tensor(value))
+
     def _stats(self, events: list[OpEvent]) -> StageStats:
         busy = sum(e.end - e.start for e in events if e.op in ("F", "B"))
         cuda = self.device.type == "cuda"
@@ -394,5 +438,5 @@ class StageWorker:
             offloaded_bytes=self.store.peak_offloaded_bytes,
             device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else None,
             device_peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            rss_bytes=rss_bytes(),
+            rss_bytes=rss_bytes(), optimizer_bytes=self._optimizer_bytes(),
             learning_rate=self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)

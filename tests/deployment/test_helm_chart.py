@@ -270,6 +270,12 @@ def test_every_pod_runs_as_non_root_without_privilege_escalation(chart, values: 
 # --------------------------------------------------------------------------- RayJob
 
 
+def test_entrypoint_passes_replicas_and_a_sharded_optimizer(chart) -> None:
+    overrides = {"training": {"stages": 4, "replicas": 4, "shardOptimizer": True}}
+    _command, flags = entrypoint_flags(only(render(chart, overrides), "RayJob"))
+    assert flags["--stages"] == ["4"] and flags["--replicas"] == ["4"] and flags["--shard-optimizer"] == []
+
+
 def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:
     overrides = combined(CASES["16-stages-on-2-to-4-nodes"], CASES["private-image-and-credentials"])
     training = chart.merge_values(overrides)["training"]

@@ -36,15 +36,17 @@ def reference_loss(model, x, y, count):
 CASES = [(2, 1, m) for m in (1, 2, 3)] + [(2, 2, m) for m in (1, 2, 3)] + [(3, 2, 2)]
 
 
+@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["replicated", "zero1"])
 @pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches", CASES)
-def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replicas, num_stages, num_micro_batches):
+def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replicas, num_stages, num_micro_batches,
+                                                        shard_optimizer):
     clip = 0.05 if num_micro_batches != 2 else None
     model = make_mlp()
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
     count = num_replicas * num_micro_batches
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches,
-                                    num_replicas=num_replicas, clip_grad_norm=clip)
+                                    num_replicas=num_replicas, clip_grad_norm=clip, shard_optimizer=shard_optimizer)
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
         assert trainer.num_replicas == num_replicas
         assert [(w.replica, w.stage) for w in trainer.workers] == [
@@ -127,3 +129,69 @@ def test_replicas_need_the_per_step_executor(ray_cluster):
     with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, adamw, config) as trainer:
         with pytest.raises(ValueError, match="smaller than the step's 2 micro-batches"):
             trainer.step(torch.ones(1, 2), torch.ones(1, 2))
+
+
+def _trained(config, steps, root=None, load=None):
+    """Train ``steps`` steps (after loading checkpoint ``load``); save to ``root``; the final state."""
+    model = make_mlp()
+    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
+        if load is not None:
+            trainer.load_checkpoint(load)
+        for x, y in steps:
+            trainer.step(x, y)
+        if root is not None:
+            trainer.save_checkpoint(root)
+        return trainer.state_dict(), trainer.step_count
+
+
+def halving(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def test_zero1_keeps_each_parameters_optimizer_state_on_one_replica(ray_cluster):
+    x, y = batches()[0]
+    bytes_of = {}
+    for shard in (False, True):
+        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, num_replicas=2, shard_optimizer=shard)
+        with raypipe.PipelineTrainer(make_mlp(width=64), nn.functional.mse_loss, adamw, config) as trainer:
+            bytes_of[shard] = {(s.replica, s.stage): s.optimizer_bytes for s in trainer.step(x, y).stages}
+    for stage in range(2):
+        whole = bytes_of[False][0, stage]
+        assert bytes_of[False][1, stage] == whole  # unsharded: every replica holds it all
+        shards = [bytes_of[True][replica, stage] for replica in range(2)]
+        # each parameter's state exactly once, and each replica holds a part (whole parameters: as even as
+        # their sizes allow)
+        assert sum(shards) == whole and all(0 < part < whole for part in shards)
+
+
+def test_a_sharded_checkpoint_loads_into_any_replicas_and_stages(ray_cluster, tmp_path):
+    steps = batches() + batches(seed=2)[:1]  # 4 steps, with AdamW state and a schedule to carry over
+    # 6 micro-batches per step throughout: 2 replicas x 3 (sharded), then 1 x 6 or 3 x 2
+    first = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, num_replicas=2, shard_optimizer=True,
+                                   clip_grad_norm=0.05)
+    _, count = _trained(first, steps[:2], root=tmp_path / "ckpt")
+    assert count == 2
+    reference, _ = _trained(raypipe.PipelineConfig(num_stages=1, num_micro_batches=6, clip_grad_norm=0.05), steps)
+    for num_replicas, num_stages, shard in ((1, 3, False), (3, 1, True)):
+        config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=6 // num_replicas,
+                                        num_replicas=num_replicas, shard_optimizer=shard, clip_grad_norm=0.05)
+        resumed, count = _trained(config, steps[2:], load=tmp_path / "ckpt")
+        assert count == 4
+        assert_parameters_match(resumed, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_the_memory_model_predicts_each_workers_optimizer_shard(ray_cluster):
+    from raypipe.core.partition import stage_layer_ranges
+    from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
+    from raypipe.planning.memory import estimate_stage
+
+    model = LlamaConfig(vocab_size=259, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, num_replicas=2, shard_optimizer=True)
+    tokens = torch.randint(0, 259, (4, 17), generator=torch.Generator().manual_seed(0))
+    with raypipe.PipelineTrainer(llama_layers(model), llama_loss, adamw, config) as trainer:
+        stages = trainer.step(tokens[:, :-1], tokens[:, 1:]).stages
+        ranges = stage_layer_ranges(trainer.balance)
+    for stats in stages:
+        predicted = estimate_stage(model, ranges[stats.stage], num_micro_batches=1, micro_batch_size=2, seq_len=16,
+                                   optimizer="adamw", optimizer_shards=2).optimizer_bytes
+        assert stats.optimizer_bytes == pytest.approx(predicted, rel=0.10), (stats.replica, stats.stage)

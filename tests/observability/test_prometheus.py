@@ -24,7 +24,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "raypipe" / "dashboar
 
 # Grafana's built-in interval variables, replaced by windows that hold several
 # 1 s scrapes when the expressions are sent to Prometheus directly.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "5m"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "5m", "$replica": ".*"}
 
 EXPORTED_NAMES = {
     "raypipe_loss", "raypipe_eval_loss", "raypipe_grad_norm", "raypipe_clip_coefficient",
@@ -55,6 +55,11 @@ def test_dashboard_panels_use_the_datasource_variable_and_exported_metrics():
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
+    # per-worker panels can be narrowed to data-parallel replicas ("All" = every one)
+    assert variables["replica"]["definition"] == "label_values(raypipe_stage_busy_seconds, replica)"
+    assert variables["replica"]["multi"] and variables["replica"]["allValue"] == ".*"
+    assert {expr for expr in dashboard_exprs() if "$replica" in expr} == {
+        'raypipe_stage_memory_bytes{replica=~"$replica"}', 'raypipe_stage_busy_seconds{replica=~"$replica"}'}
     referenced = set()
     for panel in dashboard["panels"]:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]

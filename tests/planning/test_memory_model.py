@@ -342,6 +342,19 @@ def test_plan_table_for_7b_on_8_stages(capsys):
     assert "16 B/param" in out and "2 + 4 + 2 + 8" in out  # how it relates to the common table
 
 
+def test_plan_with_a_sharded_optimizer_divides_only_the_optimizer_state(capsys):
+    whole = json.loads(plan(*SEVEN_B, "--json", capsys=capsys)[1])
+    sharded = json.loads(plan(*SEVEN_B, "--replicas", "4", "--shard-optimizer", "--json", capsys=capsys)[1])
+    assert sharded["settings"]["optimizer_shards"] == 4
+    for one, quarter in zip(whole["stages"], sharded["stages"]):
+        assert quarter["optimizer_bytes"] == -(-one["optimizer_bytes"] // 4)
+        # raypipe's fp32 main weights are the module's parameters: whole on every replica
+        for kind in ("parameters_bytes", "master_bytes", "gradients_bytes", "activation_bytes"):
+            assert quarter[kind] == one[kind]
+    replicated = json.loads(plan(*SEVEN_B, "--replicas", "4", "--json", capsys=capsys)[1])
+    assert replicated["stages"] == whole["stages"]  # replicas alone change nothing per worker
+
+
 def test_plan_json_for_7b_on_8_stages(capsys):
     status, out = plan(*SEVEN_B, "--json", capsys=capsys)
     assert status == 0
@@ -380,7 +393,12 @@ def test_plan_suggests_more_stages_or_sharding(capsys):
     assert status == 0 and result["fits"] is False
     [more] = result["suggestions"]
     assert more["knob"] == "more stages" and more["flags"] == "--stages 2" and more["fits"]
-    assert "data-parallel replicas" in more["alternative"]
+    # sharding the optimizer state alone cannot fit 80 GB: the fp32 main weights stay whole on every replica
+    assert "alternative" not in more
+    status, out = plan("--model", "llama-7b", "--stages", "1", "--micro-batches", "64", "--precision", "bf16",
+                       "--activation-checkpoint", "always", "--gpu-memory", "100GB", "--json", capsys=capsys)
+    [more] = json.loads(out)["suggestions"]
+    assert "16 data-parallel replicas (--replicas 16 --shard-optimizer)" in more["alternative"]
 
 
 def test_plan_suggests_offload_when_kept_inputs_dominate(capsys):
