@@ -3,11 +3,12 @@
 Ray pickles a ``torch.Tensor`` through ``torch.save``, which costs about 0.5 ms
 per small tensor on each side, and puts every argument over 100 KiB in the
 object store on its own: with a step's micro-batches as task arguments that
-was most of the driver's overhead. A numpy byte array goes out of band instead
-(pickle protocol 5): :class:`TaskTensors` ships a list of CPU tensors as one
-byte array (one object-store entry at most) and the worker gets them back as
-plain writable tensors of the same dtypes and shapes. :class:`TaskTensor` does
-the same for one tensor.
+was most of the driver's overhead. :class:`TaskTensors` ships a list of CPU
+tensors as one byte buffer instead (one object-store entry at most) and the
+worker gets them back as plain writable tensors of the same dtypes and shapes;
+:class:`TaskTensor` does the same for one tensor. A small buffer travels inside
+the pickle (``bytes``: cheapest for what Ray inlines in the task), a large one
+as a numpy array, which Ray ships out of band and maps without a copy.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 _ALIGN = 64  # bytes: every tensor starts aligned in the shared buffer
+_IN_BAND_BYTES = 64 * 2**10  # up to this, the buffer is pickled in band
 
 Layout = list[tuple[str, tuple[int, ...], int]]  # dtype name, shape, byte offset
 
@@ -65,7 +67,7 @@ def as_task_argument(value: Any) -> Any:
     return value
 
 
-def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray, Layout]:
+def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray | bytes, Layout]:
     """One byte array with every tensor's own bytes (also for a view of a larger batch)."""
     pieces, layout, offset = [], [], 0
     for tensor in tensors:
@@ -78,12 +80,14 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray, Layout]:
         layout.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
         offset += data.numel()
     buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-    return buffer.numpy(), layout
+    data = buffer.numpy()
+    return (data.tobytes() if data.nbytes <= _IN_BAND_BYTES else data), layout
 
 
-def _unpack(data: np.ndarray, layout: Layout) -> list[torch.Tensor]:
-    # the received bytes are read-only (Ray's buffer): the copy is the worker's own
-    buffer = torch.from_numpy(data.copy()) if data.size else torch.empty(0, dtype=torch.uint8)
+def _unpack(data: np.ndarray | bytes, layout: Layout) -> list[torch.Tensor]:
+    # the received bytes are read-only (Ray's buffer, or bytes): the copy is the worker's own
+    array = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+    buffer = torch.from_numpy(array.copy()) if array.size else torch.empty(0, dtype=torch.uint8)
     tensors = []
     for dtype_name, shape, offset in layout:
         dtype = getattr(torch, dtype_name)
@@ -93,5 +97,5 @@ def _unpack(data: np.ndarray, layout: Layout) -> list[torch.Tensor]:
     return tensors
 
 
-def _unpack_one(data: np.ndarray, layout: Layout) -> torch.Tensor:
+def _unpack_one(data: np.ndarray | bytes, layout: Layout) -> torch.Tensor:
     return _unpack(data, layout)[0]

@@ -50,6 +50,16 @@ def test_a_view_ships_only_its_own_bytes():
     assert len(pickle.dumps(view, protocol=5)) > 400_000  # what a plain view costs
 
 
+def test_small_buffers_travel_in_the_pickle_and_large_ones_out_of_band():
+    def out_of_band(value):
+        buffers = []
+        pickle.dumps(as_task_argument(value), protocol=5, buffer_callback=buffers.append)
+        return len(buffers)
+
+    assert out_of_band([torch.zeros(4, 64)] * 4) == 0  # 4 KiB: inside the pickle, as Ray inlines it
+    assert out_of_band([torch.zeros(512, 64)] * 4) == 1  # 512 KiB: one buffer Ray maps without a copy
+
+
 def test_non_tensors_pass_unchanged():
     assert as_task_argument(3) == 3 and as_task_argument(None) is None
 
