@@ -18,8 +18,9 @@ tags (:class:`_InOrder`): there each message is received when it is reached.
 
 With data parallelism the group holds every replica's stages (rank =
 :meth:`~raypipe.core.topology.Topology.rank`, replica-major, so a stage's
-neighbours are the ranks next to it), and the workers of one stage across
-replicas also form a subgroup for the gradient reduction.
+neighbours are the ranks next to it); the workers of one stage across
+replicas also form a subgroup, :attr:`P2PChannel.replicas`
+(:mod:`raypipe.comm.replicas`).
 
 A peer that leaves the group (see :meth:`P2PChannel.leave`) makes every receive
 from it, and every collective with it, fail at once: :class:`~raypipe.errors.StepAborted`.
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raypipe.comm.replicas import StageReplicas
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
 
@@ -40,7 +42,6 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.bool]
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype code, shape
-_BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets of about this size
 
 # what a message is, for its tag
 HEADER, PREDICTED, UNPREDICTED, GRADIENT = range(4)
@@ -92,7 +93,8 @@ class P2PChannel:
     def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device) -> None:
         self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
         self.rank = topology.rank(replica, stage)
-        self._replicas: Any = None  # this stage's data-parallel subgroup
+        self.replicas = StageReplicas(topology, replica, stage,
+                                      wait=lambda work, what: self._wait(work, None, None, what))
         self._matching = _InOrder() if self.backend == "nccl" else _ByTag()
         # the running step's unfinished sends and posted receives, per micro-batch:
         # a pending operation keeps the group's connections open, so leaving drops them all
@@ -114,18 +116,14 @@ class P2PChannel:
         topology = self.topology
         dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
-        if topology.num_replicas > 1:  # every member creates every subgroup, in the same order
-            for stage in range(topology.num_stages):
-                group = dist.new_group(topology.stage_ranks(stage))
-                if stage == self.stage:
-                    self._replicas = group
+        self.replicas.join()
 
     def leave(self) -> None:
         """Drop pending operations and leave the group, closing its connections;
         forget the predicted shapes (every member leaves before a group re-forms)."""
         for pending in (self._sends, self._headers, self._payloads, self._gradients, self._sent, self._received):
             pending.clear()
-        self._replicas = None
+        self.replicas.leave()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -189,55 +187,6 @@ class P2PChannel:
             self._wait(work, None, None, "send")
         self._sends.clear()
 
-    def start_gradient_reduction(self, gradients: list[torch.Tensor], owners: tuple[int, ...] | None = None) -> Any:
-        """Start summing ``gradients`` over this stage's replicas, in flat buckets
-        (all in flight at once): onto every replica (``owners`` None: all-reduce),
-        or onto each gradient's owning replica only (ZeRO-1: a reduce per owner).
-        :meth:`finish_gradient_reduction` writes the sums back. None without replicas."""
-        if self._replicas is None:
-            return None
-        pending = []
-        for owner, owned in self._by_owner(gradients, owners):
-            for bucket in _buckets(owned):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                if owner is None:
-                    work = dist.all_reduce(flat, group=self._replicas, async_op=True)
-                else:
-                    work = dist.reduce(flat, self.topology.rank(owner, self.stage), group=self._replicas,
-                                       async_op=True)
-                pending.append((work, flat, bucket if owner in (None, self.replica) else []))
-        return pending
-
-    def finish_gradient_reduction(self, pending: Any) -> None:
-        """Wait for :meth:`start_gradient_reduction` and write back the sums this replica received."""
-        for work, flat, bucket in pending or ():
-            self._wait(work, None, None, "gradient reduction")
-            _unflatten(flat, bucket)
-
-    def gather_parameters(self, parameters: list[torch.Tensor], owners: tuple[int, ...] | None) -> None:
-        """ZeRO-1, after the owners stepped: every replica gets every parameter's new
-        value from its owner (a broadcast per owner and bucket; nothing unsharded)."""
-        if self._replicas is None or owners is None:
-            return
-        pending = []
-        for owner, owned in self._by_owner(parameters, owners):
-            for bucket in _buckets(owned):
-                flat = torch.cat([p.detach().reshape(-1) for p in bucket])
-                work = dist.broadcast(flat, self.topology.rank(owner, self.stage), group=self._replicas,
-                                      async_op=True)
-                pending.append((work, flat, bucket if owner != self.replica else []))
-        for work, flat, bucket in pending:
-            self._wait(work, None, None, "parameter gather")
-            with torch.no_grad():
-                _unflatten(flat, bucket)
-
-    def _by_owner(self, tensors: list[torch.Tensor], owners: tuple[int, ...] | None
-                  ) -> list[tuple[int | None, list[torch.Tensor]]]:
-        if owners is None:
-            return [(None, tensors)]
-        return [(owner, [t for t, o in zip(tensors, owners, strict=True) if o == owner])
-                for owner in range(self.topology.num_replicas)]
-
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum of ``values`` over every worker (float64: adding the
         zeros of the other workers' slots is exact, so every worker gets the same)."""
@@ -268,27 +217,6 @@ class P2PChannel:
 
 
 _HEADER_SIGNATURE: Signature = (_DTYPES.index(torch.int64), (_HEADER,))
-
-
-def _buckets(gradients: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype, about ``_BUCKET_BYTES`` per bucket."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for gradient in gradients:
-        bytes_ = gradient.numel() * gradient.element_size()
-        if not buckets or gradient.dtype != buckets[-1][0].dtype or size + bytes_ > _BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(gradient)
-        size += bytes_
-    return buckets
-
-
-def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
 
 
 def _empty(signature: Signature, device: torch.device) -> torch.Tensor:

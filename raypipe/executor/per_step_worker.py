@@ -115,9 +115,9 @@ class PerStepWorker(StageWorker):
     def _reduce(self, _: None, state: _StepState) -> None:
         # the replicas' gradients are summed (the loss weights are global) while the last sends finish
         start = time.time()
-        reduction = self._channel.start_gradient_reduction(*self.gradients_to_reduce())
+        reduction = self._channel.replicas.start_gradient_reduction(*self.gradients_to_reduce())
         self._channel.finish_sends()
-        self._channel.finish_gradient_reduction(reduction)
+        self._channel.replicas.finish_gradient_reduction(reduction)
         if reduction is not None:
             self._events.append(OpEvent(self.stage_index, "reduce", None, start, time.time(), self.replica))
         scale = 1.0 if state.loss_scale is None else state.loss_scale
@@ -132,7 +132,7 @@ class PerStepWorker(StageWorker):
                                       else None) for s in range(count)]
 
     def _share_updated_parameters(self) -> None:
-        self._channel.gather_parameters(self._trainable, self.ownership.owners)
+        self._channel.replicas.gather_parameters(self._trainable, self.ownership.owners)
 
     def _commit(self, _: None, state: _StepState) -> None:
         state.report = self.commit(state.loss_scale is not None, *state.stats)

@@ -92,7 +92,7 @@ def run_replicated_stage(rank: int, port: int) -> None:
         # two dtypes and more than one bucket's worth of elements
         gradients = [torch.full((5, 2), 1.0 + rank), torch.arange(4, dtype=torch.float64) * (rank + 1),
                      torch.ones(7_000_000) * rank]
-        channel.finish_gradient_reduction(channel.start_gradient_reduction(gradients))
+        channel.replicas.finish_gradient_reduction(channel.replicas.start_gradient_reduction(gradients))
         others = [r for r in topology.stage_ranks(stage)]
         torch.testing.assert_close(gradients[0], torch.full((5, 2), sum(1.0 + r for r in others)))
         torch.testing.assert_close(gradients[1], torch.arange(4, dtype=torch.float64) * sum(r + 1 for r in others))
