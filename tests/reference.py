@@ -25,6 +25,18 @@ def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, 
     return total_loss, float(norm)
 
 
+def adamw(params) -> torch.optim.AdamW:
+    """The optimizer of the equivalence tests: AdamW with weight decay (state that must carry over)."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def random_batches(batch_size: int, steps: int = 3, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` global batches of ``make_mlp``'s shapes: inputs (batch_size, 8), targets (batch_size, 4)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch_size, 8, generator=generator), torch.randn(batch_size, 4, generator=generator))
+            for _ in range(steps)]
+
+
 def make_mlp(seed: int = 0, width: int = 16) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(

@@ -6,10 +6,6 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
-import functools
-import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,58 +19,17 @@ from raypipe.core.topology import Topology
 from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
 from raypipe.stage.activations import ActivationStore
+from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.data_reader import StageData
 from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
 from raypipe.stage.offload import Offloader
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
+from raypipe.stage.stage_op import stage_op
 from raypipe.stage.zero import Ownership
 
 
-def optimizer_part_name(layer_index: int, replica: int) -> str:
-    """The checkpoint blob of replica ``replica``'s optimizer state of one layer (ZeRO-1)."""
-    return f"optimizer-layer{layer_index:05d}-part{replica}"
-
-
-def _stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step: bool = False) -> Callable:
-    """Time the op into the stage's timeline and re-raise failures as StageError.
-
-    ``in_step`` ops (forward, backward of a training step) also remember their
-    failure: :meth:`StageWorker.finish_backward` raises it again, so that no
-    stage steps its optimizer after a failed op.
-    """
-
-    def decorate(method: Callable) -> Callable:
-        @functools.wraps(method)
-        def wrapper(self: StageWorker, *args: Any, **kwargs: Any) -> Any:
-            micro_batch = None
-            if per_micro_batch:
-                micro_batch = kwargs["micro_batch"] if "micro_batch" in kwargs else (args[0] if args else None)
-            start = time.time()
-            try:
-                return method(self, *args, **kwargs)
-            except StageError as error:
-                if in_step:
-                    self._step_failure = self._step_failure or error
-                raise
-            except Exception as error:  # noqa: BLE001 - every failure gets the stage's name
-                stage_error = StageError(self.stage_index, op, micro_batch, f"{type(error).__name__}: {error}",
-                                         replica=self.named_replica,
-                                         remote_traceback=traceback.format_exc(), original=error)
-                if in_step:
-                    self._step_failure = self._step_failure or stage_error
-                raise stage_error from error
-            finally:
-                if timed:
-                    self._events.append(OpEvent(self.stage_index, op, micro_batch, start, time.time(),
-                                                self.replica))
-
-        return wrapper
-
-    return decorate
-
-
-class StageWorker:
+class StageWorker(StageCheckpointing):
     """One pipeline stage of one replica: its layers, optimizer and per-micro-batch ops."""
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -129,7 +84,7 @@ class StageWorker:
         self.data.attach(train, validation)
 
     # -- the ops of a step --------------------------------------------------
-    @_stage_op("F", in_step=True)
+    @stage_op("F", in_step=True)
     def forward(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
                 loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:
         """Run this stage on one micro-batch; keep what backward needs.
@@ -158,7 +113,7 @@ class StageWorker:
             return loss
         return outputs.detach()
 
-    @_stage_op("B", in_step=True)
+    @stage_op("B", in_step=True)
     def backward(self, micro_batch: int, grad_outputs: torch.Tensor | None = None,
                  loss_scale: float = 1.0) -> torch.Tensor | None:
         """Backpropagate one micro-batch, accumulating into ``.grad``; return the input gradient."""
@@ -206,7 +161,7 @@ class StageWorker:
         return ([self._trainable[i].grad for i in present],
                 None if owners is None else tuple(owners[i] for i in present))
 
-    @_stage_op("grad_stats", per_micro_batch=False)
+    @stage_op("grad_stats", per_micro_batch=False)
     def grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
         """Unscale gradients, clamp them elementwise if asked, and report this stage's
         squared L2 norm (fp32), whether any gradient is inf/NaN, and (last stage)
@@ -242,7 +197,7 @@ class StageWorker:
         events, self._events = self._events, []
         return StageReport(events, self._stats(events), decision)
 
-    @_stage_op("optimizer", per_micro_batch=False)
+    @stage_op("optimizer", per_micro_batch=False)
     def _optimizer_step(self, decision: StepDecision) -> None:
         if not decision.skipped:
             if self.optimizer is not None:
@@ -272,7 +227,7 @@ class StageWorker:
         self._backwards_done.clear()
         self._step_loss = 0.0
 
-    @_stage_op("eval", timed=False)
+    @stage_op("eval", timed=False)
     def evaluate(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
                  loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:
         """Forward only, keeping nothing: activation or weighted loss."""
@@ -282,72 +237,6 @@ class StageWorker:
         with torch.no_grad():
             outputs = self._run(inputs, micro_batch, targets, loss_weight, training=False)
         return float(outputs) if self.is_last else outputs
-
-    # -- state -------------------------------------------------------------
-    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Per global layer index, that layer's state on CPU."""
-        return {index: {k: v.detach().cpu() for k, v in layer.state_dict().items()}
-                for index, layer in zip(self.layer_indices, self.layers)}
-
-    def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        for index, layer in zip(self.layer_indices, self.layers):
-            layer.load_state_dict(states[index])
-        self.weights.refresh()
-
-    def optimizer_state(self) -> dict[int, dict[str, Any]]:
-        """Optimizer state per global layer index and parameter name (partition-independent)."""
-        from raypipe.stage.optimizer_state import gather_optimizer_state
-
-        return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices)
-
-    def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
-        from raypipe.stage.optimizer_state import scatter_optimizer_state
-
-        scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
-
-    def save_checkpoint(self, root_uri: str, step: int) -> dict[int, str]:
-        """Write this stage's layers (weights and this replica's optimizer state), one file per global layer."""
-        from raypipe.checkpoint.store import write_layer
-
-        parts = self._optimizer_parts()
-        return {index: write_layer(root_uri, step, index, {"model": state, **parts[index]})
-                for index, state in self.state_dict().items()}
-
-    def save_optimizer_part(self, root_uri: str, step: int) -> list:
-        """ZeRO-1, replicas after the first: the optimizer state of the parameters
-        this replica owns, per layer (the first replica's goes into the layer files)."""
-        from raypipe.checkpoint.store import write_blob
-
-        return [write_blob(root_uri, step, optimizer_part_name(index, self.replica), part)
-                for index, part in self._optimizer_parts().items()]
-
-    def load_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
-        """Load this stage's layers from a checkpoint written by any partition and
-        any number of optimizer parts (ZeRO-1 replicas)."""
-        from raypipe.checkpoint.store import read_blob, read_layer
-
-        files = {index: read_layer(root_uri, step, index) for index in self.layer_indices}
-        self.load_state_dict({index: f["model"] for index, f in files.items()})
-        parts = {index: [files[index]] + [read_blob(root_uri, step, optimizer_part_name(index, part))
-                                          for part in range(1, optimizer_parts)] for index in self.layer_indices}
-        optimizer = {index: {name: state for part in parts[index] for name, state in part["optimizer"].items()}
-                     for index in self.layer_indices}
-        # hyper-parameters and schedule: the same in every part whose replica has an optimizer
-        candidates = parts[self.layer_indices[0]]
-        groups = next((part["param_groups"] for part in candidates if part.get("param_groups")), [])
-        scheduler = next((part["scheduler"] for part in candidates if part.get("scheduler") is not None), None)
-        optimizer[-1] = {"param_groups": groups}
-        self.load_optimizer_state(optimizer)
-        if self.scheduler is not None and scheduler is not None:
-            self.scheduler.load_state_dict(scheduler)
-
-    def _optimizer_parts(self) -> dict[int, dict[str, Any]]:
-        """Per layer: this replica's optimizer state, hyper-parameters and schedule."""
-        optimizer = self.optimizer_state()
-        groups = optimizer.pop(-1, {})
-        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
-        return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups}
-                for index in self.layer_indices}
 
     # -- helpers -------------------------------------------------------------
     def _begin_step(self, step: int) -> None:

@@ -10,21 +10,16 @@ from torch import nn
 
 import raypipe
 from raypipe import ConfigError, StageError
-from tests.executor.test_nonfinite import OverflowOnMarker
-from tests.reference import assert_bitwise_equal, assert_parameters_match, make_mlp, reference_step
+from tests.executor.test_nonfinite import OverflowOnMarker, halving
+from tests.reference import (adamw, assert_bitwise_equal, assert_parameters_match, make_mlp, random_batches,
+                             reference_step)
 
 STEPS = 3
 BATCH = 11  # uneven over 2, 4 and 6 micro-batches
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
 def batches(seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 4, generator=generator))
-            for _ in range(STEPS)]
+    return random_batches(BATCH, STEPS, seed)
 
 
 def reference_loss(model, x, y, count):
@@ -142,10 +137,6 @@ def _trained(config, steps, root=None, load=None):
         if root is not None:
             trainer.save_checkpoint(root)
         return trainer.state_dict(), trainer.step_count
-
-
-def halving(optimizer):
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
 def test_zero1_keeps_each_parameters_optimizer_state_on_one_replica(ray_cluster):

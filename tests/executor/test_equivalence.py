@@ -7,20 +7,14 @@ import torch
 from torch import nn
 
 import raypipe
-from tests.reference import assert_parameters_match, make_mlp, reference_step
+from tests.reference import adamw, assert_parameters_match, make_mlp, random_batches, reference_step
 
 STEPS = 3
 BATCH = 10  # does not divide evenly into 3 or 4 micro-batches
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
 def batches(seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 4, generator=generator))
-            for _ in range(STEPS)]
+    return random_batches(BATCH, STEPS, seed)
 
 
 @pytest.mark.parametrize("num_micro_batches", [1, 2, 3, 4])

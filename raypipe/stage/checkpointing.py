@@ -1,0 +1,88 @@
+"""A stage's saved state: its layers' weights and its optimizer state, keyed by
+global layer index and parameter name, so a checkpoint loads into any
+partition and any number of replicas.
+
+With ZeRO-1 each replica holds the optimizer state of the parameters it owns:
+the first replica's part goes into the layer files, every other replica's into
+one checkpoint blob per layer (:func:`optimizer_part_name`), and loading merges
+the parts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
+
+
+def optimizer_part_name(layer_index: int, replica: int) -> str:
+    """The checkpoint blob of replica ``replica``'s optimizer state of one layer (ZeRO-1)."""
+    return f"optimizer-layer{layer_index:05d}-part{replica}"
+
+
+class StageCheckpointing:
+    """The state methods of :class:`~raypipe.stage.worker.StageWorker` (which has
+    the ``layers``, ``layer_indices``, ``weights``, ``optimizer``, ``scheduler``
+    and ``replica`` they read)."""
+
+    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per global layer index, that layer's state on CPU."""
+        return {index: {k: v.detach().cpu() for k, v in layer.state_dict().items()}
+                for index, layer in zip(self.layer_indices, self.layers)}
+
+    def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        for index, layer in zip(self.layer_indices, self.layers):
+            layer.load_state_dict(states[index])
+        self.weights.refresh()
+
+    def optimizer_state(self) -> dict[int, dict[str, Any]]:
+        """Optimizer state per global layer index and parameter name (partition-independent)."""
+        return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices)
+
+    def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
+        scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
+
+    def save_checkpoint(self, root_uri: str, step: int) -> dict[int, str]:
+        """Write this stage's layers (weights and this replica's optimizer state), one file per global layer."""
+        from raypipe.checkpoint.store import write_layer
+
+        parts = self._optimizer_parts()
+        return {index: write_layer(root_uri, step, index, {"model": state, **parts[index]})
+                for index, state in self.state_dict().items()}
+
+    def save_optimizer_part(self, root_uri: str, step: int) -> list:
+        """ZeRO-1, replicas after the first: the optimizer state of the parameters
+        this replica owns, per layer (the first replica's goes into the layer files)."""
+        from raypipe.checkpoint.store import write_blob
+
+        return [write_blob(root_uri, step, optimizer_part_name(index, self.replica), part)
+                for index, part in self._optimizer_parts().items()]
+
+    def load_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
+        """Load this stage's layers from a checkpoint written by any partition and
+        any number of optimizer parts (ZeRO-1 replicas)."""
+        from raypipe.checkpoint.store import read_blob, read_layer
+
+        files = {index: read_layer(root_uri, step, index) for index in self.layer_indices}
+        self.load_state_dict({index: f["model"] for index, f in files.items()})
+        parts = {index: [files[index]] + [read_blob(root_uri, step, optimizer_part_name(index, part))
+                                          for part in range(1, optimizer_parts)] for index in self.layer_indices}
+        optimizer = {index: {name: state for part in parts[index] for name, state in part["optimizer"].items()}
+                     for index in self.layer_indices}
+        # hyper-parameters and schedule: the same in every part whose replica has an optimizer
+        candidates = parts[self.layer_indices[0]]
+        groups = next((part["param_groups"] for part in candidates if part.get("param_groups")), [])
+        scheduler = next((part["scheduler"] for part in candidates if part.get("scheduler") is not None), None)
+        optimizer[-1] = {"param_groups": groups}
+        self.load_optimizer_state(optimizer)
+        if self.scheduler is not None and scheduler is not None:
+            self.scheduler.load_state_dict(scheduler)
+
+    def _optimizer_parts(self) -> dict[int, dict[str, Any]]:
+        """Per layer: this replica's optimizer state, hyper-parameters and schedule."""
+        optimizer = self.optimizer_state()
+        groups = optimizer.pop(-1, {})
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups}
+                for index in self.layer_indices}
