@@ -19,6 +19,7 @@ from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
 from raypipe.errors import NonFiniteError
 from raypipe.executor import make_executor
+from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.observability.step_report import build_step_result
 from raypipe.runtime import cluster
@@ -59,7 +60,9 @@ class PipelineTrainer:
         self.step_count = 0
         self.metrics = None
         self._group: StageGroup | None = None
+        self._datasets: tuple[Any, Any] | None = None
         self._executor = make_executor(config, self.schedule)
+        self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
         self._start(layers, optimizer, loss_fn, lr_scheduler)
 
     # -- lifecycle ------------------------------------------------------------
@@ -86,6 +89,7 @@ class PipelineTrainer:
         self.num_parameters = sum(info["num_parameters"] for info in infos)
         self.device_name = infos[0]["device_name"]
         self._start_metrics()
+        self._recovery.snapshot(self.step_count, first=True)
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
@@ -159,9 +163,16 @@ class PipelineTrainer:
 
         A dataset's step is ``num_micro_batches x num_replicas`` micro-batches
         (``get(step, index)``); replica ``r`` reads the ``r``-th block."""
-        readers = [actor for rank, actor in enumerate(self._group.actors)
+        self._datasets = (train, validation)
+        self._give_datasets(range(self.topology.world_size))
+
+    def _give_datasets(self, indices: Sequence[int]) -> None:
+        """Workers ``indices`` that read data (every replica's first and last stage) get the datasets."""
+        if self._datasets is None:
+            return
+        readers = [self._group.actors[rank] for rank in indices
                    if self.topology.coordinates(rank).stage in (0, self.topology.num_stages - 1)]
-        self._executor.get([actor.attach_datasets.remote(train, validation) for actor in readers])
+        self._executor.get([actor.attach_datasets.remote(*self._datasets) for actor in readers])
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
@@ -194,7 +205,7 @@ class PipelineTrainer:
     def _run_step(self, data_step: int, batch: MicroBatches | None, start: float, num_samples: int,
                   num_tokens: int) -> StepResult:
         loss_scale = self.scaler.scale if self.scaler else None
-        outcome = self._executor.run_step(data_step, batch, loss_scale)
+        outcome = self._recovery.run_step(data_step, batch, loss_scale)
         decision = outcome.decision
         self._check_finite(decision)
         if self.scaler:
@@ -206,9 +217,19 @@ class PipelineTrainer:
             reports=outcome.reports, num_parameters=self.num_parameters, peak_flops=self._peak_flops(),
             num_devices=self.topology.world_size)
         self.step_count += 1
+        self._recovery.committed(self.step_count, LoggedStep(data_step, batch, loss_scale))
         if self.metrics is not None:
             self.metrics.record_step(result)
         return result
+
+    @property
+    def failures(self) -> list[str]:
+        """Every failure event healed (or not) so far, as its error named it."""
+        return list(self._recovery.failures)
+
+    def _record_recovery(self, recovered: Recovered) -> None:
+        if self.metrics is not None:
+            self.metrics.record_recovery(recovered.reasons, recovered.seconds, recovered.replayed_steps)
 
     def _check_finite(self, decision: StepDecision) -> None:
         """``nonfinite="raise"``: a non-finite step (nothing was applied) raises. In fp16 an
@@ -250,6 +271,7 @@ class PipelineTrainer:
         ranges = stage_layer_ranges(self.balance) * self.topology.num_replicas  # every replica, in rank order
         self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
                             for actor, indices in zip(self._group.actors, ranges)])
+        self._recovery.snapshot(self.step_count, first=True)
 
     def save_checkpoint(self, root_uri: str, extra: dict | None = None) -> int:
         """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
@@ -289,4 +311,5 @@ class PipelineTrainer:
         self.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+        self._recovery.snapshot(self.step_count, first=True)
         return extra

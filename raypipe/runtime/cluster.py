@@ -67,6 +67,11 @@ def release(groups: list[Any]) -> None:
             pass
 
 
+def describe_available() -> str:
+    """What the cluster has available now, for error messages."""
+    return _resources(ray.available_resources())
+
+
 def _resources(resources: dict[str, float]) -> str:
     keep = {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")}
     if "memory" in keep:
