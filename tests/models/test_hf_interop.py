@@ -14,17 +14,18 @@ import raypipe
 from raypipe.cli import main as cli_main
 from raypipe.errors import ConfigError
 from raypipe.models.llama import from_pretrained, llama_loss
-from raypipe.run import llama_count_tokens
+from raypipe.run import RunConfig, llama_count_tokens, train
+from tests.data.test_hf_tokenizer import stdlib_slice, train_tokenizer
 
 SEQ_LEN = 24
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}  # wavelengths 6..2e4 span all three frequency bands
 
 
-def hf_model(rope_scaling: dict | None = None, tie: bool = False, seed: int = 0):
+def hf_model(rope_scaling: dict | None = None, tie: bool = False, seed: int = 0, vocab_size: int = 96):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
         rope_scaling=dict(rope_scaling) if rope_scaling else None, tie_word_embeddings=tie)  # it edits the dict
     model = transformers.LlamaForCausalLM(config).float().eval()
@@ -186,3 +187,31 @@ def test_export_refuses_other_models_and_used_directories(ray_cluster, tmp_path)
     (tmp_path / "used/config.json").write_text("{}")
     with pytest.raises(FileExistsError, match="not empty"):
         prepare_output(str(tmp_path / "used"))
+
+
+def test_run_starts_from_a_checkpoint_on_data_of_its_tokenizer(ray_cluster, tmp_path):
+    """`init_from` + `tokenizer` through the run config (what --init-from / --tokenizer set): the
+    first step's loss is transformers' on the same rows, read from data the tokenizer prepared."""
+    from raypipe.data import TokenDataset, prepare
+    from raypipe.data.tokenizer import HFTokenizer
+
+    tokenizer = train_tokenizer(tmp_path / "tok", vocab_size=300, config={"eos_token": "</s>", "bos_token": "<s>"})
+    source = hf_model(vocab_size=300)
+    save(source, tmp_path / "hf")
+    prepare(tmp_path / "data", corpus=stdlib_slice(3), seq_len=16, tokenizer=HFTokenizer(tokenizer))
+    run = RunConfig(init_from=str(tmp_path / "hf"), tokenizer=str(tokenizer), data=str(tmp_path / "data"),
+                    prepare_if_missing=False, seq_len=16, steps=2, micro_batch_size=2, eval_every=2, eval_steps=1,
+                    out=str(tmp_path / "run"), progress=False, pipeline={"num_stages": 2, "num_micro_batches": 2})
+    summary = train(run)
+    dataset = TokenDataset(tmp_path / "data", "train", 2, 2, seed=0, vocab_size=300)
+    inputs, targets = (torch.cat(parts) for parts in zip(*(dataset.get(0, g) for g in range(2))))
+    with torch.no_grad():
+        expected = float(torch.nn.functional.cross_entropy(source(input_ids=inputs).logits.flatten(0, 1),
+                                                           targets.flatten()))
+    assert relative(summary["initial_loss"], expected) < 1e-5
+    assert summary["steps"] == 2 and summary["final_eval_loss"] < 10
+    other = train_tokenizer(tmp_path / "other", vocab_size=300)
+    with pytest.raises(ValueError, match="prepared with tokenizer 'hf:.*tok'.*raypipe prepare --tokenizer"):
+        train(RunConfig(**{**run.__dict__, "tokenizer": str(other)}))
+    with pytest.raises(ValueError, match="needs seq_len"):
+        train(RunConfig(**{**run.__dict__, "seq_len": None}))
