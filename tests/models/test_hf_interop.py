@@ -150,6 +150,8 @@ def test_driver_reads_no_weights(tmp_path):
     ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"head_dim": 32}, "head_dim"),
     ({"attention_dropout": 0.1}, "attention_dropout"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
 ])
 def test_unsupported_config_refused_by_name(tmp_path, change, field):
     save(hf_model(), tmp_path / "hf")
@@ -215,3 +217,17 @@ def test_run_starts_from_a_checkpoint_on_data_of_its_tokenizer(ray_cluster, tmp_
         train(RunConfig(**{**run.__dict__, "tokenizer": str(other)}))
     with pytest.raises(ValueError, match="needs seq_len"):
         train(RunConfig(**{**run.__dict__, "seq_len": None}))
+
+
+def test_train_7b_flags_reach_the_run_config(capsys):
+    from tests.test_config import load_job
+
+    job = load_job("train_7b")
+    args = job["parse_args"](["--preset", "tiny", "--init-from", "s3://b/llama", "--seq-len", "4096",
+                              "--untie-embeddings", "--tokenizer", "tok"])
+    run = job["run_config"](args, 1)
+    assert (run.init_from, run.untie_embeddings, run.tokenizer, run.seq_len) == ("s3://b/llama", True, "tok", 4096)
+    assert run.data == "data/stdlib-hf-4096"  # not the byte-tokenized default
+    with pytest.raises(SystemExit):
+        job["parse_args"](["--preset", "tiny", "--untie-embeddings"])
+    assert "--untie-embeddings only applies with --init-from" in capsys.readouterr().err

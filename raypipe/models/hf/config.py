@@ -53,11 +53,12 @@ def check_supported(hf: dict[str, Any], untie_embeddings: bool = False) -> None:
                                       f"{hf['hidden_size'] // hf['num_attention_heads']}")
     if hf.get("quantization_config"):
         _refuse("quantization_config", "...", "quantized checkpoints are not supported")
-    rope_type = _rope_parameters(hf).get("rope_type", _rope_parameters(hf).get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        _refuse("rope_scaling", rope_type, "only rope_type 'llama3' (or no scaling) is supported")
-    if _rope_parameters(hf).get("partial_rotary_factor", 1.0) != 1.0:
-        _refuse("partial_rotary_factor", _rope_parameters(hf)["partial_rotary_factor"], "must be 1.0")
+    rope = _rope_parameters(hf)
+    if _rope_type(rope) not in ("default", "llama3"):
+        _refuse("rope_scaling", _rope_type(rope), "only rope_type 'llama3' (or no scaling) is supported")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse("partial_rotary_factor", rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")),
+                "must be 1.0 (every dimension rotates)")
     if hf.get("tie_word_embeddings", False) and not untie_embeddings:
         _refuse("tie_word_embeddings", True, "tied input/output embeddings are not kept tied across stages; "
                                              "pass untie_embeddings=True to start the head as a copy of the "
@@ -96,8 +97,12 @@ def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
 
 
+def _rope_type(rope: dict[str, Any]) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 def _llama3_scaling(rope: dict[str, Any], hf: dict[str, Any]) -> dict[str, float] | None:
-    if rope.get("rope_type", rope.get("type", "default")) != "llama3":
+    if _rope_type(rope) != "llama3":
         return None
     values = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **rope}
     missing = [key for key in LLAMA3_ROPE_KEYS if values.get(key) is None]

@@ -90,8 +90,9 @@ class PretrainedLayer(LayerSpec):
         if device is not None and torch.device(device).type == "meta":
             return module
         state = read_tensors(self.uri, self.tensors)
+        shapes = {key: tuple(value.shape) for key, value in module.state_dict().items()}
         for key, tensor in state.items():
-            expected = tuple(module.state_dict()[key].shape)
+            expected = shapes[key]
             if tuple(tensor.shape) != expected:
                 name, shard = self.tensors[key]
                 raise ValueError(f"{self.uri}/{shard}: tensor {name} has shape {tuple(tensor.shape)}, "
