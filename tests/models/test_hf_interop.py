@@ -118,6 +118,26 @@ def test_single_file_checkpoint_imports(tmp_path):
                     hf_loss(source, tokens)) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ranged_reads_equal_safetensors(tmp_path, dtype):
+    """What s3:// and gs:// use (header, then each tensor's byte range), here on pyarrow's local
+    filesystem, against safetensors' own reader."""
+    from pyarrow import fs as pafs
+    from safetensors import safe_open
+
+    from raypipe.models.hf.weights import read_tensor_ranges
+
+    save(hf_model().to(dtype), tmp_path / "hf")
+    for shard in sorted((tmp_path / "hf").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as handle:
+            expected = {name: handle.get_tensor(name) for name in handle.keys()}
+        got = read_tensor_ranges(pafs.LocalFileSystem(), str(shard), sorted(expected))
+        assert expected and all(torch.equal(got[name], tensor) and got[name].dtype == dtype
+                                for name, tensor in expected.items())
+    with pytest.raises(KeyError, match="has no tensor nope"):
+        read_tensor_ranges(pafs.LocalFileSystem(), str(shard), ["nope"])
+
+
 def test_tied_embeddings_refused_by_name_or_untied_on_request(tmp_path):
     source = hf_model(tie=True)
     save(source, tmp_path / "hf")

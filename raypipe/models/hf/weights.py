@@ -23,6 +23,10 @@ from raypipe.models.layers import LayerSpec
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG = "config.json"
+# safetensors' dtype names (the format is little-endian, as torch.frombuffer reads on x86 and ARM)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 
 
 def read_json(uri: str, name: str) -> dict[str, Any]:
@@ -43,10 +47,36 @@ def weight_map(uri: str) -> dict[str, str]:
     path = f"{root}/{SINGLE_FILE}"
     if filesystem.get_file_info(path).type != pafs.FileType.File:
         raise FileNotFoundError(f"{uri} has neither {INDEX} nor {SINGLE_FILE} (only safetensors weights are read)")
-    with filesystem.open_input_file(path) as stream:  # header: u64 length, then JSON
-        (length,) = struct.unpack("<Q", stream.read(8))
-        header = json.loads(stream.read(length))
+    with filesystem.open_input_file(path) as file:
+        header, _ = _read_header(file)
     return {name: SINGLE_FILE for name in header if name != "__metadata__"}
+
+
+def read_tensor_ranges(filesystem: pafs.FileSystem, path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors ``names`` of the safetensors file ``path``, reading only the header and their bytes."""
+    out = {}
+    with filesystem.open_input_file(path) as file:
+        header, data_start = _read_header(file)
+        for name in names:
+            if name not in header:
+                raise KeyError(f"{path} has no tensor {name}")
+            info = header[name]
+            if info["dtype"] not in _DTYPES:
+                raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, not one raypipe reads")
+            begin, end = info["data_offsets"]
+            dtype = _DTYPES[info["dtype"]]
+            if end == begin:
+                out[name] = torch.empty(info["shape"], dtype=dtype)
+                continue
+            data = bytearray(file.read_at(end - begin, data_start + begin))
+            out[name] = torch.frombuffer(data, dtype=dtype).reshape(info["shape"])
+    return out
+
+
+def _read_header(file: Any) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header (after its u64 length) and where the tensor data starts."""
+    (length,) = struct.unpack("<Q", file.read_at(8, 0))
+    return json.loads(file.read_at(length, 8)), 8 + length
 
 
 def read_tensors(uri: str, tensors: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
@@ -64,10 +94,7 @@ def read_tensors(uri: str, tensors: dict[str, tuple[str, str]]) -> dict[str, tor
             with safe_open(path, framework="pt") as handle:  # memory-mapped: reads only these tensors
                 out.update({key: handle.get_tensor(name) for key, name in wanted})
         else:
-            from safetensors.torch import load
-
-            with filesystem.open_input_stream(path) as stream:
-                loaded = load(stream.read())
+            loaded = read_tensor_ranges(filesystem, path, [name for _, name in wanted])
             out.update({key: loaded[name] for key, name in wanted})
     return out
 
