@@ -232,9 +232,9 @@ def test_run_starts_from_a_checkpoint_on_data_of_its_tokenizer(ray_cluster, tmp_
                                                            targets.flatten()))
     assert relative(summary["initial_loss"], expected) < 1e-5
     assert summary["steps"] == 2 and summary["final_eval_loss"] < 10
-    other = train_tokenizer(tmp_path / "other", vocab_size=300)
-    with pytest.raises(ValueError, match="prepared with tokenizer 'hf:.*tok'.*raypipe prepare --tokenizer"):
-        train(RunConfig(**{**run.__dict__, "tokenizer": str(other)}))
+    prepare(tmp_path / "bytes", corpus=stdlib_slice(1), seq_len=16)
+    with pytest.raises(ValueError, match="prepared with tokenizer 'byte'.*raypipe prepare --tokenizer"):
+        train(RunConfig(**{**run.__dict__, "data": str(tmp_path / "bytes")}))
     with pytest.raises(ValueError, match="needs seq_len"):
         train(RunConfig(**{**run.__dict__, "seq_len": None}))
 
