@@ -197,18 +197,24 @@ def test_missing_tensor_and_bad_shape_named(tmp_path):
         from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)[1].build()
 
 
-def test_export_refuses_other_models_and_used_directories(ray_cluster, tmp_path):
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    with raypipe.PipelineTrainer(model, torch.nn.functional.mse_loss, config=config) as trainer:
-        with pytest.raises(ValueError, match="export_hf needs a LLaMA"):
-            trainer.export_hf(tmp_path / "out")
-    from raypipe.models.hf.export import prepare_output
+def test_export_refuses_other_models_and_used_directories(tmp_path, capsys):
+    """Only a LLaMA's pipeline layers are described (what export_hf needs); an export never mixes
+    with files already in its directory."""
+    from raypipe.models.hf.export import check_dtype, describe_llama, prepare_output
+    from raypipe.models.llama import get_config, llama_layers
 
+    config = get_config("tiny")
+    assert describe_llama(llama_layers(config))["llama_config"]["dim"] == config.dim
+    assert describe_llama([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)]) is None
+    assert describe_llama(llama_layers(config)[:-1]) is None  # no head
     (tmp_path / "used").mkdir()
     (tmp_path / "used/config.json").write_text("{}")
     with pytest.raises(FileExistsError, match="not empty"):
         prepare_output(str(tmp_path / "used"))
+    with pytest.raises(ValueError, match="export dtype 'int8'"):
+        check_dtype("int8")
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    assert f"no complete checkpoint under {tmp_path / 'none'}" in capsys.readouterr().err
 
 
 def test_run_starts_from_a_checkpoint_on_data_of_its_tokenizer(ray_cluster, tmp_path):
