@@ -22,6 +22,11 @@ complete checkpoint in ``--checkpoint-dir`` and trains the steps still missing,
 so a retried job (KubeRay ``backoffLimit``) continues where it stopped.
 Without a progress bar (not a terminal, or ``--no-progress``) it prints one
 line per step, for job logs.
+
+``--init-from DIR`` starts from a Hugging Face LLaMA checkpoint (safetensors,
+local or ``s3://`` / ``gs://``) instead of the preset's random weights; each
+stage reads only its own layers. ``--tokenizer DIR`` prepares the data with
+that Hugging Face tokenizer (``tokenizer.json``) instead of bytes.
 """
 from __future__ import annotations
 
@@ -81,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="7b",
                         help="7b: llama-7b, bf16, one GPU per stage; tiny: the tiny model on CPU (default: 7b)")
+    parser.add_argument("--init-from", metavar="DIR",
+                        help="Hugging Face LLaMA directory or s3:// / gs:// URI to start from (its shape, "
+                             "not the preset's)")
+    parser.add_argument("--untie-embeddings", action="store_true",
+                        help="with --init-from: accept tied embeddings, the head starting as a copy of the embedding")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="Hugging Face tokenizer directory (tokenizer.json) preparing --data (default: bytes)")
     parser.add_argument("--stages", type=int, help="pipeline stages, one GPU each with the 7b preset (7b: 8)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="data-parallel copies of the pipeline: stages x replicas GPUs (default: 1)")
@@ -123,7 +135,8 @@ def apply_preset(args: argparse.Namespace) -> None:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.data is None:
-        suffix = "" if args.seq_len == DEFAULT_DATA_SEQ_LEN else f"-{args.seq_len}"
+        suffix = "-hf" if args.tokenizer else ""
+        suffix += "" if args.seq_len == DEFAULT_DATA_SEQ_LEN else f"-{args.seq_len}"
         args.data = f"data/stdlib{suffix}"
     if args.out is None:
         args.out = f"runs/train_7b-{args.preset}"
@@ -141,8 +154,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     max_seq_len = get_config(args.model).max_seq_len
-    if args.seq_len > max_seq_len:
+    if args.init_from is None and args.seq_len > max_seq_len:
         parser.error(f"--seq-len {args.seq_len} exceeds the max_seq_len of {args.model} ({max_seq_len})")
+    if args.untie_embeddings and args.init_from is None:
+        parser.error("--untie-embeddings only applies with --init-from")
     if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
         parser.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
     if not args.placement_timeout > 0:
@@ -152,7 +167,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
     """The shared run config of these flags, training ``steps`` steps in this invocation."""
     return RunConfig(
-        model=args.model, data=args.data, seq_len=args.seq_len, steps=steps,
+        model=args.model, init_from=args.init_from, untie_embeddings=args.untie_embeddings, tokenizer=args.tokenizer,
+        data=args.data, seq_len=args.seq_len, steps=steps,
         micro_batch_size=args.micro_batch_size, learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
@@ -193,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if done:
         print(f"resuming from the checkpoint of step {done} in {args.checkpoint_dir}")
-    print(f"training {args.model} for steps {done + 1}..{args.steps}: {args.replicas} x {args.stages} stages "
+    print(f"training {args.init_from or args.model} for steps {done + 1}..{args.steps}: "
+          f"{args.replicas} x {args.stages} stages "
           f"({'one GPU' if args.use_gpu else 'one CPU'} each), {args.micro_batches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, "
           f"activation_checkpoint={args.activation_checkpoint}, "

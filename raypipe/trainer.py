@@ -20,6 +20,7 @@ from raypipe.core.topology import Topology
 from raypipe.errors import NonFiniteError
 from raypipe.executor import make_executor
 from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
+from raypipe.models.hf.export import describe_llama
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.observability.step_report import build_step_result
 from raypipe.runtime import cluster
@@ -49,6 +50,7 @@ class PipelineTrainer:
                  lr_scheduler: Callable | None = None) -> None:
         self.config = config = (config or PipelineConfig()).replace()
         layers, self._layer_names = model_layers(model)
+        self._llama = describe_llama(layers)  # what export_hf and checkpoints need of a LLaMA, else None
         config.validate(len(layers))
         self.topology = Topology(config.num_stages, config.num_replicas)
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
@@ -291,9 +293,30 @@ class PipelineTrainer:
         layer_files = {index: file for files in written[:len(layers)] for index, file in files.items()}
         state = {"step_count": step, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "layer_names": self._layer_names, "optimizer_parts": parts, **(extra or {})}
+        if self._llama is not None:
+            state["model"] = self._llama  # lets `raypipe export` convert the checkpoint
         part_files = [file for files in written[len(layers):] for file in files]
         write_manifest(root, step, layer_files, extra=state, blobs=part_files)
         return step
+
+    def export_hf(self, uri: str, dtype: str = "bf16") -> str:
+        """Write the model as a Hugging Face LLaMA directory (``config.json``, one safetensors shard per
+        layer, written by the stages in parallel, and the index); ``dtype`` "bf16", "fp16" or "fp32".
+
+        Only for a LLaMA built with ``llama_layers`` or ``from_pretrained``. Returns ``uri``.
+        """
+        from raypipe.models.hf.export import check_dtype, prepare_output, write_index_and_config
+
+        if self._llama is None:
+            raise ValueError("export_hf needs a LLaMA model (raypipe.models.llama.llama_layers or from_pretrained)")
+        check_dtype(dtype)
+        self._executor.check_usable()
+        prepare_output(str(uri))
+        n_blocks = self._llama["llama_config"]["n_layers"]
+        written = self._executor.get([actor.export_hf.remote(str(uri), dtype, n_blocks)
+                                      for actor in self._first_replica])
+        write_index_and_config(str(uri), self._llama, dtype, [shard for shards in written for shard in shards])
+        return str(uri)
 
     def _optimizer_parts(self) -> int:
         return self.topology.num_replicas if self.config.shard_optimizer else 1

@@ -98,6 +98,12 @@ class StageCheckpointing:
         if self.scheduler is not None and scheduler is not None:
             self.scheduler.load_state_dict(scheduler)
 
+    def export_hf(self, out_uri: str, dtype: str, n_blocks: int) -> list[dict[str, Any]]:
+        """Write this stage's layers of a LLaMA as Hugging Face safetensors shards, one per layer."""
+        from raypipe.models.hf.export import write_layer_shard
+
+        return [write_layer_shard(out_uri, index, n_blocks, state, dtype) for index, state in self.state_dict().items()]
+
     def _optimizer_parts(self) -> dict[int, dict[str, Any]]:
         """Per layer: this replica's optimizer state, hyper-parameters and schedule."""
         optimizer = self.optimizer_state()
