@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ray
 import torch
 from torch import nn
 
@@ -25,6 +26,7 @@ from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers
 from raypipe.observability.step_report import build_step_result
 from raypipe.runtime import cluster
 from raypipe.runtime.group import StageGroup, WorkerInfo
+from raypipe.runtime.snapshot_keeper import start_keeper
 from raypipe.stage.spec import WorkerSpec
 
 Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
@@ -80,6 +82,8 @@ class PipelineTrainer:
                             loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
                  for replica in range(self.topology.num_replicas)  # in rank order: replica-major
                  for stage, indices in enumerate(stage_layer_ranges(self.balance))]
+        if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
+            self._recovery.keeper = start_keeper()
         self._group = StageGroup(self._executor.actor_class(), specs, cluster.worker_bundle(self.config, self.use_gpu),
                                  self.config.placement_timeout_s)
         try:
@@ -125,6 +129,9 @@ class PipelineTrainer:
             self._executor.close()
             self._group.shutdown()
             self._group = None
+        if self._recovery.keeper is not None:
+            ray.kill(self._recovery.keeper)
+            self._recovery.keeper = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

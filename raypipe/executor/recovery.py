@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 import ray
 
 from raypipe.config import PipelineConfig
@@ -80,6 +81,7 @@ class Recovery:
         self._snapshots: list[Snapshot] = []  # the newest last; the one before kept until a heal needs it
         self._failed: dict[int, str] = {}  # workers to replace before the next step
         self._failed_since: float | None = None
+        self.keeper: Any = None  # a SnapshotKeeper when workers run off the driver's node
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self, step: int, first: bool = False) -> None:
@@ -92,8 +94,11 @@ class Recovery:
         actors = self.executor.group.actors
         taken = Snapshot(step, [actor.snapshot.remote() for actor in actors])
         self._snapshots = [taken] if first else self._snapshots[-1:] + [taken]
+        waited = list(taken.refs)
+        if self.keeper is not None:
+            waited.append(self.keeper.keep.remote(step, *taken.refs))
         if first:
-            ray.wait(taken.refs, num_returns=len(taken.refs), fetch_local=False)
+            ray.wait(waited, num_returns=len(waited), fetch_local=False)
 
     def committed(self, steps_done: int, logged: LoggedStep) -> None:
         """After a committed step: snapshot when due, else log the step for replay."""
@@ -156,24 +161,35 @@ class Recovery:
         """Every worker back to the newest whole snapshot (an older one when a worker
         died while the newest was being taken), and that snapshot's log of steps since."""
         actors = self.executor.group.actors
-        error_text = ""
+        lost = ""
         for position in range(len(self._snapshots) - 1, -1, -1):
             snapshot = self._snapshots[position]
-            try:
-                ray.get([actor.restore.remote(ref) for actor, ref in zip(actors, snapshot.refs)])
-            except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
-                if position == 0:
-                    raise RaypipeError(f"no snapshot to restore: {error}") from error
-                error_text = str(error).strip().splitlines()[-1]
+            for refs in (snapshot.refs, self._kept_copies(snapshot.step)):
+                if len(refs) != len(actors):  # no copies kept
+                    continue
+                try:
+                    ray.get([actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
+                    break
+                except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
+                    lost = lost or str(error).strip().splitlines()[-1]
+            else:
                 continue
             # replaying from an older snapshot runs the newer one's steps too
             replay = [step for later in self._snapshots[position:] for step in later.since]
             if position < len(self._snapshots) - 1:
                 logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
-                               self._snapshots[-1].step, error_text, snapshot.step)
+                               self._snapshots[-1].step, lost, snapshot.step)
             self._snapshots = self._snapshots[position:]
             return Snapshot(snapshot.step, snapshot.refs, replay)
-        raise RaypipeError("no snapshot to restore")
+        self.executor.usable = False
+        raise RaypipeError(f"no snapshot to restore (every copy was lost: {lost}); load_checkpoint resumes from "
+                           "the newest persisted checkpoint")
+
+    def _kept_copies(self, step: int) -> list:
+        """The keeper's copies of the snapshot of ``step`` (none without a keeper)."""
+        if self.keeper is None:
+            return []
+        return [wrapped[0] for wrapped in ray.get(self.keeper.copies.remote(step))]
 
     def _index(self, worker: tuple[int, int]) -> int:
         replica, stage = worker

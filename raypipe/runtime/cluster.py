@@ -67,6 +67,11 @@ def release(groups: list[Any]) -> None:
             pass
 
 
+def num_alive_nodes() -> int:
+    """How many nodes the cluster has now."""
+    return sum(1 for node in ray.nodes() if node["Alive"])
+
+
 def describe_available() -> str:
     """What the cluster has available now, for error messages."""
     return _resources(ray.available_resources())
