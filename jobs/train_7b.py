@@ -98,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="data-parallel copies of the pipeline: stages x replicas GPUs (default: 1)")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
+    parser.add_argument("--max-failures", type=int, default=3,
+                        help="worker failures healed (replaced, rolled back, step redone) before giving up; "
+                             "-1: unlimited (default: 3)")
+    parser.add_argument("--snapshot-every", type=int, default=1,
+                        help="steps between in-memory snapshots that failures heal from; 0: none (default: 1)")
+    parser.add_argument("--hang-timeout", type=float, default=30.0,
+                        help="seconds without a heartbeat before a worker counts as hung (default: 30)")
     parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step and replica (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
@@ -162,6 +169,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
     if not args.placement_timeout > 0:
         parser.error(f"--placement-timeout must be > 0 seconds, got {args.placement_timeout}")
+    if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0:
+        parser.error("--max-failures must be >= -1, --snapshot-every >= 0 and --hang-timeout > 0, got "
+                     f"{args.max_failures}, {args.snapshot_every} and {args.hang_timeout}")
 
 
 def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
@@ -178,7 +188,9 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
-                  "metrics_port": args.metrics_port, "metrics_host": args.metrics_host})
+                  "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+                  "max_failures": None if args.max_failures == -1 else args.max_failures,
+                  "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout})
 
 
 def completed_steps(args: argparse.Namespace) -> int:
