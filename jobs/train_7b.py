@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="data-parallel copies of the pipeline: stages x replicas GPUs (default: 1)")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
+    parser.add_argument("--keep-last", type=int, default=None, metavar="K",
+                        help="keep only the newest K checkpoints (default: all)")
     parser.add_argument("--max-failures", type=int, default=3,
                         help="worker failures healed (replaced, rolled back, step redone) before giving up; "
                              "-1: unlimited (default: 3)")
@@ -169,6 +171,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
     if not args.placement_timeout > 0:
         parser.error(f"--placement-timeout must be > 0 seconds, got {args.placement_timeout}")
+    if args.keep_last is not None and args.keep_last < 1:
+        parser.error(f"--keep-last must be >= 1, got {args.keep_last}")
     if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0:
         parser.error("--max-failures must be >= -1, --snapshot-every >= 0 and --hang-timeout > 0, got "
                      f"{args.max_failures}, {args.snapshot_every} and {args.hang_timeout}")
@@ -183,7 +187,7 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
         eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, progress=args.progress,
+        checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume, progress=args.progress,
         pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,

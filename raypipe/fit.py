@@ -11,7 +11,7 @@ from raypipe.core.result import StepResult
 
 def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_every: int = 0,
         eval_steps: int = 1, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-        progress: bool = True, callback: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+        keep_last: int | None = None, progress: bool = True, callback: Callable[[StepResult], None] | None = None) -> list[StepResult]:
     """Train ``steps`` optimizer steps from the dataset's current position.
 
     ``dataset`` (and ``validation``) follow :class:`raypipe.data.TokenDataset`:
@@ -21,7 +21,8 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     Every ``eval_every`` steps (and at the end) the mean loss of ``eval_steps``
     validation steps is recorded in ``result.eval_loss``; checkpoints go
     to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end, with
-    the data position, so a restart resumes exactly.
+    the data position, so a restart resumes exactly (``keep_last``: only the
+    newest that many are kept).
     """
     per_step = trainer.config.num_micro_batches * trainer.num_replicas
     _check_dataset(dataset, per_step, "dataset")
@@ -40,7 +41,7 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
             results.append(result)
             _show(bar, result)
             if checkpoint_dir and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
-                trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()})
+                trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last)
             if callback is not None:
                 callback(result)
     finally:

@@ -40,6 +40,7 @@ class RunConfig:
     out: str = "runs/tiny"
     checkpoint_dir: str | None = None  # default: OUT/checkpoints
     checkpoint_every: int = 0
+    keep_last: int | None = None  # checkpoints kept (the newest); None: all
     resume: bool = False
     progress: bool = True
     pipeline: dict[str, Any] = field(default_factory=lambda: {"num_stages": 2, "num_micro_batches": 4})
@@ -92,7 +93,8 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
             datasets[0].load_state_dict(extra["dataset"])
         results = trainer.fit(datasets[0], run.steps, validation=datasets[1], eval_every=run.eval_every,
                               eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
-                              checkpoint_every=run.checkpoint_every, progress=run.progress, callback=callback)
+                              checkpoint_every=run.checkpoint_every, keep_last=run.keep_last, progress=run.progress,
+                              callback=callback)
     summary = _summary(run, results, trainer.num_parameters, checkpoint_dir)
     _write_outputs(out, results, summary)
     return summary

@@ -2,6 +2,7 @@
 workers -> executor; it keeps the step count, the loss scale and the metrics."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,8 @@ from raypipe.core.result import StepResult
 from raypipe.core.schedule import make_schedule
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
-from raypipe.errors import NonFiniteError
+from raypipe.core.validation import check_int
+from raypipe.errors import CheckpointError, NonFiniteError
 from raypipe.executor import make_executor
 from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
 from raypipe.models.hf.export import describe_llama
@@ -28,6 +30,8 @@ from raypipe.runtime import cluster
 from raypipe.runtime.group import StageGroup, WorkerInfo
 from raypipe.runtime.snapshot_keeper import start_keeper
 from raypipe.stage.spec import WorkerSpec
+
+logger = logging.getLogger("raypipe")
 
 Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
 Batch = torch.Tensor | Sequence[torch.Tensor]
@@ -282,15 +286,18 @@ class PipelineTrainer:
                             for actor, indices in zip(self._group.actors, ranges)])
         self._recovery.snapshot(self.step_count, first=True)
 
-    def save_checkpoint(self, root_uri: str, extra: dict | None = None) -> int:
+    def save_checkpoint(self, root_uri: str, extra: dict | None = None, keep_last: int | None = None) -> int:
         """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
 
         Stages write their own layers in parallel (once: the first replica's,
         every replica holds the same); the manifest, written last, makes the
-        checkpoint complete.
+        checkpoint complete. ``keep_last=k`` then deletes all but the newest
+        ``k`` complete checkpoints under ``root_uri``.
         """
-        from raypipe.checkpoint.store import write_manifest
+        from raypipe.checkpoint.store import prune_checkpoints, write_manifest
 
+        if keep_last is not None:
+            check_int("keep_last", keep_last, 1, allowed="must be an int >= 1 (checkpoints kept), or None for all")
         root, step = str(root_uri), self.step_count
         layers = [actor.save_checkpoint.remote(root, step) for actor in self._first_replica]
         parts = self._optimizer_parts()  # ZeRO-1: the other replicas' optimizer state, as blobs
@@ -304,6 +311,8 @@ class PipelineTrainer:
             state["model"] = self._llama  # lets `raypipe export` convert the checkpoint
         part_files = [file for files in written[len(layers):] for file in files]
         write_manifest(root, step, layer_files, extra=state, blobs=part_files)
+        if keep_last is not None:
+            prune_checkpoints(root, keep_last)
         return step
 
     def export_hf(self, uri: str, dtype: str = "bf16") -> str:
@@ -329,12 +338,31 @@ class PipelineTrainer:
         return self.topology.num_replicas if self.config.shard_optimizer else 1
 
     def load_checkpoint(self, root_uri: str, step: int | None = None) -> dict:
-        """Load the newest complete checkpoint (or ``step``) into any partition; returns its extra state."""
-        from raypipe.checkpoint.store import latest_checkpoint, read_manifest
+        """Load checkpoint ``step`` into any partition; returns its extra state.
 
-        step = latest_checkpoint(str(root_uri)) if step is None else step
-        if step is None:
+        Without ``step``: the newest intact one. A damaged file (missing, truncated,
+        failing its checksum) makes the load fall back to the next older complete
+        checkpoint, with a warning naming the file; with ``step`` it raises
+        :class:`~raypipe.CheckpointError` naming it."""
+        from raypipe.checkpoint.store import list_checkpoints
+
+        if step is not None:
+            return self._load_checkpoint(str(root_uri), step)
+        steps = list_checkpoints(str(root_uri))
+        if not steps:
             raise FileNotFoundError(f"no complete checkpoint under {root_uri}")
+        damaged = []
+        for candidate in reversed(steps):
+            try:
+                return self._load_checkpoint(str(root_uri), candidate)
+            except CheckpointError as error:
+                logger.warning("raypipe: checkpoint step %d is damaged (%s); trying an older one", candidate, error)
+                damaged.append(error)
+        raise damaged[0]  # none intact: the newest one's damage
+
+    def _load_checkpoint(self, root_uri: str, step: int) -> dict:
+        from raypipe.checkpoint.store import read_manifest
+
         extra = read_manifest(str(root_uri), step).get("extra", {})
         parts = extra.get("optimizer_parts", 1)
         self._executor.get([actor.load_checkpoint.remote(str(root_uri), step, parts) for actor in self._group.actors])

@@ -204,6 +204,16 @@ def delete_checkpoint(root_uri: str | Path, step: int) -> None:
         filesystem.delete_dir(step_dir)
 
 
+def prune_checkpoints(root_uri: str | Path, keep_last: int) -> list[int]:
+    """Delete all but the newest ``keep_last`` (>= 1) complete checkpoints; returns the steps deleted."""
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    old = list_checkpoints(root_uri)[:-keep_last]
+    for step in old:
+        delete_checkpoint(root_uri, step)
+    return old
+
+
 # --- helpers -----------------------------------------------------------------
 
 

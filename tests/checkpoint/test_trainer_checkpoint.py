@@ -89,3 +89,37 @@ def test_a_damaged_checkpoint_file_raises_a_checkpoint_error_naming_it(ray_clust
         with pytest.raises(raypipe.CheckpointError, match="layer_00004.pt is listed in its manifest but missing"):
             trainer.load_checkpoint(tmp_path, step=step)
         assert_parameters_match(trainer.state_dict(), before, rtol=0, atol=0)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(ray_cluster, tmp_path, caplog):
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1)
+    data = batches()
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
+        trainer.step(*data[0])
+        older = trainer.save_checkpoint(tmp_path)
+        expected = trainer.state_dict()
+        trainer.step(*data[1])
+        newest = trainer.save_checkpoint(tmp_path)
+        damaged = tmp_path / f"step_{newest:08d}" / "layer_00002.pt"
+        damaged.write_bytes(damaged.read_bytes()[:-7])  # truncated, as by a crash mid-copy
+        with caplog.at_level("WARNING", logger="raypipe"):
+            trainer.load_checkpoint(tmp_path)
+        assert trainer.step_count == older == 1
+        assert str(damaged) in caplog.text  # the warning names the bad file
+        assert_parameters_match(trainer.state_dict(), expected, rtol=0, atol=0)
+        with pytest.raises(raypipe.CheckpointError, match="layer_00002.pt") as error:
+            trainer.load_checkpoint(tmp_path, step=newest)  # asked for by step: no fallback
+        assert error.value.path == str(damaged)
+
+
+def test_keep_last_keeps_only_the_newest_checkpoints(ray_cluster, tmp_path):
+    from raypipe.checkpoint.store import list_checkpoints
+
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
+        for x, y in batches()[:3]:
+            trainer.step(x, y)
+            trainer.save_checkpoint(tmp_path, keep_last=2)
+        assert list_checkpoints(tmp_path) == [2, 3]
+        with pytest.raises(ValueError, match="keep_last"):
+            trainer.save_checkpoint(tmp_path / "other", keep_last=0)
