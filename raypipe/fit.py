@@ -11,7 +11,8 @@ from raypipe.core.result import StepResult
 
 def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_every: int = 0,
         eval_steps: int = 1, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-        keep_last: int | None = None, progress: bool = True, callback: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+        keep_last: int | None = None, progress: bool = True,
+        callback: Callable[[StepResult], None] | None = None) -> list[StepResult]:
     """Train ``steps`` optimizer steps from the dataset's current position.
 
     ``dataset`` (and ``validation``) follow :class:`raypipe.data.TokenDataset`:
