@@ -66,3 +66,28 @@ def test_fit_rejects_a_dataset_with_other_micro_batches(ray_cluster, data):
     with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, config=config) as trainer:
         with pytest.raises(ValueError, match=r"yields 3 micro-batches per step but a step of the pipeline has 2 "):
             trainer.fit(TokenDataset(data, micro_batch_size=2, num_micro_batches=3), 1, progress=False)
+
+
+def test_a_killed_reading_stage_in_fit_costs_no_step_and_no_sample(ray_cluster, data):
+    """fit with SIGKILLs of the first stage and of the last (both read the dataset): the
+    replacements get the datasets again, and every loss and weight is bitwise the same."""
+    import os
+    import signal
+
+    def run(kill_at):
+        train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=3)
+        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, clip_grad_norm=1.0, max_failures=None)
+        with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                     config, loss_count_fn=llama_count_tokens) as trainer:
+            def kill(result):
+                if result.step in kill_at:
+                    os.kill(trainer.workers[kill_at[result.step]].pid, signal.SIGKILL)
+
+            results = trainer.fit(train, 5, progress=False, callback=kill)
+            return [r.loss for r in results], train.state_dict(), trainer.state_dict(), trainer.failures
+
+    losses, position, state, _ = run({})
+    killed_losses, killed_position, killed_state, failures = run({0: 0, 2: 1})  # stage 0 after step 0, then 1
+    assert len(failures) == 2
+    assert killed_losses == losses and killed_position == position == {**position, "next_step": 5}
+    assert all(torch.equal(killed_state[key], value) for key, value in state.items())
