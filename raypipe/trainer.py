@@ -190,12 +190,15 @@ class PipelineTrainer:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
         self._executor.check_usable()
-        return self._record_eval(self._executor.evaluate(self.step_count, self._split(inputs, targets)))
+        batch = self._split(inputs, targets)
+        return self._record_eval(self._recovery.evaluate(lambda: self._executor.evaluate(self.step_count, batch),
+                                                         self.step_count))
 
     def evaluate_from_datasets(self, step: int) -> float:
         """Validation loss of the validation dataset's ``step``, read by the stages."""
         self._executor.check_usable()
-        return self._record_eval(self._executor.evaluate(step, None))
+        return self._record_eval(self._recovery.evaluate(lambda: self._executor.evaluate(step, None),
+                                                         self.step_count))
 
     def fit(self, dataset: Any, steps: int, **options: Any) -> list[StepResult]:
         """Train for ``steps`` steps on ``dataset``; see :func:`raypipe.fit.fit`."""

@@ -35,6 +35,7 @@ from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.errors import RaypipeError, TooManyFailures, WorkersFailed
 from raypipe.executor.base import Executor, StepOutcome
+from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
 
@@ -119,6 +120,21 @@ class Recovery:
                 return self.executor.run_step(data_step, batch, loss_scale)
             except WorkersFailed as failure:
                 self._note(failure)
+
+    def evaluate(self, run: Callable[[], float], step: int) -> float:
+        """``run()`` (a forward-only pass), healed and run again when a worker died
+        during it (after the committed step ``step``)."""
+        while True:
+            try:
+                if self._failed:
+                    self._heal()
+                return run()
+            except RaypipeError as error:
+                failed = Watchdog(self.config.hang_timeout_s).probe(self.executor.group.actors)
+                if not failed:
+                    raise
+                self._note(WorkersFailed(step, {divmod(index, self.config.num_stages): why
+                                                for index, why in failed.items()}, f"during evaluate: {error}"))
 
     def _note(self, failure: WorkersFailed) -> None:
         """Count the event, kill its workers and let the step end on the others."""

@@ -160,3 +160,13 @@ class Sleep(nn.Module):
     def forward(self, x):
         time.sleep(self.seconds)
         return x
+
+
+def test_a_worker_killed_before_evaluate_is_healed_and_evaluate_answers(ray_cluster):
+    (x, y), = random_batches(BATCH, 1)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config()) as trainer:
+        trainer.step(x, y)
+        expected = trainer.evaluate(x, y)
+        os.kill(trainer.workers[1].pid, signal.SIGKILL)
+        assert trainer.evaluate(x, y) == expected
+        assert len(trainer.failures) == 1 and "during evaluate" in trainer.failures[0]
