@@ -165,6 +165,8 @@ class Recovery:
         self.on_replaced(failed)
         for logged in snapshot.since:
             self.executor.run_step(logged.data_step, logged.batch, logged.loss_scale)
+        # a fresh snapshot of the healed state: the lost one is never fallen back to again
+        self.snapshot(snapshot.step + len(snapshot.since), first=True)
         reasons = sorted(set(self._failed.values()))
         self._failed = {}
         seconds = time.monotonic() - self._failed_since
@@ -195,7 +197,6 @@ class Recovery:
             if position < len(self._snapshots) - 1:
                 logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
                                self._snapshots[-1].step, lost, snapshot.step)
-            self._snapshots = self._snapshots[position:]
             return Snapshot(snapshot.step, snapshot.refs, replay)
         self.executor.usable = False
         raise RaypipeError(f"no snapshot to restore (every copy was lost: {lost}); load_checkpoint resumes from "
