@@ -13,9 +13,12 @@ on CPU (2 stages), for CI and laptops.
 The job connects to the cluster like any Ray job (``RAY_ADDRESS``; without
 one it starts a local Ray instance). ``--data`` is a prepared dataset
 (``raypipe prepare``): a local path, prepared from the Python standard library
-if missing, or an ``s3://`` / ``gs://`` URI read through ``pyarrow.fs``. The
-first and last stages read it themselves, so on a multi-node cluster a local
-path must exist on every node (use a URI or a shared filesystem).
+if missing (by default in ``$RAYPIPE_CACHE`` or ``~/.cache/raypipe``, outside
+the job's working directory), or an ``s3://`` / ``gs://`` URI read through
+``pyarrow.fs``. The first and last stages read it themselves: before step 0
+each checks it can open the dataset where it runs; a stage that cannot gets
+a local dataset's shards through Ray's object store, up to
+``--ship-data-limit-mb``; above that, use a URI or a shared filesystem.
 
 ``--steps`` is the run's total: by default the job resumes from the newest
 complete checkpoint in ``--checkpoint-dir`` and trains the steps still missing,
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from raypipe.config import activation_arguments, add_activation_arguments  # noqa: E402
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
-from raypipe.run import RunConfig, train  # noqa: E402
+from raypipe.run import RunConfig, dataset_path, train  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,6 @@ PRESETS = {
                    steps=20, precision="bf16", activation_checkpoint="always", learning_rate=3e-3, eval_every=0,
                    checkpoint_every=0, placement_timeout=60.0),
 }
-DEFAULT_DATA_SEQ_LEN = 256  # data/stdlib holds sequences of this length (jobs/train_tiny.py uses it too)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_activation_arguments(parser, default=None)  # None: the preset's
     parser.add_argument("--eval-every", type=int, help="validation loss every N steps; 0: at the end only")
     parser.add_argument("--data", help="prepared dataset: local path (prepared from the Python stdlib if "
-                                       "missing) or s3:// / gs:// URI (default: data/stdlib[-SEQ_LEN])")
+                                       "missing) or s3:// / gs:// URI (default: the stdlib, prepared in "
+                                       "$RAYPIPE_CACHE or ~/.cache/raypipe)")
     parser.add_argument("--checkpoint-dir", help="checkpoints, local or s3:// / gs:// (default: OUT/checkpoints)")
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end) (7b: 100)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
@@ -123,8 +126,7 @@ def apply_preset(args: argparse.Namespace) -> None:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.data is None:
-        suffix = "" if args.seq_len == DEFAULT_DATA_SEQ_LEN else f"-{args.seq_len}"
-        args.data = f"data/stdlib{suffix}"
+        args.data = dataset_path(None, args.seq_len)
     if args.out is None:
         args.out = f"runs/train_7b-{args.preset}"
     if args.checkpoint_dir is None:

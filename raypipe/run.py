@@ -22,7 +22,7 @@ class RunConfig:
     """Everything one training run needs; ``pipeline`` holds PipelineConfig fields."""
 
     model: str = "tiny"
-    data: str = "data/stdlib"  # prepared dataset (local path or s3:// / gs:// URI)
+    data: str | None = None  # prepared dataset (local path or s3:// / gs:// URI); None: the stdlib, in the cache
     prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
     steps: int = 200
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
@@ -70,13 +70,14 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
     pipeline = PipelineConfig.from_dict(run.pipeline)
     model = get_config(run.model)
     seq_len = _seq_len(run.seq_len, model.max_seq_len)
-    if run.prepare_if_missing and "://" not in run.data and not (Path(run.data) / "manifest.json").exists():
+    data = dataset_path(run.data, seq_len)
+    if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
-        prepare(run.data, seq_len=seq_len)
+        prepare(data, seq_len=seq_len)
     per_step = pipeline.num_micro_batches * pipeline.num_replicas  # micro-batches of a step, every replica's
-    datasets = [TokenDataset(run.data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
+    datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
                              vocab_size=model.vocab_size) for split in ("train", "validation")]
-    _check_dataset_seq_len(run.data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
+    _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
@@ -90,9 +91,18 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
         results = trainer.fit(datasets[0], run.steps, validation=datasets[1], eval_every=run.eval_every,
                               eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
                               checkpoint_every=run.checkpoint_every, progress=run.progress, callback=callback)
-    summary = _summary(run, results, trainer.num_parameters, checkpoint_dir)
+        placement = _placement(trainer)
+    summary = {**_summary(run, results, trainer.num_parameters, checkpoint_dir), "data": data, **placement}
     _write_outputs(out, results, summary)
     return summary
+
+
+def dataset_path(data: str | None, seq_len: int) -> str:
+    """``data``, or where the default stdlib dataset of ``seq_len`` lives: the user's cache, never a
+    job's working directory (which Ray may unpack anew, or remove, under the stages reading it)."""
+    from raypipe.data.cache import default_dataset_dir
+
+    return str(default_dataset_dir(seq_len)) if data is None else data
 
 
 def _seq_len(requested: int | None, max_seq_len: int) -> int:
@@ -155,6 +165,14 @@ def _summary(run: RunConfig, results: list, num_parameters: int, checkpoint_dir:
         "uniform_byte_loss": math.log(256), "checkpoint_dir": checkpoint_dir,
         "pipeline": run.pipeline, "losses": [r.loss for r in results],
     }
+
+
+def _placement(trainer: Any) -> dict[str, Any]:
+    """Which node the driver and each stage worker ran on (multi-node runs are checked by it)."""
+    import ray
+
+    return {"driver_node_id": ray.get_runtime_context().get_node_id(),
+            "workers": [{"replica": w.replica, "stage": w.stage, "node_id": w.node_id} for w in trainer.workers]}
 
 
 def _write_outputs(out: Path, results: list, summary: dict[str, Any]) -> None:

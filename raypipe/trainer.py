@@ -22,6 +22,7 @@ from raypipe.executor import make_executor
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.observability.step_report import build_step_result
 from raypipe.runtime import cluster
+from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
 from raypipe.runtime.group import StageGroup, WorkerInfo
 from raypipe.stage.spec import WorkerSpec
 
@@ -59,6 +60,7 @@ class PipelineTrainer:
         self.step_count = 0
         self.metrics = None
         self._group: StageGroup | None = None
+        self._attached: list = []
         self._executor = make_executor(config, self.schedule)
         self._start(layers, optimizer, loss_fn, lr_scheduler)
 
@@ -119,6 +121,7 @@ class PipelineTrainer:
             self._executor.close()
             self._group.shutdown()
             self._group = None
+            self._attached = []
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -154,14 +157,23 @@ class PipelineTrainer:
         self._executor.check_usable()
         return self._run_step(step, None, start, num_samples, num_tokens)
 
-    def attach_datasets(self, train: Any, validation: Any = None) -> None:
+    def attach_datasets(self, train: Any, validation: Any = None,
+                        ship_data_limit_bytes: int = DEFAULT_SHIP_DATA_LIMIT_BYTES) -> None:
         """Send the datasets to the stages that read them (every replica's first and last).
 
         A dataset's step is ``num_micro_batches x num_replicas`` micro-batches
-        (``get(step, index)``); replica ``r`` reads the ``r``-th block."""
-        readers = [actor for rank, actor in enumerate(self._group.actors)
-                   if self.topology.coordinates(rank).stage in (0, self.topology.num_stages - 1)]
-        self._executor.get([actor.attach_datasets.remote(train, validation) for actor in readers])
+        (``get(step, index)``); replica ``r`` reads the ``r``-th block. First each
+        reader opens the datasets where it runs (see
+        :func:`raypipe.runtime.data_access.datasets_for_readers`): one that cannot
+        open a local dataset gets its shards through the object store, up to
+        ``ship_data_limit_bytes``; any other problem raises a DataAccessError
+        naming the path, the worker and its node, before any step runs."""
+        readers = [(coordinates.replica, coordinates.stage, actor) for coordinates, actor in
+                   ((self.topology.coordinates(rank), actor) for rank, actor in enumerate(self._group.actors))
+                   if coordinates.stage in (0, self.topology.num_stages - 1)]
+        own = datasets_for_readers(readers, [train, validation], self._executor.get, ship_data_limit_bytes)
+        self._attached = own  # the driver holds shipped shards for as long as the stages read them
+        self._executor.get([actor.attach_datasets.remote(*datasets) for (_, _, actor), datasets in zip(readers, own)])
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
