@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", help="prepared dataset: local path (prepared from the Python stdlib if "
                                        "missing) or s3:// / gs:// URI (default: the stdlib, prepared in "
                                        "$RAYPIPE_CACHE or ~/.cache/raypipe)")
+    parser.add_argument("--ship-data-limit-mb", type=int, default=1024, metavar="MB",
+                        help="a local --data that a stage's node cannot open goes through Ray's object store up to "
+                             "this size; above it the run stops before step 0 (default: 1024)")
     parser.add_argument("--checkpoint-dir", help="checkpoints, local or s3:// / gs:// (default: OUT/checkpoints)")
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end) (7b: 100)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
@@ -139,7 +142,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("stages", "replicas", "micro_batches", "micro_batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("eval_every", "checkpoint_every"):
+    for name in ("eval_every", "checkpoint_every", "ship_data_limit_mb"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     max_seq_len = get_config(args.model).max_seq_len
@@ -160,6 +163,7 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
         eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=args.progress,
+        ship_data_limit_bytes=args.ship_data_limit_mb * 2**20,
         pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,

@@ -39,6 +39,7 @@ class RunConfig:
     checkpoint_every: int = 0
     resume: bool = False
     progress: bool = True
+    ship_data_limit_bytes: int | None = None  # a local dataset a stage cannot open is shipped up to this; None: 1 GiB
     pipeline: dict[str, Any] = field(default_factory=lambda: {"num_stages": 2, "num_micro_batches": 4})
 
     @classmethod
@@ -90,7 +91,8 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
             datasets[0].load_state_dict(extra["dataset"])
         results = trainer.fit(datasets[0], run.steps, validation=datasets[1], eval_every=run.eval_every,
                               eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
-                              checkpoint_every=run.checkpoint_every, progress=run.progress, callback=callback)
+                              checkpoint_every=run.checkpoint_every, progress=run.progress, callback=callback,
+                              ship_data_limit_bytes=run.ship_data_limit_bytes)
         placement = _placement(trainer)
     summary = {**_summary(run, results, trainer.num_parameters, checkpoint_dir), "data": data, **placement}
     _write_outputs(out, results, summary)
