@@ -39,7 +39,8 @@ import sys
 from ray.cluster_utils import Cluster
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
 for _ in range(2):
-    cluster.add_node(num_cpus=1)
+    cluster.add_node(num_cpus=1, wait=False)
+cluster.wait_for_nodes(timeout=300)  # generous: the machine may be busy
 print(cluster.address, flush=True)
 sys.stdin.read()  # until the test closes stdin
 cluster.shutdown()
