@@ -25,6 +25,11 @@ complete checkpoint in ``--checkpoint-dir`` and trains the steps still missing,
 so a retried job (KubeRay ``backoffLimit``) continues where it stopped.
 Without a progress bar (not a terminal, or ``--no-progress``) it prints one
 line per step, for job logs.
+
+``--init-from DIR`` starts from a Hugging Face LLaMA checkpoint (safetensors,
+local or ``s3://`` / ``gs://``) instead of the preset's random weights; each
+stage reads only its own layers. ``--tokenizer DIR`` prepares the data with
+that Hugging Face tokenizer (``tokenizer.json``) instead of bytes.
 """
 from __future__ import annotations
 
@@ -83,11 +88,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="7b",
                         help="7b: llama-7b, bf16, one GPU per stage; tiny: the tiny model on CPU (default: 7b)")
+    parser.add_argument("--init-from", metavar="DIR",
+                        help="Hugging Face LLaMA directory or s3:// / gs:// URI to start from (its shape, "
+                             "not the preset's)")
+    parser.add_argument("--untie-embeddings", action="store_true",
+                        help="with --init-from: accept tied embeddings, the head starting as a copy of the embedding")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="Hugging Face tokenizer directory (tokenizer.json) preparing --data (default: bytes)")
     parser.add_argument("--stages", type=int, help="pipeline stages, one GPU each with the 7b preset (7b: 8)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="data-parallel copies of the pipeline: stages x replicas GPUs (default: 1)")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
+    parser.add_argument("--max-failures", type=int, default=3,
+                        help="worker failures healed (replaced, rolled back, step redone) before giving up; "
+                             "-1: unlimited (default: 3)")
+    parser.add_argument("--snapshot-every", type=int, default=1,
+                        help="steps between in-memory snapshots that failures heal from; 0: none (default: 1)")
+    parser.add_argument("--hang-timeout", type=float, default=30.0,
+                        help="seconds without a heartbeat before a worker counts as hung (default: 30)")
     parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step and replica (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
@@ -129,7 +148,7 @@ def apply_preset(args: argparse.Namespace) -> None:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.data is None:
-        args.data = dataset_path(None, args.seq_len)
+        args.data = dataset_path(None, args.seq_len, args.tokenizer)
     if args.out is None:
         args.out = f"runs/train_7b-{args.preset}"
     if args.checkpoint_dir is None:
@@ -146,18 +165,24 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     max_seq_len = get_config(args.model).max_seq_len
-    if args.seq_len > max_seq_len:
+    if args.init_from is None and args.seq_len > max_seq_len:
         parser.error(f"--seq-len {args.seq_len} exceeds the max_seq_len of {args.model} ({max_seq_len})")
+    if args.untie_embeddings and args.init_from is None:
+        parser.error("--untie-embeddings only applies with --init-from")
     if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
         parser.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
     if not args.placement_timeout > 0:
         parser.error(f"--placement-timeout must be > 0 seconds, got {args.placement_timeout}")
+    if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0:
+        parser.error("--max-failures must be >= -1, --snapshot-every >= 0 and --hang-timeout > 0, got "
+                     f"{args.max_failures}, {args.snapshot_every} and {args.hang_timeout}")
 
 
 def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
     """The shared run config of these flags, training ``steps`` steps in this invocation."""
     return RunConfig(
-        model=args.model, data=args.data, seq_len=args.seq_len, steps=steps,
+        model=args.model, init_from=args.init_from, untie_embeddings=args.untie_embeddings, tokenizer=args.tokenizer,
+        data=args.data, seq_len=args.seq_len, steps=steps,
         micro_batch_size=args.micro_batch_size, learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
@@ -168,7 +193,9 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
-                  "metrics_port": args.metrics_port, "metrics_host": args.metrics_host})
+                  "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+                  "max_failures": None if args.max_failures == -1 else args.max_failures,
+                  "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout})
 
 
 def completed_steps(args: argparse.Namespace) -> int:
@@ -199,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if done:
         print(f"resuming from the checkpoint of step {done} in {args.checkpoint_dir}")
-    print(f"training {args.model} for steps {done + 1}..{args.steps}: {args.replicas} x {args.stages} stages "
+    print(f"training {args.init_from or args.model} for steps {done + 1}..{args.steps}: "
+          f"{args.replicas} x {args.stages} stages "
           f"({'one GPU' if args.use_gpu else 'one CPU'} each), {args.micro_batches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, "
           f"activation_checkpoint={args.activation_checkpoint}, "

@@ -1,4 +1,4 @@
-"""`raypipe train | plan | prepare`."""
+"""`raypipe train | plan | prepare | export`."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_plan_arguments(commands.add_parser("plan", help="predict per-stage memory of a model and pipeline"))
     add_prepare_arguments(commands.add_parser("prepare", help="turn a text corpus into Parquet token shards"))
+    export = commands.add_parser("export", help="convert a LLaMA checkpoint into a Hugging Face model directory")
+    export.add_argument("--checkpoint", required=True, metavar="ROOT", help="checkpoint root (path or URI)")
+    export.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    export.add_argument("--out", required=True, metavar="DIR", help="new directory for config.json and shards")
+    export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights' dtype")
 
     args = parser.parse_args(argv)
     if args.command == "train":
@@ -27,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         from raypipe.planning.plan import run_plan
 
         return run_plan(args)
+    if args.command == "export":
+        return _export(args)
     from raypipe.data import run_prepare
 
     return run_prepare(args)
@@ -50,6 +57,22 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     summary = train(run)
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from raypipe.checkpoint.store import latest_checkpoint
+    from raypipe.models.hf.export import export_checkpoint
+
+    try:
+        step = latest_checkpoint(args.checkpoint) if args.step is None else args.step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint under {args.checkpoint}")
+        export_checkpoint(args.checkpoint, step, args.out, args.dtype)
+    except (ValueError, OSError) as error:
+        print(f"raypipe export: error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported step {step} of {args.checkpoint} to {args.out} ({args.dtype})")
     return 0
 
 

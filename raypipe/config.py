@@ -54,6 +54,11 @@ class PipelineConfig:
     cpus_per_stage: int = 1
     placement_timeout_s: float = 60.0
     seed: int = 0
+    # fault tolerance (see docs/fault_tolerance.md)
+    max_failures: int | None = 3  # failure events healed over the trainer's life; None: unlimited
+    snapshot_every: int = 1  # steps between in-memory snapshots of every worker; 0: none (a failure is fatal)
+    replace_timeout_s: float = 60.0  # how long to wait for resources to place a replacement worker
+    hang_timeout_s: float = 30.0  # a worker that does not answer a heartbeat for this long is hung
     # fp16 dynamic loss scaling
     initial_loss_scale: float = 2.0**16
     min_loss_scale: float = 1.0
@@ -87,6 +92,11 @@ class PipelineConfig:
                 check_positive_number(name, getattr(self, name), "must be a number > 0, or None to disable")
         check_positive_int("cpus_per_stage", self.cpus_per_stage)
         check_positive_number("placement_timeout_s", self.placement_timeout_s, "must be a number of seconds > 0")
+        if self.max_failures is not None:
+            check_int("max_failures", self.max_failures, 0, None, "must be an int >= 0, or None for unlimited")
+        check_int("snapshot_every", self.snapshot_every, 0, None, "must be an int >= 0 (0: no snapshots)")
+        for name in ("replace_timeout_s", "hang_timeout_s"):
+            check_positive_number(name, getattr(self, name), "must be a number of seconds > 0")
         check_positive_number("initial_loss_scale", self.initial_loss_scale)
         check_number("min_loss_scale", self.min_loss_scale, lambda scale: 0 < scale <= self.initial_loss_scale,
                      "must be a number > 0 and <= initial_loss_scale")

@@ -94,6 +94,34 @@ class CheckpointError(RaypipeError):
         return (type(self), (self.path, self.problem))
 
 
+class WorkersFailed(RaypipeError):
+    """Workers died, became unreachable or hung during a step. Nothing of the step
+    was kept; the trainer heals this (replaces them, rolls every worker back to a
+    snapshot, redoes the step) while ``max_failures`` allows.
+
+    ``workers`` maps each failed worker's (replica, stage) to why: "died",
+    "unreachable" or "hung"."""
+
+    def __init__(self, step: int, workers: dict[tuple[int, int], str], detail: str = "") -> None:
+        self.step, self.workers, self.detail = step, dict(workers), detail
+        named = ", ".join(f"replica {replica} stage {stage} {why}" for (replica, stage), why in sorted(workers.items()))
+        super().__init__(f"step {step}: {named}" + (f" ({detail})" if detail else ""))
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.workers, self.detail))
+
+
+class TooManyFailures(RaypipeError):
+    """More failure events than ``max_failures``; ``failures`` lists every one."""
+
+    def __init__(self, max_failures: int, failures: list[str]) -> None:
+        self.max_failures, self.failures = max_failures, list(failures)
+        listed = "\n".join(f"  {number}. {failure}" for number, failure in enumerate(failures, 1))
+        super().__init__(f"{len(failures)} failures, more than max_failures={max_failures}; training stopped "
+                         f"(load_checkpoint resumes from the newest intact checkpoint):\n{listed}")
+
+    def __reduce__(self):
+        return (type(self), (self.max_failures, self.failures))
 class DataAccessError(RaypipeError):
     """A worker that reads the dataset cannot use it where it runs; raised before step 0.
 

@@ -21,7 +21,10 @@ from raypipe.core.validation import from_mapping
 class RunConfig:
     """Everything one training run needs; ``pipeline`` holds PipelineConfig fields."""
 
-    model: str = "tiny"
+    model: str = "tiny"  # a named config (raypipe.models.llama.CONFIGS); ignored with init_from
+    init_from: str | None = None  # a Hugging Face LLaMA directory (or s3:// / gs:// URI) to start from
+    untie_embeddings: bool = False  # with init_from: accept tie_word_embeddings, training the head apart
+    tokenizer: str | None = None  # Hugging Face tokenizer directory preparing ``data``; None: bytes
     data: str | None = None  # prepared dataset (local path or s3:// / gs:// URI); None: the stdlib, in the cache
     prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
     steps: int = 200
@@ -65,26 +68,26 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
     line per step where there is no progress bar).
     """
     from raypipe.data import TokenDataset, prepare
-    from raypipe.models.llama import get_config, llama_layers, llama_loss
+    from raypipe.models.llama import llama_loss
     from raypipe.trainer import PipelineTrainer
 
     pipeline = PipelineConfig.from_dict(run.pipeline)
-    model = get_config(run.model)
-    seq_len = _seq_len(run.seq_len, model.max_seq_len)
-    data = dataset_path(run.data, seq_len)
+    layers, model, seq_len = _model(run)
+    data = dataset_path(run.data, seq_len, run.tokenizer)
     if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
-        prepare(data, seq_len=seq_len)
+        prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
     per_step = pipeline.num_micro_batches * pipeline.num_replicas  # micro-batches of a step, every replica's
     datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
                              vocab_size=model.vocab_size) for split in ("train", "validation")]
     _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
+    _check_dataset_tokenizer(data, datasets[0].tokenizer_name, run.tokenizer)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
     optimizer = _adamw(run.learning_rate, run.weight_decay)
     schedule = warmup_cosine(run.warmup_steps, run.lr_decay_steps or run.steps, run.min_lr_ratio)
-    with PipelineTrainer(llama_layers(model), llama_loss, optimizer, pipeline,
+    with PipelineTrainer(layers, llama_loss, optimizer, pipeline,
                          loss_count_fn=llama_count_tokens, lr_scheduler=schedule) as trainer:
         if run.resume and _has_checkpoint(checkpoint_dir):
             extra = trainer.load_checkpoint(checkpoint_dir)
@@ -99,12 +102,42 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
     return summary
 
 
-def dataset_path(data: str | None, seq_len: int) -> str:
-    """``data``, or where the default stdlib dataset of ``seq_len`` lives: the user's cache, never a
-    job's working directory (which Ray may unpack anew, or remove, under the stages reading it)."""
+def dataset_path(data: str | None, seq_len: int, tokenizer: str | None = None) -> str:
+    """``data``, or where the default stdlib dataset of ``seq_len`` (and ``tokenizer``, a Hugging Face
+    tokenizer directory; None: bytes) lives: the user's cache, never a job's working directory (which
+    Ray may unpack anew, or remove, under the stages reading it)."""
     from raypipe.data.cache import default_dataset_dir
 
-    return str(default_dataset_dir(seq_len)) if data is None else data
+    if data is not None:
+        return data
+    return str(default_dataset_dir(seq_len, tokenizer="byte" if tokenizer is None else f"hf:{tokenizer}"))
+
+
+def _model(run: RunConfig) -> tuple[list, Any, int]:
+    """The model's layers, its LlamaConfig and the run's sequence length."""
+    from raypipe.models.llama import from_pretrained, get_config, llama_layers
+
+    if run.init_from is None:
+        config = get_config(run.model)
+        return llama_layers(config), config, _seq_len(run.seq_len, config.max_seq_len)
+    if run.seq_len is None:
+        raise ValueError(f"init_from={run.init_from!r} needs seq_len: it sizes the rotary tables of the run")
+    layers = from_pretrained(run.init_from, max_seq_len=run.seq_len, untie_embeddings=run.untie_embeddings)
+    return layers, layers[0].args[0], run.seq_len
+
+
+def _tokenizer(directory: str | None):
+    from raypipe.data.tokenizer import HFTokenizer
+
+    return None if directory is None else HFTokenizer(directory)
+
+
+def _check_dataset_tokenizer(data: str, found: str, directory: str | None) -> None:
+    """A run with a Hugging Face tokenizer refuses data of another kind (e.g. bytes). The directory
+    itself is not compared: data is often prepared on another machine, under another path."""
+    if directory is not None and not found.startswith("hf:"):
+        raise ValueError(f"dataset {data} was prepared with tokenizer {found!r}, the run asks for {directory}: "
+                         f"prepare it with `raypipe prepare --tokenizer {directory}`")
 
 
 def _seq_len(requested: int | None, max_seq_len: int) -> int:
@@ -160,7 +193,7 @@ def _summary(run: RunConfig, results: list, num_parameters: int, checkpoint_dir:
     timed = results[1:] or results  # the first step includes warm-up
     tokens_per_second = sum(r.num_tokens for r in timed) / sum(r.step_time for r in timed)
     return {
-        "model": run.model, "num_parameters": num_parameters, "steps": len(results),
+        "model": run.init_from or run.model, "num_parameters": num_parameters, "steps": len(results),
         "initial_loss": results[0].loss, "final_loss": results[-1].loss,
         "final_eval_loss": eval_losses[-1] if eval_losses else math.nan,
         "tokens_per_second": tokens_per_second,

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ray
 import torch
 from torch import nn
 
@@ -19,11 +20,14 @@ from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
 from raypipe.errors import NonFiniteError
 from raypipe.executor import make_executor
+from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
+from raypipe.models.hf.export import describe_llama
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.observability.step_report import build_step_result
 from raypipe.runtime import cluster
 from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
 from raypipe.runtime.group import StageGroup, WorkerInfo
+from raypipe.runtime.snapshot_keeper import start_keeper
 from raypipe.stage.spec import WorkerSpec
 
 Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
@@ -49,6 +53,7 @@ class PipelineTrainer:
                  lr_scheduler: Callable | None = None) -> None:
         self.config = config = (config or PipelineConfig()).replace()
         layers, self._layer_names = model_layers(model)
+        self._llama = describe_llama(layers)  # what export_hf and checkpoints need of a LLaMA, else None
         config.validate(len(layers))
         self.topology = Topology(config.num_stages, config.num_replicas)
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
@@ -60,8 +65,11 @@ class PipelineTrainer:
         self.step_count = 0
         self.metrics = None
         self._group: StageGroup | None = None
-        self._attached: list = []
+        self._datasets: tuple[Any, Any] | None = None
+        self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
+        self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
         self._executor = make_executor(config, self.schedule)
+        self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
         self._start(layers, optimizer, loss_fn, lr_scheduler)
 
     # -- lifecycle ------------------------------------------------------------
@@ -77,6 +85,8 @@ class PipelineTrainer:
                             loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
                  for replica in range(self.topology.num_replicas)  # in rank order: replica-major
                  for stage, indices in enumerate(stage_layer_ranges(self.balance))]
+        if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
+            self._recovery.keeper = start_keeper()
         self._group = StageGroup(self._executor.actor_class(), specs, cluster.worker_bundle(self.config, self.use_gpu),
                                  self.config.placement_timeout_s)
         try:
@@ -88,6 +98,7 @@ class PipelineTrainer:
         self.num_parameters = sum(info["num_parameters"] for info in infos)
         self.device_name = infos[0]["device_name"]
         self._start_metrics()
+        self._recovery.snapshot(self.step_count, first=True)
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
@@ -121,7 +132,10 @@ class PipelineTrainer:
             self._executor.close()
             self._group.shutdown()
             self._group = None
-            self._attached = []
+            self._shipped = {}
+        if self._recovery.keeper is not None:
+            ray.kill(self._recovery.keeper)
+            self._recovery.keeper = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -162,17 +176,24 @@ class PipelineTrainer:
         """Send the datasets to the stages that read them (every replica's first and last).
 
         A dataset's step is ``num_micro_batches x num_replicas`` micro-batches
-        (``get(step, index)``); replica ``r`` reads the ``r``-th block. First each
-        reader opens the datasets where it runs (see
+        (``get(step, index)``); replica ``r`` reads the ``r``-th block. Each
+        reader first opens the datasets where it runs (see
         :func:`raypipe.runtime.data_access.datasets_for_readers`): one that cannot
         open a local dataset gets its shards through the object store, up to
         ``ship_data_limit_bytes``; any other problem raises a DataAccessError
         naming the path, the worker and its node, before any step runs."""
-        readers = [(coordinates.replica, coordinates.stage, actor) for coordinates, actor in
-                   ((self.topology.coordinates(rank), actor) for rank, actor in enumerate(self._group.actors))
-                   if coordinates.stage in (0, self.topology.num_stages - 1)]
-        own = datasets_for_readers(readers, [train, validation], self._executor.get, ship_data_limit_bytes)
-        self._attached = own  # the driver holds shipped shards for as long as the stages read them
+        self._datasets, self._ship_limit, self._shipped = (train, validation), ship_data_limit_bytes, {}
+        self._give_datasets(range(self.topology.world_size))
+
+    def _give_datasets(self, indices: Sequence[int]) -> None:
+        """Workers ``indices`` that read data (every replica's first and last stage) get the datasets,
+        checked where each runs (a replacement too, which may run on another node)."""
+        if self._datasets is None:
+            return
+        last = self.topology.num_stages - 1
+        readers = [(where.replica, where.stage, self._group.actors[rank]) for rank, where in
+                   ((rank, self.topology.coordinates(rank)) for rank in indices) if where.stage in (0, last)]
+        own = datasets_for_readers(readers, self._datasets, self._executor.get, self._ship_limit, self._shipped)
         self._executor.get([actor.attach_datasets.remote(*datasets) for (_, _, actor), datasets in zip(readers, own)])
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -206,7 +227,7 @@ class PipelineTrainer:
     def _run_step(self, data_step: int, batch: MicroBatches | None, start: float, num_samples: int,
                   num_tokens: int) -> StepResult:
         loss_scale = self.scaler.scale if self.scaler else None
-        outcome = self._executor.run_step(data_step, batch, loss_scale)
+        outcome = self._recovery.run_step(data_step, batch, loss_scale)
         decision = outcome.decision
         self._check_finite(decision)
         if self.scaler:
@@ -218,9 +239,19 @@ class PipelineTrainer:
             reports=outcome.reports, num_parameters=self.num_parameters, peak_flops=self._peak_flops(),
             num_devices=self.topology.world_size)
         self.step_count += 1
+        self._recovery.committed(self.step_count, LoggedStep(data_step, batch, loss_scale))
         if self.metrics is not None:
             self.metrics.record_step(result)
         return result
+
+    @property
+    def failures(self) -> list[str]:
+        """Every failure event healed (or not) so far, as its error named it."""
+        return list(self._recovery.failures)
+
+    def _record_recovery(self, recovered: Recovered) -> None:
+        if self.metrics is not None:
+            self.metrics.record_recovery(recovered.reasons, recovered.seconds, recovered.replayed_steps)
 
     def _check_finite(self, decision: StepDecision) -> None:
         """``nonfinite="raise"``: a non-finite step (nothing was applied) raises. In fp16 an
@@ -262,6 +293,7 @@ class PipelineTrainer:
         ranges = stage_layer_ranges(self.balance) * self.topology.num_replicas  # every replica, in rank order
         self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
                             for actor, indices in zip(self._group.actors, ranges)])
+        self._recovery.snapshot(self.step_count, first=True)
 
     def save_checkpoint(self, root_uri: str, extra: dict | None = None) -> int:
         """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
@@ -281,9 +313,30 @@ class PipelineTrainer:
         layer_files = {index: file for files in written[:len(layers)] for index, file in files.items()}
         state = {"step_count": step, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "layer_names": self._layer_names, "optimizer_parts": parts, **(extra or {})}
+        if self._llama is not None:
+            state["model"] = self._llama  # lets `raypipe export` convert the checkpoint
         part_files = [file for files in written[len(layers):] for file in files]
         write_manifest(root, step, layer_files, extra=state, blobs=part_files)
         return step
+
+    def export_hf(self, uri: str, dtype: str = "bf16") -> str:
+        """Write the model as a Hugging Face LLaMA directory (``config.json``, one safetensors shard per
+        layer, written by the stages in parallel, and the index); ``dtype`` "bf16", "fp16" or "fp32".
+
+        Only for a LLaMA built with ``llama_layers`` or ``from_pretrained``. Returns ``uri``.
+        """
+        from raypipe.models.hf.export import check_dtype, prepare_output, write_index_and_config
+
+        if self._llama is None:
+            raise ValueError("export_hf needs a LLaMA model (raypipe.models.llama.llama_layers or from_pretrained)")
+        check_dtype(dtype)
+        self._executor.check_usable()
+        prepare_output(str(uri))
+        n_blocks = self._llama["llama_config"]["n_layers"]
+        written = self._executor.get([actor.export_hf.remote(str(uri), dtype, n_blocks)
+                                      for actor in self._first_replica])
+        write_index_and_config(str(uri), self._llama, dtype, [shard for shards in written for shard in shards])
+        return str(uri)
 
     def _optimizer_parts(self) -> int:
         return self.topology.num_replicas if self.config.shard_optimizer else 1
@@ -301,4 +354,5 @@ class PipelineTrainer:
         self.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+        self._recovery.snapshot(self.step_count, first=True)
         return extra

@@ -8,6 +8,7 @@ from typing import Any
 import ray
 
 from raypipe.comm.object_store import ObjectStoreTransport
+from raypipe.runtime.health import worker_actor_class
 
 
 class DirectTransport(ObjectStoreTransport):
@@ -19,7 +20,7 @@ class DirectTransport(ObjectStoreTransport):
         self._group = None
 
     def actor_class(self, worker_class: type) -> Any:
-        return ray.remote(direct_transport_worker(worker_class, self.name))
+        return worker_actor_class(direct_transport_worker(worker_class, self.name))
 
     def connect(self, actors: list[Any]) -> None:
         from ray.experimental.collective import create_collective_group

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
+from raypipe.runtime.health import worker_actor_class
 
 
 class ObjectStoreTransport:
@@ -15,7 +15,7 @@ class ObjectStoreTransport:
 
     def actor_class(self, worker_class: type) -> Any:
         """The Ray actor class whose op results travel by this transport."""
-        return ray.remote(worker_class)
+        return worker_actor_class(worker_class)
 
     def connect(self, actors: list[Any]) -> None:
         """Prepare the actors for transfers (nothing to do for the object store)."""

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 from pathlib import Path
 
 from raypipe.data.shards import STDLIB_CORPUS
@@ -26,7 +27,8 @@ def default_dataset_dir(seq_len: int, corpus: str = STDLIB_CORPUS, tokenizer: st
 
     A job's working directory is a copy that Ray's runtime environment unpacks,
     and may remove, per job (and per node); a dataset prepared there can vanish
-    under the stages reading it. The hash covers everything that changes the
+    under the stages reading it. ``tokenizer`` is the name a manifest records
+    (``byte``, ``hf:DIRECTORY``). The hash covers everything that changes the
     tokens (sequence length; for the stdlib, the Python version that supplies
     it), so different datasets never share a directory.
     """
@@ -34,4 +36,5 @@ def default_dataset_dir(seq_len: int, corpus: str = STDLIB_CORPUS, tokenizer: st
     if corpus == STDLIB_CORPUS:
         key["python"] = platform.python_version()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_root() / "data" / f"{corpus}-{tokenizer}-{digest}"
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", tokenizer).strip("_")[:40]  # "hf:/a/b" -> "hf_a_b"
+    return cache_root() / "data" / f"{corpus}-{label}-{digest}"

@@ -30,7 +30,7 @@ from raypipe.data.shards import (
     read_manifest,
     verify_split_files,
 )
-from raypipe.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_name
+from raypipe.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer, tokenizer_name
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +292,8 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD, metavar="N")
     parser.add_argument("--seed", type=int, default=0, help="places the validation rows")
     parser.add_argument("--max-bytes", type=int, default=None, metavar="N", help="read at most N bytes of the corpus")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="Hugging Face tokenizer directory (tokenizer.json); default: bytes")
     parser.add_argument("--if-missing", action="store_true",
                         help="keep an existing dataset made with the same arguments")
     return parser
@@ -305,6 +307,7 @@ def run_prepare(args: argparse.Namespace) -> int:
             args.out,
             corpus=args.corpus,
             seq_len=args.seq_len,
+            tokenizer=get_tokenizer(f"hf:{args.tokenizer}") if args.tokenizer else None,
             val_fraction=args.val_fraction,
             rows_per_shard=args.rows_per_shard,
             seed=args.seed,

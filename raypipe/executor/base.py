@@ -14,7 +14,8 @@ reaches no optimizer, and the driver waits once per step.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any, NoReturn
 
 import ray
@@ -25,9 +26,10 @@ from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
 from raypipe.core.result import StageReport
 from raypipe.core.step_decision import StepDecision
-from raypipe.errors import RaypipeError
+from raypipe.errors import RaypipeError, WorkersFailed
 from raypipe.executor.failures import as_raypipe_error, first_failure, original_cause
 from raypipe.runtime.group import StageGroup
+from raypipe.runtime.health import Watchdog
 
 
 @dataclass
@@ -37,6 +39,13 @@ class Submitted:
 
     outcomes: list
     commits: list
+    step: int = 0
+    intermediates: list = field(default_factory=list)  # per-op: every op's result, read once the step failed
+
+    @property
+    def refs(self) -> list:
+        """Every reference of the step, once each."""
+        return list({ref: None for ref in self.outcomes + self.commits})
 
 
 @dataclass
@@ -53,7 +62,8 @@ class Executor(ABC):
     def __init__(self, config: PipelineConfig, schedule: list[list[Op]]) -> None:
         self.config, self.schedule = config, schedule
         self.group: StageGroup | None = None
-        self.usable = True  # False once a worker died or hung: the group cannot be made whole
+        self.usable = True  # False once a failed step could not be dropped: the group cannot be made whole
+        self.in_flight: Submitted | None = None  # the step being run
 
     @abstractmethod
     def actor_class(self) -> Any:
@@ -73,7 +83,11 @@ class Executor(ABC):
         datasets; ``loss_scale`` None: no dynamic loss scale)."""
 
     def collect(self, submitted: Submitted) -> StepOutcome:
-        """Wait for the step's commit on every worker (a failure raises Ray's error)."""
+        """Wait for the step's commit on every worker (a failure raises Ray's error;
+        a worker that stops answering its heartbeat raises :class:`WorkersFailed`)."""
+        failed = self._watchdog().wait(submitted.commits, self.group.actors)
+        if failed:
+            raise self._workers_failed(submitted.step, failed, "found while waiting on the step")
         reports = ray.get(submitted.commits)
         return StepOutcome(reports[0].decision, reports)
 
@@ -84,17 +98,29 @@ class Executor(ABC):
     def run_step(self, step: int, batch: MicroBatches | None, loss_scale: float | None = None) -> StepOutcome:
         """One step, committed on every worker or on none: one wait for the driver."""
         submitted = self.submit(step, batch, loss_scale)
+        self.in_flight = submitted
         try:
-            return self.collect(submitted)
+            outcome = self.collect(submitted)
         except ray.exceptions.RayError as error:
             self.abort(submitted, error)
+        self.in_flight = None
+        return outcome
 
     def abort(self, submitted: Submitted, error: BaseException) -> NoReturn:
-        """Wait for the failed step to end everywhere, have every worker drop it,
-        repair the transport, and raise the step's first real failure."""
-        refs = list({ref: None for ref in submitted.outcomes + submitted.commits})
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.p2p_timeout_s, fetch_local=False)
+        """Wait for the failed step to end everywhere. When workers died, hung or
+        cannot be reached, raise :class:`WorkersFailed` (the trainer heals it);
+        otherwise have every worker drop the step, repair the transport, and raise
+        the step's first real failure."""
+        refs = submitted.refs
+        watchdog = self._watchdog()
+        failed = watchdog.wait(refs, self.group.actors, deadline_s=self.config.p2p_timeout_s) or watchdog.probe(
+            self.group.actors)
+        if failed:
+            raise self._workers_failed(submitted.step, failed, str(first_failure(self._finished(refs)) or error))
+        done = self._finished(refs)
         cause = first_failure(done) or error
+        self._read_errors(submitted.intermediates)
+        self.in_flight = None
         try:
             if len(done) < len(refs):
                 raise TimeoutError("a stage never finished the failed step")
@@ -103,6 +129,46 @@ class Executor(ABC):
         except (ray.exceptions.RayError, TimeoutError):
             self.usable = False
         raise as_raypipe_error(cause, self.group.index_of) from original_cause(cause)
+
+    def drain(self, failed: Collection[int]) -> dict[int, str]:
+        """After :class:`WorkersFailed` (workers ``failed``, killed): wait for the
+        failed step's tasks on the other workers to end (they fail once their peers
+        are gone); returns any other worker found failed meanwhile."""
+        submitted, self.in_flight = self.in_flight, None
+        if submitted is None:
+            return {}
+        # outcomes and commits are per worker, in rank order
+        refs = list({ref: None for refs in (submitted.outcomes, submitted.commits) for index, ref in enumerate(refs)
+                     if index not in failed})
+        more = self._watchdog().wait(refs, self.group.actors, deadline_s=self.config.p2p_timeout_s)
+        self._read_errors(refs + submitted.intermediates)
+        return more
+
+    def _read_errors(self, refs: list) -> None:
+        """Read every finished error of a failed step, so that Ray does not print them as unhandled."""
+        for ref in self._finished(refs):
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - errors are expected; a direct-transport result cannot be read here
+                pass
+
+    def reconnect(self, survivors: list[Any]) -> None:
+        """Re-form communication after workers were replaced: ``survivors`` (the
+        workers that were not) leave what they were part of, then every worker of
+        the group joins afresh."""
+        self.connect(self.group)
+
+    def _watchdog(self) -> Watchdog:
+        return Watchdog(self.config.hang_timeout_s)
+
+    def _workers_failed(self, step: int, failed: dict[int, str], detail: str) -> WorkersFailed:
+        num_stages = self.config.num_stages
+        return WorkersFailed(step, {divmod(index, num_stages): why for index, why in failed.items()}, detail)
+
+    @staticmethod
+    def _finished(refs: list) -> list:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        return done
 
     def evaluate(self, step: int, batch: MicroBatches | None) -> float:
         """Mean loss of one batch, forward only, through the object store; every

@@ -49,7 +49,12 @@ class PerOpExecutor(Executor):
         stats = [wiring.outcomes[stage] for stage in range(len(self.group.actors))]
         # Ray resolves the references to every stage's statistics before a commit runs
         commits = [actor.commit.remote(loss_scale is not None, *stats) for actor in self.group.actors]
-        return Submitted(stats, commits)
+        return Submitted(stats, commits, step, wiring.created)
+
+    def reconnect(self, survivors: list[Any]) -> None:
+        """The transport's group is made anew over every worker (the object store has none)."""
+        self.transport.close(survivors)
+        self.transport.connect(self.group.actors)
 
     def _repair(self) -> None:
         """Nothing to repair: a failed op leaves nothing behind in the transport."""
@@ -65,6 +70,7 @@ class _Wiring:
         self.loss_scale, self.clip_value = loss_scale, clip_value
         self.in_flight: dict[tuple[str, int, int], Any] = {}  # (what, stage, micro-batch) -> reference
         self.outcomes: dict[int, Any] = {}
+        self.created: list = []  # every op's reference, so that a failed step's errors are all read
         # RECV_*: the reference is already in flight; OPTIMIZER_STEP: the commit, after every op
         self._handlers = {ops.F: self._forward, ops.B: self._backward, ops.SEND_ACT: self._send,
                           ops.SEND_GRAD: self._send, ops.REDUCE_GRAD: self._finish}
@@ -81,14 +87,16 @@ class _Wiring:
             hidden = as_task_argument(batch.inputs[micro_batch])
         labels = (None, None) if batch is None or stage < self.last else (
             as_task_argument(batch.targets[micro_batch]), batch.weights[micro_batch])
-        self.in_flight[("output", stage, micro_batch)] = self.actors[stage].forward.remote(
+        self.in_flight[("output", stage, micro_batch)] = output = self.actors[stage].forward.remote(
             micro_batch, hidden, *labels, self.step)
+        self.created.append(output)
 
     def _backward(self, stage: int, op: ops.LoweredOp) -> None:
         gradient = self.in_flight.pop(("gradient", stage, op.micro_batch), None)
         scale = self.loss_scale if stage == self.last else 1.0
-        self.in_flight[("input_gradient", stage, op.micro_batch)] = self.actors[stage].backward.remote(
+        self.in_flight[("input_gradient", stage, op.micro_batch)] = gradient = self.actors[stage].backward.remote(
             op.micro_batch, gradient, scale)
+        self.created.append(gradient)
 
     def _send(self, stage: int, op: ops.LoweredOp) -> None:
         sent, received = ("output", "activation") if op.kind == ops.SEND_ACT else ("input_gradient", "gradient")

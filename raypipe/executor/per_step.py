@@ -12,13 +12,14 @@ from raypipe.core.micro_batches import MicroBatches
 from raypipe.executor.base import Executor, Submitted
 from raypipe.executor.per_step_worker import PerStepWorker
 from raypipe.runtime.group import StageGroup
+from raypipe.runtime.health import worker_actor_class
 
 
 class PerStepExecutor(Executor):
     """Each worker runs its whole step; the driver submits one task per worker."""
 
     def actor_class(self) -> Any:
-        return ray.remote(PerStepWorker)
+        return worker_actor_class(PerStepWorker)
 
     def connect(self, group: StageGroup) -> None:
         super().connect(group)
@@ -45,12 +46,18 @@ class PerStepExecutor(Executor):
             targets, weights = ((as_task_argument(batch.targets[own]), batch.weights[own])
                                 if batch is not None and stage == num_stages - 1 else (None, None))
             steps.append(actor.run_step.remote(step, inputs, targets, weights, loss_scale))
-        return Submitted(steps, steps)
+        return Submitted(steps, steps, step)
 
     def _repair(self) -> None:
         """A failed step leaves the group broken (its failing stage left it): every
         worker leaves, and all join a new one under a fresh rendezvous."""
         ray.get([actor.leave_group.remote() for actor in self.group.actors])
+        self._join(self.group.actors)
+
+    def reconnect(self, survivors: list[Any]) -> None:
+        """Survivors leave the broken group (locally: a gloo group with a dead member
+        is never waited on), then every worker joins a new one."""
+        ray.get([actor.leave_group.remote() for actor in survivors])
         self._join(self.group.actors)
 
     def _join(self, actors: list[Any]) -> None:

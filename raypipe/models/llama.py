@@ -29,6 +29,7 @@ except (ImportError, OSError):  # not installed, or built against another CUDA/t
     _flash_attn_func = None
 
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in its mean
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -45,6 +46,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     dropout: float = 0.0  # on the attention and MLP outputs, before each residual add
+    # Llama 3.1's rotary frequency scaling: factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings (Hugging Face's rope_type "llama3"); None: plain rotary
+    rope_scaling: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
@@ -62,6 +66,10 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.dropout={self.dropout!r}: must be in [0, 1)")
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError(f"LlamaConfig: norm_eps={self.norm_eps!r} and rope_theta={self.rope_theta!r} must be > 0")
+        if self.rope_scaling is not None:
+            missing = sorted(set(LLAMA3_ROPE_KEYS) - set(self.rope_scaling))
+            if missing:
+                raise ValueError(f"LlamaConfig.rope_scaling lacks {missing}: llama3 scaling needs {LLAMA3_ROPE_KEYS}")
 
     @property
     def head_dim(self) -> int:
@@ -113,14 +121,30 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
     nn.init.normal_(linear.weight, mean=0.0, std=std)
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float,
+                  scaling: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, shape (max_seq_len, head_dim // 2), fp32.
 
-    Position ``t`` rotates the pair (j, j + head_dim/2) by ``t * theta**(-2j/head_dim)``.
+    Position ``t`` rotates the pair (j, j + head_dim/2) by ``t * theta**(-2j/head_dim)``,
+    the frequencies rescaled as Llama 3.1 does when ``scaling`` is given.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: wavelengths longer than the original context / low_freq_factor
+    are stretched by ``factor``, shorter than context / high_freq_factor kept, those between blended."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return torch.where(wavelength > context / low, inv_freq / factor,
+                       torch.where(wavelength < context / high, inv_freq, scaled))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,7 +186,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
-        cos, sin = rotary_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rotary_tables(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         # derived from the config, so not part of the state dict
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -263,6 +287,13 @@ def llama_layers(config: LlamaConfig | str) -> list[LayerSpec]:
     return ([LayerSpec(LlamaEmbedding, config)]
             + [LayerSpec(LlamaBlock, config, layer_id) for layer_id in range(config.n_layers)]
             + [LayerSpec(LlamaHead, config)])
+
+
+def from_pretrained(uri: str, max_seq_len: int, untie_embeddings: bool = False) -> list[LayerSpec]:
+    """A Hugging Face LLaMA checkpoint (safetensors) as pipeline layers; see :mod:`raypipe.models.hf`."""
+    from raypipe.models.hf import from_pretrained as load
+
+    return load(uri, max_seq_len, untie_embeddings)
 
 
 def llama_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

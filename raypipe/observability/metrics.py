@@ -27,6 +27,7 @@ STAGE_LABELS = ("stage", "replica")
 SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
 
+RESTART_REASONS = ("died", "hung", "unreachable")  # why a worker was replaced (raypipe.runtime.health)
 # (kind label, StageStats field) for raypipe_stage_memory_bytes.
 MEMORY_KINDS = (
     ("held_for_backward", "held_for_backward_bytes"),
@@ -47,7 +48,9 @@ class _TrainingCollector(Collector):
         self._eval_loss: float | None = None
         self._steps = 0
         self._skipped = {reason: 0 for reason in SKIP_REASONS}
-        self._restarts = 0
+        self._restarts: dict[str, int] = {}  # per reason: died, hung, unreachable
+        self._recovery_seconds = 0.0  # the latest recovery's (0 until one happened)
+        self._replayed_steps = 0
 
     def record_step(self, result: StepResult) -> None:
         with self._lock:
@@ -60,14 +63,18 @@ class _TrainingCollector(Collector):
         with self._lock:
             self._eval_loss = float(loss)
 
-    def record_restart(self) -> None:
+    def record_recovery(self, reasons: list[str], seconds: float, replayed_steps: int) -> None:
         with self._lock:
-            self._restarts += 1
+            for reason in reasons:
+                self._restarts[reason] = self._restarts.get(reason, 0) + 1
+            self._recovery_seconds = seconds
+            self._replayed_steps += replayed_steps
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             last, eval_loss = self._last, self._eval_loss
-            steps, skipped, restarts = self._steps, dict(self._skipped), self._restarts
+            steps, skipped, restarts = self._steps, dict(self._skipped), dict(self._restarts)
+            recovery_seconds, replayed = self._recovery_seconds, self._replayed_steps
         yield CounterMetricFamily(
             "raypipe_steps_total", "Optimizer steps run (skipped ones included).", value=steps
         )
@@ -79,11 +86,21 @@ class _TrainingCollector(Collector):
         for reason, count in skipped.items():
             skipped_family.add_metric([reason], count)
         yield skipped_family
-        yield CounterMetricFamily(
+        restarts_family = CounterMetricFamily(
             "raypipe_restarts_total",
-            "Times training was restored after a failure.",
-            value=restarts,
+            "Failure events healed (workers replaced, state restored, step redone), by reason.",
+            labels=["reason"],
         )
+        for reason in RESTART_REASONS:
+            restarts_family.add_metric([reason], restarts.get(reason, 0))
+        yield restarts_family
+        yield CounterMetricFamily(
+            "raypipe_replayed_steps_total",
+            "Committed steps run again from a snapshot while healing a failure (snapshot_every > 1).",
+            value=replayed,
+        )
+        yield _gauge("raypipe_recovery_seconds",
+                     "Seconds from the latest failure's detection to training again (0 before any).", recovery_seconds)
         if eval_loss is not None:
             yield _gauge("raypipe_eval_loss", "Latest evaluation loss.", eval_loss)
         if last is not None:
@@ -215,9 +232,10 @@ class MetricsExporter:
         """Publish the latest evaluation loss."""
         self._collector.record_eval(loss)
 
-    def record_restart(self) -> None:
-        """Count one recovery from a failure."""
-        self._collector.record_restart()
+    def record_recovery(self, reasons: list[str], seconds: float, replayed_steps: int) -> None:
+        """Count one healed failure event (by the reasons its workers failed), and publish
+        how long healing took and how many steps it replayed."""
+        self._collector.record_recovery(reasons, seconds, replayed_steps)
 
     def close(self) -> None:
         """Stop serving and release the port. Idempotent."""

@@ -177,6 +177,12 @@ def _fitting_shards(config: LlamaConfig, settings: PlanSettings, gpu_memory_byte
     return None
 
 
+def snapshot_bytes(stage: StageMemory) -> int:
+    """One in-memory snapshot of a worker of ``stage`` (host memory, object store): its
+    layers' weights (fp32 main weights under mixed precision) and its optimizer state."""
+    return (stage.master_bytes or stage.parameters_bytes) + stage.optimizer_bytes
+
+
 def describe_layers(config: LlamaConfig, layers: list[int]) -> str:
     """Global layer indices as "embedding + blocks 0-3" etc."""
     parts = []
@@ -206,10 +212,12 @@ def build_plan(args: argparse.Namespace) -> dict:
     for stage in stages:
         row = stage.to_dict()
         row["description"] = describe_layers(config, stage.layers)
+        row["snapshot_bytes"] = snapshot_bytes(stage)
         rows.append(row)
     return {
         "model": args.model,
         "num_parameters": sum(stage.num_parameters for stage in stages),
+        "num_replicas": args.replicas,
         "settings": {**vars(settings), "amp": amp},
         "bytes_per_parameter": {**vars(per_parameter), "total": per_parameter.total},
         "gpu_memory_bytes": args.gpu_memory,
@@ -242,6 +250,16 @@ def describe_bytes_per_parameter(per_parameter: dict, amp: str | None) -> str:
     return f"per parameter: {text} = {per_parameter['total']} B" + (f" ({note})" if note else "")
 
 
+def describe_snapshots(plan: dict) -> str:
+    """Host memory that in-memory snapshots (snapshot_every > 0) take: two kept per worker in its
+    node's object store, and on a multi-node cluster a copy of both on the driver's node."""
+    replicas = plan["num_replicas"]
+    largest = max(row["snapshot_bytes"] for row in plan["stages"])
+    every_worker = replicas * sum(row["snapshot_bytes"] for row in plan["stages"])
+    return (f"snapshots (snapshot_every > 0): host memory up to 2 x {format_bytes(largest)} per worker, and on a "
+            f"multi-node cluster 2 x {format_bytes(every_worker)} on the driver's node (disk when it spills)")
+
+
 def render_table(plan: dict) -> str:
     """The plan as a human-readable table."""
     settings = plan["settings"]
@@ -271,6 +289,7 @@ def render_table(plan: dict) -> str:
     for cells in table:
         lines.append("  ".join(cell.rjust(width) if i != 1 else cell.ljust(width)
                                for i, (cell, width) in enumerate(zip(cells, widths))))
+    lines.append(describe_snapshots(plan))
     if plan["gpu_memory_bytes"] is not None:
         verdict = "fits" if plan["fits"] else "does NOT fit"
         lines.append(f"largest stage {format_bytes(plan['max_total_bytes'])} {verdict} in "

@@ -67,6 +67,16 @@ def release(groups: list[Any]) -> None:
             pass
 
 
+def num_alive_nodes() -> int:
+    """How many nodes the cluster has now."""
+    return sum(1 for node in ray.nodes() if node["Alive"])
+
+
+def describe_available() -> str:
+    """What the cluster has available now, for error messages."""
+    return _resources(ray.available_resources())
+
+
 def _resources(resources: dict[str, float]) -> str:
     keep = {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")}
     if "memory" in keep:

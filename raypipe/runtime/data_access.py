@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from raypipe.data.access import DIRECT, Probe, Where, check_ship_size, decide, manifest_digest
+from raypipe.data.shipping import ship, shard_bytes
 from raypipe.errors import DataAccessError
 
 logger = logging.getLogger(__name__)
@@ -16,13 +17,15 @@ DEFAULT_SHIP_DATA_LIMIT_BYTES = 1 << 30
 
 
 def datasets_for_readers(readers: Sequence[tuple[int, int, Any]], datasets: Sequence[Any],
-                         get: Callable[[list], list], limit: int = DEFAULT_SHIP_DATA_LIMIT_BYTES) -> list[list[Any]]:
+                         get: Callable[[list], list], limit: int = DEFAULT_SHIP_DATA_LIMIT_BYTES,
+                         shipped: dict[int, Any] | None = None) -> list[list[Any]]:
     """Each reader's own list of ``datasets``, in the order of ``readers`` ((replica, stage, actor)).
 
     Datasets without a ``uri`` (not file-backed) and None pass through as they are.
     A local dataset that some reader cannot open is shipped once (see
     :func:`raypipe.data.shipping.ship`), if the shards of all datasets shipped
-    come to at most ``limit`` bytes.
+    come to at most ``limit`` bytes. ``shipped`` keeps the shipped copies (by
+    ``id`` of the original) across calls, so a replaced reader gets the same ones.
     """
     uris = sorted({d.uri for d in datasets if getattr(d, "uri", None) is not None})
     if not uris:
@@ -37,24 +40,18 @@ def datasets_for_readers(readers: Sequence[tuple[int, int, Any]], datasets: Sequ
         for uri in sorted(cannot_open[-1]):
             check_ship_size(uri, where, probes[uri].error, _shipped_size(datasets, cannot_open), limit)
             logger.warning("dataset %s: %s cannot open it; shipping its shards through Ray's object store", uri, where)
-    shipped = _ship(datasets, set().union(*cannot_open))
+    shipped = {} if shipped is None else shipped
+    for dataset in datasets:
+        if getattr(dataset, "uri", None) in set().union(*cannot_open) and id(dataset) not in shipped:
+            shipped[id(dataset)] = ship(dataset)
     return [[shipped[id(d)] if getattr(d, "uri", None) in unopened else d for d in datasets]
             for unopened in cannot_open]
 
 
 def _shipped_size(datasets: Sequence[Any], cannot_open: list[set[str]]) -> int:
     """Bytes of every dataset shipped so far (the check grows as readers are found that need more)."""
-    from raypipe.data.shipping import shard_bytes
-
     needed = set().union(*cannot_open)
     return sum(shard_bytes(d) for d in datasets if getattr(d, "uri", None) in needed)
-
-
-def _ship(datasets: Sequence[Any], uris: set[str]) -> dict[int, Any]:
-    """Shipped copies, by ``id`` of the original, of the datasets at ``uris``."""
-    from raypipe.data.shipping import ship
-
-    return {id(d): ship(d) for d in datasets if getattr(d, "uri", None) in uris}
 
 
 def _driver_digests(uris: list[str]) -> dict[str, str]:

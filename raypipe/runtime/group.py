@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raypipe.errors import RaypipeError
+from raypipe.errors import PlacementError, RaypipeError
 from raypipe.runtime import cluster
 from raypipe.stage.spec import WorkerSpec
 
@@ -74,12 +74,28 @@ class StageGroup:
                 unhealthy.add(pings[ref])
         return sorted(unhealthy)
 
-    def replace(self, index: int, timeout_s: float | None = None) -> None:
-        """Kill worker ``index`` (if still alive) and start a new one from its spec,
-        in the same bundle; waits until it is ready."""
-        _kill(self.actors[index])
-        self.actors[index] = self._create(index)
-        self._ready[index] = ray.get(self.actors[index].ready.remote(), timeout=timeout_s)
+    def kill(self, indices: list[int]) -> None:
+        """Kill workers ``indices`` now (a stopped or wedged process too)."""
+        for index in indices:
+            _kill(self.actors[index])
+
+    def replace(self, indices: list[int], timeout_s: float | None = None) -> None:
+        """Kill workers ``indices`` (those still alive) and start new ones from their
+        specs, in the same bundles; waits until all are ready, or raises
+        :class:`PlacementError` after ``timeout_s`` (e.g. no node has room for
+        a bundle whose node was lost)."""
+        self.kill(indices)
+        for index in indices:
+            self.actors[index] = self._create(index)
+        try:
+            ready = ray.get([self.actors[index].ready.remote() for index in indices], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            where = ", ".join(f"replica {self._specs[i].replica} stage {self._specs[i].stage}" for i in indices)
+            raise PlacementError(f"could not place a replacement for {where} within {timeout_s:g}s "
+                                 f"(replace_timeout_s): the cluster has {cluster.describe_available()} available"
+                                 ) from None
+        for index, info in zip(indices, ready):
+            self._ready[index] = info
 
     def index_of(self, error: ray.exceptions.RayActorError) -> int | None:
         """Which worker a Ray actor error is about, if any of ours."""

@@ -43,6 +43,25 @@ class StageCheckpointing:
     def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
         scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
 
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a step changes on this worker, as it is now: weights (and
+        buffers), optimizer and LR-scheduler state. :meth:`restore` on a worker
+        built from the same spec makes it bitwise this one (the in-memory snapshot
+        that heals a failed step)."""
+        return {"layers": self.layers.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`)."""
+        self.abort_step()
+        self.layers.load_state_dict(snapshot["layers"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(snapshot["scheduler"])
+        self.weights.refresh()
+
     def save_checkpoint(self, root_uri: str, step: int) -> dict[int, str]:
         """Write this stage's layers (weights and this replica's optimizer state), one file per global layer."""
         from raypipe.checkpoint.store import write_layer
@@ -78,6 +97,12 @@ class StageCheckpointing:
         self.load_optimizer_state(optimizer)
         if self.scheduler is not None and scheduler is not None:
             self.scheduler.load_state_dict(scheduler)
+
+    def export_hf(self, out_uri: str, dtype: str, n_blocks: int) -> list[dict[str, Any]]:
+        """Write this stage's layers of a LLaMA as Hugging Face safetensors shards, one per layer."""
+        from raypipe.models.hf.export import write_layer_shard
+
+        return [write_layer_shard(out_uri, index, n_blocks, state, dtype) for index, state in self.state_dict().items()]
 
     def _optimizer_parts(self) -> dict[int, dict[str, Any]]:
         """Per layer: this replica's optimizer state, hyper-parameters and schedule."""

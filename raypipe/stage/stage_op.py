@@ -42,6 +42,7 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
                     self._step_failure = self._step_failure or stage_error
                 raise stage_error from error
             finally:
+                self.ops_done += 1
                 if timed:
                     self._events.append(OpEvent(self.stage_index, op, micro_batch, start, time.time(),
                                                 self.replica))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 import torch
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
@@ -27,6 +28,8 @@ from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.stage_op import stage_op
 from raypipe.stage.zero import Ownership
+
+HEALTH_GROUP = "health"  # the concurrency group (own thread) of heartbeats: answered even mid-step
 
 
 class StageWorker(StageCheckpointing):
@@ -64,6 +67,7 @@ class StageWorker(StageCheckpointing):
         self._backwards_done: set[int] = set()  # micro-batches whose backward ran in the running step
         self._step_loss = 0.0  # last stage: the running step's weighted loss sum
         self._events: list[OpEvent] = []
+        self.ops_done = 0  # ops finished over this worker's life (its heartbeat)
         self._last_micro_batch = config.num_micro_batches - 1
         self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
 
@@ -79,10 +83,14 @@ class StageWorker(StageCheckpointing):
         return {"num_parameters": sum(p.numel() for p in self.layers.parameters()), "device_name": name,
                 "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
 
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def heartbeat(self) -> int:
+        """Answered on its own thread, even while a step runs: the ops finished so
+        far. A stopped or wedged process never answers (that is how a hang shows)."""
+        return self.ops_done
+
     def probe_data(self, uris: list[str]) -> dict[str, Any]:
         """Where this worker runs, and what it finds at each dataset path (checked before step 0)."""
-        import ray
-
         from raypipe.data.access import probe
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),

@@ -276,6 +276,16 @@ def test_entrypoint_passes_replicas_and_a_sharded_optimizer(chart) -> None:
     assert flags["--stages"] == ["4"] and flags["--replicas"] == ["4"] and flags["--shard-optimizer"] == []
 
 
+def test_entrypoint_passes_the_failure_policy(chart) -> None:
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert (flags["--max-failures"], flags["--snapshot-every"], flags["--hang-timeout"]) == (["3"], ["1"], ["30"])
+    for failures, every in ((-1, 5), (0, 0)):  # zeros stay zeros (no template default swallows them)
+        overrides = {"training": {"maxFailures": failures, "snapshotEvery": every, "hangTimeoutSeconds": 90}}
+        _command, flags = entrypoint_flags(only(render(chart, overrides), "RayJob"))
+        assert (flags["--max-failures"], flags["--snapshot-every"], flags["--hang-timeout"]) == (
+            [str(failures)], [str(every)], ["90"])
+
+
 def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:
     overrides = combined(CASES["16-stages-on-2-to-4-nodes"], CASES["private-image-and-credentials"])
     training = chart.merge_values(overrides)["training"]
@@ -286,6 +296,9 @@ def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:
         "--preset": ["7b"],
         "--stages": ["16"],
         "--replicas": ["1"],
+        "--max-failures": ["3"],
+        "--snapshot-every": ["1"],
+        "--hang-timeout": ["30"],
         "--micro-batches": ["64"],
         "--micro-batch-size": [str(training["microBatchSize"])],
         "--seq-len": [str(training["seqLen"])],

@@ -26,6 +26,7 @@ ALL_NAMES = {
     "raypipe_bubble_fraction", "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
     "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
     "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
+    "raypipe_replayed_steps_total", "raypipe_recovery_seconds",
 }
 
 
@@ -72,9 +73,12 @@ def exporter():
 
 def test_counters_start_at_zero_and_unknown_gauges_are_absent(exporter):
     scraped = scrape(exporter)
-    assert {name: value(scraped, name) for name in scraped["samples"] if name != "raypipe_skipped_steps_total"} == {
-        "raypipe_steps_total": 0.0, "raypipe_restarts_total": 0.0,
+    labelled = ("raypipe_skipped_steps_total", "raypipe_restarts_total")
+    assert {name: value(scraped, name) for name in scraped["samples"] if name not in labelled} == {
+        "raypipe_steps_total": 0.0, "raypipe_replayed_steps_total": 0.0, "raypipe_recovery_seconds": 0.0,
     }
+    assert scraped["samples"]["raypipe_restarts_total"] == {
+        frozenset({"reason": reason}.items()): 0.0 for reason in ("died", "hung", "unreachable")}
     assert scraped["samples"]["raypipe_skipped_steps_total"] == {
         frozenset({"reason": "overflow"}.items()): 0.0, frozenset({"reason": "nonfinite"}.items()): 0.0}
 
@@ -82,6 +86,7 @@ def test_counters_start_at_zero_and_unknown_gauges_are_absent(exporter):
 def test_step_values_labels_and_help(exporter):
     exporter.record_step(known_step())
     exporter.record_eval(2.75)
+    exporter.record_recovery(["died"], 3.5, 0)
     scraped = scrape(exporter)
 
     assert set(scraped["samples"]) == ALL_NAMES
@@ -124,15 +129,19 @@ def test_latest_step_wins_and_counters_accumulate(exporter):
                                     mfu=None, stages=known_step().stages[:1], bubble_fraction=[0.3]))
     exporter.record_step(known_step(step=9, loss=float("nan"), skipped=True, skip_reason="nonfinite", mfu=None,
                                     stages=known_step().stages[:1], bubble_fraction=[0.3]))
-    exporter.record_restart()
-    exporter.record_restart()
+    exporter.record_recovery(["died"], 4.0, 0)
+    exporter.record_recovery(["died", "hung"], 2.5, 3)
     scraped = scrape(exporter)
     assert math.isnan(value(scraped, "raypipe_loss"))
     assert value(scraped, "raypipe_loss_scale") == 1.0
     assert value(scraped, "raypipe_steps_total") == 3.0
     assert value(scraped, "raypipe_skipped_steps_total", reason="overflow") == 1.0
     assert value(scraped, "raypipe_skipped_steps_total", reason="nonfinite") == 1.0
-    assert value(scraped, "raypipe_restarts_total") == 2.0
+    assert value(scraped, "raypipe_restarts_total", reason="died") == 2.0
+    assert value(scraped, "raypipe_restarts_total", reason="hung") == 1.0
+    assert value(scraped, "raypipe_restarts_total", reason="unreachable") == 0.0
+    assert value(scraped, "raypipe_replayed_steps_total") == 3.0
+    assert value(scraped, "raypipe_recovery_seconds") == 2.5  # the latest recovery
     assert "raypipe_mfu" not in scraped["samples"]  # unknown peak: no MFU rather than 0
     assert "raypipe_eval_loss" not in scraped["samples"]  # no evaluation yet
     # A stage that no longer exists (e.g. after a resize) is no longer reported.

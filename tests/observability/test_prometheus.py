@@ -31,6 +31,7 @@ EXPORTED_NAMES = {
     "raypipe_bubble_fraction", "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
     "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
     "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
+    "raypipe_replayed_steps_total", "raypipe_recovery_seconds",
 }
 
 

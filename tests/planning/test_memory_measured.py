@@ -133,3 +133,32 @@ def test_bf16_micro_batches_share_one_weight_copy():
             amp="autocast").items() if "weight_copy" in name)
         assert weight_copies > 0
         assert autocast[stage] - bf16[stage] >= micro_batches * weight_copies
+
+
+def _tensor_bytes(value) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def test_plan_predicts_the_bytes_of_each_workers_snapshot(ray_cluster):
+    """`raypipe plan`'s snapshot line: the tensors a worker's in-memory snapshot holds (bf16: fp32
+    main weights and Adam moments) against the model, within 10%."""
+    import ray
+
+    from raypipe.planning.plan import snapshot_bytes
+
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, precision="bf16")
+    tokens = torch.randint(0, TINY.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
+    with raypipe.PipelineTrainer(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p), config) as trainer:
+        trainer.step(tokens[:, :-1], tokens[:, 1:])  # the optimizer state exists from the first step
+        measured = [_tensor_bytes(ray.get(actor.snapshot.remote())) for actor in trainer._group.actors]
+        ranges = stage_layer_ranges(trainer.balance)
+    for stage, layers in enumerate(ranges):
+        predicted = snapshot_bytes(estimate_stage(TINY, list(layers), num_micro_batches=2, micro_batch_size=2,
+                                                  seq_len=SEQ_LEN, precision="bf16", optimizer="adamw"))
+        assert measured[stage] == pytest.approx(predicted, rel=0.10), (stage, measured[stage], predicted)

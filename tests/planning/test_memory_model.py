@@ -21,7 +21,7 @@ from raypipe.planning.memory import (
     static_bytes_per_parameter,
 )
 from raypipe.models.llama import get_config, llama_layers, llama_loss, num_parameters
-from raypipe.planning.plan import add_plan_arguments, parse_bytes, run_plan
+from raypipe.planning.plan import add_plan_arguments, format_bytes, parse_bytes, run_plan
 from raypipe.stage.precision import Bf16ComputeWeights, ModuleWeights
 
 TINY = get_config("tiny")
@@ -340,6 +340,9 @@ def test_plan_table_for_7b_on_8_stages(capsys):
     assert ("per parameter: 2 B bf16 compute weights + 4 B fp32 main weights + 4 B fp32 main gradients "
             "+ 8 B Adam moments = 18 B") in out
     assert "16 B/param" in out and "2 + 4 + 2 + 8" in out  # how it relates to the common table
+    # snapshots: the fp32 main weights and Adam moments (12 B/param) of the largest stage
+    largest = max(row["snapshot_bytes"] for row in json.loads(plan(*SEVEN_B, "--json", capsys=capsys)[1])["stages"])
+    assert f"host memory up to 2 x {format_bytes(largest)} per worker" in out
 
 
 def test_plan_with_a_sharded_optimizer_divides_only_the_optimizer_state(capsys):

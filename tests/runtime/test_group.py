@@ -9,6 +9,7 @@ from torch import nn
 
 import raypipe
 from raypipe.runtime.group import StageGroup
+from raypipe.runtime.health import worker_actor_class
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
 
@@ -22,7 +23,7 @@ def specs(num_stages=2):
 
 
 def test_a_dead_worker_is_found_and_replaced_from_its_spec(ray_cluster):
-    group = StageGroup(ray.remote(StageWorker), specs(), {"CPU": 1.0}, placement_timeout_s=30)
+    group = StageGroup(worker_actor_class(StageWorker), specs(), {"CPU": 1.0}, placement_timeout_s=30)
     try:
         infos = group.wait_ready(timeout_s=60)
         assert [info["num_parameters"] for info in infos] == [20, 20]
@@ -41,7 +42,7 @@ def test_a_dead_worker_is_found_and_replaced_from_its_spec(ray_cluster):
             ray.get(group.actors[1].ready.remote())
         assert group.index_of(error.value) == 1
 
-        group.replace(1, timeout_s=60)
+        group.replace([1], timeout_s=60)
         assert group.poll() == []
         assert group.workers[1].pid != workers[1].pid
         # the spec is frozen: the replacement builds the same layer (seeded by its global index)

@@ -76,7 +76,7 @@ the values involved and what is allowed.
 {{/* The training command: the flags of jobs/train_7b.py. */}}
 {{- define "raypipe.entrypoint" -}}
 {{- $t := .Values.training -}}
-python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ int (default 1 $t.replicas) }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --metrics-port {{ int $t.metricsPort }}
+python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ int (default 1 $t.replicas) }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }} --hang-timeout {{ $t.hangTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --metrics-port {{ int $t.metricsPort }}
 {{- if $t.metricsHost }} --metrics-host {{ $t.metricsHost }}{{ end }}
 {{- range $t.extraArgs }} {{ . }}{{ end }}
 {{- end }}

@@ -1,0 +1,200 @@
+"""Healing a step that lost workers, so that a failure costs no step, no sample
+and no bit of the result.
+
+After every ``snapshot_every`` committed steps each worker returns a snapshot
+of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
+as a task result owned by the driver, so it outlives the worker that made it
+(it stays in its node's object store, or inline in the driver when small), and
+the driver logs the steps run since (their data step, micro-batches and loss
+scale). When a step raises :class:`~raypipe.errors.WorkersFailed`:
+
+1. the failed workers are killed, and the step's tasks on the others end
+   (they fail once their peers are gone);
+2. the failed workers are replaced from their specs, in their bundles (Ray
+   re-places a bundle whose node was lost), within ``replace_timeout_s``;
+3. every worker, replaced or not, restores its snapshot: survivors drop partial
+   gradients, and any that already stepped return to the snapshot too;
+4. communication groups are re-formed under a fresh rendezvous, dataset
+   readers get their datasets again;
+5. the logged steps are replayed, then the failed step is redone.
+
+Seeds depend only on (step, micro-batch, layer) and reductions run in a fixed
+order, so on the same layout the result is bitwise that of a run without
+failures. Each failure event counts against ``max_failures``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+import ray
+
+from raypipe.config import PipelineConfig
+from raypipe.core.micro_batches import MicroBatches
+from raypipe.errors import RaypipeError, TooManyFailures, WorkersFailed
+from raypipe.executor.base import Executor, StepOutcome
+
+logger = logging.getLogger("raypipe")
+
+
+@dataclass
+class LoggedStep:
+    """A committed step since the snapshot: what it takes to run it again."""
+
+    data_step: int
+    batch: MicroBatches | None
+    loss_scale: float | None
+
+
+@dataclass
+class Snapshot:
+    """Every worker's state at the start of step ``step`` and the steps since."""
+
+    step: int
+    refs: list
+    since: list[LoggedStep] = field(default_factory=list)
+
+
+@dataclass
+class Recovered:
+    """One healed failure event."""
+
+    reasons: list[str]
+    seconds: float
+    replayed_steps: int
+
+
+class Recovery:
+    """Runs steps on ``executor``, healing :class:`WorkersFailed` as the policy allows.
+
+    ``on_replaced(indices)`` gives replaced workers what the trainer set up
+    after start (their datasets); ``on_recovered(Recovered)`` reports each heal.
+    """
+
+    def __init__(self, executor: Executor, config: PipelineConfig, on_replaced: Callable[[list[int]], None],
+                 on_recovered: Callable[[Recovered], None]) -> None:
+        self.executor, self.config = executor, config
+        self.on_replaced, self.on_recovered = on_replaced, on_recovered
+        self.failures: list[str] = []  # each failure event, as the error named it
+        self._snapshots: list[Snapshot] = []  # the newest last; the one before kept until a heal needs it
+        self._failed: dict[int, str] = {}  # workers to replace before the next step
+        self._failed_since: float | None = None
+        self.keeper: Any = None  # a SnapshotKeeper when workers run off the driver's node
+
+    # -- snapshots ------------------------------------------------------------
+    def snapshot(self, step: int, first: bool = False) -> None:
+        """Snapshot every worker now (the start of ``step``), keeping the previous
+        snapshot until this one is needed whole. ``first``: the state changed
+        outside a step (start, a load), so older snapshots are void and this one
+        is waited for."""
+        if not self.config.snapshot_every:
+            return
+        actors = self.executor.group.actors
+        taken = Snapshot(step, [actor.snapshot.remote() for actor in actors])
+        self._snapshots = [taken] if first else self._snapshots[-1:] + [taken]
+        waited = list(taken.refs)
+        if self.keeper is not None:
+            waited.append(self.keeper.keep.remote(step, *taken.refs))
+        if first:
+            ray.wait(waited, num_returns=len(waited), fetch_local=False)
+
+    def committed(self, steps_done: int, logged: LoggedStep) -> None:
+        """After a committed step: snapshot when due, else log the step for replay."""
+        if not self._snapshots:
+            return
+        newest = self._snapshots[-1]
+        newest.since.append(logged)  # kept even when a new snapshot follows: it may never complete
+        if steps_done - newest.step >= self.config.snapshot_every:
+            self.snapshot(steps_done)
+
+    # -- steps ---------------------------------------------------------------
+    def run_step(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
+        """One step, healed and redone after any number of failure events within ``max_failures``."""
+        while True:
+            try:
+                if self._failed:
+                    self._heal()
+                return self.executor.run_step(data_step, batch, loss_scale)
+            except WorkersFailed as failure:
+                self._note(failure)
+
+    def _note(self, failure: WorkersFailed) -> None:
+        """Count the event, kill its workers and let the step end on the others."""
+        self._failed_since = self._failed_since or time.monotonic()
+        self.failures.append(str(failure))
+        logger.warning("raypipe: %s; healing (failure %d of max_failures=%s)", failure, len(self.failures),
+                       self.config.max_failures)
+        group = self.executor.group
+        failed = {self._index(worker): why for worker, why in failure.workers.items()}
+        if self.config.max_failures is not None and len(self.failures) > self.config.max_failures:
+            self.executor.usable = False
+            raise TooManyFailures(self.config.max_failures, self.failures) from failure
+        if not self._snapshots:
+            self.executor.usable = False
+            raise RaypipeError(f"{failure}: snapshot_every=0 keeps no snapshot to heal from; "
+                               "load_checkpoint resumes from the newest checkpoint") from failure
+        group.kill(list(failed))
+        failed.update(self.executor.drain(failed))
+        self._failed.update(failed)
+
+    def _heal(self) -> None:
+        failed = sorted(self._failed)
+        group = self.executor.group
+        survivors = [actor for index, actor in enumerate(group.actors) if index not in failed]
+        group.replace(failed, self.config.replace_timeout_s)
+        snapshot = self._restore()
+        self.executor.reconnect(survivors)
+        self.on_replaced(failed)
+        for logged in snapshot.since:
+            self.executor.run_step(logged.data_step, logged.batch, logged.loss_scale)
+        reasons = sorted(set(self._failed.values()))
+        self._failed = {}
+        seconds = time.monotonic() - self._failed_since
+        self._failed_since = None
+        logger.warning("raypipe: replaced %s in %.1fs, replayed %d step(s) from the snapshot of step %d",
+                       [self._worker(index) for index in failed], seconds, len(snapshot.since), snapshot.step)
+        self.on_recovered(Recovered(reasons, seconds, len(snapshot.since)))
+
+    def _restore(self) -> Snapshot:
+        """Every worker back to the newest whole snapshot (an older one when a worker
+        died while the newest was being taken), and that snapshot's log of steps since."""
+        actors = self.executor.group.actors
+        lost = ""
+        for position in range(len(self._snapshots) - 1, -1, -1):
+            snapshot = self._snapshots[position]
+            for refs in (snapshot.refs, self._kept_copies(snapshot.step)):
+                if len(refs) != len(actors):  # no copies kept
+                    continue
+                try:
+                    ray.get([actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
+                    break
+                except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
+                    lost = lost or str(error).strip().splitlines()[-1]
+            else:
+                continue
+            # replaying from an older snapshot runs the newer one's steps too
+            replay = [step for later in self._snapshots[position:] for step in later.since]
+            if position < len(self._snapshots) - 1:
+                logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
+                               self._snapshots[-1].step, lost, snapshot.step)
+            self._snapshots = self._snapshots[position:]
+            return Snapshot(snapshot.step, snapshot.refs, replay)
+        self.executor.usable = False
+        raise RaypipeError(f"no snapshot to restore (every copy was lost: {lost}); load_checkpoint resumes from "
+                           "the newest persisted checkpoint")
+
+    def _kept_copies(self, step: int) -> list:
+        """The keeper's copies of the snapshot of ``step`` (none without a keeper)."""
+        if self.keeper is None:
+            return []
+        return [wrapped[0] for wrapped in ray.get(self.keeper.copies.remote(step))]
+
+    def _index(self, worker: tuple[int, int]) -> int:
+        replica, stage = worker
+        return replica * self.config.num_stages + stage
+
+    def _worker(self, index: int) -> str:
+        replica, stage = divmod(index, self.config.num_stages)
+        return f"replica {replica} stage {stage}"

@@ -1,0 +1,101 @@
+"""Is each worker alive and answering? Dead, unreachable and hung workers.
+
+Every stage worker answers :meth:`~raypipe.stage.worker.StageWorker.heartbeat`
+on a thread of its own (Ray concurrency group ``health``), so a worker busy in
+a long step still answers; one that is stopped (SIGSTOP), wedged or cut off
+does not. A :class:`Watchdog` keeps one heartbeat in flight per worker and
+declares a worker hung when its heartbeat has stayed unanswered for
+``hang_timeout_s``, unreachable likewise when Ray keeps saying it is
+unavailable, and dead at once when Ray says so.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from raypipe.stage.worker import HEALTH_GROUP
+
+DIED, HUNG, UNREACHABLE = "died", "hung", "unreachable"
+
+
+def worker_actor_class(worker_class: type) -> Any:
+    """``worker_class`` as a Ray actor class whose heartbeats run on their own
+    thread; its other methods run one at a time, in submission order."""
+    return ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_class)
+
+
+class Watchdog:
+    """Heartbeats of a group's workers while the driver waits on a step."""
+
+    def __init__(self, hang_timeout_s: float) -> None:
+        self.hang_timeout_s = hang_timeout_s
+        self._in_flight: dict[int, tuple[Any, float]] = {}  # worker -> (heartbeat, first unanswered at)
+
+    @property
+    def interval_s(self) -> float:
+        """How often to :meth:`check` while waiting."""
+        return min(5.0, self.hang_timeout_s / 3)
+
+    def check(self, actors: list[Any]) -> dict[int, str]:
+        """Send a heartbeat to every worker without one in flight; return the
+        workers found dead, hung or unreachable (index -> :data:`DIED` | :data:`HUNG` | :data:`UNREACHABLE`)."""
+        now = time.monotonic()
+        for index, actor in enumerate(actors):
+            if index not in self._in_flight:
+                self._in_flight[index] = (actor.heartbeat.remote(), now)
+        refs = {ref: index for index, (ref, _) in self._in_flight.items()}
+        answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        failed = {}
+        for ref in answered:
+            index = refs[ref]
+            since = self._in_flight.pop(index)[1]
+            try:
+                ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                if now - since >= self.hang_timeout_s:
+                    failed[index] = UNREACHABLE
+                else:  # ping again, still counting from the first unanswered one
+                    self._in_flight[index] = (actors[index].heartbeat.remote(), since)
+            except ray.exceptions.RayError:
+                failed[index] = DIED
+        for index, (_, since) in self._in_flight.items():
+            if index not in failed and now - since >= self.hang_timeout_s:
+                failed[index] = HUNG
+        return failed
+
+    def probe(self, actors: list[Any]) -> dict[int, str]:
+        """Heartbeat every worker and wait for every answer (up to ``hang_timeout_s``):
+        the workers that are dead, unreachable or hung. Quick when all are well."""
+        sent = {actor.heartbeat.remote(): index for index, actor in enumerate(actors)}
+        deadline = time.monotonic() + self.hang_timeout_s
+        failed: dict[int, str] = {}
+        unavailable: set[int] = set()
+        while sent and time.monotonic() < deadline:
+            done, _ = ray.wait(list(sent), num_returns=len(sent), timeout=max(0.0, deadline - time.monotonic()))
+            for ref in done:
+                index = sent.pop(ref)
+                try:
+                    ray.get(ref)
+                    unavailable.discard(index)
+                except ray.exceptions.ActorUnavailableError:
+                    unavailable.add(index)
+                    time.sleep(0.2)
+                    sent[actors[index].heartbeat.remote()] = index
+                except ray.exceptions.RayError:
+                    failed[index] = DIED
+        failed.update({index: UNREACHABLE if index in unavailable else HUNG for index in sent.values()})
+        return failed
+
+    def wait(self, refs: list, actors: list[Any], deadline_s: float | None = None) -> dict[int, str]:
+        """Wait until every one of ``refs`` is done, some worker is found failed, or
+        ``deadline_s`` passed; returns the failed workers (empty otherwise)."""
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        while True:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.interval_s, fetch_local=False)
+            if not pending or (end is not None and time.monotonic() > end):
+                return {}
+            failed = self.check(actors)
+            if failed:
+                return failed

@@ -1,0 +1,162 @@
+"""A killed or stopped worker costs no step, no sample and no bit of the result.
+
+Real failures, injected from the test: SIGKILL or SIGSTOP of a worker process
+(found by pid in ``trainer.workers``) at a seeded-random moment inside a step.
+Each run is compared with an uninterrupted run of the same layout: every
+step's loss and gradient norm, and at the end every parameter, optimizer and
+LR-scheduler state, bitwise.
+"""
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from torch import nn
+
+import raypipe
+from raypipe.errors import TooManyFailures
+from tests.executor.test_nonfinite import halving
+from tests.reference import adamw, assert_bitwise_equal, checkpoint_state, make_mlp, random_batches
+
+STEPS, BATCH = 7, 12
+NUM_LAYERS = len(make_mlp())
+
+
+def config(**overrides):
+    values = dict(num_stages=2, num_micro_batches=3, clip_grad_norm=1.0, hang_timeout_s=3.0, max_failures=None)
+    return raypipe.PipelineConfig(**{**values, **overrides})
+
+
+def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0):
+    """STEPS steps; before each step in ``failures`` a timer sends ``signal_number``
+    to a seeded-random worker at a seeded-random moment of that step. Returns
+    (per-step (loss, grad norm), final state, failures healed, seconds per healed step)."""
+    chooser = random.Random(seed)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+        results, healed_seconds, victims = [], [], []
+        for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+            if step in (failures or ()):
+                victim = chooser.choice(trainer.workers)
+                victims.append(victim.pid)
+                threading.Timer(chooser.uniform(0.0, 0.02), os.kill, (victim.pid, signal_number)).start()
+            start = time.monotonic()
+            result = trainer.step(x, y)
+            if step in (failures or ()):
+                healed_seconds.append(time.monotonic() - start)
+            results.append((result.loss, result.grad_norm))
+        assert not {pid for pid in victims} & {w.pid for w in trainer.workers}, "a victim was not replaced"
+        return results, checkpoint_state(trainer, root, NUM_LAYERS), list(trainer.failures), healed_seconds
+
+
+LAYOUTS = {  # name: (config, steps with a failure)
+    "p2p-2-stages": (config(), (1, 3)),
+    "p2p-3-stages": (config(num_stages=3), (2, 4)),
+    "object-store-2-stages": (config(transport="object_store"), (1, 4)),
+    "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3)),
+    "p2p-2-replicas": (config(num_replicas=2, num_micro_batches=2), (1, 3, 5)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout):
+    cfg, failures = LAYOUTS[layout]
+    expected_results, expected_state, _, _ = train(cfg, tmp_path / "uninterrupted")
+    results, state, healed, seconds = train(cfg, tmp_path / "killed", failures, seed=len(layout))
+    # one failure event per kill (a kill landing just after a step is found by the next one)
+    assert len(healed) == len(failures) and all("died" in failure for failure in healed), healed
+    assert results == expected_results  # every step returned, with the same loss and norm
+    assert_bitwise_equal(expected_state, state)
+    print(f"{layout}: kill to step done {[round(s, 1) for s in seconds]} s")
+
+
+@pytest.mark.parametrize("transport", ["p2p", "object_store"])
+def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path, transport):
+    cfg = config(transport=transport)
+    expected_results, expected_state, _, _ = train(cfg, tmp_path / "uninterrupted")
+    start = time.monotonic()
+    results, state, healed, _ = train(cfg, tmp_path / "stopped", failures=(2,), signal_number=signal.SIGSTOP)
+    assert len(healed) == 1 and "hung" in healed[0], healed
+    assert results == expected_results
+    assert_bitwise_equal(expected_state, state)
+    assert time.monotonic() - start < 120
+
+
+def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, tmp_path):
+    x, y = random_batches(BATCH, 1)[0]
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(max_failures=1)) as trainer:
+        trainer.step(x, y)
+        saved = trainer.save_checkpoint(tmp_path)
+        os.kill(trainer.workers[1].pid, signal.SIGKILL)
+        trainer.step(x, y)  # healed: the first failure is allowed
+        os.kill(trainer.workers[1].pid, signal.SIGKILL)
+        with pytest.raises(TooManyFailures) as error:
+            trainer.step(x, y)
+        raised = error.value
+        assert raised.max_failures == 1 and len(raised.failures) == 2
+        assert all("replica 0 stage 1 died" in failure for failure in raised.failures)
+        assert "max_failures=1" in str(raised) and "2." in str(raised)
+        with pytest.raises(raypipe.RaypipeError, match="cannot be made whole"):
+            trainer.step(x, y)
+    # the persisted checkpoint is intact and a new trainer resumes from it
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config()) as resumed:
+        resumed.load_checkpoint(tmp_path)
+        assert resumed.step_count == saved == 1
+        assert resumed.step(x, y).loss > 0
+
+
+def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster, tmp_path):
+    cfg = config(snapshot_every=3)
+    expected_results, expected_state, _, _ = train(cfg, tmp_path / "uninterrupted")
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+        results = []
+        for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+            if step == 5:  # snapshots at steps 0 and 3: steps 3 and 4 are replayed
+                os.kill(trainer.workers[0].pid, signal.SIGKILL)
+            result = trainer.step(x, y)
+            results.append((result.loss, result.grad_norm))
+        assert len(trainer.failures) == 1
+        state = checkpoint_state(trainer, tmp_path / "replayed", NUM_LAYERS)
+    assert results == expected_results
+    assert_bitwise_equal(expected_state, state)
+
+
+def test_without_snapshots_a_failure_is_an_error_that_says_why(ray_cluster):
+    x, y = random_batches(BATCH, 1)[0]
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(snapshot_every=0)) as trainer:
+        trainer.step(x, y)
+        os.kill(trainer.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(raypipe.RaypipeError, match="snapshot_every=0"):
+            trainer.step(x, y)
+
+
+def test_fault_tolerance_settings_are_validated():
+    for field, value in [("max_failures", -1), ("snapshot_every", 1.5), ("hang_timeout_s", 0),
+                         ("replace_timeout_s", "soon")]:
+        with pytest.raises(raypipe.ConfigError, match=field):
+            raypipe.PipelineConfig(**{field: value}).validate()
+    raypipe.PipelineConfig(max_failures=None, snapshot_every=0).validate()
+
+
+def test_the_workers_heartbeat_while_a_step_runs(ray_cluster):
+    """A busy worker answers heartbeats on its own thread: a long step is not a hang."""
+    slow = nn.Sequential(nn.Linear(8, 8), Sleep(2.0), nn.Linear(8, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    cfg = config(hang_timeout_s=1.0, num_micro_batches=1)
+    with raypipe.PipelineTrainer(slow, nn.functional.mse_loss, adamw, cfg) as trainer:
+        trainer.step(x, y)
+        assert trainer.failures == []
+        assert ray.get(trainer._group.actors[0].heartbeat.remote()) > 0
+
+
+class Sleep(nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x

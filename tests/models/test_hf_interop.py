@@ -1,0 +1,262 @@
+"""Hugging Face LLaMA interop, checked against transformers itself: a tiny random
+LlamaForCausalLM saved in several safetensors shards is imported, trained in a
+2-stage pipeline, exported and loaded back."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+import raypipe
+from raypipe.cli import main as cli_main
+from raypipe.errors import ConfigError
+from raypipe.models.llama import from_pretrained, llama_loss
+from raypipe.run import RunConfig, llama_count_tokens, train
+from tests.data.test_hf_tokenizer import stdlib_slice, train_tokenizer
+
+SEQ_LEN = 24
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # wavelengths 6..2e4 span all three frequency bands
+
+
+def hf_model(rope_scaling: dict | None = None, tie: bool = False, seed: int = 0, vocab_size: int = 96):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=dict(rope_scaling) if rope_scaling else None, tie_word_embeddings=tie)  # it edits the dict
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # norms away from 1 and sharp attention: misplaced norms or rotations show in the loss
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            elif "q_proj" in name or "k_proj" in name:
+                parameter.normal_(0.0, 0.4)
+    return model
+
+
+def save(model, path, shard: str = "40KB"):
+    model.save_pretrained(path, max_shard_size=shard, safe_serialization=True)
+    return path
+
+
+def rows(count: int = 4, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 96, (count, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_loss(model, tokens: torch.Tensor) -> float:
+    """transformers' own loss: it shifts labels, so position t predicts token t + 1 as in raypipe."""
+    with torch.no_grad():
+        return float(model(input_ids=tokens, labels=tokens).loss)
+
+
+def local_loss(layers, tokens: torch.Tensor) -> float:
+    """The imported layers built in this process (no pipeline)."""
+    model = torch.nn.Sequential(*(layer.build() for layer in layers))
+    with torch.no_grad():
+        return float(llama_loss(model(tokens[:, :-1]), tokens[:, 1:]))
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3], ids=["rope", "llama3-rope"])
+def test_import_train_export_matches_transformers(ray_cluster, tmp_path, rope_scaling):
+    source = hf_model(rope_scaling)
+    save(source, tmp_path / "hf")
+    assert len(json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())["weight_map"]) == 3 * 9 + 3
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2  # several shards, tensors of a layer split
+    tokens = rows()
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    layers = from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)
+    with raypipe.PipelineTrainer(layers, llama_loss, adamw, config, loss_count_fn=llama_count_tokens) as trainer:
+        before = trainer.evaluate(tokens[:, :-1], tokens[:, 1:])
+        assert relative(before, hf_loss(source, tokens)) < 1e-5
+        losses = [trainer.step(tokens[:, :-1], tokens[:, 1:]).loss for _ in range(3)]
+        assert relative(losses[0], before) < 1e-6 and losses[-1] < losses[0] - 0.05  # it trained
+        after = trainer.evaluate(tokens[:, :-1], tokens[:, 1:])
+        trainer.export_hf(tmp_path / "out", dtype="fp32")
+        trained = trainer.state_dict()
+        trainer.save_checkpoint(tmp_path / "ckpt")
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert exported.config.tie_word_embeddings is False
+    assert relative(hf_loss(exported, tokens), after) < 1e-5
+    assert torch.equal(exported.model.layers[1].self_attn.k_proj.weight, trained["2.attention.wk.weight"])
+    # the CLI converts the checkpoint the trainer saved, here in bf16
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--step", "3",
+                     "--out", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    from_checkpoint = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert from_checkpoint.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(from_checkpoint.lm_head.weight, trained["4.output.weight"].bfloat16())
+    index = json.loads((tmp_path / "bf16/model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{k}-of-00005.safetensors" for k in range(1, 6)]
+
+
+def test_exported_llama3_config_keeps_the_scaling(tmp_path):
+    save(hf_model(LLAMA3), tmp_path / "hf")
+    written = json.loads((tmp_path / "hf/config.json").read_text())
+    from raypipe.models.hf.config import hf_config_from_llama, llama_config_from_hf
+
+    config = llama_config_from_hf(written, max_seq_len=SEQ_LEN)
+    assert config.rope_scaling == {k: float(v) for k, v in LLAMA3.items() if k != "rope_type"}
+    again = hf_config_from_llama(config, "float32", written)
+    assert llama_config_from_hf(again, max_seq_len=SEQ_LEN) == config
+    assert transformers.LlamaConfig(**again).rope_parameters["rope_type"] == "llama3"
+
+
+def test_single_file_checkpoint_imports(tmp_path):
+    source = hf_model()
+    save(source, tmp_path / "hf", shard="10GB")
+    assert (tmp_path / "hf/model.safetensors").exists() and not (tmp_path / "hf/model.safetensors.index.json").exists()
+    tokens = rows()
+    assert relative(local_loss(from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN), tokens),
+                    hf_loss(source, tokens)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ranged_reads_equal_safetensors(tmp_path, dtype):
+    """What s3:// and gs:// use (header, then each tensor's byte range), here on pyarrow's local
+    filesystem, against safetensors' own reader."""
+    from pyarrow import fs as pafs
+    from safetensors import safe_open
+
+    from raypipe.models.hf.weights import read_tensor_ranges
+
+    save(hf_model().to(dtype), tmp_path / "hf")
+    for shard in sorted((tmp_path / "hf").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as handle:
+            expected = {name: handle.get_tensor(name) for name in handle.keys()}
+        got = read_tensor_ranges(pafs.LocalFileSystem(), str(shard), sorted(expected))
+        assert expected and all(torch.equal(got[name], tensor) and got[name].dtype == dtype
+                                for name, tensor in expected.items())
+    with pytest.raises(KeyError, match="has no tensor nope"):
+        read_tensor_ranges(pafs.LocalFileSystem(), str(shard), ["nope"])
+
+
+def test_tied_embeddings_refused_by_name_or_untied_on_request(tmp_path):
+    source = hf_model(tie=True)
+    save(source, tmp_path / "hf")
+    with pytest.raises(ConfigError, match="tie_word_embeddings.*untie_embeddings=True"):
+        from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)
+    layers = from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN, untie_embeddings=True)
+    assert layers[-1].tensors["output.weight"][0] == "model.embed_tokens.weight"
+    tokens = rows()
+    assert relative(local_loss(layers, tokens), hf_loss(source, tokens)) < 1e-5
+
+
+def test_driver_reads_no_weights(tmp_path):
+    """Counting parameters (what the trainer's partition does) builds on the meta device:
+    with every shard gone it still works; building for real names the missing file."""
+    save(hf_model(), tmp_path / "hf")
+    layers = from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        shard.unlink()
+    assert sum(layer.num_parameters() for layer in layers) == sum(p.numel() for p in hf_model().parameters())
+    with pytest.raises(Exception, match="safetensors"):
+        layers[1].build()
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "mistral"}, "model_type"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_scaling"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"head_dim": 32}, "head_dim"),
+    ({"attention_dropout": 0.1}, "attention_dropout"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+])
+def test_unsupported_config_refused_by_name(tmp_path, change, field):
+    save(hf_model(), tmp_path / "hf")
+    path = tmp_path / "hf/config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ConfigError, match=f"config.json {field}"):
+        from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)
+
+
+def test_missing_tensor_and_bad_shape_named(tmp_path):
+    save(hf_model(), tmp_path / "hf")
+    index_path = tmp_path / "hf/model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.layers.2.mlp.up_proj.weight"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model.layers.2.mlp.up_proj.weight \(pipeline layer 3\)"):
+        from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)
+    shutil.rmtree(tmp_path / "hf")
+    save(hf_model(), tmp_path / "hf")
+    config_path = tmp_path / "hf/config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "intermediate_size": 80}))
+    with pytest.raises(ValueError, match=r"mlp.down_proj.weight has shape \(64, 96\), config.json implies \(64, 80\)"):
+        from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)[1].build()
+
+
+def test_export_refuses_other_models_and_used_directories(tmp_path, capsys):
+    """Only a LLaMA's pipeline layers are described (what export_hf needs); an export never mixes
+    with files already in its directory."""
+    from raypipe.models.hf.export import check_dtype, describe_llama, prepare_output
+    from raypipe.models.llama import get_config, llama_layers
+
+    config = get_config("tiny")
+    assert describe_llama(llama_layers(config))["llama_config"]["dim"] == config.dim
+    assert describe_llama([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)]) is None
+    assert describe_llama(llama_layers(config)[:-1]) is None  # no head
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used/config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="not empty"):
+        prepare_output(str(tmp_path / "used"))
+    with pytest.raises(ValueError, match="export dtype 'int8'"):
+        check_dtype("int8")
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    assert f"no complete checkpoint under {tmp_path / 'none'}" in capsys.readouterr().err
+
+
+def test_run_starts_from_a_checkpoint_on_data_of_its_tokenizer(ray_cluster, tmp_path):
+    """`init_from` + `tokenizer` through the run config (what --init-from / --tokenizer set): the
+    first step's loss is transformers' on the same rows, read from data the tokenizer prepared."""
+    from raypipe.data import TokenDataset, prepare
+    from raypipe.data.tokenizer import HFTokenizer
+
+    tokenizer = train_tokenizer(tmp_path / "tok", vocab_size=300, config={"eos_token": "</s>", "bos_token": "<s>"})
+    source = hf_model(vocab_size=300)
+    save(source, tmp_path / "hf")
+    prepare(tmp_path / "data", corpus=stdlib_slice(3), seq_len=16, tokenizer=HFTokenizer(tokenizer))
+    run = RunConfig(init_from=str(tmp_path / "hf"), tokenizer=str(tokenizer), data=str(tmp_path / "data"),
+                    prepare_if_missing=False, seq_len=16, steps=2, micro_batch_size=2, eval_every=2, eval_steps=1,
+                    out=str(tmp_path / "run"), progress=False, pipeline={"num_stages": 2, "num_micro_batches": 2})
+    summary = train(run)
+    dataset = TokenDataset(tmp_path / "data", "train", 2, 2, seed=0, vocab_size=300)
+    inputs, targets = (torch.cat(parts) for parts in zip(*(dataset.get(0, g) for g in range(2))))
+    with torch.no_grad():
+        expected = float(torch.nn.functional.cross_entropy(source(input_ids=inputs).logits.flatten(0, 1),
+                                                           targets.flatten()))
+    assert relative(summary["initial_loss"], expected) < 1e-5
+    assert summary["steps"] == 2 and summary["final_eval_loss"] < 10
+    prepare(tmp_path / "bytes", corpus=stdlib_slice(1), seq_len=16)
+    with pytest.raises(ValueError, match="prepared with tokenizer 'byte'.*raypipe prepare --tokenizer"):
+        train(RunConfig(**{**run.__dict__, "data": str(tmp_path / "bytes")}))
+    with pytest.raises(ValueError, match="needs seq_len"):
+        train(RunConfig(**{**run.__dict__, "seq_len": None}))
+
+
+def test_train_7b_flags_reach_the_run_config(capsys):
+    from tests.test_config import load_job
+
+    job = load_job("train_7b")
+    args = job["parse_args"](["--preset", "tiny", "--init-from", "s3://b/llama", "--seq-len", "4096",
+                              "--untie-embeddings", "--tokenizer", "tok"])
+    run = job["run_config"](args, 1)
+    assert (run.init_from, run.untie_embeddings, run.tokenizer, run.seq_len) == ("s3://b/llama", True, "tok", 4096)
+    from raypipe.data.cache import default_dataset_dir
+
+    assert run.data == str(default_dataset_dir(4096, tokenizer="hf:tok"))  # not the byte-tokenized default
+    assert run.data != str(default_dataset_dir(4096))
+    with pytest.raises(SystemExit):
+        job["parse_args"](["--preset", "tiny", "--untie-embeddings"])
+    assert "--untie-embeddings only applies with --init-from" in capsys.readouterr().err
