@@ -13,9 +13,12 @@ on CPU (2 stages), for CI and laptops.
 The job connects to the cluster like any Ray job (``RAY_ADDRESS``; without
 one it starts a local Ray instance). ``--data`` is a prepared dataset
 (``raypipe prepare``): a local path, prepared from the Python standard library
-if missing, or an ``s3://`` / ``gs://`` URI read through ``pyarrow.fs``. The
-first and last stages read it themselves, so on a multi-node cluster a local
-path must exist on every node (use a URI or a shared filesystem).
+if missing (by default in ``$RAYPIPE_CACHE`` or ``~/.cache/raypipe``, outside
+the job's working directory), or an ``s3://`` / ``gs://`` URI read through
+``pyarrow.fs``. The first and last stages read it themselves: before step 0
+each checks it can open the dataset where it runs; a stage that cannot gets
+a local dataset's shards through Ray's object store, up to
+``--ship-data-limit-mb``; above that, use a URI or a shared filesystem.
 
 ``--steps`` is the run's total: by default the job resumes from the newest
 complete checkpoint in ``--checkpoint-dir`` and trains the steps still missing,
@@ -42,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from raypipe.config import activation_arguments, add_activation_arguments  # noqa: E402
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
-from raypipe.run import RunConfig, train  # noqa: E402
+from raypipe.run import RunConfig, dataset_path, train  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,6 @@ PRESETS = {
                    steps=20, precision="bf16", activation_checkpoint="always", learning_rate=3e-3, eval_every=0,
                    checkpoint_every=0, placement_timeout=60.0),
 }
-DEFAULT_DATA_SEQ_LEN = 256  # data/stdlib holds sequences of this length (jobs/train_tiny.py uses it too)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,7 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_activation_arguments(parser, default=None)  # None: the preset's
     parser.add_argument("--eval-every", type=int, help="validation loss every N steps; 0: at the end only")
     parser.add_argument("--data", help="prepared dataset: local path (prepared from the Python stdlib if "
-                                       "missing) or s3:// / gs:// URI (default: data/stdlib[-SEQ_LEN])")
+                                       "missing) or s3:// / gs:// URI (default: the stdlib, prepared in "
+                                       "$RAYPIPE_CACHE or ~/.cache/raypipe)")
+    parser.add_argument("--ship-data-limit-mb", type=int, default=1024, metavar="MB",
+                        help="a local --data that a stage's node cannot open goes through Ray's object store up to "
+                             "this size; above it the run stops before step 0 (default: 1024)")
     parser.add_argument("--checkpoint-dir", help="checkpoints, local or s3:// / gs:// (default: OUT/checkpoints)")
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end) (7b: 100)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
@@ -144,9 +150,7 @@ def apply_preset(args: argparse.Namespace) -> None:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.data is None:
-        suffix = "-hf" if args.tokenizer else ""
-        suffix += "" if args.seq_len == DEFAULT_DATA_SEQ_LEN else f"-{args.seq_len}"
-        args.data = f"data/stdlib{suffix}"
+        args.data = dataset_path(None, args.seq_len, args.tokenizer)
     if args.out is None:
         args.out = f"runs/train_7b-{args.preset}"
     if args.checkpoint_dir is None:
@@ -159,7 +163,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("stages", "replicas", "micro_batches", "micro_batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("eval_every", "checkpoint_every"):
+    for name in ("eval_every", "checkpoint_every", "ship_data_limit_mb"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     max_seq_len = get_config(args.model).max_seq_len
@@ -188,6 +192,7 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
         eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume, progress=args.progress,
+        ship_data_limit_bytes=args.ship_data_limit_mb * 2**20,
         pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--transport", default=PipelineConfig.transport, choices=TRANSPORTS,
                         help=f"executor/transport between stages (default {PipelineConfig.transport})")
-    parser.add_argument("--data", default="data/stdlib", help="prepared dataset (made from the stdlib if missing)")
+    parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
+                                                     "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")
     parser.add_argument("--out", default="runs/tiny", help="output directory")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

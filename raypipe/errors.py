@@ -122,3 +122,13 @@ class TooManyFailures(RaypipeError):
 
     def __reduce__(self):
         return (type(self), (self.max_failures, self.failures))
+class DataAccessError(RaypipeError):
+    """A worker that reads the dataset cannot use it where it runs; raised before step 0.
+
+    ``path`` is the dataset, ``where`` the worker (replica, stage) and its node
+    (id and IP), ``problem`` what went wrong and ``advice`` what to do.
+    """
+
+    def __init__(self, path: str, where: object, problem: str, advice: str) -> None:
+        self.path, self.where, self.problem, self.advice = path, where, problem, advice
+        super().__init__(f"dataset {path}: {where} {problem}. {advice}.")

@@ -12,7 +12,8 @@ from raypipe.core.result import StepResult
 def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_every: int = 0,
         eval_steps: int = 1, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
         keep_last: int | None = None, progress: bool = True,
-        callback: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+        callback: Callable[[StepResult], None] | None = None,
+        ship_data_limit_bytes: int | None = None) -> list[StepResult]:
     """Train ``steps`` optimizer steps from the dataset's current position.
 
     ``dataset`` (and ``validation``) follow :class:`raypipe.data.TokenDataset`:
@@ -24,12 +25,18 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end, with
     the data position, so a restart resumes exactly (``keep_last``: only the
     newest that many are kept).
+
+    Before step 0 each reading stage opens the dataset where it runs; a stage on
+    a node that cannot open a local dataset gets its shards through Ray's object
+    store, if they come to at most ``ship_data_limit_bytes`` (default 1 GiB);
+    otherwise, and for a URI a stage cannot open, a DataAccessError stops the run.
     """
     per_step = trainer.config.num_micro_batches * trainer.num_replicas
     _check_dataset(dataset, per_step, "dataset")
     if validation is not None:
         _check_dataset(validation, per_step, "validation")
-    trainer.attach_datasets(dataset, validation)
+    limit = {} if ship_data_limit_bytes is None else {"ship_data_limit_bytes": ship_data_limit_bytes}
+    trainer.attach_datasets(dataset, validation, **limit)
     samples_per_step = dataset.micro_batch_size * dataset.num_micro_batches
     results: list[StepResult] = []
     bar = _progress_bar(steps, progress)

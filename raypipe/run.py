@@ -25,7 +25,7 @@ class RunConfig:
     init_from: str | None = None  # a Hugging Face LLaMA directory (or s3:// / gs:// URI) to start from
     untie_embeddings: bool = False  # with init_from: accept tie_word_embeddings, training the head apart
     tokenizer: str | None = None  # Hugging Face tokenizer directory preparing ``data``; None: bytes
-    data: str = "data/stdlib"  # prepared dataset (local path or s3:// / gs:// URI)
+    data: str | None = None  # prepared dataset (local path or s3:// / gs:// URI); None: the stdlib, in the cache
     prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
     steps: int = 200
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
@@ -43,6 +43,7 @@ class RunConfig:
     keep_last: int | None = None  # checkpoints kept (the newest); None: all
     resume: bool = False
     progress: bool = True
+    ship_data_limit_bytes: int | None = None  # a local dataset a stage cannot open is shipped up to this; None: 1 GiB
     pipeline: dict[str, Any] = field(default_factory=lambda: {"num_stages": 2, "num_micro_batches": 4})
 
     @classmethod
@@ -73,14 +74,15 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
 
     pipeline = PipelineConfig.from_dict(run.pipeline)
     layers, model, seq_len = _model(run)
-    if run.prepare_if_missing and "://" not in run.data and not (Path(run.data) / "manifest.json").exists():
+    data = dataset_path(run.data, seq_len, run.tokenizer)
+    if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
-        prepare(run.data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
+        prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
     per_step = pipeline.num_micro_batches * pipeline.num_replicas  # micro-batches of a step, every replica's
-    datasets = [TokenDataset(run.data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
+    datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
                              vocab_size=model.vocab_size) for split in ("train", "validation")]
-    _check_dataset_seq_len(run.data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
-    _check_dataset_tokenizer(run.data, datasets[0].tokenizer_name, run.tokenizer)
+    _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
+    _check_dataset_tokenizer(data, datasets[0].tokenizer_name, run.tokenizer)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
@@ -94,10 +96,22 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
         results = trainer.fit(datasets[0], run.steps, validation=datasets[1], eval_every=run.eval_every,
                               eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
                               checkpoint_every=run.checkpoint_every, keep_last=run.keep_last, progress=run.progress,
-                              callback=callback)
-    summary = _summary(run, results, trainer.num_parameters, checkpoint_dir)
+                              callback=callback, ship_data_limit_bytes=run.ship_data_limit_bytes)
+        placement = _placement(trainer)
+    summary = {**_summary(run, results, trainer.num_parameters, checkpoint_dir), "data": data, **placement}
     _write_outputs(out, results, summary)
     return summary
+
+
+def dataset_path(data: str | None, seq_len: int, tokenizer: str | None = None) -> str:
+    """``data``, or where the default stdlib dataset of ``seq_len`` (and ``tokenizer``, a Hugging Face
+    tokenizer directory; None: bytes) lives: the user's cache, never a job's working directory (which
+    Ray may unpack anew, or remove, under the stages reading it)."""
+    from raypipe.data.cache import default_dataset_dir
+
+    if data is not None:
+        return data
+    return str(default_dataset_dir(seq_len, tokenizer="byte" if tokenizer is None else f"hf:{tokenizer}"))
 
 
 def _model(run: RunConfig) -> tuple[list, Any, int]:
@@ -187,6 +201,14 @@ def _summary(run: RunConfig, results: list, num_parameters: int, checkpoint_dir:
         "uniform_byte_loss": math.log(256), "checkpoint_dir": checkpoint_dir,
         "pipeline": run.pipeline, "losses": [r.loss for r in results],
     }
+
+
+def _placement(trainer: Any) -> dict[str, Any]:
+    """Which node the driver and each stage worker ran on (multi-node runs are checked by it)."""
+    import ray
+
+    return {"driver_node_id": ray.get_runtime_context().get_node_id(),
+            "workers": [{"replica": w.replica, "stage": w.stage, "node_id": w.node_id} for w in trainer.workers]}
 
 
 def _write_outputs(out: Path, results: list, summary: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from raypipe.models.hf.export import describe_llama
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
 from raypipe.observability.step_report import build_step_result
 from raypipe.runtime import cluster
+from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
 from raypipe.runtime.group import StageGroup, WorkerInfo
 from raypipe.runtime.snapshot_keeper import start_keeper
 from raypipe.stage.spec import WorkerSpec
@@ -69,6 +70,8 @@ class PipelineTrainer:
         self.metrics = None
         self._group: StageGroup | None = None
         self._datasets: tuple[Any, Any] | None = None
+        self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
+        self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
         self._executor = make_executor(config, self.schedule)
         self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
         self._start(layers, optimizer, loss_fn, lr_scheduler)
@@ -133,6 +136,7 @@ class PipelineTrainer:
             self._executor.close()
             self._group.shutdown()
             self._group = None
+            self._shipped = {}
         if self._recovery.keeper is not None:
             ray.kill(self._recovery.keeper)
             self._recovery.keeper = None
@@ -171,21 +175,30 @@ class PipelineTrainer:
         self._executor.check_usable()
         return self._run_step(step, None, start, num_samples, num_tokens)
 
-    def attach_datasets(self, train: Any, validation: Any = None) -> None:
+    def attach_datasets(self, train: Any, validation: Any = None,
+                        ship_data_limit_bytes: int = DEFAULT_SHIP_DATA_LIMIT_BYTES) -> None:
         """Send the datasets to the stages that read them (every replica's first and last).
 
         A dataset's step is ``num_micro_batches x num_replicas`` micro-batches
-        (``get(step, index)``); replica ``r`` reads the ``r``-th block."""
-        self._datasets = (train, validation)
+        (``get(step, index)``); replica ``r`` reads the ``r``-th block. Each
+        reader first opens the datasets where it runs (see
+        :func:`raypipe.runtime.data_access.datasets_for_readers`): one that cannot
+        open a local dataset gets its shards through the object store, up to
+        ``ship_data_limit_bytes``; any other problem raises a DataAccessError
+        naming the path, the worker and its node, before any step runs."""
+        self._datasets, self._ship_limit, self._shipped = (train, validation), ship_data_limit_bytes, {}
         self._give_datasets(range(self.topology.world_size))
 
     def _give_datasets(self, indices: Sequence[int]) -> None:
-        """Workers ``indices`` that read data (every replica's first and last stage) get the datasets."""
+        """Workers ``indices`` that read data (every replica's first and last stage) get the datasets,
+        checked where each runs (a replacement too, which may run on another node)."""
         if self._datasets is None:
             return
-        readers = [self._group.actors[rank] for rank in indices
-                   if self.topology.coordinates(rank).stage in (0, self.topology.num_stages - 1)]
-        self._executor.get([actor.attach_datasets.remote(*self._datasets) for actor in readers])
+        last = self.topology.num_stages - 1
+        readers = [(where.replica, where.stage, self._group.actors[rank]) for rank, where in
+                   ((rank, self.topology.coordinates(rank)) for rank in indices) if where.stage in (0, last)]
+        own = datasets_for_readers(readers, self._datasets, self._executor.get, self._ship_limit, self._shipped)
+        self._executor.get([actor.attach_datasets.remote(*datasets) for (_, _, actor), datasets in zip(readers, own)])
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""

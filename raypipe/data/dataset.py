@@ -1,6 +1,7 @@
 """TokenDataset: deterministic, resumable batches of a prepared split."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,10 @@ import torch
 
 from raypipe.data.shards import SPLITS, decode_rows, read_file, read_manifest, verify_shard, verify_split_files
 from raypipe.filesystem import filesystem_for
+
+# Shipped shards come from the object store; a reader keeps this many decoded
+# ones, fetching the others again when a micro-batch needs them.
+SHIPPED_SHARDS_HELD = 2
 
 
 class TokenDataset:
@@ -25,7 +30,13 @@ class TokenDataset:
     Opening checks the manifest, and the checksum and schema of every shard
     of the split; token ids are checked against ``vocab_size`` (default: the
     manifest's) when a shard is first loaded. The object is small to pickle:
-    loaded shards are a per-process cache, rebuilt lazily after unpickling.
+    loaded shards are a per-process cache, rebuilt lazily after unpickling. A
+    local ``path`` is made absolute here, so every process that gets the object
+    reads the same path, whatever its working directory.
+
+    A *shipped* copy (:func:`raypipe.data.shipping.ship`) reads the shard files'
+    bytes from Ray's object store instead of the filesystem, for workers on
+    nodes that cannot open the driver's local path.
     """
 
     def __init__(
@@ -42,7 +53,7 @@ class TokenDataset:
         for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.uri = str(path)
+        self.uri = str(path) if "://" in str(path) else str(Path(path).expanduser().resolve())
         self.split = split
         self.micro_batch_size = micro_batch_size
         self.num_micro_batches = num_micro_batches
@@ -61,12 +72,13 @@ class TokenDataset:
             )
         self.steps_per_epoch = self.num_rows // self.rows_per_step
         self.next_step = 0
+        self.shipped_shards: list[Any] | None = None  # object references of the shard files, when shipped
         self._offsets = np.cumsum([0] + [shard["num_rows"] for shard in self.shards])
         verify_split_files(path, manifest, split)
         self._reset_caches()
 
     def _reset_caches(self) -> None:
-        self._loaded: dict[int, np.ndarray] = {}
+        self._loaded: OrderedDict[int, np.ndarray] = OrderedDict()
         self._permutation: tuple[int, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -153,18 +165,32 @@ class TokenDataset:
         return out
 
     def _shard(self, index: int) -> np.ndarray:
-        if index not in self._loaded:
-            filesystem, base = filesystem_for(self.uri)
-            shard = self.shards[index]
-            path = f"{base}/{shard['file']}"
-            data = read_file(filesystem, path)
-            verify_shard(path, data, shard, self.seq_len + 1)
-            self._loaded[index] = decode_rows(path, data, self.seq_len + 1, self.vocab_size)
+        if index in self._loaded:
+            self._loaded.move_to_end(index)
+            return self._loaded[index]
+        shard = self.shards[index]
+        path, data = self._shard_bytes(index)
+        verify_shard(path, data, shard, self.seq_len + 1)
+        self._loaded[index] = decode_rows(path, data, self.seq_len + 1, self.vocab_size)
+        if self.shipped_shards is not None and len(self._loaded) > SHIPPED_SHARDS_HELD:
+            self._loaded.popitem(last=False)  # least recently used
         return self._loaded[index]
+
+    def _shard_bytes(self, index: int) -> tuple[str, Any]:
+        """Where shard ``index`` comes from, and its file's bytes."""
+        if self.shipped_shards is not None:
+            import pyarrow as pa
+            import ray
+
+            return f"{self.uri}/{self.shards[index]['file']} (shipped)", pa.py_buffer(
+                ray.get(self.shipped_shards[index]))
+        filesystem, base = filesystem_for(self.uri)
+        path = f"{base}/{self.shards[index]['file']}"
+        return path, read_file(filesystem, path)
 
     def __repr__(self) -> str:
         return (
             f"TokenDataset({self.uri!r}, split={self.split!r}, rows={self.num_rows}, seq_len={self.seq_len}, "
             f"micro_batch_size={self.micro_batch_size}, num_micro_batches={self.num_micro_batches}, "
-            f"next_step={self.next_step})"
+            f"next_step={self.next_step}{', shipped' if self.shipped_shards is not None else ''})"
         )

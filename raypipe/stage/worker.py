@@ -89,6 +89,13 @@ class StageWorker(StageCheckpointing):
         far. A stopped or wedged process never answers (that is how a hang shows)."""
         return self.ops_done
 
+    def probe_data(self, uris: list[str]) -> dict[str, Any]:
+        """Where this worker runs, and what it finds at each dataset path (checked before step 0)."""
+        from raypipe.data.access import probe
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "probes": {uri: vars(probe(uri)) for uri in uris}}
+
     def attach_datasets(self, train: Any, validation: Any = None) -> None:
         """First and last stages read their own micro-batches in ``fit``."""
         self.data.attach(train, validation)

@@ -253,7 +253,10 @@ def test_train_7b_flags_reach_the_run_config(capsys):
                               "--untie-embeddings", "--tokenizer", "tok"])
     run = job["run_config"](args, 1)
     assert (run.init_from, run.untie_embeddings, run.tokenizer, run.seq_len) == ("s3://b/llama", True, "tok", 4096)
-    assert run.data == "data/stdlib-hf-4096"  # not the byte-tokenized default
+    from raypipe.data.cache import default_dataset_dir
+
+    assert run.data == str(default_dataset_dir(4096, tokenizer="hf:tok"))  # not the byte-tokenized default
+    assert run.data != str(default_dataset_dir(4096))
     with pytest.raises(SystemExit):
         job["parse_args"](["--preset", "tiny", "--untie-embeddings"])
     assert "--untie-embeddings only applies with --init-from" in capsys.readouterr().err

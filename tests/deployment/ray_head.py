@@ -1,0 +1,126 @@
+"""A real `ray start --head` for tests, started and stopped by pid: `ray stop`
+would kill every Ray process on the machine, other people's too."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HEAD_START_TIMEOUT_S = 120
+# every port a head opens, chosen here so that it collides with no other Ray instance on the machine
+HEAD_PORTS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+              "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port",
+              "object-manager-port")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ray_cli() -> str:
+    beside_python = Path(sys.executable).with_name("ray")
+    found = str(beside_python) if beside_python.exists() else shutil.which("ray")
+    assert found, "the `ray` command is missing (pip install 'ray[default]')"
+    return found
+
+
+def token_env(**extra: str) -> dict[str, str]:
+    """This environment with a fresh token of Ray's token authentication, and no pointer to another cluster."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), **extra)
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH"):  # they override --address
+        env.pop(name, None)
+    return env
+
+
+def session_members(session_id: int) -> list[int]:
+    """Live processes of a session (zombies excluded: they are dead, only not yet reaped)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != session_id:
+                continue
+            if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                members.append(int(entry))
+        except OSError:  # exited meanwhile
+            continue
+    return members
+
+
+def stop_session(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop the head's processes only.
+
+    `ray start --block` ran in a session of its own; Ray's daemons and workers
+    (and the raylets of fake nodes, which the head's autoscaler starts) stay in
+    it. The job's driver runs in its own session but is killed by a watcher when
+    its supervisor actor dies.
+    """
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session_members(process.pid):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while session_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    process.wait(timeout=grace_s)
+
+
+def wait_for_dashboard(process: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"ray start exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:  # answering (e.g. 401 without a token): it is up
+            return
+        except OSError:
+            time.sleep(1)
+    pytest.fail(f"the Ray dashboard at {url} did not come up in {HEAD_START_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
+
+
+def start_head(temp_dir: str, env: dict[str, str], ports: dict[str, int], *options: str) -> subprocess.Popen:
+    """`ray start --head --block` in a session of its own, on 127.0.0.1, logging to TEMP_DIR/ray-start.log."""
+    command = [ray_cli(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+               "--include-dashboard=true", "--num-gpus=0", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+               *[f"--{name}={port}" for name, port in ports.items()], *options]
+    with open(Path(temp_dir) / "ray-start.log", "w") as log_file:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=temp_dir,
+                                start_new_session=True)
+
+
+def job_status(url: str, job_id: str, env: dict[str, str]) -> str:
+    script = ("import sys\nfrom ray.job_submission import JobSubmissionClient\n"
+              "print(JobSubmissionClient(sys.argv[1]).get_job_status(sys.argv[2]).value)")
+    done = subprocess.run([sys.executable, "-c", script, url, job_id], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def wait_for_job(url: str, job_id: str, env: dict[str, str], timeout_s: float) -> tuple[str, str]:
+    """The job's final status (or its status after ``timeout_s``) and its logs."""
+    deadline = time.monotonic() + timeout_s
+    status = job_status(url, job_id, env)
+    while status in ("PENDING", "RUNNING") and time.monotonic() < deadline:
+        time.sleep(3)
+        status = job_status(url, job_id, env)
+    logs = subprocess.run([ray_cli(), "job", "logs", "--address", url, job_id], env=env, capture_output=True,
+                          text=True, timeout=60).stdout
+    return status, logs
