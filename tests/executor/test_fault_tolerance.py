@@ -52,10 +52,9 @@ def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0):
         return results, checkpoint_state(trainer, root, NUM_LAYERS), list(trainer.failures), healed_seconds
 
 
-LAYOUTS = {  # name: (config, steps with a failure)
+LAYOUTS = {  # name: (config, steps with a failure): 10 kills in all
     "p2p-2-stages": (config(), (1, 3)),
-    "p2p-3-stages": (config(num_stages=3), (2, 4)),
-    "object-store-2-stages": (config(transport="object_store"), (1, 4)),
+    "p2p-3-stages": (config(num_stages=3), (1, 3, 5)),
     "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3)),
     "p2p-2-replicas": (config(num_replicas=2, num_micro_batches=2), (1, 3, 5)),
 }
@@ -73,9 +72,8 @@ def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tm
     print(f"{layout}: kill to step done {[round(s, 1) for s in seconds]} s")
 
 
-@pytest.mark.parametrize("transport", ["p2p", "object_store"])
-def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path, transport):
-    cfg = config(transport=transport)
+def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path):
+    cfg = config()
     expected_results, expected_state, _, _ = train(cfg, tmp_path / "uninterrupted")
     start = time.monotonic()
     results, state, healed, _ = train(cfg, tmp_path / "stopped", failures=(2,), signal_number=signal.SIGSTOP)
