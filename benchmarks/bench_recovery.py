@@ -30,18 +30,10 @@ import torch
 
 import raypipe
 from alternate import add_round_arguments, command_line, print_table, round_ratios, run_alternating, spread
+from bench_data_parallel import adamw, tokens  # the same optimizer and token batches
 from raypipe.models.llama import get_config, llama_layers, llama_loss
 
 MODEL = "tiny"
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-def tokens(rows: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.randint(0, vocab, (rows, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    return data[:, :-1], data[:, 1:]
 
 
 def parse_args() -> argparse.Namespace:
