@@ -68,6 +68,7 @@ class PipelineTrainer:
                                  min_scale=config.min_loss_scale) if config.precision == "fp16" else None
         self.step_count = 0
         self.metrics = None
+        self.recoveries: list[Recovered] = []  # each healed failure event: how long, from where, steps replayed
         self._group: StageGroup | None = None
         self._datasets: tuple[Any, Any] | None = None
         self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
@@ -234,7 +235,9 @@ class PipelineTrainer:
     def _run_step(self, data_step: int, batch: MicroBatches | None, start: float, num_samples: int,
                   num_tokens: int) -> StepResult:
         loss_scale = self.scaler.scale if self.scaler else None
+        failures_before = len(self._recovery.failures)
         outcome = self._recovery.run_step(data_step, batch, loss_scale)
+        failures = self._recovery.failures[failures_before:]
         decision = outcome.decision
         self._check_finite(decision)
         if self.scaler:
@@ -245,6 +248,7 @@ class PipelineTrainer:
             step_time=time.time() - start, num_samples=num_samples, num_tokens=num_tokens,
             reports=outcome.reports, num_parameters=self.num_parameters, peak_flops=self._peak_flops(),
             num_devices=self.topology.world_size)
+        result.recovered, result.failures = bool(failures), failures
         self.step_count += 1
         self._recovery.committed(self.step_count, LoggedStep(data_step, batch, loss_scale))
         if self.metrics is not None:
@@ -257,6 +261,7 @@ class PipelineTrainer:
         return list(self._recovery.failures)
 
     def _record_recovery(self, recovered: Recovered) -> None:
+        self.recoveries.append(recovered)
         if self.metrics is not None:
             self.metrics.record_recovery(recovered.reasons, recovered.seconds, recovered.replayed_steps)
 

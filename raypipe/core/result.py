@@ -43,6 +43,7 @@ class StageReport(NamedTuple):
     events: list[OpEvent]
     stats: StageStats
     decision: StepDecision
+    commits: int = 0  # the steps the stage's state has ended, this one included
 
 
 @dataclass
@@ -67,3 +68,5 @@ class StepResult:
     timeline: list[OpEvent] = field(default_factory=list)
     bubble_fraction: list[float] = field(default_factory=list)  # measured, per stage (mean over replicas)
     num_replicas: int = 1  # pipeline replicas that ran this step
+    recovered: bool = False  # workers failed during this step; they were healed and the step redone
+    failures: list[str] = field(default_factory=list)  # the failure events healed during this step

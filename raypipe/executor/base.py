@@ -184,6 +184,9 @@ class Executor(ABC):
                     as_task_argument(batch.targets[index]), batch.weights[index])
                 hidden = actor.evaluate.remote(micro_batch, hidden, targets, weight, step)
             losses.append(hidden)
+        failed = self._watchdog().wait(losses, self.group.actors)  # a hung worker would block the get forever
+        if failed:
+            raise self._workers_failed(step, failed, "during evaluate")
         return sum(self.get(losses))
 
     def get(self, refs: list) -> list:

@@ -12,11 +12,15 @@ scale). When a step raises :class:`~raypipe.errors.WorkersFailed`:
    (they fail once their peers are gone);
 2. the failed workers are replaced from their specs, in their bundles (Ray
    re-places a bundle whose node was lost), within ``replace_timeout_s``;
-3. every worker, replaced or not, restores its snapshot: survivors drop partial
-   gradients, and any that already stepped return to the snapshot too;
+3. the replacements get their state from the smallest source that has it:
+   a data-parallel sibling (the same stage in another replica) when no
+   surviving worker ended the failed step and the optimizer is not sharded,
+   so nothing else moves and nothing is replayed; otherwise every worker
+   restores its snapshot (survivors drop partial gradients, any that already
+   stepped return to the snapshot too) and the steps since are replayed;
 4. communication groups are re-formed under a fresh rendezvous, dataset
    readers get their datasets again;
-5. the logged steps are replayed, then the failed step is redone.
+5. the failed step is redone.
 
 Seeds depend only on (step, micro-batch, layer) and reductions run in a fixed
 order, so on the same layout the result is bitwise that of a run without
@@ -65,6 +69,7 @@ class Recovered:
     reasons: list[str]
     seconds: float
     replayed_steps: int
+    source: str  # where the replacements' state came from: "replica R" or "snapshot of step N"
 
 
 class Recovery:
@@ -82,6 +87,7 @@ class Recovery:
         self._snapshots: list[Snapshot] = []  # the newest last; the one before kept until a heal needs it
         self._failed: dict[int, str] = {}  # workers to replace before the next step
         self._failed_since: float | None = None
+        self._commits = 0  # the steps every worker's state had ended after the last step that returned
         self.keeper: Any = None  # a SnapshotKeeper when workers run off the driver's node
 
     # -- snapshots ------------------------------------------------------------
@@ -117,9 +123,14 @@ class Recovery:
             try:
                 if self._failed:
                     self._heal()
-                return self.executor.run_step(data_step, batch, loss_scale)
+                return self._run(data_step, batch, loss_scale)
             except WorkersFailed as failure:
                 self._note(failure)
+
+    def _run(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
+        outcome = self.executor.run_step(data_step, batch, loss_scale)
+        self._commits = outcome.reports[0].commits
+        return outcome
 
     def evaluate(self, run: Callable[[], float], step: int) -> float:
         """``run()`` (a forward-only pass), healed and run again when a worker died
@@ -129,6 +140,8 @@ class Recovery:
                 if self._failed:
                     self._heal()
                 return run()
+            except WorkersFailed as failure:
+                self._note(failure)
             except RaypipeError as error:
                 failed = Watchdog(self.config.hang_timeout_s).probe(self.executor.group.actors)
                 if not failed:
@@ -147,7 +160,7 @@ class Recovery:
         if self.config.max_failures is not None and len(self.failures) > self.config.max_failures:
             self.executor.usable = False
             raise TooManyFailures(self.config.max_failures, self.failures) from failure
-        if not self._snapshots:
+        if not self._snapshots and not self._replicas_hold_copies():
             self.executor.usable = False
             raise RaypipeError(f"{failure}: snapshot_every=0 keeps no snapshot to heal from; "
                                "load_checkpoint resumes from the newest checkpoint") from failure
@@ -159,21 +172,67 @@ class Recovery:
         failed = sorted(self._failed)
         group = self.executor.group
         survivors = [actor for index, actor in enumerate(group.actors) if index not in failed]
+        siblings = self._siblings(failed)
+        if siblings is None and not self._snapshots:
+            self.executor.usable = False
+            raise RaypipeError(f"{self.failures[-1]}: a surviving worker had ended the step and snapshot_every=0 "
+                               "keeps no snapshot to roll it back to; load_checkpoint resumes from the newest "
+                               "checkpoint")
         group.replace(failed, self.config.replace_timeout_s)
-        snapshot = self._restore()
+        if siblings is not None:
+            self._copy_from_siblings(siblings)
+            replay = []
+            source = "replica " + ", ".join(sorted({str(source // self.config.num_stages)
+                                                     for source in siblings.values()}))
+        else:
+            snapshot = self._restore()
+            replay, source = snapshot.since, f"snapshot of step {snapshot.step}"
         self.executor.reconnect(survivors)
         self.on_replaced(failed)
-        for logged in snapshot.since:
-            self.executor.run_step(logged.data_step, logged.batch, logged.loss_scale)
-        # a fresh snapshot of the healed state: the lost one is never fallen back to again
-        self.snapshot(snapshot.step + len(snapshot.since), first=True)
+        for logged in replay:
+            self._run(logged.data_step, logged.batch, logged.loss_scale)
+        if self._snapshots:  # a fresh snapshot of the healed state: a lost one is never fallen back to again
+            newest = self._snapshots[-1]
+            self.snapshot(newest.step + len(newest.since), first=True)
         reasons = sorted(set(self._failed.values()))
         self._failed = {}
         seconds = time.monotonic() - self._failed_since
         self._failed_since = None
-        logger.warning("raypipe: replaced %s in %.1fs, replayed %d step(s) from the snapshot of step %d",
-                       [self._worker(index) for index in failed], seconds, len(snapshot.since), snapshot.step)
-        self.on_recovered(Recovered(reasons, seconds, len(snapshot.since)))
+        logger.warning("raypipe: replaced %s in %.1fs from the %s, replayed %d step(s)",
+                       [self._worker(index) for index in failed], seconds, source, len(replay))
+        self.on_recovered(Recovered(reasons, seconds, len(replay), source))
+
+    def _replicas_hold_copies(self) -> bool:
+        """Whether the replicas of a stage hold the same state (its whole optimizer on each)."""
+        return self.config.num_replicas > 1 and not self.config.shard_optimizer
+
+    def _siblings(self, failed: list[int]) -> dict[int, int] | None:
+        """For each failed worker, a surviving worker of the same stage in another replica
+        to copy its state from; None when some stage has none, or when a survivor ended
+        the failed step (then only a snapshot rolls every worker back alike)."""
+        if not self._replicas_hold_copies():
+            return None
+        num_stages, actors = self.config.num_stages, self.executor.group.actors
+        alive = [index for index in range(len(actors)) if index not in failed]
+        sources = {}
+        for index in failed:
+            same_stage = [other for other in alive if other % num_stages == index % num_stages]
+            if not same_stage:
+                return None
+            sources[index] = same_stage[0]
+        try:
+            ended = ray.get([actors[index].committed_steps.remote() for index in alive])
+        except ray.exceptions.RayError:  # another worker is failing: the snapshot path finds out how
+            return None
+        return sources if all(count == self._commits for count in ended) else None
+
+    def _copy_from_siblings(self, sources: dict[int, int]) -> None:
+        """Each replacement restores its sibling's state (sent sibling to replacement through
+        the object store, not through the driver); survivors drop the failed step."""
+        actors = self.executor.group.actors
+        copies = [actors[index].restore.remote(actors[source].snapshot.remote()) for index, source in sources.items()]
+        dropped = [actor.abort_step.remote() for index, actor in enumerate(actors) if index not in sources]
+        ray.get(copies + dropped)
 
     def _restore(self) -> Snapshot:
         """Every worker back to the newest whole snapshot (an older one when a worker

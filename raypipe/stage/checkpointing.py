@@ -48,7 +48,7 @@ class StageCheckpointing:
         buffers), optimizer and LR-scheduler state. :meth:`restore` on a worker
         built from the same spec makes it bitwise this one (the in-memory snapshot
         that heals a failed step)."""
-        return {"layers": self.layers.state_dict(),
+        return {"layers": self.layers.state_dict(), "commits": self.commits,
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
 
@@ -60,6 +60,7 @@ class StageCheckpointing:
             self.optimizer.load_state_dict(snapshot["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(snapshot["scheduler"])
+        self.commits = snapshot["commits"]
         self.weights.refresh()
 
     def save_checkpoint(self, root_uri: str, step: int) -> dict[int, str]:

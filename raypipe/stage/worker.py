@@ -68,6 +68,7 @@ class StageWorker(StageCheckpointing):
         self._step_loss = 0.0  # last stage: the running step's weighted loss sum
         self._events: list[OpEvent] = []
         self.ops_done = 0  # ops finished over this worker's life (its heartbeat)
+        self.commits = 0  # steps this state has ended (stepped or skipped): a heal asks who ended the failed one
         self._last_micro_batch = config.num_micro_batches - 1
         self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
 
@@ -211,8 +212,13 @@ class StageWorker(StageCheckpointing):
         norm and step, or skip; report the timeline, memory and the decision."""
         decision = decide(stats, loss_scaled)
         self._optimizer_step(decision)
+        self.commits += 1
         events, self._events = self._events, []
-        return StageReport(events, self._stats(events), decision)
+        return StageReport(events, self._stats(events), decision, self.commits)
+
+    def committed_steps(self) -> int:
+        """The steps this worker's state has ended (restored with a snapshot)."""
+        return self.commits
 
     @stage_op("optimizer", per_micro_batch=False)
     def _optimizer_step(self, decision: StepDecision) -> None:

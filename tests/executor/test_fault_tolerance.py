@@ -11,6 +11,7 @@ import random
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import ray
@@ -31,13 +32,21 @@ def config(**overrides):
     return raypipe.PipelineConfig(**{**values, **overrides})
 
 
-def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0):
+@dataclass
+class Run:
+    results: list  # per step (loss, grad norm)
+    state: dict  # final parameters, optimizer and LR-scheduler state
+    failures: list  # the failure events healed
+    healed_seconds: list  # per step with a failure, its step time
+    sources: list  # per heal, where the replacements' state came from
+
+
+def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0) -> Run:
     """STEPS steps; before each step in ``failures`` a timer sends ``signal_number``
-    to a seeded-random worker at a seeded-random moment of that step. Returns
-    (per-step (loss, grad norm), final state, failures healed, seconds per healed step)."""
+    to a seeded-random worker at a seeded-random moment of that step."""
     chooser = random.Random(seed)
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        results, healed_seconds, victims = [], [], []
+        results, healed_seconds, victims, seen = [], [], [], []
         for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
             if step in (failures or ()):
                 victim = chooser.choice(trainer.workers)
@@ -48,38 +57,48 @@ def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0):
             if step in (failures or ()):
                 healed_seconds.append(time.monotonic() - start)
             results.append((result.loss, result.grad_norm))
+            seen += result.failures
+            assert result.recovered == bool(result.failures)
         assert not {pid for pid in victims} & {w.pid for w in trainer.workers}, "a victim was not replaced"
-        return results, checkpoint_state(trainer, root, NUM_LAYERS), list(trainer.failures), healed_seconds
+        assert seen == trainer.failures  # each failure is reported by the step that healed it
+        return Run(results, checkpoint_state(trainer, root, NUM_LAYERS), list(trainer.failures), healed_seconds,
+                   [recovered.source for recovered in trainer.recoveries])
 
 
-LAYOUTS = {  # name: (config, steps with a failure): 10 kills in all
-    "p2p-2-stages": (config(), (1, 3)),
-    "p2p-3-stages": (config(num_stages=3), (1, 3, 5)),
-    "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3)),
-    "p2p-2-replicas": (config(num_replicas=2, num_micro_batches=2), (1, 3, 5)),
+LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 11 kills in all
+    "p2p-2-stages": (config(), (1, 3), "snapshot"),
+    "p2p-3-stages": (config(num_stages=3), (1, 3, 5), "snapshot"),
+    "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3), "snapshot"),
+    # a replica's optimizer shard is its own: snapshots
+    "p2p-2-replicas-sharded": (config(num_replicas=2, num_micro_batches=2, shard_optimizer=True), (1, 4),
+                               "snapshot"),
+    # without snapshots: the replacement copies the same stage of the other replica
+    "p2p-2-replicas-from-sibling": (config(num_replicas=2, num_micro_batches=2, snapshot_every=0), (1, 3),
+                                    "replica"),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout):
-    cfg, failures = LAYOUTS[layout]
-    expected_results, expected_state, _, _ = train(cfg, tmp_path / "uninterrupted")
-    results, state, healed, seconds = train(cfg, tmp_path / "killed", failures, seed=len(layout))
+    cfg, failures, source = LAYOUTS[layout]
+    expected = train(cfg, tmp_path / "uninterrupted")
+    killed = train(cfg, tmp_path / "killed", failures, seed=len(layout))
     # one failure event per kill (a kill landing just after a step is found by the next one)
-    assert len(healed) == len(failures) and all("died" in failure for failure in healed), healed
-    assert results == expected_results  # every step returned, with the same loss and norm
-    assert_bitwise_equal(expected_state, state)
-    print(f"{layout}: kill to step done {[round(s, 1) for s in seconds]} s")
+    assert len(killed.failures) == len(failures) and all("died" in failure for failure in killed.failures)
+    assert all(healed_from.startswith(source) for healed_from in killed.sources), killed.sources
+    assert killed.results == expected.results  # every step returned, with the same loss and norm
+    assert_bitwise_equal(expected.state, killed.state)
+    print(f"{layout}: kill to step done {[round(s, 1) for s in killed.healed_seconds]} s")
 
 
 def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path):
     cfg = config()
-    expected_results, expected_state, _, _ = train(cfg, tmp_path / "uninterrupted")
+    expected = train(cfg, tmp_path / "uninterrupted")
     start = time.monotonic()
-    results, state, healed, _ = train(cfg, tmp_path / "stopped", failures=(2,), signal_number=signal.SIGSTOP)
-    assert len(healed) == 1 and "hung" in healed[0], healed
-    assert results == expected_results
-    assert_bitwise_equal(expected_state, state)
+    stopped = train(cfg, tmp_path / "stopped", failures=(2,), signal_number=signal.SIGSTOP)
+    assert len(stopped.failures) == 1 and "hung" in stopped.failures[0], stopped.failures
+    assert stopped.results == expected.results
+    assert_bitwise_equal(expected.state, stopped.state)
     assert time.monotonic() - start < 120
 
 
@@ -108,7 +127,7 @@ def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, 
 
 def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster, tmp_path):
     cfg = config(snapshot_every=3)
-    expected_results, expected_state, _, _ = train(cfg, tmp_path / "uninterrupted")
+    expected = train(cfg, tmp_path / "uninterrupted")
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
         results = []
         for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
@@ -116,10 +135,10 @@ def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster
                 os.kill(trainer.workers[0].pid, signal.SIGKILL)
             result = trainer.step(x, y)
             results.append((result.loss, result.grad_norm))
-        assert len(trainer.failures) == 1
+        assert len(trainer.failures) == 1 and trainer.recoveries[0].replayed_steps == 2
         state = checkpoint_state(trainer, tmp_path / "replayed", NUM_LAYERS)
-    assert results == expected_results
-    assert_bitwise_equal(expected_state, state)
+    assert results == expected.results
+    assert_bitwise_equal(expected.state, state)
 
 
 def test_without_snapshots_a_failure_is_an_error_that_says_why(ray_cluster):
@@ -168,3 +187,14 @@ def test_a_worker_killed_before_evaluate_is_healed_and_evaluate_answers(ray_clus
         os.kill(trainer.workers[1].pid, signal.SIGKILL)
         assert trainer.evaluate(x, y) == expected
         assert len(trainer.failures) == 1 and "during evaluate" in trainer.failures[0]
+
+
+def test_a_worker_stopped_during_evaluate_is_declared_hung_and_evaluate_answers(ray_cluster):
+    (x, y), = random_batches(BATCH, 1)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config()) as trainer:
+        trainer.step(x, y)
+        expected = trainer.evaluate(x, y)
+        os.kill(trainer.workers[0].pid, signal.SIGSTOP)
+        assert trainer.evaluate(x, y) == expected
+        assert len(trainer.failures) == 1 and "stage 0 hung" in trainer.failures[0], trainer.failures
+        assert trainer.step(x, y).loss > 0
