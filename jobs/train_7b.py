@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="steps between in-memory snapshots that failures heal from; 0: none (default: 1)")
     parser.add_argument("--hang-timeout", type=float, default=30.0,
                         help="seconds without a heartbeat before a worker counts as hung (default: 30)")
+    parser.add_argument("--replace-timeout", type=float, default=60.0,
+                        help="seconds to wait for the resources of a replacement worker, e.g. while Ray declares a "
+                             "lost node dead and the autoscaler adds one (default: 60)")
     parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step and replica (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
@@ -186,9 +189,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--placement-timeout must be > 0 seconds, got {args.placement_timeout}")
     if args.keep_last is not None and args.keep_last < 1:
         parser.error(f"--keep-last must be >= 1, got {args.keep_last}")
-    if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0:
-        parser.error("--max-failures must be >= -1, --snapshot-every >= 0 and --hang-timeout > 0, got "
-                     f"{args.max_failures}, {args.snapshot_every} and {args.hang_timeout}")
+    if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0 or not args.replace_timeout > 0:
+        parser.error("--max-failures must be >= -1, --snapshot-every >= 0, --hang-timeout and --replace-timeout > 0, "
+                     f"got {args.max_failures}, {args.snapshot_every}, {args.hang_timeout} and {args.replace_timeout}")
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -208,7 +211,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                   "max_failures": None if args.max_failures == -1 else args.max_failures,
-                  "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout})
+                  "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
+                  "replace_timeout_s": args.replace_timeout})
 
 
 def format_step(result: StepResult, total_steps: int) -> str:

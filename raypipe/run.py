@@ -82,30 +82,22 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None,
     ``callback(result)`` with each step's StepResult (e.g. to log a line per step where there is no
     progress bar).
     """
-    from raypipe.data import TokenDataset, prepare
     from raypipe.models.llama import llama_loss
     from raypipe.trainer import PipelineTrainer
 
     check_int("steps", run.steps, 1, allowed="must be an int >= 1 (the run's total optimizer steps)")
     pipeline = PipelineConfig.from_dict(run.pipeline)
     layers, model, seq_len = _model(run)
-    data = dataset_path(run.data, seq_len, run.tokenizer)
-    if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
-        # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
-        prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
-    per_step = pipeline.num_micro_batches * pipeline.num_replicas  # micro-batches of a step, every replica's
-    datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
-                             vocab_size=model.vocab_size) for split in ("train", "validation")]
-    _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
-    _check_dataset_tokenizer(data, datasets[0].tokenizer_name, run.tokenizer)
+    data, datasets = _datasets(run, pipeline, model, seq_len)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
+    _check_checkpoint_dir(checkpoint_dir, run)
     optimizer = _adamw(run.learning_rate, run.weight_decay)
     schedule = warmup_cosine(run.warmup_steps, run.lr_decay_steps or run.steps, run.min_lr_ratio)
     with PipelineTrainer(layers, llama_loss, optimizer, pipeline,
                          loss_count_fn=llama_count_tokens, lr_scheduler=schedule) as trainer:
-        first_step = _resume(trainer, datasets[0], checkpoint_dir, run) if run.resume else 0
+        first_step = _resume(trainer, datasets[0], checkpoint_dir) if run.resume else 0
         if on_start is not None:
             on_start(first_step)
         if first_step == run.steps:
@@ -122,7 +114,39 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None,
     return summary
 
 
-def _resume(trainer: Any, dataset: Any, checkpoint_dir: str, run: RunConfig) -> int:
+def _datasets(run: RunConfig, pipeline: PipelineConfig, model: Any, seq_len: int) -> tuple[str, list]:
+    """The dataset's path (prepared if missing and allowed) and its train and validation readers."""
+    from raypipe.data import TokenDataset, prepare
+
+    data = dataset_path(run.data, seq_len, run.tokenizer)
+    if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
+        # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
+        prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
+    per_step = pipeline.num_micro_batches * pipeline.num_replicas  # micro-batches of a step, every replica's
+    datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
+                             vocab_size=model.vocab_size) for split in ("train", "validation")]
+    _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
+    _check_dataset_tokenizer(data, datasets[0].tokenizer_name, run.tokenizer)
+    return data, datasets
+
+
+def _check_checkpoint_dir(checkpoint_dir: str, run: RunConfig) -> None:
+    """Refuse, before any actor starts, a checkpoint directory this run would save over."""
+    from raypipe.checkpoint.store import latest_checkpoint
+
+    newest = latest_checkpoint(checkpoint_dir)
+    if newest is None:
+        return
+    if not run.resume:
+        raise ValueError(f"{checkpoint_dir} holds checkpoints of an earlier run (the newest: step {newest}) and "
+                         "resume=False would save over them: resume it (resume=True, --resume), or give this run an "
+                         "empty checkpoint directory")
+    if newest > run.steps:
+        raise ValueError(f"{checkpoint_dir} holds step {newest}, past the run's steps={run.steps}: it is another "
+                         "run's; give this run its own checkpoint directory, or the steps of that run")
+
+
+def _resume(trainer: Any, dataset: Any, checkpoint_dir: str) -> int:
     """Load the newest intact checkpoint (if any) and its data position; the step training continues from.
 
     The complete checkpoints after it are damaged (the load fell back past them): they are deleted,
@@ -134,9 +158,6 @@ def _resume(trainer: Any, dataset: Any, checkpoint_dir: str, run: RunConfig) -> 
         return 0
     extra = trainer.load_checkpoint(checkpoint_dir)
     dataset.load_state_dict(extra["dataset"])
-    if trainer.step_count > run.steps:
-        raise ValueError(f"{checkpoint_dir} holds step {trainer.step_count}, past the run's steps={run.steps}: "
-                         "it is another run's; give this run its own checkpoint directory, or resume=False")
     for damaged in (step for step in list_checkpoints(checkpoint_dir) if step > trainer.step_count):
         logger.warning("raypipe: deleting the damaged checkpoint of step %d in %s: this run saves it again",
                        damaged, checkpoint_dir)

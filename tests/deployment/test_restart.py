@@ -17,6 +17,7 @@ test session's Ray instance. Every process is stopped by pid, never `ray stop`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -196,4 +197,23 @@ def test_a_rerun_after_driver_and_head_death_finishes_the_same_run_bitwise(refer
     for layer in range(expected["num_layers"]):
         assert_bitwise_equal(read_layer(checkpoints, STEPS, layer), read_layer(reference_checkpoints, STEPS, layer),
                              f"layer {layer}")
+    # the same cadence as the uninterrupted run: the damaged checkpoint was deleted and saved again
+    assert list_checkpoints(checkpoints) == list_checkpoints(reference_checkpoints) == list(
+        range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
     assert (checkpoints / step_dir_name(STEPS) / MANIFEST).exists()
+
+
+def test_a_finished_run_reruns_as_nothing_to_do_and_a_foreign_checkpoint_dir_is_refused(reference, data):
+    reference_checkpoints, _ = reference
+    out = reference_checkpoints.parent
+    job = load_job("train_7b")
+    run = job["run_config"](job["parse_args"](job_flags(data, out)))
+    written = (out / "summary.json").stat().st_mtime_ns
+    summary = train(run)
+    assert (summary["steps"], summary["steps_run"], summary["first_step"]) == (STEPS, 0, STEPS)
+    assert (out / "summary.json").stat().st_mtime_ns == written  # nothing rewritten
+    # refused before any actor starts: a fresh start over these checkpoints, and a run shorter than them
+    with pytest.raises(ValueError, match=f"holds checkpoints of an earlier run \\(the newest: step {STEPS}\\)"):
+        train(dataclasses.replace(run, resume=False))
+    with pytest.raises(ValueError, match=f"holds step {STEPS}, past the run's steps={STEPS - 1}"):
+        train(dataclasses.replace(run, steps=STEPS - 1))
