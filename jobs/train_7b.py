@@ -20,9 +20,14 @@ each checks it can open the dataset where it runs; a stage that cannot gets
 a local dataset's shards through Ray's object store, up to
 ``--ship-data-limit-mb``; above that, use a URI or a shared filesystem.
 
-``--steps`` is the run's total: by default the job resumes from the newest
-complete checkpoint in ``--checkpoint-dir`` and trains the steps still missing,
-so a retried job (KubeRay ``backoffLimit``) continues where it stopped.
+``--steps`` is the run's total: by default (``--resume``) the job loads the
+newest intact checkpoint in ``--checkpoint-dir`` (skipping a damaged one) with
+its data position and trains only the steps still missing, so running the same
+command again after the driver or the head died (a KubeRay ``backoffLimit``
+retry does exactly that) finishes the same run, bitwise, with no sample seen
+twice; the steps since that checkpoint are trained again. The outputs of a
+resumed invocation (summary.json's losses, loss.png, trace.json) cover the
+steps it trained (summary.json: ``first_step``, ``resumed_from_step``).
 Without a progress bar (not a terminal, or ``--no-progress``) it prints one
 line per step, for job logs.
 
@@ -109,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="steps between in-memory snapshots that failures heal from; 0: none (default: 1)")
     parser.add_argument("--hang-timeout", type=float, default=30.0,
                         help="seconds without a heartbeat before a worker counts as hung (default: 30)")
+    parser.add_argument("--replace-timeout", type=float, default=60.0,
+                        help="seconds to wait for the resources of a replacement worker, e.g. while Ray declares a "
+                             "lost node dead and the autoscaler adds one (default: 60)")
     parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step and replica (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
@@ -126,15 +134,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a local --data that a stage's node cannot open goes through Ray's object store up to "
                              "this size; above it the run stops before step 0 (default: 1024)")
     parser.add_argument("--checkpoint-dir", help="checkpoints, local or s3:// / gs:// (default: OUT/checkpoints)")
-    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end) (7b: 100)")
+    parser.add_argument("--checkpoint-every", type=int,
+                        help="checkpoint every N steps of the run (and at the end); a lost driver or head costs "
+                             "the steps since the newest checkpoint (7b: 100)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                        help="continue from the newest complete checkpoint in --checkpoint-dir (default: on)")
+                        help="continue from the newest intact checkpoint in --checkpoint-dir and train the steps "
+                             "missing up to --steps, so a rerun finishes the same run (default: on)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address the metrics server listens on; 0.0.0.0 to be scraped from outside the pod")
     parser.add_argument("--placement-timeout", type=float,
                         help="seconds to wait for the stages' resources, e.g. while the autoscaler adds GPU nodes")
-    parser.add_argument("--out", help="summary.json, loss.png, trace.json, timeline.png (default: runs/train_7b-PRESET)")
+    parser.add_argument("--out",
+                        help="summary.json, loss.png, trace.json, timeline.png (default: runs/train_7b-PRESET)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar instead of a line per step (default: when stdout is a terminal)")
     args = parser.parse_args(argv)
@@ -177,20 +189,20 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--placement-timeout must be > 0 seconds, got {args.placement_timeout}")
     if args.keep_last is not None and args.keep_last < 1:
         parser.error(f"--keep-last must be >= 1, got {args.keep_last}")
-    if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0:
-        parser.error("--max-failures must be >= -1, --snapshot-every >= 0 and --hang-timeout > 0, got "
-                     f"{args.max_failures}, {args.snapshot_every} and {args.hang_timeout}")
+    if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0 or not args.replace_timeout > 0:
+        parser.error("--max-failures must be >= -1, --snapshot-every >= 0, --hang-timeout and --replace-timeout > 0, "
+                     f"got {args.max_failures}, {args.snapshot_every}, {args.hang_timeout} and {args.replace_timeout}")
 
 
-def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
-    """The shared run config of these flags, training ``steps`` steps in this invocation."""
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The shared run config of these flags: ``--steps`` in total, resumed steps included."""
     return RunConfig(
         model=args.model, init_from=args.init_from, untie_embeddings=args.untie_embeddings, tokenizer=args.tokenizer,
-        data=args.data, seq_len=args.seq_len, steps=steps,
+        data=args.data, seq_len=args.seq_len, steps=args.steps,
         micro_batch_size=args.micro_batch_size, learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it
-        eval_every=args.eval_every or steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
+        eval_every=args.eval_every or args.steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume, progress=args.progress,
         ship_data_limit_bytes=args.ship_data_limit_mb * 2**20,
         pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
@@ -199,16 +211,8 @@ def run_config(args: argparse.Namespace, steps: int) -> RunConfig:
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                   "max_failures": None if args.max_failures == -1 else args.max_failures,
-                  "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout})
-
-
-def completed_steps(args: argparse.Namespace) -> int:
-    """Steps already trained: the newest complete checkpoint's step when resuming, else 0."""
-    if not args.resume:
-        return 0
-    from raypipe.checkpoint.store import latest_checkpoint
-
-    return latest_checkpoint(args.checkpoint_dir) or 0
+                  "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
+                  "replace_timeout_s": args.replace_timeout})
 
 
 def format_step(result: StepResult, total_steps: int) -> str:
@@ -224,13 +228,7 @@ def format_step(result: StepResult, total_steps: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    done = completed_steps(args)
-    if done >= args.steps:
-        print(f"nothing to do: {args.checkpoint_dir} holds step {done} of --steps {args.steps}")
-        return 0
-    if done:
-        print(f"resuming from the checkpoint of step {done} in {args.checkpoint_dir}")
-    print(f"training {args.init_from or args.model} for steps {done + 1}..{args.steps}: "
+    print(f"training {args.init_from or args.model} for {args.steps} steps: "
           f"{args.replicas} x {args.stages} stages "
           f"({'one GPU' if args.use_gpu else 'one CPU'} each), {args.micro_batches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, "
@@ -240,12 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     def log_step(result: StepResult) -> None:
         print(format_step(result, args.steps), flush=True)
 
-    summary = train(run_config(args, args.steps - done), callback=None if args.progress else log_step)
-    shown = {k: summary[k] for k in ("num_parameters", "steps", "initial_loss", "final_loss", "final_eval_loss",
-                                     "tokens_per_second")}
+    summary = train(run_config(args), callback=None if args.progress else log_step,
+                    on_start=lambda first_step: print(resume_line(first_step, args), flush=True))
+    if summary["steps_run"] == 0:
+        return 0
+    shown = {k: summary[k] for k in ("num_parameters", "steps", "steps_run", "initial_loss", "final_loss",
+                                     "final_eval_loss", "tokens_per_second")}
     print(json.dumps(shown, indent=2))
     print(f"outputs in {args.out}; checkpoints in {summary['checkpoint_dir']}")
     return 0
+
+
+def resume_line(first_step: int, args: argparse.Namespace) -> str:
+    """What this invocation trains, once the newest intact checkpoint (if any) is loaded."""
+    if first_step == args.steps:
+        return f"nothing to do: {args.checkpoint_dir} holds step {first_step} of --steps {args.steps}"
+    if first_step:
+        return (f"resuming from the checkpoint of step {first_step} in {args.checkpoint_dir}: "
+                f"training steps {first_step + 1}..{args.steps}")
+    return f"training steps 1..{args.steps}"
 
 
 if __name__ == "__main__":

@@ -4,7 +4,15 @@
 
 Prepares the corpus if missing, starts a local Ray instance (or joins
 RAY_ADDRESS), trains on pipeline stages and writes summary.json, loss.png,
-trace.json, timeline.png and the final checkpoint into --out.
+trace.json, timeline.png and checkpoints into --out.
+
+--steps is the run's total. By default (--resume) the job first loads the
+newest intact checkpoint in --checkpoint-dir with its data position and trains
+only the steps still missing: running the same command again after the driver
+(or the Ray instance) died finishes the same run, bitwise, with no sample seen
+twice; it redoes the steps since that checkpoint (--checkpoint-every). The
+outputs of a resumed invocation cover the steps it trained (summary.json:
+first_step, resumed_from_step).
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ZeRO-1: shard the optimizer state over the replicas")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step and replica")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="optimizer steps of the run in total, resumed steps included")
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
     add_activation_arguments(parser)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -37,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")
     parser.add_argument("--out", default="runs/tiny", help="output directory")
+    parser.add_argument("--checkpoint-dir", default=None, help="checkpoints (default: OUT/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int, default=50,
+                        help="checkpoint every N steps of the run (and at the end); a rerun after a crash redoes "
+                             "the steps since the newest one (default: 50)")
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                        help="continue from the newest intact checkpoint in --checkpoint-dir and train the steps "
+                             "missing up to --steps (default: on)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
@@ -46,16 +62,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = RunConfig(
         model="tiny", data=args.data, steps=args.steps, micro_batch_size=args.micro_batch_size,
-        eval_every=args.eval_every, out=args.out, progress=not args.no_progress,
+        eval_every=args.eval_every, out=args.out, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
         pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "metrics_port": args.metrics_port})
-    summary = train(run)
-    shown = {k: summary[k] for k in ("steps", "initial_loss", "final_loss", "final_eval_loss", "tokens_per_second")}
+    summary = train(run, on_start=lambda first_step: print(_resume_line(first_step, args), flush=True))
+    if summary["steps_run"] == 0:
+        return 0
+    shown = {k: summary[k] for k in ("steps", "steps_run", "initial_loss", "final_loss", "final_eval_loss",
+                                     "tokens_per_second")}
     print(json.dumps(shown, indent=2))
     print(f"outputs in {args.out}: summary.json loss.png trace.json timeline.png checkpoints/")
     return 0
+
+
+def _resume_line(first_step: int, args: argparse.Namespace) -> str:
+    if first_step == args.steps:
+        return f"nothing to do: the checkpoints hold step {first_step} of --steps {args.steps}"
+    return f"resuming from the checkpoint of step {first_step}" if first_step else "starting at step 0"
 
 
 if __name__ == "__main__":

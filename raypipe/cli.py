@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
 
     train = commands.add_parser("train", help="train from a YAML run config")
     train.add_argument("--config", required=True, help="YAML file with RunConfig fields (see configs/tiny.yaml)")
-    train.add_argument("--steps", type=int, help="override the config's steps")
+    train.add_argument("--steps", type=int, help="override the config's steps (the run's total)")
     train.add_argument("--out", help="override the config's output directory")
 
     from raypipe.data import add_prepare_arguments

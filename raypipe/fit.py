@@ -24,7 +24,9 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     validation steps is recorded in ``result.eval_loss``; checkpoints go
     to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end, with
     the data position, so a restart resumes exactly (``keep_last``: only the
-    newest that many are kept).
+    newest that many are kept). Both count the trainer's steps (``step_count``,
+    which a loaded checkpoint restores), not this call's: a resumed run
+    evaluates and checkpoints at the same steps as an uninterrupted one.
 
     Before step 0 each reading stage opens the dataset where it runs; a stage on
     a node that cannot open a local dataset gets its shards through Ray's object
@@ -44,11 +46,12 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
         for done in range(1, steps + 1):
             result = trainer.step_from_datasets(dataset.next_step, samples_per_step, dataset.tokens_per_step)
             dataset.advance()
-            if validation is not None and eval_every and (done % eval_every == 0 or done == steps):
+            trained = result.step + 1  # the run's steps so far: a resumed run keeps the same cadence
+            if validation is not None and eval_every and (trained % eval_every == 0 or done == steps):
                 result.eval_loss = evaluate(trainer, eval_steps)
             results.append(result)
             _show(bar, result)
-            if checkpoint_dir and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
+            if checkpoint_dir and ((checkpoint_every and trained % checkpoint_every == 0) or done == steps):
                 trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last)
             if callback is not None:
                 callback(result)

@@ -5,6 +5,7 @@ Shared by ``jobs/train_tiny.py``, ``jobs/train_7b.py`` and ``raypipe train``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,9 @@ from typing import Any
 import torch
 
 from raypipe.config import PipelineConfig
-from raypipe.core.validation import from_mapping
+from raypipe.core.validation import check_int, from_mapping
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,7 +30,7 @@ class RunConfig:
     tokenizer: str | None = None  # Hugging Face tokenizer directory preparing ``data``; None: bytes
     data: str | None = None  # prepared dataset (local path or s3:// / gs:// URI); None: the stdlib, in the cache
     prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
-    steps: int = 200
+    steps: int = 200  # the run's total: a resumed run trains the steps its checkpoint does not hold yet
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     micro_batch_size: int = 4
     learning_rate: float = 3e-3
@@ -41,7 +44,7 @@ class RunConfig:
     checkpoint_dir: str | None = None  # default: OUT/checkpoints
     checkpoint_every: int = 0
     keep_last: int | None = None  # checkpoints kept (the newest); None: all
-    resume: bool = False
+    resume: bool = True  # continue from the newest intact checkpoint in checkpoint_dir, so a rerun finishes the run
     progress: bool = True
     ship_data_limit_bytes: int | None = None  # a local dataset a stage cannot open is shipped up to this; None: 1 GiB
     pipeline: dict[str, Any] = field(default_factory=lambda: {"num_stages": 2, "num_micro_batches": 4})
@@ -62,18 +65,59 @@ def llama_count_tokens(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
-def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """Run the training and write summary.json, the loss curve, trace and checkpoint to ``run.out``.
+def train(run: RunConfig, callback: Callable[[Any], None] | None = None,
+          on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train the run up to ``run.steps`` steps in total and write summary.json, the loss curve, trace and
+    checkpoints to ``run.out``.
 
-    ``callback(result)`` is called with each step's StepResult (e.g. to log a
-    line per step where there is no progress bar).
+    With ``run.resume`` (the default) it first loads the newest intact checkpoint in the checkpoint
+    directory with its data position, so running the same config again after a crash (of the driver,
+    the head, the whole cluster) finishes the same run: the steps since that checkpoint are trained
+    again, each on its own data, and the result is bitwise that of a run never interrupted. The
+    outputs then cover only the steps this call trained (``first_step`` on); ``steps`` is the run's
+    total. A checkpoint already at ``run.steps`` leaves nothing to do: no step runs and no output is
+    rewritten (the summary says ``steps_run: 0``).
+
+    ``on_start(first_step)`` is called once the trainer is ready (after any resume), and
+    ``callback(result)`` with each step's StepResult (e.g. to log a line per step where there is no
+    progress bar).
     """
-    from raypipe.data import TokenDataset, prepare
     from raypipe.models.llama import llama_loss
     from raypipe.trainer import PipelineTrainer
 
+    check_int("steps", run.steps, 1, allowed="must be an int >= 1 (the run's total optimizer steps)")
     pipeline = PipelineConfig.from_dict(run.pipeline)
     layers, model, seq_len = _model(run)
+    data, datasets = _datasets(run, pipeline, model, seq_len)
+    out = Path(run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
+    _check_checkpoint_dir(checkpoint_dir, run)
+    optimizer = _adamw(run.learning_rate, run.weight_decay)
+    schedule = warmup_cosine(run.warmup_steps, run.lr_decay_steps or run.steps, run.min_lr_ratio)
+    with PipelineTrainer(layers, llama_loss, optimizer, pipeline,
+                         loss_count_fn=llama_count_tokens, lr_scheduler=schedule) as trainer:
+        first_step = _resume(trainer, datasets[0], checkpoint_dir) if run.resume else 0
+        if on_start is not None:
+            on_start(first_step)
+        if first_step == run.steps:
+            return {"steps": run.steps, "steps_run": 0, "first_step": first_step, "resumed_from_step": first_step,
+                    "checkpoint_dir": checkpoint_dir, "data": data}
+        results = trainer.fit(datasets[0], run.steps - first_step, validation=datasets[1], eval_every=run.eval_every,
+                              eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
+                              checkpoint_every=run.checkpoint_every, keep_last=run.keep_last, progress=run.progress,
+                              callback=callback, ship_data_limit_bytes=run.ship_data_limit_bytes)
+        placement = _placement(trainer)
+    summary = {**_summary(run, results, trainer.num_parameters, checkpoint_dir, first_step), "data": data,
+               **placement}
+    _write_outputs(out, results, summary)
+    return summary
+
+
+def _datasets(run: RunConfig, pipeline: PipelineConfig, model: Any, seq_len: int) -> tuple[str, list]:
+    """The dataset's path (prepared if missing and allowed) and its train and validation readers."""
+    from raypipe.data import TokenDataset, prepare
+
     data = dataset_path(run.data, seq_len, run.tokenizer)
     if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
@@ -83,24 +127,42 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None) -> dict
                              vocab_size=model.vocab_size) for split in ("train", "validation")]
     _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
     _check_dataset_tokenizer(data, datasets[0].tokenizer_name, run.tokenizer)
-    out = Path(run.out)
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoint_dir = run.checkpoint_dir or str(out / "checkpoints")
-    optimizer = _adamw(run.learning_rate, run.weight_decay)
-    schedule = warmup_cosine(run.warmup_steps, run.lr_decay_steps or run.steps, run.min_lr_ratio)
-    with PipelineTrainer(layers, llama_loss, optimizer, pipeline,
-                         loss_count_fn=llama_count_tokens, lr_scheduler=schedule) as trainer:
-        if run.resume and _has_checkpoint(checkpoint_dir):
-            extra = trainer.load_checkpoint(checkpoint_dir)
-            datasets[0].load_state_dict(extra["dataset"])
-        results = trainer.fit(datasets[0], run.steps, validation=datasets[1], eval_every=run.eval_every,
-                              eval_steps=run.eval_steps, checkpoint_dir=checkpoint_dir,
-                              checkpoint_every=run.checkpoint_every, keep_last=run.keep_last, progress=run.progress,
-                              callback=callback, ship_data_limit_bytes=run.ship_data_limit_bytes)
-        placement = _placement(trainer)
-    summary = {**_summary(run, results, trainer.num_parameters, checkpoint_dir), "data": data, **placement}
-    _write_outputs(out, results, summary)
-    return summary
+    return data, datasets
+
+
+def _check_checkpoint_dir(checkpoint_dir: str, run: RunConfig) -> None:
+    """Refuse, before any actor starts, a checkpoint directory this run would save over."""
+    from raypipe.checkpoint.store import latest_checkpoint
+
+    newest = latest_checkpoint(checkpoint_dir)
+    if newest is None:
+        return
+    if not run.resume:
+        raise ValueError(f"{checkpoint_dir} holds checkpoints of an earlier run (the newest: step {newest}) and "
+                         "resume=False would save over them: resume it (resume=True, --resume), or give this run an "
+                         "empty checkpoint directory")
+    if newest > run.steps:
+        raise ValueError(f"{checkpoint_dir} holds step {newest}, past the run's steps={run.steps}: it is another "
+                         "run's; give this run its own checkpoint directory, or the steps of that run")
+
+
+def _resume(trainer: Any, dataset: Any, checkpoint_dir: str) -> int:
+    """Load the newest intact checkpoint (if any) and its data position; the step training continues from.
+
+    The complete checkpoints after it are damaged (the load fell back past them): they are deleted,
+    with a warning, because this run saves those steps again and a complete checkpoint is never
+    overwritten."""
+    from raypipe.checkpoint.store import delete_checkpoint, list_checkpoints
+
+    if not _has_checkpoint(checkpoint_dir):
+        return 0
+    extra = trainer.load_checkpoint(checkpoint_dir)
+    dataset.load_state_dict(extra["dataset"])
+    for damaged in (step for step in list_checkpoints(checkpoint_dir) if step > trainer.step_count):
+        logger.warning("raypipe: deleting the damaged checkpoint of step %d in %s: this run saves it again",
+                       damaged, checkpoint_dir)
+        delete_checkpoint(checkpoint_dir, damaged)
+    return trainer.step_count
 
 
 def dataset_path(data: str | None, seq_len: int, tokenizer: str | None = None) -> str:
@@ -187,14 +249,16 @@ def _has_checkpoint(checkpoint_dir: str) -> bool:
     return latest_checkpoint(checkpoint_dir) is not None
 
 
-def _summary(run: RunConfig, results: list, num_parameters: int, checkpoint_dir: str) -> dict[str, Any]:
-    if not results:
-        raise ValueError("steps must be >= 1")
+def _summary(run: RunConfig, results: list, num_parameters: int, checkpoint_dir: str,
+             first_step: int) -> dict[str, Any]:
+    """The run's totals and this call's part: losses (and the loss curve, trace, throughput) cover the
+    steps trained here, ``first_step`` to ``steps - 1``; ``resumed_from_step`` is None for a fresh run."""
     eval_losses = [r.eval_loss for r in results if r.eval_loss is not None]
     timed = results[1:] or results  # the first step includes warm-up
     tokens_per_second = sum(r.num_tokens for r in timed) / sum(r.step_time for r in timed)
     return {
-        "model": run.init_from or run.model, "num_parameters": num_parameters, "steps": len(results),
+        "model": run.init_from or run.model, "num_parameters": num_parameters, "steps": results[-1].step + 1,
+        "steps_run": len(results), "first_step": first_step, "resumed_from_step": first_step or None,
         "initial_loss": results[0].loss, "final_loss": results[-1].loss,
         "final_eval_loss": eval_losses[-1] if eval_losses else math.nan,
         "tokens_per_second": tokens_per_second,

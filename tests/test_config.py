@@ -116,7 +116,7 @@ def test_old_flags_name_their_new_flag(capsys):
     args = job["parse_args"](["--preset", "tiny", "--checkpoint-dir", "ckpt", "--checkpoint-every", "5",
                               "--activation-checkpoint", "except_last", "--offload-activations"])
     assert (args.checkpoint_dir, args.checkpoint_every) == ("ckpt", 5)
-    pipeline = job["run_config"](args, 1).pipeline
+    pipeline = job["run_config"](args).pipeline
     assert (pipeline["activation_checkpoint"], pipeline["offload_activations"]) == ("except_last", True)
 
 

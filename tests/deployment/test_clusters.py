@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,23 @@ def test_cloud_clusters_have_8_gpu_h100_workers_that_install_raypipe(
     # Nothing listens on a public address unless configured to.
     head_start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
+def test_cloud_heads_declare_a_lost_node_dead_as_the_helm_chart_does(name: str) -> None:
+    """The GCS reads RAY_health_check_* from the environment of `ray start --head`."""
+    config = ray_validated(by_name(name))
+    (start,) = [part for command in config["head_start_ray_commands"] for part in command.split(";")
+                if "ray start --head" in part]
+    words = shlex.split(start)
+    head_start = words.index("ray")
+    assert words[head_start:head_start + 3] == ["ray", "start", "--head"]
+    env = dict(word.split("=", 1) for word in words[:head_start])
+    chart = yaml.safe_load((CLUSTERS_DIR.parent / "helm" / "raypipe" / "values.yaml").read_text())
+    check = chart["head"]["nodeHealthCheck"]
+    assert env == {"RAY_health_check_period_ms": str(check["periodMs"]),
+                   "RAY_health_check_timeout_ms": str(check["timeoutMs"]),
+                   "RAY_health_check_failure_threshold": str(check["failureThreshold"])}
 
 
 def test_fake_multinode_cluster_is_local_and_complete() -> None:

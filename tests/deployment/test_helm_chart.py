@@ -299,16 +299,55 @@ def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:
         "--max-failures": ["3"],
         "--snapshot-every": ["1"],
         "--hang-timeout": ["30"],
+        "--replace-timeout": ["600"],
         "--micro-batches": ["64"],
         "--micro-batch-size": [str(training["microBatchSize"])],
         "--seq-len": [str(training["seqLen"])],
         "--steps": [str(training["steps"])],
         "--data": [training["dataPath"]],
         "--checkpoint-dir": ["/mnt/ckpt/llama-7b"],
+        "--checkpoint-every": ["100"],
+        "--resume": [],
         "--metrics-port": [str(training["metricsPort"])],
         "--metrics-host": ["0.0.0.0"],
         "--eval-every": ["100"],
     }
+
+
+def test_a_rerun_resumes_from_checkpoints_at_the_chosen_cadence(chart) -> None:
+    """What a job.backoffLimit rerun needs: --resume, the cadence, retention and the replacement timeout."""
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert "--no-resume" not in flags and "--keep-last" not in flags  # keepLast 0: every checkpoint kept
+    overrides = {"training": {"checkpointEvery": 25, "keepLast": 3, "replaceTimeoutSeconds": 120},
+                 "job": {"backoffLimit": 4}}
+    rayjob = only(render(chart, overrides), "RayJob")
+    _command, flags = entrypoint_flags(rayjob)
+    assert (flags["--checkpoint-every"], flags["--keep-last"], flags["--replace-timeout"]) == (["25"], ["3"], ["120"])
+    assert flags["--resume"] == [] and rayjob["spec"]["backoffLimit"] == 4
+    # without reruns, a run may start over
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"resume": False, "checkpointDir": "/tmp/c"},
+                                                           "job": {"backoffLimit": 0}}), "RayJob"))
+    assert "--no-resume" in flags and "--resume" not in flags
+
+
+def test_the_head_declares_a_lost_node_dead_as_configured(chart) -> None:
+    """Ray's GCS (on the head) reads RAY_health_check_*; the user's env still comes after and wins."""
+    expected = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",
+                "RAY_health_check_failure_threshold": "5"}
+    for manifests in (render(chart), render(chart, {"rayCluster": {"enabled": True}})):
+        for cluster in ray_clusters(manifests):
+            env = {e["name"]: e["value"] for e in head_container(cluster)["env"]}
+            assert expected.items() <= env.items()
+    overrides = {"head": {"nodeHealthCheck": {"periodMs": 500, "timeoutMs": 2000, "failureThreshold": 3}},
+                 "env": [{"name": "AWS_REGION", "value": "us-west-2"}]}
+    cluster = only(render(chart, overrides), "RayJob")["spec"]["rayClusterSpec"]
+    assert head_container(cluster)["env"] == [
+        {"name": "RAY_health_check_period_ms", "value": "500"},
+        {"name": "RAY_health_check_timeout_ms", "value": "2000"},
+        {"name": "RAY_health_check_failure_threshold", "value": "3"},
+        {"name": "AWS_REGION", "value": "us-west-2"}]
+    (group,) = cluster["workerGroupSpecs"]
+    assert group["template"]["spec"]["containers"][0]["env"] == [{"name": "AWS_REGION", "value": "us-west-2"}]
 
 
 def test_large_step_counts_render_as_integers(chart) -> None:
@@ -464,6 +503,26 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
             {"rayCluster": {"enabled": True}, "job": {"submissionMode": "SidecarMode"}}, helm_python.HelmRenderError,
             "SidecarMode cannot run on the standalone RayCluster", id="sidecar-on-standalone",
         ),
+        pytest.param(
+            {"training": {"resume": False}}, helm_python.HelmRenderError,
+            "job.backoffLimit=2 reruns a failed job, which must resume from its checkpoints",
+            id="reruns-without-resume",
+        ),
+        pytest.param(
+            {"training": {"checkpointDir": "/home/ray/ckpt"}}, helm_python.HelmRenderError,
+            "training.checkpointDir=/home/ray/ckpt is on the head pod's own disk",
+            id="reruns-lose-a-local-checkpoint-dir",
+        ),
+        pytest.param(
+            {"training": {"checkpointDir": "/mnt/ckpt-other/x"},
+             "volumeMounts": [{"name": "c", "mountPath": "/mnt/ckpt"}], "volumes": [{"name": "c", "emptyDir": {}}]},
+            helm_python.HelmRenderError, "training.checkpointDir=/mnt/ckpt-other/x is on the head pod's own disk",
+            id="checkpoint-dir-beside-the-mount",
+        ),
+        pytest.param({"training": {"checkpointEvery": -1}}, helm_python.HelmValuesError, "/training/checkpointEvery",
+                     id="negative-checkpoint-cadence"),
+        pytest.param({"head": {"nodeHealthCheck": {"periodMs": 0}}}, helm_python.HelmValuesError,
+                     "/head/nodeHealthCheck/periodMs", id="zero-health-check-period"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_them(chart, values, error, message) -> None:

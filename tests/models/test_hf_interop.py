@@ -251,7 +251,7 @@ def test_train_7b_flags_reach_the_run_config(capsys):
     job = load_job("train_7b")
     args = job["parse_args"](["--preset", "tiny", "--init-from", "s3://b/llama", "--seq-len", "4096",
                               "--untie-embeddings", "--tokenizer", "tok"])
-    run = job["run_config"](args, 1)
+    run = job["run_config"](args)
     assert (run.init_from, run.untie_embeddings, run.tokenizer, run.seq_len) == ("s3://b/llama", True, "tok", 4096)
     from raypipe.data.cache import default_dataset_dir
 

@@ -68,6 +68,21 @@ the values involved and what is allowed.
 {{- fail (printf "training.stages=%d x training.replicas=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (int (default 1 .Values.training.replicas)) $workers (int $w.maxReplicas) $gpus (mul $gpus (int $w.maxReplicas))) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.job.enabled (gt (int .Values.job.backoffLimit) 0) }}
+{{- if not .Values.training.resume }}
+{{- fail (printf "job.backoffLimit=%d reruns a failed job, which must resume from its checkpoints: set training.resume=true, or job.backoffLimit=0" (int .Values.job.backoffLimit)) }}
+{{- end }}
+{{- $dir := toString .Values.training.checkpointDir }}
+{{- if not (contains "://" $dir) }}
+{{- $mounted := false }}
+{{- range .Values.volumeMounts }}
+{{- if or (eq $dir .mountPath) (hasPrefix (printf "%s/" (trimSuffix "/" .mountPath)) $dir) }}{{ $mounted = true }}{{ end }}
+{{- end }}
+{{- if not $mounted }}
+{{- fail (printf "training.checkpointDir=%s is on the head pod's own disk, which a rerun (job.backoffLimit=%d, on a fresh cluster) does not see: use an s3:// or gs:// URI, or a path under one of volumeMounts (e.g. a PersistentVolumeClaim)" $dir (int .Values.job.backoffLimit)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.job.enabled .Values.rayCluster.enabled (eq .Values.job.submissionMode "SidecarMode") }}
 {{- fail "job.submissionMode=SidecarMode cannot run on the standalone RayCluster (rayCluster.enabled=true): KubeRay supports it only for a RayJob's own cluster; use K8sJobMode or HTTPMode" }}
 {{- end }}
@@ -76,7 +91,8 @@ the values involved and what is allowed.
 {{/* The training command: the flags of jobs/train_7b.py. */}}
 {{- define "raypipe.entrypoint" -}}
 {{- $t := .Values.training -}}
-python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ int (default 1 $t.replicas) }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }} --hang-timeout {{ $t.hangTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --metrics-port {{ int $t.metricsPort }}
+python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ int (default 1 $t.replicas) }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }} --hang-timeout {{ $t.hangTimeoutSeconds }} --replace-timeout {{ $t.replaceTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --checkpoint-every {{ int $t.checkpointEvery }}
+{{- if gt (int $t.keepLast) 0 }} --keep-last {{ int $t.keepLast }}{{ end }} {{ if $t.resume }}--resume{{ else }}--no-resume{{ end }} --metrics-port {{ int $t.metricsPort }}
 {{- if $t.metricsHost }} --metrics-host {{ $t.metricsHost }}{{ end }}
 {{- range $t.extraArgs }} {{ . }}{{ end }}
 {{- end }}
@@ -103,17 +119,19 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
-{{/* Container settings shared by the Ray head and worker containers. */}}
+{{/* Container settings shared by the Ray head and worker containers; the argument is
+(dict "root" $ "env" list): ``env`` goes before the user's .Values.env, which can override it. */}}
 {{- define "raypipe.containerCommon" -}}
-image: {{ include "raypipe.image" . }}
-imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- $root := .root }}
+image: {{ include "raypipe.image" $root }}
+imagePullPolicy: {{ $root.Values.image.pullPolicy }}
 securityContext:
-  {{- toYaml .Values.containerSecurityContext | nindent 2 }}
-{{- with .Values.env }}
+  {{- toYaml $root.Values.containerSecurityContext | nindent 2 }}
+{{- with concat .env $root.Values.env }}
 env:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.envFrom }}
+{{- with $root.Values.envFrom }}
 envFrom:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -121,9 +139,21 @@ volumeMounts:
   # Ray's object store lives in /dev/shm; the container default (64 MiB) is far too small.
   - name: dshm
     mountPath: /dev/shm
-  {{- with .Values.volumeMounts }}
+  {{- with $root.Values.volumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
+{{- end }}
+
+{{/* How fast the GCS declares a lost node dead (head.nodeHealthCheck): Ray's RAY_health_check_*
+settings, read by the GCS on the head. */}}
+{{- define "raypipe.nodeHealthCheckEnv" -}}
+{{- $check := .Values.head.nodeHealthCheck }}
+- name: RAY_health_check_period_ms
+  value: {{ int $check.periodMs | quote }}
+- name: RAY_health_check_timeout_ms
+  value: {{ int $check.timeoutMs | quote }}
+- name: RAY_health_check_failure_threshold
+  value: {{ int $check.failureThreshold | quote }}
 {{- end }}
 
 {{/* Volumes of a Ray pod; the argument is (dict "root" $ "shmSize" size). */}}
@@ -194,7 +224,7 @@ headGroupSpec:
       {{- with include "raypipe.scheduling" .Values.head | trim }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: ray-head
-          {{- include "raypipe.containerCommon" . | nindent 10 }}
+          {{- include "raypipe.containerCommon" (dict "root" . "env" (include "raypipe.nodeHealthCheckEnv" . | fromYamlArray)) | nindent 10 }}
           ports:
             - name: gcs-server
               containerPort: 6379
@@ -225,7 +255,7 @@ workerGroupSpecs:
         {{- with include "raypipe.scheduling" $w | trim }}{{ . | nindent 8 }}{{ end }}
         containers:
           - name: ray-worker
-            {{- include "raypipe.containerCommon" . | nindent 12 }}
+            {{- include "raypipe.containerCommon" (dict "root" . "env" list) | nindent 12 }}
             ports:
               - name: metrics
                 containerPort: 8080
