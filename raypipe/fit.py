@@ -24,7 +24,10 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     validation steps is recorded in ``result.eval_loss``; checkpoints go
     to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end, with
     the data position, so a restart resumes exactly (``keep_last``: only the
-    newest that many are kept).
+    newest that many are kept). They are saved in the background
+    (``save_checkpoint(..., wait=False)``): training stalls only for each
+    worker's copy of its state to host memory, a save waits for the one before,
+    and the final one is complete when ``fit`` returns.
 
     Before step 0 each reading stage opens the dataset where it runs; a stage on
     a node that cannot open a local dataset gets its shards through Ray's object
@@ -49,12 +52,15 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
             results.append(result)
             _show(bar, result)
             if checkpoint_dir and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
-                trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last)
+                trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last,
+                                        wait=False)
             if callback is not None:
                 callback(result)
     finally:
         if bar is not None:
             bar.close()
+    if checkpoint_dir:
+        trainer.wait_for_checkpoint()  # the final checkpoint is complete when fit returns
     return results
 
 
