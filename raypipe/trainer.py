@@ -2,6 +2,7 @@
 workers -> executor; it keeps the step count, the loss scale and the metrics."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -348,7 +349,7 @@ class PipelineTrainer:
         self._executor.check_usable()
         step, writers = self.step_count, self._first_replica
         if self._optimizer_parts() > 1:  # ZeRO-1: the other replicas' optimizer state, as blobs
-            writers = self._group.actors
+            writers = list(self._group.actors)
         names = [f"replica {replica} stage {stage}" for replica, stage in
                  (divmod(rank, self.topology.num_stages) for rank in range(len(writers)))]
         self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names, self._manifest_extra(extra),
@@ -373,6 +374,10 @@ class PipelineTrainer:
                  "layer_names": self._layer_names, "optimizer_parts": self._optimizer_parts(), **(extra or {})}
         if self._llama is not None:
             state["model"] = self._llama  # lets `raypipe export` convert the checkpoint
+        try:  # now, not when a background save writes its manifest
+            json.dumps(state)
+        except TypeError as error:
+            raise TypeError(f"checkpoint extra metadata is not JSON-serializable: {error}") from None
         return state
 
     def export_hf(self, uri: str, dtype: str = "bf16") -> str:
