@@ -2,15 +2,15 @@
 
 A save copies the worker's state to host memory at once, as a task in the
 worker's step order (so the copy is the state after the last committed step:
-the next step changes the weights in place), then a thread of its own writes
-the copy while the worker goes on with its next step. The driver asks for the
-files with a task in the ``checkpoint`` concurrency group (a thread of its own,
-as heartbeats have), which waits for the write and returns what it stored or
-raises its error.
+the next step changes the weights in place): the copy is the bytes of its files
+(:func:`~raypipe.checkpoint.store.encode`). Then a thread of its own hashes and
+writes them while the worker goes on with its next step; both leave Python's GIL
+to the step. The driver asks for the files with a task in the ``checkpoint``
+concurrency group (a thread of its own, as heartbeats have), which waits for the
+write and returns what it stored or raises its error.
 """
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable
@@ -29,8 +29,8 @@ CHECKPOINT_GROUP = "checkpoint"  # the concurrency group (own thread) that waits
 @dataclass
 class WrittenFiles:
     """What one worker stored for a checkpoint: its layer files (first replica) or
-    optimizer-part blobs (ZeRO-1, other replicas), the bytes of its host copy, and
-    when its write started and finished (``time.time()``)."""
+    optimizer-part blobs (ZeRO-1, other replicas), the bytes of its host copy (its
+    files' bytes), and when its write started and finished (``time.time()``)."""
 
     layers: dict[int, StoredFile] = field(default_factory=dict)
     blobs: list[StoredFile] = field(default_factory=list)
@@ -39,30 +39,17 @@ class WrittenFiles:
     finished_unix: float = 0.0
 
 
-def host_copy(state: Any) -> Any:
-    """``state`` (nested dicts, lists and tuples of tensors and plain values) with every
-    tensor copied to host memory and every container and value copied: nothing of it
-    is shared with the live state, which the next step changes in place."""
+def on_host(state: Any) -> Any:
+    """``state`` (nested dicts, lists and tuples) with its tensors on the host: the same
+    tensors when they are there already, so that encoding one layer at a time holds
+    at most one layer's device-to-host copies besides the bytes."""
     if torch.is_tensor(state):
-        return state.detach().to("cpu", copy=True)
+        return state.detach().cpu()
     if isinstance(state, dict):
-        return {key: host_copy(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [host_copy(value) for value in state]
-    if isinstance(state, tuple):
-        return tuple(host_copy(value) for value in state)
-    return copy.deepcopy(state)
-
-
-def tensor_bytes(state: Any) -> int:
-    """The bytes of every tensor in ``state`` (nested as for :func:`host_copy`)."""
-    if torch.is_tensor(state):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(tensor_bytes(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(tensor_bytes(value) for value in state)
-    return 0
+        return {key: on_host(value) for key, value in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(on_host(value) for value in state)
+    return state
 
 
 def write_named(root_uri: str, step: int, name: str, write: Callable[[], StoredFile]) -> StoredFile:

@@ -14,9 +14,8 @@ from typing import Any
 import ray
 import torch
 
-from raypipe.checkpoint.store import layer_file_name
-from raypipe.stage.checkpoint_writer import (CHECKPOINT_GROUP, CheckpointWriter, WrittenFiles, host_copy, tensor_bytes,
-                                             write_named)
+from raypipe.checkpoint.store import encode, encode_layer, layer_file_name
+from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP, CheckpointWriter, WrittenFiles, on_host, write_named
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
 
 
@@ -67,23 +66,25 @@ class StageCheckpointing:
         self.weights.refresh()
 
     def start_checkpoint(self, root_uri: str, step: int) -> int:
-        """Copy what this worker saves to host memory now and write it on the writer
-        thread; returns the bytes of the copy. The first replica saves its layers
-        (weights and its optimizer state), one file per global layer; with ZeRO-1
-        every other replica saves the optimizer state of the parameters it owns, one
-        blob per layer. The copy is the state after the last committed step: it runs
-        in step order, before the next step changes the weights in place.
-        :meth:`checkpoint_files` waits for the files."""
-        parts = host_copy(self._optimizer_parts(on_host=False))
-        layers = host_copy({index: layer.state_dict() for index, layer in zip(self.layer_indices, self.layers)}
-                           ) if self.replica == 0 else {}
-        host_bytes = tensor_bytes(layers) + tensor_bytes(parts)
+        """Copy what this worker saves to host memory now, as the bytes of its files,
+        and write them on the writer thread; returns the bytes of the copy. The first
+        replica saves its layers (weights and its optimizer state), one file per
+        global layer; with ZeRO-1 every other replica saves the optimizer state of
+        the parameters it owns, one blob per layer. The copy is the state after the
+        last committed step: it runs in step order, before the next step changes the
+        weights in place. :meth:`checkpoint_files` waits for the files."""
+        parts = self._optimizer_parts(on_host=False)
+        if self.replica == 0:
+            encoded = {index: encode_layer(index, on_host({"model": layer.state_dict(), **parts[index]}))
+                       for index, layer in zip(self.layer_indices, self.layers)}
+        else:
+            encoded = {index: encode(on_host(part)) for index, part in parts.items()}
         if getattr(self, "_checkpoint_writer", None) is None:
             self._checkpoint_writer = CheckpointWriter()
-        replica = self.replica
+        replica, host_bytes = self.replica, sum(len(payload) for payload in encoded.values())
         self._checkpoint_writer.start(step, host_bytes, lambda files: (
-            _write_layers(files, root_uri, step, layers, parts) if replica == 0
-            else _write_optimizer_parts(files, root_uri, step, parts, replica)))
+            _write_layers(files, root_uri, step, encoded) if replica == 0
+            else _write_optimizer_parts(files, root_uri, step, encoded, replica)))
         return host_bytes
 
     @ray.method(concurrency_group=CHECKPOINT_GROUP)
@@ -130,21 +131,21 @@ class StageCheckpointing:
                 for index in self.layer_indices}
 
 
-def _write_layers(files: WrittenFiles, root_uri: str, step: int, layers: dict[int, dict],
-                  parts: dict[int, dict]) -> None:
+def _write_layers(files: WrittenFiles, root_uri: str, step: int, encoded: dict[int, bytes]) -> None:
     """The first replica's files: per global layer, its weights and optimizer part."""
-    from raypipe.checkpoint.store import write_layer
+    from raypipe.checkpoint.store import write_encoded_layer
 
-    for index, state in layers.items():
-        files.layers[index] = write_named(root_uri, step, layer_file_name(index), lambda: write_layer(
-            root_uri, step, index, {"model": state, **parts[index]}))
+    for index, payload in encoded.items():
+        files.layers[index] = write_named(root_uri, step, layer_file_name(index),
+                                          lambda: write_encoded_layer(root_uri, step, index, payload))
 
 
-def _write_optimizer_parts(files: WrittenFiles, root_uri: str, step: int, parts: dict[int, dict],
+def _write_optimizer_parts(files: WrittenFiles, root_uri: str, step: int, encoded: dict[int, bytes],
                            replica: int) -> None:
     """ZeRO-1, a replica after the first: per layer, the optimizer state it owns."""
-    from raypipe.checkpoint.store import write_blob
+    from raypipe.checkpoint.store import write_encoded_blob
 
-    for index, part in parts.items():
+    for index, payload in encoded.items():
         name = optimizer_part_name(index, replica)
-        files.blobs.append(write_named(root_uri, step, f"{name}.pt", lambda: write_blob(root_uri, step, name, part)))
+        files.blobs.append(write_named(root_uri, step, f"{name}.pt",
+                                       lambda: write_encoded_blob(root_uri, step, name, payload)))

@@ -15,7 +15,7 @@ import raypipe
 from raypipe.checkpoint.store import list_checkpoints
 from tests.reference import adamw, make_mlp, random_batches
 
-WIDE = 1024  # about 12 MB of weights and Adam state per wide layer: a write that takes a while
+WIDE = 2048  # about 50 MB of weights and Adam state per wide layer: a write that takes a while
 
 
 def wide_model() -> nn.Sequential:
