@@ -27,7 +27,8 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     newest that many are kept). They are saved in the background
     (``save_checkpoint(..., wait=False)``): training stalls only for each
     worker's copy of its state to host memory, a save waits for the one before,
-    and the final one is complete when ``fit`` returns.
+    and the final one is complete when ``fit`` returns (unless a worker was lost
+    while writing it: a warning says so, and the one before stays the newest).
 
     Before step 0 each reading stage opens the dataset where it runs; a stage on
     a node that cannot open a local dataset gets its shards through Ray's object
