@@ -27,6 +27,11 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     newest that many are kept). Both count the trainer's steps (``step_count``,
     which a loaded checkpoint restores), not this call's: a resumed run
     evaluates and checkpoints at the same steps as an uninterrupted one.
+    Checkpoints are saved in the background
+    (``save_checkpoint(..., wait=False)``): training stalls only for each
+    worker's copy of its state to host memory, a save waits for the one before,
+    and the final one is complete when ``fit`` returns (unless a worker was lost
+    while writing it: a warning says so, and the one before stays the newest).
 
     Before step 0 each reading stage opens the dataset where it runs; a stage on
     a node that cannot open a local dataset gets its shards through Ray's object
@@ -52,12 +57,15 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
             results.append(result)
             _show(bar, result)
             if checkpoint_dir and ((checkpoint_every and trained % checkpoint_every == 0) or done == steps):
-                trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last)
+                trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last,
+                                        wait=False)
             if callback is not None:
                 callback(result)
     finally:
         if bar is not None:
             bar.close()
+    if checkpoint_dir:
+        trainer.wait_for_checkpoint()  # the final checkpoint is complete when fit returns
     return results
 
 

@@ -2,6 +2,7 @@
 workers -> executor; it keeps the step count, the loss scale and the metrics."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -11,6 +12,7 @@ import ray
 import torch
 from torch import nn
 
+from raypipe.checkpoint.pending import PendingSave, SavedCheckpoint
 from raypipe.config import PipelineConfig
 from raypipe.core.loss_scale import LossScaler
 from raypipe.core.micro_batches import MicroBatches, count_samples, loss_weights, split_micro_batches
@@ -20,7 +22,7 @@ from raypipe.core.schedule import make_schedule
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
 from raypipe.core.validation import check_int
-from raypipe.errors import CheckpointError, NonFiniteError
+from raypipe.errors import CheckpointError, NonFiniteError, RaypipeError
 from raypipe.executor import make_executor
 from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
 from raypipe.models.hf.export import describe_llama
@@ -73,6 +75,7 @@ class PipelineTrainer:
         self._datasets: tuple[Any, Any] | None = None
         self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
         self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
+        self._pending_save: PendingSave | None = None  # the checkpoint save in flight
         self._executor = make_executor(config, self.schedule)
         self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
         self._start(layers, optimizer, loss_fn, lr_scheduler)
@@ -132,7 +135,14 @@ class PipelineTrainer:
         return [] if self._group is None else self._group.workers
 
     def shutdown(self) -> None:
-        """Free the stage actors, the placement group and the metrics server."""
+        """Wait for a checkpoint save in flight, then free the stage actors, the
+        placement group and the metrics server; then raise the save's error, if any."""
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self._free()
+
+    def _free(self) -> None:
         if self._group is not None:
             self._executor.close()
             self._group.shutdown()
@@ -148,8 +158,14 @@ class PipelineTrainer:
     def __enter__(self) -> PipelineTrainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            if exc_type is None:
+                raise
+            # the exception leaving the block is the one to see; the save's error is logged
+            logger.exception("raypipe: the checkpoint save in flight failed")
 
     # -- training ---------------------------------------------------------------
     def step(self, inputs: Batch, targets: Batch) -> StepResult:
@@ -307,34 +323,67 @@ class PipelineTrainer:
                             for actor, indices in zip(self._group.actors, ranges)])
         self._recovery.snapshot(self.step_count, first=True)
 
-    def save_checkpoint(self, root_uri: str, extra: dict | None = None, keep_last: int | None = None) -> int:
+    def save_checkpoint(self, root_uri: str, extra: dict | None = None, keep_last: int | None = None, *,
+                        wait: bool = True) -> int:
         """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
 
         Stages write their own layers in parallel (once: the first replica's,
-        every replica holds the same); the manifest, written last, makes the
-        checkpoint complete. ``keep_last=k`` then deletes all but the newest
-        ``k`` complete checkpoints under ``root_uri``.
-        """
-        from raypipe.checkpoint.store import prune_checkpoints, write_manifest
+        every replica holds the same; with ``shard_optimizer`` the other replicas
+        write their optimizer parts); the manifest, written last, makes the
+        checkpoint complete. ``keep_last=k`` then deletes all but the newest ``k``
+        complete checkpoints under ``root_uri``.
 
+        ``wait=False`` saves in the background: each worker copies its state to
+        host memory (the state after the last step; training stalls only for that
+        copy) and a thread of the worker writes the files while the next steps
+        run; a driver thread writes the manifest once every file is written, then
+        prunes. While a save is in flight each worker holds one more host copy of
+        its state: its weights and its optimizer state (``raypipe plan`` prints
+        it). At most one save is in flight: a save first waits for the one before,
+        and so do :meth:`wait_for_checkpoint`, :meth:`load_checkpoint`,
+        :meth:`export_hf` and :meth:`shutdown`; there a failed write raises
+        :class:`~raypipe.CheckpointError` naming the file. A worker lost while it
+        writes leaves that checkpoint incomplete (never loaded) with a warning,
+        and the next step heals it; with ``wait=True`` that raises instead.
+        """
+        from raypipe.checkpoint.pending import SaveRequest
+
+        self.wait_for_checkpoint()
         if keep_last is not None:
             check_int("keep_last", keep_last, 1, allowed="must be an int >= 1 (checkpoints kept), or None for all")
-        root, step = str(root_uri), self.step_count
-        layers = [actor.save_checkpoint.remote(root, step) for actor in self._first_replica]
-        parts = self._optimizer_parts()  # ZeRO-1: the other replicas' optimizer state, as blobs
-        blobs = [actor.save_optimizer_part.remote(root, step) for actor in self._group.actors[len(layers):]
-                 ] if parts > 1 else []
-        written = self._executor.get(layers + blobs)
-        layer_files = {index: file for files in written[:len(layers)] for index, file in files.items()}
-        state = {"step_count": step, "scaler": self.scaler.state_dict() if self.scaler else None,
-                 "layer_names": self._layer_names, "optimizer_parts": parts, **(extra or {})}
+        self._executor.check_usable()
+        step, writers = self.step_count, self._first_replica
+        if self._optimizer_parts() > 1:  # ZeRO-1: the other replicas' optimizer state, as blobs
+            writers = list(self._group.actors)
+        names = [f"replica {replica} stage {stage}" for replica, stage in
+                 (divmod(rank, self.topology.num_stages) for rank in range(len(writers)))]
+        self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names, self._manifest_extra(extra),
+                                                     keep_last, self.config.hang_timeout_s))
+        if wait:
+            saved = self.wait_for_checkpoint()
+            if not saved.complete:
+                raise RaypipeError(f"checkpoint step {step} under {root_uri} is not complete: a worker was lost "
+                                   "while writing it (see the warning); the next step heals it, then save again")
+        return step
+
+    def wait_for_checkpoint(self) -> SavedCheckpoint | None:
+        """Wait for the background save in flight, if any; returns what it wrote
+        (``complete`` is False when a worker was lost while writing it), or None
+        when no save was in flight. A failed write raises
+        :class:`~raypipe.CheckpointError` naming the file (once: the save is over)."""
+        pending, self._pending_save = self._pending_save, None
+        return None if pending is None else pending.result()
+
+    def _manifest_extra(self, extra: dict | None) -> dict:
+        state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "layer_names": self._layer_names, "optimizer_parts": self._optimizer_parts(), **(extra or {})}
         if self._llama is not None:
             state["model"] = self._llama  # lets `raypipe export` convert the checkpoint
-        part_files = [file for files in written[len(layers):] for file in files]
-        write_manifest(root, step, layer_files, extra=state, blobs=part_files)
-        if keep_last is not None:
-            prune_checkpoints(root, keep_last)
-        return step
+        try:  # now, not when a background save writes its manifest
+            json.dumps(state)
+        except TypeError as error:
+            raise TypeError(f"checkpoint extra metadata is not JSON-serializable: {error}") from None
+        return state
 
     def export_hf(self, uri: str, dtype: str = "bf16") -> str:
         """Write the model as a Hugging Face LLaMA directory (``config.json``, one safetensors shard per
@@ -347,6 +396,7 @@ class PipelineTrainer:
         if self._llama is None:
             raise ValueError("export_hf needs a LLaMA model (raypipe.models.llama.llama_layers or from_pretrained)")
         check_dtype(dtype)
+        self.wait_for_checkpoint()
         self._executor.check_usable()
         prepare_output(str(uri))
         n_blocks = self._llama["llama_config"]["n_layers"]
@@ -367,6 +417,7 @@ class PipelineTrainer:
         :class:`~raypipe.CheckpointError` naming it."""
         from raypipe.checkpoint.store import list_checkpoints
 
+        self.wait_for_checkpoint()
         if step is not None:
             return self._load_checkpoint(str(root_uri), step)
         steps = list_checkpoints(str(root_uri))

@@ -91,3 +91,22 @@ def test_a_killed_reading_stage_in_fit_costs_no_step_and_no_sample(ray_cluster, 
     assert len(failures) == 2
     assert killed_losses == losses and killed_position == position == {**position, "next_step": 5}
     assert all(torch.equal(killed_state[key], value) for key, value in state.items())
+
+
+def test_fit_saving_every_step_returns_with_its_final_checkpoint_complete(ray_cluster, data, tmp_path):
+    """Checkpoints saved in the background every step: when fit returns, the newest is the
+    final state (bitwise, with the data position) and keep_last pruned the older ones."""
+    from raypipe.checkpoint.store import list_checkpoints, read_manifest
+
+    train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=2)
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
+    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
+                                 loss_count_fn=llama_count_tokens) as trainer:
+        trainer.fit(train, 3, checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_last=2, progress=False)
+        assert list_checkpoints(tmp_path) == [2, 3]
+        assert read_manifest(tmp_path, 3)["extra"]["dataset"]["next_step"] == 3
+        final = trainer.state_dict()
+        trainer.step_from_datasets(3, 4, 4 * 32)  # moves the weights on, then back to the final checkpoint
+        trainer.load_checkpoint(tmp_path)
+        assert trainer.step_count == 3
+        assert all(torch.equal(value, final[key]) for key, value in trainer.state_dict().items())

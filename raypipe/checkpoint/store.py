@@ -64,19 +64,43 @@ def write_layer(root_uri: str | Path, step: int, layer_index: int, state: Mappin
 
     Safe to call from many stage actors at once: each writes its own file.
     """
-    if not isinstance(state, Mapping):
-        raise TypeError(f"layer {layer_index} state must be a dict, got {type(state).__name__}")
-    name = layer_file_name(layer_index)
-    filesystem, step_dir = _open_step_for_writing(root_uri, step)
-    return _write_atomically(filesystem, f"{step_dir}/{name}", lambda stream: torch.save(dict(state), stream))
+    return write_encoded_layer(root_uri, step, layer_index, encode_layer(layer_index, state))
 
 
 def write_blob(root_uri: str | Path, step: int, name: str, obj: Any) -> StoredFile:
     """Store an extra object (optimizer state, data position, ...) as ``<name>.pt``;
     pass what it returns to :func:`write_manifest`'s ``blobs``."""
+    return write_encoded_blob(root_uri, step, name, encode(obj))
+
+
+def encode(obj: Any) -> bytes:
+    """``obj`` as the bytes of its checkpoint file (``torch.save``): a copy of its
+    tensors in host memory, which later changes to them do not reach."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def encode_layer(layer_index: int, state: Mapping[str, Any]) -> bytes:
+    """One layer's state as the bytes of its checkpoint file (see :func:`encode`)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"layer {layer_index} state must be a dict, got {type(state).__name__}")
+    return encode(dict(state))
+
+
+def write_encoded_layer(root_uri: str | Path, step: int, layer_index: int, payload: bytes) -> StoredFile:
+    """:func:`write_layer` of a state already :func:`encode_layer`-d (hashing and writing
+    bytes leave Python's GIL to a step running meanwhile)."""
+    filesystem, step_dir = _open_step_for_writing(root_uri, step)
+    return _write_atomically(filesystem, f"{step_dir}/{layer_file_name(layer_index)}",
+                             lambda stream: stream.write(payload))
+
+
+def write_encoded_blob(root_uri: str | Path, step: int, name: str, payload: bytes) -> StoredFile:
+    """:func:`write_blob` of an object already :func:`encode`-d."""
     file_name = _blob_file_name(name)
     filesystem, step_dir = _open_step_for_writing(root_uri, step)
-    return _write_atomically(filesystem, f"{step_dir}/{file_name}", lambda stream: torch.save(obj, stream))
+    return _write_atomically(filesystem, f"{step_dir}/{file_name}", lambda stream: stream.write(payload))
 
 
 def write_manifest(

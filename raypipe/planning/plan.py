@@ -260,6 +260,14 @@ def describe_snapshots(plan: dict) -> str:
             f"multi-node cluster 2 x {format_bytes(every_worker)} on the driver's node (disk when it spills)")
 
 
+def describe_background_saves(plan: dict) -> str:
+    """Host memory a background checkpoint save (``fit``, ``save_checkpoint(wait=False)``) takes
+    while it is written: one more copy of each worker's weights and optimizer state, as a snapshot."""
+    largest = max(row["snapshot_bytes"] for row in plan["stages"])
+    return (f"background checkpoint saves (fit): one more host copy of up to {format_bytes(largest)} per worker "
+            "while a save is written")
+
+
 def render_table(plan: dict) -> str:
     """The plan as a human-readable table."""
     settings = plan["settings"]
@@ -290,6 +298,7 @@ def render_table(plan: dict) -> str:
         lines.append("  ".join(cell.rjust(width) if i != 1 else cell.ljust(width)
                                for i, (cell, width) in enumerate(zip(cells, widths))))
     lines.append(describe_snapshots(plan))
+    lines.append(describe_background_saves(plan))
     if plan["gpu_memory_bytes"] is not None:
         verdict = "fits" if plan["fits"] else "does NOT fit"
         lines.append(f"largest stage {format_bytes(plan['max_total_bytes'])} {verdict} in "

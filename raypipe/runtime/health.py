@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP
 from raypipe.stage.worker import HEALTH_GROUP
 
 DIED, HUNG, UNREACHABLE = "died", "hung", "unreachable"
@@ -22,8 +23,9 @@ DIED, HUNG, UNREACHABLE = "died", "hung", "unreachable"
 
 def worker_actor_class(worker_class: type) -> Any:
     """``worker_class`` as a Ray actor class whose heartbeats run on their own
-    thread; its other methods run one at a time, in submission order."""
-    return ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_class)
+    thread, and its waits for background checkpoint writes on another; its other
+    methods run one at a time, in submission order."""
+    return ray.remote(concurrency_groups={HEALTH_GROUP: 1, CHECKPOINT_GROUP: 1})(worker_class)
 
 
 class Watchdog:

@@ -5,14 +5,17 @@ partition and any number of replicas.
 With ZeRO-1 each replica holds the optimizer state of the parameters it owns:
 the first replica's part goes into the layer files, every other replica's into
 one checkpoint blob per layer (:func:`optimizer_part_name`), and loading merges
-the parts.
+the parts. Saves are written in the background (:mod:`raypipe.stage.checkpoint_writer`).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import ray
 import torch
 
+from raypipe.checkpoint.store import encode, encode_layer, layer_file_name
+from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP, CheckpointWriter, WrittenFiles, on_host, write_named
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
 
 
@@ -63,21 +66,35 @@ class StageCheckpointing:
         self.commits = snapshot["commits"]
         self.weights.refresh()
 
-    def save_checkpoint(self, root_uri: str, step: int) -> dict[int, str]:
-        """Write this stage's layers (weights and this replica's optimizer state), one file per global layer."""
-        from raypipe.checkpoint.store import write_layer
+    def start_checkpoint(self, root_uri: str, step: int) -> int:
+        """Copy what this worker saves to host memory now, as the bytes of its files,
+        and write them on the writer thread; returns the bytes of the copy. The first
+        replica saves its layers (weights and its optimizer state), one file per
+        global layer; with ZeRO-1 every other replica saves the optimizer state of
+        the parameters it owns, one blob per layer. The copy is the state after the
+        last committed step: it runs in step order, before the next step changes the
+        weights in place. :meth:`checkpoint_files` waits for the files."""
+        parts = self._optimizer_parts(on_host=False)
+        if self.replica == 0:
+            encoded = {index: encode_layer(index, on_host({"model": layer.state_dict(), **parts[index]}))
+                       for index, layer in zip(self.layer_indices, self.layers)}
+        else:
+            encoded = {index: encode(on_host(part)) for index, part in parts.items()}
+        if getattr(self, "_checkpoint_writer", None) is None:
+            self._checkpoint_writer = CheckpointWriter()
+        replica, host_bytes = self.replica, sum(len(payload) for payload in encoded.values())
+        self._checkpoint_writer.start(step, host_bytes, lambda files: (
+            _write_layers(files, root_uri, step, encoded) if replica == 0
+            else _write_optimizer_parts(files, root_uri, step, encoded, replica)))
+        return host_bytes
 
-        parts = self._optimizer_parts()
-        return {index: write_layer(root_uri, step, index, {"model": state, **parts[index]})
-                for index, state in self.state_dict().items()}
-
-    def save_optimizer_part(self, root_uri: str, step: int) -> list:
-        """ZeRO-1, replicas after the first: the optimizer state of the parameters
-        this replica owns, per layer (the first replica's goes into the layer files)."""
-        from raypipe.checkpoint.store import write_blob
-
-        return [write_blob(root_uri, step, optimizer_part_name(index, self.replica), part)
-                for index, part in self._optimizer_parts().items()]
+    @ray.method(concurrency_group=CHECKPOINT_GROUP)
+    def checkpoint_files(self, step: int, started: int) -> WrittenFiles:
+        """Wait for this worker's files of checkpoint ``step`` (on a thread of its own,
+        while steps run); ``started`` is :meth:`start_checkpoint`'s result, passed as a
+        reference so that Ray runs this after it. A failed write raises
+        :class:`~raypipe.errors.CheckpointError` naming the file."""
+        return self._checkpoint_writer.finish(step)
 
     def load_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
         """Load this stage's layers from a checkpoint written by any partition and
@@ -105,10 +122,31 @@ class StageCheckpointing:
 
         return [write_layer_shard(out_uri, index, n_blocks, state, dtype) for index, state in self.state_dict().items()]
 
-    def _optimizer_parts(self) -> dict[int, dict[str, Any]]:
-        """Per layer: this replica's optimizer state, hyper-parameters and schedule."""
-        optimizer = self.optimizer_state()
+    def _optimizer_parts(self, on_host: bool = True) -> dict[int, dict[str, Any]]:
+        """Per layer: this replica's optimizer state, hyper-parameters and schedule
+        (``on_host=False``: the live tensors and values)."""
+        optimizer = gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, on_host)
         groups = optimizer.pop(-1, {})
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups}
                 for index in self.layer_indices}
+
+
+def _write_layers(files: WrittenFiles, root_uri: str, step: int, encoded: dict[int, bytes]) -> None:
+    """The first replica's files: per global layer, its weights and optimizer part."""
+    from raypipe.checkpoint.store import write_encoded_layer
+
+    for index, payload in encoded.items():
+        files.layers[index] = write_named(root_uri, step, layer_file_name(index),
+                                          lambda: write_encoded_layer(root_uri, step, index, payload))
+
+
+def _write_optimizer_parts(files: WrittenFiles, root_uri: str, step: int, encoded: dict[int, bytes],
+                           replica: int) -> None:
+    """ZeRO-1, a replica after the first: per layer, the optimizer state it owns."""
+    from raypipe.checkpoint.store import write_encoded_blob
+
+    for index, payload in encoded.items():
+        name = optimizer_part_name(index, replica)
+        files.blobs.append(write_named(root_uri, step, f"{name}.pt",
+                                       lambda: write_encoded_blob(root_uri, step, name, payload)))

@@ -15,15 +15,17 @@ def _named_parameters(layers: nn.ModuleList, layer_indices: list[int]):
 
 
 def gather_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.ModuleList,
-                           layer_indices: list[int]) -> dict[int, dict[str, Any]]:
-    """``{layer: {param_name: state}}`` plus the hyper-parameters under key -1."""
+                           layer_indices: list[int], on_host: bool = True) -> dict[int, dict[str, Any]]:
+    """``{layer: {param_name: state}}`` plus the hyper-parameters under key -1; tensors on
+    the host (``on_host=False``: the live tensors, for a caller that copies them itself)."""
     if optimizer is None:
         return {}
     states: dict[int, dict[str, Any]] = {index: {} for index in layer_indices}
     for index, name, parameter in _named_parameters(layers, layer_indices):
         state = optimizer.state.get(parameter)
         if state:
-            states[index][name] = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+            states[index][name] = {k: (v.detach().cpu() if on_host else v) if torch.is_tensor(v) else v
+                                   for k, v in state.items()}
     states[-1] = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
     return states
 

@@ -343,6 +343,8 @@ def test_plan_table_for_7b_on_8_stages(capsys):
     # snapshots: the fp32 main weights and Adam moments (12 B/param) of the largest stage
     largest = max(row["snapshot_bytes"] for row in json.loads(plan(*SEVEN_B, "--json", capsys=capsys)[1])["stages"])
     assert f"host memory up to 2 x {format_bytes(largest)} per worker" in out
+    # a background checkpoint save in flight: one more copy of the same state
+    assert f"background checkpoint saves (fit): one more host copy of up to {format_bytes(largest)} per worker" in out
 
 
 def test_plan_with_a_sharded_optimizer_divides_only_the_optimizer_state(capsys):
