@@ -78,6 +78,7 @@ class PipelineTrainer:
         self._pending_save: PendingSave | None = None  # the checkpoint save in flight
         self._executor = make_executor(config, self.schedule)
         self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
+        self._recovery.settle_saves = self._settle_saves
         self._start(layers, optimizer, loss_fn, lr_scheduler)
 
     # -- lifecycle ------------------------------------------------------------
@@ -321,6 +322,7 @@ class PipelineTrainer:
         ranges = stage_layer_ranges(self.balance) * self.topology.num_replicas  # every replica, in rank order
         self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
                             for actor, indices in zip(self._group.actors, ranges)])
+        self._recovery.persisted.forget()
         self._recovery.snapshot(self.step_count, first=True)
 
     def save_checkpoint(self, root_uri: str, extra: dict | None = None, keep_last: int | None = None, *,
@@ -359,6 +361,7 @@ class PipelineTrainer:
                  (divmod(rank, self.topology.num_stages) for rank in range(len(writers)))]
         self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names, self._manifest_extra(extra),
                                                      keep_last, self.config.hang_timeout_s))
+        self._recovery.persisted.saved(str(root_uri), step, self._optimizer_parts())
         if wait:
             saved = self.wait_for_checkpoint()
             if not saved.complete:
@@ -373,6 +376,13 @@ class PipelineTrainer:
         :class:`~raypipe.CheckpointError` naming the file (once: the save is over)."""
         pending, self._pending_save = self._pending_save, None
         return None if pending is None else pending.result()
+
+    def _settle_saves(self) -> None:
+        """Before a heal loads a checkpoint: the save in flight completes, or fails and is reported."""
+        try:
+            self.wait_for_checkpoint()
+        except RaypipeError as error:
+            logger.warning("raypipe: %s", error)
 
     def _manifest_extra(self, extra: dict | None) -> dict:
         state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
@@ -441,5 +451,6 @@ class PipelineTrainer:
         self.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+        self._recovery.persisted.loaded(str(root_uri), step, parts)
         self._recovery.snapshot(self.step_count, first=True)
         return extra

@@ -39,6 +39,7 @@ from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.errors import RaypipeError, TooManyFailures, WorkersFailed
 from raypipe.executor.base import Executor, StepOutcome
+from raypipe.executor.persisted import PersistedCheckpoints
 from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
@@ -89,6 +90,9 @@ class Recovery:
         self._failed_since: float | None = None
         self._commits = 0  # the steps every worker's state had ended after the last step that returned
         self.keeper: Any = None  # a SnapshotKeeper when workers run off the driver's node
+        # the last resort: the newest checkpoint saved or loaded, and the steps since
+        self.persisted = PersistedCheckpoints(keep_batches=not config.snapshot_every)
+        self.settle_saves: Callable[[], None] = lambda: None  # finishes a background save in flight
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self, step: int, first: bool = False) -> None:
@@ -109,6 +113,7 @@ class Recovery:
 
     def committed(self, steps_done: int, logged: LoggedStep) -> None:
         """After a committed step: snapshot when due, else log the step for replay."""
+        self.persisted.committed(logged)
         if not self._snapshots:
             return
         newest = self._snapshots[-1]
@@ -160,10 +165,11 @@ class Recovery:
         if self.config.max_failures is not None and len(self.failures) > self.config.max_failures:
             self.executor.usable = False
             raise TooManyFailures(self.config.max_failures, self.failures) from failure
-        if not self._snapshots and not self._replicas_hold_copies():
+        if not self._snapshots and not self._replicas_hold_copies() and not self.persisted:
             self.executor.usable = False
-            raise RaypipeError(f"{failure}: snapshot_every=0 keeps no snapshot to heal from; "
-                               "load_checkpoint resumes from the newest checkpoint") from failure
+            raise RaypipeError(f"{failure}: snapshot_every=0 keeps no snapshot to heal from, and no checkpoint was "
+                               "saved or loaded to replay from; load_checkpoint resumes from the newest "
+                               "checkpoint") from failure
         group.kill(list(failed))
         failed.update(self.executor.drain(failed))
         self._failed.update(failed)
@@ -173,11 +179,11 @@ class Recovery:
         group = self.executor.group
         survivors = [actor for index, actor in enumerate(group.actors) if index not in failed]
         siblings = self._siblings(failed)
-        if siblings is None and not self._snapshots:
+        if siblings is None and not self._snapshots and not self.persisted:
             self.executor.usable = False
-            raise RaypipeError(f"{self.failures[-1]}: a surviving worker had ended the step and snapshot_every=0 "
-                               "keeps no snapshot to roll it back to; load_checkpoint resumes from the newest "
-                               "checkpoint")
+            raise RaypipeError(f"{self.failures[-1]}: a surviving worker had ended the step, and snapshot_every=0 "
+                               "keeps no snapshot (nor was a checkpoint saved) to roll it back to; load_checkpoint "
+                               "resumes from the newest checkpoint")
         group.replace(failed, self.config.replace_timeout_s)
         if siblings is not None:
             self._copy_from_siblings(siblings)
@@ -185,8 +191,7 @@ class Recovery:
             source = "replica " + ", ".join(sorted({str(source // self.config.num_stages)
                                                      for source in siblings.values()}))
         else:
-            snapshot = self._restore()
-            replay, source = snapshot.since, f"snapshot of step {snapshot.step}"
+            replay, source = self._restore()
         self.executor.reconnect(survivors)
         self.on_replaced(failed)
         for logged in replay:
@@ -234,9 +239,10 @@ class Recovery:
         dropped = [actor.abort_step.remote() for index, actor in enumerate(actors) if index not in sources]
         ray.get(copies + dropped)
 
-    def _restore(self) -> Snapshot:
+    def _restore(self) -> tuple[list[LoggedStep], str]:
         """Every worker back to the newest whole snapshot (an older one when a worker
-        died while the newest was being taken), and that snapshot's log of steps since."""
+        died while the newest was being taken; the newest intact checkpoint when none
+        is left): the steps to replay since, and which state it was."""
         actors = self.executor.group.actors
         lost = ""
         for position in range(len(self._snapshots) - 1, -1, -1):
@@ -256,10 +262,18 @@ class Recovery:
             if position < len(self._snapshots) - 1:
                 logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
                                self._snapshots[-1].step, lost, snapshot.step)
-            return Snapshot(snapshot.step, snapshot.refs, replay)
+            return replay, f"snapshot of step {snapshot.step}"
+        if self.persisted:
+            if self._snapshots:
+                logger.warning("raypipe: every snapshot was lost (%s); healing from the newest checkpoint", lost)
+            try:
+                state = self.persisted.restore(actors, self.settle_saves)
+                return list(state.since), f"checkpoint of step {state.step}"
+            except RaypipeError as error:
+                lost = f"{lost}; {error}" if lost else str(error)
         self.executor.usable = False
-        raise RaypipeError(f"no snapshot to restore (every copy was lost: {lost}); load_checkpoint resumes from "
-                           "the newest persisted checkpoint")
+        raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); load_checkpoint "
+                           "resumes from the newest persisted checkpoint")
 
     def _kept_copies(self, step: int) -> list:
         """The keeper's copies of the snapshot of ``step`` (none without a keeper)."""

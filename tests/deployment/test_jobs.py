@@ -14,10 +14,8 @@ import math
 import os
 import re
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,8 +23,7 @@ import yaml
 
 from raypipe.checkpoint.store import latest_checkpoint, read_manifest
 from raypipe.data import prepare
-from tests.deployment.ray_head import (HEAD_PORTS, free_port, ray_cli, start_head, stop_session, token_env,
-                                       wait_for_dashboard, wait_for_job)
+from tests.deployment.ray_head import ray_cli, wait_for_job
 
 REPO = Path(__file__).resolve().parents[2]
 UNIFORM_BYTE_LOSS = math.log(256)
@@ -86,31 +83,8 @@ def test_train_tiny_runs_two_replicas_of_two_stages(dataset, tmp_path):
 
 # -- ray job submit ... jobs/train_7b.py --preset tiny ---------------------------------------
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """A real Ray head (`ray start --head`) with its job server on 127.0.0.1.
-
-    Every port is chosen here, so it does not collide with other Ray instances
-    on the machine. It has a token of its own (Ray's token authentication),
-    which the `ray job` commands get through the environment. Yields the job
-    server URL and that environment.
-    """
-    temp_dir = tempfile.mkdtemp(prefix="rpj-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = token_env()
-    ports = {name: free_port() for name in HEAD_PORTS}
-    head = start_head(temp_dir, env, ports, "--num-cpus=2", "--object-store-memory=300000000")
-    log = Path(temp_dir) / "ray-start.log"
-    url = f"http://127.0.0.1:{ports['dashboard-port']}"
-    try:
-        wait_for_dashboard(head, url, log)
-        yield url, env
-    finally:
-        stop_session(head)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def test_train_7b_tiny_preset_through_ray_job_submit(ray_head, dataset, tmp_path):
-    url, env = ray_head
+    url, env = ray_head.url, ray_head.env
     job_id = f"raypipe-test-{secrets.token_hex(4)}"
     out = tmp_path / "job"
     submit = [ray_cli(), "job", "submit", "--address", url, "--submission-id", job_id, "--no-wait",

@@ -8,11 +8,11 @@ uninterrupted run, each step trained on its own data once in the state that
 persists.
 
 One test covers both failures, to keep suite time (each Ray start costs ~25 s
-on 2 busy cores): on a real ``ray start --head`` a first driver is SIGKILLed
-(driver death, the head lives); the rerun on the same head loses its head
-(every head process and the driver, as when a head pod goes); the newest
-checkpoint is then damaged, and the rerun on a fresh head resumes from the one
-before it. The reference is the same run config trained uninterrupted in the
+on 2 busy cores): on the deployment tests' shared ``ray start --head`` a first
+driver is SIGKILLed (driver death, the head lives); the rerun, on a head of its
+own, loses that head (every head process and the driver, as when a head pod
+goes); the newest checkpoint is then damaged, and the rerun on another head
+(the shared one again) resumes from the one before it. The reference is the same run config trained uninterrupted in the
 test session's Ray instance. Every process is stopped by pid, never `ray stop`.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from raypipe.checkpoint.store import MANIFEST, list_checkpoints, read_layer, read_manifest, step_dir_name
 from raypipe.data import prepare
 from raypipe.run import train
+from tests.deployment.conftest import SharedHead
 from tests.deployment.ray_head import HEAD_PORTS, free_port, session_members, start_head, token_env, wait_for_dashboard
 from tests.test_config import load_job
 
@@ -77,7 +78,7 @@ class Head:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def start_driver(head: Head, flags: list[str], log: Path) -> subprocess.Popen:
+def start_driver(head: Head | SharedHead, flags: list[str], log: Path) -> subprocess.Popen:
     """``python jobs/train_7b.py FLAGS`` attached to ``head``, in a session of its own."""
     with open(log, "w") as log_file:
         return subprocess.Popen([sys.executable, "jobs/train_7b.py", *flags], cwd=REPO,
@@ -144,36 +145,37 @@ def reference(ray_cluster, data, tmp_path_factory) -> tuple[Path, dict]:
     return out / "checkpoints", train(job["run_config"](job["parse_args"](job_flags(data, out))))
 
 
-def test_a_rerun_after_driver_and_head_death_finishes_the_same_run_bitwise(reference, data, tmp_path):
+def test_a_rerun_after_driver_and_head_death_finishes_the_same_run_bitwise(reference, data, tmp_path, ray_head):
     reference_checkpoints, reference_summary = reference
     out, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     flags = job_flags(data, out)
-    head = Head()
-    # 1. the driver dies (SIGKILL), its head lives; the same command again on the same head
-    first = start_driver(head, flags, tmp_path / "run1.log")
+    # 1. the driver dies (SIGKILL), its head (the shared one) lives
+    first = start_driver(ray_head, flags, tmp_path / "run1.log")
     try:
         wait_for_checkpoint(first, checkpoints, CHECKPOINT_EVERY, tmp_path / "run1.log")
     finally:
         kill_driver(first)
     resumed_1 = newest_before_the_end(checkpoints, tmp_path / "run1.log")
+    # 2. the same command on a head of its own; a few checkpoints later that head dies: every
+    # process of it, and the driver (on the head pod) with it
+    head = Head()
     second = start_driver(head, flags, tmp_path / "run2.log")
-    # 2. a few checkpoints later the head dies: every process of it, and the driver (on the head pod) with it
     try:
         wait_for_checkpoint(second, checkpoints, resumed_1 + 2 * CHECKPOINT_EVERY, tmp_path / "run2.log")
     finally:
         head.kill()
         kill_driver(second)
     newest_before_the_end(checkpoints, tmp_path / "run2.log")
-    # 3. the newest checkpoint is damaged: the rerun on a fresh head resumes from the one before
+    # 3. the newest checkpoint is damaged: the rerun on another head resumes from the one before
     intact = _complete(checkpoints)
     newest, resumed_3 = intact[-1], intact[-2]
     (checkpoints / step_dir_name(newest) / "layer_00000.pt").write_bytes(b"damaged")
-    head = Head()
+    third = start_driver(ray_head, flags, tmp_path / "run3.log")
     try:
-        third = start_driver(head, flags, tmp_path / "run3.log")
         assert third.wait(timeout=STEP_TIMEOUT_S) == 0, (tmp_path / "run3.log").read_text()[-6000:]
     finally:
-        head.kill()
+        if third.poll() is None:
+            kill_driver(third)
 
     logs = [(tmp_path / f"run{n}.log").read_text() for n in (1, 2, 3)]
     assert f"resuming from the checkpoint of step {resumed_1} " in logs[1], logs[1][-3000:]

@@ -65,15 +65,12 @@ def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0) -> Run
                    [recovered.source for recovered in trainer.recoveries])
 
 
-LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 11 kills in all
+LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 10 kills in all
     "p2p-2-stages": (config(), (1, 3), "snapshot"),
     "p2p-3-stages": (config(num_stages=3), (1, 3, 5), "snapshot"),
     "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3), "snapshot"),
-    # a replica's optimizer shard is its own: snapshots
-    "p2p-2-replicas-sharded": (config(num_replicas=2, num_micro_batches=2, shard_optimizer=True), (1, 4),
-                               "snapshot"),
     # without snapshots: the replacement copies the same stage of the other replica
-    "p2p-2-replicas-from-sibling": (config(num_replicas=2, num_micro_batches=2, snapshot_every=0), (1, 3),
+    "p2p-2-replicas-from-sibling": (config(num_replicas=2, num_micro_batches=2, snapshot_every=0), (1, 3, 5),
                                     "replica"),
 }
 
@@ -137,6 +134,26 @@ def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster
             results.append((result.loss, result.grad_norm))
         assert len(trainer.failures) == 1 and trainer.recoveries[0].replayed_steps == 2
         state = checkpoint_state(trainer, tmp_path / "replayed", NUM_LAYERS)
+    assert results == expected.results
+    assert_bitwise_equal(expected.state, state)
+
+
+def test_without_snapshots_a_worker_heals_from_the_newest_checkpoint_and_the_steps_since(ray_cluster, tmp_path):
+    cfg = config(snapshot_every=0)
+    expected = train(cfg, tmp_path / "uninterrupted")
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+        results = []
+        for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+            if step == 2:
+                trainer.save_checkpoint(tmp_path / "saved", wait=False)
+            if step == 5:  # every worker loads the checkpoint of step 2; steps 2 to 4 are replayed
+                os.kill(trainer.workers[1].pid, signal.SIGKILL)
+            result = trainer.step(x, y)
+            results.append((result.loss, result.grad_norm))
+        assert len(trainer.failures) == 1 and result.recovered is False
+        healed = trainer.recoveries[0]
+        assert (healed.source, healed.replayed_steps) == ("checkpoint of step 2", 3)
+        state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
     assert results == expected.results
     assert_bitwise_equal(expected.state, state)
 
