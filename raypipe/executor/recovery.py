@@ -17,7 +17,9 @@ scale). When a step raises :class:`~raypipe.errors.WorkersFailed`:
    surviving worker ended the failed step and the optimizer is not sharded,
    so nothing else moves and nothing is replayed; otherwise every worker
    restores its snapshot (survivors drop partial gradients, any that already
-   stepped return to the snapshot too) and the steps since are replayed;
+   stepped return to the snapshot too) and the steps since are replayed; with
+   no snapshot left, every worker loads the newest intact checkpoint saved or
+   loaded (:mod:`raypipe.executor.persisted`) and the steps since are replayed;
 4. communication groups are re-formed under a fresh rendezvous, dataset
    readers get their datasets again;
 5. the failed step is redone.
