@@ -71,6 +71,7 @@ class PipelineTrainer:
         self.step_count = 0
         self.metrics = None
         self.recoveries: list[Recovered] = []  # each healed failure event: how long, from where, steps replayed
+        self._damaged_checkpoints: set[tuple[str, int]] = set()  # (root, step) a load fell back past
         self._group: StageGroup | None = None
         self._datasets: tuple[Any, Any] | None = None
         self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
@@ -355,6 +356,7 @@ class PipelineTrainer:
             check_int("keep_last", keep_last, 1, allowed="must be an int >= 1 (checkpoints kept), or None for all")
         self._executor.check_usable()
         step, writers = self.step_count, self._first_replica
+        self._replace_damaged(str(root_uri), step)
         if self._optimizer_parts() > 1:  # ZeRO-1: the other replicas' optimizer state, as blobs
             writers = list(self._group.actors)
         names = [f"replica {replica} stage {stage}" for replica, stage in
@@ -376,6 +378,15 @@ class PipelineTrainer:
         :class:`~raypipe.CheckpointError` naming the file (once: the save is over)."""
         pending, self._pending_save = self._pending_save, None
         return None if pending is None else pending.result()
+
+    def _replace_damaged(self, root_uri: str, step: int) -> None:
+        """A complete checkpoint is never overwritten, except one that a load found damaged."""
+        from raypipe.checkpoint.store import delete_checkpoint
+
+        if (root_uri, step) in self._damaged_checkpoints:
+            logger.warning("raypipe: replacing the damaged checkpoint of step %d under %s", step, root_uri)
+            delete_checkpoint(root_uri, step)
+            self._damaged_checkpoints.discard((root_uri, step))
 
     def _settle_saves(self) -> None:
         """Before a heal loads a checkpoint: the save in flight completes, or fails and is reported."""
@@ -440,6 +451,7 @@ class PipelineTrainer:
             except CheckpointError as error:
                 logger.warning("raypipe: checkpoint step %d is damaged (%s); trying an older one", candidate, error)
                 damaged.append(error)
+                self._damaged_checkpoints.add((str(root_uri), candidate))  # a save of that step replaces it
         raise damaged[0]  # none intact: the newest one's damage
 
     def _load_checkpoint(self, root_uri: str, step: int) -> dict:

@@ -110,6 +110,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(ray_cluster, t
         with pytest.raises(raypipe.CheckpointError, match="layer_00002.pt") as error:
             trainer.load_checkpoint(tmp_path, step=newest)  # asked for by step: no fallback
         assert error.value.path == str(damaged)
+        # training on from the one before saves that step again: the damaged checkpoint is replaced
+        trainer.step(*data[1])
+        with caplog.at_level("WARNING", logger="raypipe"):
+            assert trainer.save_checkpoint(tmp_path) == newest
+        assert f"replacing the damaged checkpoint of step {newest}" in caplog.text
+        trainer.load_checkpoint(tmp_path, step=newest)
+        assert trainer.step_count == newest
 
 
 def test_keep_last_keeps_only_the_newest_checkpoints(ray_cluster, tmp_path):

@@ -65,6 +65,18 @@ def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0) -> Run
                    [recovered.source for recovered in trainer.recoveries])
 
 
+_UNINTERRUPTED = {}
+
+
+def uninterrupted(cfg, tmp_path) -> Run:
+    """The run without failures. Snapshots and failure settings change no number, so
+    layouts that differ only in them share one (fewer trainer starts in the suite)."""
+    numerics = (cfg.num_stages, cfg.num_replicas, cfg.num_micro_batches, cfg.transport, cfg.shard_optimizer)
+    if numerics not in _UNINTERRUPTED:
+        _UNINTERRUPTED[numerics] = train(cfg, tmp_path / "uninterrupted")
+    return _UNINTERRUPTED[numerics]
+
+
 LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 10 kills in all
     "p2p-2-stages": (config(), (1, 3), "snapshot"),
     "p2p-3-stages": (config(num_stages=3), (1, 3, 5), "snapshot"),
@@ -78,7 +90,7 @@ LAYOUTS = {  # name: (config, steps with a failure, where healed state comes fro
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout):
     cfg, failures, source = LAYOUTS[layout]
-    expected = train(cfg, tmp_path / "uninterrupted")
+    expected = uninterrupted(cfg, tmp_path)
     killed = train(cfg, tmp_path / "killed", failures, seed=len(layout))
     # one failure event per kill (a kill landing just after a step is found by the next one)
     assert len(killed.failures) == len(failures) and all("died" in failure for failure in killed.failures)
@@ -90,7 +102,7 @@ def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tm
 
 def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path):
     cfg = config()
-    expected = train(cfg, tmp_path / "uninterrupted")
+    expected = uninterrupted(cfg, tmp_path)
     start = time.monotonic()
     stopped = train(cfg, tmp_path / "stopped", failures=(2,), signal_number=signal.SIGSTOP)
     assert len(stopped.failures) == 1 and "hung" in stopped.failures[0], stopped.failures
@@ -124,7 +136,7 @@ def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, 
 
 def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster, tmp_path):
     cfg = config(snapshot_every=3)
-    expected = train(cfg, tmp_path / "uninterrupted")
+    expected = uninterrupted(cfg, tmp_path)
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
         results = []
         for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
@@ -140,7 +152,7 @@ def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster
 
 def test_without_snapshots_a_worker_heals_from_the_newest_checkpoint_and_the_steps_since(ray_cluster, tmp_path):
     cfg = config(snapshot_every=0)
-    expected = train(cfg, tmp_path / "uninterrupted")
+    expected = uninterrupted(cfg, tmp_path)
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
         results = []
         for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
