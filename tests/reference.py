@@ -124,9 +124,9 @@ def checkpoint_state(trainer, root, num_layers):
 
 def assert_bitwise_equal(before, after, where="state"):
     if isinstance(before, torch.Tensor):
-        assert torch.equal(before, after), where
+        assert isinstance(after, torch.Tensor) and after.dtype == before.dtype and torch.equal(before, after), where
     elif isinstance(before, dict):
-        assert before.keys() == after.keys(), where
+        assert isinstance(after, dict) and before.keys() == after.keys(), where
         for key in before:
             assert_bitwise_equal(before[key], after[key], f"{where}.{key}")
     elif isinstance(before, (list, tuple)):

@@ -13,7 +13,7 @@ from torch import nn
 
 import raypipe
 from raypipe.checkpoint.store import list_checkpoints
-from tests.reference import adamw, make_mlp, random_batches
+from tests.reference import adamw, assert_bitwise_equal, make_mlp, random_batches
 
 WIDE = 2048  # about 50 MB of weights and Adam state per wide layer: a write that takes a while
 
@@ -30,21 +30,6 @@ def two_stages() -> raypipe.PipelineConfig:
 
 def optimizer_states(trainer: raypipe.PipelineTrainer) -> list:
     return [ray.get(actor.optimizer_state.remote()) for actor in trainer._group.actors]
-
-
-def assert_bitwise_equal(actual, expected, where: str = "") -> None:
-    if torch.is_tensor(expected):
-        assert torch.equal(actual, expected) and actual.dtype == expected.dtype, where
-    elif isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), where
-        for key in expected:
-            assert_bitwise_equal(actual[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for index, (a, e) in enumerate(zip(actual, expected)):
-            assert_bitwise_equal(a, e, f"{where}/{index}")
-    else:
-        assert actual == expected, where
 
 
 def checksums(root, step: int) -> dict:

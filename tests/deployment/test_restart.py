@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from raypipe.checkpoint.store import MANIFEST, list_checkpoints, read_layer, read_manifest, step_dir_name
 from raypipe.data import prepare
 from raypipe.run import train
 from tests.deployment.conftest import SharedHead
 from tests.deployment.ray_head import HEAD_PORTS, free_port, session_members, start_head, token_env, wait_for_dashboard
+from tests.reference import assert_bitwise_equal
 from tests.test_config import load_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,21 +115,6 @@ def logged_steps(log: str) -> list[tuple[int, float]]:
     """The job's ``step N/STEPS loss L`` lines: (0-based step, loss to 4 decimals)."""
     found = re.findall(rf"^step (\d+)/{STEPS} loss (\S+) ", log, flags=re.MULTILINE)
     return [(int(step) - 1, float(loss)) for step, loss in found]
-
-
-def assert_bitwise_equal(found: object, expected: object, where: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(found, torch.Tensor) and found.dtype == expected.dtype and torch.equal(found, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(found, dict) and found.keys() == expected.keys(), where
-        for key in expected:
-            assert_bitwise_equal(found[key], expected[key], f"{where}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(found) == len(expected), where
-        for index, (a, b) in enumerate(zip(found, expected)):
-            assert_bitwise_equal(a, b, f"{where}[{index}]")
-    else:
-        assert found == expected, where
 
 
 @pytest.fixture(scope="module")
