@@ -2,7 +2,6 @@
 workers -> executor; it keeps the step count, the loss scale and the metrics."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -12,7 +11,7 @@ import ray
 import torch
 from torch import nn
 
-from raypipe.checkpoint.pending import PendingSave, SavedCheckpoint
+from raypipe.checkpoint.trainer_state import TrainerState
 from raypipe.config import PipelineConfig
 from raypipe.core.loss_scale import LossScaler
 from raypipe.core.micro_batches import MicroBatches, count_samples, loss_weights, split_micro_batches
@@ -21,12 +20,11 @@ from raypipe.core.result import StepResult
 from raypipe.core.schedule import make_schedule
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
-from raypipe.core.validation import check_int
-from raypipe.errors import CheckpointError, NonFiniteError, RaypipeError
+from raypipe.errors import NonFiniteError
 from raypipe.executor import make_executor
 from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
 from raypipe.models.hf.export import describe_llama
-from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers, split_state_by_layer
+from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers
 from raypipe.observability.step_report import build_step_result
 from raypipe.runtime import cluster
 from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
@@ -40,7 +38,7 @@ Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
 Batch = torch.Tensor | Sequence[torch.Tensor]
 
 
-class PipelineTrainer:
+class PipelineTrainer(TrainerState):
     """Train ``model`` with pipeline parallelism over Ray stage actors.
 
     ``model`` is an ``nn.Sequential``, a list of modules, or a list of
@@ -76,7 +74,7 @@ class PipelineTrainer:
         self._datasets: tuple[Any, Any] | None = None
         self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
         self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
-        self._pending_save: PendingSave | None = None  # the checkpoint save in flight
+        self._pending_save = None  # the checkpoint save in flight (a PendingSave)
         self._executor = make_executor(config, self.schedule)
         self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
         self._recovery.settle_saves = self._settle_saves
@@ -307,162 +305,3 @@ class PipelineTrainer:
         from raypipe.observability.metrics import peak_flops_for_device
 
         return peak_flops_for_device(self.device_name)
-
-    # -- state ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model, with the user's parameter names (``model.state_dict()`` keys)."""
-        per_layer: dict[int, dict] = {}
-        for states in self._executor.get([actor.state_dict.remote() for actor in self._first_replica]):
-            per_layer.update(states)
-        return {f"{self._layer_names[index]}.{key}": value
-                for index in sorted(per_layer) for key, value in per_layer[index].items()}
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Scatter a full state dict (keys as :meth:`state_dict`) to the stages."""
-        per_layer = split_state_by_layer(state_dict, self._layer_names)
-        ranges = stage_layer_ranges(self.balance) * self.topology.num_replicas  # every replica, in rank order
-        self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
-                            for actor, indices in zip(self._group.actors, ranges)])
-        self._recovery.persisted.forget()
-        self._recovery.snapshot(self.step_count, first=True)
-
-    def save_checkpoint(self, root_uri: str, extra: dict | None = None, keep_last: int | None = None, *,
-                        wait: bool = True) -> int:
-        """Write a sharded checkpoint of every layer and the trainer's state; returns its step.
-
-        Stages write their own layers in parallel (once: the first replica's,
-        every replica holds the same; with ``shard_optimizer`` the other replicas
-        write their optimizer parts); the manifest, written last, makes the
-        checkpoint complete. ``keep_last=k`` then deletes all but the newest ``k``
-        complete checkpoints under ``root_uri``.
-
-        ``wait=False`` saves in the background: each worker copies its state to
-        host memory (the state after the last step; training stalls only for that
-        copy) and a thread of the worker writes the files while the next steps
-        run; a driver thread writes the manifest once every file is written, then
-        prunes. While a save is in flight each worker holds one more host copy of
-        its state: its weights and its optimizer state (``raypipe plan`` prints
-        it). At most one save is in flight: a save first waits for the one before,
-        and so do :meth:`wait_for_checkpoint`, :meth:`load_checkpoint`,
-        :meth:`export_hf` and :meth:`shutdown`; there a failed write raises
-        :class:`~raypipe.CheckpointError` naming the file. A worker lost while it
-        writes leaves that checkpoint incomplete (never loaded) with a warning,
-        and the next step heals it; with ``wait=True`` that raises instead.
-        """
-        from raypipe.checkpoint.pending import SaveRequest
-
-        self.wait_for_checkpoint()
-        if keep_last is not None:
-            check_int("keep_last", keep_last, 1, allowed="must be an int >= 1 (checkpoints kept), or None for all")
-        self._executor.check_usable()
-        step, writers = self.step_count, self._first_replica
-        self._replace_damaged(str(root_uri), step)
-        if self._optimizer_parts() > 1:  # ZeRO-1: the other replicas' optimizer state, as blobs
-            writers = list(self._group.actors)
-        names = [f"replica {replica} stage {stage}" for replica, stage in
-                 (divmod(rank, self.topology.num_stages) for rank in range(len(writers)))]
-        self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names, self._manifest_extra(extra),
-                                                     keep_last, self.config.hang_timeout_s))
-        self._recovery.persisted.saved(str(root_uri), step, self._optimizer_parts())
-        if wait:
-            saved = self.wait_for_checkpoint()
-            if not saved.complete:
-                raise RaypipeError(f"checkpoint step {step} under {root_uri} is not complete: a worker was lost "
-                                   "while writing it (see the warning); the next step heals it, then save again")
-        return step
-
-    def wait_for_checkpoint(self) -> SavedCheckpoint | None:
-        """Wait for the background save in flight, if any; returns what it wrote
-        (``complete`` is False when a worker was lost while writing it), or None
-        when no save was in flight. A failed write raises
-        :class:`~raypipe.CheckpointError` naming the file (once: the save is over)."""
-        pending, self._pending_save = self._pending_save, None
-        return None if pending is None else pending.result()
-
-    def _replace_damaged(self, root_uri: str, step: int) -> None:
-        """A complete checkpoint is never overwritten, except one that a load found damaged."""
-        from raypipe.checkpoint.store import delete_checkpoint
-
-        if (root_uri, step) in self._damaged_checkpoints:
-            logger.warning("raypipe: replacing the damaged checkpoint of step %d under %s", step, root_uri)
-            delete_checkpoint(root_uri, step)
-            self._damaged_checkpoints.discard((root_uri, step))
-
-    def _settle_saves(self) -> None:
-        """Before a heal loads a checkpoint: the save in flight completes, or fails and is reported."""
-        try:
-            self.wait_for_checkpoint()
-        except RaypipeError as error:
-            logger.warning("raypipe: %s", error)
-
-    def _manifest_extra(self, extra: dict | None) -> dict:
-        state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
-                 "layer_names": self._layer_names, "optimizer_parts": self._optimizer_parts(), **(extra or {})}
-        if self._llama is not None:
-            state["model"] = self._llama  # lets `raypipe export` convert the checkpoint
-        try:  # now, not when a background save writes its manifest
-            json.dumps(state)
-        except TypeError as error:
-            raise TypeError(f"checkpoint extra metadata is not JSON-serializable: {error}") from None
-        return state
-
-    def export_hf(self, uri: str, dtype: str = "bf16") -> str:
-        """Write the model as a Hugging Face LLaMA directory (``config.json``, one safetensors shard per
-        layer, written by the stages in parallel, and the index); ``dtype`` "bf16", "fp16" or "fp32".
-
-        Only for a LLaMA built with ``llama_layers`` or ``from_pretrained``. Returns ``uri``.
-        """
-        from raypipe.models.hf.export import check_dtype, prepare_output, write_index_and_config
-
-        if self._llama is None:
-            raise ValueError("export_hf needs a LLaMA model (raypipe.models.llama.llama_layers or from_pretrained)")
-        check_dtype(dtype)
-        self.wait_for_checkpoint()
-        self._executor.check_usable()
-        prepare_output(str(uri))
-        n_blocks = self._llama["llama_config"]["n_layers"]
-        written = self._executor.get([actor.export_hf.remote(str(uri), dtype, n_blocks)
-                                      for actor in self._first_replica])
-        write_index_and_config(str(uri), self._llama, dtype, [shard for shards in written for shard in shards])
-        return str(uri)
-
-    def _optimizer_parts(self) -> int:
-        return self.topology.num_replicas if self.config.shard_optimizer else 1
-
-    def load_checkpoint(self, root_uri: str, step: int | None = None) -> dict:
-        """Load checkpoint ``step`` into any partition; returns its extra state.
-
-        Without ``step``: the newest intact one. A damaged file (missing, truncated,
-        failing its checksum) makes the load fall back to the next older complete
-        checkpoint, with a warning naming the file; with ``step`` it raises
-        :class:`~raypipe.CheckpointError` naming it."""
-        from raypipe.checkpoint.store import list_checkpoints
-
-        self.wait_for_checkpoint()
-        if step is not None:
-            return self._load_checkpoint(str(root_uri), step)
-        steps = list_checkpoints(str(root_uri))
-        if not steps:
-            raise FileNotFoundError(f"no complete checkpoint under {root_uri}")
-        damaged = []
-        for candidate in reversed(steps):
-            try:
-                return self._load_checkpoint(str(root_uri), candidate)
-            except CheckpointError as error:
-                logger.warning("raypipe: checkpoint step %d is damaged (%s); trying an older one", candidate, error)
-                damaged.append(error)
-                self._damaged_checkpoints.add((str(root_uri), candidate))  # a save of that step replaces it
-        raise damaged[0]  # none intact: the newest one's damage
-
-    def _load_checkpoint(self, root_uri: str, step: int) -> dict:
-        from raypipe.checkpoint.store import read_manifest
-
-        extra = read_manifest(str(root_uri), step).get("extra", {})
-        parts = extra.get("optimizer_parts", 1)
-        self._executor.get([actor.load_checkpoint.remote(str(root_uri), step, parts) for actor in self._group.actors])
-        self.step_count = extra.get("step_count", step)
-        if self.scaler and extra.get("scaler"):
-            self.scaler.load_state_dict(extra["scaler"])
-        self._recovery.persisted.loaded(str(root_uri), step, parts)
-        self._recovery.snapshot(self.step_count, first=True)
-        return extra
