@@ -41,7 +41,7 @@ class Run:
     sources: list  # per heal, where the replacements' state came from
 
 
-def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0) -> Run:
+def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0, inside_the_step=True) -> Run:
     """STEPS steps; before each step in ``failures`` a timer sends ``signal_number``
     to a seeded-random worker at a seeded-random moment of that step."""
     chooser = random.Random(seed)
@@ -51,7 +51,11 @@ def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0) -> Run
             if step in (failures or ()):
                 victim = chooser.choice(trainer.workers)
                 victims.append(victim.pid)
-                threading.Timer(chooser.uniform(0.0, 0.02), os.kill, (victim.pid, signal_number)).start()
+                delay = chooser.uniform(0.0, 0.02)
+                if inside_the_step:
+                    threading.Timer(delay, os.kill, (victim.pid, signal_number)).start()
+                else:  # before the step: no survivor can end it
+                    os.kill(victim.pid, signal_number)
             start = time.monotonic()
             result = trainer.step(x, y)
             if step in (failures or ()):
@@ -77,11 +81,14 @@ def uninterrupted(cfg, tmp_path) -> Run:
     return _UNINTERRUPTED[numerics]
 
 
-LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 10 kills in all
+LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 11 kills in all
     "p2p-2-stages": (config(), (1, 3), "snapshot"),
     "p2p-3-stages": (config(num_stages=3), (1, 3, 5), "snapshot"),
     "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3), "snapshot"),
-    # without snapshots: the replacement copies the same stage of the other replica
+    # inside a step with replicas: from the sibling, or from snapshots when survivors had ended it
+    "p2p-2-replicas": (config(num_replicas=2, num_micro_batches=2), (2,), ""),
+    # without snapshots the replacement copies the same stage of the other replica; killed before
+    # the step, since a kill landing after the survivors ended it needs a snapshot to roll them back
     "p2p-2-replicas-from-sibling": (config(num_replicas=2, num_micro_batches=2, snapshot_every=0), (1, 3, 5),
                                     "replica"),
 }
@@ -91,7 +98,7 @@ LAYOUTS = {  # name: (config, steps with a failure, where healed state comes fro
 def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout):
     cfg, failures, source = LAYOUTS[layout]
     expected = uninterrupted(cfg, tmp_path)
-    killed = train(cfg, tmp_path / "killed", failures, seed=len(layout))
+    killed = train(cfg, tmp_path / "killed", failures, seed=len(layout), inside_the_step=source != "replica")
     # one failure event per kill (a kill landing just after a step is found by the next one)
     assert len(killed.failures) == len(failures) and all("died" in failure for failure in killed.failures)
     assert all(healed_from.startswith(source) for healed_from in killed.sources), killed.sources
