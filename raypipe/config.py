@@ -36,7 +36,8 @@ class PipelineConfig:
 
     num_stages: int = 1
     num_micro_batches: int = 1  # per replica: a step has num_micro_batches x num_replicas micro-batches
-    num_replicas: int = 1  # data-parallel copies of the pipeline
+    # data-parallel copies of the pipeline: an int, or (min, max) for an elastic run
+    num_replicas: int | tuple[int, int] = 1
     shard_optimizer: bool = False  # ZeRO-1: each replica of a stage keeps the optimizer state of its own parameters
     schedule: str = "gpipe"
     activation_checkpoint: str = "never"  # recompute activations in backward: "never" | "always" | "except_last"
@@ -73,13 +74,17 @@ class PipelineConfig:
         """Raise :class:`ConfigError` on the first invalid field."""
         check_positive_int("num_stages", self.num_stages)
         check_positive_int("num_micro_batches", self.num_micro_batches)
-        check_positive_int("num_replicas", self.num_replicas)
+        check_replicas(self.num_replicas)
         check_bool("shard_optimizer", self.shard_optimizer)
+        if self.elastic and self.shard_optimizer:
+            raise ConfigError("shard_optimizer", True, f"an elastic run (num_replicas={tuple(self.num_replicas)}) "
+                              "keeps the whole optimizer state on every replica, so that a lost replica loses no state and "
+                              "a new one copies any live one: use a fixed num_replicas to shard it")
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("transport", self.transport, TRANSPORTS)
-        if self.num_replicas > 1 and self.transport != "p2p":
+        if self.max_replicas > 1 and self.transport != "p2p":
             raise ConfigError("transport", self.transport, f"num_replicas={self.num_replicas} runs on the per-step "
                               "executor only (its gradient reduction is a collective inside the group): use "
                               "transport='p2p'")
@@ -122,6 +127,22 @@ class PipelineConfig:
         if sum(balance) != num_layers:
             raise ConfigError("balance", balance, f"must sum to the number of layers ({num_layers}), sums to {sum(balance)}")
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the number of replicas may change during the run (``num_replicas=(min, max)``)."""
+        return not isinstance(self.num_replicas, int)
+
+    @property
+    def min_replicas(self) -> int:
+        """The fewest replicas the run goes on with."""
+        return self.num_replicas if isinstance(self.num_replicas, int) else int(self.num_replicas[0])
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas the run uses; a step has ``num_micro_batches x max_replicas``
+        micro-batches whatever the number running."""
+        return self.num_replicas if isinstance(self.num_replicas, int) else int(self.num_replicas[1])
+
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
@@ -142,6 +163,17 @@ def _init_rejecting_renamed(self: PipelineConfig, *args: Any, **kwargs: Any) -> 
 
 
 PipelineConfig.__init__ = _init_rejecting_renamed  # type: ignore[method-assign]
+
+
+def check_replicas(num_replicas: Any) -> None:
+    """An int >= 1, or an elastic ``(min, max)`` pair with ``1 <= min <= max``."""
+    if isinstance(num_replicas, (tuple, list)):
+        if (len(num_replicas) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in num_replicas)
+                or not 1 <= num_replicas[0] <= num_replicas[1]):
+            raise ConfigError("num_replicas", num_replicas, "an elastic range must be a pair of ints (min, max) "
+                              "with 1 <= min <= max")
+        return
+    check_positive_int("num_replicas", num_replicas)
 
 
 def check_offload_activations(offload_activations: bool, activation_checkpoint: str) -> None:

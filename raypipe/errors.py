@@ -79,7 +79,12 @@ class NonFiniteError(RaypipeError):
 
 
 class PlacementError(RaypipeError):
-    """The cluster cannot hold the requested stage actors."""
+    """The cluster cannot hold the requested stage actors; ``unplaced`` lists the
+    workers (by rank) that could not be placed, when some were."""
+
+    def __init__(self, message: str, unplaced: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.unplaced = unplaced
 
 
 class CheckpointError(RaypipeError):

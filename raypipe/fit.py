@@ -38,7 +38,7 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     store, if they come to at most ``ship_data_limit_bytes`` (default 1 GiB);
     otherwise, and for a URI a stage cannot open, a DataAccessError stops the run.
     """
-    per_step = trainer.config.num_micro_batches * trainer.num_replicas
+    per_step = trainer.micro_batches_per_step
     _check_dataset(dataset, per_step, "dataset")
     if validation is not None:
         _check_dataset(validation, per_step, "validation")
@@ -82,7 +82,7 @@ def _check_dataset(dataset: Any, per_step: int, name: str) -> None:
             raise TypeError(f"{name} has no {attribute!r}: fit() needs a raypipe.data.TokenDataset-like reader")
     if dataset.num_micro_batches != per_step:
         raise ValueError(f"{name} yields {dataset.num_micro_batches} micro-batches per step but a step of the "
-                         f"pipeline has {per_step} (num_micro_batches x num_replicas)")
+                         f"pipeline has {per_step} (num_micro_batches x the most replicas)")
 
 
 def _progress_bar(steps: int, enabled: bool) -> Any:

@@ -20,12 +20,14 @@ from raypipe.core.result import StepResult
 from raypipe.core.schedule import make_schedule
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
-from raypipe.errors import NonFiniteError
+from raypipe.errors import NonFiniteError, PlacementError
 from raypipe.executor import make_executor
+from raypipe.executor.elastic import Resizer, layout
 from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
 from raypipe.models.hf.export import describe_llama
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers
 from raypipe.observability.step_report import build_step_result
+from raypipe.planning.repartition import fewer_stages, layer_bytes
 from raypipe.runtime import cluster
 from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
 from raypipe.runtime.group import StageGroup, WorkerInfo
@@ -59,7 +61,7 @@ class PipelineTrainer(TrainerState):
         layers, self._layer_names = model_layers(model)
         self._llama = describe_llama(layers)  # what export_hf and checkpoints need of a LLaMA, else None
         config.validate(len(layers))
-        self.topology = Topology(config.num_stages, config.num_replicas)
+        self.topology = Topology(config.num_stages, config.max_replicas)  # an elastic run: what is placed, later
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
                                                                 config.num_stages))
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
@@ -69,6 +71,7 @@ class PipelineTrainer(TrainerState):
         self.step_count = 0
         self.metrics = None
         self.recoveries: list[Recovered] = []  # each healed failure event: how long, from where, steps replayed
+        self.resizes: list[tuple[int, str, int]] = []  # an elastic run's: (step_count, "shrink"/"grow", replicas)
         self._damaged_checkpoints: set[tuple[str, int]] = set()  # (root, step) a load fell back past
         self._group: StageGroup | None = None
         self._datasets: tuple[Any, Any] | None = None
@@ -78,35 +81,111 @@ class PipelineTrainer(TrainerState):
         self._executor = make_executor(config, self.schedule)
         self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
         self._recovery.settle_saves = self._settle_saves
-        self._start(layers, optimizer, loss_fn, lr_scheduler)
+        self._recovery.repartition = self._repartition
+        self._model = (layers, optimizer, loss_fn, lr_scheduler)
+        self._start()
 
     # -- lifecycle ------------------------------------------------------------
-    def _start(self, layers: list, optimizer: Callable | None, loss_fn: Callable,
-               lr_scheduler: Callable | None) -> None:
-        cluster.connect(self.config.ray_address, self.topology.world_size * self.config.cpus_per_stage)
-        self.use_gpu = cluster.resolve_use_gpu(self.config)
-        last = self.topology.num_stages - 1
-        specs = [WorkerSpec(stage=stage, num_stages=self.topology.num_stages, replica=replica,
-                            layers=tuple(layers[i] for i in indices), layer_indices=tuple(indices),
-                            config=self.config, ops=tuple(self.schedule[stage]), use_gpu=self.use_gpu,
-                            optimizer_factory=optimizer, loss_fn=loss_fn if stage == last else None,
-                            loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
-                 for replica in range(self.topology.num_replicas)  # in rank order: replica-major
-                 for stage, indices in enumerate(stage_layer_ranges(self.balance))]
+    def _start(self) -> None:
+        config = self.config
+        cluster.connect(config.ray_address, self.topology.world_size * config.cpus_per_stage)
+        self.use_gpu = cluster.resolve_use_gpu(config)
         if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
             self._recovery.keeper = start_keeper()
-        self._group = StageGroup(self._executor.actor_class(), specs, cluster.worker_bundle(self.config, self.use_gpu),
-                                 self.config.placement_timeout_s)
+        self._bundle = cluster.worker_bundle(config, self.use_gpu)
+        placed = None
+        if config.elastic:
+            placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
+                                                      [self._bundle] * config.num_stages, config.placement_timeout_s)
+            self.topology = Topology(config.num_stages, len(placed))
+            self._recovery.resizer = Resizer(config, self._executor, self._stage_specs(), self._bundle, pending,
+                                             self._resized)
+        infos = self._launch(placed)
+        self.num_parameters = sum(info["num_parameters"] for info in infos) // self.topology.num_replicas
+        self.device_name = infos[0]["device_name"]
+        self._device_memory = infos[0].get("device_memory_bytes")
+        self._start_metrics()
+        self._recovery.snapshot(self.step_count, first=True)
+
+    def _stage_specs(self) -> list[WorkerSpec]:
+        """One spec per stage of the current partition, as replica 0's."""
+        layers, optimizer, loss_fn, lr_scheduler = self._model
+        last = self.config.num_stages - 1
+        return [WorkerSpec(stage=stage, num_stages=self.config.num_stages, layers=tuple(layers[i] for i in indices),
+                           layer_indices=tuple(indices), config=self.config, use_gpu=self.use_gpu,
+                           optimizer_factory=optimizer, loss_fn=loss_fn if stage == last else None,
+                           loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
+                for stage, indices in enumerate(stage_layer_ranges(self.balance))]
+
+    def _launch(self, placed: list | None) -> list[dict[str, Any]]:
+        """Start the workers of the current partition and topology (in ``placed``
+        placement groups, else reserved now) and connect them; what each reported."""
+        specs = layout(self._stage_specs(), self.topology.num_replicas, self.micro_batches_per_step)
+        self._group = StageGroup(self._executor.actor_class(), specs, self._bundle, self.config.placement_timeout_s,
+                                 placed)
         try:
             infos = self._group.wait_ready()
             self._executor.connect(self._group)
         except BaseException:
             self.shutdown()
             raise
-        self.num_parameters = sum(info["num_parameters"] for info in infos)
-        self.device_name = infos[0]["device_name"]
-        self._start_metrics()
-        self._recovery.snapshot(self.step_count, first=True)
+        return infos
+
+    def _repartition(self, reports: list | None) -> None:
+        """Not even one whole pipeline can be placed: start one replica on fewer stages
+        when the merged stages are predicted to fit a worker (waiting up to
+        ``placement_timeout_s`` for room), else raise :class:`PlacementError`. The
+        recovery then gives the new workers the state of the old ones."""
+        old_stages = self.config.num_stages
+        self._group.shutdown()  # the survivors' room goes to the new partition; their state is in snapshots
+        if self._recovery.resizer is not None:  # its placement groups are of the old partition
+            self._recovery.resizer.close()
+            self._recovery.resizer = None
+        balance = self._fewer_stages(reports)
+        self.config = self.config.replace(num_stages=len(balance), balance=balance)
+        self.balance, self.topology = balance, Topology(len(balance), 1)
+        self.schedule = make_schedule(self.config.schedule, len(balance), self.config.num_micro_batches)
+        self._executor.config = self._recovery.config = self.config
+        self._executor.schedule = self.schedule
+        self._launch(None)
+        self.resizes.append((self.step_count, "repartition", 1))
+        logger.warning("raypipe: re-partitioned from %d to %d stage(s) (layers per stage %s): no room for a whole "
+                       "pipeline of %d", old_stages, len(balance), balance, old_stages)
+
+    def _fewer_stages(self, reports: list | None) -> list[int]:
+        """The balance of the most stages (fewer than now) that fits the room there is."""
+        costs = [layer_parameter_count(layer) for layer in self._model[0]]
+        stats = [report.stats for report in reports[:self.config.num_stages]] if reports else None
+        predicted = (layer_bytes(self.balance, [4 * cost for cost in costs], stats) if stats
+                     else [8.0 * cost for cost in costs])
+        capacity = cluster.worker_memory_bytes(self._device_memory)
+        deadline = time.monotonic() + self.config.placement_timeout_s
+        while True:
+            placeable = cluster.placeable_workers(self._bundle)
+            balance = fewer_stages(costs, predicted, self.config.num_stages, placeable, capacity)
+            if balance is not None:
+                return balance
+            if time.monotonic() > deadline:
+                raise PlacementError(
+                    f"no whole pipeline of {self.config.num_stages} stage(s) can be placed, and no partition onto "
+                    f"fewer stages fits: room for {placeable} worker(s) of {self._bundle}, {capacity / 2**30:.1f} "
+                    f"GiB per worker, the model predicted at {sum(predicted) / 2**30:.2f} GiB; waited "
+                    f"{self.config.placement_timeout_s:g}s (placement_timeout_s). Saved checkpoints are intact: "
+                    "load_checkpoint resumes from the newest")
+            time.sleep(0.5)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """A step's micro-batches: ``num_micro_batches x`` the most replicas, whatever the number running."""
+        return self.config.num_micro_batches * self.config.max_replicas
+
+    def _resized(self, direction: str, num_replicas: int, new_ranks: list[int]) -> None:
+        """After an elastic resize: the new layout's topology, datasets for new readers, metrics."""
+        self.topology = Topology(self.config.num_stages, num_replicas)
+        self._give_datasets(new_ranks)
+        self.resizes.append((self.step_count, direction, num_replicas))
+        if self.metrics is not None:
+            self.metrics.record_resize(direction, num_replicas)
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
@@ -148,6 +227,8 @@ class PipelineTrainer(TrainerState):
             self._group.shutdown()
             self._group = None
             self._shipped = {}
+        if self._recovery.resizer is not None:
+            self._recovery.resizer.close()
         if self._recovery.keeper is not None:
             ray.kill(self._recovery.keeper)
             self._recovery.keeper = None
@@ -171,10 +252,9 @@ class PipelineTrainer(TrainerState):
     def step(self, inputs: Batch, targets: Batch) -> StepResult:
         """One optimizer step over the global batch ``(inputs, targets)``.
 
-        Tensors are split into ``num_micro_batches x num_replicas`` micro-batches
-        with ``torch.tensor_split`` (replica ``r`` runs the ``r``-th block of
-        ``num_micro_batches``); lists of tensors are taken as the micro-batches
-        themselves (they may differ in shape, e.g. sequence length). The loss is
+        Tensors are split into :attr:`micro_batches_per_step` micro-batches
+        with ``torch.tensor_split`` (each running replica runs a contiguous
+        block); lists of tensors are taken as the micro-batches themselves (they may differ in shape, e.g. sequence length). The loss is
         the exact mean over the whole batch, whatever the number of replicas.
         """
         start = time.time()
@@ -196,8 +276,8 @@ class PipelineTrainer(TrainerState):
                         ship_data_limit_bytes: int = DEFAULT_SHIP_DATA_LIMIT_BYTES) -> None:
         """Send the datasets to the stages that read them (every replica's first and last).
 
-        A dataset's step is ``num_micro_batches x num_replicas`` micro-batches
-        (``get(step, index)``); replica ``r`` reads the ``r``-th block. Each
+        A dataset's step is :attr:`micro_batches_per_step` micro-batches
+        (``get(step, index)``); each running replica reads its block. Each
         reader first opens the datasets where it runs (see
         :func:`raypipe.runtime.data_access.datasets_for_readers`): one that cannot
         open a local dataset gets its shards through the object store, up to
@@ -238,12 +318,12 @@ class PipelineTrainer(TrainerState):
 
     # -- step internals -------------------------------------------------------
     def _split(self, inputs: Batch, targets: Batch) -> MicroBatches:
-        """The step's ``num_micro_batches x num_replicas`` micro-batches (``torch.tensor_split``
+        """The step's :attr:`micro_batches_per_step` micro-batches (``torch.tensor_split``
         sizes, or given as lists) and their loss weights over the whole step.
 
         The executor ships them as task arguments (see :mod:`raypipe.comm.task_tensors`).
         """
-        count = self.config.num_micro_batches * self.topology.num_replicas
+        count = self.micro_batches_per_step
         input_parts, target_parts = split_micro_batches(inputs, targets, count)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
         return MicroBatches(input_parts, target_parts, weights)

@@ -27,8 +27,9 @@ def ray_cluster():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # address="local": a head another test (or person) started on this machine is not joined
     if not ray.is_initialized():
-        ray.init(num_cpus=6, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 

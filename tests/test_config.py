@@ -37,6 +37,13 @@ REPO = Path(__file__).resolve().parent.parent
     ({"placement_timeout_s": 0}, 4, "placement_timeout_s"),
     ({"min_loss_scale": 0}, 4, "min_loss_scale"),
     ({"growth_interval": 0}, 4, "growth_interval"),
+    ({"num_replicas": 0}, 4, "num_replicas"),
+    ({"num_replicas": (2, 1)}, 4, "num_replicas"),
+    ({"num_replicas": (0, 2)}, 4, "num_replicas"),
+    ({"num_replicas": (1, 2, 3)}, 4, "num_replicas"),
+    ({"num_replicas": (1, 2.0)}, 4, "num_replicas"),
+    ({"num_replicas": (1, 2), "shard_optimizer": True}, 4, "shard_optimizer"),
+    ({"num_replicas": (1, 2), "transport": "gloo"}, 4, "transport"),
 ])
 def test_invalid_config_names_field_value_and_allowed(changes, num_layers, field):
     config = PipelineConfig(**changes)
@@ -50,6 +57,10 @@ def test_invalid_config_names_field_value_and_allowed(changes, num_layers, field
 
 def test_valid_configs_pass():
     PipelineConfig().validate(1)
+    elastic = PipelineConfig.from_dict({"num_replicas": [1, 3]})  # as YAML gives it
+    elastic.validate(1)
+    assert elastic.elastic and (elastic.min_replicas, elastic.max_replicas) == (1, 3)
+    assert not PipelineConfig(num_replicas=2).elastic and PipelineConfig(num_replicas=2).max_replicas == 2
     PipelineConfig(num_stages=2, num_micro_batches=8, balance=[3, 1], activation_checkpoint="always",
                    offload_activations=True, clip_grad_norm=1.0, precision="fp16", schedule="1f1b").validate(4)
 

@@ -44,3 +44,23 @@ def split_micro_batches(inputs: Any, targets: Any, count: int) -> tuple[list, li
                          "micro-batches (num_micro_batches x num_replicas): every micro-batch needs at least "
                          "one sample")
     return list(torch.tensor_split(inputs, count)), list(torch.tensor_split(targets, count))
+
+
+def replica_blocks(num_micro_batches: int, num_replicas: int) -> list[range]:
+    """Each running replica's contiguous block of a step's ``num_micro_batches``,
+    sized as ``torch.tensor_split`` sizes them (the first blocks one larger).
+
+    A step's micro-batches and their loss weights do not depend on how many
+    replicas run it, so the same step gives the same result (up to the order of
+    the gradient sums) with fewer replicas, each running more micro-batches.
+    """
+    if not 1 <= num_replicas <= num_micro_batches:
+        raise ValueError(f"{num_replicas} replica(s) cannot share a step of {num_micro_batches} micro-batch(es): "
+                         "every replica needs at least one")
+    base, extra = divmod(num_micro_batches, num_replicas)
+    blocks, start = [], 0
+    for replica in range(num_replicas):
+        size = base + (1 if replica < extra else 0)
+        blocks.append(range(start, start + size))
+        start += size
+    return blocks

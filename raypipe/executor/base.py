@@ -152,6 +152,11 @@ class Executor(ABC):
             except Exception:  # noqa: BLE001 - errors are expected; a direct-transport result cannot be read here
                 pass
 
+    def relayout(self, survivors: list[Any]) -> None:
+        """After the group resized (an elastic run): the workers take their new specs and
+        communication is re-formed (``survivors``: the workers that were in the old group)."""
+        raise NotImplementedError(f"{type(self).__name__} runs a fixed number of replicas")
+
     def reconnect(self, survivors: list[Any]) -> None:
         """Re-form communication after workers were replaced: ``survivors`` (the
         workers that were not) leave what they were part of, then every worker of
@@ -173,17 +178,17 @@ class Executor(ABC):
     def evaluate(self, step: int, batch: MicroBatches | None) -> float:
         """Mean loss of one batch, forward only, through the object store; every
         replica's pipeline takes its own block of micro-batches, as in a step."""
-        num_stages, count = self.config.num_stages, self.config.num_micro_batches
+        num_stages = self.config.num_stages
         losses = []
-        for index in range(count * self.config.num_replicas):
-            replica, micro_batch = divmod(index, count)
-            pipeline = self.group.actors[replica * num_stages:(replica + 1) * num_stages]
-            hidden = None if batch is None else as_task_argument(batch.inputs[index])
-            for stage, actor in enumerate(pipeline):
-                targets, weight = (None, None) if batch is None or stage < num_stages - 1 else (
-                    as_task_argument(batch.targets[index]), batch.weights[index])
-                hidden = actor.evaluate.remote(micro_batch, hidden, targets, weight, step)
-            losses.append(hidden)
+        for first in range(0, len(self.group.actors), num_stages):
+            pipeline = self.group.actors[first:first + num_stages]
+            for micro_batch, index in enumerate(self.group.spec(first).block):
+                hidden = None if batch is None else as_task_argument(batch.inputs[index])
+                for stage, actor in enumerate(pipeline):
+                    targets, weight = (None, None) if batch is None or stage < num_stages - 1 else (
+                        as_task_argument(batch.targets[index]), batch.weights[index])
+                    hidden = actor.evaluate.remote(micro_batch, hidden, targets, weight, step)
+                losses.append(hidden)
         failed = self._watchdog().wait(losses, self.group.actors)  # a hung worker would block the get forever
         if failed:
             raise self._workers_failed(step, failed, "during evaluate")

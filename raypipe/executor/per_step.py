@@ -34,19 +34,26 @@ class PerStepExecutor(Executor):
             pass
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
-        """Replica ``r`` runs the step's micro-batches ``r*m .. r*m + m - 1``
-        (``m = num_micro_batches``), weighted by the whole step's count."""
-        num_stages, count = self.config.num_stages, self.config.num_micro_batches
+        """Each replica runs its block of the step's micro-batches (see
+        :attr:`~raypipe.stage.spec.WorkerSpec.block`), weighted by the whole step's count."""
+        last = self.config.num_stages - 1
         steps = []
         for rank, actor in enumerate(self.group.actors):
-            replica, stage = divmod(rank, num_stages)
-            own = slice(replica * count, (replica + 1) * count)
+            spec = self.group.spec(rank)
+            own = slice(spec.block.start, spec.block.stop)
             # all of a worker's micro-batches in one argument (one object-store entry at most)
-            inputs = as_task_argument(batch.inputs[own]) if batch is not None and stage == 0 else None
+            inputs = as_task_argument(batch.inputs[own]) if batch is not None and spec.stage == 0 else None
             targets, weights = ((as_task_argument(batch.targets[own]), batch.weights[own])
-                                if batch is not None and stage == num_stages - 1 else (None, None))
+                                if batch is not None and spec.stage == last else (None, None))
             steps.append(actor.run_step.remote(step, inputs, targets, weights, loss_scale))
         return Submitted(steps, steps, step)
+
+    def relayout(self, survivors: list[Any]) -> None:
+        """After the group resized: every worker that was in the old group leaves it,
+        every worker takes its new spec, and all join a new group."""
+        ray.get([actor.leave_group.remote() for actor in survivors])
+        ray.get([actor.take_layout.remote(self.group.spec(rank)) for rank, actor in enumerate(self.group.actors)])
+        self._join(self.group.actors)
 
     def _repair(self) -> None:
         """A failed step leaves the group broken (its failing stage left it): every

@@ -47,13 +47,18 @@ class PerStepWorker(StageWorker):
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
-        self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
-        self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
-        self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
                           ops.B: self._backward, ops.SEND_GRAD: self._send_gradient,
                           ops.REDUCE_GRAD: self._reduce, ops.OPTIMIZER_STEP: self._commit}
+
+    def take_layout(self, spec: WorkerSpec) -> None:
+        """The layout's ops and place in the group (joined by :meth:`join_group`, after
+        leaving the old group)."""
+        super().take_layout(spec)
+        self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
+        self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
+        self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the other stages meet this one (called on stage 0)."""
@@ -73,7 +78,7 @@ class PerStepWorker(StageWorker):
         On any failure this worker leaves the group first, releasing its
         neighbours (and failing their reduction, so no stage steps).
         """
-        none = [None] * self.config.num_micro_batches
+        none = [None] * len(self.block)
         state = _StepState(step, inputs or none, targets or none, weights or none, loss_scale)
         try:
             self._channel.expect_activations(self._received_micro_batches)

@@ -39,8 +39,9 @@ import ray
 
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
-from raypipe.errors import RaypipeError, TooManyFailures, WorkersFailed
+from raypipe.errors import PlacementError, RaypipeError, TooManyFailures, WorkersFailed
 from raypipe.executor.base import Executor, StepOutcome
+from raypipe.executor.elastic import GROW, SHRINK, Resizer
 from raypipe.executor.persisted import PersistedCheckpoints
 from raypipe.runtime.health import Watchdog
 
@@ -58,11 +59,23 @@ class LoggedStep:
 
 @dataclass
 class Snapshot:
-    """Every worker's state at the start of step ``step`` and the steps since."""
+    """Every worker's state at the start of step ``step`` and the steps since.
+
+    ``taken_by[rank]`` is the position, among the workers snapshotted, of the
+    worker now at ``rank`` (a shrink drops workers and re-numbers the rest)."""
 
     step: int
     refs: list
     since: list[LoggedStep] = field(default_factory=list)
+    taken_by: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.taken_by = self.taken_by or list(range(len(self.refs)))
+
+    def keep_only(self, kept: list[int]) -> None:
+        """Only the workers now at the old ranks ``kept`` remain, in that order."""
+        self.refs = [self.refs[rank] for rank in kept]
+        self.taken_by = [self.taken_by[rank] for rank in kept]
 
 
 @dataclass
@@ -95,6 +108,10 @@ class Recovery:
         # the last resort: the newest checkpoint saved or loaded, and the steps since
         self.persisted = PersistedCheckpoints(keep_batches=not config.snapshot_every)
         self.settle_saves: Callable[[], None] = lambda: None  # finishes a background save in flight
+        self.resizer: Resizer | None = None  # an elastic run's: shrinks when a replacement cannot be placed
+        # starts the model on fewer stages when no whole pipeline can be placed (given the last step's reports)
+        self.repartition: Callable[[list | None], None] | None = None
+        self._last_reports: list | None = None
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self, step: int, first: bool = False) -> None:
@@ -130,13 +147,29 @@ class Recovery:
             try:
                 if self._failed:
                     self._heal()
+                elif self.resizer is not None:
+                    self._grow()
                 return self._run(data_step, batch, loss_scale)
             except WorkersFailed as failure:
                 self._note(failure)
 
+    def _grow(self) -> None:
+        """Admit a new replica when one is ready (the step boundary is the only time the
+        layout changes), and snapshot the grown group."""
+        new_ranks = self.resizer.poll()
+        if new_ranks:
+            self.resizer.resized(GROW, new_ranks)
+            self._snapshot_now()
+
+    def _snapshot_now(self) -> None:
+        if self._snapshots:  # a fresh snapshot of the group as it is: the old ones cover other workers
+            newest = self._snapshots[-1]
+            self.snapshot(newest.step + len(newest.since), first=True)
+
     def _run(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
         outcome = self.executor.run_step(data_step, batch, loss_scale)
         self._commits = outcome.reports[0].commits
+        self._last_reports = outcome.reports
         return outcome
 
     def evaluate(self, run: Callable[[], float], step: int) -> float:
@@ -186,32 +219,81 @@ class Recovery:
             raise RaypipeError(f"{self.failures[-1]}: a surviving worker had ended the step, and snapshot_every=0 "
                                "keeps no snapshot (nor was a checkpoint saved) to roll it back to; load_checkpoint "
                                "resumes from the newest checkpoint")
-        group.replace(failed, self.config.replace_timeout_s)
-        if siblings is not None:
-            self._copy_from_siblings(siblings)
-            replay = []
-            source = "replica " + ", ".join(sorted({str(source // self.config.num_stages)
-                                                     for source in siblings.values()}))
+        try:
+            group.replace(failed, self.config.replace_timeout_s)
+            resized = False
+        except PlacementError as error:
+            if self.resizer is not None and self.resizer.can_shrink(error.unplaced):
+                failed, survivors = self._shrink(failed, error.unplaced)
+                siblings, resized = self._siblings(failed), True
+            elif self.repartition is not None and self._no_pipeline_left(error.unplaced):
+                return self._healed(*self._repartition(), failed=[])
+            else:
+                self.executor.usable = False
+                raise
+        replay, source = self._transfer_state(siblings)
+        if resized:
+            self.executor.relayout(survivors)
+            self.resizer.resized(SHRINK, failed)
         else:
-            replay, source = self._restore()
-        self.executor.reconnect(survivors)
-        self.on_replaced(failed)
+            self.executor.reconnect(survivors)
+            self.on_replaced(failed)
+        self._healed(replay, source, failed)
+
+    def _healed(self, replay: list[LoggedStep], source: str, failed: list[int]) -> None:
+        """Replay the steps since the state restored, snapshot, and report the heal."""
         for logged in replay:
             self._run(logged.data_step, logged.batch, logged.loss_scale)
-        if self._snapshots:  # a fresh snapshot of the healed state: a lost one is never fallen back to again
-            newest = self._snapshots[-1]
-            self.snapshot(newest.step + len(newest.since), first=True)
+        self._snapshot_now()  # of the healed state: a lost one is never fallen back to again
         reasons = sorted(set(self._failed.values()))
         self._failed = {}
         seconds = time.monotonic() - self._failed_since
         self._failed_since = None
-        logger.warning("raypipe: replaced %s in %.1fs from the %s, replayed %d step(s)",
-                       [self._worker(index) for index in failed], seconds, source, len(replay))
+        logger.warning("raypipe: healed in %.1fs (replaced %s) from the %s, replayed %d step(s)",
+                       seconds, [self._worker(index) for index in failed] or "none", source, len(replay))
         self.on_recovered(Recovered(reasons, seconds, len(replay), source))
+
+    def _no_pipeline_left(self, unplaced: tuple[int, ...]) -> bool:
+        """Whether every replica has a worker that cannot be placed."""
+        group = self.executor.group
+        return {group.spec(rank).replica for rank in unplaced} == {spec.replica for spec in group.specs}
+
+    def _repartition(self) -> tuple[list[LoggedStep], str]:
+        """One replica on fewer stages; its workers adopt the layers of the old stages'
+        newest whole snapshot (else the newest checkpoint), and the steps since are replayed."""
+        old_stages = self.config.num_stages
+        self.repartition(self._last_reports)
+        actors = self.executor.group.actors
+        self.on_replaced(list(range(len(actors))))
+        replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs[:old_stages]) for actor in actors],
+                                       needed=old_stages)
+        return replay, f"{source}, re-partitioned onto {self.config.num_stages} stage(s)"
+
+    def _transfer_state(self, siblings: dict[int, int] | None) -> tuple[list[LoggedStep], str]:
+        """Give the replacements their state (from siblings, else roll every worker back):
+        the steps to replay, and where the state came from."""
+        if siblings is None:
+            return self._restore()
+        self._copy_from_siblings(siblings)
+        if not siblings:  # a shrink dropped every failed worker's replica
+            return [], "surviving replicas"
+        num_stages = self.config.num_stages
+        return [], "replica " + ", ".join(sorted({str(source // num_stages) for source in siblings.values()}))
+
+    def _shrink(self, failed: list[int], unplaced: tuple[int, ...]) -> tuple[list[int], list[Any]]:
+        """Drop the replicas whose replacements found no room (an elastic run); returns the
+        failed workers left (replaced) and the survivors, by their new ranks."""
+        kept = self.resizer.shrink(unplaced)
+        for snapshot in self._snapshots:
+            snapshot.keep_only(kept)
+        actors = self.executor.group.actors
+        return ([rank for rank, old in enumerate(kept) if old in failed],
+                [actors[rank] for rank, old in enumerate(kept) if old not in failed])
 
     def _replicas_hold_copies(self) -> bool:
         """Whether the replicas of a stage hold the same state (its whole optimizer on each)."""
-        return self.config.num_replicas > 1 and not self.config.shard_optimizer
+        running = len(self.executor.group.actors) // self.config.num_stages
+        return running > 1 and not self.config.shard_optimizer
 
     def _siblings(self, failed: list[int]) -> dict[int, int] | None:
         """For each failed worker, a surviving worker of the same stage in another replica
@@ -241,19 +323,24 @@ class Recovery:
         dropped = [actor.abort_step.remote() for index, actor in enumerate(actors) if index not in sources]
         ray.get(copies + dropped)
 
-    def _restore(self) -> tuple[list[LoggedStep], str]:
+    def _restore(self, load: Callable[[list], list] | None = None, needed: int | None = None
+                 ) -> tuple[list[LoggedStep], str]:
         """Every worker back to the newest whole snapshot (an older one when a worker
         died while the newest was being taken; the newest intact checkpoint when none
-        is left): the steps to replay since, and which state it was."""
+        is left): the steps to replay since, and which state it was. ``load(refs)``
+        gives the workers a snapshot's states (of ``needed`` workers; default: each
+        worker restores its own)."""
         actors = self.executor.group.actors
+        load = load or (lambda refs: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
+        needed = needed or len(actors)
         lost = ""
         for position in range(len(self._snapshots) - 1, -1, -1):
             snapshot = self._snapshots[position]
-            for refs in (snapshot.refs, self._kept_copies(snapshot.step)):
-                if len(refs) != len(actors):  # no copies kept
+            for refs in (snapshot.refs, self._kept_copies(snapshot)):
+                if len(refs) < needed:  # no copies kept
                     continue
                 try:
-                    ray.get([actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
+                    ray.get(load(refs))
                     break
                 except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
                     lost = lost or str(error).strip().splitlines()[-1]
@@ -277,11 +364,12 @@ class Recovery:
         raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); load_checkpoint "
                            "resumes from the newest persisted checkpoint")
 
-    def _kept_copies(self, step: int) -> list:
-        """The keeper's copies of the snapshot of ``step`` (none without a keeper)."""
+    def _kept_copies(self, snapshot: Snapshot) -> list:
+        """The keeper's copies of ``snapshot`` (none without a keeper)."""
         if self.keeper is None:
             return []
-        return [wrapped[0] for wrapped in ray.get(self.keeper.copies.remote(step))]
+        copies = [wrapped[0] for wrapped in ray.get(self.keeper.copies.remote(snapshot.step))]
+        return [copies[position] for position in snapshot.taken_by] if copies else []
 
     def _index(self, worker: tuple[int, int]) -> int:
         replica, stage = worker

@@ -41,11 +41,16 @@ def worker_bundle(config: PipelineConfig, use_gpu: bool) -> dict[str, float]:
     return bundle
 
 
+def placement_group_for(bundles: list[dict[str, float]]) -> Any:
+    """One replica's placement group: its stages packed (a pipeline's stages talk to each other most)."""
+    return placement_group(bundles, strategy="PACK")
+
+
 def reserve(num_pipelines: int, bundles: list[dict[str, float]], timeout_s: float) -> list[Any]:
     """One PACK placement group of ``bundles`` per pipeline replica (a pipeline's
     stages talk to each other most), all placed within ``timeout_s``; or a clear
     PlacementError naming what was asked and what the cluster has."""
-    groups = [placement_group(bundles, strategy="PACK") for _ in range(num_pipelines)]
+    groups = [placement_group_for(bundles) for _ in range(num_pipelines)]
     try:
         ray.get([group.ready() for group in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -56,6 +61,42 @@ def reserve(num_pipelines: int, bundles: list[dict[str, float]], timeout_s: floa
             f"{_resources(ray.available_resources())} available. Lower num_stages/num_replicas/cpus_per_stage, "
             f"add nodes, or raise placement_timeout_s while the autoscaler adds them.") from None
     return groups
+
+
+def reserve_between(minimum: int, maximum: int, bundles: list[dict[str, float]], timeout_s: float,
+                    grace_s: float = 2.0) -> tuple[list[Any], list[Any]]:
+    """An elastic run's placement groups (one PACK group per replica): waits up to
+    ``timeout_s`` for ``minimum`` to be placed, then ``grace_s`` for the rest.
+    Returns (placed, pending): pending groups stay asked for, so Ray places them
+    (and an autoscaler adds nodes for them) while the run goes on."""
+    groups = [placement_group_for(bundles) for _ in range(maximum)]
+    waits = [group.ready() for group in groups]
+    placed, _ = ray.wait(waits, num_returns=minimum, timeout=timeout_s)
+    if len(placed) < minimum:
+        release(groups)
+        raise PlacementError(
+            f"could not place {minimum} replica(s) (the elastic run's minimum) of {len(bundles)} stage(s) of "
+            f"{bundles[0]} each within {timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in "
+            f"total, {_resources(ray.available_resources())} available. Lower the minimum of num_replicas, add "
+            "nodes, or raise placement_timeout_s while the autoscaler adds them.")
+    placed, _ = ray.wait(waits, num_returns=maximum, timeout=grace_s)
+    return ([group for group, ready in zip(groups, waits) if ready in placed],
+            [group for group, ready in zip(groups, waits) if ready not in placed])
+
+
+def placeable_workers(bundle: dict[str, float]) -> int:
+    """How many workers of ``bundle`` the cluster has room for now (summed over nodes)."""
+    available = ray.available_resources()
+    return int(min(available.get(name, 0.0) // amount for name, amount in bundle.items() if amount > 0))
+
+
+def worker_memory_bytes(device_memory_bytes: int | None) -> float:
+    """What one worker may hold: its device's memory on GPU, else the smallest Ray
+    ``memory`` of a node with CPUs (the object store excluded)."""
+    if device_memory_bytes:
+        return float(device_memory_bytes)
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) > 0]
+    return min((resources.get("memory", 0.0) for resources in nodes), default=0.0)
 
 
 def release(groups: list[Any]) -> None:

@@ -29,16 +29,33 @@ class WorkerInfo:
     pid: int
 
 
+@dataclass
+class NewReplica:
+    """A replica's workers started in its own placement group, not yet in the group."""
+
+    placement: Any
+    specs: list[WorkerSpec]
+    actors: list[Any]
+    ready: list  # each worker's ready() reference
+
+    def cancel(self) -> None:
+        """Kill its workers and free its placement group."""
+        for actor in self.actors:
+            _kill(actor)
+        cluster.release([self.placement])
+
+
 class StageGroup:
     """Workers of ``actor_class``, one per spec; each replica's in its own PACK
     placement group (bundle = stage)."""
 
     def __init__(self, actor_class: Any, specs: list[WorkerSpec], bundle: dict[str, float],
-                 placement_timeout_s: float) -> None:
+                 placement_timeout_s: float, placements: list[Any] | None = None) -> None:
+        """``placements``: one placement group per replica, already placed (else reserved here)."""
         self._actor_class, self._specs, self._bundle = actor_class, list(specs), bundle
         num_replicas = 1 + max(spec.replica for spec in specs)
-        self._placements = cluster.reserve(num_replicas, [bundle] * (len(specs) // num_replicas),
-                                           placement_timeout_s)
+        self._placements = placements or cluster.reserve(num_replicas, [bundle] * (len(specs) // num_replicas),
+                                                         placement_timeout_s)
         self.actors: list[Any] = [self._create(index) for index in range(len(specs))]
         self._ready: list[dict[str, Any]] = []
 
@@ -87,15 +104,16 @@ class StageGroup:
         self.kill(indices)
         for index in indices:
             self.actors[index] = self._create(index)
-        try:
-            ready = ray.get([self.actors[index].ready.remote() for index in indices], timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            where = ", ".join(f"replica {self._specs[i].replica} stage {self._specs[i].stage}" for i in indices)
+        pings = {self.actors[index].ready.remote(): index for index in indices}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+        for ref in answered:
+            self._ready[pings[ref]] = ray.get(ref)
+        unplaced = sorted(index for ref, index in pings.items() if ref not in answered)
+        if unplaced:
+            where = ", ".join(f"replica {self._specs[i].replica} stage {self._specs[i].stage}" for i in unplaced)
             raise PlacementError(f"could not place a replacement for {where} within {timeout_s:g}s "
-                                 f"(replace_timeout_s): the cluster has {cluster.describe_available()} available"
-                                 ) from None
-        for index, info in zip(indices, ready):
-            self._ready[index] = info
+                                 f"(replace_timeout_s): the cluster has {cluster.describe_available()} available",
+                                 tuple(unplaced))
 
     def index_of(self, error: ray.exceptions.RayActorError) -> int | None:
         """Which worker a Ray actor error is about, if any of ours."""
@@ -109,6 +127,42 @@ class StageGroup:
         """The spec worker ``index`` was built from."""
         return self._specs[index]
 
+    @property
+    def specs(self) -> list[WorkerSpec]:
+        """Every worker's spec, in rank order."""
+        return list(self._specs)
+
+    def drop_replicas(self, replicas: set[int]) -> list[int]:
+        """Kill every worker of ``replicas`` and free their placement groups; the
+        others keep their order. Returns the old ranks of the workers kept. Their
+        specs still hold the old layout until :meth:`set_specs`."""
+        kept = [index for index, spec in enumerate(self._specs) if spec.replica not in replicas]
+        self.kill([index for index in range(len(self._specs)) if index not in kept])
+        cluster.release([self._placements[replica] for replica in sorted(replicas)])
+        self._placements = [group for replica, group in enumerate(self._placements) if replica not in replicas]
+        self.actors = [self.actors[index] for index in kept]
+        self._specs = [self._specs[index] for index in kept]
+        self._ready = [self._ready[index] for index in kept]
+        return kept
+
+    def set_specs(self, specs: list[WorkerSpec]) -> None:
+        """The workers' specs after a resize (a replacement is built from these)."""
+        if [spec.stage for spec in specs] != [spec.stage for spec in self._specs]:
+            raise ValueError("a new layout keeps every worker's stage")
+        self._specs = list(specs)
+
+    def start_replica(self, placement: Any, specs: list[WorkerSpec]) -> NewReplica:
+        """Start a replica's workers in ``placement`` (placed); :meth:`admit` adds it once ready."""
+        actors = [self._create_in(placement, spec) for spec in specs]
+        return NewReplica(placement, list(specs), actors, [actor.ready.remote() for actor in actors])
+
+    def admit(self, replica: NewReplica) -> None:
+        """Make a started replica (whose workers are ready) the group's last."""
+        self._placements.append(replica.placement)
+        self.actors += replica.actors
+        self._specs += replica.specs
+        self._ready += ray.get(replica.ready)
+
     def shutdown(self) -> None:
         """Kill every worker and free the placement group (idempotent)."""
         for actor in self.actors:
@@ -119,8 +173,10 @@ class StageGroup:
 
     def _create(self, index: int) -> Any:
         spec = self._specs[index]
-        strategy = PlacementGroupSchedulingStrategy(self._placements[spec.replica],
-                                                    placement_group_bundle_index=spec.stage)
+        return self._create_in(self._placements[spec.replica], spec)
+
+    def _create_in(self, placement: Any, spec: WorkerSpec) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=spec.stage)
         options = {"num_cpus": self._bundle["CPU"], "num_gpus": self._bundle.get("GPU", 0),
                    "scheduling_strategy": strategy, "max_restarts": 0}
         return self._actor_class.options(**options).remote(spec)

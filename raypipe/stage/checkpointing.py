@@ -53,7 +53,9 @@ class StageCheckpointing:
         that heals a failed step)."""
         return {"layers": self.layers.state_dict(), "commits": self.commits,
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                # what makes it readable by any partition (see adopt)
+                "layer_indices": list(self.layer_indices), "parameter_names": self._optimizer_parameter_names()}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`)."""
@@ -65,6 +67,33 @@ class StageCheckpointing:
             self.scheduler.load_state_dict(snapshot["scheduler"])
         self.commits = snapshot["commits"]
         self.weights.refresh()
+
+    def adopt(self, *snapshots: dict[str, Any]) -> None:
+        """Take this stage's layers from snapshots of the stages of another partition
+        (a run re-partitioned onto fewer stages): weights, optimizer state per layer
+        and parameter name, hyper-parameters, schedule and commits."""
+        self.abort_step()
+        weights: dict[int, dict[str, torch.Tensor]] = {}
+        optimizer: dict[int, dict[str, Any]] = {}
+        for snapshot in snapshots:
+            layer_weights, layer_optimizer = snapshot_by_layer(snapshot)
+            weights.update(layer_weights)
+            optimizer.update(layer_optimizer)
+        self.load_state_dict(weights)
+        if self.optimizer is not None:
+            self.optimizer.state.clear()  # as the snapshot had it: a parameter without state gets none
+            self.load_optimizer_state(optimizer)
+        if self.scheduler is not None and snapshots[0]["scheduler"] is not None:
+            self.scheduler.load_state_dict(snapshots[0]["scheduler"])  # every stage's schedule steps alike
+        self.commits = snapshots[0]["commits"]
+
+    def _optimizer_parameter_names(self) -> list[tuple[int, str]] | None:
+        """(global layer index, parameter name) of each optimizer parameter, in its state dict's order."""
+        if self.optimizer is None:
+            return None
+        names = {id(p): (index, name) for index, layer in zip(self.layer_indices, self.layers)
+                 for name, p in layer.named_parameters()}
+        return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
 
     def start_checkpoint(self, root_uri: str, step: int) -> int:
         """Copy what this worker saves to host memory now, as the bytes of its files,
@@ -130,6 +159,27 @@ class StageCheckpointing:
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups}
                 for index in self.layer_indices}
+
+
+def snapshot_by_layer(snapshot: dict[str, Any]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, Any]]]:
+    """A stage's snapshot as weights per global layer index, and optimizer state per
+    layer and parameter name (with the hyper-parameters under -1), as checkpoints hold them."""
+    indices = snapshot["layer_indices"]
+    weights: dict[int, dict[str, torch.Tensor]] = {index: {} for index in indices}
+    for key, tensor in snapshot["layers"].items():
+        position, name = key.split(".", 1)
+        weights[indices[int(position)]][name] = tensor
+    saved = snapshot["optimizer"]
+    if saved is None:
+        return weights, {}
+    optimizer: dict[int, dict[str, Any]] = {index: {} for index in indices}
+    ids = [parameter_id for group in saved["param_groups"] for parameter_id in group["params"]]
+    for parameter_id, (index, name) in zip(ids, snapshot["parameter_names"], strict=True):
+        if parameter_id in saved["state"]:
+            optimizer[index][name] = saved["state"][parameter_id]
+    optimizer[-1] = {"param_groups": [{k: v for k, v in group.items() if k != "params"}
+                                      for group in saved["param_groups"]]}
+    return weights, optimizer
 
 
 def _write_layers(files: WrittenFiles, root_uri: str, step: int, encoded: dict[int, bytes]) -> None:

@@ -3,7 +3,7 @@ replacement worker can be built from exactly the same description."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -32,16 +32,36 @@ class WorkerSpec:
     ops: tuple[Op, ...] = ()  # this stage's F/B ops of the (driver-checked) schedule
     use_gpu: bool = False
     replica: int = 0
+    num_replicas: int | None = None  # None: the config's (fixed) number
+    micro_batches: range | None = None
     optimizer_factory: Callable | None = None
     loss_fn: Callable | None = None
     loss_count_fn: Callable | None = None
     scheduler_factory: Callable | None = None
 
+    @property
+    def block(self) -> range:
+        """The step's micro-batches this worker's replica runs (global indices)."""
+        if self.micro_batches is not None:
+            return self.micro_batches
+        count = self.config.num_micro_batches
+        return range(self.replica * count, (self.replica + 1) * count)
+
+    @property
+    def running_replicas(self) -> int:
+        """How many replicas run a step together with this one."""
+        return self.num_replicas if self.num_replicas is not None else self.config.max_replicas
+
     def stage_ops(self) -> tuple[Op, ...]:
         """This stage's F/B ops, in the order it runs them."""
         if self.ops:
             return self.ops
-        return tuple(make_schedule(self.config.schedule, self.num_stages, self.config.num_micro_batches)[self.stage])
+        return tuple(make_schedule(self.config.schedule, self.num_stages, len(self.block))[self.stage])
+
+    def for_layout(self, replica: int, num_replicas: int, micro_batches: range) -> WorkerSpec:
+        """This stage as replica ``replica`` of ``num_replicas`` running ``micro_batches``."""
+        ops = tuple(make_schedule(self.config.schedule, self.num_stages, len(micro_batches))[self.stage])
+        return replace(self, replica=replica, num_replicas=num_replicas, micro_batches=micro_batches, ops=ops)
 
     @property
     def is_first(self) -> bool:

@@ -6,6 +6,7 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -41,8 +42,6 @@ class StageWorker(StageCheckpointing):
         self.spec, self.config = spec, config
         self.stage_index, self.num_stages = spec.stage, spec.num_stages
         self.replica = spec.replica
-        self.topology = Topology(spec.num_stages, config.num_replicas)
-        self.named_replica = spec.replica if config.num_replicas > 1 else None  # in errors
         self.layer_indices = list(spec.layer_indices)
         self.is_first, self.is_last = spec.is_first, spec.is_last
         self.device = torch.device("cuda", torch.cuda.current_device()) if spec.use_gpu else torch.device("cpu")
@@ -52,7 +51,7 @@ class StageWorker(StageCheckpointing):
         self.weights = compute_weights(config.precision, self.layers, self.device)  # what the layers compute with
         self._trainable = [p for p in self.layers.parameters() if p.requires_grad]
         # ZeRO-1: this replica's optimizer holds the parameters it owns (all of them, unsharded)
-        self.ownership = Ownership.assign(self._trainable, config.num_replicas, spec.replica, config.shard_optimizer)
+        self.ownership = Ownership.assign(self._trainable, spec.running_replicas, spec.replica, config.shard_optimizer)
         self._owned = self.ownership.owned(self._trainable)
         # parameters and compute weights: static memory, excluded from held bytes
         self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
@@ -60,7 +59,7 @@ class StageWorker(StageCheckpointing):
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
         self.loss_fn = spec.loss_fn
-        self.data = StageData(spec.loss_count_fn, first_micro_batch=spec.replica * config.num_micro_batches)
+        self.data = StageData(spec.loss_count_fn)
         self.store = ActivationStore(Offloader(self.device) if config.offload_activations else None)
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step
@@ -69,10 +68,22 @@ class StageWorker(StageCheckpointing):
         self._events: list[OpEvent] = []
         self.ops_done = 0  # ops finished over this worker's life (its heartbeat)
         self.commits = 0  # steps this state has ended (stepped or skipped): a heal asks who ended the failed one
-        self._last_micro_batch = config.num_micro_batches - 1
-        self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
+        self.take_layout(spec)
 
     # -- setup --------------------------------------------------------------
+    def take_layout(self, spec: WorkerSpec) -> None:
+        """Run as ``spec`` says from the next step: which replica of how many, and
+        which block of a step's micro-batches (an elastic run resizing). Only the
+        layout may differ from the spec this worker was built from."""
+        self.spec, self.replica = spec, spec.replica
+        self.topology = Topology(spec.num_stages, spec.running_replicas)
+        self.named_replica = spec.replica if spec.running_replicas > 1 else None  # in errors
+        self.block = spec.block
+        self.ownership = replace(self.ownership, replica=spec.replica)  # elastic runs are unsharded: owners stay
+        self.data.first_micro_batch = spec.block.start
+        self._last_micro_batch = len(spec.block) - 1
+        self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
+
     def ready(self) -> dict[str, Any]:
         """Once the layers are built: parameter count, device, and where this worker runs."""
         import os
@@ -80,8 +91,11 @@ class StageWorker(StageCheckpointing):
         import ray
 
         context = ray.get_runtime_context()
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        cuda = self.device.type == "cuda"
+        name = torch.cuda.get_device_name(self.device) if cuda else "cpu"
+        memory = torch.cuda.get_device_properties(self.device).total_memory if cuda else None
         return {"num_parameters": sum(p.numel() for p in self.layers.parameters()), "device_name": name,
+                "device_memory_bytes": memory,
                 "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
 
     @ray.method(concurrency_group=HEALTH_GROUP)
@@ -200,7 +214,7 @@ class StageWorker(StageCheckpointing):
     def _check_step_is_whole(self) -> None:
         if self._step_failure is not None:
             raise self._step_failure
-        missing = sorted(set(range(self.config.num_micro_batches)) - self._backwards_done)
+        missing = sorted(set(range(len(self.block))) - self._backwards_done)
         if missing:
             raise StepAborted(self.stage_index, "B", missing[0],
                               f"the backward of micro-batch(es) {missing} did not run: an op it depends on "
@@ -320,7 +334,7 @@ class StageWorker(StageCheckpointing):
         # Randomness from (seed, step, micro-batch, layer): a recompute replays the
         # same dropout masks, whatever the partition or activation-checkpoint mode.
         # the step's global micro-batch index: the same masks whatever the number of replicas
-        global_micro_batch = self.replica * self.config.num_micro_batches + micro_batch
+        global_micro_batch = self.block.start + micro_batch
         seed = derive_seed(self.config.seed, self._step, global_micro_batch, self.layer_indices[position])
         torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
         if self.device.type == "cuda":

@@ -1,0 +1,162 @@
+"""Elastic runs: between ``min`` and ``max`` pipeline replicas, resized at step
+boundaries without losing a step or changing the numbers.
+
+A step always has ``num_micro_batches x max`` micro-batches with the same loss
+weights; the replicas running split them into contiguous blocks
+(:func:`~raypipe.core.micro_batches.replica_blocks`). So a run with fewer
+replicas computes the same step (up to the order of the gradient sums), and a
+resize needs no change to the data or the optimizer.
+
+The :class:`Resizer` keeps one placement group asked for per missing replica
+(pending: Ray places it, and an autoscaler adds nodes for it, while the run goes
+on) and:
+
+- **shrinks** when a failed worker cannot be replaced within
+  ``replace_timeout_s``: its replica is dropped and the survivors take the new
+  layout (:meth:`Resizer.shrink`, called while healing the failed step);
+- **grows** when a pending placement group is placed: the new replica's workers
+  start while steps run, and once they are ready, at a step boundary, each
+  restores a snapshot of the same stage of a live replica (sent worker to worker
+  through the object store) and every worker takes the new layout
+  (:meth:`Resizer.poll`).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raypipe.config import PipelineConfig
+from raypipe.core.micro_batches import replica_blocks
+from raypipe.errors import PlacementError
+from raypipe.executor.base import Executor
+from raypipe.runtime import cluster
+from raypipe.runtime.group import NewReplica
+from raypipe.stage.spec import WorkerSpec
+
+logger = logging.getLogger("raypipe")
+
+SHRINK, GROW = "shrink", "grow"
+
+
+def layout(stages: list[WorkerSpec], num_replicas: int, num_micro_batches: int) -> list[WorkerSpec]:
+    """Every worker's spec, in rank order, when ``num_replicas`` replicas of ``stages``
+    (one spec per stage) share a step of ``num_micro_batches``."""
+    blocks = replica_blocks(num_micro_batches, num_replicas)
+    return [spec.for_layout(replica, num_replicas, blocks[replica])
+            for replica in range(num_replicas) for spec in stages]
+
+
+class Resizer:
+    """Keeps an elastic run's replicas between ``config.min_replicas`` and ``max_replicas``.
+
+    ``on_resized(direction, num_replicas, new_ranks)`` tells the trainer (its
+    topology, metrics, datasets of new readers) after the workers took the new
+    layout.
+    """
+
+    def __init__(self, config: PipelineConfig, executor: Executor, stages: list[WorkerSpec],
+                 bundle: dict[str, float], pending: list[Any],
+                 on_resized: Callable[[str, int, list[int]], None]) -> None:
+        self.config, self.executor, self.stages = config, executor, stages
+        self._bundles = [bundle] * config.num_stages
+        self._pending = [(group, group.ready()) for group in pending]  # asked for, not placed yet
+        self._starting: NewReplica | None = None
+        self.on_resized = on_resized
+
+    @property
+    def num_micro_batches(self) -> int:
+        """A step's micro-batches, whatever the number of replicas running it."""
+        return self.config.num_micro_batches * self.config.max_replicas
+
+    def specs(self, num_replicas: int) -> list[WorkerSpec]:
+        """Every worker's spec when ``num_replicas`` replicas run."""
+        return layout(self.stages, num_replicas, self.num_micro_batches)
+
+    # -- shrink -------------------------------------------------------------
+    def can_shrink(self, unplaced: tuple[int, ...]) -> bool:
+        """Whether dropping the replicas of workers ``unplaced`` leaves at least ``min``."""
+        group = self.executor.group
+        dropped = {group.spec(rank).replica for rank in unplaced}
+        return len(group.actors) // self.config.num_stages - len(dropped) >= self.config.min_replicas
+
+    def shrink(self, unplaced: tuple[int, ...]) -> list[int]:
+        """Drop the replicas of workers ``unplaced`` (by rank), re-number the rest and
+        give the group their specs; returns the old ranks of the workers kept, in
+        their new order. The workers take the layout in :meth:`Executor.relayout`.
+        Raises :class:`PlacementError` when fewer than ``min`` replicas would be left."""
+        group = self.executor.group
+        dropped = {group.spec(rank).replica for rank in unplaced}
+        running = len(group.actors) // self.config.num_stages
+        if running - len(dropped) < self.config.min_replicas:
+            raise PlacementError(f"{len(dropped)} replica(s) lost their workers and no node has room for them: "
+                                 f"{running - len(dropped)} would be left, fewer than the elastic minimum "
+                                 f"{self.config.min_replicas} (num_replicas={tuple(self.config.num_replicas)})",
+                                 unplaced)
+        kept = group.drop_replicas(dropped)
+        group.set_specs(self.specs(running - len(dropped)))
+        self._ask_for(len(dropped))
+        logger.warning("raypipe: shrank from %d to %d replica(s): no room to replace replica(s) %s",
+                       running, running - len(dropped), sorted(dropped))
+        return kept
+
+    def resized(self, direction: str, new_ranks: list[int]) -> None:
+        """Tell the trainer, once the workers run the new layout."""
+        self.on_resized(direction, len(self.executor.group.actors) // self.config.num_stages, new_ranks)
+
+    # -- grow ---------------------------------------------------------------
+    def poll(self) -> list[int] | None:
+        """At a step boundary, cheaply: start a replica whose placement group was
+        placed, or admit one whose workers are ready (returns the new workers' ranks,
+        after they took the state of a live replica and everyone the new layout)."""
+        if self._starting is not None:
+            done, _ = ray.wait(self._starting.ready, num_returns=len(self._starting.ready), timeout=0)
+            return self._admit() if len(done) == len(self._starting.ready) else None
+        if self._pending:
+            waits = [ready for _, ready in self._pending]
+            placed, _ = ray.wait(waits, num_returns=1, timeout=0)
+            if placed:
+                position = waits.index(placed[0])
+                placement, _ = self._pending.pop(position)
+                running = len(self.executor.group.actors) // self.config.num_stages
+                self._starting = self.executor.group.start_replica(placement,
+                                                                   self.specs(running + 1)[-self.config.num_stages:])
+        return None
+
+    def _admit(self) -> list[int] | None:
+        starting, self._starting = self._starting, None
+        group = self.executor.group
+        old = list(group.actors)
+        try:
+            ray.get(starting.ready)
+            # each new worker restores the same stage of the first replica, worker to worker
+            ray.get([actor.restore.remote(old[stage].snapshot.remote())
+                     for stage, actor in enumerate(starting.actors)])
+        except ray.exceptions.RayError as error:
+            logger.warning("raypipe: a new replica failed before it joined (%s); asking for another",
+                           str(error).strip().splitlines()[-1])
+            starting.cancel()
+            self._ask_for(1)
+            return None
+        group.admit(starting)
+        running = len(group.actors) // self.config.num_stages
+        group.set_specs(self.specs(running))
+        self.executor.relayout(old)
+        logger.warning("raypipe: grew from %d to %d replica(s)", running - 1, running)
+        return list(range(len(old), len(group.actors)))
+
+    # -- lifecycle ------------------------------------------------------------
+    def _ask_for(self, count: int) -> None:
+        for _ in range(count):
+            group = cluster.placement_group_for(self._bundles)
+            self._pending.append((group, group.ready()))
+
+    def close(self) -> None:
+        """Free the placement groups asked for and a replica still starting."""
+        if self._starting is not None:
+            self._starting.cancel()
+            self._starting = None
+        cluster.release([group for group, _ in self._pending])
+        self._pending = []
