@@ -254,7 +254,8 @@ class PipelineTrainer(TrainerState):
 
         Tensors are split into :attr:`micro_batches_per_step` micro-batches
         with ``torch.tensor_split`` (each running replica runs a contiguous
-        block); lists of tensors are taken as the micro-batches themselves (they may differ in shape, e.g. sequence length). The loss is
+        block); lists of tensors are taken as the micro-batches themselves (they
+        may differ in shape, e.g. sequence length). The loss is
         the exact mean over the whole batch, whatever the number of replicas.
         """
         start = time.time()
