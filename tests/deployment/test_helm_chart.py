@@ -462,6 +462,11 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
     assert dashboard == json.loads((CHART_DIR / "dashboards" / "raypipe.json").read_text())
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     assert queries and all("raypipe_" in q for q in queries)
+    (replicas,) = [panel for panel in dashboard["panels"] if panel["title"] == "Replicas"]
+    assert [t["expr"] for t in replicas["targets"]] == [
+        "raypipe_replicas", "sum by (direction) (increase(raypipe_resizes_total[$__rate_interval]))"]
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(set(ids)) == len(ids)
     assert "ConfigMap" not in render(chart, {"grafanaDashboard": {"enabled": False}})
 
 
