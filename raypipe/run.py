@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from raypipe.config import PipelineConfig
+from raypipe.config import PipelineConfig, max_replicas
 from raypipe.core.validation import check_int, from_mapping
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ def _datasets(run: RunConfig, pipeline: PipelineConfig, model: Any, seq_len: int
     if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
         prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
-    per_step = pipeline.num_micro_batches * pipeline.num_replicas  # micro-batches of a step, every replica's
+    # micro-batches of a step, every replica's; an elastic run's is sized for its most replicas, whatever runs
+    per_step = pipeline.num_micro_batches * max_replicas(pipeline.num_replicas)
     datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
                              vocab_size=model.vocab_size) for split in ("train", "validation")]
     _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
