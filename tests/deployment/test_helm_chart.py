@@ -391,6 +391,15 @@ def test_an_elastic_values_file_drives_the_trainer_and_the_worker_group(chart, t
     assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
+def test_the_values_file_of_docs_deploy_md_renders_an_elastic_run(chart) -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    (block,) = re.findall(r"```yaml\n(# my-values\.yaml\n.*?)```", text, flags=re.S)
+    manifests = render(chart, yaml.safe_load(block))
+    _command, flags = entrypoint_flags(only(manifests, "RayJob"))
+    assert (flags["--stages"], flags["--replicas"]) == (["8"], ["1:2"])
+    assert worker_group(manifests) == (2, 1, 2)
+
+
 GPUS_8 = {"limits": {"cpu": "160", "memory": "1500Gi", "nvidia.com/gpu": 8}}
 GPUS_4 = {"requests": {"nvidia.com/gpu": 4}, "limits": {"cpu": "96", "memory": "700Gi", "nvidia.com/gpu": 4}}
 
