@@ -28,7 +28,7 @@ SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
 
 RESTART_REASONS = ("died", "hung", "unreachable")  # why a worker was replaced (raypipe.runtime.health)
-RESIZE_DIRECTIONS = ("shrink", "grow")  # an elastic run dropped a replica, or added one
+RESIZE_DIRECTIONS = ("shrink", "grow")  # an elastic run dropped replicas, or added them
 # (kind label, StageStats field) for raypipe_stage_memory_bytes.
 MEMORY_KINDS = (
     ("held_for_backward", "held_for_backward_bytes"),
@@ -117,7 +117,7 @@ class _TrainingCollector(Collector):
                      "Seconds from the latest failure's detection to training again (0 before any).", recovery_seconds)
         resizes_family = CounterMetricFamily(
             "raypipe_resizes_total",
-            "Elastic resizes, by direction: shrink (a replica dropped) or grow (a replica added).",
+            "Elastic resizes, by direction: shrink (replicas dropped) or grow (replicas added).",
             labels=["direction"],
         )
         for direction in RESIZE_DIRECTIONS:
@@ -264,7 +264,7 @@ class MetricsExporter:
 
     def record_resize(self, direction: str, num_replicas: int) -> None:
         """Count one elastic resize (``direction`` "shrink" or "grow") and publish the replicas
-        running after it; raises ValueError on another direction."""
+        running after it; raises ValueError on another direction or fewer than 1 replica."""
         self._collector.record_resize(direction, num_replicas)
 
     def close(self) -> None:
