@@ -31,6 +31,13 @@ steps it trained (summary.json: ``first_step``, ``resumed_from_step``).
 Without a progress bar (not a terminal, or ``--no-progress``) it prints one
 line per step, for job logs.
 
+``--replicas MIN:MAX`` (e.g. ``1:4``) runs elastic: the run starts with as many
+replicas as fit (at least MIN), drops one whose worker cannot be replaced
+(``--replace-timeout``), and adds one at a step boundary when resources for it
+appear; it asks the autoscaler for MAX replicas' resources. A step is always
+``--micro-batches`` x MAX micro-batches, shared by the replicas running it, so
+the numbers do not change with the replica count.
+
 ``--init-from DIR`` starts from a Hugging Face LLaMA checkpoint (safetensors,
 local or ``s3://`` / ``gs://``) instead of the preset's random weights; each
 stage reads only its own layers. ``--tokenizer DIR`` prepares the data with
@@ -47,7 +54,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from raypipe.config import activation_arguments, add_activation_arguments  # noqa: E402
+from raypipe.config import (activation_arguments, add_activation_arguments, max_replicas,  # noqa: E402
+                            parse_replicas, replicas_for_config)
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
 from raypipe.run import RunConfig, dataset_path, train  # noqa: E402
@@ -101,8 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="Hugging Face tokenizer directory (tokenizer.json) preparing --data (default: bytes)")
     parser.add_argument("--stages", type=int, help="pipeline stages, one GPU each with the 7b preset (7b: 8)")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="data-parallel copies of the pipeline: stages x replicas GPUs (default: 1)")
+    parser.add_argument("--replicas", type=parse_replicas, default=1, metavar="N|MIN:MAX",
+                        help="data-parallel copies of the pipeline: stages x replicas GPUs; MIN:MAX runs elastic, "
+                             "shrinking to MIN when nodes are lost and growing to MAX when they come, with the "
+                             "global batch of MAX replicas (default: 1)")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
     parser.add_argument("--keep-last", type=int, default=None, metavar="K",
@@ -117,7 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replace-timeout", type=float, default=60.0,
                         help="seconds to wait for the resources of a replacement worker, e.g. while Ray declares a "
                              "lost node dead and the autoscaler adds one (default: 60)")
-    parser.add_argument("--micro-batches", type=int, help="micro-batches per optimizer step and replica (7b: 32)")
+    parser.add_argument("--micro-batches", type=int,
+                        help="micro-batches per optimizer step and replica; elastic: per replica of MAX (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's max_seq_len (7b: 2048)")
     parser.add_argument("--steps", type=int, help="total optimizer steps of the run, resumed steps included (7b: 1000)")
@@ -172,7 +183,7 @@ def apply_preset(args: argparse.Namespace) -> None:
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("stages", "replicas", "micro_batches", "micro_batch_size", "seq_len", "steps"):
+    for name in ("stages", "micro_batches", "micro_batch_size", "seq_len", "steps"):  # --replicas: parse_replicas
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("eval_every", "checkpoint_every", "ship_data_limit_mb"):
@@ -205,7 +216,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         eval_every=args.eval_every or args.steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume, progress=args.progress,
         ship_data_limit_bytes=args.ship_data_limit_mb * 2**20,
-        pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
+        pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
@@ -213,6 +224,11 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   "max_failures": None if args.max_failures == -1 else args.max_failures,
                   "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
                   "replace_timeout_s": args.replace_timeout})
+
+
+def replicas_text(replicas: int | tuple[int, int]) -> str:
+    """``2`` for a fixed run, ``1-2`` for an elastic one."""
+    return f"{replicas[0]}-{replicas[1]}" if isinstance(replicas, tuple) else str(replicas)
 
 
 def format_step(result: StepResult, total_steps: int) -> str:
@@ -229,9 +245,10 @@ def format_step(result: StepResult, total_steps: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"training {args.init_from or args.model} for {args.steps} steps: "
-          f"{args.replicas} x {args.stages} stages "
-          f"({'one GPU' if args.use_gpu else 'one CPU'} each), {args.micro_batches} micro-batches of "
-          f"{args.micro_batch_size} x {args.seq_len} tokens, {args.precision}, "
+          f"{replicas_text(args.replicas)} x {args.stages} stages "
+          f"({'one GPU' if args.use_gpu else 'one CPU'} each), a step of {args.micro_batches} x "
+          f"{max_replicas(args.replicas)} micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, "
+          f"{args.precision}, "
           f"activation_checkpoint={args.activation_checkpoint}, "
           f"data {args.data}", flush=True)
 

@@ -1,6 +1,7 @@
 """Train the tiny LLaMA on the Python standard library, on CPU, in a few minutes.
 
-    python jobs/train_tiny.py [--stages 2] [--replicas 1] [--micro-batches 4] [--steps 200] [--out runs/tiny]
+    python jobs/train_tiny.py [--stages 2] [--replicas 1 | --replicas 1:2] [--micro-batches 4] [--steps 200]
+                              [--out runs/tiny]
 
 Prepares the corpus if missing, starts a local Ray instance (or joins
 RAY_ADDRESS), trains on pipeline stages and writes summary.json, loss.png,
@@ -23,18 +24,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from raypipe.config import TRANSPORTS, PipelineConfig, activation_arguments, add_activation_arguments  # noqa: E402
+from raypipe.config import (TRANSPORTS, PipelineConfig, activation_arguments, add_activation_arguments,  # noqa: E402
+                            parse_replicas, replicas_for_config)
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (one CPU each)")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="data-parallel copies of the pipeline (stages x replicas CPUs)")
+    parser.add_argument("--replicas", type=parse_replicas, default=1, metavar="N|MIN:MAX",
+                        help="data-parallel copies of the pipeline (stages x replicas CPUs); MIN:MAX runs elastic "
+                             "between MIN and MAX, with the global batch of MAX")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: shard the optimizer state over the replicas")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step and replica")
+    parser.add_argument("--micro-batches", type=int, default=4,
+                        help="micro-batches per step and replica (elastic: per replica of MAX)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=200,
                         help="optimizer steps of the run in total, resumed steps included")
@@ -58,17 +62,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    run = RunConfig(
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The run config of these flags."""
+    return RunConfig(
         model="tiny", data=args.data, steps=args.steps, micro_batch_size=args.micro_batch_size,
         eval_every=args.eval_every, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
-        pipeline={"num_stages": args.stages, "num_replicas": args.replicas,
+        pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "metrics_port": args.metrics_port})
-    summary = train(run, on_start=lambda first_step: print(_resume_line(first_step, args), flush=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    summary = train(run_config(args), on_start=lambda first_step: print(_resume_line(first_step, args), flush=True))
     if summary["steps_run"] == 0:
         return 0
     shown = {k: summary[k] for k in ("steps", "steps_run", "initial_loss", "final_loss", "final_eval_loss",

@@ -141,7 +141,7 @@ class PipelineConfig:
     def max_replicas(self) -> int:
         """The most replicas the run uses; a step has ``num_micro_batches x max_replicas``
         micro-batches whatever the number running."""
-        return self.num_replicas if isinstance(self.num_replicas, int) else int(self.num_replicas[1])
+        return max_replicas(self.num_replicas)
 
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed."""
@@ -231,3 +231,39 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", str(path), "must be a YAML mapping")
     return values
 
+
+
+def parse_replicas(text: str) -> int | tuple[int, int]:
+    """``--replicas``: ``N`` (a fixed run) or ``MIN:MAX`` (elastic, between MIN and MAX replicas).
+
+    Raises :class:`argparse.ArgumentTypeError` (argparse's usage error, naming the text) otherwise.
+    """
+    parts = text.strip().split(":")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or MIN:MAX (e.g. 2 or 1:4)")
+    try:
+        counts = [int(part) for part in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: replicas must be whole numbers, N or MIN:MAX "
+                                         "(e.g. 2 or 1:4)") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: replicas must be >= 1")
+    if len(counts) == 1:
+        return counts[0]
+    low, high = counts
+    if low > high:
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN {low} is above MAX {high}")
+    return low, high
+
+
+def max_replicas(num_replicas: int | tuple[int, int] | list[int]) -> int:
+    """The most replicas a run uses: ``num_replicas`` itself, or MAX of an elastic (MIN, MAX).
+
+    An elastic run's global batch is sized for MAX replicas and stays the same whatever runs.
+    """
+    return num_replicas[1] if isinstance(num_replicas, (tuple, list)) else num_replicas
+
+
+def replicas_for_config(replicas: int | tuple[int, int]) -> int | list[int]:
+    """``num_replicas`` of a run config's pipeline from :func:`parse_replicas`: N, or [MIN, MAX] as YAML writes it."""
+    return list(replicas) if isinstance(replicas, tuple) else replicas

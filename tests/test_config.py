@@ -1,5 +1,7 @@
 """Every invalid config raises a ConfigError naming the field, the value and what is allowed."""
+import argparse
 import dataclasses
+import re
 import runpy
 from pathlib import Path
 
@@ -7,7 +9,7 @@ import pytest
 
 from raypipe import ConfigError, PipelineConfig
 from raypipe.cli import main as raypipe_cli
-from raypipe.config import load_yaml
+from raypipe.config import load_yaml, max_replicas, parse_replicas, replicas_for_config
 from raypipe.core.loss_scale import LossScaler
 from raypipe.models.llama import get_config
 from raypipe.planning.memory import estimate_pipeline, estimate_stage
@@ -179,3 +181,50 @@ def test_number_errors_read_the_same_everywhere():
         LossScaler(scale=float("inf"))
     with pytest.raises(ConfigError, match="offload_activations=True: offloading keeps the inputs"):
         estimate_pipeline(get_config("tiny"), 1, 1, 1, 8, offload_activations=True)
+
+
+# -- --replicas N | MIN:MAX: one parser for both jobs; an elastic step is sized for MAX -----------
+
+@pytest.mark.parametrize("text,parsed", [("1", 1), ("4", 4), ("1:4", (1, 4)), ("2:2", (2, 2)), (" 1:2 ", (1, 2))])
+def test_parse_replicas_reads_a_count_or_a_range(text, parsed):
+    assert parse_replicas(text) == parsed
+    assert max_replicas(parsed) == (parsed if isinstance(parsed, int) else parsed[1])
+
+
+@pytest.mark.parametrize("text,message", [
+    ("0", "'0': replicas must be >= 1"),
+    ("0:2", "'0:2': replicas must be >= 1"),
+    ("-1", "'-1': replicas must be >= 1"),
+    ("3:2", "'3:2': MIN 3 is above MAX 2"),
+    ("a", "'a': replicas must be whole numbers, N or MIN:MAX (e.g. 2 or 1:4)"),
+    ("1.5", "'1.5': replicas must be whole numbers"),
+    ("1:", "'1:': replicas must be whole numbers"),
+    ("1:2:3", "'1:2:3': expected N or MIN:MAX (e.g. 2 or 1:4)"),
+])
+def test_parse_replicas_rejects_bad_text_naming_it(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        parse_replicas(text)
+
+
+def test_max_replicas_of_a_yaml_range_and_the_config_value():
+    assert max_replicas([1, 3]) == 3  # a YAML run config's num_replicas: [1, 3]
+    assert replicas_for_config((1, 3)) == [1, 3] and replicas_for_config(2) == 2
+
+
+@pytest.mark.parametrize("name,flags", [("train_7b", ["--preset", "tiny"]), ("train_tiny", [])])
+def test_both_jobs_take_fixed_and_elastic_replicas(name, flags, capsys):
+    job = load_job(name)
+    assert job["run_config"](job["parse_args"](flags)).pipeline["num_replicas"] == 1  # the default
+    assert job["run_config"](job["parse_args"]([*flags, "--replicas", "3"])).pipeline["num_replicas"] == 3
+    pipeline = job["run_config"](job["parse_args"]([*flags, "--replicas", "1:4", "--micro-batches", "3"])).pipeline
+    assert (pipeline["num_replicas"], pipeline["num_micro_batches"]) == ([1, 4], 3)
+    for bad, message in (("3:2", "'3:2': MIN 3 is above MAX 2"), ("0", "'0': replicas must be >= 1")):
+        with pytest.raises(SystemExit) as exit_:  # argparse's usage error naming the flag and the text
+            job["parse_args"]([*flags, "--replicas", bad])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.rstrip().endswith(f"error: argument --replicas: {message}")
+
+
+def test_train_7b_prints_an_elastic_range_as_min_dash_max():
+    assert load_job("train_7b")["replicas_text"]((1, 2)) == "1-2"
+    assert load_job("train_7b")["replicas_text"](2) == "2"

@@ -28,6 +28,7 @@ SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
 
 RESTART_REASONS = ("died", "hung", "unreachable")  # why a worker was replaced (raypipe.runtime.health)
+RESIZE_DIRECTIONS = ("shrink", "grow")  # an elastic run dropped replicas, or added them
 # (kind label, StageStats field) for raypipe_stage_memory_bytes.
 MEMORY_KINDS = (
     ("held_for_backward", "held_for_backward_bytes"),
@@ -51,6 +52,8 @@ class _TrainingCollector(Collector):
         self._restarts: dict[str, int] = {}  # per reason: died, hung, unreachable
         self._recovery_seconds = 0.0  # the latest recovery's (0 until one happened)
         self._replayed_steps = 0
+        self._resizes = {direction: 0 for direction in RESIZE_DIRECTIONS}
+        self._replicas: int | None = None  # unknown until the first step or resize
 
     def record_step(self, result: StepResult) -> None:
         with self._lock:
@@ -58,6 +61,7 @@ class _TrainingCollector(Collector):
             self._steps += 1
             if result.skip_reason is not None:
                 self._skipped[result.skip_reason] += 1
+            self._replicas = result.num_replicas
 
     def record_eval(self, loss: float) -> None:
         with self._lock:
@@ -70,11 +74,21 @@ class _TrainingCollector(Collector):
             self._recovery_seconds = seconds
             self._replayed_steps += replayed_steps
 
+    def record_resize(self, direction: str, num_replicas: int) -> None:
+        if direction not in RESIZE_DIRECTIONS:
+            raise ValueError(f"resize direction must be one of {RESIZE_DIRECTIONS}, got {direction!r}")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"replicas after a resize must be an int >= 1, got {num_replicas!r}")
+        with self._lock:
+            self._resizes[direction] += 1
+            self._replicas = num_replicas
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             last, eval_loss = self._last, self._eval_loss
             steps, skipped, restarts = self._steps, dict(self._skipped), dict(self._restarts)
             recovery_seconds, replayed = self._recovery_seconds, self._replayed_steps
+            resizes, replicas = dict(self._resizes), self._replicas
         yield CounterMetricFamily(
             "raypipe_steps_total", "Optimizer steps run (skipped ones included).", value=steps
         )
@@ -101,6 +115,17 @@ class _TrainingCollector(Collector):
         )
         yield _gauge("raypipe_recovery_seconds",
                      "Seconds from the latest failure's detection to training again (0 before any).", recovery_seconds)
+        resizes_family = CounterMetricFamily(
+            "raypipe_resizes_total",
+            "Elastic resizes, by direction: shrink (replicas dropped) or grow (replicas added).",
+            labels=["direction"],
+        )
+        for direction in RESIZE_DIRECTIONS:
+            resizes_family.add_metric([direction], resizes[direction])
+        yield resizes_family
+        if replicas is not None:
+            yield _gauge("raypipe_replicas",
+                         "Data-parallel pipeline replicas running (of the latest step or resize).", replicas)
         if eval_loss is not None:
             yield _gauge("raypipe_eval_loss", "Latest evaluation loss.", eval_loss)
         if last is not None:
@@ -236,6 +261,11 @@ class MetricsExporter:
         """Count one healed failure event (by the reasons its workers failed), and publish
         how long healing took and how many steps it replayed."""
         self._collector.record_recovery(reasons, seconds, replayed_steps)
+
+    def record_resize(self, direction: str, num_replicas: int) -> None:
+        """Count one elastic resize (``direction`` "shrink" or "grow") and publish the replicas
+        running after it; raises ValueError on another direction or fewer than 1 replica."""
+        self._collector.record_resize(direction, num_replicas)
 
     def close(self) -> None:
         """Stop serving and release the port. Idempotent."""

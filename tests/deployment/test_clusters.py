@@ -10,6 +10,7 @@ so that file is validated as is.
 from __future__ import annotations
 
 import copy
+import math
 import re
 import shlex
 from pathlib import Path
@@ -104,6 +105,29 @@ def test_cloud_heads_declare_a_lost_node_dead_as_the_helm_chart_does(name: str) 
     assert env == {"RAY_health_check_period_ms": str(check["periodMs"]),
                    "RAY_health_check_timeout_ms": str(check["timeoutMs"]),
                    "RAY_health_check_failure_threshold": str(check["failureThreshold"])}
+
+
+def header_command(path: Path) -> list[str]:
+    """The `python jobs/train_7b.py ...` example of a cluster file's header comment, as argv."""
+    lines = [line.removeprefix("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+    text = " ".join(line.removesuffix("\\").strip() for line in lines)
+    start = text.index("python jobs/train_7b.py")
+    return shlex.split(text[start:text.index("ray down", start)])
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
+def test_cloud_clusters_size_their_gpu_nodes_for_the_elastic_example(name: str) -> None:
+    """min_workers/max_workers hold the example's stages x MIN/MAX replicas, one GPU a stage (the 7b preset)."""
+    from raypipe.config import parse_replicas
+
+    argv = header_command(CLUSTERS_DIR / name)
+    stages, replicas = int(argv[argv.index("--stages") + 1]), parse_replicas(argv[argv.index("--replicas") + 1])
+    assert isinstance(replicas, tuple), f"{name}: the example is not an elastic run: {argv}"
+    config = ray_validated(by_name(name))
+    (gpu_type,) = worker_types(config).values()
+    gpus = gpu_type["resources"]["GPU"]
+    assert (gpu_type["min_workers"], gpu_type["max_workers"]) == tuple(math.ceil(stages * r / gpus) for r in replicas)
+    assert config["max_workers"] >= gpu_type["max_workers"]
 
 
 def test_fake_multinode_cluster_is_local_and_complete() -> None:

@@ -37,6 +37,7 @@ CASES: dict[str, dict[str, Any]] = {
     "standalone-raycluster": {"rayCluster": {"enabled": True}},
     "raycluster-only": {"job": {"enabled": False}, "rayCluster": {"enabled": True}},
     "no-podmonitor": {"podMonitor": {"enabled": False}},
+    "elastic-1-to-2-replicas": {"training": {"replicas": {"min": 1, "max": 2}}},
     "16-stages-on-2-to-4-nodes": {
         "training": {"stages": 16, "microBatches": 64},
         "gpuWorkers": {"replicas": 2, "minReplicas": 2, "maxReplicas": 4},
@@ -356,6 +357,89 @@ def test_large_step_counts_render_as_integers(chart) -> None:
     assert flags["--steps"] == ["1000000"]
 
 
+ELASTIC_VALUES_FILE = """
+training:
+  stages: 8
+  replicas: {min: 1, max: 2}   # elastic: --replicas 1:2
+gpuWorkers:
+  nodeSelector:
+    node.kubernetes.io/instance-type: p5.48xlarge
+"""
+
+
+def worker_group(manifests: dict[str, list[dict]]) -> tuple[int, int, int]:
+    """(replicas, minReplicas, maxReplicas) of the GPU worker group, the same in every Ray cluster rendered."""
+    groups = {(g["replicas"], g["minReplicas"], g["maxReplicas"])
+              for cluster in ray_clusters(manifests) for g in cluster["workerGroupSpecs"]}
+    (group,) = groups
+    return group
+
+
+def test_an_elastic_values_file_drives_the_trainer_and_the_worker_group(chart, tmp_path) -> None:
+    """One value: the job's --replicas MIN:MAX and the autoscaler's bounds of 8-GPU pods (8 stages each)."""
+    path = tmp_path / "elastic-values.yaml"
+    path.write_text(ELASTIC_VALUES_FILE)
+    values = yaml.safe_load(path.read_text())
+    for overrides in (values, combined(values, {"rayCluster": {"enabled": True}})):
+        manifests = render(chart, overrides)
+        _command, flags = entrypoint_flags(only(manifests, "RayJob"))
+        assert (flags["--stages"], flags["--replicas"]) == (["8"], ["1:2"])
+        assert worker_group(manifests) == (2, 1, 2)  # starts at max; the autoscaler may go down to 1 pod
+        for manifest in manifests["RayJob"] + manifests.get("RayCluster", []):
+            assert crd_errors(manifest) == [] and kuberay_spec_errors(manifest) == []
+    report = helm_python.lint(CHART_DIR, values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_the_values_file_of_docs_deploy_md_renders_an_elastic_run(chart) -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    (block,) = re.findall(r"```yaml\n(# my-values\.yaml\n.*?)```", text, flags=re.S)
+    manifests = render(chart, yaml.safe_load(block))
+    _command, flags = entrypoint_flags(only(manifests, "RayJob"))
+    assert (flags["--stages"], flags["--replicas"]) == (["8"], ["1:2"])
+    assert worker_group(manifests) == (2, 1, 2)
+
+
+GPUS_8 = {"limits": {"cpu": "160", "memory": "1500Gi", "nvidia.com/gpu": 8}}
+GPUS_4 = {"requests": {"nvidia.com/gpu": 4}, "limits": {"cpu": "96", "memory": "700Gi", "nvidia.com/gpu": 4}}
+
+
+def _cpu_pods(cpu: str) -> dict[str, Any]:
+    return {"requests": {"cpu": cpu, "memory": "4Gi", "nvidia.com/gpu": None},
+            "limits": {"cpu": cpu, "memory": "4Gi", "nvidia.com/gpu": None}}
+
+
+@pytest.mark.parametrize(("training", "resources", "flag", "pods"), [
+    pytest.param({}, GPUS_8, "1", (1, 1, 1), id="default-1x8-on-8-gpu-pods"),
+    pytest.param({"replicas": 2}, GPUS_8, "2", (2, 2, 2), id="fixed-2x8"),
+    pytest.param({"replicas": {"min": 2, "max": 2}}, GPUS_8, "2:2", (2, 2, 2), id="elastic-2-to-2"),
+    pytest.param({"stages": 4, "replicas": {"min": 1, "max": 4}}, GPUS_8, "1:4", (2, 1, 2), id="two-replicas-a-pod"),
+    # 6 and 18 stages on 4-GPU pods: ceil(6/4) = 2, ceil(18/4) = 5
+    pytest.param({"stages": 6, "replicas": {"min": 1, "max": 3}}, GPUS_4, "1:3", (5, 2, 5), id="rounded-up"),
+    # tiny: a stage per whole CPU; 2 and 8 stages on 3-CPU pods: 1 and 3 pods
+    pytest.param({"preset": "tiny", "stages": 2, "replicas": {"min": 1, "max": 4}}, _cpu_pods("3"), "1:4",
+                 (3, 1, 3), id="tiny-on-3-cpu-pods"),
+    pytest.param({"preset": "tiny", "stages": 2, "replicas": {"min": 1, "max": 4}}, _cpu_pods("3500m"), "1:4",
+                 (3, 1, 3), id="tiny-on-millicpu-pods"),
+])
+def test_worker_pods_follow_training_replicas(chart, training, resources, flag, pods) -> None:
+    overrides = {"training": training, "gpuWorkers": {"resources": resources}}
+    manifests = render(chart, overrides)
+    _command, flags = entrypoint_flags(only(manifests, "RayJob"))
+    assert flags["--replicas"] == [flag]
+    assert worker_group(manifests) == pods
+
+
+def test_set_worker_pods_override_what_training_replicas_gives(chart) -> None:
+    elastic = {"training": {"replicas": {"min": 1, "max": 2}}}
+    assert worker_group(render(chart, combined(elastic, {"gpuWorkers": {"maxReplicas": 3}}))) == (2, 1, 3)  # a spare
+    assert worker_group(render(chart, combined(elastic, {"gpuWorkers": {"replicas": 1}}))) == (1, 1, 2)
+    assert worker_group(render(chart, combined(elastic, {"gpuWorkers": {"minReplicas": 0}}))) == (2, 0, 2)
+    manifests = render(chart, CASES["16-stages-on-2-to-4-nodes"])
+    assert worker_group(manifests) == (2, 2, 4)
+    assert entrypoint_flags(only(manifests, "RayJob"))[1]["--replicas"] == ["1"]
+
+
 def test_job_lifecycle_follows_values(chart) -> None:
     job_values = chart.values["job"]
     spec = only(render(chart), "RayJob")["spec"]
@@ -462,6 +546,11 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
     assert dashboard == json.loads((CHART_DIR / "dashboards" / "raypipe.json").read_text())
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     assert queries and all("raypipe_" in q for q in queries)
+    (replicas,) = [panel for panel in dashboard["panels"] if panel["title"] == "Replicas"]
+    assert [t["expr"] for t in replicas["targets"]] == [
+        "raypipe_replicas", "sum by (direction) (increase(raypipe_resizes_total[$__rate_interval]))"]
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(set(ids)) == len(ids)
     assert "ConfigMap" not in render(chart, {"grafanaDashboard": {"enabled": False}})
 
 
@@ -477,18 +566,47 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
         pytest.param({"image": {"tag": 1.10}}, helm_python.HelmValuesError, "/image/tag", id="unquoted-numeric-tag"),
         pytest.param({"training": {"dataPath": "s3://b/x; rm -rf /"}}, helm_python.HelmValuesError, "/training/dataPath", id="shell-in-path"),
         pytest.param(
-            {"gpuWorkers": {"replicas": 3}}, helm_python.HelmRenderError,
-            "need minReplicas <= replicas <= maxReplicas, got minReplicas=1 replicas=3 maxReplicas=2", id="replicas-above-max",
+            {"gpuWorkers": {"replicas": 3, "minReplicas": 1, "maxReplicas": 2}}, helm_python.HelmRenderError,
+            "need minReplicas <= replicas <= maxReplicas, got minReplicas=1 replicas=3 maxReplicas=2",
+            id="replicas-above-max",
         ),
         pytest.param(
-            {"training": {"stages": 24}}, helm_python.HelmRenderError,
+            {"gpuWorkers": {"minReplicas": 2}}, helm_python.HelmRenderError,
+            "need minReplicas <= replicas <= maxReplicas, got minReplicas=2 replicas=2 maxReplicas=1 (unset ones "
+            "follow training.stages x training.replicas)", id="min-pods-above-the-computed-max",
+        ),
+        pytest.param(
+            {"training": {"stages": 24}, "gpuWorkers": {"maxReplicas": 2}}, helm_python.HelmRenderError,
             "training.stages=24 x training.replicas=1 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs",
             id="more-stages-than-gpus",
         ),
         pytest.param(
-            {"training": {"stages": 8, "replicas": 3}}, helm_python.HelmRenderError,
+            {"training": {"stages": 8, "replicas": 3}, "gpuWorkers": {"maxReplicas": 2}}, helm_python.HelmRenderError,
             "training.stages=8 x training.replicas=3 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs",
             id="more-replicas-than-gpus",
+        ),
+        pytest.param(
+            {"training": {"replicas": {"min": 1, "max": 3}}, "gpuWorkers": {"maxReplicas": 2}},
+            helm_python.HelmRenderError,
+            "training.stages=8 x training.replicas.max=3 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs",
+            id="elastic-max-above-the-pods",
+        ),
+        pytest.param(
+            {"training": {"replicas": {"min": 3, "max": 2}}}, helm_python.HelmRenderError,
+            "training.replicas: min=3 is above max=2", id="elastic-min-above-max",
+        ),
+        pytest.param({"training": {"replicas": {"min": 1}}}, helm_python.HelmValuesError, "missing property 'max'",
+                     id="elastic-without-max"),
+        pytest.param({"training": {"replicas": {"min": 0, "max": 2}}}, helm_python.HelmValuesError,
+                     "/training/replicas", id="elastic-min-zero"),
+        pytest.param({"training": {"replicas": "1:2"}}, helm_python.HelmValuesError, "/training/replicas",
+                     id="replicas-as-a-flag-string"),
+        pytest.param(
+            combined(CASES["tiny-on-cpu-without-autoscaler"],
+                     {"gpuWorkers": {"resources": {"requests": {"cpu": "500m"}, "limits": {"cpu": "500m"}}}}),
+            helm_python.HelmRenderError, "gpuWorkers: a worker pod holds no pipeline stage (training.preset=tiny: a "
+            "stage per whole CPU, none in gpuWorkers.resources), so its minReplicas and maxReplicas cannot follow "
+            "training.replicas; set them", id="pods-of-half-a-cpu",
         ),
         pytest.param({"training": {"replicas": 0}}, helm_python.HelmValuesError, "/training/replicas",
                      id="zero-replicas"),

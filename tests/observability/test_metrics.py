@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import math
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -26,7 +27,7 @@ ALL_NAMES = {
     "raypipe_bubble_fraction", "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
     "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
     "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
-    "raypipe_replayed_steps_total", "raypipe_recovery_seconds",
+    "raypipe_replayed_steps_total", "raypipe_recovery_seconds", "raypipe_resizes_total", "raypipe_replicas",
 }
 
 
@@ -73,7 +74,7 @@ def exporter():
 
 def test_counters_start_at_zero_and_unknown_gauges_are_absent(exporter):
     scraped = scrape(exporter)
-    labelled = ("raypipe_skipped_steps_total", "raypipe_restarts_total")
+    labelled = ("raypipe_skipped_steps_total", "raypipe_restarts_total", "raypipe_resizes_total")
     assert {name: value(scraped, name) for name in scraped["samples"] if name not in labelled} == {
         "raypipe_steps_total": 0.0, "raypipe_replayed_steps_total": 0.0, "raypipe_recovery_seconds": 0.0,
     }
@@ -81,6 +82,9 @@ def test_counters_start_at_zero_and_unknown_gauges_are_absent(exporter):
         frozenset({"reason": reason}.items()): 0.0 for reason in ("died", "hung", "unreachable")}
     assert scraped["samples"]["raypipe_skipped_steps_total"] == {
         frozenset({"reason": "overflow"}.items()): 0.0, frozenset({"reason": "nonfinite"}.items()): 0.0}
+    # both directions from the start, so increase() has a series before the first resize
+    assert scraped["samples"]["raypipe_resizes_total"] == {
+        frozenset({"direction": "shrink"}.items()): 0.0, frozenset({"direction": "grow"}.items()): 0.0}
 
 
 def test_step_values_labels_and_help(exporter):
@@ -102,6 +106,7 @@ def test_step_values_labels_and_help(exporter):
     assert value(scraped, "raypipe_loss_scale") == 1.0  # no scaling: the scale in effect is 1
     assert value(scraped, "raypipe_steps_total") == 1.0
     assert value(scraped, "raypipe_skipped_steps_total", reason="overflow") == 0.0
+    assert value(scraped, "raypipe_replicas") == 1.0  # StepResult's default: one replica ran it
 
     assert scraped["samples"]["raypipe_bubble_fraction"] == {
         frozenset({"stage": "0", "replica": "0"}.items()): 0.2,
@@ -149,11 +154,50 @@ def test_latest_step_wins_and_counters_accumulate(exporter):
 
 
 def test_counters_are_exposed_as_counters(exporter):
+    exporter.record_step(known_step())
     with urllib.request.urlopen(exporter.url, timeout=5) as response:
         types = {family.name: family.type for family in text_string_to_metric_families(response.read().decode())}
     assert types["raypipe_steps"] == "counter"
     assert types["raypipe_skipped_steps"] == "counter"
     assert types["raypipe_restarts"] == "counter"
+    assert types["raypipe_resizes"] == "counter"
+    assert types["raypipe_replicas"] == "gauge"
+
+
+def test_replicas_follow_steps_and_resizes(exporter):
+    """An elastic run of (1, 2): starts at 2, a lost node shrinks it to 1, a new one grows it back."""
+    exporter.record_step(known_step(step=0, num_replicas=2))
+    assert value(scrape(exporter), "raypipe_replicas") == 2.0
+    exporter.record_resize("shrink", 1)
+    scraped = scrape(exporter)  # between the resize and the next step: the resize's count
+    assert value(scraped, "raypipe_replicas") == 1.0
+    assert (value(scraped, "raypipe_resizes_total", direction="shrink"),
+            value(scraped, "raypipe_resizes_total", direction="grow")) == (1.0, 0.0)
+    exporter.record_step(known_step(step=1, num_replicas=1))
+    exporter.record_resize("grow", 2)
+    exporter.record_step(known_step(step=2, num_replicas=2))
+    exporter.record_resize("shrink", 1)
+    scraped = scrape(exporter)
+    assert value(scraped, "raypipe_replicas") == 1.0
+    assert (value(scraped, "raypipe_resizes_total", direction="shrink"),
+            value(scraped, "raypipe_resizes_total", direction="grow")) == (2.0, 1.0)
+    exporter.record_step(known_step(step=3, num_replicas=1))
+    assert value(scrape(exporter), "raypipe_steps_total") == 4.0  # a resize is not a step
+
+
+@pytest.mark.parametrize(("direction", "num_replicas", "message"), [
+    ("up", 2, "resize direction must be one of ('shrink', 'grow'), got 'up'"),
+    ("Shrink", 1, "got 'Shrink'"),
+    ("grow", 0, "replicas after a resize must be an int >= 1, got 0"),
+    ("grow", 2.0, "got 2.0"),
+])
+def test_bad_resize_is_rejected_and_counts_nothing(exporter, direction, num_replicas, message):
+    exporter.record_step(known_step(num_replicas=2))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        exporter.record_resize(direction, num_replicas)
+    scraped = scrape(exporter)
+    assert value(scraped, "raypipe_replicas") == 2.0
+    assert set(scraped["samples"]["raypipe_resizes_total"].values()) == {0.0}
 
 
 def test_two_exporters_in_one_process_are_independent():

@@ -31,7 +31,7 @@ EXPORTED_NAMES = {
     "raypipe_bubble_fraction", "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
     "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
     "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
-    "raypipe_replayed_steps_total", "raypipe_recovery_seconds",
+    "raypipe_replayed_steps_total", "raypipe_recovery_seconds", "raypipe_replicas", "raypipe_resizes_total",
 }
 
 
@@ -198,6 +198,42 @@ def test_dashboard_queries_against_the_exporter(prometheus_factory):
             ))
         exporter.record_eval(0.9)
         assert_every_dashboard_expr_has_data(prometheus, target, min_steps=3)
+
+
+def panel_exprs(title: str) -> dict[str, str]:
+    """{legend: PromQL} of the dashboard panel with this title."""
+    (panel,) = [panel for panel in dashboard_panels() if panel["title"] == title]
+    return {target["legendFormat"]: promql(target["expr"]) for target in panel["targets"]}
+
+
+def test_replicas_panel_shows_an_elastic_run_shrinking_and_growing(prometheus_factory):
+    """Replicas over time and resizes by direction, as Prometheus computes the panel's queries."""
+    from raypipe.observability.metrics import MetricsExporter
+    from raypipe.core.result import StepResult
+
+    exprs = panel_exprs("Replicas")
+    assert set(exprs) == {"replicas", "resizes ({{direction}})"}
+
+    def series(expr: str) -> dict[str, float]:
+        return {sample["metric"].get("direction", ""): float(sample["value"][1]) for sample in prometheus.query(expr)}
+
+    with MetricsExporter() as exporter:
+        target = urllib.parse.urlsplit(exporter.url).netloc
+        prometheus = prometheus_factory(target)
+        exporter.record_step(StepResult(step=0, loss=1.0, grad_norm=1.0, step_time=0.1, num_replicas=2))
+        wait_until(lambda: series(exprs["replicas"]) == {"": 2.0}, 30, "2 replicas in Prometheus")
+        # Before any resize both directions are series of zeros, not absent.
+        wait_until(lambda: series(exprs["resizes ({{direction}})"]) == {"shrink": 0.0, "grow": 0.0}, 30,
+                   "zero resizes in both directions")
+        exporter.record_resize("shrink", 1)
+        exporter.record_step(StepResult(step=1, loss=1.0, grad_norm=1.0, step_time=0.1, num_replicas=1))
+        wait_until(lambda: series(exprs["replicas"]) == {"": 1.0}, 30, "1 replica after the shrink")
+        exporter.record_resize("grow", 2)
+        wait_until(lambda: series(exprs["replicas"]) == {"": 2.0}, 30, "2 replicas after the grow")
+        # increase() extrapolates over its window, so a single resize reads as >= 1, never as 0.
+        resizes = wait_until(lambda: (r := series(exprs["resizes ({{direction}})"])) and r["grow"] > 0 and r,
+                             30, "the grow in the resizes query")
+        assert resizes["shrink"] >= 1.0 and resizes["grow"] >= 1.0
 
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(ray_cluster, prometheus_factory):

@@ -47,6 +47,70 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "raypipe.metricsPortName" -}}raypipe-metrics{{- end }}
 
 {{/*
+training.replicas as JSON {"min": m, "max": M, "elastic": bool}: an int N is a fixed run (N, N), a
+map {min, max} an elastic one. Fails when min is above max.
+*/}}
+{{- define "raypipe.replicaRange" -}}
+{{- $replicas := .Values.training.replicas | default 1 }}
+{{- if kindIs "map" $replicas }}
+{{- $min := int $replicas.min }}
+{{- $max := int $replicas.max }}
+{{- if gt $min $max }}
+{{- fail (printf "training.replicas: min=%d is above max=%d; an elastic run moves between 1 <= min <= max replicas" $min $max) }}
+{{- end }}
+{{- toJson (dict "min" $min "max" $max "elastic" true) }}
+{{- else }}
+{{- toJson (dict "min" (int $replicas) "max" (int $replicas) "elastic" false) }}
+{{- end }}
+{{- end }}
+
+{{/* The --replicas flag of training.replicas: N, or MIN:MAX for an elastic run. */}}
+{{- define "raypipe.replicasFlag" -}}
+{{- $range := include "raypipe.replicaRange" . | fromJson }}
+{{- if $range.elastic }}{{ printf "%d:%d" (int $range.min) (int $range.max) }}{{ else }}{{ int $range.max }}{{ end }}
+{{- end }}
+
+{{/*
+Stage workers one worker pod holds: its GPUs with the 7b preset (a stage per GPU), its whole CPUs
+(limits, else requests) with tiny (a stage per CPU).
+*/}}
+{{- define "raypipe.stagesPerPod" -}}
+{{- $resources := .Values.gpuWorkers.resources }}
+{{- $limits := $resources.limits | default dict }}
+{{- if eq (toString .Values.training.preset) "7b" }}
+{{- int (index $limits "nvidia.com/gpu" | default 0) }}
+{{- else }}
+{{- $cpu := toString (index $limits "cpu" | default (index ($resources.requests | default dict) "cpu") | default "0") }}
+{{- if hasSuffix "m" $cpu }}{{ div (int (trimSuffix "m" $cpu)) 1000 }}{{ else }}{{ int (floor $cpu) }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The GPU worker group's pods as JSON {"min", "max", "start"}. Unset gpuWorkers.minReplicas and
+maxReplicas follow training.replicas: the pods holding training.stages x min (max) replicas'
+stages, ceil(stages x replicas / stages per pod); unset gpuWorkers.replicas starts at the pods of
+max replicas, within [min, max].
+*/}}
+{{- define "raypipe.workerPods" -}}
+{{- $w := .Values.gpuWorkers }}
+{{- $range := include "raypipe.replicaRange" . | fromJson }}
+{{- $perPod := int (include "raypipe.stagesPerPod" .) }}
+{{- $stages := int .Values.training.stages }}
+{{- $needed := dict "min" 0 "max" 0 }}
+{{- if gt $perPod 0 }}
+{{- range $bound := list "min" "max" }}
+{{- $_ := set $needed $bound (div (add (mul $stages (int (index $range $bound))) (sub $perPod 1)) $perPod) }}
+{{- end }}
+{{- else if or (kindIs "invalid" $w.minReplicas) (kindIs "invalid" $w.maxReplicas) }}
+{{- fail (printf "gpuWorkers: a worker pod holds no pipeline stage (training.preset=%s: a stage per %s, none in gpuWorkers.resources), so its minReplicas and maxReplicas cannot follow training.replicas; set them" (toString .Values.training.preset) (ternary "GPU" "whole CPU" (eq (toString .Values.training.preset) "7b"))) }}
+{{- end }}
+{{- $min := ternary $needed.min (int $w.minReplicas) (kindIs "invalid" $w.minReplicas) }}
+{{- $max := ternary $needed.max (int $w.maxReplicas) (kindIs "invalid" $w.maxReplicas) }}
+{{- $start := ternary (max $min (min $max $needed.max)) (int $w.replicas) (kindIs "invalid" $w.replicas) }}
+{{- toJson (dict "min" $min "max" $max "start" $start) }}
+{{- end }}
+
+{{/*
 Checks across values that values.schema.json cannot express; each failure names
 the values involved and what is allowed.
 */}}
@@ -55,18 +119,20 @@ the values involved and what is allowed.
 {{- if not (or .Values.job.enabled .Values.rayCluster.enabled) }}
 {{- fail "nothing to deploy: set job.enabled=true (a RayJob) and/or rayCluster.enabled=true (a standalone RayCluster)" }}
 {{- end }}
-{{- if or (gt (int $w.minReplicas) (int $w.replicas)) (gt (int $w.replicas) (int $w.maxReplicas)) }}
-{{- fail (printf "gpuWorkers: need minReplicas <= replicas <= maxReplicas, got minReplicas=%d replicas=%d maxReplicas=%d" (int $w.minReplicas) (int $w.replicas) (int $w.maxReplicas)) }}
-{{- end }}
 {{- $gpus := int (index ($w.resources.limits | default dict) "nvidia.com/gpu" | default 0) }}
-{{- if and (eq (toString .Values.training.preset) "7b") .Values.job.enabled }}
-{{- if eq $gpus 0 }}
+{{- if and (eq (toString .Values.training.preset) "7b") .Values.job.enabled (eq $gpus 0) }}
 {{- fail "training.preset=7b runs one pipeline stage per GPU, but gpuWorkers.resources.limits has no nvidia.com/gpu; set it (e.g. 8) or use training.preset=tiny" }}
 {{- end }}
-{{- $workers := mul (int .Values.training.stages) (int (default 1 .Values.training.replicas)) }}
-{{- if gt $workers (mul $gpus (int $w.maxReplicas)) }}
-{{- fail (printf "training.stages=%d x training.replicas=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (int (default 1 .Values.training.replicas)) $workers (int $w.maxReplicas) $gpus (mul $gpus (int $w.maxReplicas))) }}
+{{- $pods := include "raypipe.workerPods" . | fromJson }}
+{{- if and (eq (toString .Values.training.preset) "7b") .Values.job.enabled }}
+{{- $range := include "raypipe.replicaRange" . | fromJson }}
+{{- $workers := mul (int .Values.training.stages) (int $range.max) }}
+{{- if gt $workers (mul $gpus (int $pods.max)) }}
+{{- fail (printf "training.stages=%d x training.replicas%s=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (ternary ".max" "" $range.elastic) (int $range.max) $workers (int $pods.max) $gpus (mul $gpus (int $pods.max))) }}
 {{- end }}
+{{- end }}
+{{- if or (gt (int $pods.min) (int $pods.start)) (gt (int $pods.start) (int $pods.max)) }}
+{{- fail (printf "gpuWorkers: need minReplicas <= replicas <= maxReplicas, got minReplicas=%d replicas=%d maxReplicas=%d (unset ones follow training.stages x training.replicas)" (int $pods.min) (int $pods.start) (int $pods.max)) }}
 {{- end }}
 {{- if and .Values.job.enabled (gt (int .Values.job.backoffLimit) 0) }}
 {{- if not .Values.training.resume }}
@@ -91,7 +157,7 @@ the values involved and what is allowed.
 {{/* The training command: the flags of jobs/train_7b.py. */}}
 {{- define "raypipe.entrypoint" -}}
 {{- $t := .Values.training -}}
-python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ int (default 1 $t.replicas) }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }} --hang-timeout {{ $t.hangTimeoutSeconds }} --replace-timeout {{ $t.replaceTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --checkpoint-every {{ int $t.checkpointEvery }}
+python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ include "raypipe.replicasFlag" . }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }} --hang-timeout {{ $t.hangTimeoutSeconds }} --replace-timeout {{ $t.replaceTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --checkpoint-every {{ int $t.checkpointEvery }}
 {{- if gt (int $t.keepLast) 0 }} --keep-last {{ int $t.keepLast }}{{ end }} {{ if $t.resume }}--resume{{ else }}--no-resume{{ end }} --metrics-port {{ int $t.metricsPort }}
 {{- if $t.metricsHost }} --metrics-host {{ $t.metricsHost }}{{ end }}
 {{- range $t.extraArgs }} {{ . }}{{ end }}
@@ -201,6 +267,7 @@ annotations:
 {{/* The Ray cluster: used as the RayJob's rayClusterSpec and the RayCluster's spec. */}}
 {{- define "raypipe.rayClusterSpec" -}}
 {{- $w := .Values.gpuWorkers -}}
+{{- $pods := include "raypipe.workerPods" . | fromJson -}}
 rayVersion: {{ .Values.rayVersion | quote }}
 enableInTreeAutoscaling: {{ .Values.autoscaling.enabled }}
 {{- if .Values.autoscaling.enabled }}
@@ -243,9 +310,9 @@ headGroupSpec:
       {{- include "raypipe.volumes" (dict "root" . "shmSize" .Values.head.shmSize) | nindent 6 }}
 workerGroupSpecs:
   - groupName: {{ $w.groupName }}
-    replicas: {{ int $w.replicas }}
-    minReplicas: {{ int $w.minReplicas }}
-    maxReplicas: {{ int $w.maxReplicas }}
+    replicas: {{ int $pods.start }}
+    minReplicas: {{ int $pods.min }}
+    maxReplicas: {{ int $pods.max }}
     rayStartParams: {{ include "raypipe.rayStartParams" $w.rayStartParams }}
     template:
       metadata:
