@@ -18,6 +18,19 @@ in Ray's GCS source, ``gcs_autoscaler_state_manager.cc``):
   v1's key-value entry survives one where the GCS is backed by Redis).
 - On a cluster without an autoscaler (a plain ``ray.init()``) it is stored and
   never read: harmless.
+- No public API reads the standing request back; ``ray status`` prints the
+  autoscaler's view of it under "From request_resources:".
+
+Why nothing here watches for draining nodes: Ray 2.60 drains a node (autoscaler
+idle scale-down, v2 preemption, SIGTERM to ``ray start``) through the GCS
+``DrainNode`` RPC, but a driver can see that only through private or
+unannotated APIs (``ray._raylet.GcsClient.get_draining_nodes``,
+``ray._private.state.state.get_draining_nodes``,
+``ray.autoscaler.v2.sdk.get_cluster_status``); ``ray.nodes()`` and
+``ray.util.state.list_nodes`` show a draining node as plain alive, and
+``ray drain-node`` is a hidden CLI without stability guarantees. What is public
+comes after the fact: an actor whose node was drained for preemption dies with
+``ActorDiedError.preempted`` set.
 """
 from __future__ import annotations
 

@@ -71,12 +71,15 @@ class FakeCluster:
         return subprocess.Popen([sys.executable, "-c", DRIVER], env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def requested(self) -> list[tuple[dict, int]]:
-        """The autoscaler's view of the standing request: (bundle, count) pairs."""
+    def requested(self) -> list[tuple[dict, int]] | None:
+        """The autoscaler's view of the standing request, (bundle, count) pairs; None
+        before its monitor has reported ("No cluster status")."""
         done = subprocess.run([ray_cli(), "status", "--address", self.address], env=self.env, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert "From request_resources:" in done.stdout, done.stdout
+        if "From request_resources:" not in done.stdout:
+            assert "No cluster status" in done.stdout, done.stdout
+            return None
         return [(ast.literal_eval(bundle), int(count)) for bundle, count in STATUS_REQUEST_LINE.findall(done.stdout)]
 
     def wait_until_requested(self, expected: list[tuple[dict, int]]) -> None:
