@@ -21,10 +21,12 @@ in Ray's GCS source, ``gcs_autoscaler_state_manager.cc``):
 - No public API reads the standing request back; ``ray status`` prints the
   autoscaler's view of it under "From request_resources:".
 
-Why nothing here watches for draining nodes: Ray 2.60 drains a node (autoscaler
-idle scale-down, v2 preemption, SIGTERM to ``ray start``) through the GCS
-``DrainNode`` RPC, but a driver can see that only through private or
-unannotated APIs (``ray._raylet.GcsClient.get_draining_nodes``,
+Why nothing here watches for draining nodes: in Ray 2.60 the v2 autoscaler (idle
+or preemption) and a SIGTERM to ``ray start`` (30 s by default) drain a node
+through the GCS autoscaler ``DrainNode`` RPC, which leaves a window before the
+node goes (v1's idle scale-down shuts the raylet down at once), but a driver can
+see that window only through private or unannotated APIs
+(``ray._raylet.GcsClient.get_draining_nodes``,
 ``ray._private.state.state.get_draining_nodes``,
 ``ray.autoscaler.v2.sdk.get_cluster_status``); ``ray.nodes()`` and
 ``ray.util.state.list_nodes`` show a draining node as plain alive, and
