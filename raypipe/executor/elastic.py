@@ -7,9 +7,10 @@ weights; the replicas running split them into contiguous blocks
 replicas computes the same step (up to the order of the gradient sums), and a
 resize needs no change to the data or the optimizer.
 
-The :class:`Resizer` keeps one placement group asked for per missing replica
-(pending: Ray places it, and an autoscaler adds nodes for it, while the run goes
-on) and:
+The :class:`Resizer` asks Ray's autoscaler for ``max`` replicas' bundles
+(:class:`~raypipe.runtime.autoscaling.ResourceRequest`, withdrawn at shutdown),
+keeps one placement group asked for per missing replica (pending: Ray places
+it, and an autoscaler adds nodes for it, while the run goes on) and:
 
 - **shrinks** when a failed worker cannot be replaced within
   ``replace_timeout_s``: its replica is dropped and the survivors take the new
@@ -33,6 +34,7 @@ from raypipe.core.micro_batches import replica_blocks
 from raypipe.errors import PlacementError
 from raypipe.executor.base import Executor
 from raypipe.runtime import cluster
+from raypipe.runtime.autoscaling import ResourceRequest
 from raypipe.runtime.group import NewReplica
 from raypipe.stage.spec import WorkerSpec
 
@@ -65,6 +67,9 @@ class Resizer:
         self._pending = [(group, group.ready()) for group in pending]  # asked for, not placed yet
         self._starting: NewReplica | None = None
         self.on_resized = on_resized
+        # an autoscaler adds nodes for the most replicas (and keeps them) while the run lasts
+        self._request = ResourceRequest(self._bundles)
+        self._request.request(config.max_replicas)
 
     @property
     def num_micro_batches(self) -> int:
@@ -154,7 +159,9 @@ class Resizer:
             self._pending.append((group, group.ready()))
 
     def close(self) -> None:
-        """Free the placement groups asked for and a replica still starting."""
+        """Free the placement groups asked for and a replica still starting; withdraw
+        the autoscaler request."""
+        self._request.withdraw()
         if self._starting is not None:
             self._starting.cancel()
             self._starting = None
