@@ -1,4 +1,6 @@
 """fit(): stages read their own micro-batches; both executors give the same training."""
+import time
+
 import pytest
 import torch
 
@@ -110,3 +112,29 @@ def test_fit_saving_every_step_returns_with_its_final_checkpoint_complete(ray_cl
         trainer.load_checkpoint(tmp_path)
         assert trainer.step_count == 3
         assert all(torch.equal(value, final[key]) for key, value in trainer.state_dict().items())
+
+
+def test_an_elastic_fit_that_grows_reads_the_same_rows_as_a_fixed_one(ray_cluster, data):
+    """Stages read their block of each step from the dataset, and the block moves when the run grows."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    blocker = placement_group([{"CPU": 1.0}] * 4)  # room for one replica of two stages
+    ray_cluster.get(blocker.ready(), timeout=60)
+    train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=4)
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), clip_grad_norm=1.0)
+    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
+                                 loss_count_fn=llama_count_tokens) as trainer:
+        results = trainer.fit(train, 2, progress=False)  # fit trains that many more steps
+        remove_placement_group(blocker)
+        deadline = time.monotonic() + 120
+        while trainer.num_replicas < 2:
+            assert time.monotonic() < deadline, "the second replica never joined"
+            results += trainer.fit(train, 1, progress=False)
+            time.sleep(1)  # the new replica's workers start while the run waits or steps
+        results += trainer.fit(train, 2, progress=False)
+        state = trainer.state_dict()
+    fixed, _, fixed_state = fit(data, "p2p", num_replicas=2, micro_batches=2, steps=len(results))
+    assert [r.num_replicas for r in results][:2] == [1, 1] and [r.num_replicas for r in results][-2:] == [2, 2]
+    assert [r.loss for r in results] == pytest.approx([r.loss for r in fixed], rel=1e-5)
+    for key, value in fixed_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
