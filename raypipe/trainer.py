@@ -93,14 +93,19 @@ class PipelineTrainer(TrainerState):
         if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
             self._recovery.keeper = start_keeper()
         self._bundle = cluster.worker_bundle(config, self.use_gpu)
-        placed = None
-        if config.elastic:
-            placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
-                                                      [self._bundle] * config.num_stages, config.placement_timeout_s)
-            self.topology = Topology(config.num_stages, len(placed))
-            self._recovery.resizer = Resizer(config, self._executor, self._stage_specs(), self._bundle, pending,
-                                             self._resized)
-        infos = self._launch(placed)
+        try:
+            placed = None
+            if config.elastic:
+                placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
+                                                          [self._bundle] * config.num_stages,
+                                                          config.placement_timeout_s)
+                self.topology = Topology(config.num_stages, len(placed))
+                self._recovery.resizer = Resizer(config, self._executor, self._stage_specs(), self._bundle, pending,
+                                                 self._resized)
+            infos = self._launch(placed)
+        except BaseException:
+            self.shutdown()  # the keeper, placement groups asked for, workers started
+            raise
         self.num_parameters = sum(info["num_parameters"] for info in infos) // self.topology.num_replicas
         self.device_name = infos[0]["device_name"]
         self._device_memory = infos[0].get("device_memory_bytes")
@@ -123,12 +128,8 @@ class PipelineTrainer(TrainerState):
         specs = layout(self._stage_specs(), self.topology.num_replicas, self.micro_batches_per_step)
         self._group = StageGroup(self._executor.actor_class(), specs, self._bundle, self.config.placement_timeout_s,
                                  placed)
-        try:
-            infos = self._group.wait_ready()
-            self._executor.connect(self._group)
-        except BaseException:
-            self.shutdown()
-            raise
+        infos = self._group.wait_ready()
+        self._executor.connect(self._group)
         return infos
 
     def _repartition(self, reports: list | None) -> None:
