@@ -143,6 +143,11 @@ class PipelineConfig:
         micro-batches whatever the number running."""
         return max_replicas(self.num_replicas)
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        """A step's micro-batches, ``num_micro_batches x max_replicas``, whatever the number running."""
+        return self.num_micro_batches * self.max_replicas
+
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)

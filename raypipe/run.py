@@ -122,7 +122,7 @@ def _datasets(run: RunConfig, pipeline: PipelineConfig, model: Any, seq_len: int
     if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
         prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
-    per_step = pipeline.num_micro_batches * pipeline.max_replicas  # a step's micro-batches, whoever runs them
+    per_step = pipeline.micro_batches_per_step  # whoever runs them
     datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
                              vocab_size=model.vocab_size) for split in ("train", "validation")]
     _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)

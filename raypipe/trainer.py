@@ -178,7 +178,7 @@ class PipelineTrainer(TrainerState):
     @property
     def micro_batches_per_step(self) -> int:
         """A step's micro-batches: ``num_micro_batches x`` the most replicas, whatever the number running."""
-        return self.config.num_micro_batches * self.config.max_replicas
+        return self.config.micro_batches_per_step
 
     def _resized(self, direction: str, num_replicas: int, new_ranks: list[int]) -> None:
         """After an elastic resize: the new layout's topology, datasets for new readers, metrics."""

@@ -71,14 +71,9 @@ class Resizer:
         self._request = ResourceRequest(self._bundles)
         self._request.request(config.max_replicas)
 
-    @property
-    def num_micro_batches(self) -> int:
-        """A step's micro-batches, whatever the number of replicas running it."""
-        return self.config.num_micro_batches * self.config.max_replicas
-
     def specs(self, num_replicas: int) -> list[WorkerSpec]:
         """Every worker's spec when ``num_replicas`` replicas run."""
-        return layout(self.stages, num_replicas, self.num_micro_batches)
+        return layout(self.stages, num_replicas, self.config.micro_batches_per_step)
 
     # -- shrink -------------------------------------------------------------
     def can_shrink(self, unplaced: tuple[int, ...]) -> bool:
@@ -87,19 +82,26 @@ class Resizer:
         dropped = {group.spec(rank).replica for rank in unplaced}
         return len(group.actors) // self.config.num_stages - len(dropped) >= self.config.min_replicas
 
+    def below_minimum(self, unplaced: tuple[int, ...]) -> PlacementError:
+        """The error when dropping the replicas of workers ``unplaced`` would leave fewer than ``min``."""
+        group = self.executor.group
+        dropped = {group.spec(rank).replica for rank in unplaced}
+        left = len(group.actors) // self.config.num_stages - len(dropped)
+        return PlacementError(f"{len(dropped)} replica(s) lost workers that no node has room to replace: {left} "
+                              f"would be left, fewer than the elastic minimum {self.config.min_replicas} "
+                              f"(num_replicas={tuple(self.config.num_replicas)}); saved checkpoints are intact: "
+                              "load_checkpoint resumes from the newest", unplaced)
+
     def shrink(self, unplaced: tuple[int, ...]) -> list[int]:
         """Drop the replicas of workers ``unplaced`` (by rank), re-number the rest and
         give the group their specs; returns the old ranks of the workers kept, in
         their new order. The workers take the layout in :meth:`Executor.relayout`.
         Raises :class:`PlacementError` when fewer than ``min`` replicas would be left."""
+        if not self.can_shrink(unplaced):
+            raise self.below_minimum(unplaced)
         group = self.executor.group
         dropped = {group.spec(rank).replica for rank in unplaced}
         running = len(group.actors) // self.config.num_stages
-        if running - len(dropped) < self.config.min_replicas:
-            raise PlacementError(f"{len(dropped)} replica(s) lost their workers and no node has room for them: "
-                                 f"{running - len(dropped)} would be left, fewer than the elastic minimum "
-                                 f"{self.config.min_replicas} (num_replicas={tuple(self.config.num_replicas)})",
-                                 unplaced)
         kept = group.drop_replicas(dropped)
         group.set_specs(self.specs(running - len(dropped)))
         self._ask_for(len(dropped))

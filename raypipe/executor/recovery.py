@@ -230,6 +230,8 @@ class Recovery:
                 return self._healed(*self._repartition(), failed=[])
             else:
                 self.executor.usable = False
+                if self.resizer is not None:
+                    raise self.resizer.below_minimum(error.unplaced) from error
                 raise
         replay, source = self._transfer_state(siblings)
         if resized:
