@@ -150,6 +150,8 @@ class PipelineTrainer(TrainerState):
         self._executor.schedule = self.schedule
         self._launch(None)
         self.resizes.append((self.step_count, "repartition", 1))
+        if self.metrics is not None:
+            self.metrics.record_resize("repartition", 1)
         logger.warning("raypipe: re-partitioned from %d to %d stage(s) (layers per stage %s): no room for a whole "
                        "pipeline of %d", old_stages, len(balance), balance, old_stages)
 

@@ -28,7 +28,8 @@ SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
 
 RESTART_REASONS = ("died", "hung", "unreachable")  # why a worker was replaced (raypipe.runtime.health)
-RESIZE_DIRECTIONS = ("shrink", "grow")  # an elastic run dropped replicas, or added them
+# an elastic run dropped replicas or added them; or a run went on with fewer stages (no whole pipeline fit)
+RESIZE_DIRECTIONS = ("shrink", "grow", "repartition")
 # (kind label, StageStats field) for raypipe_stage_memory_bytes.
 MEMORY_KINDS = (
     ("held_for_backward", "held_for_backward_bytes"),
@@ -117,7 +118,8 @@ class _TrainingCollector(Collector):
                      "Seconds from the latest failure's detection to training again (0 before any).", recovery_seconds)
         resizes_family = CounterMetricFamily(
             "raypipe_resizes_total",
-            "Elastic resizes, by direction: shrink (replicas dropped) or grow (replicas added).",
+            "Resizes, by direction: shrink (replicas dropped), grow (replicas added), repartition "
+            "(fewer stages).",
             labels=["direction"],
         )
         for direction in RESIZE_DIRECTIONS:
@@ -263,7 +265,7 @@ class MetricsExporter:
         self._collector.record_recovery(reasons, seconds, replayed_steps)
 
     def record_resize(self, direction: str, num_replicas: int) -> None:
-        """Count one elastic resize (``direction`` "shrink" or "grow") and publish the replicas
+        """Count one resize (``direction`` "shrink", "grow" or "repartition") and publish the replicas
         running after it; raises ValueError on another direction or fewer than 1 replica."""
         self._collector.record_resize(direction, num_replicas)
 

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 
 # the GCS declares a lost node dead after ~2 s instead of ~15 s (read when the cluster starts)
 os.environ.update(RAY_health_check_initial_delay_ms="0", RAY_health_check_period_ms="500",
@@ -42,7 +43,7 @@ def main(out: str) -> None:
     for _ in range(2):
         cluster.add_node(num_cpus=1)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, clip_grad_norm=0.5, hang_timeout_s=5,
-                                    replace_timeout_s=5, placement_timeout_s=30)
+                                    replace_timeout_s=5, placement_timeout_s=30, metrics_port=0)
     record: dict = {"losses": [], "recovered": []}
     try:
         ray.init(address=cluster.address, logging_level="WARNING")
@@ -60,6 +61,9 @@ def main(out: str) -> None:
             record["workers_at_end"] = [(worker.replica, worker.stage) for worker in trainer.workers]
             record["sources"] = [recovered.source for recovered in trainer.recoveries]
             record["resizes"] = trainer.resizes
+            with urllib.request.urlopen(trainer.metrics_url, timeout=10) as response:
+                record["metrics"] = [line for line in response.read().decode().splitlines()
+                                     if line.startswith(("raypipe_resizes_total", "raypipe_replicas"))]
             record["state"] = {key: value.tolist() for key, value in trainer.state_dict().items()}
         with open(out, "w") as file:
             json.dump(record, file)

@@ -62,6 +62,7 @@ def test_a_pipeline_with_no_room_for_a_stage_goes_on_with_fewer_stages(tmp_path)
     assert run["workers_at_end"] == [[0, 0]]
     assert run["recovered"] == [False, False, True, False, False]  # no step lost
     assert run["resizes"] == [[2, "repartition", 1]]
+    assert 'raypipe_resizes_total{direction="repartition"} 1.0' in run["metrics"]
     assert "re-partitioned onto 1 stage(s)" in run["sources"][0]
     losses, state = reference(5, 8, 2, clip_grad_norm=0.5)
     torch.testing.assert_close(run["losses"], losses, rtol=1e-5, atol=1e-7)

@@ -82,9 +82,9 @@ def test_counters_start_at_zero_and_unknown_gauges_are_absent(exporter):
         frozenset({"reason": reason}.items()): 0.0 for reason in ("died", "hung", "unreachable")}
     assert scraped["samples"]["raypipe_skipped_steps_total"] == {
         frozenset({"reason": "overflow"}.items()): 0.0, frozenset({"reason": "nonfinite"}.items()): 0.0}
-    # both directions from the start, so increase() has a series before the first resize
+    # every direction from the start, so increase() has a series before the first resize
     assert scraped["samples"]["raypipe_resizes_total"] == {
-        frozenset({"direction": "shrink"}.items()): 0.0, frozenset({"direction": "grow"}.items()): 0.0}
+        frozenset({"direction": direction}.items()): 0.0 for direction in ("shrink", "grow", "repartition")}
 
 
 def test_step_values_labels_and_help(exporter):
@@ -186,7 +186,7 @@ def test_replicas_follow_steps_and_resizes(exporter):
 
 
 @pytest.mark.parametrize(("direction", "num_replicas", "message"), [
-    ("up", 2, "resize direction must be one of ('shrink', 'grow'), got 'up'"),
+    ("up", 2, "resize direction must be one of ('shrink', 'grow', 'repartition'), got 'up'"),
     ("Shrink", 1, "got 'Shrink'"),
     ("grow", 0, "replicas after a resize must be an int >= 1, got 0"),
     ("grow", 2.0, "got 2.0"),
