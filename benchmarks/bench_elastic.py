@@ -3,8 +3,9 @@ replicas, and from a node added to the first step at more replicas.
 
 Each round starts a fresh ``ray.cluster_utils.Cluster``: a head with no CPUs
 (the driver's node) and four 1-CPU nodes, so two replicas of two stages
-(``num_replicas=(1, 2)``) fill every node. On it, one model after the other
-(order reversed on odd rounds) runs the scenario of the elastic test:
+(``num_replicas=(1, 2)``) fill every node; each node has a 512 MiB object store
+(``--object-store-mib``). On it, one model after the other (order reversed on
+odd rounds) runs the scenario of the elastic test:
 
 * **shrink**: the node of replica 1's stage 1 is removed abruptly
   (``allow_graceful=False``) and steps run back to back; the replacement finds
@@ -85,6 +86,8 @@ def parse_args() -> argparse.Namespace:
                         help="replace_timeout_s: how long a replacement may wait for room before a shrink (default 5)")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds between steps while the new replica starts (default 0.5)")
+    parser.add_argument("--object-store-mib", type=int, default=512,
+                        help="each node's object store (default 512; ray.cluster_utils' default is 150)")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     return parser.parse_args()
 
@@ -194,7 +197,7 @@ def run_scenario(cluster: Cluster, model: str, args: argparse.Namespace) -> Mark
         for _ in range(2):
             step(trainer)
         marks.add_called = time.time()
-        marks.added_node = cluster.add_node(num_cpus=1).node_id
+        marks.added_node = cluster.add_node(**node_resources(args)).node_id
         while step(trainer) != 2:
             if time.time() - marks.add_called > GROW_DEADLINE_S:
                 raise RuntimeError(f"{model}: no step at 2 replicas {GROW_DEADLINE_S}s after a node was added")
@@ -267,11 +270,17 @@ def grow_parts(marks: Marks, logs: LogMarks, watch: ClusterWatch) -> list[float]
     return [appeared - marks.add_called, *differences(chain), step_end - appeared]
 
 
+def node_resources(args: argparse.Namespace) -> dict[str, int]:
+    """A worker node: 1 CPU, and an object store that holds the wide model's snapshots
+    (the driver's node keeps two of every worker's) without spilling to disk."""
+    return {"num_cpus": 1, "object_store_memory": args.object_store_mib * 2**20}
+
+
 def run_round(index: int, args: argparse.Namespace, logs: LogMarks) -> dict[str, dict[str, list[float]]]:
     """One fresh cluster; every model's shrink and grow parts."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={**node_resources(args), "num_cpus": 0})
     for _ in range(4):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(**node_resources(args))
     models = args.models if index % 2 == 0 else list(reversed(args.models))
     try:
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
@@ -305,7 +314,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(command_line())
     print(f"torch {torch.__version__}, ray {ray.__version__}; 2 stages x num_replicas=(1, 2) on a "
-          f"ray.cluster_utils.Cluster of 4 x 1-CPU nodes; replace_timeout_s={args.replace_timeout:g}; "
+          f"ray.cluster_utils.Cluster of 4 x 1-CPU nodes, {args.object_store_mib} MiB object store each; "
+          f"replace_timeout_s={args.replace_timeout:g}, a step every {args.pause:g} s while growing; "
           f"GCS health check {HEALTH_CHECK}", flush=True)
     for model in args.models:
         count = sum(parameter.numel() for parameter in MODELS[model][0]().parameters())
