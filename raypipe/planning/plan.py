@@ -14,7 +14,8 @@ import re
 import sys
 from dataclasses import dataclass, replace
 
-from raypipe.config import activation_arguments, add_activation_arguments
+from raypipe.config import activation_arguments, add_activation_arguments, max_replicas, parse_replicas
+from raypipe.core.micro_batches import replica_blocks
 from raypipe.core.schedule import SCHEDULES
 from raypipe.models.llama import CONFIGS, LlamaConfig, get_config
 from raypipe.planning.memory import (
@@ -59,7 +60,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-7b", choices=sorted(CONFIGS), help="named model config")
     parser.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step and replica (default 1)")
-    parser.add_argument("--replicas", type=int, default=1, help="data-parallel copies of the pipeline (default 1)")
+    parser.add_argument("--replicas", type=parse_replicas, default=1, metavar="N|MIN:MAX",
+                        help="data-parallel copies of the pipeline (default 1); MIN:MAX plans an elastic run at MIN, "
+                             "where each replica runs the most micro-batches")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
@@ -196,11 +199,25 @@ def describe_layers(config: LlamaConfig, layers: list[int]) -> str:
     return " + ".join(parts)
 
 
+def elastic_micro_batches(micro_batches: int, replicas: int | tuple[int, int]) -> int:
+    """The most micro-batches one replica runs a step: an elastic run's step has
+    ``micro_batches x MAX``, shared by as few as MIN replicas."""
+    if isinstance(replicas, int):
+        return micro_batches
+    low, high = replicas
+    return len(replica_blocks(micro_batches * high, low)[0])
+
+
 def build_plan(args: argparse.Namespace) -> dict:
     """Everything ``raypipe plan`` prints, as plain data."""
     config = get_config(args.model)
+    elastic = not isinstance(args.replicas, int)
+    if elastic and args.shard_optimizer:
+        raise ValueError("an elastic run (--replicas MIN:MAX) keeps the whole optimizer state on every replica: "
+                         "drop --shard-optimizer or give a fixed --replicas")
+    micro_batches = elastic_micro_batches(args.micro_batches, args.replicas)
     settings = PlanSettings(
-        num_stages=args.stages, num_micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+        num_stages=args.stages, num_micro_batches=micro_batches, micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len or config.max_seq_len, precision=args.precision, **activation_arguments(args),
         fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp,
         optimizer_shards=args.replicas if args.shard_optimizer else 1)
@@ -217,7 +234,9 @@ def build_plan(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
         "num_parameters": sum(stage.num_parameters for stage in stages),
-        "num_replicas": args.replicas,
+        "num_replicas": max_replicas(args.replicas),
+        "elastic": {"min_replicas": args.replicas[0], "max_replicas": args.replicas[1],
+                    "micro_batches_per_replica": micro_batches} if elastic else None,
         "settings": {**vars(settings), "amp": amp},
         "bytes_per_parameter": {**vars(per_parameter), "total": per_parameter.total},
         "gpu_memory_bytes": args.gpu_memory,
@@ -283,6 +302,11 @@ def render_table(plan: dict) -> str:
         + f", {'fused' if settings['fused_attention'] else 'unfused'} attention, {settings['schedule']}",
     ]
     lines.append(describe_bytes_per_parameter(plan["bytes_per_parameter"], settings["amp"]))
+    if plan["elastic"]:
+        elastic = plan["elastic"]
+        lines.append(f"elastic {elastic['min_replicas']}-{elastic['max_replicas']} replicas: planned at "
+                     f"{elastic['min_replicas']}, where each replica runs {elastic['micro_batches_per_replica']} "
+                     "micro-batches a step (fewer replicas run more each; under gpipe a stage holds them all)")
     header = ["stage", "layers", "params", "weights", "grads", "master", "optimizer", "activations",
               "offloaded", "total", "fits"]
     table = [header]

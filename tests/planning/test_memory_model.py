@@ -435,3 +435,17 @@ def test_parse_bytes_units():
     for bad in ("80", "GB", "80XB", "-1GB"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bytes(bad)
+
+
+def test_an_elastic_plan_is_made_at_the_fewest_replicas(capsys):
+    # 32 micro-batches per replica of 4: a step of 128, which 3 replicas share as 43 + 43 + 42
+    elastic = json.loads(plan(*SEVEN_B, "--replicas", "3:4", "--json", capsys=capsys)[1])
+    assert elastic["settings"]["num_micro_batches"] == 43 and elastic["num_replicas"] == 4
+    assert elastic["elastic"] == {"min_replicas": 3, "max_replicas": 4, "micro_batches_per_replica": 43}
+    status, out = plan(*SEVEN_B, "--replicas", "1:2", "--schedule", "gpipe", capsys=capsys)
+    assert status == 0 and "elastic 1-2 replicas: planned at 1, where each replica runs 64 micro-batches" in out
+    fixed = json.loads(plan(*SEVEN_B, "--micro-batches", "64", "--schedule", "gpipe", "--json", capsys=capsys)[1])
+    one_of_two = json.loads(plan(*SEVEN_B, "--replicas", "1:2", "--schedule", "gpipe", "--json", capsys=capsys)[1])
+    assert one_of_two["stages"] == fixed["stages"]  # under gpipe a stage holds every micro-batch it runs
+    status, out = plan(*SEVEN_B, "--replicas", "1:2", "--shard-optimizer", capsys=capsys)
+    assert status == 2 and "keeps the whole optimizer state on every replica" in out
