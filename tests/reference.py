@@ -37,6 +37,19 @@ def random_batches(batch_size: int, steps: int = 3, seed: int = 1) -> list[tuple
             for _ in range(steps)]
 
 
+def assert_mlp_run_matches_one_process(losses: list, state: dict, batch_size: int, num_micro_batches: int,
+                                       clip_grad_norm: float | None = None) -> None:
+    """A run of ``make_mlp()`` with ``adamw`` and MSE on ``random_batches(batch_size)``, one
+    step per loss, against one process on the same global batches: every step's loss and
+    the final parameters (``state`` tensors or, from JSON, lists), to rtol 1e-5."""
+    model = make_mlp()
+    optimizer = adamw(model.parameters())
+    expected = [reference_step(model, optimizer, nn.functional.mse_loss, x, y, num_micro_batches, clip_grad_norm)[0]
+                for x, y in random_batches(batch_size, len(losses))]
+    torch.testing.assert_close(list(losses), expected, rtol=1e-5, atol=1e-7)
+    assert_parameters_match({key: torch.as_tensor(value) for key, value in state.items()}, model.state_dict())
+
+
 def make_mlp(seed: int = 0, width: int = 16) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(

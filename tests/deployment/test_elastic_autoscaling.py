@@ -23,13 +23,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from tests.deployment.ray_head import HEAD_PORTS, free_port, session_members, start_head, stop_session, token_env, \
     wait_for_dashboard
-from tests.executor.test_elastic import reference
-from tests.reference import assert_parameters_match
+from tests.reference import assert_mlp_run_matches_one_process
 from tests.runtime.test_autoscaling import FakeCluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,8 +111,6 @@ def test_an_elastic_run_makes_the_autoscaler_add_nodes_grows_and_withdraws_its_r
     assert [(replica, stage) for replica, stage, _ in run["workers"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert not {node for replica, _, node in run["workers"] if replica == 1} & set(run["nodes_at_start"])
 
-    losses, state = reference(len(replicas), 8, 4, clip_grad_norm=None)
-    torch.testing.assert_close(run["losses"], losses, rtol=1e-5, atol=1e-7)
-    assert_parameters_match({key: torch.tensor(value) for key, value in run["state"].items()}, state)
+    assert_mlp_run_matches_one_process(run["losses"], run["state"], 8, 4)
     print(f"first step on 2 replicas {run['grow_seconds']:.1f} s after the trainer started ({first_on_two} steps "
           f"on 1); the driver said grown {grown_after_s:.1f} s after it started")

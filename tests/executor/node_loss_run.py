@@ -10,22 +10,16 @@ before step 2. Prints what the test checks as JSON.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
-# the GCS declares a lost node dead after ~2 s instead of ~15 s (read when the cluster starts)
-os.environ.update(RAY_health_check_initial_delay_ms="0", RAY_health_check_period_ms="500",
-                  RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3")
+import torch
+from ray.cluster_utils import Cluster
+from torch import nn
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from torch import nn  # noqa: E402
-
-import raypipe  # noqa: E402
-from tests.reference import adamw, make_mlp, random_batches  # noqa: E402
+import raypipe
+from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
+from tests.reference import adamw, make_mlp, random_batches
 
 STEPS, LOST_AT = 4, 2
 
@@ -38,35 +32,16 @@ def train(cluster: Cluster | None) -> dict:
         losses, seconds = [], None
         for step, (x, y) in enumerate(random_batches(8, STEPS)):
             if cluster is not None and step == LOST_AT:
-                lost = next(node for node in cluster.worker_nodes if node.node_id == nodes_before[1])
-                cluster.remove_node(lost, allow_graceful=False)
+                remove_node(cluster, nodes_before[1], wait=False)
                 start = time.monotonic()
             losses.append(trainer.step(x, y).loss)
             if cluster is not None and step == LOST_AT:
                 seconds = time.monotonic() - start
-        state = trainer.state_dict()
-        return {"losses": losses, "state": {k: v.tolist() for k, v in state.items()}, "nodes_before": nodes_before,
+        return {"losses": losses, "state": as_lists(trainer.state_dict()), "nodes_before": nodes_before,
                 "nodes_after": [worker.node_id for worker in trainer.workers], "failures": trainer.failures,
                 "seconds": seconds}
 
 
-def main(out: str) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(3):
-        cluster.add_node(num_cpus=1)
-    try:
-        ray.init(address=cluster.address, logging_level="WARNING")
-        uninterrupted = train(None)
-        lost = train(cluster)
-        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-        with open(out, "w") as file:
-            json.dump({"uninterrupted": uninterrupted, "lost": lost, "alive_nodes": sorted(alive),
-                       "head": cluster.head_node.node_id}, file)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 if __name__ == "__main__":
     torch.manual_seed(0)
-    main(sys.argv[1])
+    run_on_cluster(sys.argv[1], 3, lambda cluster: {"uninterrupted": train(None), "lost": train(cluster)})

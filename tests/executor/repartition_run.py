@@ -10,68 +10,43 @@ both stages' layers from the newest snapshot. Prints what the test checks as JSO
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 import urllib.request
 
-# the GCS declares a lost node dead after ~2 s instead of ~15 s (read when the cluster starts)
-os.environ.update(RAY_health_check_initial_delay_ms="0", RAY_health_check_period_ms="500",
-                  RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3")
+import torch
+from ray.cluster_utils import Cluster
+from torch import nn
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from torch import nn  # noqa: E402
-
-import raypipe  # noqa: E402
-from tests.reference import adamw, make_mlp, random_batches  # noqa: E402
+import raypipe
+from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
+from tests.reference import adamw, make_mlp, random_batches
 
 STEPS, LOST_AT = 5, 2
 
 
-def wait_until_dead(node_id: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes()):
-        assert time.monotonic() < deadline, f"node {node_id} is still alive"
-        time.sleep(0.2)
-
-
-def main(out: str) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
+def train(cluster: Cluster) -> dict:
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, clip_grad_norm=0.5, hang_timeout_s=5,
                                     replace_timeout_s=5, placement_timeout_s=30, metrics_port=0)
     record: dict = {"losses": [], "recovered": []}
-    try:
-        ray.init(address=cluster.address, logging_level="WARNING")
-        with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-            record["balance_at_start"] = list(trainer.balance)
-            for step, (x, y) in enumerate(random_batches(8, STEPS)):
-                if step == LOST_AT:
-                    lost = next(node for node in cluster.worker_nodes if node.node_id == trainer.workers[1].node_id)
-                    cluster.remove_node(lost, allow_graceful=False)
-                    wait_until_dead(lost.node_id)  # so that this step, not a later one, finds the loss
-                result = trainer.step(x, y)
-                record["losses"].append(result.loss)
-                record["recovered"].append(result.recovered)
-            record["balance_at_end"] = list(trainer.balance)
-            record["workers_at_end"] = [(worker.replica, worker.stage) for worker in trainer.workers]
-            record["sources"] = [recovered.source for recovered in trainer.recoveries]
-            record["resizes"] = trainer.resizes
-            with urllib.request.urlopen(trainer.metrics_url, timeout=10) as response:
-                record["metrics"] = [line for line in response.read().decode().splitlines()
-                                     if line.startswith(("raypipe_resizes_total", "raypipe_replicas"))]
-            record["state"] = {key: value.tolist() for key, value in trainer.state_dict().items()}
-        with open(out, "w") as file:
-            json.dump(record, file)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
+        record["balance_at_start"] = list(trainer.balance)
+        for step, (x, y) in enumerate(random_batches(8, STEPS)):
+            if step == LOST_AT:
+                remove_node(cluster, trainer.workers[1].node_id)  # stage 1's, with no spare
+            result = trainer.step(x, y)
+            record["losses"].append(result.loss)
+            record["recovered"].append(result.recovered)
+        record["balance_at_end"] = list(trainer.balance)
+        record["workers_at_end"] = [(worker.replica, worker.stage) for worker in trainer.workers]
+        record["sources"] = [recovered.source for recovered in trainer.recoveries]
+        record["resizes"] = trainer.resizes
+        with urllib.request.urlopen(trainer.metrics_url, timeout=10) as response:
+            record["metrics"] = [line for line in response.read().decode().splitlines()
+                                 if line.startswith(("raypipe_resizes_total", "raypipe_replicas"))]
+        record["state"] = as_lists(trainer.state_dict())
+    return record
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    main(sys.argv[1])
+    run_on_cluster(sys.argv[1], 2, train)

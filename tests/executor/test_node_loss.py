@@ -1,20 +1,11 @@
 """A lost node costs no step: its worker is replaced on a spare node and the
 result is bitwise that of a run without the loss (a multi-node
 ``ray.cluster_utils.Cluster`` in a subprocess, see node_loss_run.py)."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.executor.cluster_run import run_in_subprocess
 
 
 def test_a_lost_node_is_replaced_on_a_spare_one_bitwise(tmp_path):
-    out = tmp_path / "node_loss.json"
-    done = subprocess.run([sys.executable, "-m", "tests.executor.node_loss_run", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-5000:]}"
-    result = json.loads(out.read_text())
+    result = run_in_subprocess("tests.executor.node_loss_run", tmp_path / "node_loss.json", timeout_s=420)
     uninterrupted, lost = result["uninterrupted"], result["lost"]
     stage0, stage1 = lost["nodes_before"]
     assert stage0 != stage1 and result["head"] not in (stage0, stage1)  # a stage per worker node

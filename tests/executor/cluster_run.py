@@ -1,0 +1,66 @@
+"""What the multi-node runs (node_loss_run.py, elastic_run.py, repartition_run.py)
+share: their own ``ray.cluster_utils.Cluster`` with fast node-death detection,
+removing a node the way a lost machine goes, and handing results to the test
+that started them as JSON; and, on the test's side, starting one in a subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+
+# the GCS declares a lost node dead after ~2 s instead of ~15 s (read when the cluster's GCS starts)
+FAST_HEALTH_CHECKS = {"RAY_health_check_initial_delay_ms": "0", "RAY_health_check_period_ms": "500",
+                      "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
+def run_on_cluster(out: str, num_nodes: int, body: Callable[[Cluster], dict]) -> None:
+    """``body(cluster)`` on a head with no CPUs (the driver's node) and ``num_nodes``
+    1-CPU worker nodes; writes what it returns to ``out`` as JSON."""
+    os.environ.update(FAST_HEALTH_CHECKS)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(num_nodes):
+        cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING")
+        record = body(cluster)
+        record["alive_nodes"] = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
+        record["head"] = cluster.head_node.node_id
+        with open(out, "w") as file:
+            json.dump(record, file)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def remove_node(cluster: Cluster, node_id: str, wait: bool = True) -> None:
+    """Remove node ``node_id`` abruptly (its raylet and workers killed); with ``wait``,
+    until the GCS declares it dead, so that the next step, not a later one, finds the loss."""
+    node = next(node for node in cluster.worker_nodes if node.node_id == node_id)
+    cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + 60
+    while wait and any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes()):
+        assert time.monotonic() < deadline, f"node {node_id} is still alive"
+        time.sleep(0.2)
+
+
+def as_lists(state: dict) -> dict:
+    """A state dict as JSON (floats compare exactly after the round trip)."""
+    return {key: value.tolist() for key, value in state.items()}
+
+
+def run_in_subprocess(module: str, out: Path, timeout_s: float) -> dict:
+    """Run ``python -m module OUT`` from the repository root; what it wrote."""
+    done = subprocess.run([sys.executable, "-m", module, str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+    return json.loads(out.read_text())
