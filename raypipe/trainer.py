@@ -61,7 +61,7 @@ class PipelineTrainer(TrainerState):
         layers, self._layer_names = model_layers(model)
         self._llama = describe_llama(layers)  # what export_hf and checkpoints need of a LLaMA, else None
         config.validate(len(layers))
-        self.topology = Topology(config.num_stages, config.max_replicas)  # an elastic run: what is placed, later
+        self.topology = Topology(config.num_stages, config.max_replicas)  # until placed: an elastic run's may be fewer
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
                                                                 config.num_stages))
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
@@ -94,12 +94,10 @@ class PipelineTrainer(TrainerState):
             self._recovery.keeper = start_keeper()
         self._bundle = cluster.worker_bundle(config, self.use_gpu)
         try:
-            placed = None
+            placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
+                                                      [self._bundle] * config.num_stages, config.placement_timeout_s)
+            self.topology = Topology(config.num_stages, len(placed))
             if config.elastic:
-                placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
-                                                          [self._bundle] * config.num_stages,
-                                                          config.placement_timeout_s)
-                self.topology = Topology(config.num_stages, len(placed))
                 self._recovery.resizer = Resizer(config, self._executor, self._stage_specs(), self._bundle, pending,
                                                  self._resized)
             infos = self._launch(placed)

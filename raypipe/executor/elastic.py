@@ -76,17 +76,22 @@ class Resizer:
         return layout(self.stages, num_replicas, self.config.micro_batches_per_step)
 
     # -- shrink -------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        """The replicas running now."""
+        return len(self.executor.group.actors) // self.config.num_stages
+
+    def _replicas_of(self, ranks: tuple[int, ...]) -> set[int]:
+        return {self.executor.group.spec(rank).replica for rank in ranks}
+
     def can_shrink(self, unplaced: tuple[int, ...]) -> bool:
         """Whether dropping the replicas of workers ``unplaced`` leaves at least ``min``."""
-        group = self.executor.group
-        dropped = {group.spec(rank).replica for rank in unplaced}
-        return len(group.actors) // self.config.num_stages - len(dropped) >= self.config.min_replicas
+        return self.running - len(self._replicas_of(unplaced)) >= self.config.min_replicas
 
     def below_minimum(self, unplaced: tuple[int, ...]) -> PlacementError:
         """The error when dropping the replicas of workers ``unplaced`` would leave fewer than ``min``."""
-        group = self.executor.group
-        dropped = {group.spec(rank).replica for rank in unplaced}
-        left = len(group.actors) // self.config.num_stages - len(dropped)
+        dropped = self._replicas_of(unplaced)
+        left = self.running - len(dropped)
         return PlacementError(f"{len(dropped)} replica(s) lost workers that no node has room to replace: {left} "
                               f"would be left, fewer than the elastic minimum {self.config.min_replicas} "
                               f"(num_replicas={tuple(self.config.num_replicas)}); saved checkpoints are intact: "
@@ -99,9 +104,7 @@ class Resizer:
         Raises :class:`PlacementError` when fewer than ``min`` replicas would be left."""
         if not self.can_shrink(unplaced):
             raise self.below_minimum(unplaced)
-        group = self.executor.group
-        dropped = {group.spec(rank).replica for rank in unplaced}
-        running = len(group.actors) // self.config.num_stages
+        group, dropped, running = self.executor.group, self._replicas_of(unplaced), self.running
         kept = group.drop_replicas(dropped)
         group.set_specs(self.specs(running - len(dropped)))
         self._ask_for(len(dropped))
@@ -111,7 +114,7 @@ class Resizer:
 
     def resized(self, direction: str, new_ranks: list[int]) -> None:
         """Tell the trainer, once the workers run the new layout."""
-        self.on_resized(direction, len(self.executor.group.actors) // self.config.num_stages, new_ranks)
+        self.on_resized(direction, self.running, new_ranks)
 
     # -- grow ---------------------------------------------------------------
     def poll(self) -> list[int] | None:
@@ -127,9 +130,8 @@ class Resizer:
             if placed:
                 position = waits.index(placed[0])
                 placement, _ = self._pending.pop(position)
-                running = len(self.executor.group.actors) // self.config.num_stages
-                self._starting = self.executor.group.start_replica(placement,
-                                                                   self.specs(running + 1)[-self.config.num_stages:])
+                new_layout = self.specs(self.running + 1)
+                self._starting = self.executor.group.start_replica(placement, new_layout[-self.config.num_stages:])
         return None
 
     def _admit(self) -> list[int] | None:
@@ -148,10 +150,9 @@ class Resizer:
             self._ask_for(1)
             return None
         group.admit(starting)
-        running = len(group.actors) // self.config.num_stages
-        group.set_specs(self.specs(running))
+        group.set_specs(self.specs(self.running))
         self.executor.relayout(old)
-        logger.warning("raypipe: grew from %d to %d replica(s)", running - 1, running)
+        logger.warning("raypipe: grew from %d to %d replica(s)", self.running - 1, self.running)
         return list(range(len(old), len(group.actors)))
 
     # -- lifecycle ------------------------------------------------------------

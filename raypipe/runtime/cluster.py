@@ -47,39 +47,32 @@ def placement_group_for(bundles: list[dict[str, float]]) -> Any:
 
 
 def reserve(num_pipelines: int, bundles: list[dict[str, float]], timeout_s: float) -> list[Any]:
-    """One PACK placement group of ``bundles`` per pipeline replica (a pipeline's
-    stages talk to each other most), all placed within ``timeout_s``; or a clear
-    PlacementError naming what was asked and what the cluster has."""
-    groups = [placement_group_for(bundles) for _ in range(num_pipelines)]
-    try:
-        ray.get([group.ready() for group in groups], timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        release(groups)
-        raise PlacementError(
-            f"could not place {num_pipelines} replica(s) of {len(bundles)} stage(s) of {bundles[0]} each (PACK "
-            f"per replica) within {timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in total, "
-            f"{_resources(ray.available_resources())} available. Lower num_stages/num_replicas/cpus_per_stage, "
-            f"add nodes, or raise placement_timeout_s while the autoscaler adds them.") from None
-    return groups
+    """One PACK placement group of ``bundles`` per pipeline replica, all placed within
+    ``timeout_s``; or a clear PlacementError naming what was asked and what the cluster has."""
+    placed, _ = reserve_between(num_pipelines, num_pipelines, bundles, timeout_s)
+    return placed
 
 
 def reserve_between(minimum: int, maximum: int, bundles: list[dict[str, float]], timeout_s: float,
                     grace_s: float = 2.0) -> tuple[list[Any], list[Any]]:
-    """An elastic run's placement groups (one PACK group per replica): waits up to
-    ``timeout_s`` for ``minimum`` to be placed, then ``grace_s`` for the rest.
-    Returns (placed, pending): pending groups stay asked for, so Ray places them
-    (and an autoscaler adds nodes for them) while the run goes on."""
+    """Placement groups of up to ``maximum`` replicas (one PACK group each): waits up
+    to ``timeout_s`` for ``minimum`` to be placed, then ``grace_s`` for the rest.
+    Returns (placed, pending): an elastic run's pending groups stay asked for, so Ray
+    places them (and an autoscaler adds nodes for them) while the run goes on."""
     groups = [placement_group_for(bundles) for _ in range(maximum)]
     waits = [group.ready() for group in groups]
     placed, _ = ray.wait(waits, num_returns=minimum, timeout=timeout_s)
     if len(placed) < minimum:
         release(groups)
+        what, lower = ((f"{minimum} replica(s) (the elastic run's minimum)", "the minimum of num_replicas")
+                       if minimum < maximum else (f"{minimum} replica(s)", "num_stages/num_replicas/cpus_per_stage"))
         raise PlacementError(
-            f"could not place {minimum} replica(s) (the elastic run's minimum) of {len(bundles)} stage(s) of "
-            f"{bundles[0]} each within {timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in "
-            f"total, {_resources(ray.available_resources())} available. Lower the minimum of num_replicas, add "
-            "nodes, or raise placement_timeout_s while the autoscaler adds them.")
-    placed, _ = ray.wait(waits, num_returns=maximum, timeout=grace_s)
+            f"could not place {what} of {len(bundles)} stage(s) of {bundles[0]} each (PACK per replica) within "
+            f"{timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in total, "
+            f"{_resources(ray.available_resources())} available. Lower {lower}, add nodes, or raise "
+            "placement_timeout_s while the autoscaler adds them.")
+    if len(placed) < maximum:
+        placed, _ = ray.wait(waits, num_returns=maximum, timeout=grace_s)
     return ([group for group, ready in zip(groups, waits) if ready in placed],
             [group for group, ready in zip(groups, waits) if ready not in placed])
 
