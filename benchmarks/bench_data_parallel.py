@@ -7,18 +7,19 @@ the same size; the global batch grows with d):
 
 * ``d=1``: one worker;
 * ``d=2``: two replicas, gradients all-reduced once per step;
-* ``d=2 zero1``: two replicas with ``shard_optimizer=True`` (a reduce to each
-  parameter's owner, then a broadcast of the updated parameters).
+* ``d=2 zero1``: two replicas with ``shard_optimizer=True`` (gradients
+  reduce-scattered onto each parameter's owner, then the owners' new compute
+  weights all-gathered; in bf16 each owner alone keeps its fp32 main weights).
 
 Printed: per round the step-time ratios ``d=2 / d=1`` and ``zero1 / d=2`` (median
 and min-max over rounds); from the timeline, the ``reduce`` event (start of the
 bucketed reduction to its end, waiting for the other replica included), the part
 of it after the last backward of any replica (what the reduction adds to the
-step) and its share of the step; and per worker the optimizer
-state's tensor bytes, measured (``StageStats.optimizer_bytes``) against the memory
-model (:func:`raypipe.planning.memory.estimate_stage`).
+step) and its share of the step; and per worker the optimizer state's and the
+weights' tensor bytes, measured (``StageStats.optimizer_bytes``, ``weights_bytes``)
+against the memory model (:func:`raypipe.planning.memory.estimate_stage`).
 
-    python benchmarks/bench_data_parallel.py --rounds 8 --steps 3
+    python benchmarks/bench_data_parallel.py --rounds 8 --steps 3 [--precision bf16]
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     add_round_arguments(parser, rounds=8, steps=3, warmup=2)
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per replica (default 2)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch (default 4)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="default fp32")
     return parser.parse_args()
 
 
@@ -77,11 +79,11 @@ def main() -> None:
     setups = {"d=1": (1, False), "d=2": (2, False), "d=2 zero1": (2, True)}
     ray.init(num_cpus=6, include_dashboard=False, logging_level="WARNING")
     print(f"torch {torch.__version__}, ray {ray.__version__}; {MODEL} LLaMA, 1 stage, m={m} x {size} x {seq_len} "
-          f"tokens per replica, AdamW, clip 1.0; {args.rounds} rounds x {args.steps} steps", flush=True)
+          f"tokens per replica, {args.precision}, AdamW, clip 1.0; {args.rounds} rounds x {args.steps} steps", flush=True)
     trainers = {name: raypipe.PipelineTrainer(
         llama_layers(config), llama_loss, adamw,
         raypipe.PipelineConfig(num_stages=1, num_micro_batches=m, num_replicas=d, shard_optimizer=shard,
-                               clip_grad_norm=1.0)) for name, (d, shard) in setups.items()}
+                               clip_grad_norm=1.0, precision=args.precision, use_gpu=False)) for name, (d, shard) in setups.items()}
     batches = {name: tokens(d * m * size, seq_len, config.vocab_size) for name, (d, _) in setups.items()}
     results = run_alternating(trainers, batches, args, on_round=lambda i, _: print(f"round {i + 1} done", flush=True))
 
@@ -114,11 +116,14 @@ def main() -> None:
     rows = []
     for name, (d, shard) in setups.items():
         predicted = estimate_stage(config, layers, num_micro_batches=m, micro_batch_size=size, seq_len=seq_len,
-                                   optimizer="adamw", optimizer_shards=d if shard else 1).optimizer_bytes
+                                   precision=args.precision, optimizer="adamw", optimizer_shards=d if shard else 1)
+        weights = predicted.parameters_bytes + predicted.master_bytes
         for stats in results[name][-1].stages:
-            rows.append([name, stats.replica, f"{stats.optimizer_bytes / 2**20:.3f}", f"{predicted / 2**20:.3f}",
-                         f"{stats.optimizer_bytes / predicted:.3f}"])
-    print_table(["trainer", "replica", "optimizer state MiB (measured)", "model MiB", "measured / model"], rows)
+            rows.append([name, stats.replica, *(f"{value / 2**20:.3f}" for value in (
+                stats.optimizer_bytes, predicted.optimizer_bytes, stats.weights_bytes, weights)),
+                f"{stats.optimizer_bytes / predicted.optimizer_bytes:.3f}", f"{stats.weights_bytes / weights:.3f}"])
+    print_table(["trainer", "replica", "optimizer MiB", "model", "weights MiB", "model", "optimizer measured / model",
+                 "weights measured / model"], rows)
     print(command_line())
 
 

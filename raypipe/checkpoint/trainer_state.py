@@ -26,6 +26,9 @@ class TrainerState:
         per_layer: dict[int, dict] = {}
         for states in self._executor.get([actor.state_dict.remote() for actor in self._first_replica]):
             per_layer.update(states)
+        for mains in self._executor.get([actor.sole_main_weights.remote() for actor in self._other_replicas]):
+            for index, weights in mains.items():
+                per_layer[index].update(weights)
         return {f"{self._layer_names[index]}.{key}": value
                 for index in sorted(per_layer) for key, value in per_layer[index].items()}
 
@@ -133,10 +136,18 @@ class TrainerState:
         self._executor.check_usable()
         prepare_output(str(uri))
         n_blocks = self._llama["llama_config"]["n_layers"]
-        written = self._executor.get([actor.export_hf.remote(str(uri), dtype, n_blocks)
-                                      for actor in self._first_replica])
+        stages = self.topology.num_stages
+        others = [actor.sole_main_weights.remote() for actor in self._other_replicas]
+        written = self._executor.get([actor.export_hf.remote(str(uri), dtype, n_blocks, *others[stage::stages])
+                                      for stage, actor in enumerate(self._first_replica)])
         write_index_and_config(str(uri), self._llama, dtype, [shard for shards in written for shard in shards])
         return str(uri)
+
+    @property
+    def _other_replicas(self) -> list:
+        """Workers beyond the first replica that hold main weights no one else keeps
+        (ZeRO-1; in rank order); none unsharded."""
+        return list(self._group.actors[self.topology.num_stages:]) if self.config.shard_optimizer else []
 
     def _optimizer_parts(self) -> int:
         return self.topology.num_replicas if self.config.shard_optimizer else 1

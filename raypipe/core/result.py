@@ -35,6 +35,8 @@ class StageStats:
     task_seconds: float | None = None  # per-step executor: the worker's whole step task
     replica: int = 0
     optimizer_bytes: int | None = None  # tensors of this worker's optimizer state (ZeRO-1: its shard)
+    # the stage's weights: parameters (fp32 mains, or ZeRO-1's bf16-only ones) and bf16 compute copies
+    weights_bytes: int | None = None
 
 
 class StageReport(NamedTuple):

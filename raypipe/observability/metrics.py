@@ -38,6 +38,7 @@ MEMORY_KINDS = (
     ("device_peak", "device_peak_bytes"),
     ("rss", "rss_bytes"),
     ("optimizer", "optimizer_bytes"),
+    ("weights", "weights_bytes"),
 )
 
 

@@ -143,9 +143,8 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
     micro-batch's graph. With ``activation_checkpoint_segments=k`` a graph
     keeps only the input of every k layers
     (plus the loss), and a backward recomputes one segment at a time.
-    ``optimizer_shards`` > 1 splits the optimizer state over data-parallel
-    replicas (ZeRO-1, ``shard_optimizer``), and the master weights too for the
-    styles raypipe does not run (``amp`` given).
+    ``optimizer_shards`` > 1 splits the optimizer state and the master weights
+    over data-parallel replicas (ZeRO-1, ``shard_optimizer``).
     """
     layers = list(layer_indices)
     _check_stage_args(layers, config.n_layers + 2, activation_checkpoint, activation_checkpoint_segments,
@@ -161,11 +160,9 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
     measured, offloaded, in_flight = _walk(*walk, 0)
     held = _walk(*walk, segment_transient)[0]
     count = sum(layer_parameter_counts(config)[i] for i in layers)
-    # raypipe's own styles (amp None) shard the optimizer state only: its fp32 main weights are the
-    # module's parameters, whole on every replica; other styles are modelled as ZeRO-1 usually is
-    master_shards = 1 if amp is None else optimizer_shards
-    static = _static_bytes(count, static_bytes_per_parameter(precision, amp, optimizer), optimizer_shards,
-                           master_shards)
+    # ZeRO-1 shards the master weights with the optimizer state (raypipe's bf16: each replica keeps the
+    # fp32 main weights it owns, and bf16 compute weights of all); fp32 and fp16 have none apart
+    static = _static_bytes(count, static_bytes_per_parameter(precision, amp, optimizer), optimizer_shards)
     total = sum(static.values()) + held
     return StageMemory(stage=stage_index, layers=layers, num_parameters=count, **static,
                        static_bytes=sum(static.values()), activation_bytes=held, held_for_backward_bytes=measured,
@@ -194,10 +191,10 @@ def _graph_bytes(config: LlamaConfig, layers: list[int], segments: int | None, f
     return sum(inputs) + loss, transient
 
 
-def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int, master_shards: int) -> dict[str, int]:
+def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int) -> dict[str, int]:
     return {"parameters_bytes": count * per_param.weights, "gradients_bytes": count * per_param.gradients,
             # ZeRO-1: each data-parallel replica keeps its shard of the optimizer state (and master weights)
-            "master_bytes": -(-count * per_param.master // master_shards),
+            "master_bytes": -(-count * per_param.master // optimizer_shards),
             "optimizer_bytes": -(-count * per_param.optimizer // optimizer_shards)}
 
 

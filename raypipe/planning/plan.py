@@ -64,7 +64,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data-parallel copies of the pipeline (default 1); MIN:MAX plans an elastic run at MIN, "
                              "where each replica runs the most micro-batches")
     parser.add_argument("--shard-optimizer", action="store_true",
-                        help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
+                        help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state "
+                             "(and in bf16 of the fp32 main weights)")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's max)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
@@ -142,8 +143,8 @@ def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) 
                  f"--micro-batch-size 1 --micro-batches {micro_batches}", settings):
             return suggestions
     shards = _fitting_shards(config, settings, gpu_memory_bytes)
-    alternative = (f"or keep {settings.num_stages} stages and shard the optimizer state over {shards} "
-                   f"data-parallel replicas (--replicas {shards} --shard-optimizer)" if shards else None)
+    alternative = (f"or keep {settings.num_stages} stages and shard the optimizer state and main weights over "
+                   f"{shards} data-parallel replicas (--replicas {shards} --shard-optimizer)" if shards else None)
     stages = _fitting_stages(config, settings, gpu_memory_bytes)
     if stages != settings.num_stages:
         settings = replace(settings, num_stages=stages)
@@ -182,8 +183,12 @@ def _fitting_shards(config: LlamaConfig, settings: PlanSettings, gpu_memory_byte
 
 def snapshot_bytes(stage: StageMemory) -> int:
     """One in-memory snapshot of a worker of ``stage`` (host memory, object store): its
-    layers' weights (fp32 main weights under mixed precision) and its optimizer state."""
-    return (stage.master_bytes or stage.parameters_bytes) + stage.optimizer_bytes
+    layers' weights (fp32 main weights under mixed precision; with ZeRO-1 those it owns,
+    and the compute weights of the others) and its optimizer state."""
+    if not stage.master_bytes:
+        return stage.parameters_bytes + stage.optimizer_bytes
+    owned_share = stage.master_bytes / (4 * stage.num_parameters)  # fp32 main weights: 4 B each
+    return stage.master_bytes + round(stage.parameters_bytes * (1 - owned_share)) + stage.optimizer_bytes
 
 
 def describe_layers(config: LlamaConfig, layers: list[int]) -> str:

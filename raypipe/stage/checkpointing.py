@@ -2,10 +2,11 @@
 global layer index and parameter name, so a checkpoint loads into any
 partition and any number of replicas.
 
-With ZeRO-1 each replica holds the optimizer state of the parameters it owns:
-the first replica's part goes into the layer files, every other replica's into
-one checkpoint blob per layer (:func:`optimizer_part_name`), and loading merges
-the parts. Saves are written in the background (:mod:`raypipe.stage.checkpoint_writer`).
+With ZeRO-1 each replica holds the optimizer state of the parameters it owns
+(and in bf16 their fp32 main weights, which no other replica keeps): the first
+replica's part goes into the layer files, every other replica's into one
+checkpoint blob per layer (:func:`optimizer_part_name`), and loading merges the
+parts. Saves are written in the background (:mod:`raypipe.stage.checkpoint_writer`).
 """
 from __future__ import annotations
 
@@ -14,14 +15,10 @@ from typing import Any
 import ray
 import torch
 
+from raypipe.checkpoint.parts import merged_model, optimizer_part_name, read_layer_parts
 from raypipe.checkpoint.store import encode, encode_layer, layer_file_name
 from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP, CheckpointWriter, WrittenFiles, on_host, write_named
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
-
-
-def optimizer_part_name(layer_index: int, replica: int) -> str:
-    """The checkpoint blob of replica ``replica``'s optimizer state of one layer (ZeRO-1)."""
-    return f"optimizer-layer{layer_index:05d}-part{replica}"
 
 
 class StageCheckpointing:
@@ -30,9 +27,25 @@ class StageCheckpointing:
     and ``replica`` they read)."""
 
     def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Per global layer index, that layer's state on CPU."""
-        return {index: {k: v.detach().cpu() for k, v in layer.state_dict().items()}
-                for index, layer in zip(self.layer_indices, self.layers)}
+        """Per global layer index, that layer's state on CPU: all of it, except (ZeRO-1
+        in bf16) the main weights other replicas own (see :meth:`sole_main_weights`)."""
+        return {index: {k: v.detach().cpu() for k, v in self._held_state(position).items()}
+                for position, index in enumerate(self.layer_indices)}
+
+    def sole_main_weights(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per global layer index, on CPU, the main weights no other replica keeps
+        (ZeRO-1 in bf16: those of the parameters this replica owns; else none).
+        Merged into the first replica's :meth:`state_dict`, they make the whole model."""
+        return {index: {k: v.detach().cpu() for k, v in self._sole_mains(position).items()}
+                for position, index in enumerate(self.layer_indices)}
+
+    def _held_state(self, position: int) -> dict[str, torch.Tensor]:
+        without = self.weights.without_main(position)
+        return {k: v for k, v in self.layers[position].state_dict().items() if k not in without}
+
+    def _sole_mains(self, position: int) -> dict[str, torch.Tensor]:
+        only_here = self.weights.mains_only_here(position)
+        return {k: v for k, v in self.layers[position].named_parameters() if k in only_here}
 
     def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
         for index, layer in zip(self.layer_indices, self.layers):
@@ -103,10 +116,10 @@ class StageCheckpointing:
         the parameters it owns, one blob per layer. The copy is the state after the
         last committed step: it runs in step order, before the next step changes the
         weights in place. :meth:`checkpoint_files` waits for the files."""
-        parts = self._optimizer_parts(on_host=False)
+        parts = self._saved_parts(on_host=False)
         if self.replica == 0:
-            encoded = {index: encode_layer(index, on_host({"model": layer.state_dict(), **parts[index]}))
-                       for index, layer in zip(self.layer_indices, self.layers)}
+            encoded = {index: encode_layer(index, on_host({**parts[index], "model": self._held_state(position)}))
+                       for position, index in enumerate(self.layer_indices)}
         else:
             encoded = {index: encode(on_host(part)) for index, part in parts.items()}
         if getattr(self, "_checkpoint_writer", None) is None:
@@ -128,12 +141,8 @@ class StageCheckpointing:
     def load_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
         """Load this stage's layers from a checkpoint written by any partition and
         any number of optimizer parts (ZeRO-1 replicas)."""
-        from raypipe.checkpoint.store import read_blob, read_layer
-
-        files = {index: read_layer(root_uri, step, index) for index in self.layer_indices}
-        self.load_state_dict({index: f["model"] for index, f in files.items()})
-        parts = {index: [files[index]] + [read_blob(root_uri, step, optimizer_part_name(index, part))
-                                          for part in range(1, optimizer_parts)] for index in self.layer_indices}
+        parts = {index: read_layer_parts(root_uri, step, index, optimizer_parts) for index in self.layer_indices}
+        self.load_state_dict({index: merged_model(parts[index]) for index in self.layer_indices})
         optimizer = {index: {name: state for part in parts[index] for name, state in part["optimizer"].items()}
                      for index in self.layer_indices}
         # hyper-parameters and schedule: the same in every part whose replica has an optimizer
@@ -145,20 +154,27 @@ class StageCheckpointing:
         if self.scheduler is not None and scheduler is not None:
             self.scheduler.load_state_dict(scheduler)
 
-    def export_hf(self, out_uri: str, dtype: str, n_blocks: int) -> list[dict[str, Any]]:
-        """Write this stage's layers of a LLaMA as Hugging Face safetensors shards, one per layer."""
+    def export_hf(self, out_uri: str, dtype: str, n_blocks: int,
+                  *other_mains: dict[int, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """Write this stage's layers of a LLaMA as Hugging Face safetensors shards, one per
+        layer; ``other_mains``: the other replicas' :meth:`sole_main_weights` (ZeRO-1 in bf16)."""
         from raypipe.models.hf.export import write_layer_shard
 
-        return [write_layer_shard(out_uri, index, n_blocks, state, dtype) for index, state in self.state_dict().items()]
+        states = self.state_dict()
+        for mains in other_mains:
+            for index, weights in mains.items():
+                states[index].update(weights)
+        return [write_layer_shard(out_uri, index, n_blocks, state, dtype) for index, state in states.items()]
 
-    def _optimizer_parts(self, on_host: bool = True) -> dict[int, dict[str, Any]]:
-        """Per layer: this replica's optimizer state, hyper-parameters and schedule
-        (``on_host=False``: the live tensors and values)."""
+    def _saved_parts(self, on_host: bool = True) -> dict[int, dict[str, Any]]:
+        """Per layer: this replica's optimizer state, hyper-parameters, schedule and the
+        main weights only it keeps (``on_host=False``: the live tensors and values)."""
         optimizer = gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, on_host)
         groups = optimizer.pop(-1, {})
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
-        return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups}
-                for index in self.layer_indices}
+        return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups,
+                        "model": self._sole_mains(position)}
+                for position, index in enumerate(self.layer_indices)}
 
 
 def snapshot_by_layer(snapshot: dict[str, Any]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, Any]]]:

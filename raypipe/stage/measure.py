@@ -45,6 +45,12 @@ def storage_pointers(tensors) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages ``tensors`` live in."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    return sum(storage.nbytes() for storage in storages.values())
+
+
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 

@@ -23,7 +23,7 @@ from raypipe.models.layers import build_layer
 from raypipe.stage.activations import ActivationStore
 from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.data_reader import StageData
-from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_pointers, tensor_bytes
+from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_bytes, storage_pointers, tensor_bytes
 from raypipe.stage.offload import Offloader
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
@@ -48,13 +48,17 @@ class StageWorker(StageCheckpointing):
         self.layers = nn.ModuleList(build_layer(layer, index, config.seed)
                                     for layer, index in zip(spec.layers, spec.layer_indices))
         self.layers.to(self.device)
-        self.weights = compute_weights(config.precision, self.layers, self.device)  # what the layers compute with
         self._trainable = [p for p in self.layers.parameters() if p.requires_grad]
-        # ZeRO-1: this replica's optimizer holds the parameters it owns (all of them, unsharded)
+        # ZeRO-1: this replica's optimizer holds the parameters it owns (all of them, unsharded), and only
+        # their main weights where those are not the compute weights (bf16)
         self.ownership = Ownership.assign(self._trainable, spec.running_replicas, spec.replica, config.shard_optimizer)
         self._owned = self.ownership.owned(self._trainable)
+        owned = set(map(id, self._owned))
+        self.weights = compute_weights(config.precision, self.layers, self.device,  # what the layers compute with
+                                       (lambda parameter: id(parameter) in owned) if self.ownership.sharded else None)
         # parameters and compute weights: static memory, excluded from held bytes
         self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
+        self._weights_bytes = storage_bytes([*self.layers.parameters(), *self.weights.copies()])
         self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
@@ -188,9 +192,10 @@ class StageWorker(StageCheckpointing):
         every replica): what the replicas of this stage sum. The same model on
         same-shaped data gives every replica the same set (a parameter used in one
         replica's step and not another's is not supported)."""
-        present = [index for index, p in enumerate(self._trainable) if p.grad is not None]
+        gradients = [self.weights.gradient(p) for p in self._trainable]
+        present = [index for index, gradient in enumerate(gradients) if gradient is not None]
         owners = self.ownership.owners
-        return ([self._trainable[i].grad for i in present],
+        return ([gradients[i] for i in present],
                 None if owners is None else tuple(owners[i] for i in present))
 
     @stage_op("grad_stats", per_micro_batch=False)
@@ -243,13 +248,13 @@ class StageWorker(StageCheckpointing):
                 self.optimizer.step()
                 if self.scheduler is not None:  # a skipped step does not advance the schedule
                     self.scheduler.step()
-            self._share_updated_parameters()
             self.weights.refresh()
+            self._share_updated_parameters()
         self._end_step()
 
     def _share_updated_parameters(self) -> None:
-        """ZeRO-1: give the other replicas the parameters this one stepped (an
-        executor with replicas provides it; nothing to do without)."""
+        """ZeRO-1: give the other replicas the compute weights of the parameters this
+        one stepped (an executor with replicas provides it; nothing to do without)."""
 
     def abort_step(self) -> None:
         """Drop a failed step's partial state: kept activations, gradients, timings."""
@@ -259,6 +264,7 @@ class StageWorker(StageCheckpointing):
     def _end_step(self) -> None:
         for parameter in self.layers.parameters():
             parameter.grad = None
+        self.weights.drop_gradients()
         self.store.clear()
         self._step_failure = None
         self._backwards_done.clear()
@@ -364,5 +370,5 @@ class StageWorker(StageCheckpointing):
             offloaded_bytes=self.store.peak_offloaded_bytes,
             device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else None,
             device_peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            rss_bytes=rss_bytes(), optimizer_bytes=self._optimizer_bytes(),
+            rss_bytes=rss_bytes(), optimizer_bytes=self._optimizer_bytes(), weights_bytes=self._weights_bytes,
             learning_rate=self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)

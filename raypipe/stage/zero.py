@@ -3,12 +3,16 @@ state and steps it.
 
 With ``shard_optimizer`` each trainable parameter of a stage has one owner among
 the stage's ``d`` replicas (largest parameters first, each to the least loaded
-replica: every replica computes the same assignment). A replica builds its
-optimizer over the parameters it owns only, so it holds about 1/d of the
-optimizer state; each step the owner receives the summed gradient of its
-parameters (a reduce, not an all-reduce), steps them, and sends the new values
-to the other replicas (a broadcast per owner: together an all-gather). Without
-sharding every replica owns every parameter.
+replica: every replica computes the same assignment), as PyTorch's
+``ZeroRedundancyOptimizer`` partitions: whole parameters, so the user's
+optimizer factory sees real parameters (any optimizer, any param groups). A
+replica builds its optimizer over the parameters it owns only, so it holds about
+1/d of the optimizer state, and in bf16 it alone keeps their fp32 main weights
+(:mod:`raypipe.stage.precision`). Each step the owner receives the summed
+gradient of its parameters (a reduce-scatter, not an all-reduce), steps them,
+and an all-gather gives the other replicas their new compute weights
+(:mod:`raypipe.comm.replicas`). Without sharding every replica owns every
+parameter.
 """
 from __future__ import annotations
 

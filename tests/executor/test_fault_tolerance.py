@@ -75,18 +75,22 @@ _UNINTERRUPTED = {}
 def uninterrupted(cfg, tmp_path) -> Run:
     """The run without failures. Snapshots and failure settings change no number, so
     layouts that differ only in them share one (fewer trainer starts in the suite)."""
-    numerics = (cfg.num_stages, cfg.num_replicas, cfg.num_micro_batches, cfg.transport, cfg.shard_optimizer)
+    numerics = (cfg.num_stages, cfg.num_replicas, cfg.num_micro_batches, cfg.transport, cfg.shard_optimizer,
+                cfg.precision)
     if numerics not in _UNINTERRUPTED:
         _UNINTERRUPTED[numerics] = train(cfg, tmp_path / "uninterrupted")
     return _UNINTERRUPTED[numerics]
 
 
-LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 11 kills in all
+LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 12 kills in all
     "p2p-2-stages": (config(), (1, 3), "snapshot"),
     "p2p-3-stages": (config(num_stages=3), (1, 3, 5), "snapshot"),
     "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3), "snapshot"),
     # inside a step with replicas: from the sibling, or from snapshots when survivors had ended it
     "p2p-2-replicas": (config(num_replicas=2, num_micro_batches=2), (2,), ""),
+    # ZeRO-1 in bf16: each worker alone holds its optimizer shard and fp32 main weights
+    "p2p-2-replicas-zero1-bf16": (config(num_replicas=2, num_micro_batches=2, shard_optimizer=True, precision="bf16"),
+                                  (2,), "snapshot"),
     # without snapshots the replacement copies the same stage of the other replica; killed before
     # the step, since a kill landing after the survivors ended it needs a snapshot to roll them back
     "p2p-2-replicas-from-sibling": (config(num_replicas=2, num_micro_batches=2, snapshot_every=0), (1, 3, 5),

@@ -347,15 +347,21 @@ def test_plan_table_for_7b_on_8_stages(capsys):
     assert f"background checkpoint saves (fit): one more host copy of up to {format_bytes(largest)} per worker" in out
 
 
-def test_plan_with_a_sharded_optimizer_divides_only_the_optimizer_state(capsys):
+def test_plan_with_a_sharded_optimizer_divides_the_optimizer_state_and_main_weights(capsys):
     whole = json.loads(plan(*SEVEN_B, "--json", capsys=capsys)[1])
     sharded = json.loads(plan(*SEVEN_B, "--replicas", "4", "--shard-optimizer", "--json", capsys=capsys)[1])
     assert sharded["settings"]["optimizer_shards"] == 4
     for one, quarter in zip(whole["stages"], sharded["stages"]):
-        assert quarter["optimizer_bytes"] == -(-one["optimizer_bytes"] // 4)
-        # raypipe's fp32 main weights are the module's parameters: whole on every replica
-        for kind in ("parameters_bytes", "master_bytes", "gradients_bytes", "activation_bytes"):
+        # bf16: each replica keeps the fp32 main weights and Adam moments of the parameters it owns
+        for kind in ("optimizer_bytes", "master_bytes"):
+            assert quarter[kind] == -(-one[kind] // 4)
+        # and the bf16 compute weights and fp32 main gradients of all of them
+        for kind in ("parameters_bytes", "gradients_bytes", "activation_bytes"):
             assert quarter[kind] == one[kind]
+        # a snapshot: its own fp32 main weights and Adam moments, the other 3/4's bf16 compute weights
+        assert quarter["snapshot_bytes"] == pytest.approx(
+            (one["master_bytes"] + one["optimizer_bytes"]) / 4 + 0.75 * one["parameters_bytes"], rel=1e-6)
+        assert one["snapshot_bytes"] == one["master_bytes"] + one["optimizer_bytes"]
     replicated = json.loads(plan(*SEVEN_B, "--replicas", "4", "--json", capsys=capsys)[1])
     assert replicated["stages"] == whole["stages"]  # replicas alone change nothing per worker
 
@@ -393,17 +399,19 @@ def test_plan_suggests_knobs_in_order_until_it_fits(capsys):
 
 def test_plan_suggests_more_stages_or_sharding(capsys):
     status, out = plan("--model", "llama-7b", "--stages", "1", "--micro-batches", "64", "--precision", "bf16",
-                       "--activation-checkpoint", "always", "--gpu-memory", "80GB", "--json", capsys=capsys)
+                       "--activation-checkpoint", "always", "--gpu-memory", "48GB", "--json", capsys=capsys)
     result = json.loads(out)
     assert status == 0 and result["fits"] is False
     [more] = result["suggestions"]
-    assert more["knob"] == "more stages" and more["flags"] == "--stages 2" and more["fits"]
-    # sharding the optimizer state alone cannot fit 80 GB: the fp32 main weights stay whole on every replica
+    assert more["knob"] == "more stages" and more["flags"] == "--stages 4" and more["fits"]
+    # no sharding fits 48 GB: the bf16 compute weights and fp32 main gradients (6 B/param) stay whole
     assert "alternative" not in more
     status, out = plan("--model", "llama-7b", "--stages", "1", "--micro-batches", "64", "--precision", "bf16",
-                       "--activation-checkpoint", "always", "--gpu-memory", "100GB", "--json", capsys=capsys)
+                       "--activation-checkpoint", "always", "--gpu-memory", "80GB", "--json", capsys=capsys)
     [more] = json.loads(out)["suggestions"]
-    assert "16 data-parallel replicas (--replicas 16 --shard-optimizer)" in more["alternative"]
+    assert more["flags"] == "--stages 2"
+    assert ("shard the optimizer state and main weights over 8 data-parallel replicas (--replicas 8 "
+            "--shard-optimizer)") in more["alternative"]
 
 
 def test_plan_suggests_offload_when_kept_inputs_dominate(capsys):

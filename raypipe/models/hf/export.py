@@ -88,16 +88,19 @@ def write_index_and_config(out_uri: str, model: dict[str, Any], dtype: str, shar
 def export_checkpoint(root_uri: str, step: int, out_uri: str, dtype: str = "bf16") -> str:
     """Convert raypipe checkpoint ``step`` under ``root_uri`` (of a LLaMA) into a Hugging Face
     directory at ``out_uri``, one layer in memory at a time; returns ``out_uri``."""
-    from raypipe.checkpoint.store import read_layer, read_manifest
+    from raypipe.checkpoint.parts import merged_model, read_layer_parts
+    from raypipe.checkpoint.store import read_manifest
 
     check_dtype(dtype)
-    model = read_manifest(root_uri, step).get("extra", {}).get("model")
+    extra = read_manifest(root_uri, step).get("extra", {})
+    model = extra.get("model")
     if not model or "llama_config" not in model:
         raise ValueError(f"checkpoint step {step} under {root_uri} does not record a LLaMA model config "
                          "(it was not written by a trainer of llama_layers or from_pretrained)")
     n_blocks = model["llama_config"]["n_layers"]
     prepare_output(out_uri)
-    shards = [write_layer_shard(out_uri, index, n_blocks, read_layer(root_uri, step, index)["model"], dtype)
-              for index in range(n_blocks + 2)]
+    parts = extra.get("optimizer_parts", 1)  # ZeRO-1 in bf16: each part holds its owner's main weights
+    shards = [write_layer_shard(out_uri, index, n_blocks, merged_model(read_layer_parts(root_uri, step, index, parts)),
+                                dtype) for index in range(n_blocks + 2)]
     write_index_and_config(out_uri, model, dtype, shards)
     return out_uri
