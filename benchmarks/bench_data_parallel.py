@@ -79,11 +79,13 @@ def main() -> None:
     setups = {"d=1": (1, False), "d=2": (2, False), "d=2 zero1": (2, True)}
     ray.init(num_cpus=6, include_dashboard=False, logging_level="WARNING")
     print(f"torch {torch.__version__}, ray {ray.__version__}; {MODEL} LLaMA, 1 stage, m={m} x {size} x {seq_len} "
-          f"tokens per replica, {args.precision}, AdamW, clip 1.0; {args.rounds} rounds x {args.steps} steps", flush=True)
+          f"tokens per replica, {args.precision}, AdamW, clip 1.0; {args.rounds} rounds x {args.steps} steps",
+          flush=True)
     trainers = {name: raypipe.PipelineTrainer(
         llama_layers(config), llama_loss, adamw,
         raypipe.PipelineConfig(num_stages=1, num_micro_batches=m, num_replicas=d, shard_optimizer=shard,
-                               clip_grad_norm=1.0, precision=args.precision, use_gpu=False)) for name, (d, shard) in setups.items()}
+                               clip_grad_norm=1.0, precision=args.precision, use_gpu=False))
+        for name, (d, shard) in setups.items()}
     batches = {name: tokens(d * m * size, seq_len, config.vocab_size) for name, (d, _) in setups.items()}
     results = run_alternating(trainers, batches, args, on_round=lambda i, _: print(f"round {i + 1} done", flush=True))
 

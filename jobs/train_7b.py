@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "shrinking to MIN when nodes are lost and growing to MAX when they come, with the "
                              "global batch of MAX replicas (default: 1)")
     parser.add_argument("--shard-optimizer", action="store_true",
-                        help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state")
+                        help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state "
+                             "(and in bf16 of the fp32 main weights)")
     parser.add_argument("--keep-last", type=int, default=None, metavar="K",
                         help="keep only the newest K checkpoints (default: all)")
     parser.add_argument("--max-failures", type=int, default=3,

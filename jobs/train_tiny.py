@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="data-parallel copies of the pipeline (stages x replicas CPUs); MIN:MAX runs elastic "
                              "between MIN and MAX, with the global batch of MAX")
     parser.add_argument("--shard-optimizer", action="store_true",
-                        help="ZeRO-1: shard the optimizer state over the replicas")
+                        help="ZeRO-1: shard the optimizer state (and in bf16 the fp32 main weights) over the replicas")
     parser.add_argument("--micro-batches", type=int, default=4,
                         help="micro-batches per step and replica (elastic: per replica of MAX)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")

@@ -22,8 +22,13 @@ def connect(address: str | None, num_workers_cpus: float = 0) -> None:
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS")
-    local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(num_workers_cpus))} if target in (None, "", "local") else {}
-    ray.init(address=address, include_dashboard=False, logging_level="WARNING", **local)
+    if target in (None, "", "local"):
+        # "local", not None: None would join whatever cluster this machine last started (Ray's
+        # address file), which refuses num_cpus; RAY_ADDRESS=auto asks for that one
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING",
+                 num_cpus=max(os.cpu_count() or 1, math.ceil(num_workers_cpus)))
+    else:
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING")
 
 
 def resolve_use_gpu(config: PipelineConfig) -> bool:
