@@ -17,8 +17,8 @@ it, and an autoscaler adds nodes for it, while the run goes on) and:
   layout (:meth:`Resizer.shrink`, called while healing the failed step);
 - **grows** when a pending placement group is placed (moved to a node no running
   replica uses where one has room: :func:`~raypipe.runtime.spread.relocate`): the
-  new replica's workers start while steps run, and once they are ready, at a step boundary, each
-  restores a snapshot of the same stage of a live replica (sent worker to worker
+  new replica's workers start while steps run, and once they are ready, at a step
+  boundary, each restores a snapshot of the same stage of a live replica (sent worker to worker
   through the object store) and every worker takes the new layout
   (:meth:`Resizer.poll`).
 """

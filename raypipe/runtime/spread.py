@@ -60,7 +60,8 @@ def relocate(group: Any, bundles: list[dict[str, float]], avoid: set[str]) -> An
     if not nodes_of(group) & avoid or not nodes_with_room(bundles) - avoid:
         return group
     moved = pack_avoiding(bundles, avoid)
-    if nodes_of(moved) and not nodes_of(moved) & avoid:
+    moved_to = nodes_of(moved)
+    if moved_to and not moved_to & avoid:
         remove_placement_group(group)
         return moved
     remove_placement_group(moved)
