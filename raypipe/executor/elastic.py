@@ -15,9 +15,10 @@ it, and an autoscaler adds nodes for it, while the run goes on) and:
 - **shrinks** when a failed worker cannot be replaced within
   ``replace_timeout_s``: its replica is dropped and the survivors take the new
   layout (:meth:`Resizer.shrink`, called while healing the failed step);
-- **grows** when a pending placement group is placed: the new replica's workers
-  start while steps run, and once they are ready, at a step boundary, each
-  restores a snapshot of the same stage of a live replica (sent worker to worker
+- **grows** when a pending placement group is placed (moved to a node no running
+  replica uses where one has room: :func:`~raypipe.runtime.spread.relocate`): the
+  new replica's workers start while steps run, and once they are ready, at a step
+  boundary, each restores a snapshot of the same stage of a live replica (sent worker to worker
   through the object store) and every worker takes the new layout
   (:meth:`Resizer.poll`).
 """
@@ -33,7 +34,7 @@ from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import replica_blocks
 from raypipe.errors import PlacementError
 from raypipe.executor.base import Executor
-from raypipe.runtime import cluster
+from raypipe.runtime import cluster, spread
 from raypipe.runtime.autoscaling import ResourceRequest
 from raypipe.runtime.group import NewReplica
 from raypipe.stage.spec import WorkerSpec
@@ -130,6 +131,9 @@ class Resizer:
             if placed:
                 position = waits.index(placed[0])
                 placement, _ = self._pending.pop(position)
+                # placed where a running replica is while another node has room: go there instead
+                running_nodes = {worker.node_id for worker in self.executor.group.workers}
+                placement = spread.relocate(placement, self._bundles, running_nodes)
                 new_layout = self.specs(self.running + 1)
                 self._starting = self.executor.group.start_replica(placement, new_layout[-self.config.num_stages:])
         return None
@@ -158,7 +162,7 @@ class Resizer:
     # -- lifecycle ------------------------------------------------------------
     def _ask_for(self, count: int) -> None:
         for _ in range(count):
-            group = cluster.placement_group_for(self._bundles)
+            group = spread.replica_group(self._bundles)  # plain: any node an autoscaler adds will do
             self._pending.append((group, group.ready()))
 
     def close(self) -> None:

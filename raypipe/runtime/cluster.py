@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from raypipe.config import PipelineConfig
 from raypipe.errors import PlacementError
+from raypipe.runtime.spread import reserve_spread
 
 
 def connect(address: str | None, num_workers_cpus: float = 0) -> None:
@@ -46,13 +48,8 @@ def worker_bundle(config: PipelineConfig, use_gpu: bool) -> dict[str, float]:
     return bundle
 
 
-def placement_group_for(bundles: list[dict[str, float]]) -> Any:
-    """One replica's placement group: its stages packed (a pipeline's stages talk to each other most)."""
-    return placement_group(bundles, strategy="PACK")
-
-
 def reserve(num_pipelines: int, bundles: list[dict[str, float]], timeout_s: float) -> list[Any]:
-    """One PACK placement group of ``bundles`` per pipeline replica, all placed within
+    """One PACK placement group of ``bundles`` per pipeline replica (spread over nodes), all placed within
     ``timeout_s``; or a clear PlacementError naming what was asked and what the cluster has."""
     placed, _ = reserve_between(num_pipelines, num_pipelines, bundles, timeout_s)
     return placed
@@ -60,13 +57,15 @@ def reserve(num_pipelines: int, bundles: list[dict[str, float]], timeout_s: floa
 
 def reserve_between(minimum: int, maximum: int, bundles: list[dict[str, float]], timeout_s: float,
                     grace_s: float = 2.0) -> tuple[list[Any], list[Any]]:
-    """Placement groups of up to ``maximum`` replicas (one PACK group each): waits up
-    to ``timeout_s`` for ``minimum`` to be placed, then ``grace_s`` for the rest.
-    Returns (placed, pending): an elastic run's pending groups stay asked for, so Ray
-    places them (and an autoscaler adds nodes for them) while the run goes on."""
-    groups = [placement_group_for(bundles) for _ in range(maximum)]
+    """Placement groups of up to ``maximum`` replicas (one PACK group each, spread over
+    nodes where there is room: :mod:`raypipe.runtime.spread`): waits up to ``timeout_s``
+    for ``minimum`` to be placed, then ``grace_s`` for the rest. Returns (placed,
+    pending): an elastic run's pending groups stay asked for, so Ray places them (and
+    an autoscaler adds nodes for them) while the run goes on."""
+    deadline = time.monotonic() + timeout_s
+    groups = reserve_spread(maximum, bundles)
     waits = [group.ready() for group in groups]
-    placed, _ = ray.wait(waits, num_returns=minimum, timeout=timeout_s)
+    placed, _ = ray.wait(waits, num_returns=minimum, timeout=max(0.0, deadline - time.monotonic()))
     if len(placed) < minimum:
         release(groups)
         what, lower = ((f"{minimum} replica(s) (the elastic run's minimum)", "the minimum of num_replicas")

@@ -23,13 +23,17 @@ FAST_HEALTH_CHECKS = {"RAY_health_check_initial_delay_ms": "0", "RAY_health_chec
                       "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 
 
-def run_on_cluster(out: str, num_nodes: int, body: Callable[[Cluster], dict]) -> None:
+def run_on_cluster(out: str, num_nodes: int, body: Callable[[Cluster], dict],
+                   node_cpus: list[int] | None = None) -> None:
     """``body(cluster)`` on a head with no CPUs (the driver's node) and ``num_nodes``
-    1-CPU worker nodes; writes what it returns to ``out`` as JSON."""
+    worker nodes of ``node_cpus`` CPUs each (default 1); writes what it returns to
+    ``out`` as JSON."""
+    node_cpus = node_cpus or [1] * num_nodes
+    assert len(node_cpus) == num_nodes, f"{num_nodes} nodes, CPUs given for {len(node_cpus)}"
     os.environ.update(FAST_HEALTH_CHECKS)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(num_nodes):
-        cluster.add_node(num_cpus=1)
+    for num_cpus in node_cpus:
+        cluster.add_node(num_cpus=num_cpus)
     try:
         ray.init(address=cluster.address, logging_level="WARNING")
         record = body(cluster)
