@@ -71,3 +71,17 @@ def test_pinned_memory_offload_matches_no_offload_on_gpu(ray_cluster):
     assert offloaded[0] == pytest.approx(plain[0], rel=1e-6)
     for key, value in plain[1].items():
         torch.testing.assert_close(offloaded[1][key], value)
+
+
+@pytest.mark.gpu
+def test_zero1_over_nccl_changes_no_bit_of_a_bf16_run(ray_cluster):
+    # two replicas of one stage, one GPU each: their gradients reduce-scattered and their bf16
+    # compute weights all-gathered over NCCL, against the same run all-reducing (every bit the same at d=2)
+    if torch.cuda.device_count() < 2:
+        pytest.fail("the NCCL data-parallel test needs 2 GPUs on this node")
+    base = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2, num_replicas=2, precision="bf16", use_gpu=True)
+    replicated = _train(base)
+    sharded = _train(base.replace(shard_optimizer=True))
+    assert sharded[0] == replicated[0]
+    for key, value in replicated[1].items():
+        assert torch.equal(sharded[1][key], value), key
