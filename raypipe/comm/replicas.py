@@ -3,17 +3,24 @@ ZeRO-1, share the parameters each of them stepped.
 
 The workers holding the same stage in every replica form a subgroup of the
 run's process group (:meth:`StageReplicas.join`, called by every member right
-after joining the group). Without ZeRO-1 the gradients are all-reduced in flat
-buckets of one dtype, every bucket in flight at once. With ZeRO-1
-(:mod:`raypipe.stage.zero`) the tensors are laid out flat by owner, each
-owner's segment padded to the longest: one reduce-scatter leaves each owner
-the sum of its own gradients, and after the owners stepped one all-gather gives
-every replica every owner's new values. Without replicas every method does
-nothing.
+after joining the group). The tensors of a collective are laid out flat per
+dtype and by owner (:class:`_FlatLayout`; without ZeRO-1 one owner: every
+replica), and the collectives run over chunks of about ``_BUCKET_BYTES`` of
+that layout, ``_CHUNKS_IN_FLIGHT`` at a time, so that their flat copies add a
+few buckets to a worker's memory, never a second copy of its gradients:
+
+* without ZeRO-1 the gradients are all-reduced;
+* with ZeRO-1 (:mod:`raypipe.stage.zero`) each owner's segment is padded to the
+  longest, a reduce-scatter leaves each owner the sum of its own gradients, and
+  after the owners stepped an all-gather gives every replica every owner's new
+  values.
+
+Without replicas every method does nothing.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +29,11 @@ import torch.distributed as dist
 
 from raypipe.core.topology import Topology
 
-_BUCKET_BYTES = 25 * 2**20  # gradients are reduced in flat buckets of about this size
+_BUCKET_BYTES = 25 * 2**20  # a collective's flat input is about this size
+_CHUNKS_IN_FLIGHT = 2  # collectives in flight at once: overlap without copying everything at once
 
 Owners = tuple[int, ...] | None  # per tensor, the replica that owns it; None: every replica
+Pending = tuple[Any, Callable[[], None]]  # a collective in flight, and what to do with its result
 
 
 class StageReplicas:
@@ -49,98 +58,134 @@ class StageReplicas:
 
     def start_gradient_reduction(self, gradients: list[torch.Tensor], owners: Owners = None) -> Any:
         """Start summing ``gradients`` over the replicas: onto every replica (``owners``
-        None: all-reduce), or onto each gradient's owner only (ZeRO-1: a reduce-scatter
-        per dtype). :meth:`finish_gradient_reduction` writes the sums back. None without replicas."""
+        None: all-reduce), or onto each gradient's owner only (ZeRO-1: reduce-scatter).
+        :meth:`finish_gradient_reduction` runs the rest and writes the sums back. None
+        without replicas."""
         if self._group is None:
             return None
-        if owners is None:
-            pending = []
-            for bucket in _buckets(gradients):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                pending.append((dist.all_reduce(flat, group=self._group, async_op=True), flat, bucket))
-            return pending
-        pending = []
-        for layout in _OwnerLayout.of(gradients, owners, self.topology.num_replicas):
-            mine = layout.new_empty(layout.length)
-            work = dist.reduce_scatter_single(mine, layout.flat(), group=self._group, async_op=True)
-            pending.append((work, mine, layout.by_owner[self.replica]))
-        return pending
+        layouts = _FlatLayout.of(gradients, owners, self.topology.num_replicas)
+        chunks = self._all_reduce(layouts) if owners is None else self._reduce_scatter(layouts)
+        return _InFlight(chunks, self._wait, "gradient reduction").start()
 
     def finish_gradient_reduction(self, pending: Any) -> None:
         """Wait for :meth:`start_gradient_reduction` and write back the sums this replica received."""
-        for work, flat, tensors in pending or ():
-            self._wait(work, "gradient reduction")
-            _unflatten(flat, tensors)
+        if pending is not None:
+            pending.finish()
 
     def gather_parameters(self, tensors: list[torch.Tensor], owners: Owners) -> None:
         """ZeRO-1, after the owners stepped: every replica gets the new value of every
-        tensor from its owner (an all-gather per dtype; nothing unsharded)."""
+        tensor from its owner (all-gather; nothing unsharded)."""
         if self._group is None or owners is None:
             return
-        pending = []
-        for layout in _OwnerLayout.of(tensors, owners, self.topology.num_replicas):
-            mine = layout.segment(self.replica)
-            gathered = layout.new_empty(layout.length * self.topology.num_replicas)
-            pending.append((dist.all_gather_single(gathered, mine, group=self._group, async_op=True), gathered,
-                            layout))
-        for work, gathered, layout in pending:
-            self._wait(work, "parameter gather")
-            with torch.no_grad():
-                for owner, owned in enumerate(layout.by_owner):
-                    if owner != self.replica:
-                        _unflatten(gathered[owner * layout.length:(owner + 1) * layout.length], owned)
+        layouts = _FlatLayout.of(tensors, owners, self.topology.num_replicas)
+        _InFlight(self._all_gather(layouts), self._wait, "parameter gather").start().finish()
+
+    # -- the collectives, chunk by chunk (each issued when the generator is advanced) --
+    def _all_reduce(self, layouts: list[_FlatLayout]) -> Iterator[Pending]:
+        for layout in layouts:
+            for start, stop in layout.chunks(1):
+                flat = layout.read(0, start, stop)
+                yield (dist.all_reduce(flat, group=self._group, async_op=True),
+                       lambda layout=layout, start=start, flat=flat: layout.write(0, start, flat))
+
+    def _reduce_scatter(self, layouts: list[_FlatLayout]) -> Iterator[Pending]:
+        for layout in layouts:
+            for start, stop in layout.chunks(self.topology.num_replicas):
+                mine = layout.new_empty(stop - start)
+                every = torch.cat([layout.read(owner, start, stop) for owner in range(len(layout.by_owner))])
+                yield (dist.reduce_scatter_single(mine, every, group=self._group, async_op=True),
+                       lambda layout=layout, start=start, mine=mine: layout.write(self.replica, start, mine))
+
+    def _all_gather(self, layouts: list[_FlatLayout]) -> Iterator[Pending]:
+        replicas = self.topology.num_replicas
+        for layout in layouts:
+            for start, stop in layout.chunks(replicas):
+                every = layout.new_empty((stop - start) * replicas)
+                work = dist.all_gather_single(every, layout.read(self.replica, start, stop), group=self._group,
+                                              async_op=True)
+                yield work, lambda layout=layout, start=start, every=every: self._write_others(layout, start, every)
+
+    def _write_others(self, layout: _FlatLayout, start: int, every: torch.Tensor) -> None:
+        for owner, chunk in enumerate(every.chunk(self.topology.num_replicas)):
+            if owner != self.replica:
+                layout.write(owner, start, chunk)
+
+
+class _InFlight:
+    """Collectives issued from ``chunks``, at most ``_CHUNKS_IN_FLIGHT`` at a time."""
+
+    def __init__(self, chunks: Iterator[Pending], wait: Callable[[Any, str], None], what: str) -> None:
+        self._chunks, self._wait, self._what = chunks, wait, what
+        self._in_flight: deque[Pending] = deque()
+
+    def start(self) -> _InFlight:
+        while len(self._in_flight) < _CHUNKS_IN_FLIGHT:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                break
+            self._in_flight.append(chunk)
+        return self
+
+    def finish(self) -> None:
+        while self._in_flight:
+            work, write_back = self._in_flight.popleft()
+            self._wait(work, self._what)
+            write_back()
+            self.start()
 
 
 @dataclass
-class _OwnerLayout:
+class _FlatLayout:
     """Tensors of one dtype laid out flat by owner: owner ``r``'s tensors, concatenated,
     at ``[r * length, r * length + their size)``, each segment zero-padded to ``length``
-    (the collectives need equal segments)."""
+    (a collective's segments are equal). Without owners: one segment, every tensor."""
 
     by_owner: list[list[torch.Tensor]]
     length: int
 
     @classmethod
-    def of(cls, tensors: list[torch.Tensor], owners: tuple[int, ...], num_replicas: int) -> list[_OwnerLayout]:
+    def of(cls, tensors: list[torch.Tensor], owners: Owners, num_replicas: int) -> list[_FlatLayout]:
+        count = 1 if owners is None else num_replicas
+        owners = owners or (0,) * len(tensors)
         layouts = []
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             of_dtype = [(t, o) for t, o in zip(tensors, owners, strict=True) if t.dtype == dtype]
-            by_owner = [[t for t, o in of_dtype if o == owner] for owner in range(num_replicas)]
+            by_owner = [[t for t, o in of_dtype if o == owner] for owner in range(count)]
             layouts.append(cls(by_owner, max(sum(t.numel() for t in owned) for owned in by_owner)))
         return layouts
 
-    def segment(self, owner: int) -> torch.Tensor:
-        """Owner ``owner``'s tensors, flat and padded."""
-        owned = [t.detach().reshape(-1) for t in self.by_owner[owner]]
-        padding = self.new_empty(self.length - sum(t.numel() for t in owned)).zero_()
-        return torch.cat(owned + [padding])
+    def chunks(self, segments: int) -> list[tuple[int, int]]:
+        """Element ranges of each segment whose ``segments`` pieces make one collective's input."""
+        like = self.new_empty(0)
+        size = max(1, _BUCKET_BYTES // (like.element_size() * segments))
+        return [(start, min(start + size, self.length)) for start in range(0, self.length, size)]
+
+    def read(self, owner: int, start: int, stop: int) -> torch.Tensor:
+        """A copy of elements ``[start, stop)`` of ``owner``'s segment (padding: zeros)."""
+        pieces = [flat[a:b] for flat, a, b, _ in self._overlaps(owner, start, stop)]
+        missing = stop - start - sum(piece.numel() for piece in pieces)
+        return torch.cat([*pieces, self.new_empty(missing).zero_()])
+
+    @torch.no_grad()
+    def write(self, owner: int, start: int, values: torch.Tensor) -> None:
+        """Write ``values`` into ``owner``'s tensors from element ``start`` (padding dropped)."""
+        for flat, a, b, position in self._overlaps(owner, start, start + values.numel()):
+            flat[a:b].copy_(values[position - start:position - start + b - a])
 
     def new_empty(self, numel: int) -> torch.Tensor:
         """A flat tensor of the layout's dtype and device."""
         like = next(t for owned in self.by_owner for t in owned)
         return like.new_empty(numel)
 
-    def flat(self) -> torch.Tensor:
-        """Every owner's segment, in owner order."""
-        return torch.cat([self.segment(owner) for owner in range(len(self.by_owner))])
-
-
-def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive tensors of one dtype, about ``_BUCKET_BYTES`` per bucket."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not buckets or tensor.dtype != buckets[-1][0].dtype or size + nbytes > _BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(tensor)
-        size += nbytes
-    return buckets
-
-
-def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
+    def _overlaps(self, owner: int, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """Per tensor of ``owner`` overlapping ``[start, stop)`` of its segment: the tensor
+        viewed flat, the overlap's first and end element in it, and its position in the segment."""
+        offset = 0
+        for tensor in self.by_owner[owner]:
+            end = offset + tensor.numel()
+            if offset < stop and start < end:
+                first = max(start, offset)
+                yield tensor.detach().view(-1), first - offset, min(stop, end) - offset, first
+            offset = end
+            if offset >= stop:
+                break

@@ -38,7 +38,8 @@ Two parts, per stage:
   figures are checked against that measurement on CPU.
 
 Not modelled: the CUDA context and allocator fragmentation, and transient
-buffers of a single op (e.g. the logits' gradient during the head's backward);
+buffers of a single op (e.g. the logits' gradient during the head's backward,
+or the replicas' gradient reduction: two 25 MiB flat buckets and their results);
 keep some headroom below the device's capacity.
 """
 from __future__ import annotations

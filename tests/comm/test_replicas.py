@@ -1,0 +1,79 @@
+"""A stage's replicas over gloo between three real processes: all-reduce,
+ZeRO-1's reduce-scatter onto owners and all-gather from them, in chunks small
+enough that every chunk boundary cuts a tensor, match sums computed in one
+process; and the flat layout reads and writes exactly the elements it names."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raypipe.comm import replicas
+from raypipe.comm.replicas import StageReplicas, _FlatLayout
+from raypipe.core.topology import Topology
+from tests.comm.test_p2p import free_port
+
+REPLICAS = 3
+SHAPES = [(5, 3), (7,), (2, 2, 2), (1,), (4, 4)]  # unequal: padded owner segments
+OWNERS = (0, 1, 2, 2, 0)
+
+
+def tensors_of(replica: int, dtype=torch.float32) -> list[torch.Tensor]:
+    """Each replica's own values (what its backward would have accumulated)."""
+    generator = torch.Generator().manual_seed(replica)
+    return [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
+
+
+def run_replica(replica: int, port: int, results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    replicas._BUCKET_BYTES = 24  # 6 fp32 elements per collective: every chunk cuts some tensor
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=replica, world_size=REPLICAS)
+    try:
+        group = StageReplicas(Topology(num_stages=1, num_replicas=REPLICAS), replica, 0,
+                              lambda work, what: work.wait())
+        group.join()
+        summed = tensors_of(replica)
+        group.finish_gradient_reduction(group.start_gradient_reduction(summed))
+        owned = tensors_of(replica)
+        group.finish_gradient_reduction(group.start_gradient_reduction(owned, OWNERS))
+        # the owners' new values (bf16, as a ZeRO-1 run gathers its compute weights)
+        gathered = [t if owner == replica else torch.zeros_like(t)
+                    for t, owner in zip(tensors_of(10 + replica, torch.bfloat16), OWNERS)]
+        group.gather_parameters(gathered, OWNERS)
+        results.put((replica, summed, owned, gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process():
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=run_replica, args=(replica, port, results))
+                 for port in [free_port()] for replica in range(REPLICAS)]
+    for process in processes:
+        process.start()
+    received = dict((item[0], item[1:]) for item in (results.get(timeout=120) for _ in processes))
+    for process in processes:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    expected = [sum(tensors_of(replica)[index] for replica in range(REPLICAS)) for index in range(len(SHAPES))]
+    new_values = [tensors_of(10 + owner, torch.bfloat16)[index] for index, owner in enumerate(OWNERS)]
+    for replica, (summed, owned, gathered) in received.items():
+        for index, owner in enumerate(OWNERS):
+            torch.testing.assert_close(summed[index], expected[index])  # every replica: the sum
+            if owner == replica:  # the owner: the sum; the others: their own, untouched
+                torch.testing.assert_close(owned[index], expected[index])
+            else:
+                assert torch.equal(owned[index], tensors_of(replica)[index])
+            assert torch.equal(gathered[index], new_values[index])  # everyone: the owner's value
+
+
+def test_a_flat_layout_reads_and_writes_the_elements_it_names():
+    tensors = [torch.arange(12.0).reshape(3, 4), torch.arange(100.0, 105.0), torch.arange(200.0, 203.0)]
+    [layout] = _FlatLayout.of(tensors, (1, 0, 1), num_replicas=2)
+    assert layout.length == 15  # owner 1: 12 + 3 elements; owner 0: 5, padded
+    assert torch.equal(layout.read(1, 10, 14), torch.tensor([10.0, 11.0, 200.0, 201.0]))
+    assert torch.equal(layout.read(0, 3, 8), torch.tensor([103.0, 104.0, 0.0, 0.0, 0.0]))
+    layout.write(1, 11, torch.tensor([-1.0, -2.0, -3.0, -4.0, -5.0]))  # the last lands in the padding
+    assert tensors[0][2, 3] == -1.0 and torch.equal(tensors[2], torch.tensor([-2.0, -3.0, -4.0]))
+    assert torch.equal(tensors[1], torch.arange(100.0, 105.0))
