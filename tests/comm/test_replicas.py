@@ -4,6 +4,8 @@ enough that every chunk boundary cuts a tensor, match sums computed in one
 process; and the flat layout reads and writes exactly the elements it names."""
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -24,6 +26,13 @@ def tensors_of(replica: int, dtype=torch.float32) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
 
 
+def as_bytes(value) -> bytes:
+    # not tensors through the queue: those are shared through this process, which may have exited by then
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def run_replica(replica: int, port: int, results: mp.Queue) -> None:
     torch.set_num_threads(1)
     replicas._BUCKET_BYTES = 24  # 6 fp32 elements per collective: every chunk cuts some tensor
@@ -40,7 +49,7 @@ def run_replica(replica: int, port: int, results: mp.Queue) -> None:
         gathered = [t if owner == replica else torch.zeros_like(t)
                     for t, owner in zip(tensors_of(10 + replica, torch.bfloat16), OWNERS)]
         group.gather_parameters(gathered, OWNERS)
-        results.put((replica, summed, owned, gathered))
+        results.put((replica, as_bytes((summed, owned, gathered))))
     finally:
         dist.destroy_process_group()
 
@@ -52,7 +61,8 @@ def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process():
                  for port in [free_port()] for replica in range(REPLICAS)]
     for process in processes:
         process.start()
-    received = dict((item[0], item[1:]) for item in (results.get(timeout=120) for _ in processes))
+    sent = [results.get(timeout=120) for _ in processes]
+    received = {replica: torch.load(io.BytesIO(data)) for replica, data in sent}
     for process in processes:
         process.join(timeout=30)
         assert process.exitcode == 0
