@@ -61,11 +61,16 @@ def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process():
                  for port in [free_port()] for replica in range(REPLICAS)]
     for process in processes:
         process.start()
-    sent = [results.get(timeout=120) for _ in processes]
+    try:
+        sent = [results.get(timeout=120) for _ in processes]
+        for process in processes:
+            process.join(timeout=30)
+            assert process.exitcode == 0
+    finally:  # a replica left waiting on its peers would spin on a core for the rest of the suite
+        for process in processes:
+            if process.is_alive():
+                process.kill()
     received = {replica: torch.load(io.BytesIO(data)) for replica, data in sent}
-    for process in processes:
-        process.join(timeout=30)
-        assert process.exitcode == 0
     expected = [sum(tensors_of(replica)[index] for replica in range(REPLICAS)) for index in range(len(SHAPES))]
     new_values = [tensors_of(10 + owner, torch.bfloat16)[index] for index, owner in enumerate(OWNERS)]
     for replica, (summed, owned, gathered) in received.items():
