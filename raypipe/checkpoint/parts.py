@@ -22,6 +22,16 @@ def read_layer_parts(root_uri: str | Path, step: int, layer_index: int, num_part
         read_blob(root_uri, step, optimizer_part_name(layer_index, part)) for part in range(1, num_parts)]
 
 
+def add_sole_mains(states: dict[int, dict[str, torch.Tensor]],
+                   *other_mains: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The first replica's per-layer ``states`` completed, in place, by the main weights
+    each other replica alone keeps (their ``sole_main_weights``)."""
+    for mains in other_mains:
+        for index, weights in mains.items():
+            states[index].update(weights)
+    return states
+
+
 def merged_model(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """A layer's whole state from its parts: the layer file's model, completed by the
     main weights each other part's replica alone kept."""

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from raypipe.checkpoint.parts import add_sole_mains
 from raypipe.checkpoint.pending import PendingSave, SavedCheckpoint
 from raypipe.core.partition import stage_layer_ranges
 from raypipe.core.validation import check_int
@@ -26,9 +27,8 @@ class TrainerState:
         per_layer: dict[int, dict] = {}
         for states in self._executor.get([actor.state_dict.remote() for actor in self._first_replica]):
             per_layer.update(states)
-        for mains in self._executor.get([actor.sole_main_weights.remote() for actor in self._other_replicas]):
-            for index, weights in mains.items():
-                per_layer[index].update(weights)
+        add_sole_mains(per_layer, *self._executor.get([actor.sole_main_weights.remote()
+                                                       for actor in self._other_replicas]))
         return {f"{self._layer_names[index]}.{key}": value
                 for index in sorted(per_layer) for key, value in per_layer[index].items()}
 

@@ -137,8 +137,7 @@ class PerStepWorker(StageWorker):
                                       else None) for s in range(count)]
 
     def _share_updated_parameters(self) -> None:
-        self._channel.replicas.gather_parameters([self.weights.compute_weight(p) for p in self._trainable],
-                                                 self.ownership.owners)
+        self._channel.replicas.gather_parameters(self._compute_weights, self.ownership.owners)
 
     def _commit(self, _: None, state: _StepState) -> None:
         state.report = self.commit(state.loss_scale is not None, *state.stats)

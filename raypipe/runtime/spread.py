@@ -40,6 +40,8 @@ def reserve_spread(count: int, bundles: list[dict[str, float]]) -> list[Any]:
     """``count`` replicas' placement groups of ``bundles`` each, asked for one after
     another, each kept off the nodes of those placed before it where another node
     has room for it. Groups that find no room stay asked for (pending)."""
+    if count == 1:  # nothing to spread: no lookups, no wait
+        return [replica_group(bundles)]
     groups: list[Any] = []
     used: set[str] = set()
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 import torch
 
-from raypipe.checkpoint.parts import merged_model, optimizer_part_name, read_layer_parts
+from raypipe.checkpoint.parts import add_sole_mains, merged_model, optimizer_part_name, read_layer_parts
 from raypipe.checkpoint.store import encode, encode_layer, layer_file_name
 from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP, CheckpointWriter, WrittenFiles, on_host, write_named
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
@@ -160,10 +160,7 @@ class StageCheckpointing:
         layer; ``other_mains``: the other replicas' :meth:`sole_main_weights` (ZeRO-1 in bf16)."""
         from raypipe.models.hf.export import write_layer_shard
 
-        states = self.state_dict()
-        for mains in other_mains:
-            for index, weights in mains.items():
-                states[index].update(weights)
+        states = add_sole_mains(self.state_dict(), *other_mains)
         return [write_layer_shard(out_uri, index, n_blocks, state, dtype) for index, state in states.items()]
 
     def _saved_parts(self, on_host: bool = True) -> dict[int, dict[str, Any]]:

@@ -59,6 +59,7 @@ class StageWorker(StageCheckpointing):
         # parameters and compute weights: static memory, excluded from held bytes
         self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
         self._weights_bytes = storage_bytes([*self.layers.parameters(), *self.weights.copies()])
+        self._compute_weights = [self.weights.compute_weight(p) for p in self._trainable]  # what ZeRO-1 shares
         self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
