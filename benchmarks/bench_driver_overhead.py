@@ -8,7 +8,10 @@ driver adds around the workers: splitting the batch, submitting one task per
 worker, Ray scheduling and argument transfer, returning the reports, building
 the StepResult.
 
-Two trainers, alternating round by round on one local Ray instance:
+Trainers, alternating round by round on one local Ray instance, each model
+twice: ``compiled`` (``step_calls="compiled"``, the default: the step's
+arguments go through a Ray compiled graph) and ``tasks`` (``step_calls="tasks"``:
+one actor task per worker per step):
 
 * ``small``: 4 x Linear(64, 64) (two per stage), 2 stages, m=4, batch 64: a step is
   almost all overhead, so the share is the largest it gets;
@@ -17,16 +20,19 @@ Two trainers, alternating round by round on one local Ray instance:
   per worker per step: two plain actors, each called once per step with what
   ``run_step`` gets for that trainer's batch (its micro-batches, shipped the same
   way), returning at once. Its "overhead" is that round trip's whole wall time,
-  so ``overhead - floor`` is what raypipe adds to Ray.
+  so ``overhead - floor`` is what ``tasks`` adds to Ray's task round trip.
 
 Printed per trainer: the median overhead in ms and its median share of the step
-time, each with the min-max spread of the per-round medians.
+time, each with the min-max spread of the per-round medians. With the default
+``snapshot_every=1`` every step also submits each worker's snapshot (and, for
+``compiled``, its gate call); ``--snapshot-every 0`` leaves them out.
 
     python benchmarks/bench_driver_overhead.py --rounds 8 --steps 5
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from types import SimpleNamespace
@@ -40,6 +46,7 @@ from alternate import add_round_arguments, command_line, print_table, round_medi
 from bench_vs_pippy import PRESETS
 from bench_vs_pippy import build_model as mlp
 from raypipe.comm.task_tensors import as_task_argument
+from raypipe.config import STEP_CALLS
 
 NUM_STAGES = 2
 
@@ -99,6 +106,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--small-batch", type=int, default=64, help="rows per step of the small model (default 64)")
     parser.add_argument("--only", choices=("small", "pippy"), default=None, help="one of the two trainers")
     parser.add_argument("--no-floor", action="store_true", help="without the bare Ray round trip")
+    parser.add_argument("--step-calls", choices=STEP_CALLS, default=None,
+                        help="only trainers with this step_calls (default: both). A compiled graph's workers spin "
+                             "on a core while they wait, so beside other trainers on a small machine they slow "
+                             "everyone: measure each in a process of its own there")
+    parser.add_argument("--snapshot-every", type=int, default=raypipe.PipelineConfig.snapshot_every,
+                        help="the trainers' snapshot_every (default: PipelineConfig's, "
+                             f"{raypipe.PipelineConfig.snapshot_every}; 0: no snapshots)")
     return parser.parse_args()
 
 
@@ -107,14 +121,16 @@ def main() -> None:
     torch.set_num_threads(1)
     print(command_line())
     chosen = {name: setup for name, setup in setups(args).items() if args.only in (None, name)}
-    ray.init(num_cpus=NUM_STAGES * 2 * len(chosen), include_dashboard=False, logging_level="WARNING")
-    print(f"torch {torch.__version__}, ray {ray.__version__}; p2p executor, {NUM_STAGES} stages, SGD, no clipping; "
-          f"{args.rounds} rounds x {args.steps} steps", flush=True)
-    trainers = {name: raypipe.PipelineTrainer(
-        model, nn.MSELoss(), optimizer=lambda params: torch.optim.SGD(params, lr=1e-3),
-        config=raypipe.PipelineConfig(num_stages=NUM_STAGES, num_micro_batches=m, transport="p2p"))
-        for name, (model, m, _) in chosen.items()}
-    batches = {name: setup[2] for name, setup in chosen.items()}
+    ray.init(num_cpus=NUM_STAGES * 3 * len(chosen), include_dashboard=False, logging_level="WARNING")
+    print(f"torch {torch.__version__}, ray {ray.__version__}; p2p executor, {NUM_STAGES} stages, SGD, no clipping, "
+          f"snapshot_every={args.snapshot_every}; {args.rounds} rounds x {args.steps} steps", flush=True)
+    trainers, batches = {}, {}
+    for name, (model, m, batch) in chosen.items():
+        for step_calls in [args.step_calls] if args.step_calls else STEP_CALLS:
+            trainers[f"{name} {step_calls}"], batches[f"{name} {step_calls}"] = raypipe.PipelineTrainer(
+                copy.deepcopy(model), nn.MSELoss(), optimizer=lambda params: torch.optim.SGD(params, lr=1e-3),
+                config=raypipe.PipelineConfig(num_stages=NUM_STAGES, num_micro_batches=m, transport="p2p",
+                                              step_calls=step_calls, snapshot_every=args.snapshot_every)), batch
     if not args.no_floor:
         for name, (_, micro_batches, batch) in chosen.items():
             trainers[f"ray floor {name}"], batches[f"ray floor {name}"] = RayFloor(micro_batches), batch

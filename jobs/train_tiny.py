@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from raypipe.config import (TRANSPORTS, PipelineConfig, activation_arguments, add_activation_arguments,  # noqa: E402
-                            parse_replicas, replicas_for_config)
+from raypipe.config import (STEP_CALLS, TRANSPORTS, PipelineConfig, activation_arguments,  # noqa: E402
+                            add_activation_arguments, parse_replicas, replicas_for_config)
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--transport", default=PipelineConfig.transport, choices=TRANSPORTS,
                         help=f"executor/transport between stages (default {PipelineConfig.transport})")
+    parser.add_argument("--step-calls", default=PipelineConfig.step_calls, choices=STEP_CALLS,
+                        help="how the driver starts each p2p step: a Ray compiled graph or actor tasks "
+                             f"(default {PipelineConfig.step_calls})")
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")
     parser.add_argument("--out", default="runs/tiny", help="output directory")
@@ -71,7 +74,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
                   **activation_arguments(args), "precision": args.precision,
-                  "transport": args.transport, "metrics_port": args.metrics_port})
+                  "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,3 +148,9 @@ def assert_bitwise_equal(before, after, where="state"):
             assert_bitwise_equal(a, b, f"{where}[{index}]")
     else:
         assert before == after, where
+
+
+def executor_options(name: str) -> dict:
+    """The config fields of an executor a test names: a transport, or "p2p-compiled"
+    (the per-step executor started through a Ray compiled graph instead of actor tasks)."""
+    return {"transport": "p2p", "step_calls": "compiled"} if name == "p2p-compiled" else {"transport": name}

@@ -78,6 +78,7 @@ class TrainerState:
                  (divmod(rank, self.topology.num_stages) for rank in range(len(writers)))]
         self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names, self._manifest_extra(extra),
                                                      keep_last, self.config.hang_timeout_s))
+        self._executor.before_next_step(writers)  # their copy is of the state before the next step
         self._recovery.persisted.saved(str(root_uri), step, self._optimizer_parts())
         if wait:
             saved = self.wait_for_checkpoint()

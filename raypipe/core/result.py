@@ -13,7 +13,7 @@ class OpEvent:
     """One timed op on one stage (wall-clock seconds from ``time.time()``)."""
 
     stage: int
-    op: str  # "F", "B", "recv", "grad_stats", "optimizer"
+    op: str  # "F", "B", "recv", "reduce", "gate" (waiting for a snapshot or checkpoint copy), "optimizer"
     micro_batch: int | None  # the replica's own index (0..num_micro_batches-1)
     start: float
     end: float

@@ -10,8 +10,13 @@ from raypipe.executor.base import Executor
 
 
 def make_executor(config: PipelineConfig, schedule: list[list[Op]]) -> Executor:
-    """The executor for ``config.transport``: "p2p" runs per step; "object_store",
+    """The executor for ``config.transport``: "p2p" runs per step (started through a
+    compiled graph or by actor tasks, per ``config.step_calls``); "object_store",
     "gloo" and "nccl" run per op over that transport."""
+    if config.transport == "p2p" and config.step_calls == "compiled":
+        from raypipe.executor.compiled_step import CompiledStepExecutor
+
+        return CompiledStepExecutor(config, schedule)
     if config.transport == "p2p":
         from raypipe.executor.per_step import PerStepExecutor
 

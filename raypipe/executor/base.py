@@ -91,6 +91,11 @@ class Executor(ABC):
         reports = ray.get(submitted.commits)
         return StepOutcome(reports[0].decision, reports)
 
+    def before_next_step(self, actors: list[Any]) -> None:
+        """Calls just submitted to ``actors`` and not waited for (a snapshot, a
+        checkpoint's copy of the state) must run before their next step. Actor tasks
+        run in submission order, so here there is nothing to do."""
+
     @abstractmethod
     def _repair(self) -> None:
         """Make the transport usable again after every worker dropped a failed step."""
@@ -118,11 +123,15 @@ class Executor(ABC):
         if failed:
             raise self._workers_failed(submitted.step, failed, str(first_failure(self._finished(refs)) or error))
         done = self._finished(refs)
-        cause = first_failure(done) or error
         self._read_errors(submitted.intermediates)
+        self._drop_failed_step(first_failure(done) or error, ended_everywhere=len(done) == len(refs))
+
+    def _drop_failed_step(self, cause: BaseException, ended_everywhere: bool) -> NoReturn:
+        """Have every worker drop the failed step, repair the transport, and raise
+        ``cause`` (the group stays unusable when the step did not end everywhere)."""
         self.in_flight = None
         try:
-            if len(done) < len(refs):
+            if not ended_everywhere:
                 raise TimeoutError("a stage never finished the failed step")
             ray.get([actor.abort_step.remote() for actor in self.group.actors])
             self._repair()

@@ -19,6 +19,12 @@ def first_failure(refs: list) -> BaseException | None:
             failures.append(error.cause if isinstance(error.cause, StageError) else error)
         except ray.exceptions.RayError as error:
             failures.append(error)
+    return first_cause(failures)
+
+
+def first_cause(failures: list[BaseException]) -> BaseException | None:
+    """Among a failed step's ``failures``, the first stage error that is not a
+    consequence (:class:`StepAborted`) of another; else the first failure."""
     causes = [f for f in failures if isinstance(f, StageError) and not isinstance(f, StepAborted)]
     return (causes or failures or [None])[0]
 

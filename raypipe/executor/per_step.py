@@ -16,7 +16,8 @@ from raypipe.runtime.health import worker_actor_class
 
 
 class PerStepExecutor(Executor):
-    """Each worker runs its whole step; the driver submits one task per worker."""
+    """Each worker runs its whole step; the driver submits one actor task per worker
+    (``step_calls="tasks"``, the default; see :class:`~raypipe.executor.compiled_step.CompiledStepExecutor`)."""
 
     def actor_class(self) -> Any:
         return worker_actor_class(PerStepWorker)
@@ -34,19 +35,25 @@ class PerStepExecutor(Executor):
             pass
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
-        """Each replica runs its block of the step's micro-batches (see
-        :attr:`~raypipe.stage.spec.WorkerSpec.block`), weighted by the whole step's count."""
+        steps = [actor.run_step.remote(*arguments)
+                 for actor, arguments in zip(self.group.actors, self.step_arguments(step, batch, loss_scale))]
+        return Submitted(steps, steps, step)
+
+    def step_arguments(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> list[tuple]:
+        """Each worker's ``run_step`` arguments, in rank order: each replica runs its
+        block of the step's micro-batches (see :attr:`~raypipe.stage.spec.WorkerSpec.block`),
+        weighted by the whole step's count."""
         last = self.config.num_stages - 1
-        steps = []
-        for rank, actor in enumerate(self.group.actors):
+        arguments = []
+        for rank in range(len(self.group.actors)):
             spec = self.group.spec(rank)
             own = slice(spec.block.start, spec.block.stop)
             # all of a worker's micro-batches in one argument (one object-store entry at most)
             inputs = as_task_argument(batch.inputs[own]) if batch is not None and spec.stage == 0 else None
             targets, weights = ((as_task_argument(batch.targets[own]), batch.weights[own])
                                 if batch is not None and spec.stage == last else (None, None))
-            steps.append(actor.run_step.remote(step, inputs, targets, weights, loss_scale))
-        return Submitted(steps, steps, step)
+            arguments.append((step, inputs, targets, weights, loss_scale))
+        return arguments
 
     def relayout(self, survivors: list[Any]) -> None:
         """After the group resized: every worker that was in the old group leaves it,

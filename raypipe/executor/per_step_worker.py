@@ -21,6 +21,7 @@ from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.step_decision import StageGradStats
 from raypipe.stage.spec import WorkerSpec
+from raypipe.stage.step_gate import StepGate
 from raypipe.stage.worker import StageWorker
 
 
@@ -47,6 +48,7 @@ class PerStepWorker(StageWorker):
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
+        self._step_gate = StepGate()
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
                           ops.B: self._backward, ops.SEND_GRAD: self._send_gradient,
@@ -58,6 +60,10 @@ class PerStepWorker(StageWorker):
         super().take_layout(spec)
         self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
         self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
+        # the first op that changes what a snapshot or checkpoint copies: the commit, or a
+        # forward when the layers hold buffers (a forward may update them, e.g. running statistics)
+        changes_state = ops.F if any(True for _ in self.layers.buffers()) else ops.OPTIMIZER_STEP
+        self._gated_op = next(index for index, op in enumerate(self._ops) if op.kind == changes_state)
         self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -71,9 +77,11 @@ class PerStepWorker(StageWorker):
         self._channel.leave()
 
     def run_step(self, step: int, inputs: list | None, targets: list | None, weights: list | None,
-                 loss_scale: float | None = None) -> StageReport:
+                 loss_scale: float | None = None, gate: int | None = None) -> StageReport:
         """This stage's whole step: its ops, one all-reduce of every stage's gradient
         statistics, then the same decision as every other stage (step or skip).
+        ``gate``: the step's first op that changes saved state waits for the gate's
+        calls (see :mod:`raypipe.stage.step_gate`) up to that number.
 
         On any failure this worker leaves the group first, releasing its
         neighbours (and failing their reduction, so no stage steps).
@@ -82,12 +90,37 @@ class PerStepWorker(StageWorker):
         state = _StepState(step, inputs or none, targets or none, weights or none, loss_scale)
         try:
             self._channel.expect_activations(self._received_micro_batches)
-            for op in self._ops:
+            for index, op in enumerate(self._ops):
+                if index == self._gated_op and gate is not None:
+                    self._pass_gate(gate)
                 self._handlers[op.kind](op.micro_batch, state)
         except BaseException as error:
             self._leave_failed_step(error)
             raise
         return state.report
+
+    def open_step_gate(self, count: int) -> None:
+        """Let a compiled graph's step that follows call number ``count`` start (see
+        :mod:`raypipe.stage.step_gate`)."""
+        self._step_gate.open(count)
+
+    def run_step_returning_failure(self, gated_arguments: tuple[int, tuple]) -> StageReport | Exception:
+        """:meth:`run_step` for a compiled graph (``gated_arguments``: the number of the
+        gate calls it must follow, and ``run_step``'s arguments). A failure is
+        returned, not raised: a compiled graph hands one raised error to every
+        worker's result; returned, each worker's own failure reaches the driver,
+        which picks the cause (not a neighbour's :class:`~raypipe.errors.StepAborted`)."""
+        after, arguments = gated_arguments
+        try:
+            return self.run_step(*arguments, gate=after)
+        except Exception as error:  # noqa: BLE001 - every failure is the driver's to read
+            return error
+
+    def _pass_gate(self, count: int) -> None:
+        """Wait for the calls this step must follow; a wait shows in the timeline as "gate"."""
+        start = time.time()
+        if self._step_gate.wait(count, self.config.p2p_timeout_s):
+            self._events.append(OpEvent(self.stage_index, "gate", None, start, time.time(), self.replica))
 
     def _recv_activation(self, micro_batch: int, state: _StepState) -> None:
         start = time.time()

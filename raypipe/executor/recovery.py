@@ -123,6 +123,7 @@ class Recovery:
             return
         actors = self.executor.group.actors
         taken = Snapshot(step, [actor.snapshot.remote() for actor in actors])
+        self.executor.before_next_step(actors)
         self._snapshots = [taken] if first else self._snapshots[-1:] + [taken]
         waited = list(taken.refs)
         if self.keeper is not None:

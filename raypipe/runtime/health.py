@@ -10,7 +10,11 @@ unavailable, and dead at once when Ray says so.
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -101,3 +105,59 @@ class Watchdog:
             failed = self.check(actors)
             if failed:
                 return failed
+
+
+
+@dataclass
+class _Watched:
+    """One wait watched by a :class:`BackgroundWatch`."""
+
+    watchdog: Watchdog
+    actors: list[Any]
+    on_failed: Callable[[dict[int, str]], None]
+    ended: threading.Event = field(default_factory=threading.Event)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+class BackgroundWatch:
+    """A :class:`Watchdog` on a thread of its own, for waits that cannot poll (a
+    compiled graph's results). While a :meth:`watching` block runs, the workers'
+    heartbeats are checked every :attr:`Watchdog.interval_s`; on the first failure
+    ``on_failed(failed)`` is called once (it should end the wait), and the block's
+    value keeps what was found in ``failed``. One thread serves every block, so
+    a wait costs no thread start."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._watched: _Watched | None = None
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def watching(self, watchdog: Watchdog, actors: list[Any],
+                 on_failed: Callable[[dict[int, str]], None]) -> Iterator[_Watched]:
+        watched = _Watched(watchdog, actors, on_failed)
+        with self._ready:
+            self._watched = watched
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="raypipe-watch", daemon=True)
+                self._thread.start()
+            self._ready.notify()
+        try:
+            yield watched
+        finally:
+            with self._ready:
+                watched.ended.set()
+                self._watched = None
+
+    def _watch(self) -> None:
+        last = None
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._watched is not None and self._watched is not last)
+                watched = last = self._watched
+            while not watched.ended.wait(watched.watchdog.interval_s):
+                failed = watched.watchdog.check(watched.actors)
+                if failed:
+                    watched.failed = failed
+                    watched.on_failed(failed)
+                    break

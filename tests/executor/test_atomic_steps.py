@@ -16,7 +16,7 @@ from torch import nn
 import raypipe
 from raypipe import StageError, StepAborted
 from tests.reference import (ReplaceGradientIf, assert_bitwise_equal, assert_parameters_match, checkpoint_state,
-                             reference_step)
+                             executor_options, reference_step)
 
 MARK = -100.0  # an input value no real sample has: the tripwire's signal
 BATCH, MICRO_BATCHES, FAILING = 6, 3, 1  # micro-batch 1 holds rows 2-3
@@ -60,7 +60,7 @@ def marked(x, column):
     return x
 
 
-@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p"])
+@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p", "p2p-compiled"])
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_path, transport, num_stages):
     layers, balance = layers_and_balance(num_stages)
@@ -69,7 +69,7 @@ def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_
     reference_scheduler = halving(reference_optimizer)
     clip = 1.0 if num_stages == 3 else None  # both the early-apply path and the reduce-first path
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=MICRO_BATCHES, balance=balance,
-                                    transport=transport, clip_grad_norm=clip)
+                                    clip_grad_norm=clip, **executor_options(transport))
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator))
                for _ in range(2)]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import raypipe
-from tests.reference import adamw, assert_parameters_match, make_mlp, random_batches, reference_step
+from tests.reference import adamw, assert_parameters_match, executor_options, make_mlp, random_batches, reference_step
 
 STEPS = 3
 BATCH = 10  # does not divide evenly into 3 or 4 micro-batches
@@ -40,13 +40,13 @@ def test_matches_single_process_reference(ray_cluster, transport, num_stages, nu
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
 
 
-@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p"])
+@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p", "p2p-compiled"])
 def test_1f1b_and_clip_by_value_match_reference(ray_cluster, transport):
     model = make_mlp()
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=4, schedule="1f1b", clip_grad_value=0.01,
-                                    transport=transport)
+                                    **executor_options(transport))
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
         for x, y in batches(seed=2):
             trainer.step(x, y)
@@ -122,12 +122,12 @@ def test_1f1b_with_global_clipping_matches_single_process_reference(ray_cluster,
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=4, schedule="1f1b",
-                                    clip_grad_norm=0.05, transport=transport)
+                                    clip_grad_norm=0.05, **executor_options(transport))
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
         for x, y in batches():
             result = trainer.step(x, y)
             loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 4, 0.05)
             assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
-        if transport == "p2p":
+        if transport.startswith("p2p"):
             assert {event.op for event in result.timeline} >= {"F", "B", "recv"}  # receives are measured too

@@ -1,0 +1,44 @@
+"""Keeps a step that reaches a worker through a compiled graph behind the actor
+calls the driver submitted before it.
+
+Actor tasks run one at a time in submission order on the worker's default
+thread, so a snapshot submitted after step N runs before step N+1's task. A
+compiled graph's step runs on a thread of its own, beside those tasks: without
+a gate, step N+1 could change the weights while the snapshot of step N is still
+being copied out. The driver numbers the calls a step must follow and, after
+them, submits :meth:`StepGate.open` with that number (an actor task, so it runs
+after them, their results stored). The step waits in :meth:`StepGate.wait`
+before its first op that changes what those calls copy (its commit, or its
+first forward when the layers hold buffers): a snapshot is copied out while
+the next step's forward and backward run.
+"""
+from __future__ import annotations
+
+import threading
+
+from raypipe.errors import RaypipeError
+
+
+class StepGate:
+    """How far the calls a step must follow have run on this worker."""
+
+    def __init__(self) -> None:
+        self._opened = 0
+        self._changed = threading.Condition()
+
+    def open(self, count: int) -> None:
+        """The calls up to number ``count`` have run (called by an actor task after them)."""
+        with self._changed:
+            self._opened = max(self._opened, count)
+            self._changed.notify_all()
+
+    def wait(self, count: int, timeout_s: float) -> bool:
+        """Return once the calls up to number ``count`` have run (True if that took a
+        wait); raise after ``timeout_s``."""
+        with self._changed:
+            if self._opened >= count:
+                return False
+            if not self._changed.wait_for(lambda: self._opened >= count, timeout=timeout_s):
+                raise RaypipeError(f"the calls this step must follow (up to number {count}) did not run within "
+                                   f"{timeout_s:g}s; {self._opened} did")
+            return True
