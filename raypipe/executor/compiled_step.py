@@ -53,6 +53,7 @@ class CompiledStepExecutor(PerStepExecutor):
         super().connect(group)
 
     def close(self) -> None:
+        self._watch.close()
         self._teardown()
         super().close()
 

@@ -62,7 +62,7 @@ class PerStepWorker(StageWorker):
         self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
         # the first op that changes what a snapshot or checkpoint copies: the commit, or a
         # forward when the layers hold buffers (a forward may update them, e.g. running statistics)
-        changes_state = ops.F if any(True for _ in self.layers.buffers()) else ops.OPTIMIZER_STEP
+        changes_state = ops.F if next(self.layers.buffers(), None) is not None else ops.OPTIMIZER_STEP
         self._gated_op = next(index for index, op in enumerate(self._ops) if op.kind == changes_state)
         self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
 

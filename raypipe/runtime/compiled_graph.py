@@ -44,7 +44,7 @@ class CompiledCalls:
 
     def over(self, actors: list[Any]) -> bool:
         """Whether this graph calls exactly ``actors``."""
-        return len(actors) == len(self.actors) and all(a is b or a == b for a, b in zip(actors, self.actors))
+        return list(actors) == self.actors  # handles compare by actor id
 
     def call(self, arguments: list[Any]) -> list[Any]:
         """Start one execution (``arguments[rank]`` to rank's actor); its result references."""

@@ -131,6 +131,7 @@ class BackgroundWatch:
         self._ready = threading.Condition()
         self._watched: _Watched | None = None
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     @contextmanager
     def watching(self, watchdog: Watchdog, actors: list[Any],
@@ -149,11 +150,19 @@ class BackgroundWatch:
                 watched.ended.set()
                 self._watched = None
 
+    def close(self) -> None:
+        """End the thread (when no block is running)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+
     def _watch(self) -> None:
         last = None
         while True:
             with self._ready:
-                self._ready.wait_for(lambda: self._watched is not None and self._watched is not last)
+                self._ready.wait_for(lambda: self._closed or (self._watched is not None and self._watched is not last))
+                if self._closed:
+                    return
                 watched = last = self._watched
             while not watched.ended.wait(watched.watchdog.interval_s):
                 failed = watched.watchdog.check(watched.actors)
