@@ -10,13 +10,14 @@ from raypipe.executor.base import Executor
 
 
 def make_executor(config: PipelineConfig, schedule: list[list[Op]]) -> Executor:
-    """The executor for ``config.transport``: "p2p" runs per step (started through a
-    compiled graph or by actor tasks, per ``config.step_calls``); "object_store",
-    "gloo" and "nccl" run per op over that transport."""
-    if config.transport == "p2p" and config.step_calls == "compiled":
-        from raypipe.executor.compiled_step import CompiledStepExecutor
+    """The executor for ``config.transport``: "p2p" runs per step (its calls sent over
+    a connection to each worker, through a compiled graph, or as actor tasks, per
+    ``config.step_calls``); "object_store", "gloo" and "nccl" run per op over that
+    transport."""
+    if config.transport == "p2p" and config.step_calls != "tasks":
+        from raypipe.executor.channel_step import ChannelStepExecutor
 
-        return CompiledStepExecutor(config, schedule)
+        return ChannelStepExecutor(config, schedule, _calls_factory(config))
     if config.transport == "p2p":
         from raypipe.executor.per_step import PerStepExecutor
 
@@ -30,3 +31,16 @@ def make_executor(config: PipelineConfig, schedule: list[list[Op]]) -> Executor:
     from raypipe.comm.direct import DirectTransport
 
     return PerOpExecutor(config, schedule, DirectTransport(config.transport))
+
+
+def _calls_factory(config: PipelineConfig):
+    """How a channel executor opens its channel to the workers (``config.step_calls``)."""
+    if config.step_calls == "compiled":
+        from raypipe.runtime.compiled_graph import CompiledCalls
+
+        return CompiledCalls
+    from functools import partial
+
+    from raypipe.runtime.direct_calls import DirectCalls
+
+    return partial(DirectCalls, end_timeout_s=config.p2p_timeout_s)

@@ -17,7 +17,8 @@ from raypipe.runtime.health import worker_actor_class
 
 class PerStepExecutor(Executor):
     """Each worker runs its whole step; the driver submits one actor task per worker
-    (``step_calls="tasks"``, the default; see :class:`~raypipe.executor.compiled_step.CompiledStepExecutor`)."""
+    (``step_calls="tasks"``; the default sends them over a connection to each worker,
+    :class:`~raypipe.executor.channel_step.ChannelStepExecutor`)."""
 
     def actor_class(self) -> Any:
         return worker_actor_class(PerStepWorker)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raypipe.comm.call_socket import AnswersCalls
 from raypipe.comm.p2p import P2PChannel, rendezvous_address
 from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
@@ -43,8 +44,9 @@ class _StepState:
     input_gradients: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
-class PerStepWorker(StageWorker):
-    """A StageWorker that runs a whole step's lowered ops with direct sends."""
+class PerStepWorker(StageWorker, AnswersCalls):
+    """A StageWorker that runs a whole step's lowered ops with direct sends; its
+    steps come as actor tasks or over a channel of calls (:meth:`run_step_returning_failure`)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
@@ -100,16 +102,17 @@ class PerStepWorker(StageWorker):
         return state.report
 
     def open_step_gate(self, count: int) -> None:
-        """Let a compiled graph's step that follows call number ``count`` start (see
+        """Let a channel's step that follows call number ``count`` start (see
         :mod:`raypipe.stage.step_gate`)."""
         self._step_gate.open(count)
 
     def run_step_returning_failure(self, gated_arguments: tuple[int, tuple]) -> StageReport | Exception:
-        """:meth:`run_step` for a compiled graph (``gated_arguments``: the number of the
-        gate calls it must follow, and ``run_step``'s arguments). A failure is
+        """:meth:`run_step` for a channel of calls (``gated_arguments``: the number of
+        the gate calls it must follow, and ``run_step``'s arguments). A failure is
         returned, not raised: a compiled graph hands one raised error to every
-        worker's result; returned, each worker's own failure reaches the driver,
-        which picks the cause (not a neighbour's :class:`~raypipe.errors.StepAborted`)."""
+        worker's result, and a connection carries values; returned, each worker's
+        own failure reaches the driver, which picks the cause (not a neighbour's
+        :class:`~raypipe.errors.StepAborted`)."""
         after, arguments = gated_arguments
         try:
             return self.run_step(*arguments, gate=after)

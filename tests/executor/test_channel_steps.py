@@ -1,5 +1,5 @@
-"""The per-step executor started through a compiled graph (step_calls="compiled"):
-a step runs on the worker beside its other calls, so a snapshot
+"""The per-step executor with its calls sent over a channel (step_calls="direct",
+the default, or "compiled"): a step runs on the worker beside its other calls, so a snapshot
 still being copied out when the next step reaches its commit holds that commit
 back, and is the state of its own step."""
 import copy
@@ -25,12 +25,13 @@ class SlowToCopy(nn.Linear):
         return super().state_dict(*args, **kwargs)
 
 
-def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_steps_state(ray_cluster):
+@pytest.mark.parametrize("step_calls", ["direct", "compiled"])
+def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_steps_state(ray_cluster, step_calls):
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4)]
     reference = nn.Sequential(*copy.deepcopy(layers))
     reference_optimizer = adamw(reference.parameters())
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1], step_calls="compiled")
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1], step_calls=step_calls)
     assert config.snapshot_every == 1
     batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
@@ -51,7 +52,7 @@ def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_st
     assert commit.start >= gates[0].end
 
 
-@pytest.mark.parametrize("step_calls", ["compiled", "tasks"])
+@pytest.mark.parametrize("step_calls", raypipe.config.STEP_CALLS)
 def test_step_calls_is_checked(step_calls):
     raypipe.PipelineConfig(step_calls=step_calls).validate()
     with pytest.raises(raypipe.ConfigError, match="step_calls"):

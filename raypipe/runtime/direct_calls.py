@@ -1,0 +1,74 @@
+"""One method called on every actor of a group over a connection from the driver
+to each (``step_calls="direct"``, the default): see :mod:`raypipe.comm.call_socket`.
+
+Each actor must mix in :class:`~raypipe.comm.call_socket.AnswersCalls`. The
+connections are set up through actor tasks (an authentication key in, an
+address back), then a call is one message each way per actor. A worker that
+dies closes its connection, so the driver's read ends at once; a hung or
+unreachable one is for the heartbeat watch, which interrupts the read.
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import ray
+
+from raypipe.comm import call_socket
+from raypipe.runtime.worker_calls import CallsBroken, WorkerCalls
+
+
+class DirectCalls(WorkerCalls):
+    """``method`` on every one of ``actors`` (in rank order) per :meth:`call`, over
+    one connection each; :meth:`teardown` waits up to ``end_timeout_s`` for a call
+    still running on a worker."""
+
+    def __init__(self, actors: list[Any], method: str, end_timeout_s: float = 30.0) -> None:
+        self.actors, self._end_timeout_s = list(actors), end_timeout_s
+        self._open = True
+        authkey = secrets.token_bytes(32)
+        addresses = ray.get([actor.serve_calls.remote(method, authkey, end_timeout_s) for actor in self.actors])
+        self._connections = []
+        try:
+            for address in addresses:
+                self._connections.append(call_socket.connect(tuple(address), authkey))
+        except BaseException:
+            self.teardown()
+            raise
+
+    def call(self, arguments: list[Any]) -> list[Any]:
+        """Send every actor its argument; a connection already gone raises ``OSError``."""
+        for connection, argument in zip(self._connections, arguments):
+            call_socket.send(connection, argument)
+        return list(self._connections)
+
+    def results(self, pending: list[Any]) -> list[Any]:
+        values = []
+        for rank, connection in enumerate(pending):
+            try:
+                values.append(call_socket.receive(connection))
+            except (EOFError, OSError) as error:
+                values.append(CallsBroken(rank, error if str(error) else EOFError("the connection was closed")))
+        return values
+
+    def interrupt(self) -> None:
+        for connection in self._connections:
+            call_socket.interrupt(connection)
+
+    def teardown(self) -> None:
+        """Close every connection, then wait for each live worker's call to end
+        (a dead worker's wait fails at once; an unreachable one's is given up after
+        ``end_timeout_s``)."""
+        if not self._open:
+            return
+        self._open = False
+        for connection in self._connections:
+            call_socket.interrupt(connection)
+            connection.close()
+        ended = [actor.end_calls.remote(self._end_timeout_s) for actor in self.actors]
+        done, _ = ray.wait(ended, num_returns=len(ended), timeout=self._end_timeout_s + 5, fetch_local=False)
+        for reference in done:
+            try:
+                ray.get(reference)
+            except Exception:  # noqa: BLE001 - a dead worker, or a call that did not end (its next step fails)
+                pass
