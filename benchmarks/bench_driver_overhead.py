@@ -11,8 +11,7 @@ the StepResult.
 Trainers, alternating round by round on one local Ray instance, each model
 once per ``--step-calls``: ``direct`` (the default: the step's arguments go over
 a connection from the driver to each worker) and ``tasks`` (one actor task per
-worker per step); ``compiled`` (a Ray compiled graph) only when asked for, since
-its waiting workers spin and slow every other contender on a small machine:
+worker per step):
 
 * ``small``: 4 x Linear(64, 64) (two per stage), 2 stages, m=4, batch 64: a step is
   almost all overhead, so the share is the largest it gets;
@@ -22,12 +21,12 @@ its waiting workers spin and slow every other contender on a small machine:
   ``run_step`` gets for that trainer's batch (its micro-batches, shipped the same
   way), returning at once. Its "overhead" is that round trip's whole wall time,
   so ``overhead - floor`` is what ``tasks`` adds to Ray's task round trip
-  (``direct`` and ``compiled`` need no task per step, so they can go below it).
+  (``direct`` needs no task per step, so it can go below it).
 
 Printed per trainer: the median overhead in ms and its median share of the step
 time, each with the min-max spread of the per-round medians. With the default
 ``snapshot_every=1`` every step also submits each worker's snapshot (and, for
-``direct`` and ``compiled``, its gate call); ``--snapshot-every 0`` leaves them out.
+``direct``, its gate call); ``--snapshot-every 0`` leaves them out.
 
     python benchmarks/bench_driver_overhead.py --rounds 8 --steps 5
 """
@@ -109,9 +108,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--only", choices=("small", "pippy"), default=None, help="one of the two trainers")
     parser.add_argument("--no-floor", action="store_true", help="without the bare Ray round trip")
     parser.add_argument("--step-calls", choices=STEP_CALLS, nargs="+", default=["direct", "tasks"],
-                        help="a trainer per model for each of these step_calls (default: direct tasks). A compiled "
-                             "graph's workers spin on a core while they wait, so beside other trainers on a small "
-                             "machine they slow everyone: measure it in a process of its own there")
+                        help="a trainer per model for each of these step_calls (default: both)")
     parser.add_argument("--snapshot-every", type=int, default=raypipe.PipelineConfig.snapshot_every,
                         help="the trainers' snapshot_every (default: PipelineConfig's, "
                              f"{raypipe.PipelineConfig.snapshot_every}; 0: no snapshots)")

@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transport", default=PipelineConfig.transport, choices=TRANSPORTS,
                         help=f"executor/transport between stages (default {PipelineConfig.transport})")
     parser.add_argument("--step-calls", default=PipelineConfig.step_calls, choices=STEP_CALLS,
-                        help="how the driver starts each p2p step: over a connection to each worker, through "
-                             "a Ray compiled graph, or as actor tasks "
+                        help="how the driver starts each p2p step: over a connection to each worker, or as "
+                             "actor tasks "
                              f"(default {PipelineConfig.step_calls})")
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")

@@ -17,7 +17,7 @@ CHECKPOINT_MODES = ("never", "always", "except_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "raise")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
-STEP_CALLS = ("direct", "compiled", "tasks")
+STEP_CALLS = ("direct", "tasks")
 # Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
 _RENAMED: dict[str, str] = {
     "checkpoint": 'activation_checkpoint ("checkpoint" now means saved training state)',
@@ -48,11 +48,10 @@ class PipelineConfig:
     clip_grad_value: float | None = None
     precision: str = "fp32"
     balance: list[int] | None = None  # layers per stage; None = balanced by parameters
-    # "p2p": one task per worker per step, direct sends; "object_store", "gloo", "nccl": a task per op
+    # "p2p": one call per worker per step, direct sends; "object_store", "gloo", "nccl": a task per op
     transport: str = "p2p"
-    # how the driver starts each step of transport="p2p": "direct" (a connection from the driver to each worker,
-    # ~0.1 ms), "tasks" (an actor task per worker, ~1 ms each) or "compiled" (a Ray compiled graph: cheap calls,
-    # but each worker and the driver spin on a core while they wait)
+    # how the driver starts each step of transport="p2p": "direct" (over a connection from the driver to each
+    # worker, ~0.1 ms for two) or "tasks" (an actor task per worker, ~1 ms each)
     step_calls: str = "direct"
     nonfinite: str = "skip"  # a non-finite loss or gradient norm: "skip" the update everywhere, or "raise"
     p2p_timeout_s: float = 300.0  # a p2p receive waiting longer than this fails the step

@@ -151,8 +151,8 @@ def assert_bitwise_equal(before, after, where="state"):
 
 
 def executor_options(name: str) -> dict:
-    """The config fields of an executor a test names: a transport, or "p2p-compiled" and
-    "p2p-tasks" (the per-step executor with its calls sent through a Ray compiled
-    graph or as actor tasks instead of over a connection to each worker)."""
+    """The config fields of an executor a test names: a transport, or "p2p-tasks" (the
+    per-step executor with its calls sent as actor tasks instead of over a
+    connection to each worker)."""
     transport, _, step_calls = name.partition("-")
     return {"transport": transport, **({"step_calls": step_calls} if step_calls else {})}

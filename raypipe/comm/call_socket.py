@@ -2,10 +2,11 @@
 
 An actor task costs the driver about a millisecond here (a task spec, a
 scheduling round trip, a reply through the owner), and a Ray compiled graph,
-which avoids that, polls its channels: every waiting worker spins a core. A
-connection kept open from the driver to each worker costs one send and one
-receive per call (~0.1 ms for two workers here) and blocks while it waits, so
-an idle worker uses no CPU.
+which avoids that, polls its channels: every waiting worker spins a core (and
+Ray 2.60 can abort the driver when a graph's actor dies: see
+``benchmarks/RESULTS.md``). A connection kept open from the driver to each
+worker costs one send and one receive per call (~0.1 ms for two workers here)
+and blocks while it waits, so an idle worker uses no CPU.
 
 The worker's end (:class:`AnswersCalls`, a mixin of the actor class) answers
 one method's calls on a thread of its own, beside the actor's tasks, one call

@@ -11,13 +11,12 @@ from raypipe.executor.base import Executor
 
 def make_executor(config: PipelineConfig, schedule: list[list[Op]]) -> Executor:
     """The executor for ``config.transport``: "p2p" runs per step (its calls sent over
-    a connection to each worker, through a compiled graph, or as actor tasks, per
-    ``config.step_calls``); "object_store", "gloo" and "nccl" run per op over that
-    transport."""
-    if config.transport == "p2p" and config.step_calls != "tasks":
-        from raypipe.executor.channel_step import ChannelStepExecutor
+    a connection to each worker or as actor tasks, per ``config.step_calls``);
+    "object_store", "gloo" and "nccl" run per op over that transport."""
+    if config.transport == "p2p" and config.step_calls == "direct":
+        from raypipe.executor.direct_step import DirectStepExecutor
 
-        return ChannelStepExecutor(config, schedule, _calls_factory(config))
+        return DirectStepExecutor(config, schedule)
     if config.transport == "p2p":
         from raypipe.executor.per_step import PerStepExecutor
 
@@ -32,15 +31,3 @@ def make_executor(config: PipelineConfig, schedule: list[list[Op]]) -> Executor:
 
     return PerOpExecutor(config, schedule, DirectTransport(config.transport))
 
-
-def _calls_factory(config: PipelineConfig):
-    """How a channel executor opens its channel to the workers (``config.step_calls``)."""
-    if config.step_calls == "compiled":
-        from raypipe.runtime.compiled_graph import CompiledCalls
-
-        return CompiledCalls
-    from functools import partial
-
-    from raypipe.runtime.direct_calls import DirectCalls
-
-    return partial(DirectCalls, end_timeout_s=config.p2p_timeout_s)

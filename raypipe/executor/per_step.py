@@ -18,7 +18,7 @@ from raypipe.runtime.health import worker_actor_class
 class PerStepExecutor(Executor):
     """Each worker runs its whole step; the driver submits one actor task per worker
     (``step_calls="tasks"``; the default sends them over a connection to each worker,
-    :class:`~raypipe.executor.channel_step.ChannelStepExecutor`)."""
+    :class:`~raypipe.executor.direct_step.DirectStepExecutor`)."""
 
     def actor_class(self) -> Any:
         return worker_actor_class(PerStepWorker)

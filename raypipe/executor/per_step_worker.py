@@ -46,7 +46,7 @@ class _StepState:
 
 class PerStepWorker(StageWorker, AnswersCalls):
     """A StageWorker that runs a whole step's lowered ops with direct sends; its
-    steps come as actor tasks or over a channel of calls (:meth:`run_step_returning_failure`)."""
+    steps come as actor tasks or over the driver's connection (:meth:`run_step_returning_failure`)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
@@ -102,16 +102,15 @@ class PerStepWorker(StageWorker, AnswersCalls):
         return state.report
 
     def open_step_gate(self, count: int) -> None:
-        """Let a channel's step that follows call number ``count`` start (see
+        """Let a direct call's step that follows call number ``count`` start (see
         :mod:`raypipe.stage.step_gate`)."""
         self._step_gate.open(count)
 
     def run_step_returning_failure(self, gated_arguments: tuple[int, tuple]) -> StageReport | Exception:
-        """:meth:`run_step` for a channel of calls (``gated_arguments``: the number of
+        """:meth:`run_step` for a direct call (``gated_arguments``: the number of
         the gate calls it must follow, and ``run_step``'s arguments). A failure is
-        returned, not raised: a compiled graph hands one raised error to every
-        worker's result, and a connection carries values; returned, each worker's
-        own failure reaches the driver, which picks the cause (not a neighbour's
+        returned, not raised: the connection carries values, and each worker's own
+        failure reaches the driver, which picks the cause (not a neighbour's
         :class:`~raypipe.errors.StepAborted`)."""
         after, arguments = gated_arguments
         try:

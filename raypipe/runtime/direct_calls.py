@@ -3,9 +3,11 @@ to each (``step_calls="direct"``, the default): see :mod:`raypipe.comm.call_sock
 
 Each actor must mix in :class:`~raypipe.comm.call_socket.AnswersCalls`. The
 connections are set up through actor tasks (an authentication key in, an
-address back), then a call is one message each way per actor. A worker that
-dies closes its connection, so the driver's read ends at once; a hung or
-unreachable one is for the heartbeat watch, which interrupts the read.
+address back), then a call is one message each way per actor, answered on a
+thread of the actor's own, beside its actor tasks. A result cannot be polled:
+a worker that dies closes its connection, so the driver's read ends at once; a
+hung or unreachable one is for a heartbeat watch on another thread, which calls
+:meth:`DirectCalls.interrupt`.
 """
 from __future__ import annotations
 
@@ -15,10 +17,18 @@ from typing import Any
 import ray
 
 from raypipe.comm import call_socket
-from raypipe.runtime.worker_calls import CallsBroken, WorkerCalls
 
 
-class DirectCalls(WorkerCalls):
+class CallsBroken(Exception):
+    """Reading a worker's result failed: its connection was closed or interrupted
+    (the worker died, or the driver ended the wait)."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(f"worker {rank}: {error}")
+        self.rank, self.error = rank, error
+
+
+class DirectCalls:
     """``method`` on every one of ``actors`` (in rank order) per :meth:`call`, over
     one connection each; :meth:`teardown` waits up to ``end_timeout_s`` for a call
     still running on a worker."""
@@ -36,13 +46,20 @@ class DirectCalls(WorkerCalls):
             self.teardown()
             raise
 
+    def over(self, actors: list[Any]) -> bool:
+        """Whether these connections go to exactly ``actors``."""
+        return list(actors) == self.actors  # handles compare by actor id
+
     def call(self, arguments: list[Any]) -> list[Any]:
-        """Send every actor its argument; a connection already gone raises ``OSError``."""
+        """Send every actor its argument (``arguments[rank]`` to rank's); what
+        :meth:`results` reads. A connection already gone raises ``OSError``."""
         for connection, argument in zip(self._connections, arguments):
             call_socket.send(connection, argument)
         return list(self._connections)
 
     def results(self, pending: list[Any]) -> list[Any]:
+        """Every result of one :meth:`call`, waiting as long as it takes; a read that
+        fails gives :class:`CallsBroken` in that rank's place."""
         values = []
         for rank, connection in enumerate(pending):
             try:
@@ -52,13 +69,15 @@ class DirectCalls(WorkerCalls):
         return values
 
     def interrupt(self) -> None:
+        """End a wait in :meth:`results` now (from another thread); the connections
+        are unusable afterwards."""
         for connection in self._connections:
             call_socket.interrupt(connection)
 
     def teardown(self) -> None:
         """Close every connection, then wait for each live worker's call to end
         (a dead worker's wait fails at once; an unreachable one's is given up after
-        ``end_timeout_s``)."""
+        ``end_timeout_s``); idempotent."""
         if not self._open:
             return
         self._open = False

@@ -121,7 +121,7 @@ class _Watched:
 
 class BackgroundWatch:
     """A :class:`Watchdog` on a thread of its own, for waits that cannot poll (a
-    compiled graph's results). While a :meth:`watching` block runs, the workers'
+    direct call's results). While a :meth:`watching` block runs, the workers'
     heartbeats are checked every :attr:`Watchdog.interval_s`; on the first failure
     ``on_failed(failed)`` is called once (it should end the wait), and the block's
     value keeps what was found in ``failed``. One thread serves every block, so

@@ -1,9 +1,9 @@
-"""Keeps a step that reaches a worker through a compiled graph behind the actor
-calls the driver submitted before it.
+"""Keeps a step that reaches a worker over the driver's connection behind the
+actor calls the driver submitted before it.
 
 Actor tasks run one at a time in submission order on the worker's default
 thread, so a snapshot submitted after step N runs before step N+1's task. A
-compiled graph's step runs on a thread of its own, beside those tasks: without
+step sent over the connection runs on a thread of its own, beside those tasks: without
 a gate, step N+1 could change the weights while the snapshot of step N is still
 being copied out. The driver numbers the calls a step must follow and, after
 them, submits :meth:`StepGate.open` with that number (an actor task, so it runs

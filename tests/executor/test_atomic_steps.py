@@ -60,7 +60,7 @@ def marked(x, column):
     return x
 
 
-@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p", "p2p-tasks", "p2p-compiled"])
+@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p", "p2p-tasks"])
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_path, transport, num_stages):
     layers, balance = layers_and_balance(num_stages)

@@ -40,7 +40,7 @@ def test_matches_single_process_reference(ray_cluster, transport, num_stages, nu
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
 
 
-@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p", "p2p-tasks", "p2p-compiled"])
+@pytest.mark.parametrize("transport", ["object_store", "gloo", "p2p", "p2p-tasks"])
 def test_1f1b_and_clip_by_value_match_reference(ray_cluster, transport):
     model = make_mlp()
     reference = copy.deepcopy(model)

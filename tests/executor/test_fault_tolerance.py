@@ -84,7 +84,6 @@ def uninterrupted(cfg, tmp_path) -> Run:
 
 LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 13 kills in all
     "p2p-2-stages": (config(), (1, 3), "snapshot"),
-    "p2p-2-stages-compiled": (config(step_calls="compiled"), (2,), "snapshot"),  # started through a compiled graph
     "p2p-2-stages-tasks": (config(step_calls="tasks"), (2,), "snapshot"),  # started by actor tasks
     "p2p-3-stages": (config(num_stages=3), (1, 3, 5), "snapshot"),
     "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3), "snapshot"),
@@ -113,7 +112,7 @@ def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tm
     print(f"{layout}: kill to step done {[round(s, 1) for s in killed.healed_seconds]} s")
 
 
-@pytest.mark.parametrize("step_calls", ["direct", "tasks"])  # compiled: tests/runtime/test_worker_calls.py
+@pytest.mark.parametrize("step_calls", ["direct", "tasks"])
 def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path, step_calls):
     cfg = config(step_calls=step_calls)
     expected = uninterrupted(cfg, tmp_path)

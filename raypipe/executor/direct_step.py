@@ -1,9 +1,8 @@
-"""The per-step executor with each step's calls sent over a channel kept open to
-every worker (:mod:`raypipe.runtime.worker_calls`) instead of as actor tasks:
-the same ``run_step`` on every worker, at a fraction of the driver's cost per
-step. ``step_calls="direct"`` (the default) uses a connection from the driver to
-each worker; ``"compiled"`` a Ray compiled graph, whose channels spin a core per
-waiting worker (worth it only on nodes with cores to spare).
+"""The per-step executor with each step's calls sent over a connection from the
+driver to every worker (``step_calls="direct"``, the default;
+:mod:`raypipe.runtime.direct_calls`) instead of as actor tasks: the same
+``run_step`` on every worker, at a fraction of the driver's cost per step
+(one message each way per worker instead of a Ray task's round trip).
 
 What changes against actor tasks is how a step's end is seen:
 
@@ -13,8 +12,8 @@ What changes against actor tasks is how a step's end is seen:
 - a result cannot be polled, so heartbeats are checked on a thread
   (:class:`~raypipe.runtime.health.BackgroundWatch`) while the driver reads; a
   hung worker is killed and the read interrupted;
-- a dead worker's channel breaks: the step's other workers end when their sends
-  fail, and the channel is opened again over the healed group.
+- a dead worker closes its connection: the step's other workers end when their
+  sends fail, and the connections are opened again over the healed group.
 
 The calls run on a thread of each worker's own, beside its actor tasks, so a
 snapshot or checkpoint copy submitted between two steps is ordered before the
@@ -27,30 +26,27 @@ from typing import Any
 
 import ray
 
-from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
-from raypipe.core.ops import Op
 from raypipe.executor.base import StepOutcome, Submitted
 from raypipe.executor.failures import first_cause
 from raypipe.executor.per_step import PerStepExecutor
 from raypipe.runtime.group import StageGroup
 from raypipe.runtime.health import BackgroundWatch
-from raypipe.runtime.worker_calls import CallsBroken, CallsFactory, WorkerCalls
+from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
 
 
-class ChannelStepExecutor(PerStepExecutor):
-    """A :class:`PerStepExecutor` whose steps reach the workers through the channel
-    ``open_calls(actors, method)`` makes, opened again whenever the group's workers change."""
+class DirectStepExecutor(PerStepExecutor):
+    """A :class:`PerStepExecutor` whose steps reach the workers over a connection to
+    each, opened again whenever the group's workers change."""
 
-    def __init__(self, config: PipelineConfig, schedule: list[list[Op]], open_calls: CallsFactory) -> None:
-        super().__init__(config, schedule)
-        self._open_calls = open_calls
-        self._calls: WorkerCalls | None = None
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._calls: DirectCalls | None = None
         self._watch = BackgroundWatch()
         self._gate_calls: dict[Any, int] = {}  # worker -> gate calls submitted (see before_next_step)
 
     def connect(self, group: StageGroup) -> None:
-        self._teardown()  # a new group (a re-partition): the old channel's workers are gone
+        self._teardown()  # a new group (a re-partition): the old connections' workers are gone
         self._gate_calls = {}
         super().connect(group)
 
@@ -69,17 +65,17 @@ class ChannelStepExecutor(PerStepExecutor):
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
         """Start the step (each worker once the calls it must follow have run); a
-        channel broken since the last step (a worker died between steps) is found here."""
+        connection broken since the last step (a worker died between steps) is found here."""
         arguments = [(self._gate_calls.get(actor, 0), step_arguments) for actor, step_arguments
                      in zip(self.group.actors, self.step_arguments(step, batch, loss_scale))]
         try:
-            pending = self._channel().call(arguments)
+            pending = self._connected().call(arguments)
         except (ray.exceptions.RayError, OSError) as error:
             self._teardown()
             failed = self._watchdog().probe(self.group.actors)
             if failed:
                 raise self._workers_failed(step, failed, f"found starting the step: {error}") from error
-            pending = self._channel().call(arguments)
+            pending = self._connected().call(arguments)
         return Submitted(pending, pending, step)
 
     def collect(self, submitted: Submitted) -> StepOutcome:
@@ -97,7 +93,7 @@ class ChannelStepExecutor(PerStepExecutor):
             if failed:
                 cause = first_cause([f for f in failures if not isinstance(f, CallsBroken)]) or broken[0].error
                 raise self._workers_failed(submitted.step, failed, str(cause))
-            self._teardown()  # broken with every worker alive: end the calls, open afresh next step
+            self._teardown()  # broken with every worker alive: close, connect afresh next step
             self._drop_failed_step(broken[0].error, ended_everywhere=True)
         if failures:
             self._drop_failed_step(first_cause(failures), ended_everywhere=True)
@@ -105,20 +101,20 @@ class ChannelStepExecutor(PerStepExecutor):
 
     def drain(self, failed: Collection[int]) -> dict[int, str]:
         """After :class:`~raypipe.errors.WorkersFailed` (workers ``failed``, killed):
-        close the channel, which waits for the other workers' step to end."""
+        close the connections, which waits for the other workers' step to end."""
         submitted, self.in_flight = self.in_flight, None
         if submitted is not None:
             self._teardown()
         return {}
 
-    def _channel(self) -> WorkerCalls:
+    def _connected(self) -> DirectCalls:
         actors = self.group.actors
         if self._calls is None or not self._calls.over(actors):
             self._teardown()
-            self._calls = self._open_calls(actors, "run_step_returning_failure")
+            self._calls = DirectCalls(actors, "run_step_returning_failure", self.config.p2p_timeout_s)
         return self._calls
 
-    def _end_execution(self, calls: WorkerCalls, failed: dict[int, str]) -> None:
+    def _end_execution(self, calls: DirectCalls, failed: dict[int, str]) -> None:
         """From the watch thread: kill the failed workers (recovery would) and end
         the driver's read."""
         self.group.kill(list(failed))
