@@ -65,7 +65,6 @@ class CallServer:
     def __init__(self, handler: Callable[[Any], Any], host: str, authkey: bytes) -> None:
         self._listener = Listener((host, 0), authkey=authkey)
         self.address: tuple[str, int] = self._listener.address
-        self._authkey = authkey
         self._accepting = True
         self._thread = threading.Thread(target=self._serve, args=(handler,), name="raypipe-calls", daemon=True)
         self._thread.start()

@@ -30,9 +30,9 @@ from raypipe.core.micro_batches import MicroBatches
 from raypipe.executor.base import StepOutcome, Submitted
 from raypipe.executor.failures import first_cause
 from raypipe.executor.per_step import PerStepExecutor
+from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
 from raypipe.runtime.group import StageGroup
 from raypipe.runtime.health import BackgroundWatch
-from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
 
 
 class DirectStepExecutor(PerStepExecutor):

@@ -59,12 +59,13 @@ class DirectCalls:
 
     def results(self, pending: list[Any]) -> list[Any]:
         """Every result of one :meth:`call`, waiting as long as it takes; a read that
-        fails gives :class:`CallsBroken` in that rank's place."""
+        fails (a closed connection, a reply that cannot be unpickled) gives
+        :class:`CallsBroken` in that rank's place."""
         values = []
         for rank, connection in enumerate(pending):
             try:
                 values.append(call_socket.receive(connection))
-            except (EOFError, OSError) as error:
+            except Exception as error:  # noqa: BLE001 - EOFError, OSError, or an unpicklable reply
                 values.append(CallsBroken(rank, error if str(error) else EOFError("the connection was closed")))
         return values
 
