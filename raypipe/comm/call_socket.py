@@ -44,20 +44,6 @@ def receive(connection: Connection) -> Any:
     return cloudpickle.loads(connection.recv_bytes())
 
 
-def interrupt(connection: Connection) -> None:
-    """End every wait on ``connection`` now, from any thread (a receive raises ``EOFError``)."""
-    try:
-        sock = _socket_of(connection)
-    except OSError:  # already closed
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:  # the other end is gone already
-        pass
-    finally:
-        sock.detach()  # the connection keeps the file descriptor
-
-
 class CallServer:
     """Answers ``handler(message)`` for each message of the one connection accepted
     on ``host`` (a free port, :attr:`address`), on a thread of its own."""
@@ -131,16 +117,10 @@ def _encoded(reply: Any) -> bytes:
         return cloudpickle.dumps(RaypipeError(f"the worker's reply could not be pickled ({error}): {reply!r:.500}"))
 
 
-def _socket_of(connection: Connection) -> socket.socket:
-    """The socket behind ``connection`` (a new object over the same file descriptor:
-    detach it, or it closes the connection when collected)."""
-    return socket.socket(fileno=connection.fileno())
-
-
 def _without_delay(connection: Connection) -> Connection:
     # a message's length and body go as two writes: with Nagle's algorithm the body
     # waits for the length's ACK, which the receiver delays by up to 40 ms
-    sock = _socket_of(connection)
+    sock = socket.socket(fileno=connection.fileno())  # the same socket: detached, or collecting it closes it
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     finally:

@@ -9,9 +9,8 @@ What changes against actor tasks is how a step's end is seen:
 - every worker returns its failure instead of raising it
   (:meth:`~raypipe.executor.per_step_worker.PerStepWorker.run_step_returning_failure`),
   so the cause is picked among all of them, as from task results;
-- a result cannot be polled, so heartbeats are checked on a thread
-  (:class:`~raypipe.runtime.health.BackgroundWatch`) while the driver reads; a
-  hung worker is killed and the read interrupted;
+- the driver waits on the connections and checks heartbeats in between, as it
+  does on task results (:meth:`~raypipe.runtime.health.Watchdog.wait_until`);
 - a dead worker closes its connection: the step's other workers end when their
   sends fail, and the connections are opened again over the healed group.
 
@@ -32,7 +31,6 @@ from raypipe.executor.failures import first_cause
 from raypipe.executor.per_step import PerStepExecutor
 from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
 from raypipe.runtime.group import StageGroup
-from raypipe.runtime.health import BackgroundWatch
 
 
 class DirectStepExecutor(PerStepExecutor):
@@ -42,7 +40,6 @@ class DirectStepExecutor(PerStepExecutor):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._calls: DirectCalls | None = None
-        self._watch = BackgroundWatch()
         self._gate_calls: dict[Any, int] = {}  # worker -> gate calls submitted (see before_next_step)
 
     def connect(self, group: StageGroup) -> None:
@@ -51,7 +48,6 @@ class DirectStepExecutor(PerStepExecutor):
         super().connect(group)
 
     def close(self) -> None:
-        self._watch.close()
         self._teardown()
         super().close()
 
@@ -83,13 +79,14 @@ class DirectStepExecutor(PerStepExecutor):
         :class:`~raypipe.errors.WorkersFailed`, any other failure drops the step
         everywhere and raises its cause."""
         calls, watchdog = self._calls, self._watchdog()
-        with self._watch.watching(watchdog, self.group.actors,
-                                  lambda failed: self._end_execution(calls, failed)) as watch:
-            results = calls.results(submitted.commits)
+        failed = watchdog.wait_until(lambda timeout_s: calls.answered(submitted.commits, timeout_s), self.group.actors)
+        if failed:
+            raise self._workers_failed(submitted.step, failed, "found while waiting on the step")
+        results = calls.results(submitted.commits)
         failures = [result for result in results if isinstance(result, Exception)]
         broken = [failure for failure in failures if isinstance(failure, CallsBroken)]
         if broken:
-            failed = watch.failed or watchdog.probe(self.group.actors)
+            failed = watchdog.probe(self.group.actors)
             if failed:
                 cause = first_cause([f for f in failures if not isinstance(f, CallsBroken)]) or broken[0].error
                 raise self._workers_failed(submitted.step, failed, str(cause))
@@ -113,12 +110,6 @@ class DirectStepExecutor(PerStepExecutor):
             self._teardown()
             self._calls = DirectCalls(actors, "run_step_returning_failure", self.config.p2p_timeout_s)
         return self._calls
-
-    def _end_execution(self, calls: DirectCalls, failed: dict[int, str]) -> None:
-        """From the watch thread: kill the failed workers (recovery would) and end
-        the driver's read."""
-        self.group.kill(list(failed))
-        calls.interrupt()
 
     def _teardown(self) -> None:
         calls, self._calls = self._calls, None

@@ -4,14 +4,16 @@ to each (``step_calls="direct"``, the default): see :mod:`raypipe.comm.call_sock
 Each actor must mix in :class:`~raypipe.comm.call_socket.AnswersCalls`. The
 connections are set up through actor tasks (an authentication key in, an
 address back), then a call is one message each way per actor, answered on a
-thread of the actor's own, beside its actor tasks. A result cannot be polled:
-a worker that dies closes its connection, so the driver's read ends at once; a
-hung or unreachable one is for a heartbeat watch on another thread, which calls
-:meth:`DirectCalls.interrupt`.
+thread of the actor's own, beside its actor tasks. The driver waits with
+:meth:`DirectCalls.answered` between heartbeat checks: a worker that dies closes
+its connection, which answers at once; a hung or unreachable one is for the
+heartbeats.
 """
 from __future__ import annotations
 
 import secrets
+import time
+from multiprocessing import connection as connections
 from typing import Any
 
 import ray
@@ -20,8 +22,8 @@ from raypipe.comm import call_socket
 
 
 class CallsBroken(Exception):
-    """Reading a worker's result failed: its connection was closed or interrupted
-    (the worker died, or the driver ended the wait)."""
+    """Reading a worker's result failed: its connection was closed (the worker
+    died) or its reply could not be read."""
 
     def __init__(self, rank: int, error: BaseException) -> None:
         super().__init__(f"worker {rank}: {error}")
@@ -57,8 +59,17 @@ class DirectCalls:
             call_socket.send(connection, argument)
         return list(self._connections)
 
+    def answered(self, pending: list[Any], timeout_s: float) -> bool:
+        """Whether every worker of ``pending`` answered (or closed its connection)
+        within ``timeout_s``."""
+        end, waiting = time.monotonic() + timeout_s, list(pending)
+        while waiting and time.monotonic() < end:
+            readable = connections.wait(waiting, max(0.0, end - time.monotonic()))
+            waiting = [connection for connection in waiting if connection not in readable]
+        return not waiting
+
     def results(self, pending: list[Any]) -> list[Any]:
-        """Every result of one :meth:`call`, waiting as long as it takes; a read that
+        """Every result of one :meth:`call` (once :meth:`answered`); a read that
         fails (a closed connection, a reply that cannot be unpickled) gives
         :class:`CallsBroken` in that rank's place."""
         values = []
@@ -69,12 +80,6 @@ class DirectCalls:
                 values.append(CallsBroken(rank, error if str(error) else EOFError("the connection was closed")))
         return values
 
-    def interrupt(self) -> None:
-        """End a wait in :meth:`results` now (from another thread); the connections
-        are unusable afterwards."""
-        for connection in self._connections:
-            call_socket.interrupt(connection)
-
     def teardown(self) -> None:
         """Close every connection, then wait for each live worker's call to end
         (a dead worker's wait fails at once; an unreachable one's is given up after
@@ -83,7 +88,6 @@ class DirectCalls:
             return
         self._open = False
         for connection in self._connections:
-            call_socket.interrupt(connection)
             connection.close()
         ended = [actor.end_calls.remote(self._end_timeout_s) for actor in self.actors]
         done, _ = ray.wait(ended, num_returns=len(ended), timeout=self._end_timeout_s + 5, fetch_local=False)

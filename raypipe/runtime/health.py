@@ -10,11 +10,8 @@ unavailable, and dead at once when Ray says so.
 """
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -97,76 +94,20 @@ class Watchdog:
     def wait(self, refs: list, actors: list[Any], deadline_s: float | None = None) -> dict[int, str]:
         """Wait until every one of ``refs`` is done, some worker is found failed, or
         ``deadline_s`` passed; returns the failed workers (empty otherwise)."""
+        def done(timeout_s: float) -> bool:
+            return not ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)[1]
+
+        return self.wait_until(done, actors, deadline_s)
+
+    def wait_until(self, done: Callable[[float], bool], actors: list[Any],
+                   deadline_s: float | None = None) -> dict[int, str]:
+        """Wait until ``done(timeout_s)`` (which waits up to ``timeout_s``) is true, some
+        worker is found failed, or ``deadline_s`` passed; returns the failed workers
+        (empty otherwise)."""
         end = None if deadline_s is None else time.monotonic() + deadline_s
         while True:
-            _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.interval_s, fetch_local=False)
-            if not pending or (end is not None and time.monotonic() > end):
+            if done(self.interval_s) or (end is not None and time.monotonic() > end):
                 return {}
             failed = self.check(actors)
             if failed:
                 return failed
-
-
-
-@dataclass
-class _Watched:
-    """One wait watched by a :class:`BackgroundWatch`."""
-
-    watchdog: Watchdog
-    actors: list[Any]
-    on_failed: Callable[[dict[int, str]], None]
-    ended: threading.Event = field(default_factory=threading.Event)
-    failed: dict[int, str] = field(default_factory=dict)
-
-
-class BackgroundWatch:
-    """A :class:`Watchdog` on a thread of its own, for waits that cannot poll (a
-    direct call's results). While a :meth:`watching` block runs, the workers'
-    heartbeats are checked every :attr:`Watchdog.interval_s`; on the first failure
-    ``on_failed(failed)`` is called once (it should end the wait), and the block's
-    value keeps what was found in ``failed``. One thread serves every block, so
-    a wait costs no thread start."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Condition()
-        self._watched: _Watched | None = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    @contextmanager
-    def watching(self, watchdog: Watchdog, actors: list[Any],
-                 on_failed: Callable[[dict[int, str]], None]) -> Iterator[_Watched]:
-        watched = _Watched(watchdog, actors, on_failed)
-        with self._ready:
-            self._watched = watched
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="raypipe-watch", daemon=True)
-                self._thread.start()
-            self._ready.notify()
-        try:
-            yield watched
-        finally:
-            with self._ready:
-                watched.ended.set()
-                self._watched = None
-
-    def close(self) -> None:
-        """End the thread (when no block is running)."""
-        with self._ready:
-            self._closed = True
-            self._ready.notify()
-
-    def _watch(self) -> None:
-        last = None
-        while True:
-            with self._ready:
-                self._ready.wait_for(lambda: self._closed or (self._watched is not None and self._watched is not last))
-                if self._closed:
-                    return
-                watched = last = self._watched
-            while not watched.ended.wait(watched.watchdog.interval_s):
-                failed = watched.watchdog.check(watched.actors)
-                if failed:
-                    watched.failed = failed
-                    watched.on_failed(failed)
-                    break

@@ -1,6 +1,6 @@
 """Calls over a connection from the driver to each actor of a group
-(runtime/direct_calls.py over comm/call_socket.py) and the heartbeat watch beside
-a wait that cannot poll (runtime/health.py), with real actors: a returned
+(runtime/direct_calls.py over comm/call_socket.py) and the heartbeat checks between
+waits on them (runtime/health.py), with real actors: a returned
 failure, a SIGKILLed actor, a SIGSTOPped one, the key, what cannot be pickled."""
 import os
 import signal
@@ -13,7 +13,7 @@ import ray
 import raypipe
 from raypipe.comm.call_socket import AnswersCalls
 from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
-from raypipe.runtime.health import HUNG, BackgroundWatch, Watchdog, worker_actor_class
+from raypipe.runtime.health import HUNG, Watchdog, worker_actor_class
 
 
 class Echo(AnswersCalls):
@@ -86,29 +86,28 @@ def test_a_killed_actor_breaks_its_connection_at_once_and_the_survivor_can_join_
         survivor.teardown()
 
 
-def test_the_watch_finds_a_stopped_actor_and_its_callback_ends_the_wait(actors):
+def test_waiting_between_heartbeats_finds_a_stopped_actor_and_its_answer_once_killed(actors):
     calls = DirectCalls(actors, "step")
     pid = ray.get(actors[1].pid.remote())
-    watch, found = BackgroundWatch(), []
-
-    def end_wait(failed):
-        found.append(failed)
-        calls.interrupt()
-
-    with watch.watching(Watchdog(hang_timeout_s=1.5), actors, lambda failed: None) as watched:
-        assert calls.results(calls.call([(1, False), (2, False)]))[1][0] == 4  # a quick wait: nothing found
-    assert watched.failed == {}
+    watchdog = Watchdog(hang_timeout_s=1.5)
+    pending = calls.call([(1, False), (2, False)])
+    assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {}  # quick
+    assert calls.results(pending)[1][0] == 4
     try:
         os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
-        with watch.watching(Watchdog(hang_timeout_s=1.5), actors, end_wait) as watched:
-            references = calls.call([(1, False), (2, False)])
-            results = calls.results(references)
-        assert watched.failed == {1: HUNG} and found == [{1: HUNG}]
-        assert isinstance(results[1], CallsBroken)
+        pending = calls.call([(1, False), (2, False)])
+        assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {1: HUNG}
         assert 1.5 <= time.monotonic() - start < 20
+        assert not calls.answered(pending, 0.1)
+        os.kill(pid, signal.SIGKILL)  # as recovery kills it: its connection closes, which answers at once
+        pid = None
+        assert calls.answered(pending, 10)
+        results = calls.results(pending)
+        assert results[0][0] == 2 and isinstance(results[1], CallsBroken)
     finally:
-        os.kill(pid, signal.SIGKILL)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
         calls.teardown()
 
 
