@@ -17,6 +17,8 @@ from other users of the shared CPU hits all alike:
   one per ``--transports`` entry (default: ``p2p``, the default executor, and
   ``object_store``, the per-op executor), each without and with
   ``clip_grad_norm`` (``--clip``);
+  raypipe takes its default snapshot of every worker's state each step
+  (``--snapshot-every 0``: none, like PiPPy);
 * PiPPy ``PipelineStage`` + ``ScheduleGPipe`` on gloo, 2 processes started with
   ``torch.multiprocessing``; its "clip" variant clips by the global norm the way
   raypipe does (each rank's gradient norm, one all-reduce of the squares,
@@ -183,7 +185,7 @@ class RaypipeRunner:
 
         config = raypipe.PipelineConfig(num_stages=NUM_STAGES, num_micro_batches=args.micro_batches,
                                         balance=[args.blocks // NUM_STAGES] * NUM_STAGES, transport=transport,
-                                        clip_grad_norm=max_norm)
+                                        clip_grad_norm=max_norm, snapshot_every=args.snapshot_every)
         self.trainer = raypipe.PipelineTrainer(build_model(args), nn.MSELoss(), optimizer=make_optimizer(args.optimizer),
                                                config=config)
         self.inputs, self.targets = make_batch(args)
@@ -220,10 +222,17 @@ def parse_args() -> argparse.Namespace:
                         default=["p2p", "object_store"], help="raypipe transports (default p2p object_store)")
     parser.add_argument("--clip", nargs="+", choices=sorted(CLIP_MODES), default=["off", "on"],
                         help="clip_grad_norm off (None) and/or on (1.0), on both sides (default: off on)")
+    parser.add_argument("--snapshot-every", type=int, default=None,
+                        help="raypipe's snapshot_every (default: PipelineConfig's, a snapshot of every worker's "
+                             "state every step; 0: none, as PiPPy, which keeps no state to heal from)")
     parser.add_argument("--inline-bytes", type=int, default=None,
                         help="Ray's max_direct_call_object_size for the local Ray instance "
                              "(default: Ray's own, 100 KiB); e.g. 1048576 inlines 128 KiB activations")
     args = parser.parse_args()
+    if args.snapshot_every is None:
+        from raypipe import PipelineConfig
+
+        args.snapshot_every = PipelineConfig.snapshot_every
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -239,7 +248,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"preset {args.preset}: {args.blocks} blocks {args.width}->{args.hidden}->{args.width}, "
           f"{NUM_STAGES} stages, m={args.micro_batches}, batch {args.batch_size}, {args.optimizer}; raypipe "
-          f"transports {args.transports}, clip {args.clip}, "
+          f"transports {args.transports}, clip {args.clip}, snapshot_every={args.snapshot_every}, "
           f"max_direct_call_object_size {args.inline_bytes or 'Ray default'}", flush=True)
     variants = [(transport, clip) for transport in args.transports for clip in args.clip]
     pippy = PippyRunner(args)

@@ -1,8 +1,11 @@
 """The per-step executor with its calls sent over a connection to each worker
 (step_calls="direct", the default): a step runs on the worker beside its other calls, so a snapshot
 still being copied out when the next step reaches its commit holds that commit
-back, and is the state of its own step."""
+back, and is the state of its own step; a worker killed while its snapshot is
+being copied out leaves the snapshot before it to heal from."""
 import copy
+import os
+import signal
 import time
 
 import pytest
@@ -49,6 +52,29 @@ def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_st
     assert len(gates) == 1 and gates[0].end - gates[0].start > SNAPSHOT_SECONDS / 4, results[2].timeline
     commit = next(event for event in results[2].timeline if event.op == "optimizer" and event.stage == 1)
     assert commit.start >= gates[0].end
+
+
+def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapshot_before(ray_cluster):
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4)]
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    reference_optimizer = adamw(reference.parameters())
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1], hang_timeout_s=5.0)
+    batches = random_batches(8, steps=4)
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
+        losses = [trainer.step(x, y).loss for x, y in batches[:2]]
+        time.sleep(SNAPSHOT_SECONDS / 4)  # stage 1 is copying out its snapshot of step 2
+        os.kill(trainer.workers[1].pid, signal.SIGKILL)
+        healed = trainer.step(*batches[2])
+        losses += [healed.loss, trainer.step(*batches[3]).loss]
+        assert healed.recovered and len(trainer.failures) == 1, trainer.failures
+        assert [recovered.source for recovered in trainer.recoveries] == ["snapshot of step 1"]
+        assert trainer.recoveries[0].replayed_steps == 1  # step 2, redone on the snapshot of step 1
+        state = trainer.state_dict()
+    expected = [reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)[0]
+                for x, y in batches]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert_parameters_match(state, reference.state_dict())
 
 
 @pytest.mark.parametrize("step_calls", raypipe.config.STEP_CALLS)
