@@ -25,7 +25,9 @@ from typing import Any
 
 import ray
 
+from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
+from raypipe.core.ops import Op
 from raypipe.executor.base import StepOutcome, Submitted
 from raypipe.executor.failures import first_cause
 from raypipe.executor.per_step import PerStepExecutor
@@ -37,8 +39,8 @@ class DirectStepExecutor(PerStepExecutor):
     """A :class:`PerStepExecutor` whose steps reach the workers over a connection to
     each, opened again whenever the group's workers change."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, config: PipelineConfig, schedule: list[list[Op]]) -> None:
+        super().__init__(config, schedule)
         self._calls: DirectCalls | None = None
         self._gate_calls: dict[Any, int] = {}  # worker -> gate calls submitted (see before_next_step)
 
