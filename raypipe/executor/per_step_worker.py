@@ -62,9 +62,10 @@ class PerStepWorker(StageWorker, AnswersCalls):
         super().take_layout(spec)
         self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
         self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
-        # the first op that changes what a snapshot or checkpoint copies: the commit, or a
-        # forward when the layers hold buffers (a forward may update them, e.g. running statistics)
-        changes_state = ops.F if next(self.layers.buffers(), None) is not None else ops.OPTIMIZER_STEP
+        # the first op that changes what a snapshot or checkpoint copies: the commit, or a forward
+        # when the layers save buffers (a forward may update them, e.g. running statistics); a
+        # buffer left out of the state dict (LLaMA's RoPE tables) is not copied, so it holds no step
+        changes_state = ops.F if _saves_buffers(self.layers) else ops.OPTIMIZER_STEP
         self._gated_op = next(index for index, op in enumerate(self._ops) if op.kind == changes_state)
         self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
 
@@ -191,3 +192,9 @@ class PerStepWorker(StageWorker, AnswersCalls):
                 traceback.clear_frames(failure.__traceback__)
         self._channel.leave()
         self.abort_step()
+
+
+def _saves_buffers(layers: torch.nn.Module) -> bool:
+    """Whether ``layers``' state dict holds any buffer (a persistent one)."""
+    saved = layers.state_dict(keep_vars=True).keys()
+    return any(name in saved for name, _ in layers.named_buffers())

@@ -17,6 +17,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raypipe.comm.task_tensors import as_shipped_state
+
 KEPT_SNAPSHOTS = 2  # the newest, and the one before it (the newest may never complete)
 
 
@@ -28,7 +30,7 @@ class SnapshotKeeper:
 
     def keep(self, step: int, *snapshots: Any) -> None:
         """Copy one snapshot of every worker (Ray brought them here as arguments)."""
-        self._kept[step] = [ray.put(snapshot) for snapshot in snapshots]
+        self._kept[step] = [ray.put(as_shipped_state(snapshot)) for snapshot in snapshots]
         for old in sorted(self._kept)[:-KEPT_SNAPSHOTS]:
             del self._kept[old]
 

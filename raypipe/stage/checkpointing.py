@@ -17,6 +17,7 @@ import torch
 
 from raypipe.checkpoint.parts import add_sole_mains, merged_model, optimizer_part_name, read_layer_parts
 from raypipe.checkpoint.store import encode, encode_layer, layer_file_name
+from raypipe.comm.task_tensors import as_shipped_state
 from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP, CheckpointWriter, WrittenFiles, on_host, write_named
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
 
@@ -63,12 +64,15 @@ class StageCheckpointing:
         """Everything a step changes on this worker, as it is now: weights (and
         buffers), optimizer and LR-scheduler state. :meth:`restore` on a worker
         built from the same spec makes it bitwise this one (the in-memory snapshot
-        that heals a failed step)."""
-        return {"layers": self.layers.state_dict(), "commits": self.commits,
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                # what makes it readable by any partition (see adopt)
-                "layer_indices": list(self.layer_indices), "parameter_names": self._optimizer_parameter_names()}
+        that heals a failed step). It is a task result: its tensors are the live
+        ones, wrapped to be copied once, when Ray serializes the result (the step
+        gate holds the next step until then), and unpickled as tensors again."""
+        return as_shipped_state({
+            "layers": self.layers.state_dict(), "commits": self.commits,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            # what makes it readable by any partition (see adopt)
+            "layer_indices": list(self.layer_indices), "parameter_names": self._optimizer_parameter_names()})
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`)."""

@@ -9,8 +9,8 @@ being copied out. The driver numbers the calls a step must follow and, after
 them, submits :meth:`StepGate.open` with that number (an actor task, so it runs
 after them, their results stored). The step waits in :meth:`StepGate.wait`
 before its first op that changes what those calls copy (its commit, or its
-first forward when the layers hold buffers): a snapshot is copied out while
-the next step's forward and backward run.
+first forward when the layers' state dict holds buffers, which a forward may
+update): a snapshot is copied out while the next step's forward and backward run.
 """
 from __future__ import annotations
 

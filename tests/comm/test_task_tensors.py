@@ -1,14 +1,16 @@
-"""Micro-batches as task arguments: rebuilt exactly (dtype, shape, values) on a
-real Ray worker, as writable tensors of their own, whatever the layout."""
+"""Micro-batches as task arguments and a worker's state as a task result: rebuilt
+exactly (dtype, shape, values) on a real Ray worker, as writable tensors of their
+own, whatever the layout."""
 from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import ray
 import torch
 
-from raypipe.comm.task_tensors import TaskTensor, TaskTensors, as_task_argument
+from raypipe.comm.task_tensors import TaskTensor, TaskTensors, as_shipped_state, as_task_argument
 
 BASE = torch.arange(60, dtype=torch.float32).reshape(6, 10)
 TENSORS = {
@@ -83,3 +85,49 @@ def test_round_trip_through_a_ray_task(ray_cluster):
     assert isinstance(as_task_argument(tensors[0]), TaskTensor)
     [(_, _, values)] = ray.get(_echo_and_modify.remote([as_task_argument(tensors[0])]))
     torch.testing.assert_close(torch.tensor(values), tensors[0] + 1, rtol=0, atol=0)
+
+
+def _optimizer_state() -> dict:
+    layer = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    layer(torch.randn(4, 64, generator=torch.Generator().manual_seed(1))).sum().backward()
+    optimizer.step()
+    return {"layers": layer.state_dict(), "optimizer": optimizer.state_dict(), "commits": 1}
+
+
+def test_a_state_round_trips_with_its_structure():
+    state = _optimizer_state()
+    rebuilt = pickle.loads(pickle.dumps(as_shipped_state(state), protocol=5))
+    assert rebuilt["commits"] == 1 and rebuilt["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert type(rebuilt["layers"]) is type(state["layers"])  # an OrderedDict with load_state_dict's _metadata
+    assert rebuilt["layers"]._metadata == state["layers"]._metadata
+    for name, tensor in state["layers"].items():
+        torch.testing.assert_close(rebuilt["layers"][name], tensor, rtol=0, atol=0)
+    for index, per_parameter in state["optimizer"]["state"].items():
+        for key, tensor in per_parameter.items():  # exp_avg, exp_avg_sq and the 0-d step
+            got = rebuilt["optimizer"]["state"][index][key]
+            assert got.shape == tensor.shape
+            torch.testing.assert_close(got, tensor, rtol=0, atol=0)
+
+
+def test_a_large_state_tensor_ships_its_own_memory_out_of_band():
+    weight = torch.randn(512, 256)
+    buffers = []
+    pickle.dumps(as_shipped_state({"weight": weight}), protocol=5, buffer_callback=buffers.append)
+    [buffer] = buffers  # no intermediate copy: the serializer reads the tensor itself
+    assert np.frombuffer(buffer.raw(), dtype=np.uint8).ctypes.data == weight.data_ptr()
+
+
+def test_a_state_through_the_object_store_comes_back_writable_and_its_own(ray_cluster):
+    state = _optimizer_state()
+    ref = ray.put(as_shipped_state(state))
+    first, second = ray.get(ref), ray.get(ref)
+    layer = torch.nn.Linear(64, 32)
+    layer.load_state_dict(first["layers"])
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    optimizer.load_state_dict(first["optimizer"])  # keeps these tensors as its state, updated in place
+    layer(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    for key, tensor in state["optimizer"]["state"][0].items():
+        torch.testing.assert_close(second["optimizer"]["state"][0][key], tensor, rtol=0, atol=0)
+    assert not torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])

@@ -1,8 +1,9 @@
 """The per-step executor with its calls sent over a connection to each worker
 (step_calls="direct", the default): a step runs on the worker beside its other calls, so a snapshot
 still being copied out when the next step reaches its commit holds that commit
-back, and is the state of its own step; a worker killed while its snapshot is
-being copied out leaves the snapshot before it to heal from."""
+back (its first forward too when the stage saves buffers), and is the state of
+its own step; a worker killed while its snapshot is being copied out leaves the
+snapshot before it to heal from."""
 import copy
 import os
 import signal
@@ -75,6 +76,44 @@ def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapsho
                 for x, y in batches]
     assert losses == pytest.approx(expected, rel=1e-5)
     assert_parameters_match(state, reference.state_dict())
+
+
+class Scaled(nn.Module):
+    """Multiplies by a constant table kept out of the state dict (as LLaMA's RoPE tables are)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0.5, 1.5, width), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table
+
+
+@pytest.mark.parametrize("buffer", ["saved", "not saved"])
+def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(ray_cluster, buffer):
+    torch.manual_seed(0)
+    # a forward updates BatchNorm's running statistics, which a snapshot copies: it must wait
+    last = nn.BatchNorm1d(4) if buffer == "saved" else Scaled(4)
+    layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4), nn.Tanh(), last]  # (a bias right before
+    # BatchNorm has no gradient but rounding noise, which AdamW would blow up)
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    reference_optimizer = adamw(reference.parameters())
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 3])
+    batches = random_batches(8, steps=3)
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
+        results = [trainer.step(x, y) for x, y in batches]
+        snapshot = ray.get(trainer._recovery._snapshots[0].refs[1])  # stage 1's, after step 2
+    for x, y in batches[:2]:
+        reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
+    expected = {name[2:]: value for name, value in reference.state_dict().items() if name[0] in "234"}
+    assert_parameters_match({name.split(".", 1)[1]: value for name, value in snapshot["layers"].items()}, expected)
+    events = [event for event in results[2].timeline if event.stage == 1]
+    [gate] = [event for event in events if event.op == "gate"]
+    first_forward = next(event for event in events if event.op.startswith("F"))
+    if buffer == "saved":
+        assert first_forward.start >= gate.end, events
+    else:  # the forwards and backwards ran while the snapshot was copied out
+        assert first_forward.end <= gate.start + SNAPSHOT_SECONDS / 2, events
 
 
 @pytest.mark.parametrize("step_calls", raypipe.config.STEP_CALLS)
