@@ -20,6 +20,7 @@ each one's median ms and the per-round ratio raw/torch with its spread.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import ray
@@ -81,7 +82,7 @@ def main() -> None:
     rows = []
     for phase, index in (("put", 0), ("get", 1)):
         seconds = {name: [timing[index] for timing in results[name]] for name in CONTENDERS}
-        medians = {name: sorted(values)[len(values) // 2] * 1e3 for name, values in seconds.items()}
+        medians = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
         ratios = round_ratios(seconds["raw"], seconds["torch"], args.steps)
         rows.append([phase, f"{state_mb:.0f}", f"{medians['torch']:.1f}", f"{medians['raw']:.1f}", spread(ratios)])
     print_table(["phase", "state MB", "torch ms", "raw ms", "raw/torch per round"], rows)

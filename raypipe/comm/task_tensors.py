@@ -99,8 +99,10 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray | bytes, Layout]:
         pieces.append(data)
         layout.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
         offset += data.numel()
-    # one tensor ships its own bytes (a view, copied when Ray serializes it); several are joined
-    buffer = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    if len(pieces) == 1:
+        buffer = pieces[0]  # its own bytes: copied once, when Ray serializes them, not here
+    else:
+        buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
     data = buffer.numpy()
     return (data.tobytes() if data.nbytes <= _IN_BAND_BYTES else data), layout
 
