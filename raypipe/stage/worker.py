@@ -64,7 +64,7 @@ class StageWorker(StageCheckpointing):
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
         self.loss_fn = spec.loss_fn
-        self.data = StageData(spec.loss_count_fn)
+        self.data = StageData(spec.loss_count_fn, reads_inputs=self.is_first, reads_targets=self.is_last)
         self.store = ActivationStore(Offloader(self.device) if config.offload_activations else None)
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step
@@ -85,7 +85,7 @@ class StageWorker(StageCheckpointing):
         self.named_replica = spec.replica if spec.running_replicas > 1 else None  # in errors
         self.block = spec.block
         self.ownership = replace(self.ownership, replica=spec.replica)  # elastic runs are unsharded: owners stay
-        self.data.first_micro_batch = spec.block.start
+        self.data.take_block(spec.block)
         self._last_micro_batch = len(spec.block) - 1
         self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
 
