@@ -43,8 +43,7 @@ MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 4
 
 def run_steps(model: torch.nn.Module, path: Path, read_ahead: bool, steps: int) -> list[tuple[float, float]]:
     """One fresh run: (step seconds, seconds waiting for data) of steps 1..steps-1."""
-    data = StageData(None, reads_inputs=True, reads_targets=True, read_ahead=read_ahead)
-    data.take_block(range(MICRO_BATCHES))
+    data = StageData(None, range(MICRO_BATCHES), reads_inputs=True, reads_targets=True, read_ahead=read_ahead)
     data.attach(TokenDataset(path, micro_batch_size=MICRO_BATCH_SIZE, num_micro_batches=MICRO_BATCHES))
     timings = []
     for step in range(steps):

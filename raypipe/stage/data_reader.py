@@ -41,12 +41,12 @@ class StageData:
     fails there raises when step ``s + 1`` asks for its data, as it would have.
     """
 
-    def __init__(self, loss_count_fn: Callable[[torch.Tensor], int] | None, reads_inputs: bool,
+    def __init__(self, loss_count_fn: Callable[[torch.Tensor], int] | None, block: range, reads_inputs: bool,
                  reads_targets: bool, read_ahead: bool = True) -> None:
         self.count = loss_count_fn or count_samples
         self.reads_inputs, self.reads_targets = reads_inputs, reads_targets
         self.read_ahead = read_ahead
-        self.block = range(1)
+        self.block = block
         self._datasets: dict[str, Any] = {}
         self._current: tuple[StepKey, StepRead] | None = None
         self._ahead: dict[StepKey, Future] = {}

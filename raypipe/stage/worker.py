@@ -64,7 +64,8 @@ class StageWorker(StageCheckpointing):
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
         self.loss_fn = spec.loss_fn
-        self.data = StageData(spec.loss_count_fn, reads_inputs=self.is_first, reads_targets=self.is_last)
+        self.data = StageData(spec.loss_count_fn, spec.block, reads_inputs=self.is_first,
+                              reads_targets=self.is_last)
         self.store = ActivationStore(Offloader(self.device) if config.offload_activations else None)
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step

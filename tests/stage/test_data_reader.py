@@ -34,8 +34,7 @@ def open_split(path: Path, split: str = "train") -> TokenDataset:
 
 
 def stage_data(path: Path, reads_inputs: bool, reads_targets: bool, block: range, read_ahead: bool) -> StageData:
-    data = StageData(count_divisible_by_three, reads_inputs, reads_targets, read_ahead)
-    data.take_block(block)
+    data = StageData(count_divisible_by_three, block, reads_inputs, reads_targets, read_ahead)
     data.attach(open_split(path), open_split(path, "validation"))
     return data
 
@@ -93,6 +92,6 @@ def test_the_next_step_is_read_while_this_one_runs_and_its_failure_waits_for_its
 
 
 def test_without_a_dataset_the_error_names_the_split(dataset):
-    data = StageData(None, reads_inputs=True, reads_targets=False)
+    data = StageData(None, range(1), reads_inputs=True, reads_targets=False)
     with pytest.raises(RuntimeError, match="no train dataset attached to this stage"):
         data.inputs(0, 0, "train")
