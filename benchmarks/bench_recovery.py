@@ -4,7 +4,8 @@ killed worker takes to heal.
 Two trainers of the tiny LLaMA on 2 stages (p2p executor, AdamW, clip 1.0),
 alternating round by round on one local Ray instance:
 
-* ``snapshot_every=1``: every worker snapshots its state after every step;
+* ``snapshot_every=1``: every worker snapshots its state after every step (copied
+  as it first waits in the next one);
 * ``snapshot_every=0``: no snapshots (a failure would be fatal).
 
 Printed: the per-round step-time ratio of the two (median and min-max), then

@@ -46,12 +46,15 @@ def receive(connection: Connection) -> Any:
 
 class CallServer:
     """Answers ``handler(message)`` for each message of the one connection accepted
-    on ``host`` (a free port, :attr:`address`), on a thread of its own."""
+    on ``host`` (a free port, :attr:`address`), on a thread of its own; ``on_end()``
+    runs on that thread once no call will come any more."""
 
-    def __init__(self, handler: Callable[[Any], Any], host: str, authkey: bytes) -> None:
+    def __init__(self, handler: Callable[[Any], Any], host: str, authkey: bytes,
+                 on_end: Callable[[], None] = lambda: None) -> None:
         self._listener = Listener((host, 0), authkey=authkey)
         self.address: tuple[str, int] = self._listener.address
         self._accepting = True
+        self._on_end = on_end
         self._thread = threading.Thread(target=self._serve, args=(handler,), name="raypipe-calls", daemon=True)
         self._thread.start()
 
@@ -67,6 +70,12 @@ class CallServer:
         return not self._thread.is_alive()
 
     def _serve(self, handler: Callable[[Any], Any]) -> None:
+        try:
+            self._answer(handler)
+        finally:
+            self._on_end()
+
+    def _answer(self, handler: Callable[[Any], Any]) -> None:
         try:
             connection = _without_delay(self._listener.accept())
         except Exception:  # noqa: BLE001 - a connection that failed to authenticate ends the wait
@@ -91,13 +100,15 @@ class AnswersCalls:
 
     _call_server: CallServer | None = None
 
-    def serve_calls(self, method: str, authkey: bytes, previous_end_s: float = 30.0) -> tuple[str, int]:
+    def serve_calls(self, method: str, authkey: bytes, previous_end_s: float = 30.0, *,
+                    on_end: Callable[[], None] = lambda: None) -> tuple[str, int]:
         """Answer ``method``'s calls on a new connection (any previous one ended
-        first); returns the address the driver connects to."""
+        first); returns the address the driver connects to. ``on_end()`` runs once
+        the connection is over (a subclass's hook, not the driver's)."""
         import ray
 
         self.end_calls(previous_end_s)
-        self._call_server = CallServer(getattr(self, method), ray.util.get_node_ip_address(), authkey)
+        self._call_server = CallServer(getattr(self, method), ray.util.get_node_ip_address(), authkey, on_end)
         return self._call_server.address
 
     def end_calls(self, timeout_s: float) -> None:

@@ -16,7 +16,9 @@ What changes against actor tasks is how a step's end is seen:
 
 The calls run on a thread of each worker's own, beside its actor tasks, so a
 snapshot or checkpoint copy submitted between two steps is ordered before the
-next step's commit by a numbered gate (:mod:`raypipe.stage.step_gate`).
+next step's commit by a numbered gate (:mod:`raypipe.stage.step_gate`). That
+lets a snapshot wait for the step too: it is submitted with the next step and
+copied once the stage first waits in it (:meth:`DirectStepExecutor.snapshot_workers`).
 """
 from __future__ import annotations
 
@@ -60,6 +62,24 @@ class DirectStepExecutor(PerStepExecutor):
         for actor in actors:
             self._gate_calls[actor] = self._gate_calls.get(actor, 0) + 1
             actor.open_step_gate.remote(self._gate_calls[actor])
+
+    snapshots_in_next_step = True
+
+    def snapshot_workers(self, actors: list[Any], in_next_step: bool = False) -> list:
+        """With the next step submitted right after, each worker copies its snapshot
+        once that step first waits for a neighbour (stage 0 after its forwards, the
+        others before their first activation arrives), not beside its first forward;
+        the step's commit still waits for it. Over open connections only: a snapshot
+        waiting for a step would hold up the set-up of a new one."""
+        if not in_next_step:
+            return super().snapshot_workers(actors)
+        try:
+            self._connected()
+        except (ray.exceptions.RayError, OSError):  # a worker lost between steps: the step's submit finds out
+            return super().snapshot_workers(actors)
+        refs = [actor.snapshot_at_first_wait.remote(self._gate_calls.get(actor, 0) + 1) for actor in actors]
+        self.before_next_step(actors)
+        return refs
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
         """Start the step (each worker once the calls it must follow have run); a

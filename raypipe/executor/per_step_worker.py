@@ -10,8 +10,11 @@ within milliseconds instead of waiting ``p2p_timeout_s``.
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +24,12 @@ from raypipe.comm.p2p import P2PChannel, rendezvous_address
 from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.step_decision import StageGradStats
+from raypipe.errors import RaypipeError
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.step_gate import StepGate
 from raypipe.stage.worker import StageWorker
+
+logger = logging.getLogger("raypipe")
 
 
 @dataclass
@@ -51,6 +57,10 @@ class PerStepWorker(StageWorker, AnswersCalls):
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
         self._step_gate = StepGate()
+        # how far the driver connection's steps have got to their first wait (see snapshot_at_first_wait);
+        # with no connection no step comes, so nothing waits
+        self._first_waits = StepGate()
+        self._first_waits.open(math.inf)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
                           ops.B: self._backward, ops.SEND_GRAD: self._send_gradient,
@@ -67,7 +77,32 @@ class PerStepWorker(StageWorker, AnswersCalls):
         # buffer left out of the state dict (LLaMA's RoPE tables) is not copied, so it holds no step
         changes_state = ops.F if _saves_buffers(self.layers) else ops.OPTIMIZER_STEP
         self._gated_op = next(index for index, op in enumerate(self._ops) if op.kind == changes_state)
+        self._first_wait_op = first_wait(self._ops, self._gated_op)
         self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
+
+    def serve_calls(self, method: str, authkey: bytes, previous_end_s: float = 30.0, *,
+                    on_end: Callable[[], None] = lambda: None) -> tuple[str, int]:
+        """:meth:`AnswersCalls.serve_calls`; a snapshot waits for this connection's steps
+        only while it is open (once it closes, no step comes to let it go)."""
+        first_waits = self._first_waits = StepGate()
+
+        def ended() -> None:
+            first_waits.open(math.inf)
+            on_end()
+
+        return super().serve_calls(method, authkey, previous_end_s, on_end=ended)
+
+    def snapshot_at_first_wait(self, count: int) -> dict:
+        """:meth:`snapshot`, taken once the step that follows gate call number ``count``
+        first waits for a neighbour (or ends): the copy runs while this stage would
+        idle in the pipeline's bubble, instead of beside its first forward. The step's
+        commit still waits for it (:mod:`raypipe.stage.step_gate`)."""
+        try:
+            self._first_waits.wait(count, self.config.p2p_timeout_s)
+        except RaypipeError:  # no step came: the state is still the one to snapshot
+            logger.warning("raypipe: stage %d's next step did not start within %gs; snapshotting now",
+                           self.stage_index, self.config.p2p_timeout_s)
+        return self.snapshot()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the other stages meet this one (called on stage 0)."""
@@ -94,12 +129,17 @@ class PerStepWorker(StageWorker, AnswersCalls):
         try:
             self._channel.expect_activations(self._received_micro_batches)
             for index, op in enumerate(self._ops):
+                if index == self._first_wait_op and gate is not None:
+                    self._first_waits.open(gate)
                 if index == self._gated_op and gate is not None:
                     self._pass_gate(gate)
                 self._handlers[op.kind](op.micro_batch, state)
         except BaseException as error:
             self._leave_failed_step(error)
             raise
+        finally:
+            if gate is not None:  # a step that failed before its first wait lets its snapshot go too
+                self._first_waits.open(gate)
         return state.report
 
     def open_step_gate(self, count: int) -> None:
@@ -192,6 +232,14 @@ class PerStepWorker(StageWorker, AnswersCalls):
                 traceback.clear_frames(failure.__traceback__)
         self._channel.leave()
         self.abort_step()
+
+
+def first_wait(stage_ops: list[ops.LoweredOp], gated_op: int) -> int:
+    """The index of the op before which a stage first waits for a neighbour (its first
+    receive: stage 0's first gradient, the others' first activation), and no later than
+    ``gated_op`` (which waits for the snapshot); 0 with no receive (a lone stage never idles)."""
+    receives = (index for index, op in enumerate(stage_ops) if op.kind in (ops.RECV_ACT, ops.RECV_GRAD))
+    return min(next(receives, 0), gated_op)
 
 
 def _saves_buffers(layers: torch.nn.Module) -> bool:

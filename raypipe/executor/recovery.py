@@ -6,7 +6,11 @@ of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
 as a task result owned by the driver, so it outlives the worker that made it
 (it stays in its node's object store, or inline in the driver when small), and
 the driver logs the steps run since (their data step, micro-batches and loss
-scale). When a step raises :class:`~raypipe.errors.WorkersFailed`:
+scale). The default executor takes it as the next step starts, each worker
+copying it while it first waits in that step
+(:attr:`~raypipe.executor.base.Executor.snapshots_in_next_step`); a failure
+before it is whole heals from the snapshot before and replays one step more.
+When a step raises :class:`~raypipe.errors.WorkersFailed`:
 
 1. the failed workers are killed, and the step's tasks on the others end
    (they fail once their peers are gone);
@@ -101,6 +105,7 @@ class Recovery:
         self.on_replaced, self.on_recovered = on_replaced, on_recovered
         self.failures: list[str] = []  # each failure event, as the error named it
         self._snapshots: list[Snapshot] = []  # the newest last; the one before kept until a heal needs it
+        self._due: int | None = None  # the committed steps a snapshot is due at, taken as the next step starts
         self._failed: dict[int, str] = {}  # workers to replace before the next step
         self._failed_since: float | None = None
         self._commits = 0  # the steps every worker's state had ended after the last step that returned
@@ -115,15 +120,15 @@ class Recovery:
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self, step: int, first: bool = False) -> None:
-        """Snapshot every worker now (the start of ``step``), keeping the previous
+        """Snapshot every worker at the start of ``step``, keeping the previous
         snapshot until this one is needed whole. ``first``: the state changed
         outside a step (start, a load), so older snapshots are void and this one
-        is waited for."""
+        is waited for; otherwise the next step is submitted right after."""
         if not self.config.snapshot_every:
             return
+        self._due = None
         actors = self.executor.group.actors
-        taken = Snapshot(step, [actor.snapshot.remote() for actor in actors])
-        self.executor.before_next_step(actors)
+        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step=not first))
         self._snapshots = [taken] if first else self._snapshots[-1:] + [taken]
         waited = list(taken.refs)
         if self.keeper is not None:
@@ -139,7 +144,13 @@ class Recovery:
         newest = self._snapshots[-1]
         newest.since.append(logged)  # kept even when a new snapshot follows: it may never complete
         if steps_done - newest.step >= self.config.snapshot_every:
-            self.snapshot(steps_done)
+            self._due = steps_done
+            if not self.executor.snapshots_in_next_step:
+                self._take_due_snapshot()
+
+    def _take_due_snapshot(self) -> None:
+        if self._due is not None:
+            self.snapshot(self._due)
 
     # -- steps ---------------------------------------------------------------
     def run_step(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
@@ -150,6 +161,7 @@ class Recovery:
                     self._heal()
                 elif self.resizer is not None:
                     self._grow()
+                self._take_due_snapshot()
                 return self._run(data_step, batch, loss_scale)
             except WorkersFailed as failure:
                 self._note(failure)

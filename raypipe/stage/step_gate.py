@@ -11,6 +11,12 @@ after them, their results stored). The step waits in :meth:`StepGate.wait`
 before its first op that changes what those calls copy (its commit, or its
 first forward when the layers' state dict holds buffers, which a forward may
 update): a snapshot is copied out while the next step's forward and backward run.
+
+The same numbering runs the other way for a snapshot taken as the next step
+starts (:meth:`~raypipe.executor.per_step_worker.PerStepWorker.snapshot_at_first_wait`):
+the step opens a second gate with its number when it first waits for a
+neighbour, and the snapshot waits for that, so the copy runs in the stage's
+share of the pipeline's bubble.
 """
 from __future__ import annotations
 

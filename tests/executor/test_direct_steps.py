@@ -1,12 +1,14 @@
 """The per-step executor with its calls sent over a connection to each worker
-(step_calls="direct", the default): a step runs on the worker beside its other calls, so a snapshot
-still being copied out when the next step reaches its commit holds that commit
-back (its first forward too when the stage saves buffers), and is the state of
-its own step; a worker killed while its snapshot is being copied out leaves the
-snapshot before it to heal from."""
+(step_calls="direct", the default): a step runs on the worker beside its other calls. The
+snapshot of the state a step starts from is copied once that step first waits for a
+neighbour (stage 0 after its forwards, the last stage before its first activation); one
+still being copied out when the step reaches its commit holds that commit back (its first
+forward too when the stage saves buffers), and is the state of its own step; a worker
+killed while its snapshot is being copied out leaves the snapshot before it to heal from."""
 import copy
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -29,6 +31,20 @@ class SlowToCopy(nn.Linear):
         return super().state_dict(*args, **kwargs)
 
 
+class Stamped(nn.Linear):
+    """A Linear whose state dict carries the time it was taken: when a snapshot was copied."""
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        state[prefix + "copied_at"] = torch.tensor(time.time(), dtype=torch.float64)
+        return state
+
+
+def snapshot_of_step(trainer, step: int, stage: int) -> dict:
+    [taken] = [snapshot for snapshot in trainer._recovery._snapshots if snapshot.step == step]
+    return ray.get(taken.refs[stage])
+
+
 def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_steps_state(ray_cluster):
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4)]
@@ -39,9 +55,7 @@ def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_st
     batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
-        snapshot_after_two = trainer._recovery._snapshots[0]
-        assert snapshot_after_two.step == 2
-        snapshot = ray.get(snapshot_after_two.refs[1])  # stage 1: the slow layer
+        snapshot = snapshot_of_step(trainer, 2, stage=1)  # stage 1: the slow layer
     for x, y in batches[:2]:
         reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
     # stage 1 holds layer 2 at its position 0: the state after step 2, not a mix with step 3
@@ -64,8 +78,8 @@ def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapsho
     batches = random_batches(8, steps=4)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
         losses = [trainer.step(x, y).loss for x, y in batches[:2]]
-        time.sleep(SNAPSHOT_SECONDS / 4)  # stage 1 is copying out its snapshot of step 2
-        os.kill(trainer.workers[1].pid, signal.SIGKILL)
+        # the third step starts, and stage 1 copies out its snapshot of step 2 as it waits for stage 0
+        threading.Timer(SNAPSHOT_SECONDS / 4, os.kill, (trainer.workers[1].pid, signal.SIGKILL)).start()
         healed = trainer.step(*batches[2])
         losses += [healed.loss, trainer.step(*batches[3]).loss]
         assert healed.recovered and len(trainer.failures) == 1, trainer.failures
@@ -76,6 +90,49 @@ def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapsho
                 for x, y in batches]
     assert losses == pytest.approx(expected, rel=1e-5)
     assert_parameters_match(state, reference.state_dict())
+
+
+def test_a_snapshot_is_copied_while_its_stage_first_waits_in_the_next_step(ray_cluster):
+    torch.manual_seed(0)
+    layers = [Stamped(8, 64), nn.Tanh(), Stamped(64, 64), nn.Tanh(), Stamped(64, 4)]
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    reference_optimizer = adamw(reference.parameters())
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, balance=[4, 1])
+    batches = random_batches(16, steps=3)
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
+        losses = [trainer.step(x, y).loss for x, y in batches[:2]]
+        time.sleep(0.5)  # the driver idles between steps: a snapshot taken at the commit would be copied now
+        third_submitted = time.time()
+        third = trainer.step(*batches[2])
+        stamps = [float(snapshot_of_step(trainer, 2, stage)["layers"]["0.copied_at"]) for stage in (0, 1)]
+    events = {stage: [event for event in third.timeline if event.stage == stage] for stage in (0, 1)}
+    last_forward = max(event.end for event in events[0] if event.op == "F")
+    commits = [next(event.start for event in events[stage] if event.op == "optimizer") for stage in (0, 1)]
+    # stage 0 copies in its bubble (after its forwards, waiting for the first gradient), not beside them
+    assert last_forward <= stamps[0] <= commits[0], (stamps, events[0])
+    # the last stage copies as the step starts, while it waits for the first activation
+    assert third_submitted <= stamps[1] <= commits[1], (stamps, third_submitted, events[1])
+    expected = [reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 4)[0]
+                for x, y in batches]
+    assert losses + [third.loss] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_first_wait_is_the_first_receive_and_never_after_the_gated_op():
+    from raypipe.core import lowering, ops
+    from raypipe.core.schedule import make_schedule
+    from raypipe.executor.per_step_worker import first_wait
+
+    for name in ("gpipe", "1f1b"):
+        stages = make_schedule(name, num_stages=3, num_micro_batches=4)
+        for stage, stage_ops in enumerate(stages):
+            lowered = lowering.lower_stage(stage, stage_ops, 3)
+            commit = next(index for index, op in enumerate(lowered) if op.kind == ops.OPTIMIZER_STEP)
+            waits = first_wait(lowered, commit)
+            expected = ops.RECV_GRAD if stage == 0 else ops.RECV_ACT
+            assert lowered[waits].kind == expected and all(op.kind in (ops.F, ops.SEND_ACT) for op in lowered[:waits])
+            assert first_wait(lowered, 0) == 0  # a forward that changes saved state comes first
+    lone = lowering.lower_stage(0, make_schedule("gpipe", num_stages=1, num_micro_batches=2)[0], 1)
+    assert first_wait(lone, len(lone) - 1) == 0  # one stage never waits: as the step starts
 
 
 class Scaled(nn.Module):
@@ -102,7 +159,7 @@ def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(
     batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
-        snapshot = ray.get(trainer._recovery._snapshots[0].refs[1])  # stage 1's, after step 2
+        snapshot = snapshot_of_step(trainer, 2, stage=1)
     for x, y in batches[:2]:
         reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
     expected = {name[2:]: value for name, value in reference.state_dict().items() if name[0] in "234"}
