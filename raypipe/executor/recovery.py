@@ -6,8 +6,8 @@ of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
 as a task result owned by the driver, so it outlives the worker that made it
 (it stays in its node's object store, or inline in the driver when small), and
 the driver logs the steps run since (their data step, micro-batches and loss
-scale). The default executor takes it as the next step starts, each worker
-copying it while it first waits in that step
+scale). On one node the default executor takes it as the next step starts,
+each worker copying it while it first waits in that step
 (:attr:`~raypipe.executor.base.Executor.snapshots_in_next_step`); a failure
 before it is whole heals from the snapshot before and replays one step more.
 When a step raises :class:`~raypipe.errors.WorkersFailed`:
@@ -119,16 +119,16 @@ class Recovery:
         self._last_reports: list | None = None
 
     # -- snapshots ------------------------------------------------------------
-    def snapshot(self, step: int, first: bool = False) -> None:
+    def snapshot(self, step: int, first: bool = False, in_next_step: bool = False) -> None:
         """Snapshot every worker at the start of ``step``, keeping the previous
         snapshot until this one is needed whole. ``first``: the state changed
         outside a step (start, a load), so older snapshots are void and this one
-        is waited for; otherwise the next step is submitted right after."""
+        is waited for. ``in_next_step``: the next step is submitted right after."""
         if not self.config.snapshot_every:
             return
         self._due = None
         actors = self.executor.group.actors
-        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step=not first))
+        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step=in_next_step and not first))
         self._snapshots = [taken] if first else self._snapshots[-1:] + [taken]
         waited = list(taken.refs)
         if self.keeper is not None:
@@ -143,14 +143,18 @@ class Recovery:
             return
         newest = self._snapshots[-1]
         newest.since.append(logged)  # kept even when a new snapshot follows: it may never complete
-        if steps_done - newest.step >= self.config.snapshot_every:
+        if steps_done - newest.step < self.config.snapshot_every:
+            return
+        # a keeper must copy each snapshot off its node before the node may go: taken in the next
+        # step, the one before it would have had only the rest of that step for its copy
+        if self.executor.snapshots_in_next_step and self.keeper is None:
             self._due = steps_done
-            if not self.executor.snapshots_in_next_step:
-                self._take_due_snapshot()
+        else:
+            self.snapshot(steps_done)
 
     def _take_due_snapshot(self) -> None:
         if self._due is not None:
-            self.snapshot(self._due)
+            self.snapshot(self._due, in_next_step=True)
 
     # -- steps ---------------------------------------------------------------
     def run_step(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
