@@ -128,7 +128,7 @@ class Recovery:
             return
         self._due = None
         actors = self.executor.group.actors
-        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step=in_next_step and not first))
+        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step))
         self._snapshots = [taken] if first else self._snapshots[-1:] + [taken]
         waited = list(taken.refs)
         if self.keeper is not None:
