@@ -72,6 +72,8 @@ class Snapshot:
     refs: list
     since: list[LoggedStep] = field(default_factory=list)
     taken_by: list[int] = field(default_factory=list)
+    kept: Any = None  # the keeper's copy of it being made (a task's reference), when workers run off this node
+    copied: bool | None = None  # whether that copy was made; None until it is known
 
     def __post_init__(self) -> None:
         self.taken_by = self.taken_by or list(range(len(self.refs)))
@@ -120,8 +122,8 @@ class Recovery:
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self, step: int, first: bool = False, in_next_step: bool = False) -> None:
-        """Snapshot every worker at the start of ``step``, keeping the previous
-        snapshot until this one is needed whole. ``first``: the state changed
+        """Snapshot every worker at the start of ``step``, keeping the newest whole
+        snapshot until this one is known whole. ``first``: the state changed
         outside a step (start, a load), so older snapshots are void and this one
         is waited for. ``in_next_step``: the next step is submitted right after."""
         if not self.config.snapshot_every:
@@ -129,12 +131,34 @@ class Recovery:
         self._due = None
         actors = self.executor.group.actors
         taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step))
-        self._snapshots = [taken] if first else self._snapshots[-1:] + [taken]
-        waited = list(taken.refs)
         if self.keeper is not None:
-            waited.append(self.keeper.keep.remote(step, *taken.refs))
+            taken.kept = self.keeper.keep.remote(step, *taken.refs)
+        self._snapshots = [taken] if first else self._whole_ones() + [taken]
         if first:
+            waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
             ray.wait(waited, num_returns=len(waited), fetch_local=False)
+
+    def _whole_ones(self) -> list[Snapshot]:
+        """The snapshots a heal may still need: the newest one known to be whole (on its
+        workers' committed steps and, with a keeper, copied off their nodes) and those after."""
+        for position in range(len(self._snapshots) - 1, -1, -1):
+            if self._copied(self._snapshots[position]):
+                return self._snapshots[position:]
+        return self._snapshots
+
+    @staticmethod
+    def _copied(snapshot: Snapshot) -> bool | None:
+        """Whether the keeper's copy of ``snapshot`` was made (True without a keeper;
+        None while it is being made)."""
+        if snapshot.kept is None:
+            return True
+        if snapshot.copied is None and ray.wait([snapshot.kept], timeout=0, fetch_local=False)[0]:
+            try:
+                ray.get(snapshot.kept)
+                snapshot.copied = True
+            except ray.exceptions.RayError:  # a node went before the keeper had its snapshot
+                snapshot.copied = False
+        return snapshot.copied
 
     def committed(self, steps_done: int, logged: LoggedStep) -> None:
         """After a committed step: snapshot when due, else log the step for replay."""
@@ -144,6 +168,10 @@ class Recovery:
         newest = self._snapshots[-1]
         newest.since.append(logged)  # kept even when a new snapshot follows: it may never complete
         if steps_done - newest.step < self.config.snapshot_every:
+            return
+        # while the keeper copies the newest, a new one waits (the steps since are logged): a heal
+        # may need the one before it, so the snapshots pinned on the workers' nodes never pile up
+        if self._copied(newest) is None:
             return
         # a keeper must copy each snapshot off its node before the node may go: taken in the next
         # step, the one before it would have had only the rest of that step for its copy

@@ -8,7 +8,9 @@ the driver's node (no CPU) copies each snapshot into the object store there
 (owned by the keeper; spilled to disk under memory pressure like any object),
 for the two newest snapshots. It costs the driver's node one copy of the
 training state per snapshot kept, and the transfer of each snapshot to it;
-:attr:`~raypipe.PipelineConfig.snapshot_every` spaces them out.
+:attr:`~raypipe.PipelineConfig.snapshot_every` spaces them out, and while the
+keeper copies one the next waits (training does not), so that the one before
+stays until a newer one is safe.
 """
 from __future__ import annotations
 

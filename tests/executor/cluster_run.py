@@ -5,6 +5,7 @@ that started them as JSON; and, on the test's side, starting one in a subprocess
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,7 +14,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import ray
+from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,10 +50,17 @@ def run_on_cluster(out: str, num_nodes: int, body: Callable[[Cluster], dict],
 
 
 def remove_node(cluster: Cluster, node_id: str, wait: bool = True) -> None:
-    """Remove node ``node_id`` abruptly (its raylet and workers killed); with ``wait``,
-    until the GCS declares it dead, so that the next step, not a later one, finds the loss."""
+    """Remove node ``node_id`` abruptly, the way a lost machine goes: its raylet and
+    every worker process killed at once (left alone, workers outlive their raylet by
+    up to a second, and a short step may still finish on them). With ``wait``, until
+    the GCS declares it dead."""
     node = next(node for node in cluster.worker_nodes if node.node_id == node_id)
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    workers = raylet.children(recursive=True)
     cluster.remove_node(node, allow_graceful=False)
+    for worker in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
     deadline = time.monotonic() + 60
     while wait and any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes()):
         assert time.monotonic() < deadline, f"node {node_id} is still alive"
