@@ -20,7 +20,7 @@ class SharedHead(NamedTuple):
     env: dict[str, str]  # with the head's token (Ray's token authentication)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after the deployment tests: an idle head costs the rest CPU
 def ray_head():
     """A real Ray head (`ray start --head`, 2 CPUs) on 127.0.0.1, every port chosen here so
     that it collides with no other Ray instance on the machine, with a token of its own."""

@@ -105,22 +105,25 @@ def start_head(temp_dir: str, env: dict[str, str], ports: dict[str, int], *optio
                                 start_new_session=True)
 
 
-def job_status(url: str, job_id: str, env: dict[str, str]) -> str:
-    script = ("import sys\nfrom ray.job_submission import JobSubmissionClient\n"
-              "print(JobSubmissionClient(sys.argv[1]).get_job_status(sys.argv[2]).value)")
-    done = subprocess.run([sys.executable, "-c", script, url, job_id], env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
+# one process polls (each would otherwise import ray: a second of CPU, taken from the job it waits for)
+_WAIT_FOR_JOB = """
+import sys, time
+from ray.job_submission import JobSubmissionClient
+client, deadline = JobSubmissionClient(sys.argv[1]), time.monotonic() + float(sys.argv[3])
+status = client.get_job_status(sys.argv[2]).value
+while status in ("PENDING", "RUNNING") and time.monotonic() < deadline:
+    time.sleep(1)
+    status = client.get_job_status(sys.argv[2]).value
+print(status)
+"""
 
 
 def wait_for_job(url: str, job_id: str, env: dict[str, str], timeout_s: float) -> tuple[str, str]:
     """The job's final status (or its status after ``timeout_s``) and its logs."""
-    deadline = time.monotonic() + timeout_s
-    status = job_status(url, job_id, env)
-    while status in ("PENDING", "RUNNING") and time.monotonic() < deadline:
-        time.sleep(3)
-        status = job_status(url, job_id, env)
+    done = subprocess.run([sys.executable, "-c", _WAIT_FOR_JOB, url, job_id, str(timeout_s)], env=env,
+                          capture_output=True, text=True, timeout=timeout_s + 60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.stdout.strip().splitlines()[-1]
     logs = subprocess.run([ray_cli(), "job", "logs", "--address", url, job_id], env=env, capture_output=True,
                           text=True, timeout=60).stdout
     return status, logs

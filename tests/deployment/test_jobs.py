@@ -65,22 +65,6 @@ def test_train_tiny_learns_and_writes_its_outputs(dataset, tmp_path):
     assert read_manifest(out / "checkpoints", 30)["extra"]["dataset"]["next_step"] == 30
 
 
-def test_train_tiny_runs_two_replicas_of_two_stages(dataset, tmp_path):
-    # 4 workers on a 2-core machine: the local Ray instance the job starts gets a logical CPU per worker
-    out = tmp_path / "replicas"
-    command = [sys.executable, "jobs/train_tiny.py", "--replicas", "2", "--stages", "2", "--micro-batches", "2",
-               "--steps", "8", "--eval-every", "8", "--out", str(out), "--no-progress", "--data", str(dataset)]
-    done = subprocess.run(command, cwd=REPO, env=_own_ray_env(), capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["final_loss"] < summary["initial_loss"]
-    assert math.isfinite(summary["final_eval_loss"])
-    rows = {event["args"]["name"] for event in json.loads((out / "trace.json").read_text())["traceEvents"]
-            if event["name"] == "process_name"}
-    assert rows == {f"replica {r}, stage {s}" for r in range(2) for s in range(2)}
-    assert latest_checkpoint(out / "checkpoints") == 8
-
-
 # -- ray job submit ... jobs/train_7b.py --preset tiny ---------------------------------------
 
 def test_train_7b_tiny_preset_through_ray_job_submit(ray_head, dataset, tmp_path):
@@ -106,17 +90,24 @@ def test_train_7b_tiny_preset_through_ray_job_submit(ray_head, dataset, tmp_path
     assert summary["pipeline"]["num_stages"] == 2 and summary["pipeline"]["use_gpu"] is False
 
 
-def test_raypipe_train_runs_a_yaml_config(dataset, tmp_path):
+def test_raypipe_train_runs_a_yaml_config_of_two_replicas_of_two_stages(dataset, tmp_path):
     config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
-    config.update(data=str(dataset), steps=3, eval_every=3, progress=False)
+    config.update(data=str(dataset), steps=8, eval_every=8, progress=False)
+    config["pipeline"].update(num_replicas=2, num_micro_batches=2)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
+    # 4 workers on a 2-core machine: the local Ray instance the run starts gets a logical CPU per worker
     completed = subprocess.run([sys.executable, "-m", "raypipe.cli", "train", "--config", str(path), "--out", str(out)],
-                               cwd=REPO, env=_own_ray_env(), capture_output=True, text=True, timeout=300)
+                               cwd=REPO, env=_own_ray_env(), capture_output=True, text=True, timeout=400)
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["final_loss"] < summary["initial_loss"]
+    assert summary["steps"] == 8 and summary["final_loss"] < summary["initial_loss"]
+    assert math.isfinite(summary["final_eval_loss"])
+    rows = {event["args"]["name"] for event in json.loads((out / "trace.json").read_text())["traceEvents"]
+            if event["name"] == "process_name"}
+    assert rows == {f"replica {r}, stage {s}" for r in range(2) for s in range(2)}
+    assert latest_checkpoint(out / "checkpoints") == 8
 
 
 def test_raypipe_train_names_a_bad_config_key(tmp_path):
