@@ -27,11 +27,17 @@ def token_batches(steps=2, batch=6, seq=16):
              torch.randint(0, 64, (batch, seq), generator=generator)) for _ in range(steps)]
 
 
+_RUNS = {}
+
+
 def train(mode, schedule="gpipe"):
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, schedule=schedule, seed=7, **mode)
-    with raypipe.PipelineTrainer(llama_layers(CONFIG), llama_loss, adamw, config) as trainer:
-        results = [trainer.step(x, y) for x, y in token_batches()]
-        return results, trainer.state_dict()
+    """The step results and final state of a run in ``mode`` (each mode run once per module)."""
+    key = (schedule, tuple(sorted(mode.items())))
+    if key not in _RUNS:
+        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, schedule=schedule, seed=7, **mode)
+        with raypipe.PipelineTrainer(llama_layers(CONFIG), llama_loss, adamw, config) as trainer:
+            _RUNS[key] = [trainer.step(x, y) for x, y in token_batches()], trainer.state_dict()
+    return _RUNS[key]
 
 
 @pytest.fixture(scope="module")
