@@ -23,7 +23,8 @@ from raypipe.core.topology import Topology
 from raypipe.errors import NonFiniteError, PlacementError
 from raypipe.executor import make_executor
 from raypipe.executor.elastic import Resizer, layout
-from raypipe.executor.recovery import LoggedStep, Recovered, Recovery
+from raypipe.executor.recovery import Recovered, Recovery
+from raypipe.executor.snapshot import LoggedStep
 from raypipe.models.hf.export import describe_llama
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers
 from raypipe.observability.step_report import build_step_result

@@ -37,8 +37,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
 import ray
 
 from raypipe.config import PipelineConfig
@@ -47,41 +48,10 @@ from raypipe.errors import PlacementError, RaypipeError, TooManyFailures, Worker
 from raypipe.executor.base import Executor, StepOutcome
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
 from raypipe.executor.persisted import PersistedCheckpoints
+from raypipe.executor.snapshot import LoggedStep, Snapshot
 from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
-
-
-@dataclass
-class LoggedStep:
-    """A committed step since the snapshot: what it takes to run it again."""
-
-    data_step: int
-    batch: MicroBatches | None
-    loss_scale: float | None
-
-
-@dataclass
-class Snapshot:
-    """Every worker's state at the start of step ``step`` and the steps since.
-
-    ``taken_by[rank]`` is the position, among the workers snapshotted, of the
-    worker now at ``rank`` (a shrink drops workers and re-numbers the rest)."""
-
-    step: int
-    refs: list
-    since: list[LoggedStep] = field(default_factory=list)
-    taken_by: list[int] = field(default_factory=list)
-    kept: Any = None  # the keeper's copy of it being made (a task's reference), when workers run off this node
-    copied: bool | None = None  # whether that copy was made; None until it is known
-
-    def __post_init__(self) -> None:
-        self.taken_by = self.taken_by or list(range(len(self.refs)))
-
-    def keep_only(self, kept: list[int]) -> None:
-        """Only the workers now at the old ranks ``kept`` remain, in that order."""
-        self.refs = [self.refs[rank] for rank in kept]
-        self.taken_by = [self.taken_by[rank] for rank in kept]
 
 
 @dataclass
@@ -142,23 +112,9 @@ class Recovery:
         """The snapshots a heal may still need: the newest one known to be whole (on its
         workers' committed steps and, with a keeper, copied off their nodes) and those after."""
         for position in range(len(self._snapshots) - 1, -1, -1):
-            if self._copied(self._snapshots[position]):
+            if self._snapshots[position].copied_off_node():
                 return self._snapshots[position:]
         return self._snapshots
-
-    @staticmethod
-    def _copied(snapshot: Snapshot) -> bool | None:
-        """Whether the keeper's copy of ``snapshot`` was made (True without a keeper;
-        None while it is being made)."""
-        if snapshot.kept is None:
-            return True
-        if snapshot.copied is None and ray.wait([snapshot.kept], timeout=0, fetch_local=False)[0]:
-            try:
-                ray.get(snapshot.kept)
-                snapshot.copied = True
-            except ray.exceptions.RayError:  # a node went before the keeper had its snapshot
-                snapshot.copied = False
-        return snapshot.copied
 
     def committed(self, steps_done: int, logged: LoggedStep) -> None:
         """After a committed step: snapshot when due, else log the step for replay."""
@@ -171,7 +127,7 @@ class Recovery:
             return
         # while the keeper copies the newest, a new one waits (the steps since are logged): a heal
         # may need the one before it, so the snapshots pinned on the workers' nodes never pile up
-        if self._copied(newest) is None:
+        if newest.copied_off_node() is None:
             return
         # a keeper must copy each snapshot off its node before the node may go: taken in the next
         # step, the one before it would have had only the rest of that step for its copy
@@ -383,7 +339,7 @@ class Recovery:
         lost = ""
         for position in range(len(self._snapshots) - 1, -1, -1):
             snapshot = self._snapshots[position]
-            for refs in (snapshot.refs, self._kept_copies(snapshot)):
+            for refs in (snapshot.refs, snapshot.kept_copies(self.keeper)):
                 if len(refs) < needed:  # no copies kept
                     continue
                 try:
@@ -410,13 +366,6 @@ class Recovery:
         self.executor.usable = False
         raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); load_checkpoint "
                            "resumes from the newest persisted checkpoint")
-
-    def _kept_copies(self, snapshot: Snapshot) -> list:
-        """The keeper's copies of ``snapshot`` (none without a keeper)."""
-        if self.keeper is None:
-            return []
-        copies = [wrapped[0] for wrapped in ray.get(self.keeper.copies.remote(snapshot.step))]
-        return [copies[position] for position in snapshot.taken_by] if copies else []
 
     def _index(self, worker: tuple[int, int]) -> int:
         replica, stage = worker

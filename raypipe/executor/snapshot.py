@@ -1,0 +1,62 @@
+"""What a heal restores and replays: a snapshot of every worker's state and the
+committed steps logged since it (see :mod:`raypipe.executor.recovery`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from raypipe.core.micro_batches import MicroBatches
+
+
+@dataclass
+class LoggedStep:
+    """A committed step since the snapshot: what it takes to run it again."""
+
+    data_step: int
+    batch: MicroBatches | None
+    loss_scale: float | None
+
+
+@dataclass
+class Snapshot:
+    """Every worker's state at the start of step ``step`` and the steps since.
+
+    ``taken_by[rank]`` is the position, among the workers snapshotted, of the
+    worker now at ``rank`` (a shrink drops workers and re-numbers the rest)."""
+
+    step: int
+    refs: list
+    since: list[LoggedStep] = field(default_factory=list)
+    taken_by: list[int] = field(default_factory=list)
+    kept: Any = None  # the keeper's copy of it being made (a task's reference), when workers run off this node
+    copied: bool | None = None  # whether that copy was made; None until it is known
+
+    def __post_init__(self) -> None:
+        self.taken_by = self.taken_by or list(range(len(self.refs)))
+
+    def keep_only(self, kept: list[int]) -> None:
+        """Only the workers now at the old ranks ``kept`` remain, in that order."""
+        self.refs = [self.refs[rank] for rank in kept]
+        self.taken_by = [self.taken_by[rank] for rank in kept]
+
+    def copied_off_node(self) -> bool | None:
+        """Whether the keeper's copy of this snapshot was made (True without a keeper;
+        None while it is being made)."""
+        if self.kept is None:
+            return True
+        if self.copied is None and ray.wait([self.kept], timeout=0, fetch_local=False)[0]:
+            try:
+                ray.get(self.kept)
+                self.copied = True
+            except ray.exceptions.RayError:  # a node went before the keeper had its snapshot
+                self.copied = False
+        return self.copied
+
+    def kept_copies(self, keeper: Any) -> list:
+        """``keeper``'s copies of this snapshot, by current rank (none without a keeper)."""
+        if keeper is None:
+            return []
+        copies = [wrapped[0] for wrapped in ray.get(keeper.copies.remote(self.step))]
+        return [copies[position] for position in self.taken_by] if copies else []
