@@ -6,10 +6,13 @@ of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
 as a task result owned by the driver, so it outlives the worker that made it
 (it stays in its node's object store, or inline in the driver when small), and
 the driver logs the steps run since (their data step, micro-batches and loss
-scale). On one node the default executor takes it as the next step starts,
-each worker copying it while it first waits in that step
+scale). The default executor takes it as the next step starts, each worker
+copying it while it first waits in that step
 (:attr:`~raypipe.executor.base.Executor.snapshots_in_next_step`); a failure
 before it is whole heals from the snapshot before and replays one step more.
+With workers off the driver's node a keeper copies each snapshot off their
+nodes (:mod:`raypipe.runtime.snapshot_keeper`), and the snapshot before stays
+until that copy is made.
 When a step raises :class:`~raypipe.errors.WorkersFailed`:
 
 1. the failed workers are killed, and the step's tasks on the others end
@@ -129,9 +132,7 @@ class Recovery:
         # may need the one before it, so the snapshots pinned on the workers' nodes never pile up
         if newest.copied_off_node() is None:
             return
-        # a keeper must copy each snapshot off its node before the node may go: taken in the next
-        # step, the one before it would have had only the rest of that step for its copy
-        if self.executor.snapshots_in_next_step and self.keeper is None:
+        if self.executor.snapshots_in_next_step:
             self._due = steps_done
         else:
             self.snapshot(steps_done)
