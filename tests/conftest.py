@@ -23,13 +23,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray instance with 6 logical CPUs (workers take 1 each, up to 3 replicas x 2 stages;
-    the machine has 2 cores)."""
+    the machine has 2 cores), configured as the one raypipe starts itself."""
     import ray
+
+    from raypipe.runtime.cluster import LOCAL_SYSTEM_CONFIG
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # address="local": a head another test (or person) started on this machine is not joined
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level="WARNING",
+                 _system_config=LOCAL_SYSTEM_CONFIG)
     yield ray
     ray.shutdown()
 

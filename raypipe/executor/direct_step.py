@@ -52,7 +52,7 @@ class DirectStepExecutor(PerStepExecutor):
         super().connect(group)
 
     def close(self) -> None:
-        self._teardown()
+        self._teardown(wait=False)  # the workers are killed next: a hung one's call never ends
         super().close()
 
     def before_next_step(self, actors: list[Any]) -> None:
@@ -133,7 +133,7 @@ class DirectStepExecutor(PerStepExecutor):
             self._calls = DirectCalls(actors, "run_step_returning_failure", self.config.p2p_timeout_s)
         return self._calls
 
-    def _teardown(self) -> None:
+    def _teardown(self, wait: bool = True) -> None:
         calls, self._calls = self._calls, None
         if calls is not None:
-            calls.teardown()
+            calls.teardown(wait)

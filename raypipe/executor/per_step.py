@@ -28,11 +28,13 @@ class PerStepExecutor(Executor):
         self._join(group.actors)
 
     def close(self) -> None:
+        """Every worker leaves the group before the trainer kills it; one that has not
+        within ``hang_timeout_s`` is hung (and killed all the same), not waited for."""
         if self.group is None or not self.usable:
             return
         try:
-            ray.get([actor.leave_group.remote() for actor in self.group.actors], timeout=30)
-        except Exception:  # noqa: BLE001 - actors may already be gone at shutdown
+            ray.get([actor.leave_group.remote() for actor in self.group.actors], timeout=self.config.hang_timeout_s)
+        except Exception:  # noqa: BLE001 - actors may already be gone or hung at shutdown
             pass
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:

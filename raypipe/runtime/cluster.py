@@ -13,6 +13,14 @@ from raypipe.config import PipelineConfig
 from raypipe.errors import PlacementError
 from raypipe.runtime.spread import reserve_spread
 
+# A raylet told to kill a worker sends it SIGTERM and waits this long for it to exit before SIGKILL
+# (Ray's kill_worker_timeout_milliseconds, 5000 by default). raypipe kills a stage worker when it
+# hung (a stopped process, or one wedged in a collective): it never exits on its own, and its
+# neighbours' receives from it end only once it is gone, so the wait adds to every such heal. The
+# local instance raypipe starts, the Helm chart (workerKillGraceMs) and clusters/*.yaml set 1 s.
+WORKER_KILL_GRACE_MS = 1000
+LOCAL_SYSTEM_CONFIG = {"kill_worker_timeout_milliseconds": WORKER_KILL_GRACE_MS}
+
 
 def connect(address: str | None, num_workers_cpus: float = 0) -> None:
     """Use the connected cluster; else ``address`` / RAY_ADDRESS; else start a local one.
@@ -28,7 +36,7 @@ def connect(address: str | None, num_workers_cpus: float = 0) -> None:
         # "local", not None: None would join whatever cluster this machine last started (Ray's
         # address file), which refuses num_cpus; RAY_ADDRESS=auto asks for that one
         ray.init(address="local", include_dashboard=False, logging_level="WARNING",
-                 num_cpus=max(os.cpu_count() or 1, math.ceil(num_workers_cpus)))
+                 num_cpus=max(os.cpu_count() or 1, math.ceil(num_workers_cpus)), _system_config=LOCAL_SYSTEM_CONFIG)
     else:
         ray.init(address=address, include_dashboard=False, logging_level="WARNING")
 

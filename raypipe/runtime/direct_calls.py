@@ -80,15 +80,17 @@ class DirectCalls:
                 values.append(CallsBroken(rank, error if str(error) else EOFError("the connection was closed")))
         return values
 
-    def teardown(self) -> None:
-        """Close every connection, then wait for each live worker's call to end
-        (a dead worker's wait fails at once; an unreachable one's is given up after
-        ``end_timeout_s``); idempotent."""
+    def teardown(self, wait: bool = True) -> None:
+        """Close every connection, then (with ``wait``) wait for each live worker's
+        call to end (a dead worker's wait fails at once; an unreachable one's is given
+        up after ``end_timeout_s``); idempotent."""
         if not self._open:
             return
         self._open = False
         for connection in self._connections:
             connection.close()
+        if not wait:
+            return
         ended = [actor.end_calls.remote(self._end_timeout_s) for actor in self.actors]
         done, _ = ray.wait(ended, num_returns=len(ended), timeout=self._end_timeout_s + 5, fetch_local=False)
         for reference in done:

@@ -90,21 +90,27 @@ def test_cloud_clusters_have_8_gpu_h100_workers_that_install_raypipe(
     assert "--dashboard-host=127.0.0.1" in head_start
 
 
+def ray_start_env(commands: list[str], start: str) -> dict[str, str]:
+    """The environment given to the one ``ray start ...`` command of ``commands``."""
+    (command,) = [part for command in commands for part in command.split(";") if start in part]
+    words = shlex.split(command)
+    ray_at = words.index("ray")
+    assert " ".join(words[ray_at:]).startswith(start)
+    return dict(word.split("=", 1) for word in words[:ray_at])
+
+
 @pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
-def test_cloud_heads_declare_a_lost_node_dead_as_the_helm_chart_does(name: str) -> None:
-    """The GCS reads RAY_health_check_* from the environment of `ray start --head`."""
+def test_cloud_nodes_declare_a_lost_node_dead_and_kill_hung_workers_as_the_helm_chart_does(name: str) -> None:
+    """The GCS reads RAY_health_check_* from the environment of `ray start --head`; every
+    node's raylet reads RAY_kill_worker_timeout_milliseconds from its `ray start`'s."""
     config = ray_validated(by_name(name))
-    (start,) = [part for command in config["head_start_ray_commands"] for part in command.split(";")
-                if "ray start --head" in part]
-    words = shlex.split(start)
-    head_start = words.index("ray")
-    assert words[head_start:head_start + 3] == ["ray", "start", "--head"]
-    env = dict(word.split("=", 1) for word in words[:head_start])
     chart = yaml.safe_load((CLUSTERS_DIR.parent / "helm" / "raypipe" / "values.yaml").read_text())
-    check = chart["head"]["nodeHealthCheck"]
-    assert env == {"RAY_health_check_period_ms": str(check["periodMs"]),
-                   "RAY_health_check_timeout_ms": str(check["timeoutMs"]),
-                   "RAY_health_check_failure_threshold": str(check["failureThreshold"])}
+    check, kill = chart["head"]["nodeHealthCheck"], {"RAY_kill_worker_timeout_milliseconds": str(
+        chart["workerKillGraceMs"])}
+    assert ray_start_env(config["head_start_ray_commands"], "ray start --head") == {
+        "RAY_health_check_period_ms": str(check["periodMs"]), "RAY_health_check_timeout_ms": str(check["timeoutMs"]),
+        "RAY_health_check_failure_threshold": str(check["failureThreshold"]), **kill}
+    assert ray_start_env(config["worker_start_ray_commands"], "ray start --address") == kill
 
 
 def header_command(path: Path) -> list[str]:

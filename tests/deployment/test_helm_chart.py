@@ -331,24 +331,30 @@ def test_a_rerun_resumes_from_checkpoints_at_the_chosen_cadence(chart) -> None:
     assert "--no-resume" in flags and "--resume" not in flags
 
 
-def test_the_head_declares_a_lost_node_dead_as_configured(chart) -> None:
-    """Ray's GCS (on the head) reads RAY_health_check_*; the user's env still comes after and wins."""
+def test_the_head_declares_a_lost_node_dead_and_every_node_kills_hung_workers_as_configured(chart) -> None:
+    """Ray's GCS (on the head) reads RAY_health_check_*, every raylet RAY_kill_worker_timeout_milliseconds;
+    the user's env still comes after and wins."""
     expected = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",
-                "RAY_health_check_failure_threshold": "5"}
+                "RAY_health_check_failure_threshold": "5", "RAY_kill_worker_timeout_milliseconds": "1000"}
     for manifests in (render(chart), render(chart, {"rayCluster": {"enabled": True}})):
         for cluster in ray_clusters(manifests):
             env = {e["name"]: e["value"] for e in head_container(cluster)["env"]}
             assert expected.items() <= env.items()
+            (group,) = cluster["workerGroupSpecs"]
+            assert {e["name"]: e["value"] for e in group["template"]["spec"]["containers"][0]["env"]} == {
+                "RAY_kill_worker_timeout_milliseconds": "1000"}
     overrides = {"head": {"nodeHealthCheck": {"periodMs": 500, "timeoutMs": 2000, "failureThreshold": 3}},
-                 "env": [{"name": "AWS_REGION", "value": "us-west-2"}]}
+                 "workerKillGraceMs": 300, "env": [{"name": "AWS_REGION", "value": "us-west-2"}]}
     cluster = only(render(chart, overrides), "RayJob")["spec"]["rayClusterSpec"]
     assert head_container(cluster)["env"] == [
         {"name": "RAY_health_check_period_ms", "value": "500"},
         {"name": "RAY_health_check_timeout_ms", "value": "2000"},
         {"name": "RAY_health_check_failure_threshold", "value": "3"},
+        {"name": "RAY_kill_worker_timeout_milliseconds", "value": "300"},
         {"name": "AWS_REGION", "value": "us-west-2"}]
     (group,) = cluster["workerGroupSpecs"]
-    assert group["template"]["spec"]["containers"][0]["env"] == [{"name": "AWS_REGION", "value": "us-west-2"}]
+    assert group["template"]["spec"]["containers"][0]["env"] == [
+        {"name": "RAY_kill_worker_timeout_milliseconds", "value": "300"}, {"name": "AWS_REGION", "value": "us-west-2"}]
 
 
 def test_large_step_counts_render_as_integers(chart) -> None:
@@ -641,6 +647,8 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
                      id="negative-checkpoint-cadence"),
         pytest.param({"head": {"nodeHealthCheck": {"periodMs": 0}}}, helm_python.HelmValuesError,
                      "/head/nodeHealthCheck/periodMs", id="zero-health-check-period"),
+        pytest.param({"workerKillGraceMs": -1}, helm_python.HelmValuesError, "/workerKillGraceMs",
+                     id="negative-worker-kill-grace"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_them(chart, values, error, message) -> None:

@@ -1,4 +1,4 @@
-"""What the multi-node runs (node_loss_run.py, elastic_run.py, repartition_run.py)
+"""What the multi-node runs (lost_nodes_run.py and its parts; spread_run.py)
 share: their own ``ray.cluster_utils.Cluster`` with fast node-death detection,
 removing a node the way a lost machine goes, and handing results to the test
 that started them as JSON; and, on the test's side, starting one in a subprocess.
@@ -19,11 +19,15 @@ import ray
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
+from raypipe.runtime.cluster import WORKER_KILL_GRACE_MS
+
 REPO = Path(__file__).resolve().parents[2]
 
-# the GCS declares a lost node dead after ~2 s instead of ~15 s (read when the cluster's GCS starts)
+# the GCS declares a lost node dead after ~2 s instead of ~15 s (read when the cluster's GCS starts),
+# and every raylet SIGKILLs a worker it was told to kill after raypipe's grace, as deployed
 FAST_HEALTH_CHECKS = {"RAY_health_check_initial_delay_ms": "0", "RAY_health_check_period_ms": "500",
-                      "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+                      "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                      "RAY_kill_worker_timeout_milliseconds": str(WORKER_KILL_GRACE_MS)}
 
 
 def run_on_cluster(out: str, num_nodes: int, body: Callable[[Cluster], dict],

@@ -222,6 +222,13 @@ settings, read by the GCS on the head. */}}
   value: {{ int $check.failureThreshold | quote }}
 {{- end }}
 
+{{/* How long a raylet waits for a worker it kills to exit before SIGKILL (workerKillGraceMs):
+Ray's RAY_kill_worker_timeout_milliseconds, read by the raylet of every node. */}}
+{{- define "raypipe.workerKillEnv" -}}
+- name: RAY_kill_worker_timeout_milliseconds
+  value: {{ int .Values.workerKillGraceMs | quote }}
+{{- end }}
+
 {{/* Volumes of a Ray pod; the argument is (dict "root" $ "shmSize" size). */}}
 {{- define "raypipe.volumes" -}}
 volumes:
@@ -291,7 +298,7 @@ headGroupSpec:
       {{- with include "raypipe.scheduling" .Values.head | trim }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: ray-head
-          {{- include "raypipe.containerCommon" (dict "root" . "env" (include "raypipe.nodeHealthCheckEnv" . | fromYamlArray)) | nindent 10 }}
+          {{- include "raypipe.containerCommon" (dict "root" . "env" (concat (include "raypipe.nodeHealthCheckEnv" . | fromYamlArray) (include "raypipe.workerKillEnv" . | fromYamlArray))) | nindent 10 }}
           ports:
             - name: gcs-server
               containerPort: 6379
@@ -322,7 +329,7 @@ workerGroupSpecs:
         {{- with include "raypipe.scheduling" $w | trim }}{{ . | nindent 8 }}{{ end }}
         containers:
           - name: ray-worker
-            {{- include "raypipe.containerCommon" (dict "root" . "env" list) | nindent 12 }}
+            {{- include "raypipe.containerCommon" (dict "root" . "env" (include "raypipe.workerKillEnv" . | fromYamlArray)) | nindent 12 }}
             ports:
               - name: metrics
                 containerPort: 8080
