@@ -1,6 +1,6 @@
-"""An elastic run that loses a node and gets one back, in its own multi-node
-Ray cluster (run by tests/executor/test_elastic.py in a subprocess):
-``python -m tests.executor.elastic_run OUT.json``.
+"""An elastic run that loses a node and gets one back, in a multi-node Ray
+cluster (the first part of lost_nodes_run.py; alone:
+``python -m tests.executor.elastic_run OUT.json``).
 
 ``ray.cluster_utils.Cluster``: a head with no CPUs (the driver's node) and four
 1-CPU worker nodes, so ``num_replicas=(1, 2)`` of two stages fills every node.

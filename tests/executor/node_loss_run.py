@@ -1,6 +1,6 @@
-"""A run that loses a node, in its own multi-node Ray cluster (run by
-tests/executor/test_node_loss.py in a subprocess): ``python -m
-tests.executor.node_loss_run OUT.json``.
+"""A run that loses a node, in a multi-node Ray cluster (run by
+lost_nodes_run.py, after the elastic run, on its cluster; alone: ``python -m
+tests.executor.node_loss_run OUT.json``).
 
 ``ray.cluster_utils.Cluster``: a head with no CPUs (the driver's node) and
 three 1-CPU worker nodes, so the two stages sit on two nodes and the third is

@@ -1,6 +1,6 @@
-"""A one-replica run that loses a node with no spare, in its own multi-node Ray
-cluster (run by tests/executor/test_elastic.py in a subprocess):
-``python -m tests.executor.repartition_run OUT.json``.
+"""A one-replica run that loses a node with no spare, in a multi-node Ray
+cluster (the last part of lost_nodes_run.py; alone:
+``python -m tests.executor.repartition_run OUT.json``).
 
 ``ray.cluster_utils.Cluster``: a head with no CPUs (the driver's node) and two
 1-CPU worker nodes, one stage on each. Before step 2 the node of stage 1 is

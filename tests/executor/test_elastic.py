@@ -1,9 +1,8 @@
 """Elastic runs: between min and max replicas, the same numbers as one process
 on the same global batches.
 
-The multi-node test runs its own ``ray.cluster_utils.Cluster`` in a subprocess
-(elastic_run.py): a node lost with no room for a replacement shrinks the run,
-a node added grows it back, and every step returns."""
+On one node here; with nodes lost and added (a multi-node
+``ray.cluster_utils.Cluster``), see test_lost_nodes.py."""
 import time
 
 import pytest
@@ -13,34 +12,7 @@ from torch import nn
 
 import raypipe
 
-from tests.executor.cluster_run import run_in_subprocess
 from tests.reference import adamw, assert_mlp_run_matches_one_process, make_mlp, random_batches
-
-
-def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back(tmp_path):
-    run = run_in_subprocess("tests.executor.elastic_run", tmp_path / "elastic.json", timeout_s=480)
-    replicas = run["num_replicas"]
-    assert run["replicas_at_start"] == 2 and replicas[:2] == [2, 2]
-    assert replicas[2] == 1 and run["recovered"][2]  # the lost node's step returned, on one replica
-    assert replicas[3] == 1 and replicas[-3:] == [2, 2, 2]  # ... and the added node brought the second back
-    assert [direction for _, direction, _ in run["resizes"]] == ["shrink", "grow"]
-    assert len(run["failures"]) == 1  # the shrink is one failure event
-    assert sorted(run["nodes_at_end"]) != sorted(run["nodes_at_start"])
-    assert_mlp_run_matches_one_process(run["losses"], run["state"], 12, 4, clip_grad_norm=0.5)
-    print(f"node loss to the step done on 1 replica: {run['shrink_seconds']:.1f} s; node added to the first step "
-          f"on 2 replicas: {run['grow_seconds']:.1f} s")
-
-
-def test_a_pipeline_with_no_room_for_a_stage_goes_on_with_fewer_stages(tmp_path):
-    run = run_in_subprocess("tests.executor.repartition_run", tmp_path / "repartition.json", timeout_s=420)
-    assert run["balance_at_start"] == [3, 4] and run["balance_at_end"] == [7]
-    assert run["workers_at_end"] == [[0, 0]]
-    assert run["recovered"] == [False, False, True, False, False]  # no step lost
-    assert run["resizes"] == [[2, "repartition", 1]]
-    assert 'raypipe_resizes_total{direction="repartition"} 1.0' in run["metrics"]
-    assert "re-partitioned onto 1 stage(s)" in run["sources"][0]
-    assert len(run["losses"]) == 5
-    assert_mlp_run_matches_one_process(run["losses"], run["state"], 8, 2, clip_grad_norm=0.5)
 
 
 def run_steps(trainer, batches, record):

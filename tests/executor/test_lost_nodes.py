@@ -1,0 +1,59 @@
+"""Lost nodes: a worker is replaced on a spare node bitwise, a run with no room
+for a replacement shrinks and grows back when a node is added, and a pipeline
+with no room for a stage goes on with fewer stages.
+
+The three runs share one multi-node ``ray.cluster_utils.Cluster``, run once in
+a subprocess (lost_nodes_run.py: elastic_run.py, node_loss_run.py and
+repartition_run.py in turn); each test checks its part."""
+import pytest
+
+from tests.executor.cluster_run import run_in_subprocess
+from tests.reference import assert_mlp_run_matches_one_process
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lost_nodes") / "lost_nodes.json"
+    return run_in_subprocess("tests.executor.lost_nodes_run", out, timeout_s=900)
+
+
+def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back(runs):
+    run = runs["elastic"]
+    replicas = run["num_replicas"]
+    assert run["replicas_at_start"] == 2 and replicas[:2] == [2, 2]
+    assert replicas[2] == 1 and run["recovered"][2]  # the lost node's step returned, on one replica
+    assert replicas[3] == 1 and replicas[-3:] == [2, 2, 2]  # ... and the added node brought the second back
+    assert [direction for _, direction, _ in run["resizes"]] == ["shrink", "grow"]
+    assert len(run["failures"]) == 1  # the shrink is one failure event
+    assert sorted(run["nodes_at_end"]) != sorted(run["nodes_at_start"])
+    assert_mlp_run_matches_one_process(run["losses"], run["state"], 12, 4, clip_grad_norm=0.5)
+    print(f"node loss to the step done on 1 replica: {run['shrink_seconds']:.1f} s; node added to the first step "
+          f"on 2 replicas: {run['grow_seconds']:.1f} s")
+
+
+def test_a_lost_node_is_replaced_on_a_spare_one_bitwise(runs):
+    uninterrupted, lost = runs["node_loss"]["uninterrupted"], runs["node_loss"]["lost"]
+    stage0, stage1 = lost["nodes_before"]
+    assert stage0 != stage1 and runs["head"] not in (stage0, stage1)  # a stage per worker node
+    assert stage1 not in runs["node_loss"]["alive_nodes"]  # the node is gone ...
+    assert lost["nodes_after"][0] == stage0  # ... stage 0 stayed where it was ...
+    assert lost["nodes_after"][1] not in (stage0, stage1, runs["head"])  # ... stage 1 moved to a spare node
+    assert len(lost["failures"]) == 1 and "replica 0 stage 1" in lost["failures"][0], lost["failures"]
+    # the keeper never copied step 1's snapshot, so step 2's was not taken (a new one waits for the
+    # copy of the one before) and the keeper's copy of step 0's was still there to heal from
+    assert lost["healed_from"] == [["snapshot of step 0", 2]], lost["healed_from"]
+    assert lost["losses"] == uninterrupted["losses"]  # no step lost, none redone differently
+    assert lost["state"] == uninterrupted["state"]  # bitwise (floats compared exactly)
+    print(f"node loss to step done: {lost['seconds']:.1f} s")
+
+
+def test_a_pipeline_with_no_room_for_a_stage_goes_on_with_fewer_stages(runs):
+    run = runs["repartition"]
+    assert run["balance_at_start"] == [3, 4] and run["balance_at_end"] == [7]
+    assert run["workers_at_end"] == [[0, 0]]
+    assert run["recovered"] == [False, False, True, False, False]  # no step lost
+    assert run["resizes"] == [[2, "repartition", 1]]
+    assert 'raypipe_resizes_total{direction="repartition"} 1.0' in run["metrics"]
+    assert "re-partitioned onto 1 stage(s)" in run["sources"][0]
+    assert len(run["losses"]) == 5
+    assert_mlp_run_matches_one_process(run["losses"], run["state"], 8, 2, clip_grad_norm=0.5)
