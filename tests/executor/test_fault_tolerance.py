@@ -14,7 +14,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import psutil
 import pytest
 import ray
 import torch
@@ -23,6 +22,7 @@ from torch import nn
 import raypipe
 from raypipe.errors import TooManyFailures
 from tests.executor.test_nonfinite import halving
+from tests.processes import seconds_until_gone
 from tests.reference import adamw, assert_bitwise_equal, checkpoint_state, make_mlp, random_batches
 
 STEPS, BATCH = 7, 12
@@ -138,10 +138,7 @@ def test_a_trainer_with_a_hung_worker_shuts_down_within_its_hang_timeout(ray_clu
         start = time.monotonic()
         trainer.shutdown()
         assert time.monotonic() - start < config().hang_timeout_s + 10
-        deadline = time.monotonic() + 10  # SIGKILLed after the raylet's grace (1 s)
-        while psutil.pid_exists(hung) and psutil.Process(hung).status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, "the hung worker outlived its trainer"
-            time.sleep(0.05)
+        seconds_until_gone(hung)  # SIGKILLed after the raylet's grace (1 s)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGKILL)

@@ -7,14 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from raypipe.runtime.cluster import WORKER_KILL_GRACE_MS
 
 REPO = Path(__file__).resolve().parents[2]
 
 HUNG_WORKER = """
-import os, signal, time
-import psutil, ray
+import os, signal
+import ray
 from raypipe.runtime import cluster
+from tests.processes import seconds_until_gone
 
 cluster.connect(None, 1)
 
@@ -26,14 +29,8 @@ class Hung:
 actor = Hung.remote()
 pid = ray.get(actor.pid.remote())
 os.kill(pid, signal.SIGSTOP)
-killed_at = time.monotonic()
 ray.kill(actor)
-try:
-    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        time.sleep(0.02)
-except psutil.NoSuchProcess:
-    pass
-print(time.monotonic() - killed_at)
+print(seconds_until_gone(pid))
 ray.shutdown()
 """
 
@@ -46,3 +43,10 @@ def test_the_local_instance_kills_a_hung_worker_within_its_grace():
     seconds = float(done.stdout.strip().splitlines()[-1])
     # SIGKILL at the grace (1 s); Ray's default grace would be 5 s
     assert WORKER_KILL_GRACE_MS / 1000 <= seconds < 3.0, seconds
+
+
+def test_the_helm_chart_and_cluster_files_set_the_same_grace():
+    """One grace wherever raypipe deploys Ray (the cluster files are checked against the chart
+    in tests/deployment/test_clusters.py)."""
+    chart = yaml.safe_load((REPO / "helm" / "raypipe" / "values.yaml").read_text())
+    assert chart["workerKillGraceMs"] == WORKER_KILL_GRACE_MS
