@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 # environment would ignore the constraints and take whatever setuptools is newest.
 python -m pip install --quiet -c constraints.txt torch setuptools
 python -m pip install --quiet --no-build-isolation -c constraints.txt -e ".[test]"
+# and fail if anything raypipe[test] needs is unpinned or at another version (a dependency
+# added to pyproject.toml without re-locking)
+python scripts/check_pins.py
 
 # Prometheus (Debian's package) for the metrics integration test
 if ! command -v prometheus >/dev/null 2>&1; then
