@@ -45,6 +45,12 @@ def prepare_data(path: Path) -> None:
     prepare(path, seq_len=get_config("tiny").max_seq_len)
 
 
+def add_data_argument(parser: argparse.ArgumentParser) -> None:
+    """``--data``: the job's corpus, prepared (by :func:`prepare_data`) where the benchmarks share it."""
+    parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "raypipe_bench_stdlib",
+                        help="prepared dataset (prepared here first if missing)")
+
+
 def run_job(args: argparse.Namespace, contender: str, out: Path) -> float:
     """One run of the job; its tokens/s."""
     command = [sys.executable, "jobs/train_tiny.py", "--steps", str(args.steps), "--eval-every", "0",
@@ -61,8 +67,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4, help="runs per contender (default 4)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
-    parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "raypipe_bench_stdlib",
-                        help="prepared dataset (prepared here first if missing)")
+    add_data_argument(parser)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
     parser.add_argument("job_args", nargs="*", help="more flags for the job, after --")
     return parser.parse_args()

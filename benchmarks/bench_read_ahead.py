@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from alternate import add_round_arguments, command_line, print_table, run_rounds, spread
-from bench_job_throughput import prepare_data
+from bench_job_throughput import add_data_argument, prepare_data
 from raypipe.data import TokenDataset
 from raypipe.models.layers import build_layer
 from raypipe.models.llama import llama_layers, llama_loss
@@ -62,8 +61,7 @@ def run_steps(model: torch.nn.Module, path: Path, read_ahead: bool, steps: int) 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_round_arguments(parser, rounds=8, steps=10, warmup=1)  # --warmup counts whole untimed runs here
-    parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "raypipe_bench_stdlib",
-                        help="prepared dataset (prepared here first if missing)")
+    add_data_argument(parser)
     return parser.parse_args()
 
 

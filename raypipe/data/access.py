@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from raypipe.data.cache import CACHE_ENV
 from raypipe.data.shards import MANIFEST
 from raypipe.errors import DataAccessError
 from raypipe.filesystem import filesystem_for
@@ -49,6 +50,26 @@ def probe(uri: str) -> Probe:
         return Probe(manifest_digest(uri), None)
     except Exception as error:  # noqa: BLE001 - any failure to read is the answer, reported by the driver
         return Probe(None, f"{type(error).__name__}: {error}")
+
+
+def probe_here(uris: list[str]) -> dict:
+    """What a reading worker reports before step 0: its node, what it finds at each
+    dataset path, and why it could not keep decoded shards on its disk (or None)."""
+    import ray
+
+    from raypipe.data.decoded import writable_problem
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "probes": {uri: vars(probe(uri)) for uri in uris}, "decoded_problem": writable_problem()}
+
+
+def check_decoded_cache(uris: list[str], where: Where, problem: str | None) -> None:
+    """Refuse a reader that cannot write decoded shards where it runs (``problem`` from :func:`probe_here`)."""
+    if problem is not None:
+        raise DataAccessError(", ".join(uris), where, problem,
+                              f"Readers keep each decoded shard on their node's disk (about 2 bytes per token): set "
+                              f"{CACHE_ENV} to a writable local directory with room for the dataset in the workers' "
+                              "environment")
 
 
 def is_local(uri: str) -> bool:

@@ -1,19 +1,16 @@
 """TokenDataset: deterministic, resumable batches of a prepared split."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from raypipe.data.shards import SPLITS, decode_rows, read_file, read_manifest, verify_shard, verify_split_files
+from raypipe.data.decoded import open_decoded
+from raypipe.data.shards import (SPLITS, check_vocabulary, decode_rows, read_file, read_manifest, verify_shard,
+                                 verify_split_files)
 from raypipe.filesystem import filesystem_for
-
-# Shipped shards come from the object store; a reader keeps this many decoded
-# ones, fetching the others again when a micro-batch needs them.
-SHIPPED_SHARDS_HELD = 2
 
 
 class TokenDataset:
@@ -29,14 +26,17 @@ class TokenDataset:
 
     Opening checks the manifest, and the checksum and schema of every shard
     of the split; token ids are checked against ``vocab_size`` (default: the
-    manifest's) when a shard is first loaded. The object is small to pickle:
-    loaded shards are a per-process cache, rebuilt lazily after unpickling. A
-    local ``path`` is made absolute here, so every process that gets the object
-    reads the same path, whatever its working directory.
+    manifest's) when a process first reads a shard. A shard is decoded once per
+    node, into a file memory-mapped by every reader there (see
+    :mod:`raypipe.data.decoded`), so a reader's memory does not grow with the
+    split. The object is small to pickle: its mapped shards are rebuilt lazily
+    after unpickling. A local ``path`` is made absolute here, so every process
+    that gets the object reads the same path, whatever its working directory.
 
     A *shipped* copy (:func:`raypipe.data.shipping.ship`) reads the shard files'
     bytes from Ray's object store instead of the filesystem, for workers on
-    nodes that cannot open the driver's local path.
+    nodes that cannot open the driver's local path; each is fetched once per
+    node, when its decoded copy is first written.
     """
 
     def __init__(
@@ -78,12 +78,12 @@ class TokenDataset:
         self._reset_caches()
 
     def _reset_caches(self) -> None:
-        self._loaded: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._mapped: dict[int, np.ndarray] = {}  # shard index -> its decoded rows, memory-mapped
         self._permutation: tuple[int, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_loaded"], state["_permutation"]
+        del state["_mapped"], state["_permutation"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -165,28 +165,32 @@ class TokenDataset:
         return out
 
     def _shard(self, index: int) -> np.ndarray:
-        if index in self._loaded:
-            self._loaded.move_to_end(index)
-            return self._loaded[index]
-        shard = self.shards[index]
-        path, data = self._shard_bytes(index)
-        verify_shard(path, data, shard, self.seq_len + 1)
-        self._loaded[index] = decode_rows(path, data, self.seq_len + 1, self.vocab_size)
-        if self.shipped_shards is not None and len(self._loaded) > SHIPPED_SHARDS_HELD:
-            self._loaded.popitem(last=False)  # least recently used
-        return self._loaded[index]
+        if index not in self._mapped:
+            source = self._source(index)
+            tokens = open_decoded(self.shards[index]["sha256"], self.seq_len + 1, lambda: self._decode(index), source)
+            check_vocabulary(source, tokens, self.vocab_size)  # another reader may have decoded it for another model
+            self._mapped[index] = tokens
+        return self._mapped[index]
 
-    def _shard_bytes(self, index: int) -> tuple[str, Any]:
-        """Where shard ``index`` comes from, and its file's bytes."""
+    def _decode(self, index: int) -> np.ndarray:
+        """Shard ``index`` read from its source, checked against the manifest, decoded."""
+        source = self._source(index)
         if self.shipped_shards is not None:
             import pyarrow as pa
             import ray
 
-            return f"{self.uri}/{self.shards[index]['file']} (shipped)", pa.py_buffer(
-                ray.get(self.shipped_shards[index]))
-        filesystem, base = filesystem_for(self.uri)
-        path = f"{base}/{self.shards[index]['file']}"
-        return path, read_file(filesystem, path)
+            data = pa.py_buffer(ray.get(self.shipped_shards[index]))
+        else:
+            data = read_file(filesystem_for(self.uri)[0], source)
+        verify_shard(source, data, self.shards[index], self.seq_len + 1)
+        return decode_rows(source, data, self.seq_len + 1, self.vocab_size)
+
+    def _source(self, index: int) -> str:
+        """Shard ``index``'s file (the path it is read from, unless shipped), as errors name it."""
+        name = self.shards[index]["file"]
+        if self.shipped_shards is not None:
+            return f"{self.uri}/{name} (shipped)"
+        return f"{filesystem_for(self.uri)[1]}/{name}"
 
     def __repr__(self) -> str:
         return (

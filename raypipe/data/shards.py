@@ -110,14 +110,18 @@ def decode_rows(path: str, data: pa.Buffer, row_length: int, vocab_size: int) ->
         position = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
         raise ValueError(f"shard {path} row {position // row_length} has a null token")
     tokens = values.to_numpy(zero_copy_only=False).reshape(-1, row_length)
-    bad = np.flatnonzero(((tokens < 0) | (tokens >= vocab_size)).any(axis=1))
-    if bad.size:
-        row = int(bad[0])
-        token = int(tokens[row][(tokens[row] < 0) | (tokens[row] >= vocab_size)][0])
-        raise ValueError(
-            f"shard {path} row {row} holds token id {token}, outside the vocabulary [0, {vocab_size})"
-        )
+    check_vocabulary(path, tokens, vocab_size)
     return tokens.astype(np.int32, copy=False)
+
+
+def check_vocabulary(path: str, tokens: np.ndarray, vocab_size: int) -> None:
+    """Every token id of ``tokens`` (a shard's rows) in ``[0, vocab_size)``; else the first bad row is named."""
+    if tokens.size == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size):
+        return
+    bad = np.flatnonzero(((tokens < 0) | (tokens >= vocab_size)).any(axis=1))
+    row = int(bad[0])
+    token = int(tokens[row][(tokens[row] < 0) | (tokens[row] >= vocab_size)][0])
+    raise ValueError(f"shard {path} row {row} holds token id {token}, outside the vocabulary [0, {vocab_size})")
 
 
 def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from raypipe.data.access import DIRECT, Probe, Where, check_ship_size, decide, manifest_digest
+from raypipe.data.access import DIRECT, Probe, Where, check_decoded_cache, check_ship_size, decide, manifest_digest
 from raypipe.data.shipping import ship, shard_bytes
 from raypipe.errors import DataAccessError
 
@@ -35,6 +35,7 @@ def datasets_for_readers(readers: Sequence[tuple[int, int, Any]], datasets: Sequ
     cannot_open: list[set[str]] = []  # per reader: the local paths it cannot open (any other problem raised)
     for (replica, stage, _), report in zip(readers, reports):
         where = Where(replica, stage, report["node_id"], report["node_ip"])
+        check_decoded_cache(uris, where, report["decoded_problem"])
         probes = {uri: Probe(**report["probes"][uri]) for uri in uris}
         cannot_open.append({uri for uri in uris if decide(uri, driver[uri], probes[uri], where) != DIRECT})
         for uri in sorted(cannot_open[-1]):

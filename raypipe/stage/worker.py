@@ -112,10 +112,9 @@ class StageWorker(StageCheckpointing):
 
     def probe_data(self, uris: list[str]) -> dict[str, Any]:
         """Where this worker runs, and what it finds at each dataset path (checked before step 0)."""
-        from raypipe.data.access import probe
+        from raypipe.data.access import probe_here
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "probes": {uri: vars(probe(uri)) for uri in uris}}
+        return probe_here(uris)
 
     def attach_datasets(self, train: Any, validation: Any = None) -> None:
         """First and last stages read their own micro-batches in ``fit``."""

@@ -72,12 +72,14 @@ def test_a_stage_reads_what_the_dataset_holds_for_its_block(dataset, read_ahead,
                 assert torch.equal(targets, expected[index][1]) and weight == weights[index]
 
 
-def test_the_next_step_is_read_while_this_one_runs_and_its_failure_waits_for_its_step(dataset):
+def test_the_next_step_is_read_while_this_one_runs_and_its_failure_waits_for_its_step(dataset, tmp_path,
+                                                                                        monkeypatch):
     block = range(0, 2)
     reference = open_split(dataset)
     expected = {step: [reference.get(step, index)[0] for index in block] for step in (1, 2)}
     assert shards_of(reference, 2, block) - shards_of(reference, 0, block) - shards_of(reference, 1, block), \
         "the fixture must make step 2 need a shard that steps 0 and 1 do not"
+    monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path / "cache"))  # the stage decodes its shards itself
     data = stage_data(dataset, True, False, block, read_ahead=True)
 
     data.inputs(0, 0, "train")

@@ -1,0 +1,95 @@
+"""Decoded shards on the reader's local disk, memory-mapped.
+
+A step's rows come from a permutation of the whole split, so within a few
+steps a reader touches every shard. Holding each decoded shard in process
+memory would grow a reader to the size of the split (for a corpus of 100B
+tokens, 400 GB per reading stage). Instead a shard is decoded once per node
+into a ``.npy`` file named by its sha256 (so any dataset holding the same
+bytes shares it, and the processes on a node share one copy) and read back
+memory-mapped: the kernel's page cache holds what is hot and drops the rest.
+This is Megatron's layout (a memory-mapped token file), built lazily from the
+Parquet shards.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from raypipe.data.cache import CACHE_ENV, cache_root
+
+SUBDIRECTORY = "decoded"
+
+
+def decoded_dir() -> Path:
+    """Where this process keeps decoded shards: ``<cache>/decoded`` (``$RAYPIPE_CACHE``, see :func:`cache_root`)."""
+    return cache_root() / SUBDIRECTORY
+
+
+def writable_problem(directory: Path | None = None) -> str | None:
+    """Why decoded shards cannot be written to ``directory`` (default :func:`decoded_dir`), or None."""
+    directory = directory or decoded_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        return f"cannot write decoded shards to {directory} ({type(error).__name__}: {error})"
+    return None
+
+
+def open_decoded(sha256: str, row_length: int, decode: Callable[[], np.ndarray], source: str) -> np.ndarray:
+    """The ``(rows, row_length)`` tokens of the shard whose file has ``sha256``, memory-mapped, read-only.
+
+    ``decode()`` (which verifies and decodes ``source``) runs only when this
+    node has no whole decoded copy yet. The copy holds each token in the
+    smallest of uint16 and int32 that fits the shard's largest id.
+    """
+    path = decoded_dir() / f"{sha256}.npy"
+    tokens = _mapped(path, row_length)
+    if tokens is None:
+        _store(path, decode(), source)
+        tokens = _mapped(path, row_length)
+    if tokens is None:  # written whole a moment ago: only a disk that loses data gets here
+        raise OSError(f"the decoded copy of shard {source} at {path} cannot be read back")
+    return tokens
+
+
+def _mapped(path: Path, row_length: int) -> np.ndarray | None:
+    """The copy at ``path`` if it is whole and has rows of ``row_length``; else None (it is decoded again)."""
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+    if tokens.ndim != 2 or tokens.shape[1] != row_length or tokens.dtype not in (np.uint16, np.int32):
+        return None
+    return tokens
+
+
+def _store(path: Path, tokens: np.ndarray, source: str) -> None:
+    """Write ``tokens`` to ``path`` whole or not at all (a reader on this node may be writing it too)."""
+    narrow = np.uint16 if tokens.size == 0 or int(tokens.max()) <= np.iinfo(np.uint16).max else np.int32
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".partial")
+    except OSError as error:
+        raise OSError(error.errno, _advice(path, source, error)) from None
+    try:
+        with os.fdopen(handle, "wb") as out:
+            np.save(out, tokens.astype(narrow, copy=False))
+        os.replace(temporary, path)
+    except OSError as error:
+        Path(temporary).unlink(missing_ok=True)
+        raise OSError(error.errno, _advice(path, source, error)) from None
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _advice(path: Path, source: str, error: OSError) -> str:
+    return (f"cannot write the decoded copy of shard {source} to {path} ({error.strerror or error}); readers keep "
+            f"decoded shards on local disk (about 2 bytes per token): set {CACHE_ENV} to a writable local directory "
+            "with room for the dataset")

@@ -1,0 +1,158 @@
+"""A reader's decoded shards live on its node's disk, memory-mapped: its memory
+does not grow with the split, a second reader on the node decodes nothing, and
+a damaged, unwritable or narrower copy is handled by name."""
+from __future__ import annotations
+
+import pickle
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from raypipe.data import TokenDataset, prepare
+from raypipe.data.access import probe_here
+from raypipe.data.decoded import decoded_dir, open_decoded, writable_problem
+from raypipe.errors import DataAccessError
+from raypipe.runtime.data_access import datasets_for_readers
+
+ROWS_PER_SHARD = 2048
+SEQ_LEN = 255  # rows of 256 tokens: a decoded shard is 2 MB as int32
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """29 train shards of the standard library (59 MB decoded as int32)."""
+    return prepare(tmp_path_factory.mktemp("decoded") / "tokens", seq_len=SEQ_LEN, max_bytes=16_000_000,
+                   rows_per_shard=ROWS_PER_SHARD)
+
+
+@pytest.fixture
+def node_cache(tmp_path, monkeypatch) -> Path:
+    """A node where nothing is decoded yet."""
+    monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "decoded"
+
+
+def live_bytes() -> int:
+    """Bytes this process holds allocated now: numpy's and Python's (traced), and Arrow's pool's. A mapped
+    file is not among them (its pages are page cache, which the kernel may drop). Allocators' caches are
+    not either: they come and go with the machine, not with what the reader holds."""
+    return tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes()
+
+
+def shard_of(reader: TokenDataset, step: int) -> int:
+    return int(np.searchsorted(reader._offsets, reader.row_indices(step, 0)[0], side="right") - 1)
+
+
+def read_every_shard(reader: TokenDataset) -> dict[int, np.ndarray]:
+    """One row from each shard (single-row steps, in order, until every shard was read): step -> row."""
+    rows, seen, step = {}, set(), 0
+    while len(seen) < len(reader.shards):
+        inputs, targets = reader.get(step, 0)
+        rows[step] = np.concatenate([inputs[0].numpy(), targets[0, -1:].numpy()])
+        seen.add(shard_of(reader, step))
+        step += 1
+    return rows
+
+
+def rows_from_parquet(path: Path, reader: TokenDataset, steps) -> dict[int, np.ndarray]:
+    """The same rows read straight from the Parquet files, without raypipe's reader."""
+    rows = {}
+    for step in steps:
+        row = int(reader.row_indices(step, 0)[0])
+        shard = shard_of(reader, step)
+        table = pq.read_table(path / reader.shards[shard]["file"])
+        rows[step] = np.asarray(table.column("tokens")[row - int(reader._offsets[shard])].as_py())
+    return rows
+
+
+def test_a_readers_memory_does_not_grow_with_the_split(dataset, node_cache):
+    reader = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1)
+    reader.get(0, 0)  # the epoch's permutation (a row number per row of the split)
+    tracemalloc.start()
+    try:
+        before = live_bytes()
+        rows = read_every_shard(reader)
+        grown = live_bytes() - before
+    finally:
+        tracemalloc.stop()
+    shard_bytes = ROWS_PER_SHARD * (SEQ_LEN + 1) * 4  # one shard decoded as int32 (holding all: 29 of them)
+    assert grown < shard_bytes / 2, f"the reader holds {grown / 2**20:.1f} MB more after reading every shard"
+    assert len(list(node_cache.glob("*.npy"))) == len(reader.shards)
+    expected = rows_from_parquet(dataset, reader, list(rows)[::7])
+    assert all(np.array_equal(rows[step], expected[step]) for step in expected)
+
+
+def test_a_second_reader_on_the_node_decodes_nothing(dataset, node_cache, tmp_path):
+    first = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1)
+    rows = read_every_shard(first)
+    second = pickle.loads(pickle.dumps(first))  # as a stage gets it; its shards are not mapped yet
+    moved = tmp_path / "moved"
+    Path(dataset).rename(moved)  # the files are gone: only the node's decoded copies can answer
+    try:
+        assert all(np.array_equal(read_every_shard(second)[step], row) for step, row in rows.items())
+    finally:
+        moved.rename(dataset)
+
+
+def test_a_damaged_decoded_copy_is_decoded_again(dataset, node_cache):
+    first = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1)
+    inputs, targets = first.get(0, 0)
+    copy = node_cache / f"{first.shards[shard_of(first, 0)]['sha256']}.npy"
+    size = copy.stat().st_size
+    copy.write_bytes(copy.read_bytes()[:size // 2])  # a disk that lost the end of it
+    again = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1).get(0, 0)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(again, (inputs, targets)))
+    assert copy.stat().st_size == size and not list(node_cache.glob("*.partial"))
+
+
+def test_a_copy_decoded_for_one_vocabulary_is_checked_against_another(dataset, node_cache):
+    TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1).get(0, 0)  # decoded, within 259 ids
+    small = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1, vocab_size=100)
+    with pytest.raises(ValueError, match=r"train-\d+\.parquet row \d+ holds token id \d+, outside the vocabulary "
+                                         r"\[0, 100\)"):
+        small.get(0, 0)
+
+
+def test_copies_hold_the_narrowest_type_that_fits(node_cache):
+    small = np.array([[0, 1, 65535]], dtype=np.int32)
+    large = np.array([[0, 70_000, 3]], dtype=np.int32)
+    for name, tokens, kind in (("a" * 64, small, np.uint16), ("b" * 64, large, np.int32)):
+        mapped = open_decoded(name, 3, lambda tokens=tokens: tokens, "shard.parquet")
+        assert mapped.dtype == kind and np.array_equal(mapped, tokens) and isinstance(mapped, np.memmap)
+
+
+def test_an_unwritable_cache_names_itself_and_the_setting(dataset, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("RAYPIPE_CACHE", str(blocker / "cache"))
+    assert str(blocker / "cache" / "decoded") in writable_problem()
+    reader = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1)
+    with pytest.raises(OSError, match=r"cannot write the decoded copy of shard .*train-\d+\.parquet to "
+                                      r".*a-file/cache/decoded/.*set RAYPIPE_CACHE to a writable local directory"):
+        reader.get(0, 0)
+    monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path / "cache"))
+    assert writable_problem() is None and decoded_dir() == tmp_path / "cache" / "decoded"
+
+
+@ray.remote(num_cpus=0)
+class Reader:
+    """A process that answers the probe the stage workers answer before step 0."""
+
+    def probe_data(self, uris: list[str]) -> dict:
+        return probe_here(uris)
+
+
+def test_a_worker_that_cannot_keep_decoded_shards_stops_the_run_before_step_0(ray_cluster, dataset, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    reader = Reader.options(runtime_env={"env_vars": {"RAYPIPE_CACHE": str(blocker)}}).remote()
+    train = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1)
+    with pytest.raises(DataAccessError, match=r"replica 0, stage 1 on node \w+ \(.*\) cannot write decoded shards to "
+                                              r".*a-file/decoded .*set RAYPIPE_CACHE to a writable local directory"):
+        datasets_for_readers([(0, 1, reader)], [train], ray.get)
+    ray.kill(reader)
