@@ -304,14 +304,14 @@ class PipelineTrainer(TrainerState):
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
         self._executor.check_usable()
         batch = self._split(inputs, targets)
-        return self._record_eval(self._recovery.evaluate(lambda: self._executor.evaluate(self.step_count, batch),
-                                                         self.step_count))
+        return self._record_eval(self._recovery.between_steps(
+            lambda: self._executor.evaluate(self.step_count, batch), self.step_count, "during evaluate"))
 
     def evaluate_from_datasets(self, step: int) -> float:
         """Validation loss of the validation dataset's ``step``, read by the stages."""
         self._executor.check_usable()
-        return self._record_eval(self._recovery.evaluate(lambda: self._executor.evaluate(step, None),
-                                                         self.step_count))
+        return self._record_eval(self._recovery.between_steps(lambda: self._executor.evaluate(step, None),
+                                                              self.step_count, "during evaluate"))
 
     def fit(self, dataset: Any, steps: int, **options: Any) -> list[StepResult]:
         """Train for ``steps`` steps on ``dataset``; see :func:`raypipe.fit.fit`."""

@@ -23,18 +23,28 @@ class TrainerState:
     """State dicts, checkpoints and export of a :class:`~raypipe.trainer.PipelineTrainer`."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model, with the user's parameter names (``model.state_dict()`` keys)."""
+        """The whole model, with the user's parameter names (``model.state_dict()`` keys).
+
+        A worker that died or hung since the last step is replaced first, with
+        that step's state (as a failed step heals): the state is the same."""
+        self._executor.check_usable()
+        return self._recovery.between_steps(self._read_state_dict, self.step_count, "during state_dict")
+
+    def _read_state_dict(self) -> dict[str, torch.Tensor]:
+        step, during = self.step_count, "during state_dict"
         per_layer: dict[int, dict] = {}
-        for states in self._executor.get([actor.state_dict.remote() for actor in self._first_replica]):
+        for states in self._executor.gather([actor.state_dict.remote() for actor in self._first_replica], step,
+                                            during):
             per_layer.update(states)
-        add_sole_mains(per_layer, *self._executor.get([actor.sole_main_weights.remote()
-                                                       for actor in self._other_replicas]))
+        add_sole_mains(per_layer, *self._executor.gather([actor.sole_main_weights.remote()
+                                                          for actor in self._other_replicas], step, during))
         return {f"{self._layer_names[index]}.{key}": value
                 for index in sorted(per_layer) for key, value in per_layer[index].items()}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Scatter a full state dict (keys as :meth:`state_dict`) to the stages."""
         per_layer = split_state_by_layer(state_dict, self._layer_names)
+        self._recovery.heal_if_broken(self.step_count, "a state dict load")
         ranges = stage_layer_ranges(self.balance) * self.topology.num_replicas  # every replica, in rank order
         self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
                             for actor, indices in zip(self._group.actors, ranges)])
@@ -62,7 +72,9 @@ class TrainerState:
         :meth:`export_hf` and :meth:`shutdown`; there a failed write raises
         :class:`~raypipe.CheckpointError` naming the file. A worker lost while it
         writes leaves that checkpoint incomplete (never loaded) with a warning,
-        and the next step heals it; with ``wait=True`` that raises instead.
+        and the next step heals it; with ``wait=True`` that raises instead. One
+        that died or hung since the last step is replaced first (with that
+        step's state), so the checkpoint is whole.
         """
         from raypipe.checkpoint.pending import SaveRequest
 
@@ -70,6 +82,7 @@ class TrainerState:
         if keep_last is not None:
             check_int("keep_last", keep_last, 1, allowed="must be an int >= 1 (checkpoints kept), or None for all")
         self._executor.check_usable()
+        self._recovery.heal_if_broken(self.step_count, "a checkpoint save")  # a dead writer would leave it incomplete
         step, writers = self.step_count, self._first_replica
         self._replace_damaged(str(root_uri), step)
         if self._optimizer_parts() > 1:  # ZeRO-1: the other replicas' optimizer state, as blobs
@@ -135,6 +148,7 @@ class TrainerState:
         check_dtype(dtype)
         self.wait_for_checkpoint()
         self._executor.check_usable()
+        self._recovery.heal_if_broken(self.step_count, "an export")
         prepare_output(str(uri))
         n_blocks = self._llama["llama_config"]["n_layers"]
         stages = self.topology.num_stages

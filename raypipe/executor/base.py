@@ -211,10 +211,15 @@ class Executor(ABC):
                         as_task_argument(batch.targets[index]), batch.weights[index])
                     hidden = actor.evaluate.remote(micro_batch, hidden, targets, weight, step)
                 losses.append(hidden)
-        failed = self._watchdog().wait(losses, self.group.actors)  # a hung worker would block the get forever
+        return sum(self.gather(losses, step, "during evaluate"))
+
+    def gather(self, refs: list, step: int, during: str) -> list:
+        """:meth:`get` of calls to the workers, after the committed step ``step``; raises
+        :class:`WorkersFailed` if a worker hangs first (a plain get would block forever)."""
+        failed = self._watchdog().wait(refs, self.group.actors)
         if failed:
-            raise self._workers_failed(step, failed, "during evaluate")
-        return sum(self.get(losses))
+            raise self._workers_failed(step, failed, during)
+        return self.get(refs)
 
     def get(self, refs: list) -> list:
         """``ray.get`` that raises raypipe's errors."""

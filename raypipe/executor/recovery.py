@@ -174,9 +174,11 @@ class Recovery:
         self._last_reports = outcome.reports
         return outcome
 
-    def evaluate(self, run: Callable[[], float], step: int) -> float:
-        """``run()`` (a forward-only pass), healed and run again when a worker died
-        during it (after the committed step ``step``)."""
+    def between_steps(self, run: Callable[[], Any], step: int, during: str) -> Any:
+        """``run()``, a call that reads the workers and changes none of them (an
+        evaluation, reading out their state), after the committed step ``step``:
+        when a worker died or hung since that step or during ``run``, the group is
+        healed (to the state of ``step``) and ``run`` runs again."""
         while True:
             try:
                 if self._failed:
@@ -185,11 +187,27 @@ class Recovery:
             except WorkersFailed as failure:
                 self._note(failure)
             except RaypipeError as error:
-                failed = Watchdog(self.config.hang_timeout_s).probe(self.executor.group.actors)
-                if not failed:
+                failure = self._probe(step, f"{during}: {error}")
+                if failure is None:
                     raise
-                self._note(WorkersFailed(step, {divmod(index, self.config.num_stages): why
-                                                for index, why in failed.items()}, f"during evaluate: {error}"))
+                self._note(failure)
+
+    def heal_if_broken(self, step: int, before: str) -> None:
+        """Make the group whole (see :meth:`between_steps`) if a worker died or hung since step ``step``."""
+        def check() -> None:
+            failure = self._probe(step, f"found before {before}")
+            if failure is not None:
+                raise failure
+
+        self.between_steps(check, step, f"before {before}")
+
+    def _probe(self, step: int, detail: str) -> WorkersFailed | None:
+        """The workers found dead or hung now, as a failure after step ``step``; None when every one answers."""
+        failed = Watchdog(self.config.hang_timeout_s).probe(self.executor.group.actors)
+        if not failed:
+            return None
+        return WorkersFailed(step, {divmod(index, self.config.num_stages): why for index, why in failed.items()},
+                             detail)
 
     def _note(self, failure: WorkersFailed) -> None:
         """Count the event, kill its workers and let the step end on the others."""

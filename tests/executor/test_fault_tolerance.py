@@ -192,6 +192,7 @@ def test_without_snapshots_a_worker_heals_from_the_newest_checkpoint_and_the_ste
             if step == 2:
                 trainer.save_checkpoint(tmp_path / "saved", wait=False)
             if step == 5:  # every worker loads the checkpoint of step 2; steps 2 to 4 are replayed
+                trainer.wait_for_checkpoint()  # on a busy machine it may still be written: a kill then loses it
                 os.kill(trainer.workers[1].pid, signal.SIGKILL)
             result = trainer.step(x, y)
             results.append((result.loss, result.grad_norm))
@@ -253,3 +254,22 @@ def test_a_worker_killed_or_stopped_before_evaluate_is_healed_and_evaluate_answe
         assert trainer.evaluate(x, y) == expected
         assert len(trainer.failures) == 2 and "stage 0 hung" in trainer.failures[1], trainer.failures
         assert trainer.step(x, y).loss > 0
+
+
+def test_a_worker_lost_after_the_last_step_is_healed_before_its_state_is_read_or_saved(ray_cluster, tmp_path):
+    """The state after a run's last step, read or saved after a worker died or hung, is that step's, bitwise."""
+    (x, y), = random_batches(BATCH, 1)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(), lr_scheduler=halving) as trainer:
+        trainer.step(x, y)
+        parameters = trainer.state_dict()
+        saved = checkpoint_state(trainer, tmp_path / "before", NUM_LAYERS)
+        victim = trainer.workers[1].pid
+        os.kill(victim, signal.SIGKILL)
+        seconds_until_gone(victim)
+        assert_bitwise_equal(parameters, trainer.state_dict())
+        assert len(trainer.failures) == 1 and "during state_dict" in trainer.failures[0], trainer.failures
+        os.kill(trainer.workers[0].pid, signal.SIGSTOP)
+        assert_bitwise_equal(saved, checkpoint_state(trainer, tmp_path / "after", NUM_LAYERS))
+        assert len(trainer.failures) == 2, trainer.failures
+        assert "stage 0 hung" in trainer.failures[1] and "before a checkpoint save" in trainer.failures[1]
+        assert len(trainer.recoveries) == 2
