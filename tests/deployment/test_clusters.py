@@ -85,9 +85,29 @@ def test_cloud_clusters_have_8_gpu_h100_workers_that_install_raypipe(
     # prepare_config merged setup_commands into both node kinds' setup.
     for commands in (config["head_setup_commands"], config["worker_setup_commands"]):
         assert any("pip install" in c and "raypipe" in c for c in commands)
+        assert_pinned(commands, f"{name}'s setup")
     # Nothing listens on a public address unless configured to.
     head_start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start
+
+
+def assert_pinned(commands: list[str], where: str) -> None:
+    """Every ``pip install`` of raypipe or torch in ``commands`` takes the versions of the
+    repository's constraints.txt, so a new upstream release cannot change what a node runs."""
+    installs = [c for c in commands if "pip install" in c and ("raypipe" in c or "torch" in c)]
+    assert installs, where
+    for command in installs:
+        arguments = shlex.split(command)
+        assert "-c" in arguments and arguments[arguments.index("-c") + 1] == "/home/ray/raypipe/constraints.txt", \
+            f"{where}: {command}"
+
+
+def test_the_deployment_images_install_pinned_versions() -> None:
+    """docs/deploy.md's image for the Helm chart installs as the cluster files do."""
+    deploy = (CLUSTERS_DIR.parent / "docs" / "deploy.md").read_text()
+    (dockerfile,) = re.findall(r"```dockerfile\n(.*?)```", deploy, flags=re.DOTALL)
+    run = dockerfile.split("RUN ", 1)[1].replace("\\\n", " ")
+    assert_pinned([part.split("#")[0] for part in run.split("&&")], "docs/deploy.md's Dockerfile")
 
 
 def ray_start_env(commands: list[str], start: str) -> dict[str, str]:
