@@ -167,14 +167,14 @@ class TokenDataset:
     def _shard(self, index: int) -> np.ndarray:
         if index not in self._mapped:
             source = self._source(index)
-            tokens = open_decoded(self.shards[index]["sha256"], self.seq_len + 1, lambda: self._decode(index), source)
+            tokens = open_decoded(self.shards[index]["sha256"], self.seq_len + 1,
+                                  lambda: self._decode(index, source), source)
             check_vocabulary(source, tokens, self.vocab_size)  # another reader may have decoded it for another model
             self._mapped[index] = tokens
         return self._mapped[index]
 
-    def _decode(self, index: int) -> np.ndarray:
-        """Shard ``index`` read from its source, checked against the manifest, decoded."""
-        source = self._source(index)
+    def _decode(self, index: int, source: str) -> np.ndarray:
+        """Shard ``index`` read from ``source``, checked against the manifest, decoded."""
         if self.shipped_shards is not None:
             import pyarrow as pa
             import ray
