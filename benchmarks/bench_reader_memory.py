@@ -9,7 +9,7 @@ first if missing) as a first stage does (micro-batches of 4, 4 per step) and
 reads ``--steps`` steps in order. Printed per trial: the growth of the
 process's anonymous resident memory (``RssAnon``: what the kernel cannot take
 back; a mapped file's pages are ``RssFile``, page cache it may drop), and the
-seconds the reads took:
+seconds the reads took (and those the dataset took to open):
 
 - ``cold``: a new node (an empty ``RAYPIPE_CACHE`` for the decoded copies);
 - ``warm``: a second reader on the same node (the copies the cold one wrote);
@@ -47,7 +47,9 @@ def anonymous_kb():
 
 from raypipe.data import TokenDataset
 kind, data, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+opening = time.perf_counter()
 dataset = TokenDataset(data, micro_batch_size=4, num_micro_batches=4)
+open_seconds = time.perf_counter() - opening
 if kind == "shipped":
     import ray
     from raypipe.data.shipping import ship
@@ -60,8 +62,8 @@ for step in range(steps):
         dataset.get(step, micro_batch)
 seconds = time.perf_counter() - start
 anonymous_after, file_after = anonymous_kb()
-print(json.dumps({"seconds": seconds, "anonymous_mb": (anonymous_after - anonymous_before) / 1024,
-                  "file_mb": file_after / 1024}))
+print(json.dumps({"seconds": seconds, "open_seconds": open_seconds,
+                  "anonymous_mb": (anonymous_after - anonymous_before) / 1024, "file_mb": file_after / 1024}))
 """
 
 
@@ -122,6 +124,9 @@ def main() -> None:
             ratios = round_ratios([r[kind]["seconds"] for r in results["baseline"]],
                                   [r[kind]["seconds"] for r in results["this"]], 1)
             print(f"read seconds baseline/this, {kind}: {spread(ratios)}")
+        opens = [[r[kind]["open_seconds"] for r in results[name] for kind in KINDS] for name in ("baseline", "this")]
+        print(f"seconds to open the dataset (every trial), baseline {spread(opens[0], 4)}, this {spread(opens[1], 4)}; "
+              f"baseline/this {spread([old / new for old, new in zip(*opens)])}")
     print(command_line())
 
 

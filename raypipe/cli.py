@@ -1,4 +1,4 @@
-"""`raypipe train | plan | prepare | export`."""
+"""`raypipe train | plan | prepare | verify-data | export`."""
 from __future__ import annotations
 
 import argparse
@@ -15,10 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--out", help="override the config's output directory")
 
     from raypipe.data import add_prepare_arguments
+    from raypipe.data.verify import add_verify_arguments
     from raypipe.planning.plan import add_plan_arguments
 
     add_plan_arguments(commands.add_parser("plan", help="predict per-stage memory of a model and pipeline"))
     add_prepare_arguments(commands.add_parser("prepare", help="turn a text corpus into Parquet token shards"))
+    add_verify_arguments(commands.add_parser("verify-data", help="read every shard of a prepared dataset and check "
+                                                                 "it against its manifest"))
     export = commands.add_parser("export", help="convert a LLaMA checkpoint into a Hugging Face model directory")
     export.add_argument("--checkpoint", required=True, metavar="ROOT", help="checkpoint root (path or URI)")
     export.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
@@ -34,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "verify-data":
+        from raypipe.data.verify import run_verify
+
+        return run_verify(args)
     from raypipe.data import run_prepare
 
     return run_prepare(args)

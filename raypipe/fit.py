@@ -2,11 +2,15 @@
 the driver keeps the data position, evaluates and checkpoints."""
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 from raypipe.core.result import StepResult
+from raypipe.errors import NonFiniteError, StageError
+
+logger = logging.getLogger(__name__)
 
 
 def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_every: int = 0,
@@ -33,6 +37,12 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     and the final one is complete when ``fit`` returns (unless a worker was lost
     while writing it: a warning says so, and the one before stays the newest).
 
+    A step that raises :class:`~raypipe.StageError` (a bad shard, an error in
+    the model's code) or :class:`~raypipe.NonFiniteError` changes nothing, so
+    before the error propagates ``fit`` checkpoints the steps before it (with
+    ``checkpoint_dir``, when this call trained any since its last checkpoint): a
+    rerun after fixing what the error names redoes no step.
+
     Before step 0 each reading stage opens the dataset where it runs; a stage on
     a node that cannot open a local dataset gets its shards through Ray's object
     store, if they come to at most ``ship_data_limit_bytes`` (default 1 GiB);
@@ -47,18 +57,25 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     samples_per_step = dataset.micro_batch_size * dataset.num_micro_batches
     results: list[StepResult] = []
     bar = _progress_bar(steps, progress)
+    saved_step = trainer.step_count  # the newest state on disk, as far as this call knows
     try:
         for done in range(1, steps + 1):
-            result = trainer.step_from_datasets(dataset.next_step, samples_per_step, dataset.tokens_per_step)
-            dataset.advance()
-            trained = result.step + 1  # the run's steps so far: a resumed run keeps the same cadence
-            if validation is not None and eval_every and (trained % eval_every == 0 or done == steps):
-                result.eval_loss = evaluate(trainer, eval_steps)
+            try:
+                result = trainer.step_from_datasets(dataset.next_step, samples_per_step, dataset.tokens_per_step)
+                dataset.advance()
+                trained = result.step + 1  # the run's steps so far: a resumed run keeps the same cadence
+                if validation is not None and eval_every and (trained % eval_every == 0 or done == steps):
+                    result.eval_loss = evaluate(trainer, eval_steps)
+            except (StageError, NonFiniteError) as error:
+                if checkpoint_dir and trainer.step_count != saved_step:
+                    _save_before_raising(trainer, dataset, checkpoint_dir, keep_last, error)
+                raise
             results.append(result)
             _show(bar, result)
             if checkpoint_dir and ((checkpoint_every and trained % checkpoint_every == 0) or done == steps):
                 trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last,
                                         wait=False)
+                saved_step = trainer.step_count
             if callback is not None:
                 callback(result)
     finally:
@@ -67,6 +84,20 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     if checkpoint_dir:
         trainer.wait_for_checkpoint()  # the final checkpoint is complete when fit returns
     return results
+
+
+def _save_before_raising(trainer: Any, dataset: Any, checkpoint_dir: str, keep_last: int | None,
+                         error: Exception) -> None:
+    """Checkpoint the steps done before ``error`` (raised by a step that changed nothing, or by
+    an evaluation); a failed save is logged, and ``error`` is the one that propagates."""
+    stopped = f"training stopped at step {dataset.next_step} ({type(error).__name__})"
+    try:
+        trainer.save_checkpoint(checkpoint_dir, extra={"dataset": dataset.state_dict()}, keep_last=keep_last)
+    except Exception as save_error:  # noqa: BLE001 - the step's error matters more; the save's is logged
+        logger.warning("raypipe: %s, and checkpointing the steps before it failed: %s", stopped, save_error)
+    else:
+        logger.warning("raypipe: %s; the steps before it are checkpointed under %s, so a rerun redoes none",
+                       stopped, checkpoint_dir)
 
 
 def evaluate(trainer: Any, eval_steps: int) -> float:

@@ -1,6 +1,7 @@
 """fit(): stages read their own micro-batches; both executors give the same training."""
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,3 +139,44 @@ def test_an_elastic_fit_that_grows_reads_the_same_rows_as_a_fixed_one(ray_cluste
     assert [r.loss for r in results] == pytest.approx([r.loss for r in fixed], rel=1e-5)
     for key, value in fixed_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_that_meets_a_changed_shard_names_it_and_checkpoints_the_steps_before(ray_cluster, tmp_path):
+    """Opening reads no shard, so a shard changed after prepare (same size) is found by the
+    stage that first reads it, at that step: the error names the file, and fit checkpoints the
+    steps before it, so a rerun after fixing the file redoes none."""
+    import uuid
+
+    from raypipe.checkpoint.store import list_checkpoints, read_manifest
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    for index in range(24):  # text of its own (a uuid), so no node has decoded these shards before
+        words = torch.randint(0, 26, (900,), generator=generator).tolist()
+        (corpus / f"doc{index}.txt").write_text(f"{uuid.uuid4()} " + "".join(chr(97 + w) for w in words))
+    data = prepare(tmp_path / "tokens", corpus=corpus, seq_len=32, rows_per_shard=64)
+    train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=2)
+    ends = np.cumsum([shard["num_rows"] for shard in train.shards])  # split-wide row after each shard's last
+    first_read = {}  # shard -> the first step that reads one of its rows
+    for step in range(train.steps_per_epoch):
+        for row in np.concatenate([train.row_indices(step, micro_batch) for micro_batch in range(2)]):
+            first_read.setdefault(int(np.searchsorted(ends, row, side="right")), step)
+    shard, failing_step = min(((s, step) for s, step in first_read.items() if step >= 2), key=lambda item: item[1])
+    path = data / train.shards[shard]["file"]
+    changed = bytearray(path.read_bytes())
+    changed[len(changed) // 2] ^= 0xFF
+    path.write_bytes(bytes(changed))
+
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
+    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
+                                 loss_count_fn=llama_count_tokens) as trainer:
+        with pytest.raises(raypipe.StageError, match=f"checksum mismatch for shard .*{path.name}"):
+            trainer.fit(train, failing_step + 2, checkpoint_dir=str(tmp_path / "ckpt"), progress=False)
+        assert trainer.step_count == train.next_step == failing_step  # the step changed nothing
+        assert list_checkpoints(tmp_path / "ckpt") == [failing_step]
+        assert read_manifest(tmp_path / "ckpt", failing_step)["extra"]["dataset"]["next_step"] == failing_step
+        state = trainer.state_dict()
+        trainer.step_from_datasets(0, 4, 4 * 32)  # moves the weights on, then back to the saved steps
+        trainer.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(value, state[key]) for key, value in trainer.state_dict().items())

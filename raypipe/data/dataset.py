@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from raypipe.data.decoded import open_decoded
-from raypipe.data.shards import (SPLITS, check_vocabulary, decode_rows, read_file, read_manifest, verify_shard,
-                                 verify_split_files)
+from raypipe.data.shards import (SPLITS, check_split_files, check_vocabulary, decode_rows, read_file, read_manifest,
+                                 verify_shard)
 from raypipe.filesystem import filesystem_for
 
 
@@ -24,10 +24,14 @@ class TokenDataset:
     a step do not depend on how many replicas share it. Each epoch visits every
     row at most once in a permutation seeded by ``(seed, epoch)``.
 
-    Opening checks the manifest, and the checksum and schema of every shard
-    of the split; token ids are checked against ``vocab_size`` (default: the
-    manifest's) when a process first reads a shard. A shard is decoded once per
-    node, into a file memory-mapped by every reader there (see
+    Opening reads the manifest and lists the split's shards: each must exist,
+    with the size the manifest records. It reads no shard, so opening a corpus
+    of terabytes in object storage costs one listing, not a download. A shard's
+    checksum, schema and row count are checked where it is first decoded (once
+    per node, in the reading stage, ahead of the step that needs it), and its
+    token ids against ``vocab_size`` (default: the manifest's) in every process
+    that reads it; a bad shard raises there, naming the file. A shard is decoded
+    once per node, into a file memory-mapped by every reader there (see
     :mod:`raypipe.data.decoded`), so a reader's memory does not grow with the
     split. The object is small to pickle: its mapped shards are rebuilt lazily
     after unpickling. A local ``path`` is made absolute here, so every process
@@ -74,7 +78,7 @@ class TokenDataset:
         self.next_step = 0
         self.shipped_shards: list[Any] | None = None  # object references of the shard files, when shipped
         self._offsets = np.cumsum([0] + [shard["num_rows"] for shard in self.shards])
-        verify_split_files(path, manifest, split)
+        check_split_files(path, manifest, split)
         self._reset_caches()
 
     def _reset_caches(self) -> None:

@@ -164,7 +164,8 @@ class _SplitWriter:
         name = f"{self.split}-{len(self.shards):05d}.parquet"
         (self.directory / name).write_bytes(memoryview(data))
         self.shards.append(
-            {"file": name, "num_rows": len(rows), "sha256": hashlib.sha256(memoryview(data)).hexdigest()}
+            {"file": name, "num_rows": len(rows), "num_bytes": data.size,
+             "sha256": hashlib.sha256(memoryview(data)).hexdigest()}
         )
         self.pending, self.pending_rows = [], 0
 

@@ -125,8 +125,32 @@ def check_vocabulary(path: str, tokens: np.ndarray, vocab_size: int) -> None:
 
 
 def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:
-    """:func:`verify_shard` for every shard of ``split``."""
+    """:func:`verify_shard` for every shard of ``split``: reads every byte of the split."""
     filesystem, base = filesystem_for(root)
     for shard in manifest["splits"][split]["shards"]:
         path = f"{base}/{shard['file']}"
         verify_shard(path, read_file(filesystem, path), shard, manifest["seq_len"] + 1)
+
+
+def check_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:
+    """Every shard of ``split`` exists, with the size the manifest records (manifests from
+    before sizes were recorded: exists). One listing per directory of shards and no shard
+    read: the checksum, schema and rows are checked where a shard is first decoded."""
+    filesystem, base = filesystem_for(root)
+    shards = manifest["splits"][split]["shards"]
+    found: dict[str, pafs.FileInfo] = {}
+    for directory in sorted({f"{base}/{shard['file']}".rsplit("/", 1)[0] for shard in shards}):
+        try:
+            listing = filesystem.get_file_info(pafs.FileSelector(directory))
+        except FileNotFoundError:
+            listing = []
+        found.update((info.path, info) for info in listing if info.type == pafs.FileType.File)
+    for shard in shards:
+        path = f"{base}/{shard['file']}"
+        info = found.get(path)
+        if info is None:
+            raise ValueError(f"shard {path} of the {split} split is missing (the manifest lists it); "
+                             "prepare the dataset again, or restore the file")
+        if "num_bytes" in shard and info.size != shard["num_bytes"]:
+            raise ValueError(f"shard {path} has {info.size} bytes, the manifest says {shard['num_bytes']} "
+                             "(the file changed after `raypipe prepare`; prepare the dataset again)")

@@ -5,6 +5,7 @@ import argparse
 import hashlib
 import json
 import pickle
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -53,6 +54,12 @@ def shard_rows(dataset_dir: Path, split: str) -> list[tuple[int, ...]]:
     for shard in manifest["splits"][split]["shards"]:
         rows += [tuple(row) for row in pq.read_table(dataset_dir / shard["file"]).column("tokens").to_pylist()]
     return rows
+
+
+@pytest.fixture(autouse=True)
+def node_cache(tmp_path, monkeypatch):
+    """Each test on a node of its own: no shard decoded yet, so every shard read is checked."""
+    monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture(scope="module")
@@ -333,17 +340,21 @@ def single_shard_dataset(corpus, tmp_path) -> Path:
     return prepare(tmp_path / "data", corpus=corpus[0], seq_len=SEQ_LEN, val_fraction=0.1, rows_per_shard=10_000)
 
 
-def replace_shard(dataset_dir: Path, table: pa.Table, update_manifest: bool = True) -> str:
-    """Overwrite train shard 0 with ``table`` (and, by default, record its checksum)."""
+def replace_shard(dataset_dir: Path, table: pa.Table) -> str:
+    """Overwrite train shard 0 with ``table`` and record its checksum and size, as prepare would."""
     name = "train-00000.parquet"
     pq.write_table(table, dataset_dir / name)
-    if update_manifest:
-        manifest = json.loads((dataset_dir / "manifest.json").read_text())
-        manifest["splits"]["train"]["shards"][0].update(
-            sha256=hashlib.sha256((dataset_dir / name).read_bytes()).hexdigest(), num_rows=table.num_rows)
-        manifest["splits"]["train"]["num_rows"] = table.num_rows
-        (dataset_dir / "manifest.json").write_text(json.dumps(manifest))
+    manifest = json.loads((dataset_dir / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0].update(
+        sha256=hashlib.sha256((dataset_dir / name).read_bytes()).hexdigest(), num_rows=table.num_rows,
+        num_bytes=(dataset_dir / name).stat().st_size)
+    manifest["splits"]["train"]["num_rows"] = table.num_rows
+    (dataset_dir / "manifest.json").write_text(json.dumps(manifest))
     return name
+
+
+def first_read(dataset_dir: Path) -> None:
+    TokenDataset(dataset_dir, micro_batch_size=1, num_micro_batches=1).get(0, 0)
 
 
 def test_token_id_outside_the_vocabulary_names_file_and_row(corpus, tmp_path):
@@ -360,18 +371,18 @@ def test_token_id_outside_the_vocabulary_names_file_and_row(corpus, tmp_path):
         small.get(0, 0)
 
 
-def test_wrong_schema_names_the_file(corpus, tmp_path):
+def test_wrong_schema_names_the_file_at_its_first_read(corpus, tmp_path):
     data = single_shard_dataset(corpus, tmp_path)
     rows = shard_rows(data, "train")
     name = replace_shard(data, pa.table({"ids": pa.array(rows, pa.list_(pa.int32()))}))
     with pytest.raises(ValueError, match=f"{name} has the wrong schema: columns \\['ids'\\]"):
-        TokenDataset(data)
+        first_read(data)
     replace_shard(data, pa.table({"tokens": pa.array([[float(t) for t in row] for row in rows], pa.list_(pa.float32()))}))
     with pytest.raises(ValueError, match=f"{name} has the wrong schema: column 'tokens' is list<.*float>"):
-        TokenDataset(data)
+        first_read(data)
     replace_shard(data, pa.table({"tokens": pa.array([row[:-1] for row in rows], pa.list_(pa.int32(), ROW - 1))}))
     with pytest.raises(ValueError, match=f"{name} has the wrong schema: rows of 16 tokens, expected seq_len\\+1 = 17"):
-        TokenDataset(data)
+        first_read(data)
 
 
 def test_row_of_the_wrong_length_names_file_and_row(corpus, tmp_path):
@@ -384,10 +395,60 @@ def test_row_of_the_wrong_length_names_file_and_row(corpus, tmp_path):
         reader.get(0, 0)
 
 
-def test_failed_checksum_names_the_file(corpus, tmp_path):
-    data = single_shard_dataset(corpus, tmp_path)
-    rows = shard_rows(data, "train")
-    rows[0] = (BOS,) * ROW  # a valid shard, but not the one the manifest describes
-    name = replace_shard(data, pa.table({"tokens": pa.array(rows, pa.list_(pa.int32(), ROW))}), update_manifest=False)
-    with pytest.raises(ValueError, match=f"checksum mismatch for shard .*{name}"):
+def test_opening_reads_no_shard_and_a_changed_one_fails_its_checksum_at_its_first_read(dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    shard = data / "train-00001.parquet"
+    changed = bytearray(shard.read_bytes())
+    changed[len(changed) // 2] ^= 0xFF  # the same size: only a read of every byte can tell
+    shard.write_bytes(bytes(changed))
+    reader = TokenDataset(data, micro_batch_size=1, num_micro_batches=1)  # opens: it lists the shards, reads none
+    start = reader.shards[0]["num_rows"]  # shard 1's rows, split-wide
+    rows_of_shard = range(start, start + reader.shards[1]["num_rows"])
+    step = next(step for step in range(reader.steps_per_epoch) if reader.row_indices(step, 0)[0] in rows_of_shard)
+    with pytest.raises(ValueError, match=f"checksum mismatch for shard .*{shard.name}.*prepare the dataset again"):
+        reader.get(step, 0)
+
+
+def test_opening_names_a_missing_or_resized_shard(dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    shard = data / "train-00001.parquet"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-10])  # an upload cut short
+    with pytest.raises(ValueError, match=f"shard .*{shard.name} has {size - 10} bytes, the manifest says {size}"):
         TokenDataset(data)
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"shard .*{shard.name} of the train split is missing"):
+        TokenDataset(data)
+    (data / "validation-00000.parquet").unlink()
+    with pytest.raises(ValueError, match="validation-00000.parquet of the validation split is missing"):
+        TokenDataset(data, split="validation", micro_batch_size=1, num_micro_batches=1)
+
+
+def test_a_manifest_without_sizes_is_still_read(dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            del shard["num_bytes"]  # as raypipe wrote manifests before it recorded sizes
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    assert TokenDataset(data, micro_batch_size=2, num_micro_batches=2).global_batch(0)[0].shape == (4, SEQ_LEN)
+
+
+def test_verify_data_reads_every_shard_and_names_the_first_bad_one(dataset, tmp_path, capsys):
+    from raypipe.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    assert main(["verify-data", str(data)]) == 0
+    manifest = json.loads((data / "manifest.json").read_text())
+    train = manifest["splits"]["train"]
+    assert f"train {len(train['shards'])} shards ({train['num_rows']} rows" in capsys.readouterr().out
+    shard = data / "validation-00000.parquet"
+    changed = bytearray(shard.read_bytes())
+    changed[len(changed) // 2] ^= 0xFF
+    shard.write_bytes(bytes(changed))
+    assert main(["verify-data", f"file://{data}"]) == 2
+    assert f"checksum mismatch for shard {data}/validation-00000.parquet" in capsys.readouterr().err
