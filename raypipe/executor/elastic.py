@@ -8,7 +8,8 @@ replicas computes the same step (up to the order of the gradient sums), and a
 resize needs no change to the data or the optimizer.
 
 The :class:`Resizer` asks Ray's autoscaler for ``max`` replicas' bundles
-(:class:`~raypipe.runtime.autoscaling.ResourceRequest`, withdrawn at shutdown),
+(:class:`~raypipe.runtime.autoscaling.ResourceRequest`, withdrawn at shutdown or, for a
+driver killed outright, by its guard),
 keeps one placement group asked for per missing replica (pending: Ray places
 it, and an autoscaler adds nodes for it, while the run goes on) and:
 

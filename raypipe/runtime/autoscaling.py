@@ -39,11 +39,15 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import time
+from typing import Any
 
 import ray
 from ray.autoscaler.sdk import request_resources
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger(__name__)
+GUARD_PERIOD_S = 1.0  # how often the guard checks that the driver is alive
 
 
 class ResourceRequest:
@@ -63,16 +67,19 @@ class ResourceRequest:
     While a request stands an ``atexit`` hook withdraws it, so a driver that ends
     with an uncaught exception, ``sys.exit`` or SIGTERM (``ray.init`` turns
     SIGTERM into ``sys.exit``; ``ray job stop`` sends SIGTERM first) does not leave
-    the cluster scaled up. Not covered: SIGKILL (``ray job stop`` after its grace
-    period, an OOM kill), ``os._exit``, a crash of the interpreter, and a
-    ``ray.shutdown()`` before the withdrawal (no connection is left to withdraw
-    with). Ray does not withdraw a request when its job ends, so after these the
-    request stands until another ``request_resources`` call replaces it.
+    the cluster scaled up. A driver that ends without running it (SIGKILL: ``ray
+    job stop`` after its grace period, an OOM kill; ``os._exit``; a crash of the
+    interpreter; a ``ray.shutdown()`` before the withdrawal) is covered by a
+    :class:`RequestGuard` on the driver's node, since Ray does not withdraw a
+    request when its job ends. Only the loss of the driver's node itself (guard
+    and all) leaves the request standing, until another ``request_resources``
+    call replaces it.
     """
 
     def __init__(self, bundles_per_replica: list[dict[str, float]]):
         self._bundles_per_replica = _checked_bundles(bundles_per_replica)
         self._standing = False
+        self._guard: Any = None  # (guard, sentinel) actor handles while a request stands
 
     @property
     def standing(self) -> bool:
@@ -95,6 +102,7 @@ class ResourceRequest:
         request_resources(bundles=[dict(bundle) for bundle in self._bundles_per_replica] * num_replicas)
         if not self._standing:
             atexit.register(self.withdraw)
+            self._guard = start_guard()
             self._standing = True
 
     def withdraw(self) -> None:
@@ -103,11 +111,59 @@ class ResourceRequest:
             return
         atexit.unregister(self.withdraw)
         self._standing = False
+        guard, self._guard = self._guard, None
         if not ray.is_initialized():
-            logger.warning("Ray was shut down before the autoscaler request was withdrawn; it stands until "
-                           "another request_resources call replaces it")
+            logger.warning("Ray was shut down before the autoscaler request was withdrawn; the guard on this "
+                           "node withdraws it once it finds this driver gone")
             return
+        for actor in guard:  # first: a guard left running would clear a later run's request when this job ends
+            ray.kill(actor)
         request_resources(bundles=[])
+
+
+class DriverSentinel:
+    """An actor that lives exactly as long as the driver that created it: Ray kills an
+    actor whose owner has died."""
+
+    def alive(self) -> bool:
+        return True
+
+
+class RequestGuard:
+    """A detached actor that withdraws the standing request once the driver that made
+    it is gone without withdrawing it (its :class:`DriverSentinel` died), then exits.
+    The driver kills it when it withdraws the request itself."""
+
+    def __init__(self, sentinel: Any) -> None:
+        self._sentinel = sentinel
+
+    def watch(self, period_s: float = GUARD_PERIOD_S) -> None:
+        while _answers(self._sentinel, timeout_s=max(10 * period_s, 30.0)):
+            time.sleep(period_s)
+        request_resources(bundles=[])
+        ray.actor.exit_actor()
+
+
+def start_guard() -> tuple[Any, Any]:
+    """A :class:`RequestGuard` (detached) and the driver's :class:`DriverSentinel` it watches,
+    both on this (the driver's) node and without CPUs; returns both handles."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    sentinel = ray.remote(DriverSentinel).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
+    guard = ray.remote(RequestGuard).options(num_cpus=0, max_restarts=0, lifetime="detached",
+                                             scheduling_strategy=here).remote(sentinel)
+    guard.watch.remote()
+    return guard, sentinel
+
+
+def _answers(actor: Any, timeout_s: float) -> bool:
+    """False once ``actor`` has died; True while it answers (or is merely slow to)."""
+    try:
+        ray.get(actor.alive.remote(), timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):  # slow or unreachable for now
+        return True
+    except ray.exceptions.ActorDiedError:
+        return False
+    return True
 
 
 def _checked_bundles(bundles: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -56,6 +56,12 @@ DRIVER = textwrap.dedent("""
                 time.sleep(1)
             print(">", "cpus", alive_cpus(), flush=True)
             continue
+        elif command == "guards":  # alive RequestGuard actors on the cluster (the public state API)
+            from ray.util.state import list_actors
+            time.sleep(2)  # a guard killed a moment ago is reported dead within Ray's state refresh
+            guards = list_actors(filters=[("class_name", "=", "RequestGuard"), ("state", "=", "ALIVE")])
+            print(">", "guards", len(guards), flush=True)
+            continue
         elif command == "raise":
             raise RuntimeError("driver failed on purpose")
         print(">", "done", command, flush=True)
@@ -164,6 +170,29 @@ def test_a_driver_stopped_with_sigterm_withdraws_its_request(fake_cluster):
         driver.send_signal(signal.SIGTERM)  # as `ray job stop` does first
         assert driver.wait(timeout=60) == signal.SIGTERM  # ray.init's handler: sys.exit(15)
         fake_cluster.wait_until_requested([])
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+def test_a_driver_killed_with_sigkill_has_its_request_withdrawn_by_its_guard(fake_cluster):
+    driver = fake_cluster.driver()
+    try:
+        assert tell(driver, "request 1") == "done request"
+        fake_cluster.wait_until_requested(one_cpu_bundles(1))
+        driver.kill()  # no atexit hook runs: an OOM kill, or `ray job stop` after its grace period
+        assert driver.wait(timeout=60) == -signal.SIGKILL
+        fake_cluster.wait_until_requested([])
+    finally:
+        driver.kill()
+        driver.wait()
+    # the guard exits once it has withdrawn; a driver that withdraws itself stops its guard
+    driver = fake_cluster.driver()
+    try:
+        assert tell(driver, "request 1") == "done request"
+        assert tell(driver, "guards") == "guards 1"
+        assert tell(driver, "withdraw") == "done withdraw"
+        assert tell(driver, "guards") == "guards 0"
     finally:
         driver.kill()
         driver.wait()
