@@ -4,7 +4,7 @@
 and cuts fixed rows of ``seq_len + 1`` tokens (inputs are a row's first
 ``seq_len`` tokens, targets its last ``seq_len``). Rows go to Parquet shards of
 a train and a validation split, described by ``manifest.json`` (tokenizer,
-vocabulary size, row counts, sha256 of every shard).
+vocabulary size, row counts, the size and sha256 of every shard).
 
 :class:`TokenDataset` reads those shards. The rows of ``(step, micro_batch,
 replica)`` come from a seeded permutation of the split per epoch, so any
