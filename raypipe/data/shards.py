@@ -124,12 +124,20 @@ def check_vocabulary(path: str, tokens: np.ndarray, vocab_size: int) -> None:
     raise ValueError(f"shard {path} row {row} holds token id {token}, outside the vocabulary [0, {vocab_size})")
 
 
-def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:
-    """:func:`verify_shard` for every shard of ``split``: reads every byte of the split."""
+def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str, vocab_size: int | None = None) -> int:
+    """:func:`verify_shard` for every shard of ``split`` (and, given ``vocab_size``, every
+    token id through :func:`decode_rows`): reads every byte of the split; returns how many."""
     filesystem, base = filesystem_for(root)
+    row_length = manifest["seq_len"] + 1
+    size = 0
     for shard in manifest["splits"][split]["shards"]:
         path = f"{base}/{shard['file']}"
-        verify_shard(path, read_file(filesystem, path), shard, manifest["seq_len"] + 1)
+        data = read_file(filesystem, path)
+        verify_shard(path, data, shard, row_length)
+        if vocab_size is not None:
+            decode_rows(path, data, row_length, vocab_size)
+        size += data.size
+    return size
 
 
 def check_split_files(root: str | Path, manifest: dict[str, Any], split: str) -> None:

@@ -11,8 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from raypipe.data.shards import SPLITS, check_split_files, decode_rows, read_file, read_manifest, verify_shard
-from raypipe.filesystem import filesystem_for
+from raypipe.data.shards import SPLITS, check_split_files, read_manifest, verify_split_files
 
 
 def verify_dataset(path: str | Path) -> dict[str, dict[str, int]]:
@@ -20,19 +19,11 @@ def verify_dataset(path: str | Path) -> dict[str, dict[str, int]]:
     rows, and every token id inside the vocabulary. Returns per split its ``shards``,
     ``rows`` and ``bytes``; the first bad shard raises ValueError naming the file."""
     manifest = read_manifest(path)
-    filesystem, base = filesystem_for(path)
-    row_length = manifest["seq_len"] + 1
     counts = {}
     for split in SPLITS:
         check_split_files(path, manifest, split)
+        size = verify_split_files(path, manifest, split, vocab_size=manifest["vocab_size"])
         shards = manifest["splits"][split]["shards"]
-        size = 0
-        for shard in shards:
-            source = f"{base}/{shard['file']}"
-            data = read_file(filesystem, source)
-            verify_shard(source, data, shard, row_length)
-            decode_rows(source, data, row_length, manifest["vocab_size"])
-            size += data.size
         counts[split] = {"shards": len(shards), "rows": sum(shard["num_rows"] for shard in shards), "bytes": size}
     return counts
 
