@@ -38,6 +38,13 @@ after ~1.5 s. With Ray's defaults (a check every 3 s, dead after 5 failures,
 10 s timeout per check) that is ~15 s, and up to ~50 s for a machine that stops
 answering instead of refusing: detection here is much faster than there.
 
+With ``--optimizers replicated zero1`` each model also runs with
+``shard_optimizer`` (ZeRO-1), side by side in the same rounds: a shrink then
+rolls every worker back to its snapshot, each adopting its stage's parts of
+every old replica (the lost one's from the keeper's copy), and redoes the steps
+since; a grow snapshots every worker and each adopts its new owners' parts
+(the "state copy" mark is then the workers' ``adopt``).
+
     python benchmarks/bench_elastic.py --rounds 3
 """
 from __future__ import annotations
@@ -89,6 +96,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--object-store-mib", type=int, default=512,
                         help="each node's object store (default 512; ray.cluster_utils' default is 150)")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=["replicated"],
+                        help="replicated: every replica holds the whole optimizer state; zero1: shard_optimizer")
     return parser.parse_args()
 
 
@@ -104,6 +113,7 @@ def wide_mlp() -> nn.Sequential:
 
 
 MODELS = {"tiny": (tiny_mlp, 8, 4), "wide": (wide_mlp, 1024, 1024)}  # builder, input width, output width
+OPTIMIZERS = ("replicated", "zero1")
 
 
 def adamw(params) -> torch.optim.AdamW:
@@ -169,13 +179,15 @@ class Marks:
     step_calls: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, replicas)
 
 
-def run_scenario(cluster: Cluster, model: str, args: argparse.Namespace) -> Marks:
-    """Shrink then grow one trainer of ``model``; returns its driver-side marks."""
+def run_scenario(cluster: Cluster, scenario: str, args: argparse.Namespace) -> Marks:
+    """Shrink then grow one trainer of ``scenario`` ("MODEL OPTIMIZER"); returns its driver-side marks."""
+    model, optimizer = scenario.split()
     build, width_in, width_out = MODELS[model]
     torch.manual_seed(0)
     x, y = torch.randn(BATCH, width_in), torch.randn(BATCH, width_out)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), hang_timeout_s=5,
-                                    replace_timeout_s=args.replace_timeout, placement_timeout_s=60)
+                                    replace_timeout_s=args.replace_timeout, placement_timeout_s=60,
+                                    shard_optimizer=optimizer == "zero1")
     marks = Marks()
 
     def step(trainer: raypipe.PipelineTrainer) -> int:
@@ -200,7 +212,7 @@ def run_scenario(cluster: Cluster, model: str, args: argparse.Namespace) -> Mark
         marks.added_node = cluster.add_node(**node_resources(args)).node_id
         while step(trainer) != 2:
             if time.time() - marks.add_called > GROW_DEADLINE_S:
-                raise RuntimeError(f"{model}: no step at 2 replicas {GROW_DEADLINE_S}s after a node was added")
+                raise RuntimeError(f"{scenario}: no step at 2 replicas {GROW_DEADLINE_S}s after a node was added")
             time.sleep(args.pause)
         marks.new_processes_started = [process_started(worker.pid) for worker in trainer.workers if worker.replica == 1]
         time.sleep(TASK_EVENTS_FLUSH_S)  # a worker killed at shutdown takes its unsent task events with it
@@ -258,7 +270,9 @@ def grow_parts(marks: Marks, logs: LogMarks, watch: ClusterWatch) -> list[float]
                                 if start >= marks.add_called and replicas == 2)
     grew = logs.first("grew from", appeared)
     inits = worker_events(marks.timeline, "__init__", appeared, step_end)
-    restores = [span(event) for event in worker_events(marks.timeline, "restore", call_start, grew)]
+    # the new workers' state copy: a live replica's snapshot restored, or (ZeRO-1) every old one's parts adopted
+    restores = [span(event) for method in ("restore", "adopt")
+                for event in worker_events(marks.timeline, method, call_start, grew)]
 
     def last(times: list[float], count: int = 2) -> float:
         return max(times) if len(times) == count and not any(map(math.isnan, times)) else math.nan
@@ -281,32 +295,48 @@ def run_round(index: int, args: argparse.Namespace, logs: LogMarks) -> dict[str,
     cluster = Cluster(initialize_head=True, head_node_args={**node_resources(args), "num_cpus": 0})
     for _ in range(4):
         cluster.add_node(**node_resources(args))
-    models = args.models if index % 2 == 0 else list(reversed(args.models))
+    scenarios = scenarios_of(args) if index % 2 == 0 else list(reversed(scenarios_of(args)))
     try:
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
         watch = ClusterWatch()
-        marks = {model: run_scenario(cluster, model, args) for model in models}
+        marks = {scenario: run_scenario(cluster, scenario, args) for scenario in scenarios}
         watch.stop()
-        return {model: {"shrink": shrink_parts(marks[model], logs, watch),
-                        "grow": grow_parts(marks[model], logs, watch)} for model in models}
+        return {scenario: {"shrink": shrink_parts(marks[scenario], logs, watch),
+                           "grow": grow_parts(marks[scenario], logs, watch)} for scenario in scenarios}
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
+def scenarios_of(args: argparse.Namespace) -> list[str]:
+    """Every "MODEL OPTIMIZER" run in a round."""
+    return [f"{model} {optimizer}" for model in args.models for optimizer in args.optimizers]
+
+
 def print_tables(results: list[dict], args: argparse.Namespace) -> None:
-    """Per model and phase: a row per part, a column per round, then median [min-max]."""
-    for model in args.models:
+    """Per scenario and phase: a row per part, a column per round, then median [min-max];
+    with both optimizers, each model's zero1/replicated ratio of the totals, round by round."""
+    for scenario in scenarios_of(args):
         for phase, labels in (("shrink", SHRINK_PARTS), ("grow", GROW_PARTS)):
             rows = []
             for position, label in enumerate(labels):
-                values = [result[model][phase][position] for result in results]
+                values = [result[scenario][phase][position] for result in results]
                 measured = [value for value in values if not math.isnan(value)]
                 rows.append([label] + [f"{value:.2f}" for value in values]
                             + [spread(measured, 2) if measured else "-"])
             print()
-            print_table([f"{model} MLP, {phase} (s)"] + [f"round {index + 1}" for index in range(len(results))]
+            print_table([f"{scenario}, {phase} (s)"] + [f"round {index + 1}" for index in range(len(results))]
                         + ["median [min-max]"], rows)
+    if len(args.optimizers) == 2:
+        rows = []
+        for model in args.models:
+            for phase in ("shrink", "grow"):
+                ratios = [result[f"{model} zero1"][phase][-1] / result[f"{model} replicated"][phase][-1]
+                          for result in results]
+                rows.append([f"{model} MLP, {phase}"] + [f"{ratio:.2f}" for ratio in ratios] + [spread(ratios, 2)])
+        print()
+        print_table(["zero1 / replicated, total"] + [f"round {index + 1}" for index in range(len(results))]
+                    + ["median [min-max]"], rows)
 
 
 def main() -> None:

@@ -80,10 +80,6 @@ class PipelineConfig:
         check_positive_int("num_micro_batches", self.num_micro_batches)
         check_replicas(self.num_replicas)
         check_bool("shard_optimizer", self.shard_optimizer)
-        if self.elastic and self.shard_optimizer:
-            raise ConfigError("shard_optimizer", True, f"an elastic run (num_replicas={tuple(self.num_replicas)}) "
-                              "keeps the whole optimizer state on every replica, so that a lost replica loses no "
-                              "state and a new one copies any live one: use a fixed num_replicas to shard it")
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
         check_choice("precision", self.precision, PRECISIONS)

@@ -44,7 +44,6 @@ REPO = Path(__file__).resolve().parent.parent
     ({"num_replicas": (0, 2)}, 4, "num_replicas"),
     ({"num_replicas": (1, 2, 3)}, 4, "num_replicas"),
     ({"num_replicas": (1, 2.0)}, 4, "num_replicas"),
-    ({"num_replicas": (1, 2), "shard_optimizer": True}, 4, "shard_optimizer"),
     ({"num_replicas": (1, 2), "transport": "gloo"}, 4, "transport"),
 ])
 def test_invalid_config_names_field_value_and_allowed(changes, num_layers, field):

@@ -22,6 +22,14 @@ it, and an autoscaler adds nodes for it, while the run goes on) and:
   boundary, each restores a snapshot of the same stage of a live replica (sent worker to worker
   through the object store) and every worker takes the new layout
   (:meth:`Resizer.poll`).
+
+With ZeRO-1 (``shard_optimizer``) a resize moves parameters to other owners
+(:mod:`raypipe.stage.zero` assigns them over the replicas running): every
+worker takes the new layout, builds its optimizer over the parameters it now
+owns, and adopts its stage's state from snapshots of every replica of the old
+layout (on a grow, taken at the step boundary; on a shrink, the snapshot the
+heal rolls back to, whose lost replica's part the keeper holds off its node),
+so no optimizer state is lost and none is kept twice.
 """
 from __future__ import annotations
 
@@ -143,11 +151,15 @@ class Resizer:
         starting, self._starting = self._starting, None
         group = self.executor.group
         old = list(group.actors)
+        sharded = self.config.shard_optimizer
         try:
             ray.get(starting.ready)
-            # each new worker restores the same stage of the first replica, worker to worker
-            ray.get([actor.restore.remote(old[stage].snapshot.remote())
-                     for stage, actor in enumerate(starting.actors)])
+            if sharded:  # every replica's state, before the new layout moves parameters to other owners
+                snapshots = [actor.snapshot.remote() for actor in old]
+                ray.wait(snapshots, num_returns=len(snapshots), fetch_local=False)
+            else:  # each new worker restores the same stage of the first replica, worker to worker
+                ray.get([actor.restore.remote(old[stage].snapshot.remote())
+                         for stage, actor in enumerate(starting.actors)])
         except ray.exceptions.RayError as error:
             logger.warning("raypipe: a new replica failed before it joined (%s); asking for another",
                            str(error).strip().splitlines()[-1])
@@ -157,6 +169,10 @@ class Resizer:
         group.admit(starting)
         group.set_specs(self.specs(self.running))
         self.executor.relayout(old)
+        if sharded:  # ZeRO-1: every worker adopts its stage's parts from every old replica
+            stages = self.config.num_stages
+            ray.get([actor.adopt.remote(*snapshots[rank % stages::stages])
+                     for rank, actor in enumerate(group.actors)])
         logger.warning("raypipe: grew from %d to %d replica(s)", self.running - 1, self.running)
         return list(range(len(old), len(group.actors)))
 

@@ -24,7 +24,9 @@ When a step raises :class:`~raypipe.errors.WorkersFailed`:
    surviving worker ended the failed step and the optimizer is not sharded,
    so nothing else moves and nothing is replayed; otherwise every worker
    restores its snapshot (survivors drop partial gradients, any that already
-   stepped return to the snapshot too) and the steps since are replayed; with
+   stepped return to the snapshot too; with ZeRO-1 after a shrink, each worker
+   adopts its stage's snapshots of every old replica, the new owners taking the
+   lost replica's optimizer part) and the steps since are replayed; with
    no snapshot left, every worker loads the newest intact checkpoint saved or
    loaded (:mod:`raypipe.executor.persisted`) and the steps since are replayed;
 4. communication groups are re-formed under a fresh rendezvous, dataset
@@ -253,11 +255,12 @@ class Recovery:
                 if self.resizer is not None:
                     raise self.resizer.below_minimum(error.unplaced) from error
                 raise
-        replay, source = self._transfer_state(siblings)
-        if resized:
+        if resized:  # the new layout first: with ZeRO-1 each worker rebuilds for its new owners, then takes state
             self.executor.relayout(survivors)
+            replay, source = self._transfer_state(siblings, reshard=self.config.shard_optimizer)
             self.resizer.resized(SHRINK, failed)
         else:
+            replay, source = self._transfer_state(siblings)
             self.executor.reconnect(survivors)
             self.on_replaced(failed)
         self._healed(replay, source, failed)
@@ -287,13 +290,22 @@ class Recovery:
         self.repartition(self._last_reports)
         actors = self.executor.group.actors
         self.on_replaced(list(range(len(actors))))
-        replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs[:old_stages]) for actor in actors],
-                                       needed=old_stages)
+        # every replica's snapshots with ZeRO-1 (each holds the optimizer part of the parameters it owned)
+        needed = None if self.config.shard_optimizer else old_stages
+        replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs[:needed]) for actor in actors],
+                                       needed=needed, as_taken=True)
         return replay, f"{source}, re-partitioned onto {self.config.num_stages} stage(s)"
 
-    def _transfer_state(self, siblings: dict[int, int] | None) -> tuple[list[LoggedStep], str]:
-        """Give the replacements their state (from siblings, else roll every worker back):
-        the steps to replay, and where the state came from."""
+    def _transfer_state(self, siblings: dict[int, int] | None, reshard: bool = False
+                        ) -> tuple[list[LoggedStep], str]:
+        """Give the replacements their state (from siblings, else roll every worker back;
+        ``reshard``: ZeRO-1 after a resize, every worker adopts the snapshots of its stage
+        in every replica of the old layout): the steps to replay, and where the state came from."""
+        if reshard:
+            actors, stages = self.executor.group.actors, self.config.num_stages
+            replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs[rank % stages::stages])
+                                                         for rank, actor in enumerate(actors)], as_taken=True)
+            return replay, f"{source}, resharded"
         if siblings is None:
             return self._restore()
         self._copy_from_siblings(siblings)
@@ -345,21 +357,23 @@ class Recovery:
         dropped = [actor.abort_step.remote() for index, actor in enumerate(actors) if index not in sources]
         ray.get(copies + dropped)
 
-    def _restore(self, load: Callable[[list], list] | None = None, needed: int | None = None
-                 ) -> tuple[list[LoggedStep], str]:
+    def _restore(self, load: Callable[[list], list] | None = None, needed: int | None = None,
+                 as_taken: bool = False) -> tuple[list[LoggedStep], str]:
         """Every worker back to the newest whole snapshot (an older one when a worker
         died while the newest was being taken; the newest intact checkpoint when none
         is left): the steps to replay since, and which state it was. ``load(refs)``
-        gives the workers a snapshot's states (of ``needed`` workers; default: each
+        gives the workers a snapshot's states (of ``needed`` workers, by current rank;
+        ``as_taken``: of every worker snapshotted, in the order taken; default: each
         worker restores its own)."""
         actors = self.executor.group.actors
         load = load or (lambda refs: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
-        needed = needed or len(actors)
         lost = ""
         for position in range(len(self._snapshots) - 1, -1, -1):
             snapshot = self._snapshots[position]
-            for refs in (snapshot.refs, snapshot.kept_copies(self.keeper)):
-                if len(refs) < needed:  # no copies kept
+            copies = ((snapshot.taken, snapshot.kept_copies(self.keeper, as_taken=True)) if as_taken
+                      else (snapshot.refs, snapshot.kept_copies(self.keeper)))
+            for refs in copies:
+                if len(refs) < (needed or len(copies[0])):  # no copies kept
                     continue
                 try:
                     ray.get(load(refs))

@@ -24,7 +24,9 @@ class Snapshot:
     """Every worker's state at the start of step ``step`` and the steps since.
 
     ``taken_by[rank]`` is the position, among the workers snapshotted, of the
-    worker now at ``rank`` (a shrink drops workers and re-numbers the rest)."""
+    worker now at ``rank`` (a shrink drops workers and re-numbers the rest);
+    ``taken`` keeps every worker's, dropped or not, in the order taken (a ZeRO-1
+    resize needs every replica's optimizer part)."""
 
     step: int
     refs: list
@@ -32,9 +34,11 @@ class Snapshot:
     taken_by: list[int] = field(default_factory=list)
     kept: Any = None  # the keeper's copy of it being made (a task's reference), when workers run off this node
     copied: bool | None = None  # whether that copy was made; None until it is known
+    taken: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.taken_by = self.taken_by or list(range(len(self.refs)))
+        self.taken = self.taken or list(self.refs)
 
     def keep_only(self, kept: list[int]) -> None:
         """Only the workers now at the old ranks ``kept`` remain, in that order."""
@@ -54,9 +58,12 @@ class Snapshot:
                 self.copied = False
         return self.copied
 
-    def kept_copies(self, keeper: Any) -> list:
-        """``keeper``'s copies of this snapshot, by current rank (none without a keeper)."""
+    def kept_copies(self, keeper: Any, as_taken: bool = False) -> list:
+        """``keeper``'s copies of this snapshot, by current rank (``as_taken``: every
+        worker's, in the order taken); none without a keeper."""
         if keeper is None:
             return []
         copies = [wrapped[0] for wrapped in ray.get(keeper.copies.remote(self.step))]
-        return [copies[position] for position in self.taken_by] if copies else []
+        if as_taken or not copies:
+            return copies
+        return [copies[position] for position in self.taken_by]

@@ -65,7 +65,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "where each replica runs the most micro-batches")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state "
-                             "(and in bf16 of the fp32 main weights)")
+                             "(and in bf16 of the fp32 main weights); elastic: 1/MIN")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's max)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
@@ -217,15 +217,13 @@ def build_plan(args: argparse.Namespace) -> dict:
     """Everything ``raypipe plan`` prints, as plain data."""
     config = get_config(args.model)
     elastic = not isinstance(args.replicas, int)
-    if elastic and args.shard_optimizer:
-        raise ValueError("an elastic run (--replicas MIN:MAX) keeps the whole optimizer state on every replica: "
-                         "drop --shard-optimizer or give a fixed --replicas")
+    fewest = args.replicas[0] if elastic else args.replicas  # an elastic run's largest ZeRO-1 part: at MIN
     micro_batches = elastic_micro_batches(args.micro_batches, args.replicas)
     settings = PlanSettings(
         num_stages=args.stages, num_micro_batches=micro_batches, micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len or config.max_seq_len, precision=args.precision, **activation_arguments(args),
         fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp,
-        optimizer_shards=args.replicas if args.shard_optimizer else 1)
+        optimizer_shards=fewest if args.shard_optimizer else 1)
     stages = settings.estimate(config, args.gpu_memory)
     amp = amp_style(settings.precision, settings.amp)
     per_parameter = static_bytes_per_parameter(settings.precision, amp)
@@ -311,7 +309,9 @@ def render_table(plan: dict) -> str:
         elastic = plan["elastic"]
         lines.append(f"elastic {elastic['min_replicas']}-{elastic['max_replicas']} replicas: planned at "
                      f"{elastic['min_replicas']}, where each replica runs {elastic['micro_batches_per_replica']} "
-                     "micro-batches a step (fewer replicas run more each; under gpipe a stage holds them all)")
+                     "micro-batches a step (fewer replicas run more each; under gpipe a stage holds them all)"
+                     + (f"; each worker keeps 1/{elastic['min_replicas']} of its stage's optimizer state there"
+                        if settings["optimizer_shards"] > 1 else ""))
     header = ["stage", "layers", "params", "weights", "grads", "master", "optimizer", "activations",
               "offloaded", "total", "fits"]
     table = [header]

@@ -71,8 +71,9 @@ class StageCheckpointing:
             "layers": self.layers.state_dict(), "commits": self.commits,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            # what makes it readable by any partition (see adopt)
-            "layer_indices": list(self.layer_indices), "parameter_names": self._optimizer_parameter_names()})
+            # what makes it readable by any partition and number of ZeRO-1 replicas (see adopt)
+            "layer_indices": list(self.layer_indices), "parameter_names": self._optimizer_parameter_names(),
+            "compute_only": [sorted(self.weights.without_main(position)) for position in range(len(self.layers))]})
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`)."""
@@ -86,22 +87,27 @@ class StageCheckpointing:
         self.weights.refresh()
 
     def adopt(self, *snapshots: dict[str, Any]) -> None:
-        """Take this stage's layers from snapshots of the stages of another partition
-        (a run re-partitioned onto fewer stages): weights, optimizer state per layer
-        and parameter name, hyper-parameters, schedule and commits."""
+        """Take this stage's layers from snapshots of another layout: the stages of
+        another partition (a run re-partitioned onto fewer stages) and, with ZeRO-1,
+        every replica of them (an elastic run resizing: parameters change owners).
+        Weights (each parameter's main weight from whichever snapshot keeps it),
+        optimizer state per layer and parameter name, hyper-parameters, schedule
+        and commits."""
         self.abort_step()
         weights: dict[int, dict[str, torch.Tensor]] = {}
         optimizer: dict[int, dict[str, Any]] = {}
         for snapshot in snapshots:
-            layer_weights, layer_optimizer = snapshot_by_layer(snapshot)
-            weights.update(layer_weights)
-            optimizer.update(layer_optimizer)
+            for merged, part in zip((weights, optimizer), snapshot_by_layer(snapshot)):
+                for index, named in part.items():
+                    merged.setdefault(index, {}).update(named)
         self.load_state_dict(weights)
         if self.optimizer is not None:
             self.optimizer.state.clear()  # as the snapshot had it: a parameter without state gets none
             self.load_optimizer_state(optimizer)
-        if self.scheduler is not None and snapshots[0]["scheduler"] is not None:
-            self.scheduler.load_state_dict(snapshots[0]["scheduler"])  # every stage's schedule steps alike
+        # every stage's schedule steps alike; a ZeRO-1 replica that owns nothing has none
+        schedules = [snapshot["scheduler"] for snapshot in snapshots if snapshot["scheduler"] is not None]
+        if self.scheduler is not None and schedules:
+            self.scheduler.load_state_dict(schedules[0])
         self.commits = snapshots[0]["commits"]
 
     def _optimizer_parameter_names(self) -> list[tuple[int, str]] | None:
@@ -180,12 +186,15 @@ class StageCheckpointing:
 
 def snapshot_by_layer(snapshot: dict[str, Any]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, Any]]]:
     """A stage's snapshot as weights per global layer index, and optimizer state per
-    layer and parameter name (with the hyper-parameters under -1), as checkpoints hold them."""
+    layer and parameter name (with the hyper-parameters under -1), as checkpoints hold them.
+    The weights leave out what the snapshot's worker held only as a compute weight (ZeRO-1
+    in bf16: the main weight is its owner's)."""
     indices = snapshot["layer_indices"]
     weights: dict[int, dict[str, torch.Tensor]] = {index: {} for index in indices}
     for key, tensor in snapshot["layers"].items():
         position, name = key.split(".", 1)
-        weights[indices[int(position)]][name] = tensor
+        if name not in snapshot["compute_only"][int(position)]:
+            weights[indices[int(position)]][name] = tensor
     saved = snapshot["optimizer"]
     if saved is None:
         return weights, {}

@@ -6,7 +6,6 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -45,24 +44,7 @@ class StageWorker(StageCheckpointing):
         self.layer_indices = list(spec.layer_indices)
         self.is_first, self.is_last = spec.is_first, spec.is_last
         self.device = torch.device("cuda", torch.cuda.current_device()) if spec.use_gpu else torch.device("cpu")
-        self.layers = nn.ModuleList(build_layer(layer, index, config.seed)
-                                    for layer, index in zip(spec.layers, spec.layer_indices))
-        self.layers.to(self.device)
-        self._trainable = [p for p in self.layers.parameters() if p.requires_grad]
-        # ZeRO-1: this replica's optimizer holds the parameters it owns (all of them, unsharded), and only
-        # their main weights where those are not the compute weights (bf16)
-        self.ownership = Ownership.assign(self._trainable, spec.running_replicas, spec.replica, config.shard_optimizer)
-        self._owned = self.ownership.owned(self._trainable)
-        owned = set(map(id, self._owned))
-        self.weights = compute_weights(config.precision, self.layers, self.device,  # what the layers compute with
-                                       (lambda parameter: id(parameter) in owned) if self.ownership.sharded else None)
-        # parameters and compute weights: static memory, excluded from held bytes
-        self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
-        self._weights_bytes = storage_bytes([*self.layers.parameters(), *self.weights.copies()])
-        self._compute_weights = [self.weights.compute_weight(p) for p in self._trainable]  # what ZeRO-1 shares
-        self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
-        self.scheduler = (spec.scheduler_factory(self.optimizer)
-                          if spec.scheduler_factory and self.optimizer else None)
+        self._build_model(spec)
         self.loss_fn = spec.loss_fn
         self.data = StageData(spec.loss_count_fn, spec.block, reads_inputs=self.is_first,
                               reads_targets=self.is_last)
@@ -76,16 +58,53 @@ class StageWorker(StageCheckpointing):
         self.commits = 0  # steps this state has ended (stepped or skipped): a heal asks who ended the failed one
         self.take_layout(spec)
 
+    def _build_model(self, spec: WorkerSpec) -> None:
+        """The layers, the weights they compute with and the optimizer, for the ZeRO-1
+        ownership of ``spec``'s layout: each replica's optimizer holds the parameters it
+        owns (all of them, unsharded), and only their main weights where those are not
+        the compute weights (bf16). Built afresh (seeded weights, no optimizer state)."""
+        config = spec.config
+        self.layers = nn.ModuleList(build_layer(layer, index, config.seed)
+                                    for layer, index in zip(spec.layers, spec.layer_indices))
+        self.layers.to(self.device)
+        self._trainable = [p for p in self.layers.parameters() if p.requires_grad]
+        self.ownership = self._ownership_in(spec)
+        self._owned = self.ownership.owned(self._trainable)
+        owned = set(map(id, self._owned))
+        self.weights = compute_weights(config.precision, self.layers, self.device,  # what the layers compute with
+                                       (lambda parameter: id(parameter) in owned) if self.ownership.sharded else None)
+        # parameters and compute weights: static memory, excluded from held bytes
+        self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
+        self._weights_bytes = storage_bytes([*self.layers.parameters(), *self.weights.copies()])
+        self._compute_weights = [self.weights.compute_weight(p) for p in self._trainable]  # what ZeRO-1 shares
+        self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
+        self.scheduler = (spec.scheduler_factory(self.optimizer)
+                          if spec.scheduler_factory and self.optimizer else None)
+
+    def _ownership_in(self, spec: WorkerSpec) -> Ownership:
+        return Ownership.assign(self._trainable, spec.running_replicas, spec.replica, self.config.shard_optimizer)
+
     # -- setup --------------------------------------------------------------
     def take_layout(self, spec: WorkerSpec) -> None:
         """Run as ``spec`` says from the next step: which replica of how many, and
         which block of a step's micro-batches (an elastic run resizing). Only the
-        layout may differ from the spec this worker was built from."""
+        layout may differ from the spec this worker was built from.
+
+        With ZeRO-1 another number of replicas moves parameters to other owners:
+        the model is built afresh for the new ownership, and its state must then
+        come from :meth:`adopt` (snapshots of every replica of the old layout) or
+        a checkpoint."""
+        ownership = self._ownership_in(spec)
+        if list(map(id, ownership.owned(self._trainable))) != list(map(id, self._owned)):
+            # the old state is in the snapshots: free it before the new model takes its place in memory
+            del self.optimizer, self.scheduler, self.weights, self._compute_weights, self._owned, self._trainable
+            del self.layers
+            self._build_model(spec)
         self.spec, self.replica = spec, spec.replica
         self.topology = Topology(spec.num_stages, spec.running_replicas)
         self.named_replica = spec.replica if spec.running_replicas > 1 else None  # in errors
         self.block = spec.block
-        self.ownership = replace(self.ownership, replica=spec.replica)  # elastic runs are unsharded: owners stay
+        self.ownership = ownership
         self.data.take_block(spec.block)
         self._last_micro_batch = len(spec.block) - 1
         self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]

@@ -12,7 +12,8 @@ replica builds its optimizer over the parameters it owns only, so it holds about
 gradient of its parameters (a reduce-scatter, not an all-reduce), steps them,
 and an all-gather gives the other replicas their new compute weights
 (:mod:`raypipe.comm.replicas`). Without sharding every replica owns every
-parameter.
+parameter. An elastic run's resize assigns the owners afresh over the replicas
+running (see :mod:`raypipe.executor.elastic`).
 """
 from __future__ import annotations
 

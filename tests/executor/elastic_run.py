@@ -8,7 +8,9 @@ Before step 2 the node of replica 1's stage 1 is removed (``allow_graceful=False
 its replacement finds no room within ``replace_timeout_s``, so that replica is
 dropped and the run goes on with one. Then a node is added: the replica asked
 for is placed, starts while steps run, and joins at a step boundary. Prints
-what the test checks as JSON.
+what the test checks as JSON. With ``shard_optimizer`` (ZeRO-1) the lost
+worker's optimizer part exists only in its snapshot (the keeper's copy, off
+the lost node), and every resize moves parameters to other owners.
 """
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ LOST_AT, ADDED_AT, MAX_STEPS, GROW_DEADLINE_S = 2, 4, 40, 120
 BATCH = 12  # 4 micro-batches a step: 2 per replica with 2 replicas, 4 with one
 
 
-def train(cluster: Cluster) -> dict:
+def train(cluster: Cluster, shard_optimizer: bool = False) -> dict:
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), clip_grad_norm=0.5,
-                                    hang_timeout_s=5, replace_timeout_s=5, placement_timeout_s=60)
-    record: dict = {"losses": [], "num_replicas": [], "recovered": []}
+                                    hang_timeout_s=5, replace_timeout_s=5, placement_timeout_s=60,
+                                    shard_optimizer=shard_optimizer)
+    record: dict = {"losses": [], "num_replicas": [], "recovered": [], "optimizer_bytes": []}
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
         record["replicas_at_start"] = trainer.num_replicas
         record["nodes_at_start"] = [worker.node_id for worker in trainer.workers]
@@ -45,6 +48,7 @@ def train(cluster: Cluster) -> dict:
             record["losses"].append(result.loss)
             record["num_replicas"].append(result.num_replicas)
             record["recovered"].append(result.recovered)
+            record["optimizer_bytes"].append([[s.replica, s.stage, s.optimizer_bytes] for s in result.stages])
             if step == LOST_AT:
                 record["shrink_seconds"] = time.monotonic() - lost_at
             if step >= ADDED_AT and result.num_replicas == 2:
@@ -56,6 +60,7 @@ def train(cluster: Cluster) -> dict:
                 time.sleep(0.5)  # steps of this model take milliseconds: give the new replica time to start
         record["resizes"] = trainer.resizes
         record["failures"] = trainer.failures
+        record["sources"] = [recovered.source for recovered in trainer.recoveries]
         record["nodes_at_end"] = [worker.node_id for worker in trainer.workers]
         record["state"] = as_lists(trainer.state_dict())
     return record

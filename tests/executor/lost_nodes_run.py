@@ -7,7 +7,7 @@ nodes) serves all three, so the suite starts one cluster instead of three:
 
 1. elastic_run.py: two replicas of two stages fill the four nodes; one node is
    lost with no room for a replacement (the run shrinks), then a node is added
-   (it grows back). Four nodes are alive afterwards.
+   (it grows back). Four nodes are alive afterwards. Then the same with ZeRO-1.
 2. node_loss_run.py: two stages and spare nodes; stage 1's node is lost while
    the keeper of snapshots lags, and the stage moves to a spare node.
 3. repartition_run.py: one node of the three left is removed first, so the two
@@ -35,6 +35,7 @@ def alive_nodes() -> list[str]:
 def lose_every_node(cluster: Cluster) -> dict:
     record = {"elastic": elastic_run.train(cluster)}
     record["elastic"]["alive_nodes"] = alive_nodes()
+    record["elastic_zero1"] = elastic_run.train(cluster, shard_optimizer=True)
     record["node_loss"] = {"uninterrupted": node_loss_run.train(None), "lost": node_loss_run.train(cluster)}
     record["node_loss"]["alive_nodes"] = alive_nodes()
     workers = [node for node in record["node_loss"]["alive_nodes"] if node != cluster.head_node.node_id]

@@ -15,10 +15,12 @@ import raypipe
 from tests.reference import adamw, assert_mlp_run_matches_one_process, make_mlp, random_batches
 
 
-def run_steps(trainer, batches, record):
+def run_steps(trainer, batches, record, optimizer_bytes=None):
     for x, y in batches:
         result = trainer.step(x, y)
         record.append((result.loss, result.num_replicas))
+        if optimizer_bytes is not None:
+            optimizer_bytes.append({(s.replica, s.stage): s.optimizer_bytes for s in result.stages})
 
 
 def test_an_elastic_run_starts_with_as_many_replicas_as_fit_and_splits_the_step_unevenly(ray_cluster):
@@ -35,18 +37,21 @@ def test_an_elastic_run_starts_with_as_many_replicas_as_fit_and_splits_the_step_
     assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
 
 
-def test_a_replica_joins_when_its_resources_appear_and_copies_a_live_one(ray_cluster):
+@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["replicated", "zero1"])
+def test_a_replica_joins_when_its_resources_appear_and_takes_the_runs_state(ray_cluster, shard_optimizer):
+    # replicated, the new replica copies a live one; with ZeRO-1 every worker adopts its new owners' parts
     blocker = placement_group([{"CPU": 1.0}] * 4)  # leaves room for one replica of two stages
     ray.get(blocker.ready(), timeout=60)
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2))
-    batches, record = random_batches(8, 40), []
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2),
+                                    shard_optimizer=shard_optimizer)
+    batches, record, optimizer_bytes = random_batches(8, 40), [], []
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
         assert trainer.num_replicas == 1
-        run_steps(trainer, batches[:2], record)
+        run_steps(trainer, batches[:2], record, optimizer_bytes)
         remove_placement_group(blocker)
         deadline = time.monotonic() + 120
         for x, y in batches[2:]:
-            run_steps(trainer, [(x, y)], record)
+            run_steps(trainer, [(x, y)], record, optimizer_bytes)
             if record[-1][1] == 2 and [r for _, r in record[-2:]] == [2, 2]:
                 break
             assert time.monotonic() < deadline, "the second replica never joined"
@@ -57,6 +62,13 @@ def test_a_replica_joins_when_its_resources_appear_and_copies_a_live_one(ray_clu
     replicas = [r for _, r in record]
     assert replicas[:2] == [1, 1] and replicas[-2:] == [2, 2]
     assert_mlp_run_matches_one_process([loss for loss, _ in record], state, 8, 4)
+    alone, grown = optimizer_bytes[0], optimizer_bytes[-1]
+    for stage in range(2):
+        parts = [grown[replica, stage] for replica in range(2)]
+        if shard_optimizer:  # each parameter's moments on one replica, every replica holding a part
+            assert sum(parts) == alone[0, stage] and all(0 < part < alone[0, stage] for part in parts)
+        else:
+            assert parts == [alone[0, stage]] * 2
 
 
 def test_an_elastic_minimum_that_cannot_be_placed_is_a_clear_error(ray_cluster):

@@ -31,6 +31,22 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back(runs):
           f"on 2 replicas: {run['grow_seconds']:.1f} s")
 
 
+def test_a_zero1_run_that_loses_a_node_reshards_onto_the_survivors_and_back_losing_no_state(runs):
+    run = runs["elastic_zero1"]
+    replicas = run["num_replicas"]
+    assert replicas[:2] == [2, 2] and replicas[2] == 1 and replicas[-3:] == [2, 2, 2]
+    assert [direction for _, direction, _ in run["resizes"]] == ["shrink", "grow"]
+    # the lost worker's optimizer part came from its snapshot (the keeper's copy: its node is gone)
+    assert len(run["sources"]) == 1 and run["sources"][0].endswith("resharded"), run["sources"]
+    # AdamW's moments carried over every resize: a lost part would restart them and miss the reference
+    assert_mlp_run_matches_one_process(run["losses"], run["state"], 12, 4, clip_grad_norm=0.5)
+    for step, row in enumerate(run["optimizer_bytes"]):
+        held = {(replica, stage): count for replica, stage, count in row}
+        for stage in range(2):  # each parameter's moments on one replica at every size
+            parts = [held[replica, stage] for replica in range(replicas[step])]
+            assert sum(parts) == run["optimizer_bytes"][2][stage][2] and all(part > 0 for part in parts), step
+
+
 def test_a_lost_node_is_replaced_on_a_spare_one_bitwise(runs):
     uninterrupted, lost = runs["node_loss"]["uninterrupted"], runs["node_loss"]["lost"]
     stage0, stage1 = lost["nodes_before"]

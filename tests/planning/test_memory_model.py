@@ -455,5 +455,10 @@ def test_an_elastic_plan_is_made_at_the_fewest_replicas(capsys):
     fixed = json.loads(plan(*SEVEN_B, "--micro-batches", "64", "--schedule", "gpipe", "--json", capsys=capsys)[1])
     one_of_two = json.loads(plan(*SEVEN_B, "--replicas", "1:2", "--schedule", "gpipe", "--json", capsys=capsys)[1])
     assert one_of_two["stages"] == fixed["stages"]  # under gpipe a stage holds every micro-batch it runs
-    status, out = plan(*SEVEN_B, "--replicas", "1:2", "--shard-optimizer", capsys=capsys)
-    assert status == 2 and "keeps the whole optimizer state on every replica" in out
+    # ZeRO-1: the largest optimizer part is a worker's at MIN
+    sharded = json.loads(plan(*SEVEN_B, "--replicas", "3:4", "--shard-optimizer", "--json", capsys=capsys)[1])
+    fixed = json.loads(plan(*SEVEN_B, "--replicas", "3", "--micro-batches", "43", "--shard-optimizer", "--json",
+                            capsys=capsys)[1])
+    assert sharded["stages"] == fixed["stages"] and sharded["settings"]["optimizer_shards"] == 3
+    status, out = plan(*SEVEN_B, "--replicas", "3:4", "--shard-optimizer", capsys=capsys)
+    assert status == 0 and "each worker keeps 1/3 of its stage's optimizer state there" in out
