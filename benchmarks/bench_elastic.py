@@ -82,7 +82,9 @@ GROW_PARTS = ("(raylet start: add_node -> registered)", "placement group placed"
               "process start -> __init__ begins (Python, Ray, torch + raypipe imports)",
               "__init__: its arguments deserialized (the spec: layers, weights)",
               "__init__: build the stage (layers, optimizer)",
-              "wait for a step boundary", "state copy (snapshot -> restore)", "re-form the group",
+              "wait for a step boundary",
+              "state copy (replicated: snapshot -> restore; zero1: every worker's snapshot, re-form, adopt)",
+              "re-form the group (zero1: within the state copy)",
               "snapshot + the step itself", "total: node registered -> step at 2 replicas")
 
 
@@ -177,6 +179,7 @@ class Marks:
     new_processes_started: list[float] = field(default_factory=list)  # the new replica's worker processes
     timeline: list[dict] = field(default_factory=list)  # Ray's task events, read before the workers exit
     step_calls: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, replicas)
+    zero1: bool = False
 
 
 def run_scenario(cluster: Cluster, scenario: str, args: argparse.Namespace) -> Marks:
@@ -188,7 +191,7 @@ def run_scenario(cluster: Cluster, scenario: str, args: argparse.Namespace) -> M
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), hang_timeout_s=5,
                                     replace_timeout_s=args.replace_timeout, placement_timeout_s=60,
                                     shard_optimizer=optimizer == "zero1")
-    marks = Marks()
+    marks = Marks(zero1=optimizer == "zero1")
 
     def step(trainer: raypipe.PipelineTrainer) -> int:
         start = time.time()
@@ -270,9 +273,11 @@ def grow_parts(marks: Marks, logs: LogMarks, watch: ClusterWatch) -> list[float]
                                 if start >= marks.add_called and replicas == 2)
     grew = logs.first("grew from", appeared)
     inits = worker_events(marks.timeline, "__init__", appeared, step_end)
-    # the new workers' state copy: a live replica's snapshot restored, or (ZeRO-1) every old one's parts adopted
+    # the state copy: the new workers restore a live replica's snapshot, or (ZeRO-1) all four workers adopt
+    # every old one's parts after the group was re-formed
     restores = [span(event) for method in ("restore", "adopt")
                 for event in worker_events(marks.timeline, method, call_start, grew)]
+    copies = 4 if marks.zero1 else 2
 
     def last(times: list[float], count: int = 2) -> float:
         return max(times) if len(times) == count and not any(map(math.isnan, times)) else math.nan
@@ -280,7 +285,7 @@ def grow_parts(marks: Marks, logs: LogMarks, watch: ClusterWatch) -> list[float]
     loaded = [arguments_loaded(marks.timeline, event) for event in inits]
     chain = [appeared, watch.placed_after(appeared), last(marks.new_processes_started),
              last([span(event)[0] for event in inits]), last(loaded), last([span(event)[1] for event in inits]),
-             call_start, last([finish for _, finish in restores]), grew, step_end]
+             call_start, last([finish for _, finish in restores], copies), grew, step_end]
     return [appeared - marks.add_called, *differences(chain), step_end - appeared]
 
 

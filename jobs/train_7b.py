@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "global batch of MAX replicas (default: 1)")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state "
-                             "(and in bf16 of the fp32 main weights)")
+                             "(and in bf16 of the fp32 main weights); an elastic run re-assigns it at each resize")
     parser.add_argument("--keep-last", type=int, default=None, metavar="K",
                         help="keep only the newest K checkpoints (default: all)")
     parser.add_argument("--max-failures", type=int, default=3,
