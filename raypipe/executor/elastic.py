@@ -160,9 +160,10 @@ class Resizer:
             else:  # each new worker restores the same stage of the first replica, worker to worker
                 ray.get([actor.restore.remote(old[stage].snapshot.remote())
                          for stage, actor in enumerate(starting.actors)])
+            ray.get([actor.committed_steps.remote() for actor in old])  # a lost one fails the grow, not the layout
         except ray.exceptions.RayError as error:
-            logger.warning("raypipe: a new replica failed before it joined (%s); asking for another",
-                           str(error).strip().splitlines()[-1])
+            logger.warning("raypipe: a worker failed before the new replica joined (%s); asking for another "
+                           "replica", str(error).strip().splitlines()[-1])
             starting.cancel()
             self._ask_for(1)
             return None

@@ -40,6 +40,7 @@ import atexit
 import logging
 import math
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -136,6 +137,9 @@ class RequestGuard:
 
     def __init__(self, sentinel: Any) -> None:
         self._sentinel = sentinel
+        # the guard starts its own watch: a call the driver queued would wait in the driver until this
+        # actor runs, and go with a driver killed before then
+        ray.get_runtime_context().current_actor.watch.remote()
 
     def watch(self, period_s: float = GUARD_PERIOD_S) -> None:
         while _answers(self._sentinel, timeout_s=max(10 * period_s, 30.0)):
@@ -149,9 +153,11 @@ def start_guard() -> tuple[Any, Any]:
     both on this (the driver's) node and without CPUs; returns both handles."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     sentinel = ray.remote(DriverSentinel).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
+    # named: Ray registers a named actor with the GCS before .remote() returns (an unnamed one later, from
+    # the driver), so the guard is created, and watches, even when the driver is killed the moment after
     guard = ray.remote(RequestGuard).options(num_cpus=0, max_restarts=0, lifetime="detached",
+                                             name=f"raypipe-request-guard-{uuid.uuid4().hex}",
                                              scheduling_strategy=here).remote(sentinel)
-    guard.watch.remote()
     return guard, sentinel
 
 
