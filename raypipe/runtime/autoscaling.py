@@ -40,7 +40,6 @@ import atexit
 import logging
 import math
 import time
-import uuid
 from typing import Any
 
 import ray
@@ -153,10 +152,7 @@ def start_guard() -> tuple[Any, Any]:
     both on this (the driver's) node and without CPUs; returns both handles."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     sentinel = ray.remote(DriverSentinel).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
-    # named: Ray registers a named actor with the GCS before .remote() returns (an unnamed one later, from
-    # the driver), so the guard is created, and watches, even when the driver is killed the moment after
     guard = ray.remote(RequestGuard).options(num_cpus=0, max_restarts=0, lifetime="detached",
-                                             name=f"raypipe-request-guard-{uuid.uuid4().hex}",
                                              scheduling_strategy=here).remote(sentinel)
     return guard, sentinel
 
