@@ -40,6 +40,7 @@ import atexit
 import logging
 import math
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -48,6 +49,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger(__name__)
 GUARD_PERIOD_S = 1.0  # how often the guard checks that the driver is alive
+GUARD_NAMESPACE = "raypipe"
 
 
 class ResourceRequest:
@@ -152,7 +154,11 @@ def start_guard() -> tuple[Any, Any]:
     both on this (the driver's) node and without CPUs; returns both handles."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     sentinel = ray.remote(DriverSentinel).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
+    # named: Ray registers a named actor with the GCS before .remote() returns (an unnamed one only after,
+    # from the driver), so the guard starts even when the driver is killed the moment after; in a namespace
+    # of its own, as Ray asks of a named detached actor (else it warns on the driver's output)
     guard = ray.remote(RequestGuard).options(num_cpus=0, max_restarts=0, lifetime="detached",
+                                             name=f"request-guard-{uuid.uuid4().hex}", namespace=GUARD_NAMESPACE,
                                              scheduling_strategy=here).remote(sentinel)
     return guard, sentinel
 
