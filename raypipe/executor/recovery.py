@@ -53,6 +53,7 @@ from raypipe.errors import PlacementError, RaypipeError, TooManyFailures, Worker
 from raypipe.executor.base import Executor, StepOutcome
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
 from raypipe.executor.persisted import PersistedCheckpoints
+from raypipe.executor.siblings import copy_from_siblings, find_siblings
 from raypipe.executor.snapshot import LoggedStep, Snapshot
 from raypipe.runtime.health import Watchdog
 
@@ -308,7 +309,7 @@ class Recovery:
             return replay, f"{source}, resharded"
         if siblings is None:
             return self._restore()
-        self._copy_from_siblings(siblings)
+        copy_from_siblings(self.executor.group.actors, siblings)
         if not siblings:  # a shrink dropped every failed worker's replica
             return [], "surviving replicas"
         num_stages = self.config.num_stages
@@ -330,32 +331,11 @@ class Recovery:
         return running > 1 and not self.config.shard_optimizer
 
     def _siblings(self, failed: list[int]) -> dict[int, int] | None:
-        """For each failed worker, a surviving worker of the same stage in another replica
-        to copy its state from; None when some stage has none, or when a survivor ended
-        the failed step (then only a snapshot rolls every worker back alike)."""
+        """Survivors to copy the failed workers' state from (:func:`find_siblings`); None
+        when the replicas do not hold copies."""
         if not self._replicas_hold_copies():
             return None
-        num_stages, actors = self.config.num_stages, self.executor.group.actors
-        alive = [index for index in range(len(actors)) if index not in failed]
-        sources = {}
-        for index in failed:
-            same_stage = [other for other in alive if other % num_stages == index % num_stages]
-            if not same_stage:
-                return None
-            sources[index] = same_stage[0]
-        try:
-            ended = ray.get([actors[index].committed_steps.remote() for index in alive])
-        except ray.exceptions.RayError:  # another worker is failing: the snapshot path finds out how
-            return None
-        return sources if all(count == self._commits for count in ended) else None
-
-    def _copy_from_siblings(self, sources: dict[int, int]) -> None:
-        """Each replacement restores its sibling's state (sent sibling to replacement through
-        the object store, not through the driver); survivors drop the failed step."""
-        actors = self.executor.group.actors
-        copies = [actors[index].restore.remote(actors[source].snapshot.remote()) for index, source in sources.items()]
-        dropped = [actor.abort_step.remote() for index, actor in enumerate(actors) if index not in sources]
-        ray.get(copies + dropped)
+        return find_siblings(self.executor.group.actors, failed, self.config.num_stages, self._commits)
 
     def _restore(self, load: Callable[[list], list] | None = None, needed: int | None = None,
                  as_taken: bool = False) -> tuple[list[LoggedStep], str]:
