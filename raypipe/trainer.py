@@ -20,15 +20,16 @@ from raypipe.core.result import StepResult
 from raypipe.core.schedule import make_schedule
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.core.topology import Topology
-from raypipe.errors import NonFiniteError, PlacementError
+from raypipe.errors import NonFiniteError
 from raypipe.executor import make_executor
 from raypipe.executor.elastic import Resizer, layout
+from raypipe.executor.partition_return import PartitionReturn
+from raypipe.executor.partitioning import Partitioning
 from raypipe.executor.recovery import Recovered, Recovery
 from raypipe.executor.snapshot import LoggedStep
 from raypipe.models.hf.export import describe_llama
 from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers
 from raypipe.observability.step_report import build_step_result
-from raypipe.planning.repartition import fewer_stages, layer_bytes
 from raypipe.runtime import cluster
 from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
 from raypipe.runtime.group import StageGroup, WorkerInfo
@@ -41,7 +42,7 @@ Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
 Batch = torch.Tensor | Sequence[torch.Tensor]
 
 
-class PipelineTrainer(TrainerState):
+class PipelineTrainer(TrainerState, Partitioning):
     """Train ``model`` with pipeline parallelism over Ray stage actors.
 
     ``model`` is an ``nn.Sequential``, a list of modules, or a list of
@@ -65,6 +66,8 @@ class PipelineTrainer(TrainerState):
         self.topology = Topology(config.num_stages, config.max_replicas)  # until placed: an elastic run's may be fewer
         self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
                                                                 config.num_stages))
+        self._configured = (config, list(self.balance))  # a re-partitioned run goes back to it when there is room
+        self._partition_return: PartitionReturn | None = None
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
         self._loss_count_fn = loss_count_fn or count_samples
         self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
@@ -72,7 +75,8 @@ class PipelineTrainer(TrainerState):
         self.step_count = 0
         self.metrics = None
         self.recoveries: list[Recovered] = []  # each healed failure event: how long, from where, steps replayed
-        self.resizes: list[tuple[int, str, int]] = []  # an elastic run's: (step_count, "shrink"/"grow", replicas)
+        # (step_count, direction, replicas after): "shrink"/"grow" (elastic), "repartition"/"restore" (stages)
+        self.resizes: list[tuple[int, str, int]] = []
         self._damaged_checkpoints: set[tuple[str, int]] = set()  # (root, step) a load fell back past
         self._group: StageGroup | None = None
         self._datasets: tuple[Any, Any] | None = None
@@ -83,6 +87,7 @@ class PipelineTrainer(TrainerState):
         self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
         self._recovery.settle_saves = self._settle_saves
         self._recovery.repartition = self._repartition
+        self._recovery.restore_partition = self._restore_partition
         self._model = (layers, optimizer, loss_fn, lr_scheduler)
         self._start()
 
@@ -111,15 +116,17 @@ class PipelineTrainer(TrainerState):
         self._start_metrics()
         self._recovery.snapshot(self.step_count, first=True)
 
-    def _stage_specs(self) -> list[WorkerSpec]:
-        """One spec per stage of the current partition, as replica 0's."""
+    def _stage_specs(self, config: PipelineConfig | None = None, balance: list[int] | None = None
+                     ) -> list[WorkerSpec]:
+        """One spec per stage of the current partition (else of ``config`` split by ``balance``), as replica 0's."""
+        config, balance = config or self.config, balance or self.balance
         layers, optimizer, loss_fn, lr_scheduler = self._model
-        last = self.config.num_stages - 1
-        return [WorkerSpec(stage=stage, num_stages=self.config.num_stages, layers=tuple(layers[i] for i in indices),
-                           layer_indices=tuple(indices), config=self.config, use_gpu=self.use_gpu,
+        last = config.num_stages - 1
+        return [WorkerSpec(stage=stage, num_stages=config.num_stages, layers=tuple(layers[i] for i in indices),
+                           layer_indices=tuple(indices), config=config, use_gpu=self.use_gpu,
                            optimizer_factory=optimizer, loss_fn=loss_fn if stage == last else None,
                            loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
-                for stage, indices in enumerate(stage_layer_ranges(self.balance))]
+                for stage, indices in enumerate(stage_layer_ranges(balance))]
 
     def _launch(self, placed: list | None) -> list[dict[str, Any]]:
         """Start the workers of the current partition and topology (in ``placed``
@@ -131,50 +138,10 @@ class PipelineTrainer(TrainerState):
         self._executor.connect(self._group)
         return infos
 
-    def _repartition(self, reports: list | None) -> None:
-        """Not even one whole pipeline can be placed: start one replica on fewer stages
-        when the merged stages are predicted to fit a worker (waiting up to
-        ``placement_timeout_s`` for room), else raise :class:`PlacementError`. The
-        recovery then gives the new workers the state of the old ones."""
-        old_stages = self.config.num_stages
-        self._group.shutdown()  # the survivors' room goes to the new partition; their state is in snapshots
-        if self._recovery.resizer is not None:  # its placement groups are of the old partition
-            self._recovery.resizer.close()
-            self._recovery.resizer = None
-        balance = self._fewer_stages(reports)
-        self.config = self.config.replace(num_stages=len(balance), balance=balance)
-        self.balance, self.topology = balance, Topology(len(balance), 1)
-        self.schedule = make_schedule(self.config.schedule, len(balance), self.config.num_micro_batches)
-        self._executor.config = self._recovery.config = self.config
-        self._executor.schedule = self.schedule
-        self._launch(None)
-        self.resizes.append((self.step_count, "repartition", 1))
+    def _record_resize(self, direction: str) -> None:
+        self.resizes.append((self.step_count, direction, self.topology.num_replicas))
         if self.metrics is not None:
-            self.metrics.record_resize("repartition", 1)
-        logger.warning("raypipe: re-partitioned from %d to %d stage(s) (layers per stage %s): no room for a whole "
-                       "pipeline of %d", old_stages, len(balance), balance, old_stages)
-
-    def _fewer_stages(self, reports: list | None) -> list[int]:
-        """The balance of the most stages (fewer than now) that fits the room there is."""
-        costs = [layer_parameter_count(layer) for layer in self._model[0]]
-        stats = [report.stats for report in reports[:self.config.num_stages]] if reports else None
-        predicted = (layer_bytes(self.balance, [4 * cost for cost in costs], stats) if stats
-                     else [8.0 * cost for cost in costs])
-        capacity = cluster.worker_memory_bytes(self._device_memory)
-        deadline = time.monotonic() + self.config.placement_timeout_s
-        while True:
-            placeable = cluster.placeable_workers(self._bundle)
-            balance = fewer_stages(costs, predicted, self.config.num_stages, placeable, capacity)
-            if balance is not None:
-                return balance
-            if time.monotonic() > deadline:
-                raise PlacementError(
-                    f"no whole pipeline of {self.config.num_stages} stage(s) can be placed, and no partition onto "
-                    f"fewer stages fits: room for {placeable} worker(s) of {self._bundle}, {capacity / 2**30:.1f} "
-                    f"GiB per worker, the model predicted at {sum(predicted) / 2**30:.2f} GiB; waited "
-                    f"{self.config.placement_timeout_s:g}s (placement_timeout_s). Saved checkpoints are intact: "
-                    "load_checkpoint resumes from the newest")
-            time.sleep(0.5)
+            self.metrics.record_resize(direction, self.topology.num_replicas)
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -185,9 +152,7 @@ class PipelineTrainer(TrainerState):
         """After an elastic resize: the new layout's topology, datasets for new readers, metrics."""
         self.topology = Topology(self.config.num_stages, num_replicas)
         self._give_datasets(new_ranks)
-        self.resizes.append((self.step_count, direction, num_replicas))
-        if self.metrics is not None:
-            self.metrics.record_resize(direction, num_replicas)
+        self._record_resize(direction)
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
@@ -231,6 +196,9 @@ class PipelineTrainer(TrainerState):
             self._shipped = {}
         if self._recovery.resizer is not None:
             self._recovery.resizer.close()
+        if self._partition_return is not None:
+            self._partition_return.close()
+            self._partition_return = None
         if self._recovery.keeper is not None:
             ray.kill(self._recovery.keeper)
             self._recovery.keeper = None

@@ -94,6 +94,8 @@ class Recovery:
         self.resizer: Resizer | None = None  # an elastic run's: shrinks when a replacement cannot be placed
         # starts the model on fewer stages when no whole pipeline can be placed (given the last step's reports)
         self.repartition: Callable[[list | None], None] | None = None
+        # a re-partitioned run's: at a step boundary, back to the configured stages when their workers are ready
+        self.restore_partition: Callable[[], bool] = lambda: False
         self._last_reports: list | None = None
 
     # -- snapshots ------------------------------------------------------------
@@ -153,6 +155,9 @@ class Recovery:
                     self._heal()
                 elif self.resizer is not None:
                     self._grow()
+                elif self.restore_partition():
+                    self._last_reports = None  # of the stages that went
+                    self._snapshot_now()
                 self._take_due_snapshot()
                 return self._run(data_step, batch, loss_scale)
             except WorkersFailed as failure:

@@ -28,8 +28,9 @@ SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
 
 RESTART_REASONS = ("died", "hung", "unreachable")  # why a worker was replaced (raypipe.runtime.health)
-# an elastic run dropped replicas or added them; or a run went on with fewer stages (no whole pipeline fit)
-RESIZE_DIRECTIONS = ("shrink", "grow", "repartition")
+# an elastic run dropped replicas or added them; a run went on with fewer stages (no whole pipeline fit),
+# and went back to its configured stages (there was room again)
+RESIZE_DIRECTIONS = ("shrink", "grow", "repartition", "restore")
 # (kind label, StageStats field) for raypipe_stage_memory_bytes.
 MEMORY_KINDS = (
     ("held_for_backward", "held_for_backward_bytes"),
@@ -120,7 +121,7 @@ class _TrainingCollector(Collector):
         resizes_family = CounterMetricFamily(
             "raypipe_resizes_total",
             "Resizes, by direction: shrink (replicas dropped), grow (replicas added), repartition "
-            "(fewer stages).",
+            "(fewer stages), restore (back to the configured stages).",
             labels=["direction"],
         )
         for direction in RESIZE_DIRECTIONS:
@@ -266,7 +267,7 @@ class MetricsExporter:
         self._collector.record_recovery(reasons, seconds, replayed_steps)
 
     def record_resize(self, direction: str, num_replicas: int) -> None:
-        """Count one resize (``direction`` "shrink", "grow" or "repartition") and publish the replicas
+        """Count one resize (``direction`` "shrink", "grow", "repartition" or "restore") and publish the replicas
         running after it; raises ValueError on another direction or fewer than 1 replica."""
         self._collector.record_resize(direction, num_replicas)
 

@@ -10,9 +10,11 @@ nodes) serves all three, so the suite starts one cluster instead of three:
    (it grows back). Four nodes are alive afterwards. Then the same with ZeRO-1.
 2. node_loss_run.py: two stages and spare nodes; stage 1's node is lost while
    the keeper of snapshots lags, and the stage moves to a spare node.
-3. repartition_run.py: one node of the three left is removed first, so the two
-   stages fill the last two; stage 1's node is then lost with no spare, and the
-   model is re-partitioned onto the one stage that can be placed.
+3. repartition_run.py: one node of the three left is removed first, so an
+   elastic run's one replica of two stages fills the last two; stage 1's node
+   is then lost with no spare, and the model is re-partitioned onto the one
+   stage that can be placed; two nodes are added and the run goes back to its
+   two stages, then one more and it grows to a second replica.
 
 Each part's record goes under its name, with the nodes alive when it ended.
 """

@@ -1,16 +1,22 @@
-"""A one-replica run that loses a node with no spare, in a multi-node Ray
-cluster (the last part of lost_nodes_run.py; alone:
+"""An elastic run whose only replica loses a node with no spare, in a multi-node
+Ray cluster (the last part of lost_nodes_run.py; alone:
 ``python -m tests.executor.repartition_run OUT.json``).
 
 ``ray.cluster_utils.Cluster``: a head with no CPUs (the driver's node) and two
-1-CPU worker nodes, one stage on each. Before step 2 the node of stage 1 is
-removed (``allow_graceful=False``): no node has room for its replacement, so
-the model is re-partitioned onto the one stage that can be placed, which takes
-both stages' layers from the newest snapshot. Prints what the test checks as JSON.
+1-CPU worker nodes: ``num_replicas=(1, 2)`` of two stages runs one replica, one
+stage on each node, and asks for the second. Before step 2 the node of stage 1
+is removed (``allow_graceful=False``): no node has room for its replacement and
+no replica is left to shrink to, so the model is re-partitioned onto the one
+stage that can be placed, which takes both stages' layers from the newest
+snapshot. Before step 4 two nodes are added: the configured two stages start
+there while steps run on the one, and take over its layers at a step boundary.
+Once they have, a node is added for the second replica (beside the one the
+single stage left), and the run grows to it. Prints what the test checks as JSON.
 """
 from __future__ import annotations
 
 import sys
+import time
 import urllib.request
 
 import torch
@@ -21,21 +27,38 @@ import raypipe
 from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
 from tests.reference import adamw, make_mlp, random_batches
 
-STEPS, LOST_AT = 5, 2
+LOST_AT, ADDED_AT, MAX_STEPS, DEADLINE_S = 2, 4, 60, 120
+BATCH = 8  # 4 micro-batches a step: 2 per replica with 2 replicas, 4 with one
 
 
 def train(cluster: Cluster) -> dict:
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, clip_grad_norm=0.5, hang_timeout_s=5,
-                                    replace_timeout_s=5, placement_timeout_s=30, metrics_port=0)
-    record: dict = {"losses": [], "recovered": []}
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), clip_grad_norm=0.5,
+                                    hang_timeout_s=5, replace_timeout_s=5, placement_timeout_s=30, metrics_port=0)
+    record: dict = {"losses": [], "recovered": [], "stages": [], "num_replicas": []}
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
         record["balance_at_start"] = list(trainer.balance)
-        for step, (x, y) in enumerate(random_batches(8, STEPS)):
+        record["replicas_at_start"] = trainer.num_replicas
+        for step, (x, y) in enumerate(random_batches(BATCH, MAX_STEPS)):
             if step == LOST_AT:
                 remove_node(cluster, trainer.workers[1].node_id)  # stage 1's, with no spare
+            if step == ADDED_AT:
+                record["balance_before_nodes_added"] = list(trainer.balance)
+                cluster.add_node(num_cpus=1)
+                cluster.add_node(num_cpus=1)  # room for the configured pipeline beside the one running
+                added_at = time.monotonic()
             result = trainer.step(x, y)
             record["losses"].append(result.loss)
             record["recovered"].append(result.recovered)
+            record["stages"].append(len({stats.stage for stats in result.stages}))
+            record["num_replicas"].append(result.num_replicas)
+            if step > ADDED_AT and record["stages"][-1] == 2 and "return_seconds" not in record:
+                record["return_seconds"] = time.monotonic() - added_at
+                cluster.add_node(num_cpus=1)  # with the single stage's node, now free: room for a second replica
+            if record["num_replicas"][-3:] == [2, 2, 2]:
+                break
+            if step >= ADDED_AT:
+                assert time.monotonic() - added_at < DEADLINE_S, "the run never went back to two stages and replicas"
+                time.sleep(0.5)  # steps of this model take milliseconds: give the new workers time to start
         record["balance_at_end"] = list(trainer.balance)
         record["workers_at_end"] = [(worker.replica, worker.stage) for worker in trainer.workers]
         record["sources"] = [recovered.source for recovered in trainer.recoveries]

@@ -84,7 +84,7 @@ def test_counters_start_at_zero_and_unknown_gauges_are_absent(exporter):
         frozenset({"reason": "overflow"}.items()): 0.0, frozenset({"reason": "nonfinite"}.items()): 0.0}
     # every direction from the start, so increase() has a series before the first resize
     assert scraped["samples"]["raypipe_resizes_total"] == {
-        frozenset({"direction": direction}.items()): 0.0 for direction in ("shrink", "grow", "repartition")}
+        frozenset({"direction": direction}.items()): 0.0 for direction in ("shrink", "grow", "repartition", "restore")}
 
 
 def test_step_values_labels_and_help(exporter):
@@ -186,7 +186,7 @@ def test_replicas_follow_steps_and_resizes(exporter):
 
 
 @pytest.mark.parametrize(("direction", "num_replicas", "message"), [
-    ("up", 2, "resize direction must be one of ('shrink', 'grow', 'repartition'), got 'up'"),
+    ("up", 2, "resize direction must be one of ('shrink', 'grow', 'repartition', 'restore'), got 'up'"),
     ("Shrink", 1, "got 'Shrink'"),
     ("grow", 0, "replicas after a resize must be an int >= 1, got 0"),
     ("grow", 2.0, "got 2.0"),

@@ -224,7 +224,7 @@ def test_replicas_panel_shows_an_elastic_run_shrinking_and_growing(prometheus_fa
         wait_until(lambda: series(exprs["replicas"]) == {"": 2.0}, 30, "2 replicas in Prometheus")
         # Before any resize every direction is a series of zeros, not absent.
         wait_until(lambda: series(exprs["resizes ({{direction}})"]) == {"shrink": 0.0, "grow": 0.0,
-                                                                      "repartition": 0.0}, 30,
+                                                                      "repartition": 0.0, "restore": 0.0}, 30,
                    "zero resizes in every direction")
         exporter.record_resize("shrink", 1)
         exporter.record_step(StepResult(step=1, loss=1.0, grad_norm=1.0, step_time=0.1, num_replicas=1))

@@ -1,0 +1,72 @@
+"""PartitionReturn: a re-partitioned run's configured pipeline, started when
+placed, takes over the running workers' layers; a take-over that meets a dead
+worker asks again and loses nothing."""
+import time
+
+import ray
+import torch
+from torch import nn
+
+import raypipe
+from raypipe.executor.partition_return import PartitionReturn
+from raypipe.runtime.group import StageGroup
+from raypipe.runtime.health import worker_actor_class
+from raypipe.stage.spec import WorkerSpec
+from raypipe.stage.worker import StageWorker
+
+LAYERS = (raypipe.LayerSpec(nn.Linear, 4, 4), raypipe.LayerSpec(nn.Linear, 4, 4))
+BUNDLE = {"CPU": 1.0}
+
+
+def specs(balance):
+    """One replica's specs, ``balance`` layers a stage."""
+    config = raypipe.PipelineConfig(num_stages=len(balance), balance=balance)
+    starts = [sum(balance[:stage]) for stage in range(len(balance))]
+    return [WorkerSpec(stage, len(balance), LAYERS[start:start + count], tuple(range(start, start + count)), config,
+                       optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1),
+                       loss_fn=nn.functional.mse_loss if stage == len(balance) - 1 else None)
+            for stage, (start, count) in enumerate(zip(starts, balance))]
+
+
+def ready_group(returning, deadline_s=120):
+    deadline = time.monotonic() + deadline_s
+    while (group := returning.poll()) is None:
+        assert time.monotonic() < deadline, "the configured pipeline never became ready"
+        time.sleep(0.2)
+    return group
+
+
+def test_the_configured_pipeline_takes_over_the_layers_and_a_dead_new_worker_is_asked_for_again(ray_cluster):
+    actor_class = worker_actor_class(StageWorker)
+    running = StageGroup(actor_class, specs([2]), BUNDLE, placement_timeout_s=30)  # both layers on one stage
+    returning = None
+    try:
+        running.wait_ready(timeout_s=60)
+        generator = torch.Generator().manual_seed(7)  # weights no fresh build has
+        trained = {index: {"weight": torch.randn(4, 4, generator=generator),
+                           "bias": torch.randn(4, generator=generator)} for index in range(2)}
+        ray.get(running.actors[0].load_state_dict.remote(trained))
+
+        returning = PartitionReturn(actor_class, specs([1, 1]), BUNDLE)
+        first = ready_group(returning)
+        dead_pid = ray.get(first.actors[1].ready.remote())["pid"]
+        ray.kill(first.actors[1])
+        assert returning.take_over(running.actors) is None  # dropped, and asked for again
+        assert first.actors == []  # its workers killed, its placement group freed
+
+        group = ready_group(returning)
+        assert dead_pid not in {info["pid"] for info in ray.get([actor.ready.remote() for actor in group.actors])}
+        assert returning.take_over(running.actors) is group
+        for stage, actor in enumerate(group.actors):
+            adopted = ray.get(actor.state_dict.remote())
+            assert list(adopted) == [stage]
+            for name, tensor in trained[stage].items():
+                assert torch.equal(adopted[stage][name], tensor), (stage, name)
+        returning.close()  # the group taken over keeps its placement group
+        assert group.poll() == []
+        group.shutdown()
+    finally:
+        if returning is not None:
+            returning.close()
+        running.shutdown()
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
