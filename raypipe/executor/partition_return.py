@@ -13,8 +13,15 @@ is room again, the way an elastic run grows:
   of the running workers (snapshotted then, sent worker to worker through the
   object store), and the trainer swaps the groups.
 
-The new pipeline needs its room beside the running one until the swap: on a
-cluster with no room to spare, that is the node an autoscaler adds.
+That needs room for the configured pipeline beside the running one: the nodes
+an autoscaler adds for it. A cluster that cannot grow (a fixed-size one whose
+lost node came back) never has it; there, once the configured pipeline fits in
+the room there is plus the running workers' own, the trainer swaps in place at
+a step boundary: the running workers are snapshotted and stopped, and the
+configured pipeline is placed, started and adopts the snapshot (the run waits
+for its workers to start; no step is lost or redone). If the room went
+elsewhere meanwhile, the fewer stages start again from the same snapshot, and
+that run swaps only beside from then on.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ from typing import Any
 import ray
 
 from raypipe.runtime import cluster, spread
-from raypipe.runtime.group import StageGroup
+from raypipe.runtime.group import StageGroup, WorkerInfo
 from raypipe.stage.spec import WorkerSpec
 
 logger = logging.getLogger("raypipe")
@@ -38,6 +45,7 @@ class PartitionReturn:
         self._actor_class, self._specs, self._bundle = actor_class, list(specs), bundle
         self._group: StageGroup | None = None
         self._ready: list = []
+        self.in_place = True  # until a swap in place found the room gone
         self._ask()
 
     def _ask(self) -> None:
@@ -50,11 +58,41 @@ class PartitionReturn:
         if self._group is None:
             placed, _ = ray.wait([self._placed], timeout=0)
             if placed:
-                self._group = StageGroup(self._actor_class, self._specs, self._bundle, 0, [self._placement])
+                self._group = self._start()
                 self._ready = [actor.ready.remote() for actor in self._group.actors]
             return None
         done, _ = ray.wait(self._ready, num_returns=len(self._ready), timeout=0)
         return self._group if len(done) == len(self._ready) else None
+
+    def _start(self) -> StageGroup:
+        """The workers, created in the placed placement group."""
+        return StageGroup(self._actor_class, self._specs, self._bundle, 0, [self._placement])
+
+    def fits_in_place(self, running: list[WorkerInfo]) -> bool:
+        """Whether the configured pipeline, not started beside, fits only in the room there
+        is plus that of the ``running`` workers (a bundle each). Where it fits beside,
+        its placement group is about to be placed: that swap holds up no step."""
+        if not self.in_place or self._group is not None:
+            return False
+        needed, freed = len(self._specs), [worker.node_id for worker in running]
+        return cluster.placeable_workers(self._bundle, freed) >= needed > cluster.placeable_workers(self._bundle)
+
+    def start_in_place(self, timeout_s: float) -> StageGroup | None:
+        """Once the running workers went: the configured pipeline's group, its workers
+        built, when its placement group is placed within ``timeout_s``; else None, and
+        no swap in place is tried again."""
+        placed, _ = ray.wait([self._placed], timeout=timeout_s)
+        if not placed:
+            self.in_place = False
+            return None
+        group = self._start()
+        self._placement = None  # the group's now
+        try:
+            group.wait_ready()
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
 
     def take_over(self, running: list[Any]) -> StageGroup | None:
         """The ready group, its workers holding every layer of the ``running`` workers

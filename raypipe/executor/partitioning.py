@@ -26,6 +26,7 @@ from raypipe.executor.partition_return import PartitionReturn
 from raypipe.models.layers import layer_parameter_count
 from raypipe.planning.repartition import fewer_stages, layer_bytes
 from raypipe.runtime import cluster, spread
+from raypipe.runtime.group import StageGroup
 
 logger = logging.getLogger("raypipe")
 
@@ -59,15 +60,30 @@ class Partitioning:
 
     def _restore_partition(self) -> bool:
         """At a step boundary of a re-partitioned run: once the configured pipeline's
-        workers (started when there was room) are ready, they take over every layer
-        and the running workers go; an elastic run then grows its replicas again."""
-        group = None if self._partition_return is None else self._partition_return.poll()
-        if group is None:
+        workers (started beside when there was room) are ready, they take over every
+        layer and the running workers go; or, where the configured pipeline fits only
+        in the running workers' room too, it takes their place (see
+        :mod:`~raypipe.executor.partition_return`). An elastic run then grows its
+        replicas again. Whether the group changed."""
+        returning = self._partition_return
+        if returning is None:
             return False
-        self._settle_saves()  # a save in flight reads the running workers
-        group = self._partition_return.take_over(self._group.actors)
-        if group is None:
-            return False
+        group = returning.poll()
+        if group is not None:
+            self._settle_saves()  # a save in flight reads the running workers
+            group = returning.take_over(self._group.actors)
+            if group is not None:
+                self._swap_in(group)
+            return group is not None
+        if self.config.snapshot_every and returning.fits_in_place(self._group.workers):
+            self._settle_saves()
+            source = self._recovery.relaunch(self._swap_in_place)
+            logger.warning("raypipe: the new workers took their state from the %s", source)
+            return True
+        return False
+
+    def _swap_in(self, group: StageGroup) -> None:
+        """The configured pipeline's ``group`` (ready) replaces the running workers."""
         self._partition_return, running_stages = None, self.config.num_stages
         self._group.shutdown()
         config, balance = self._configured
@@ -80,7 +96,19 @@ class Partitioning:
         self._record_resize("restore")
         logger.warning("raypipe: back from %d to the configured %d stage(s) (layers per stage %s)",
                        running_stages, config.num_stages, balance)
-        return True
+
+    def _swap_in_place(self) -> None:
+        """The running workers go (their state is snapshotted), and the configured pipeline
+        is placed in their room; if the room went elsewhere, the fewer stages start again."""
+        self._group.shutdown()
+        group = self._partition_return.start_in_place(self.config.placement_timeout_s)
+        if group is not None:
+            self._swap_in(group)
+            return
+        logger.warning("raypipe: the configured %d stage(s) could not be placed in the room the running ones left "
+                       "within %gs (placement_timeout_s); going on with %d", self._configured[0].num_stages,
+                       self.config.placement_timeout_s, self.config.num_stages)
+        self._launch(None)
 
     def _grow_again(self) -> None:
         """An elastic run back on its configured stages asks for its other replicas again."""

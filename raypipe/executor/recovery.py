@@ -171,6 +171,25 @@ class Recovery:
             self.resizer.resized(GROW, new_ranks)
             self._snapshot_now()
 
+    def relaunch(self, launch: Callable[[], None]) -> str:
+        """Between steps, another group in place of this one (``launch()``: stop the
+        workers, start those of another partition): every worker is snapshotted first,
+        and the new workers adopt every layer of that snapshot (of an older one or a
+        checkpoint when it was lost, the steps since redone). Where the state came from."""
+        newest = self._snapshots[-1]
+        self.snapshot(newest.step + len(newest.since))
+        taken = self._snapshots[-1]
+        waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
+        ray.wait(waited, num_returns=len(waited), fetch_local=False)
+        launch()
+        actors = self.executor.group.actors
+        self.on_replaced(list(range(len(actors))))
+        replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs) for actor in actors], as_taken=True)
+        self._last_reports = None  # of the stages that went
+        for logged in replay:
+            self._run(logged.data_step, logged.batch, logged.loss_scale)
+        return source
+
     def _snapshot_now(self) -> None:
         if self._snapshots:  # a fresh snapshot of the group as it is: the old ones cover other workers
             newest = self._snapshots[-1]

@@ -4,9 +4,11 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray._private.state import available_resources_per_node  # DeveloperAPI: ray.available_resources() per node
 from ray.util.placement_group import remove_placement_group
 
 from raypipe.config import PipelineConfig
@@ -89,10 +91,16 @@ def reserve_between(minimum: int, maximum: int, bundles: list[dict[str, float]],
             [group for group, ready in zip(groups, waits) if ready not in placed])
 
 
-def placeable_workers(bundle: dict[str, float]) -> int:
-    """How many workers of ``bundle`` the cluster has room for now (summed over nodes)."""
-    available = ray.available_resources()
-    return int(min(available.get(name, 0.0) // amount for name, amount in bundle.items() if amount > 0))
+def placeable_workers(bundle: dict[str, float], freed_on: Sequence[str] = ()) -> int:
+    """How many workers of ``bundle`` the live nodes have room for now, each within one
+    node; ``freed_on``: the nodes of workers about to go, each freeing one ``bundle``."""
+    count = 0
+    for node, free in available_resources_per_node().items():
+        freed = list(freed_on).count(node)
+        # Ray counts resources in units of 1e-4: a sum of them is not exact in floating point
+        count += min(math.floor((free.get(name, 0.0) + freed * amount) / amount + 1e-6)
+                     for name, amount in bundle.items() if amount > 0)
+    return count
 
 
 def worker_memory_bytes(device_memory_bytes: int | None) -> float:

@@ -13,8 +13,9 @@ nodes) serves all three, so the suite starts one cluster instead of three:
 3. repartition_run.py: one node of the three left is removed first, so an
    elastic run's one replica of two stages fills the last two; stage 1's node
    is then lost with no spare, and the model is re-partitioned onto the one
-   stage that can be placed; two nodes are added and the run goes back to its
-   two stages, then one more and it grows to a second replica.
+   stage that can be placed; one node is added and the run goes back to its
+   two stages in place of the one, then two more and it grows to a second
+   replica.
 
 Each part's record goes under its name, with the nodes alive when it ended.
 """

@@ -8,10 +8,14 @@ stage on each node, and asks for the second. Before step 2 the node of stage 1
 is removed (``allow_graceful=False``): no node has room for its replacement and
 no replica is left to shrink to, so the model is re-partitioned onto the one
 stage that can be placed, which takes both stages' layers from the newest
-snapshot. Before step 4 two nodes are added: the configured two stages start
-there while steps run on the one, and take over its layers at a step boundary.
-Once they have, a node is added for the second replica (beside the one the
-single stage left), and the run grows to it. Prints what the test checks as JSON.
+snapshot. Before step 4 one node is added, as a fixed-size cluster gets its
+lost node back: the configured two stages fit only in its room plus the one
+stage's, so at a step boundary the one stage is snapshotted and stopped, and
+the two stages are placed, started and adopt its layers. Once they have, two
+nodes are added for the second replica, and the run grows to it. (The swap
+beside a running pipeline, where an autoscaler adds room for the whole
+configured one, is tests/executor/test_partition_return.py's.) Prints what the
+test checks as JSON.
 """
 from __future__ import annotations
 
@@ -43,8 +47,7 @@ def train(cluster: Cluster) -> dict:
                 remove_node(cluster, trainer.workers[1].node_id)  # stage 1's, with no spare
             if step == ADDED_AT:
                 record["balance_before_nodes_added"] = list(trainer.balance)
-                cluster.add_node(num_cpus=1)
-                cluster.add_node(num_cpus=1)  # room for the configured pipeline beside the one running
+                cluster.add_node(num_cpus=1)  # room for the configured pipeline only with the one stage's
                 added_at = time.monotonic()
             result = trainer.step(x, y)
             record["losses"].append(result.loss)
@@ -53,7 +56,8 @@ def train(cluster: Cluster) -> dict:
             record["num_replicas"].append(result.num_replicas)
             if step > ADDED_AT and record["stages"][-1] == 2 and "return_seconds" not in record:
                 record["return_seconds"] = time.monotonic() - added_at
-                cluster.add_node(num_cpus=1)  # with the single stage's node, now free: room for a second replica
+                cluster.add_node(num_cpus=1)
+                cluster.add_node(num_cpus=1)  # room for a second replica
             if record["num_replicas"][-3:] == [2, 2, 2]:
                 break
             if step >= ADDED_AT:

@@ -1,7 +1,7 @@
 """Lost nodes: a worker is replaced on a spare node bitwise, a run with no room
 for a replacement shrinks and grows back when a node is added, and a pipeline
-with no room for a stage goes on with fewer stages and back to its own when
-nodes are added.
+with no room for a stage goes on with fewer stages and back to its own when a
+node is added.
 
 The three runs share one multi-node ``ray.cluster_utils.Cluster``, run once in
 a subprocess (lost_nodes_run.py: elastic_run.py, node_loss_run.py and
@@ -69,9 +69,11 @@ def test_a_pipeline_with_no_room_for_a_stage_goes_on_with_fewer_stages_and_back_
     assert run["balance_at_start"] == [3, 4] and run["replicas_at_start"] == 1  # the second replica asked for
     assert run["balance_before_nodes_added"] == [7]
     stages, replicas = run["stages"], run["num_replicas"]
-    assert stages[:2] == [2, 2] and stages[2:5] == [1, 1, 1]  # re-partitioned at the lost node's step
+    assert stages[:2] == [2, 2] and stages[2:4] == [1, 1]  # re-partitioned at the lost node's step
     back = stages.index(2, 2)
-    assert stages[back:] == [2] * (len(stages) - back)  # back on two stages once, and there to the end
+    # back on two stages once the node was added (before step 4), and there to the end: two 1-CPU nodes had
+    # room for them only in place of the one stage (snapshotted, stopped, its layers adopted)
+    assert back >= 4 and stages[back:] == [2] * (len(stages) - back)
     grown = replicas.index(2)
     assert grown > back and replicas[grown:] == [2, 2, 2]  # then the elastic run grows again
     assert run["balance_at_end"] == [3, 4] and run["workers_at_end"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
@@ -82,4 +84,4 @@ def test_a_pipeline_with_no_room_for_a_stage_goes_on_with_fewer_stages_and_back_
     assert len(run["sources"]) == 1 and "re-partitioned onto 1 stage(s)" in run["sources"][0]
     # the weights and AdamW's moments went 2 stages -> 1 -> 2 -> 2 replicas: a lost part would miss the reference
     assert_mlp_run_matches_one_process(run["losses"], run["state"], 8, 4, clip_grad_norm=0.5)
-    print(f"nodes added to the first step on the configured stages: {run['return_seconds']:.1f} s")
+    print(f"node added to the first step on the configured stages: {run['return_seconds']:.1f} s")
