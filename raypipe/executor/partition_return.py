@@ -11,7 +11,8 @@ is room again, the way an elastic run grows:
   ones while steps run (process start, imports, building the layers);
 - at the first step boundary where they are all ready, they adopt every layer
   of the running workers (snapshotted then, sent worker to worker through the
-  object store), and the trainer swaps the groups.
+  object store; each fetches the snapshots that hold its layers), and the
+  trainer swaps the groups.
 
 That needs room for the configured pipeline beside the running one: the nodes
 an autoscaler adds for it. A cluster that cannot grow (a fixed-size one whose
@@ -30,6 +31,7 @@ from typing import Any
 
 import ray
 
+from raypipe.executor.snapshot import holding
 from raypipe.runtime import cluster, spread
 from raypipe.runtime.group import StageGroup, WorkerInfo
 from raypipe.stage.spec import WorkerSpec
@@ -94,14 +96,17 @@ class PartitionReturn:
             raise
         return group
 
-    def take_over(self, running: list[Any]) -> StageGroup | None:
-        """The ready group, its workers holding every layer of the ``running`` workers
-        (snapshotted now, between steps); None when a worker of either failed: the new
-        workers are dropped and asked for again (a failed running one heals at the next step)."""
-        snapshots = [actor.snapshot.remote() for actor in running]
+    def take_over(self, running: StageGroup) -> StageGroup | None:
+        """The ready group, its workers holding every layer of the ``running`` group's
+        workers (snapshotted now, between steps; each new worker fetches the snapshots
+        that hold its layers); None when a worker of either failed: the new workers are
+        dropped and asked for again (a failed running one heals at the next step)."""
+        snapshots = [actor.snapshot.remote() for actor in running.actors]
+        layers = [spec.layer_indices for spec in running.specs]
         try:
             self._group.wait_ready()
-            ray.get([actor.adopt.remote(*snapshots) for actor in self._group.actors])
+            ray.get([actor.adopt.remote(*holding(snapshots, layers, spec.layer_indices))
+                     for actor, spec in zip(self._group.actors, self._group.specs)])
         except ray.exceptions.RayError as error:
             logger.warning("raypipe: a worker failed while the configured pipeline took over (%s); asking for "
                            "it again", str(error).strip().splitlines()[-1])

@@ -71,7 +71,7 @@ class Partitioning:
         group = returning.poll()
         if group is not None:
             self._settle_saves()  # a save in flight reads the running workers
-            group = returning.take_over(self._group.actors)
+            group = returning.take_over(self._group)
             if group is not None:
                 self._swap_in(group)
             return group is not None

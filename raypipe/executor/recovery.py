@@ -54,7 +54,7 @@ from raypipe.executor.base import Executor, StepOutcome
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
 from raypipe.executor.persisted import PersistedCheckpoints
 from raypipe.executor.siblings import copy_from_siblings, find_siblings
-from raypipe.executor.snapshot import LoggedStep, Snapshot
+from raypipe.executor.snapshot import LoggedStep, Snapshot, holding
 from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
@@ -108,7 +108,8 @@ class Recovery:
             return
         self._due = None
         actors = self.executor.group.actors
-        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step))
+        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step),
+                         layers=[spec.layer_indices for spec in self.executor.group.specs])
         if self.keeper is not None:
             taken.kept = self.keeper.keep.remote(step, *taken.refs)
         self._snapshots = [taken] if first else self._whole_ones() + [taken]
@@ -182,9 +183,8 @@ class Recovery:
         waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
         ray.wait(waited, num_returns=len(waited), fetch_local=False)
         launch()
-        actors = self.executor.group.actors
-        self.on_replaced(list(range(len(actors))))
-        replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs) for actor in actors], as_taken=True)
+        self.on_replaced(list(range(len(self.executor.group.actors))))
+        replay, source = self._restore(self._adopt_layers(), as_taken=True)
         self._last_reports = None  # of the stages that went
         for logged in replay:
             self._run(logged.data_step, logged.batch, logged.loss_scale)
@@ -313,13 +313,18 @@ class Recovery:
         newest whole snapshot (else the newest checkpoint), and the steps since are replayed."""
         old_stages = self.config.num_stages
         self.repartition(self._last_reports)
-        actors = self.executor.group.actors
-        self.on_replaced(list(range(len(actors))))
+        self.on_replaced(list(range(len(self.executor.group.actors))))
         # every replica's snapshots with ZeRO-1 (each holds the optimizer part of the parameters it owned)
         needed = None if self.config.shard_optimizer else old_stages
-        replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs[:needed]) for actor in actors],
-                                       needed=needed, as_taken=True)
+        replay, source = self._restore(self._adopt_layers(needed), needed=needed, as_taken=True)
         return replay, f"{source}, re-partitioned onto {self.config.num_stages} stage(s)"
+
+    def _adopt_layers(self, needed: int | None = None) -> Callable[[list, list], list]:
+        """Each worker of the group (of another partition than the snapshot's) adopts the
+        snapshots, of the first ``needed`` workers snapshotted, that hold its layers."""
+        group = self.executor.group
+        return lambda refs, layers: [actor.adopt.remote(*holding(refs[:needed], layers[:needed], spec.layer_indices))
+                                     for actor, spec in zip(group.actors, group.specs)]
 
     def _transfer_state(self, siblings: dict[int, int] | None, reshard: bool = False
                         ) -> tuple[list[LoggedStep], str]:
@@ -328,8 +333,8 @@ class Recovery:
         in every replica of the old layout): the steps to replay, and where the state came from."""
         if reshard:
             actors, stages = self.executor.group.actors, self.config.num_stages
-            replay, source = self._restore(lambda refs: [actor.adopt.remote(*refs[rank % stages::stages])
-                                                         for rank, actor in enumerate(actors)], as_taken=True)
+            replay, source = self._restore(lambda refs, _: [actor.adopt.remote(*refs[rank % stages::stages])
+                                                            for rank, actor in enumerate(actors)], as_taken=True)
             return replay, f"{source}, resharded"
         if siblings is None:
             return self._restore()
@@ -361,26 +366,28 @@ class Recovery:
             return None
         return find_siblings(self.executor.group.actors, failed, self.config.num_stages, self._commits)
 
-    def _restore(self, load: Callable[[list], list] | None = None, needed: int | None = None,
+    def _restore(self, load: Callable[[list, list], list] | None = None, needed: int | None = None,
                  as_taken: bool = False) -> tuple[list[LoggedStep], str]:
         """Every worker back to the newest whole snapshot (an older one when a worker
         died while the newest was being taken; the newest intact checkpoint when none
-        is left): the steps to replay since, and which state it was. ``load(refs)``
-        gives the workers a snapshot's states (of ``needed`` workers, by current rank;
-        ``as_taken``: of every worker snapshotted, in the order taken; default: each
-        worker restores its own)."""
+        is left): the steps to replay since, and which state it was. ``load(refs,
+        layers)`` gives the workers a snapshot's states (of at least ``needed`` workers,
+        by current rank; ``as_taken``: of every worker snapshotted, in the order taken),
+        ``layers`` the global layers each held; default: each worker restores its own."""
         actors = self.executor.group.actors
-        load = load or (lambda refs: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
+        load = load or (lambda refs, _: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
         lost = ""
         for position in range(len(self._snapshots) - 1, -1, -1):
             snapshot = self._snapshots[position]
             copies = ((snapshot.taken, snapshot.kept_copies(self.keeper, as_taken=True)) if as_taken
                       else (snapshot.refs, snapshot.kept_copies(self.keeper)))
+            layers = (snapshot.layers if as_taken or not snapshot.layers
+                      else [snapshot.layers[position] for position in snapshot.taken_by])
             for refs in copies:
                 if len(refs) < (needed or len(copies[0])):  # no copies kept
                     continue
                 try:
-                    ray.get(load(refs))
+                    ray.get(load(refs, layers))
                     break
                 except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
                     lost = lost or str(error).strip().splitlines()[-1]

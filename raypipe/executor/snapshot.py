@@ -19,6 +19,13 @@ class LoggedStep:
     loss_scale: float | None
 
 
+def holding(refs: list, layers: list[tuple[int, ...]], wanted: tuple[int, ...]) -> list:
+    """The snapshots among ``refs`` (of workers that held ``layers``, in the same order)
+    that hold any of the global layers ``wanted``: what a worker of another partition
+    adopts, so that it fetches its own layers' stages and not the whole model."""
+    return [ref for ref, held in zip(refs, layers, strict=True) if not set(held).isdisjoint(wanted)]
+
+
 @dataclass
 class Snapshot:
     """Every worker's state at the start of step ``step`` and the steps since.
@@ -26,7 +33,9 @@ class Snapshot:
     ``taken_by[rank]`` is the position, among the workers snapshotted, of the
     worker now at ``rank`` (a shrink drops workers and re-numbers the rest);
     ``taken`` keeps every worker's, dropped or not, in the order taken (a ZeRO-1
-    resize needs every replica's optimizer part)."""
+    resize needs every replica's optimizer part), and ``layers`` the global
+    layers each of them held (a worker of another partition adopts only the
+    snapshots holding its layers)."""
 
     step: int
     refs: list
@@ -35,6 +44,7 @@ class Snapshot:
     kept: Any = None  # the keeper's copy of it being made (a task's reference), when workers run off this node
     copied: bool | None = None  # whether that copy was made; None until it is known
     taken: list = field(default_factory=list)
+    layers: list[tuple[int, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.taken_by = self.taken_by or list(range(len(self.refs)))

@@ -65,12 +65,12 @@ def test_the_configured_pipeline_takes_over_the_layers_and_a_dead_new_worker_is_
         first = ready_group(returning)
         dead_pid = ray.get(first.actors[1].ready.remote())["pid"]
         ray.kill(first.actors[1])
-        assert returning.take_over(running.actors) is None  # dropped, and asked for again
+        assert returning.take_over(running) is None  # dropped, and asked for again
         assert first.actors == []  # its workers killed, its placement group freed
 
         group = ready_group(returning)
         assert dead_pid not in {info["pid"] for info in ray.get([actor.ready.remote() for actor in group.actors])}
-        assert returning.take_over(running.actors) is group
+        assert returning.take_over(running) is group
         assert_adopted(group, trained)
         returning.close()  # the group taken over keeps its placement group
         assert group.poll() == []
