@@ -74,6 +74,7 @@ class Partitioning:
             group = returning.take_over(self._group)
             if group is not None:
                 self._swap_in(group)
+                self._give_datasets(range(self.topology.world_size))
             return group is not None
         if self.config.snapshot_every and returning.fits_in_place(self._group.workers):
             self._settle_saves()
@@ -83,14 +84,14 @@ class Partitioning:
         return False
 
     def _swap_in(self, group: StageGroup) -> None:
-        """The configured pipeline's ``group`` (ready) replaces the running workers."""
+        """The configured pipeline's ``group`` (ready) replaces the running workers (the
+        caller gives its readers the datasets)."""
         self._partition_return, running_stages = None, self.config.num_stages
         self._group.shutdown()
         config, balance = self._configured
         self._use_partition(config, balance)
         self._group = group
         self._executor.connect(group)
-        self._give_datasets(range(self.topology.world_size))
         if config.elastic:
             self._grow_again()
         self._record_resize("restore")
