@@ -54,7 +54,7 @@ from raypipe.executor.base import Executor, StepOutcome
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
 from raypipe.executor.persisted import PersistedCheckpoints
 from raypipe.executor.siblings import copy_from_siblings, find_siblings
-from raypipe.executor.snapshot import LoggedStep, Snapshot, holding
+from raypipe.executor.snapshot import LoggedStep, Snapshot, holding, load_newest, whole_ones
 from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
@@ -112,18 +112,10 @@ class Recovery:
                          layers=[spec.layer_indices for spec in self.executor.group.specs])
         if self.keeper is not None:
             taken.kept = self.keeper.keep.remote(step, *taken.refs)
-        self._snapshots = [taken] if first else self._whole_ones() + [taken]
+        self._snapshots = [taken] if first else whole_ones(self._snapshots) + [taken]
         if first:
             waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
             ray.wait(waited, num_returns=len(waited), fetch_local=False)
-
-    def _whole_ones(self) -> list[Snapshot]:
-        """The snapshots a heal may still need: the newest one known to be whole (on its
-        workers' committed steps and, with a keeper, copied off their nodes) and those after."""
-        for position in range(len(self._snapshots) - 1, -1, -1):
-            if self._snapshots[position].copied_off_node():
-                return self._snapshots[position:]
-        return self._snapshots
 
     def committed(self, steps_done: int, logged: LoggedStep) -> None:
         """After a committed step: snapshot when due, else log the step for replay."""
@@ -376,29 +368,9 @@ class Recovery:
         ``layers`` the global layers each held; default: each worker restores its own."""
         actors = self.executor.group.actors
         load = load or (lambda refs, _: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
-        lost = ""
-        for position in range(len(self._snapshots) - 1, -1, -1):
-            snapshot = self._snapshots[position]
-            copies = ((snapshot.taken, snapshot.kept_copies(self.keeper, as_taken=True)) if as_taken
-                      else (snapshot.refs, snapshot.kept_copies(self.keeper)))
-            layers = (snapshot.layers if as_taken or not snapshot.layers
-                      else [snapshot.layers[position] for position in snapshot.taken_by])
-            for refs in copies:
-                if len(refs) < (needed or len(copies[0])):  # no copies kept
-                    continue
-                try:
-                    ray.get(load(refs, layers))
-                    break
-                except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
-                    lost = lost or str(error).strip().splitlines()[-1]
-            else:
-                continue
-            # replaying from an older snapshot runs the newer one's steps too
-            replay = [step for later in self._snapshots[position:] for step in later.since]
-            if position < len(self._snapshots) - 1:
-                logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
-                               self._snapshots[-1].step, lost, snapshot.step)
-            return replay, f"snapshot of step {snapshot.step}"
+        restored, replay, lost = load_newest(self._snapshots, self.keeper, load, needed, as_taken)
+        if restored is not None:
+            return replay, f"snapshot of step {restored.step}"
         if self.persisted:
             if self._snapshots:
                 logger.warning("raypipe: every snapshot was lost (%s); healing from the newest checkpoint", lost)
