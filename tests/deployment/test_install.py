@@ -2,9 +2,14 @@
 release cannot change what a fresh install runs (pytest 9.2 once broke one)."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,6 +28,24 @@ def test_ci_and_the_readme_install_only_through_scripts_install_sh():
         assert not [c for c in found if "pip install" in c], f"{where} installs around scripts/install.sh"
         first_python = next(i for i, c in enumerate(found) if c.startswith("python"))
         assert found.index("bash scripts/install.sh") < first_python, f"{where} runs Python before installing"
+
+
+@pytest.mark.parametrize(("install_status", "ran"), [(0, ["jobs/train_tiny.py", "-m pytest -q"]), (3, [])],
+                         ids=["installed", "install failed"])
+def test_ci_runs_the_job_and_the_tests_only_after_an_install_that_succeeded(tmp_path, install_status, ran):
+    # .ci/run as CI runs it, with an install that exits install_status and a python that logs its arguments
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(REPO / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "install.sh").write_text(f"exit {install_status}\n")
+    log, bin_dir = tmp_path / "python.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    (bin_dir / "python").chmod(0o755)
+    result = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert (result.returncode == 0) == (install_status == 0), result.stderr
+    assert (log.read_text().splitlines() if log.exists() else []) == ran
 
 
 def test_every_install_of_scripts_install_sh_takes_the_constraints():
