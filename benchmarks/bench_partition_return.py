@@ -26,23 +26,19 @@ turns (order reversed on even rounds).
 """
 from __future__ import annotations
 
-import os
+import argparse
+import statistics
+import time
 
-# read by the GCS when each cluster starts: a missed health check every 500 ms, dead after 3 (the tests' setting)
-os.environ.update({"RAY_health_check_initial_delay_ms": "0", "RAY_health_check_period_ms": "500",
-                   "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"})
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from torch import nn
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from torch import nn  # noqa: E402
-
-import raypipe  # noqa: E402
-from alternate import command_line, print_table, spread  # noqa: E402
+import raypipe
+from alternate import command_line, print_table, spread
+# its model and optimizer; importing it sets the GCS health check its clusters and these use (dead after ~1.5 s)
+from bench_elastic import adamw, wide_mlp
 
 BATCH, WIDTH = 8, 1024
 DEADLINE_S = 180
@@ -57,14 +53,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pause", type=float, default=0.5, help="seconds between steps (default 0.5)")
     parser.add_argument("--object-store-mib", type=int, default=512, help="each node's object store (default 512)")
     return parser.parse_args()
-
-
-def wide_mlp() -> nn.Sequential:
-    return nn.Sequential(*[module for _ in range(4) for module in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
-
-
-def adamw(params) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=1e-3)
 
 
 def run_scenario(nodes_added: int, args: argparse.Namespace) -> list[float]:
