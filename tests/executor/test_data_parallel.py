@@ -29,12 +29,15 @@ def reference_loss(model, x, y, count):
 
 
 # (replicas, stages, micro-batches per replica): a lone stage, pipelines with fewer micro-batches than
-# stages and more (BATCH split unevenly), three replicas; those with m != 2 clip
+# stages and more (BATCH split unevenly), three replicas; those with m != 2 clip. All of them with
+# ZeRO-1 (it shards and gathers on top of the replicated reduction); replicated, with and without clipping.
 CASES = [(2, 1, 2), (2, 2, 1), (2, 2, 3), (3, 2, 2)]
 
 
-@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["replicated", "zero1"])
-@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches", CASES)
+@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer",
+                         [(*case, True) for case in CASES] + [(2, 2, 3, False), (3, 2, 2, False)],
+                         ids=lambda value: {True: "zero1", False: "replicated"}.get(value) if isinstance(value, bool)
+                         else None)
 def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replicas, num_stages, num_micro_batches,
                                                         shard_optimizer):
     clip = 0.05 if num_micro_batches != 2 else None

@@ -42,12 +42,12 @@ def poisoned(x):
     return x
 
 
-# every precision with and without clipping under each policy (p2p), and the per-op executor once per precision
+# Every precision with and without clipping, under each policy (p2p); the per-op executor once: both
+# decide with core.step_decision.decide and raise in the trainer, and differ only in who gathers the
+# stages' statistics (fp16: the case that also moves the loss scale; its raise is tested below).
 CASES = [("p2p", precision, clip, policy) for precision in ("fp32", "bf16", "fp16")
          for clip, policy in ((None, "skip"), (1.0, "raise"))]
-CASES += [("p2p", "fp32", 1.0, "skip"), ("p2p", "fp32", None, "raise"),
-          ("object_store", "fp32", None, "skip"), ("object_store", "bf16", 1.0, "raise"),
-          ("object_store", "fp16", None, "skip")]
+CASES += [("object_store", "fp16", None, "skip")]
 
 
 @pytest.mark.parametrize("transport,precision,clip,policy", CASES)
