@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,11 @@ import numpy as np
 from raypipe.data.cache import CACHE_ENV, cache_root
 
 SUBDIRECTORY = "decoded"
+# np.load parses a .npy header with ast.literal_eval, and CPython 3.11 keeps the AST constructor's
+# recursion count per interpreter: a garbage collection inside one thread's parse that lets another
+# thread parse too fails one of them with "SystemError: AST constructor recursion depth mismatch"
+# (python/cpython#106905). A stage's read-ahead thread and its step both open shards: one at a time.
+_HEADER_LOCK = threading.Lock()
 
 
 def decoded_dir() -> Path:
@@ -61,7 +67,8 @@ def open_decoded(sha256: str, row_length: int, decode: Callable[[], np.ndarray],
 def _mapped(path: Path, row_length: int) -> np.ndarray | None:
     """The copy at ``path`` if it is whole and has rows of ``row_length``; else None (it is decoded again)."""
     try:
-        tokens = np.load(path, mmap_mode="r")
+        with _HEADER_LOCK:  # mapping reads only the header: the lock is held for microseconds
+            tokens = np.load(path, mmap_mode="r")
     except (OSError, ValueError):
         return None
     if tokens.ndim != 2 or tokens.shape[1] != row_length or tokens.dtype not in (np.uint16, np.int32):

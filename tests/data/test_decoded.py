@@ -3,7 +3,10 @@ does not grow with the split, a second reader on the node decodes nothing, and
 a damaged, unwritable or narrower copy is handled by name."""
 from __future__ import annotations
 
+import gc
 import pickle
+import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from raypipe.runtime.data_access import datasets_for_readers
 
 ROWS_PER_SHARD = 2048
 SEQ_LEN = 255  # rows of 256 tokens: a decoded shard is 2 MB as int32
+OPENS_PER_THREAD = 200  # per thread, in the test of opens while garbage is collected
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +160,49 @@ def test_a_worker_that_cannot_keep_decoded_shards_stops_the_run_before_step_0(ra
                                               r".*a-file/decoded .*set RAYPIPE_CACHE to a writable local directory"):
         datasets_for_readers([(0, 1, reader)], [train], ray.get)
     ray.kill(reader)
+
+
+
+class _CollectedWithAFinalizer:
+    """Cyclic garbage whose finalizer lets other threads run while the collector runs."""
+
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        time.sleep(0)
+
+
+def test_threads_opening_copies_while_garbage_is_collected_all_get_them(node_cache):
+    """A stage's read-ahead thread and its step open shards at once. With garbage collected inside
+    np.load's header parse, unserialized opens failed one of them (SystemError: AST constructor
+    recursion depth mismatch) in each of 5 runs of this test (3 of them with
+    these 200 opens a thread); in CI it failed a data-reader test once."""
+    open_decoded("a" * 64, 17, lambda: np.zeros((4, 17), np.int64), "shard-0")
+    thresholds = gc.get_threshold()
+    failures, stop = [], threading.Event()
+
+    def make_garbage():
+        while not stop.is_set():
+            _CollectedWithAFinalizer()
+            time.sleep(0)
+
+    def open_many():
+        try:
+            for _ in range(OPENS_PER_THREAD):
+                assert open_decoded("a" * 64, 17, lambda: pytest.fail("decoded again"), "shard-0").shape == (4, 17)
+        except BaseException as error:  # noqa: BLE001 - reported below, with its thread's kind
+            failures.append(error)
+
+    gc.set_threshold(50)  # collections often, some inside a parse
+    threads = [threading.Thread(target=make_garbage)] + [threading.Thread(target=open_many) for _ in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads[1:]:
+            thread.join()
+    finally:
+        stop.set()
+        threads[0].join()
+        gc.set_threshold(*thresholds)
+    assert failures == []
