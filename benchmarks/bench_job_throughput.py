@@ -4,7 +4,7 @@ vs ``--step-calls tasks`` (the same executor started by actor tasks), CPU.
 
 Each run is the job as users run it, in its own process and its own local Ray
 instance (``RAY_ADDRESS=local``): the tiny LLaMA on the standard-library corpus,
-2 stages, m=4 (the job's defaults), ``--steps`` optimizer steps, no evaluation
+2 stages, 8 micro-batches of 2 sequences (the job's defaults), ``--steps`` optimizer steps, no evaluation
 (``--eval-every 0``, which only costs wall time outside the steps). Its figure is
 ``summary.json``'s ``tokens_per_second``: tokens of steps 2..N over their summed
 step times (Ray start-up, actor start-up and the final checkpoint are outside it).
@@ -14,7 +14,12 @@ The contenders take turns, one run each per round, in A B C, C B A, ... order
 ratios tokens/s(p2p) / tokens/s(object_store) and tokens/s(p2p) / tokens/s(p2p
 tasks), and their medians with the min-max spread. Target: p2p/object_store >= 1.15.
 
+``--shapes 4x4 8x2`` runs the contenders at each step shape (micro-batches x
+sequences per micro-batch, the same tokens per step) instead of the job's default,
+and adds p2p's tokens/s at each later shape over the first's.
+
     python benchmarks/bench_job_throughput.py --rounds 4 --steps 40
+    python benchmarks/bench_job_throughput.py --rounds 8 --steps 40 --executors p2p object_store --shapes 4x4 8x2
 """
 from __future__ import annotations
 
@@ -30,8 +35,22 @@ from pathlib import Path
 from alternate import command_line, print_table, round_ratios, run_rounds, spread
 
 REPO = Path(__file__).resolve().parent.parent
-# contender -> the job's flags: the default (p2p, direct calls), the per-op executor, and actor-task calls
-CONTENDERS = {"p2p": [], "object_store": ["--transport", "object_store"], "p2p-tasks": ["--step-calls", "tasks"]}
+# executor -> the job's flags: the default (p2p, direct calls), the per-op executor, and actor-task calls
+EXECUTORS = {"p2p": [], "object_store": ["--transport", "object_store"], "p2p-tasks": ["--step-calls", "tasks"]}
+
+
+def contenders(executors: list[str], shapes: list[str]) -> dict[str, list[str]]:
+    """Contender name -> the job's flags: each executor at each shape ("MxB": M
+    micro-batches of B sequences), or at the job's default shape when none is given."""
+    if not shapes:
+        return {executor: EXECUTORS[executor] for executor in executors}
+    flags = {}
+    for shape in shapes:
+        micro_batches, size = shape.split("x")
+        for executor in executors:
+            flags[f"{executor} {shape}"] = [*EXECUTORS[executor], "--micro-batches", micro_batches,
+                                            "--micro-batch-size", size]
+    return flags
 
 
 def prepare_data(path: Path) -> None:
@@ -51,10 +70,10 @@ def add_data_argument(parser: argparse.ArgumentParser) -> None:
                         help="prepared dataset (prepared here first if missing)")
 
 
-def run_job(args: argparse.Namespace, contender: str, out: Path) -> float:
-    """One run of the job; its tokens/s."""
+def run_job(args: argparse.Namespace, flags: list[str], out: Path) -> float:
+    """One run of the job with ``flags``; its tokens/s."""
     command = [sys.executable, "jobs/train_tiny.py", "--steps", str(args.steps), "--eval-every", "0",
-               *CONTENDERS[contender], "--data", str(args.data), "--out", str(out), "--no-progress",
+               *flags, "--data", str(args.data), "--out", str(out), "--no-progress",
                *args.job_args]
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "RAY_ADDRESS": "local"}, capture_output=True,
                           text=True, timeout=args.timeout, check=False)
@@ -69,6 +88,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     add_data_argument(parser)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
+    parser.add_argument("--executors", nargs="+", choices=list(EXECUTORS), default=list(EXECUTORS),
+                        help="contenders (default all; the ratios need p2p)")
+    parser.add_argument("--shapes", nargs="*", default=[], metavar="MxB",
+                        help="step shapes: M micro-batches of B sequences (default: the job's)")
     parser.add_argument("job_args", nargs="*", help="more flags for the job, after --")
     return parser.parse_args()
 
@@ -77,34 +100,55 @@ def main() -> None:
     args = parse_args()
     print(command_line())
     prepare_data(args.data)
+    flags = contenders(args.executors, args.shapes)
     with tempfile.TemporaryDirectory(prefix="raypipe_job_bench_") as scratch:
-        runs = {name: 0 for name in CONTENDERS}
+        runs = {name: 0 for name in flags}
 
         def contender(name: str):
             def run(count: int) -> list[float]:
                 values = []
                 for _ in range(count):
                     runs[name] += 1
-                    values.append(run_job(args, name, Path(scratch) / f"{name}-{runs[name]}"))
+                    out = Path(scratch) / f"{name.replace(' ', '-')}-{runs[name]}"
+                    values.append(run_job(args, flags[name], out))
                 return values
             return run
 
         def on_round(index: int, results: dict) -> None:
-            print(f"round {index + 1}: " + "  ".join(f"{n} {results[n][-1]:,.0f} tok/s" for n in CONTENDERS),
-                  flush=True)
+            print(f"round {index + 1}: " + "  ".join(f"{n} {results[n][-1]:,.0f} tok/s" for n in flags), flush=True)
 
-        results = run_rounds({name: contender(name) for name in CONTENDERS}, args.rounds, 1, 0, on_round,
+        results = run_rounds({name: contender(name) for name in flags}, args.rounds, 1, 0, on_round,
                              reverse_odd_rounds=True)
-    ratios = {other: round_ratios(results["p2p"], results[other], 1) for other in ("object_store", "p2p-tasks")}
+    ratios = figures(results, args.shapes or [""])
     print()
-    print_table(["round"] + [f"{n} tok/s" for n in CONTENDERS] + [f"p2p/{other}" for other in ratios],
-                [[i + 1, *(f"{results[n][i]:,.0f}" for n in CONTENDERS), *(f"{r[i]:.3f}" for r in ratios.values())]
+    print_table(["round"] + [f"{n} tok/s" for n in flags] + list(ratios),
+                [[i + 1, *(f"{results[n][i]:,.0f}" for n in flags), *(f"{r[i]:.3f}" for r in ratios.values())]
                  for i in range(args.rounds)])
-    median = statistics.median(ratios["object_store"])
-    print(f"\ntokens/s p2p/object_store: {spread(ratios['object_store'])}; target >= 1.15: "
-          f"{'met' if median >= 1.15 else 'MISSED'}")
-    print(f"tokens/s p2p/p2p-tasks: {spread(ratios['p2p-tasks'])}")
+    print()
+    for name, values in ratios.items():
+        target = ""
+        if name.startswith("p2p") and "/object_store" in name:
+            target = f"; target >= 1.15: {'met' if statistics.median(values) >= 1.15 else 'MISSED'}"
+        print(f"tokens/s {name}: {spread(values)}{target}")
     print(command_line())
+
+
+def figures(results: dict[str, list[float]], shapes: list[str]) -> dict[str, list[float]]:
+    """Per-round ratios: at each shape, p2p over each other executor; at each later
+    shape, p2p over p2p at the first."""
+    def name(executor: str, shape: str) -> str:
+        return f"{executor} {shape}".strip()
+
+    ratios = {}
+    for shape in shapes:
+        p2p = results[name("p2p", shape)]
+        for other in ("object_store", "p2p-tasks"):
+            if name(other, shape) in results:
+                ratios[f"{name('p2p', shape)}/{name(other, shape)}"] = round_ratios(p2p, results[name(other, shape)], 1)
+    for shape in shapes[1:]:
+        ratios[f"{name('p2p', shape)}/{name('p2p', shapes[0])}"] = round_ratios(
+            results[name("p2p", shape)], results[name("p2p", shapes[0])], 1)
+    return ratios
 
 
 if __name__ == "__main__":

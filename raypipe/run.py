@@ -32,7 +32,7 @@ class RunConfig:
     prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
     steps: int = 200  # the run's total: a resumed run trains the steps its checkpoint does not hold yet
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     learning_rate: float = 3e-3
     weight_decay: float = 0.1
     warmup_steps: int = 10  # linear warm-up, then cosine decay to min_lr_ratio * learning_rate
@@ -47,7 +47,7 @@ class RunConfig:
     resume: bool = True  # continue from the newest intact checkpoint in checkpoint_dir, so a rerun finishes the run
     progress: bool = True
     ship_data_limit_bytes: int | None = None  # a local dataset a stage cannot open is shipped up to this; None: 1 GiB
-    pipeline: dict[str, Any] = field(default_factory=lambda: {"num_stages": 2, "num_micro_batches": 4})
+    pipeline: dict[str, Any] = field(default_factory=lambda: {"num_stages": 2, "num_micro_batches": 8})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
