@@ -9,9 +9,15 @@ bytes shares it, and the processes on a node share one copy) and read back
 memory-mapped: the kernel's page cache holds what is hot and drops the rest.
 This is Megatron's layout (a memory-mapped token file), built lazily from the
 Parquet shards.
+
+The copies stay for the next run on the node, unless ``$RAYPIPE_DECODED_LIMIT``
+caps them: each new copy then removes the least recently opened others until the
+node's copies fit. A reader that has a removed copy open keeps reading it (the
+mapping holds the file), and a later opener decodes it again.
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
@@ -21,18 +27,34 @@ from pathlib import Path
 import numpy as np
 
 from raypipe.data.cache import CACHE_ENV, cache_root
+from raypipe.units import format_bytes, parse_bytes
+
+logger = logging.getLogger("raypipe")
 
 SUBDIRECTORY = "decoded"
+LIMIT_ENV = "RAYPIPE_DECODED_LIMIT"
 # np.load parses a .npy header with ast.literal_eval, and CPython 3.11 keeps the AST constructor's
 # recursion count per interpreter: a garbage collection inside one thread's parse that lets another
 # thread parse too fails one of them with "SystemError: AST constructor recursion depth mismatch"
 # (python/cpython#106905). A stage's read-ahead thread and its step both open shards: one at a time.
 _HEADER_LOCK = threading.Lock()
+_EVICTED_BEFORE = False
 
 
 def decoded_dir() -> Path:
     """Where this process keeps decoded shards: ``<cache>/decoded`` (``$RAYPIPE_CACHE``, see :func:`cache_root`)."""
     return cache_root() / SUBDIRECTORY
+
+
+def decoded_limit() -> int | None:
+    """The most bytes of decoded copies a node keeps, ``$RAYPIPE_DECODED_LIMIT`` (e.g. ``500GB``); None: no limit."""
+    text = os.environ.get(LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise ValueError(f"{LIMIT_ENV}: {error}") from None
 
 
 def writable_problem(directory: Path | None = None) -> str | None:
@@ -56,11 +78,16 @@ def open_decoded(sha256: str, row_length: int, decode: Callable[[], np.ndarray],
     """
     path = decoded_dir() / f"{sha256}.npy"
     tokens = _mapped(path, row_length)
-    if tokens is None:
+    if tokens is not None:
+        _opened_now(path)
+    else:
+        limit = decoded_limit()  # a bad setting fails before the decode
         _store(path, decode(), source)
-        tokens = _mapped(path, row_length)
-    if tokens is None:  # written whole a moment ago: only a disk that loses data gets here
-        raise OSError(f"the decoded copy of shard {source} at {path} cannot be read back")
+        tokens = _mapped(path, row_length)  # mapped before any removal: the mapping holds the file
+        if tokens is None:  # written whole a moment ago: only a disk that loses data gets here
+            raise OSError(f"the decoded copy of shard {source} at {path} cannot be read back")
+        if limit is not None:
+            evict_oldest(path.parent, limit, keep=path)
     return tokens
 
 
@@ -74,6 +101,43 @@ def _mapped(path: Path, row_length: int) -> np.ndarray | None:
     if tokens.ndim != 2 or tokens.shape[1] != row_length or tokens.dtype not in (np.uint16, np.int32):
         return None
     return tokens
+
+
+def _opened_now(path: Path) -> None:
+    """Mark the copy as opened now: removal under a limit goes by time of last open (the file's mtime)."""
+    try:
+        os.utime(path)
+    except OSError:  # a cache another user owns, read-only: it is only the order of removal
+        pass
+
+
+def evict_oldest(directory: Path, limit: int, keep: Path) -> list[Path]:
+    """Remove the least recently opened copies in ``directory`` until those left take at
+    most ``limit`` bytes; ``keep`` (the copy just written) stays. The copies removed."""
+    copies = []
+    for copy in directory.glob("*.npy"):
+        try:
+            stat = copy.stat()
+        except FileNotFoundError:  # removed by another reader on the node meanwhile
+            continue
+        copies.append((stat.st_mtime, stat.st_size, copy))
+    total = sum(size for _, size, _ in copies)
+    removed, removed_bytes = [], 0
+    for _, size, copy in sorted(copies):
+        if total - removed_bytes <= limit:
+            break
+        if copy != keep:
+            copy.unlink(missing_ok=True)
+            removed_bytes += size
+            removed.append(copy)
+    if removed:
+        global _EVICTED_BEFORE  # the first time in a process is a warning; each later one an info line
+        logger.log(logging.INFO if _EVICTED_BEFORE else logging.WARNING,
+                   "raypipe: removed %d decoded shard(s) (%s), the least recently opened, to keep %s under %s=%s; "
+                   "a dataset larger than that is decoded again shard by shard", len(removed),
+                   format_bytes(removed_bytes), directory, LIMIT_ENV, format_bytes(limit))
+        _EVICTED_BEFORE = True
+    return removed
 
 
 def _store(path: Path, tokens: np.ndarray, source: str) -> None:

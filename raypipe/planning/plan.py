@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass, replace
 
@@ -27,32 +26,17 @@ from raypipe.planning.memory import (
     estimate_pipeline,
     static_bytes_per_parameter,
 )
+from raypipe.units import format_bytes, parse_bytes
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
 MAX_OPTIMIZER_SHARDS = 64
 
 
-def parse_bytes(text: str) -> int:
-    """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30; a unit is required."""
-    match = _SIZE.match(str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid memory size {text!r}: expected a number and a unit, e.g. 80GB or 141GiB "
-            f"(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024)")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(count: int | None) -> str:
-    """Decimal units, as GPU memory is usually quoted."""
-    if count is None:
-        return "-"
-    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if count >= size:
-            return f"{count / size:.2f} {unit}"
-    return f"{count} B"
+def memory_size(text: str) -> int:
+    """``--gpu-memory``'s type: :func:`~raypipe.units.parse_bytes`, its error as argparse shows one."""
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +63,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "'main_weights' = bf16 compute weights + fp32 main weights and grads (18 B/param); "
                              "'autocast' = fp32 weights under torch.autocast (weight copies per micro-batch); "
                              "'standard' = 2-byte weights and grads + fp32 master (the common 16 B/param)")
-    parser.add_argument("--gpu-memory", type=parse_bytes, default=None, metavar="SIZE",
+    parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
                         help="device memory per stage, e.g. 80GB or 80GiB; enables fits/suggestions")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -4,6 +4,7 @@ a damaged, unwritable or narrower copy is handled by name."""
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 import threading
 import time
@@ -18,7 +19,7 @@ import ray
 
 from raypipe.data import TokenDataset, prepare
 from raypipe.data.access import probe_here
-from raypipe.data.decoded import decoded_dir, open_decoded, writable_problem
+from raypipe.data.decoded import LIMIT_ENV, decoded_dir, open_decoded, writable_problem
 from raypipe.errors import DataAccessError
 from raypipe.runtime.data_access import datasets_for_readers
 
@@ -128,6 +129,48 @@ def test_copies_hold_the_narrowest_type_that_fits(node_cache):
     for name, tokens, kind in (("a" * 64, small, np.uint16), ("b" * 64, large, np.int32)):
         mapped = open_decoded(name, 3, lambda tokens=tokens: tokens, "shard.parquet")
         assert mapped.dtype == kind and np.array_equal(mapped, tokens) and isinstance(mapped, np.memmap)
+
+
+def shard(value: int) -> np.ndarray:
+    """100 rows of 64 token ids, each ``value``."""
+    return np.full((100, 64), value, dtype=np.int32)
+
+
+def test_under_a_limit_a_new_copy_removes_the_copies_opened_longest_ago(node_cache, monkeypatch):
+    a, b, c, d = (letter * 64 for letter in "abcd")
+    held = {name: open_decoded(name, 64, lambda value=value: shard(value), f"shard-{value}")
+            for value, name in enumerate((a, b, c))}
+    now = time.time()
+    for name, age in ((a, 30), (b, 20), (c, 10)):
+        os.utime(node_cache / f"{name}.npy", (now - age, now - age))
+    open_decoded(a, 64, lambda: pytest.fail("decoded again"), "shard-0")  # opened again: now the newest
+    size = (node_cache / f"{a}.npy").stat().st_size
+    monkeypatch.setenv(LIMIT_ENV, f"{2 * size + size // 2}B")  # room for two copies
+    open_decoded(d, 64, lambda: shard(3), "shard-3")
+    assert sorted(path.stem[0] for path in node_cache.glob("*.npy")) == ["a", "d"]
+    assert np.array_equal(held[b], shard(1))  # a reader that has a removed copy open still reads it
+    decoded = []
+    again = open_decoded(b, 64, lambda: decoded.append(b) or shard(1), "shard-1")  # a later opener decodes it
+    assert decoded == [b] and np.array_equal(again, shard(1))
+    assert sorted(path.stem[0] for path in node_cache.glob("*.npy")) == ["b", "d"]  # a went: opened before d
+
+
+def test_readers_under_a_limit_smaller_than_the_split_read_every_row(dataset, node_cache, monkeypatch):
+    unlimited = read_every_shard(TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1))
+    largest = max(path.stat().st_size for path in node_cache.glob("*.npy"))
+    for path in node_cache.glob("*.npy"):
+        path.unlink()
+    monkeypatch.setenv(LIMIT_ENV, f"{3 * largest}B")  # 3 of the split's 29 shards
+    limited = read_every_shard(TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1))
+    assert limited.keys() == unlimited.keys()
+    assert all(np.array_equal(limited[step], row) for step, row in unlimited.items())
+    assert sum(path.stat().st_size for path in node_cache.glob("*.npy")) <= 3 * largest
+
+
+def test_a_limit_that_is_not_a_size_is_an_error_naming_it(node_cache, monkeypatch):
+    monkeypatch.setenv(LIMIT_ENV, "lots")
+    with pytest.raises(ValueError, match=r"RAYPIPE_DECODED_LIMIT: invalid size 'lots': expected a number and a unit"):
+        open_decoded("e" * 64, 64, lambda: pytest.fail("decoded before the setting was checked"), "shard-4")
 
 
 def test_an_unwritable_cache_names_itself_and_the_setting(dataset, tmp_path, monkeypatch):
