@@ -13,7 +13,8 @@ Parquet shards.
 The copies stay for the next run on the node, unless ``$RAYPIPE_DECODED_LIMIT``
 caps them: each new copy then removes the least recently opened others until the
 node's copies fit. A reader that has a removed copy open keeps reading it (the
-mapping holds the file), and a later opener decodes it again.
+mapping holds the file), and a later opener decodes it again. Partial copies
+that writers killed mid-write left are swept once per process.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +41,9 @@ LIMIT_ENV = "RAYPIPE_DECODED_LIMIT"
 # (python/cpython#106905). A stage's read-ahead thread and its step both open shards: one at a time.
 _HEADER_LOCK = threading.Lock()
 _EVICTED_BEFORE = False
+# a copy being written is a ".partial" file; one this old was left by a writer that died mid-write
+STALE_PARTIAL_S = 3600.0
+_SWEPT: set[Path] = set()  # directories this process has swept of stale partial files
 
 
 def decoded_dir() -> Path:
@@ -145,6 +150,7 @@ def _store(path: Path, tokens: np.ndarray, source: str) -> None:
     narrow = np.uint16 if tokens.size == 0 or int(tokens.max()) <= np.iinfo(np.uint16).max else np.int32
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_stale_partials(path.parent)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".partial")
     except OSError as error:
         raise OSError(error.errno, _advice(path, source, error)) from None
@@ -158,6 +164,20 @@ def _store(path: Path, tokens: np.ndarray, source: str) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _sweep_stale_partials(directory: Path) -> None:
+    """Once per process and directory: remove the partial copies writers that died left behind."""
+    if directory in _SWEPT:
+        return
+    _SWEPT.add(directory)
+    cutoff = time.time() - STALE_PARTIAL_S
+    for partial in directory.glob(".*.partial"):
+        try:
+            if partial.stat().st_mtime < cutoff:
+                partial.unlink()
+        except FileNotFoundError:  # another reader on the node swept it first
+            pass
 
 
 def _advice(path: Path, source: str, error: OSError) -> str:

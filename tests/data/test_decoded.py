@@ -167,6 +167,17 @@ def test_readers_under_a_limit_smaller_than_the_split_read_every_row(dataset, no
     assert sum(path.stat().st_size for path in node_cache.glob("*.npy")) <= 3 * largest
 
 
+def test_partial_copies_a_dead_writer_left_are_removed_and_a_live_writers_are_not(node_cache):
+    node_cache.mkdir(parents=True)
+    stale, live = node_cache / f".{'f' * 64}-x1.partial", node_cache / f".{'f' * 64}-x2.partial"
+    for partial in (stale, live):
+        partial.write_bytes(b"half a copy")
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    open_decoded("g" * 64, 64, lambda: shard(5), "shard-5")  # the process's first write there sweeps
+    assert not stale.exists() and live.exists()
+
+
 def test_a_limit_that_is_not_a_size_is_an_error_naming_it(node_cache, monkeypatch):
     monkeypatch.setenv(LIMIT_ENV, "lots")
     with pytest.raises(ValueError, match=r"RAYPIPE_DECODED_LIMIT: invalid size 'lots': expected a number and a unit"):
