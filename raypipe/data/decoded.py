@@ -18,6 +18,7 @@ that writers killed mid-write left are swept once per process.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -116,9 +117,9 @@ def _opened_now(path: Path) -> None:
         pass
 
 
-def evict_oldest(directory: Path, limit: int, keep: Path) -> list[Path]:
+def evict_oldest(directory: Path, limit: int, keep: Path) -> None:
     """Remove the least recently opened copies in ``directory`` until those left take at
-    most ``limit`` bytes; ``keep`` (the copy just written) stays. The copies removed."""
+    most ``limit`` bytes; ``keep`` (the copy just written) stays."""
     copies = []
     for copy in directory.glob("*.npy"):
         try:
@@ -127,30 +128,28 @@ def evict_oldest(directory: Path, limit: int, keep: Path) -> list[Path]:
             continue
         copies.append((stat.st_mtime, stat.st_size, copy))
     total = sum(size for _, size, _ in copies)
-    removed, removed_bytes = [], 0
+    removed, removed_bytes = 0, 0
     for _, size, copy in sorted(copies):
         if total - removed_bytes <= limit:
             break
         if copy != keep:
             copy.unlink(missing_ok=True)
-            removed_bytes += size
-            removed.append(copy)
+            removed, removed_bytes = removed + 1, removed_bytes + size
     if removed:
         global _EVICTED_BEFORE  # the first time in a process is a warning; each later one an info line
         logger.log(logging.INFO if _EVICTED_BEFORE else logging.WARNING,
                    "raypipe: removed %d decoded shard(s) (%s), the least recently opened, to keep %s under %s=%s; "
-                   "a dataset larger than that is decoded again shard by shard", len(removed),
+                   "a dataset larger than that is decoded again shard by shard", removed,
                    format_bytes(removed_bytes), directory, LIMIT_ENV, format_bytes(limit))
         _EVICTED_BEFORE = True
-    return removed
 
 
 def _store(path: Path, tokens: np.ndarray, source: str) -> None:
     """Write ``tokens`` to ``path`` whole or not at all (a reader on this node may be writing it too)."""
     narrow = np.uint16 if tokens.size == 0 or int(tokens.max()) <= np.iinfo(np.uint16).max else np.int32
+    _sweep_stale_partials(path.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _sweep_stale_partials(path.parent)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".partial")
     except OSError as error:
         raise OSError(error.errno, _advice(path, source, error)) from None
@@ -167,17 +166,19 @@ def _store(path: Path, tokens: np.ndarray, source: str) -> None:
 
 
 def _sweep_stale_partials(directory: Path) -> None:
-    """Once per process and directory: remove the partial copies writers that died left behind."""
+    """Once per process and directory: remove the partial copies writers that died left behind
+    (best effort: leftovers another reader swept first, or another user owns, are not this write's business)."""
     if directory in _SWEPT:
         return
     _SWEPT.add(directory)
     cutoff = time.time() - STALE_PARTIAL_S
-    for partial in directory.glob(".*.partial"):
-        try:
-            if partial.stat().st_mtime < cutoff:
-                partial.unlink()
-        except FileNotFoundError:  # another reader on the node swept it first
-            pass
+    try:
+        for partial in directory.glob(".*.partial"):
+            with contextlib.suppress(OSError):
+                if partial.stat().st_mtime < cutoff:
+                    partial.unlink()
+    except OSError:  # the directory itself cannot be listed: the write below says why
+        pass
 
 
 def _advice(path: Path, source: str, error: OSError) -> str:

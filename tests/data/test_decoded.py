@@ -172,10 +172,15 @@ def test_partial_copies_a_dead_writer_left_are_removed_and_a_live_writers_are_no
     stale, live = node_cache / f".{'f' * 64}-x1.partial", node_cache / f".{'f' * 64}-x2.partial"
     for partial in (stale, live):
         partial.write_bytes(b"half a copy")
+    stuck = node_cache / f".{'f' * 64}-x3.partial"  # a leftover that cannot be unlinked
+    stuck.mkdir()
+    (stuck / "inside").write_bytes(b"")
     two_hours_ago = time.time() - 7200
-    os.utime(stale, (two_hours_ago, two_hours_ago))
-    open_decoded("g" * 64, 64, lambda: shard(5), "shard-5")  # the process's first write there sweeps
-    assert not stale.exists() and live.exists()
+    for partial in (stale, stuck):
+        os.utime(partial, (two_hours_ago, two_hours_ago))
+    mapped = open_decoded("g" * 64, 64, lambda: shard(5), "shard-5")  # the process's first write there sweeps
+    assert not stale.exists() and live.exists() and stuck.exists()
+    assert np.array_equal(mapped, shard(5))  # the leftover it could not remove did not fail the write
 
 
 def test_a_limit_that_is_not_a_size_is_an_error_naming_it(node_cache, monkeypatch):
@@ -214,7 +219,6 @@ def test_a_worker_that_cannot_keep_decoded_shards_stops_the_run_before_step_0(ra
                                               r".*a-file/decoded .*set RAYPIPE_CACHE to a writable local directory"):
         datasets_for_readers([(0, 1, reader)], [train], ray.get)
     ray.kill(reader)
-
 
 
 class _CollectedWithAFinalizer:
