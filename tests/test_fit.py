@@ -20,13 +20,18 @@ def data(tmp_path_factory):
     return prepare(tmp_path_factory.mktemp("fit") / "tokens", seq_len=32, max_bytes=300_000)
 
 
+def llama_trainer(config):
+    """The small LLaMA, trained with AdamW and its loss averaged over tokens, under ``config``."""
+    return raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
+                                   loss_count_fn=llama_count_tokens)
+
+
 def fit(data, transport, num_stages=2, num_replicas=1, micro_batches=3, steps=4):
     train, validation = (TokenDataset(data, split, micro_batch_size=2, num_micro_batches=micro_batches * num_replicas)
                          for split in ("train", "validation"))
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, num_replicas=num_replicas,
                                     transport=transport, clip_grad_norm=1.0)
-    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
-                                 loss_count_fn=llama_count_tokens) as trainer:
+    with llama_trainer(config) as trainer:
         results = trainer.fit(train, steps, validation=validation, eval_every=2, progress=False)
         return results, train.state_dict(), trainer.state_dict()
 
@@ -81,8 +86,7 @@ def test_a_killed_reading_stage_in_fit_costs_no_step_and_no_sample(ray_cluster, 
     def run(kill_at):
         train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=3)
         config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, clip_grad_norm=1.0, max_failures=None)
-        with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2),
-                                     config, loss_count_fn=llama_count_tokens) as trainer:
+        with llama_trainer(config) as trainer:
             def kill(result):
                 if result.step in kill_at:
                     os.kill(trainer.workers[kill_at[result.step]].pid, signal.SIGKILL)
@@ -104,8 +108,7 @@ def test_fit_saving_every_step_returns_with_its_final_checkpoint_complete(ray_cl
 
     train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=2)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
-    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
-                                 loss_count_fn=llama_count_tokens) as trainer:
+    with llama_trainer(config) as trainer:
         trainer.fit(train, 3, checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_last=2, progress=False)
         assert list_checkpoints(tmp_path) == [2, 3]
         assert read_manifest(tmp_path, 3)["extra"]["dataset"]["next_step"] == 3
@@ -125,8 +128,7 @@ def test_an_elastic_fit_that_grows_reads_the_same_rows_as_a_fixed_one(ray_cluste
     ray_cluster.get(blocker.ready(), timeout=60)
     train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=4)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), clip_grad_norm=1.0)
-    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
-                                 loss_count_fn=llama_count_tokens) as trainer:
+    with llama_trainer(config) as trainer:
         results = trainer.fit(train, 2, progress=False)  # fit trains that many more steps
         remove_placement_group(blocker)
         deadline = time.monotonic() + 120
@@ -153,8 +155,7 @@ def fit_on_one_then_two(data, root, steps_on_one, steps_on_two):
         train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=4)
         config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4 // num_replicas, num_replicas=num_replicas,
                                         clip_grad_norm=1.0)
-        with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2),
-                                     config, loss_count_fn=llama_count_tokens) as trainer:
+        with llama_trainer(config) as trainer:
             if results:
                 train.load_state_dict(trainer.load_checkpoint(str(root))["dataset"])
             results += trainer.fit(train, steps, checkpoint_dir=str(root), progress=False)
@@ -190,8 +191,7 @@ def test_a_step_that_meets_a_changed_shard_names_it_and_checkpoints_the_steps_be
     path.write_bytes(bytes(changed))
 
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
-    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
-                                 loss_count_fn=llama_count_tokens) as trainer:
+    with llama_trainer(config) as trainer:
         with pytest.raises(raypipe.StageError, match=f"checksum mismatch for shard .*{path.name}"):
             trainer.fit(train, failing_step + 2, checkpoint_dir=str(tmp_path / "ckpt"), progress=False)
         assert trainer.step_count == train.next_step == failing_step  # the step changed nothing
