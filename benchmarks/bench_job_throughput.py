@@ -89,11 +89,14 @@ def parse_args() -> argparse.Namespace:
     add_data_argument(parser)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
     parser.add_argument("--executors", nargs="+", choices=list(EXECUTORS), default=list(EXECUTORS),
-                        help="contenders (default all; the ratios need p2p)")
+                        help="contenders (default all; p2p is needed)")
     parser.add_argument("--shapes", nargs="*", default=[], metavar="MxB",
                         help="step shapes: M micro-batches of B sequences (default: the job's)")
     parser.add_argument("job_args", nargs="*", help="more flags for the job, after --")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if "p2p" not in args.executors:
+        parser.error("--executors needs p2p: every figure is a ratio to it")
+    return args
 
 
 def main() -> None:
