@@ -1,45 +1,279 @@
 """Lower a compute-only schedule into per-stage ops with explicit communication.
 
-A schedule says only in which order each stage runs F and B; the executor also
+A schedule says only in which order each worker runs F and B (or I and W) of
+each micro-batch and model chunk; the executor also
 needs to know when activations and gradients cross stage boundaries. Like
 ``torch.distributed.pipelining``'s ``_add_send_recv``, :func:`lower` puts a
 receive right before each compute op that needs a neighbour's tensor and a send
 right after each compute op whose output a neighbour needs, then closes every
 stage with the step's collectives. No Ray, no torch.
+
+A send completes only once its receive is posted (NCCL's rendezvous rule, see
+:mod:`raypipe.core.simulator`), and two ranks' messages match in issue order.
+So where a stage sends to a peer and then, before computing again, receives
+from the same peer, while the peer does the same the other way (1F1B's steady
+state: ``SEND_ACT a1`` then ``RECV_GRAD g0`` on one side, ``SEND_GRAD g0`` then
+``RECV_ACT a1`` on the other), issuing them one by one leaves both sends
+waiting forever. The lowering posts such a run of sends and receives as one
+EXCHANGE instead (as Megatron-Core's ``send_forward_recv_backward`` does with
+``batch_isend_irecv``): everything in it is posted at once, so neither side's
+send waits behind its own receive.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from raypipe.core.ops import (B, F, OPTIMIZER_STEP, PEER_OFFSET, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT, SEND_GRAD,
-                              LoweredOp, Op)
+from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
+                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, exchange, neighbour)
 
-# Per compute kind: the receive of its input and the send of its output.
-_COMMUNICATION = {F: (RECV_ACT, SEND_ACT), B: (RECV_GRAD, SEND_GRAD)}
+# Per compute kind: the receive of its input and the send of its output (W needs and makes
+# nothing another worker has: it only adds to this worker's weight gradients).
+_COMMUNICATION = {F: (RECV_ACT, SEND_ACT), B: (RECV_GRAD, SEND_GRAD), I: (RECV_GRAD, SEND_GRAD)}
+_RECEIVE_OF = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
 
 
-def lower(schedule: list[list[Op]]) -> list[list[LoweredOp]]:
-    """Per stage, its F/B ops with the sends, receives and collectives they imply.
+def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[LoweredOp]]:
+    """Per worker, its compute ops with the sends, receives and collectives they imply.
 
-    Before F(mb) on a stage s > 0: RECV_ACT(mb) from s-1; after F(mb) on
-    s < p-1: SEND_ACT(mb) to s+1. Before B(mb) on s < p-1: RECV_GRAD(mb) from
-    s+1; after B(mb) on s > 0: SEND_GRAD(mb) to s-1. After the last op of every
-    stage: REDUCE_GRAD, then OPTIMIZER_STEP.
+    Worker s's chunk c is virtual stage ``virtual_stage(s, c, p, placement)`` of
+    the ``p * v`` (see :mod:`raypipe.core.ops`; with one chunk per worker, stage s).
+    Before F(mb) of a virtual stage > 0: RECV_ACT(mb) from the worker holding the
+    previous virtual stage; after F(mb) of any but the last: SEND_ACT(mb) to the
+    worker holding the next. Before B(mb) or I(mb) of any but the last virtual
+    stage: RECV_GRAD(mb) from the next one's worker; after B(mb) or I(mb) of a
+    virtual stage > 0: SEND_GRAD(mb) to the previous one's worker. Where the
+    neighbouring virtual stage is on the same worker (ZBV's turn on the last
+    worker, or every chunk of a one-worker pipeline) there is no message: the
+    other chunk's compute op uses the tensor directly. W has no message. Every
+    SEND/RECV names its own worker's chunk, so the two ends of a message may name
+    different chunks (the last worker's chunk c sends to the first worker's chunk
+    c + 1 when interleaved).
+
+    With one chunk per worker and whole backwards (gpipe, 1f1b) each run of sends
+    and receives between two compute ops that both sends to and receives from one
+    peer becomes one EXCHANGE of the run, in order, and the rest go alone. With
+    several chunks or a split backward (I, W), one pair of workers may carry
+    activations and gradients both ways, messages match in issue order whatever they
+    are (NCCL ignores tags), and interleaving sends round a ring of workers; so:
+
+    1. each receive is posted where a run of even-cost ops (F = I = W, B = 2) would
+       have its message, at the latest right before the op that needs it, and in its
+       sender's order (:func:`_receives_in_send_order`), so it rarely waits;
+    2. every run of two or more messages between compute ops is one EXCHANGE (as
+       Megatron's ``send_forward_recv_forward`` posts a send to the next worker with
+       a receive from the previous one);
+    3. a send that the dry-run still finds waiting forever is moved after its
+       worker's next compute op (:func:`_defer_waiting_sends`).
+
+        After the last op of every worker: REDUCE_GRAD, then OPTIMIZER_STEP.
     """
     num_stages = len(schedule)
-    return [lower_stage(stage, ops, num_stages) for stage, ops in enumerate(schedule)]
+    num_chunks = _num_chunks(op for ops in schedule for op in ops)
+    alone = [_communicating(stage, ops, num_stages, placement, num_chunks) for stage, ops in enumerate(schedule)]
+    if num_chunks == 1 and not any(op.kind in (I, W) for ops in schedule for op in ops):
+        return [_batch_exchanges(ops) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)] for ops in alone]
+    alone = _receives_in_send_order(alone, num_stages, num_chunks, placement)
+    return _defer_waiting_sends(alone, placement, num_chunks)
 
 
-def lower_stage(stage: int, ops: Sequence[Op], num_stages: int) -> list[LoweredOp]:
-    """The lowered ops of ``stage`` alone (see :func:`lower`)."""
+def _closed(alone: list[list[LoweredOp]]) -> list[list[LoweredOp]]:
+    return [_batch_exchanges(ops, every_run=True) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
+            for ops in alone]
+
+
+def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:
+    """The lowering of ``alone`` (messages alone, receives in send order) where no send
+    waits forever.
+
+    With chunks, two workers may each send to the other and receive what the other
+    sent only after a compute op: under the rendezvous rule both sends wait forever
+    (on NCCL too: a pair's messages queue in issue order). Where the dry-run finds
+    sends waiting, every one is moved after its worker's next compute op, ahead of
+    the messages there, and posted with them in one EXCHANGE (every channel keeps
+    its order); until none waits (moving one side of a cycle only can leave every
+    worker waiting on a receive instead). A moved send leaves later: the cost, which
+    :func:`~raypipe.core.simulator.simulate_timed` counts. Sends that cannot move on
+    are left for the dry-run to report."""
+    from raypipe.core.simulator import stuck_sends  # the dry-run's rule, run on the draft
+
+    alone = [list(ops) for ops in alone]
+    while True:
+        lowered = _closed(alone)
+        waiting = stuck_sends(lowered, placement, num_chunks)
+        moved = False
+        for stage in sorted({stage for stage, _ in waiting}):
+            ops = alone[stage]
+            sends = [send for waiting_stage, send in waiting if waiting_stage == stage]  # all of one op, in order
+            last = max(ops.index(send) for send in sends)
+            following = next((i for i in range(last + 1, len(ops)) if ops[i].kind not in SENDS + RECEIVES), None)
+            if following is not None:
+                kept = [op for op in ops[:following + 1] if op not in sends]
+                alone[stage] = kept + sends + ops[following + 1:]  # right after that compute op, in order
+                moved = True
+        if not moved:
+            return lowered
+
+
+def lower_stage(stage: int, ops: Sequence[Op], num_stages: int, placement: str = LOOPED) -> list[LoweredOp]:
+    """The lowered ops of worker ``stage`` alone (see :func:`lower`), for one chunk per worker
+    and whole backwards (B): with several chunks or a split backward (I, W), a worker's
+    receives are placed after its peers' sends, so lower the whole schedule."""
+    if _num_chunks(ops) > 1 or any(op.kind in (I, W) for op in ops):
+        raise ValueError(f"stage {stage}: lowering one worker alone needs one chunk per worker and B ops; with "
+                         f"{_num_chunks(ops)} chunk(s) and I/W its receives follow its peers' sends: "
+                         f"lower the whole schedule")
+    return _batch_exchanges(_communicating(stage, ops, num_stages, placement, 1)) + [
+        LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
+
+
+def _num_chunks(ops) -> int:
+    return 1 + max((op.chunk for op in ops), default=0)
+
+
+def _communicating(stage: int, ops: Sequence[Op], num_stages: int, placement: str = LOOPED,
+                   num_chunks: int | None = None) -> list[LoweredOp]:
+    """``ops`` with a receive before and a send after each, where another worker is
+    involved, each sent and received alone (what :func:`lower` did before it paired them)."""
+    if num_chunks is None:
+        num_chunks = _num_chunks(ops)
     lowered = []
     for op in ops:
-        if op.kind not in _COMMUNICATION:
+        if op.kind not in COMPUTE:
             raise ValueError(f"stage {stage}: unknown op kind {op.kind!r} in {op!r}")
-        recv, send = _COMMUNICATION[op.kind]
-        if 0 <= stage + PEER_OFFSET[recv] < num_stages:
-            lowered.append(LoweredOp(recv, op.micro_batch, stage + PEER_OFFSET[recv]))
-        lowered.append(LoweredOp(op.kind, op.micro_batch))
-        if 0 <= stage + PEER_OFFSET[send] < num_stages:
-            lowered.append(LoweredOp(send, op.micro_batch, stage + PEER_OFFSET[send]))
-    return lowered + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
+        if not 0 <= op.chunk < num_chunks:
+            raise ValueError(f"stage {stage}: {op!r} names chunk {op.chunk}, outside 0..{num_chunks - 1}")
+        recv, send = _COMMUNICATION.get(op.kind, (None, None))
+        if recv is not None:
+            lowered.extend(_message(stage, op, recv, num_stages, num_chunks, placement))
+        lowered.append(LoweredOp(op.kind, op.micro_batch, chunk=op.chunk))
+        if send is not None:
+            lowered.extend(_message(stage, op, send, num_stages, num_chunks, placement))
+    return lowered
+
+
+def _message(stage: int, op: Op, kind: str, num_stages: int, num_chunks: int, placement: str) -> list[LoweredOp]:
+    """The ``kind`` message of ``op`` on ``stage``, or none where its virtual stage's neighbour
+    is missing (an end of the pipeline) or on this worker (used directly)."""
+    other = neighbour(stage, op.chunk, kind, num_stages, num_chunks, placement)
+    if other is None or other[0] == stage:
+        return []
+    return [LoweredOp(kind, op.micro_batch, other[0], chunk=op.chunk)]
+
+
+def _receives_in_send_order(lowered: list[list[LoweredOp]], num_stages: int, num_chunks: int,
+                            placement: str) -> list[list[LoweredOp]]:
+    """``lowered`` (messages alone, each receive right before its compute op) with each
+    worker's receives from each peer moved so that they come in that peer's send order.
+
+    A receive is posted where a run of even-cost ops (:func:`_even_cost_send_times`)
+    would have its message: after the first compute op of the receiver that ends once
+    the message is sent, and at the latest right before the compute op that needs it;
+    then the k-th receive of a channel goes no later than the (k+1)-th. So a receive
+    rarely waits, and the two ends of a pair rarely wait on each other's sends."""
+    sent_at = _even_cost_send_times(lowered, num_stages, num_chunks, placement)
+    # per channel (sender, receiver): each message as the receiver names it, in send order
+    send_order: dict[tuple[int, int], list[LoweredOp]] = {}
+    for sender, ops in enumerate(lowered):
+        for op in ops:
+            if op.kind in SENDS:
+                other = neighbour(sender, op.chunk, op.kind, num_stages, num_chunks, placement)
+                received_as = LoweredOp(_RECEIVE_OF[op.kind], op.micro_batch, sender, chunk=other[1])
+                send_order.setdefault((sender, op.peer), []).append(received_as)
+    result = []
+    for receiver, ops in enumerate(lowered):
+        computes = [op for op in ops if op.kind not in SENDS + RECEIVES]
+        need: dict[LoweredOp, int] = {}  # a receive -> the index (among computes) of the op it precedes
+        sends_after: list[list[LoweredOp]] = [[] for _ in computes]
+        count = 0
+        for op in ops:
+            if op.kind in RECEIVES:
+                need[op] = count
+            elif op.kind in SENDS:
+                sends_after[count - 1].append(op)
+            else:
+                count += 1
+        if sent_at is not None:
+            ends = sent_at[("ends", receiver)]
+            for message, needed_by in need.items():
+                sent = sent_at[_message_key(receiver, message, num_stages, num_chunks, placement)]
+                need[message] = min(needed_by, next((i + 1 for i, end in enumerate(ends) if end >= sent), needed_by))
+        posted_before: list[list[tuple[int, int, LoweredOp]]] = [[] for _ in computes]
+        for (sender, target), messages in send_order.items():
+            if target != receiver:
+                continue
+            latest = len(computes)
+            for place, message in reversed(list(enumerate(messages))):
+                # a receive the receiver never runs stays for the simulator to report
+                latest = min(latest, need.get(message, latest))
+                posted_before[min(latest, len(computes) - 1)].append((sender, place, message))
+        stage_ops: list[LoweredOp] = []
+        for index, compute in enumerate(computes):
+            stage_ops += [message for _, _, message in sorted(posted_before[index])]
+            stage_ops += [compute] + sends_after[index]
+        result.append(stage_ops)
+    return result
+
+
+# The times of a run of even-cost ops: one unit per F, I or W, two per B (whose work is I's and W's).
+_EVEN_COST = {F: 1.0, I: 1.0, W: 1.0, B: 2.0}
+
+
+def _message_key(receiver: int, receive: LoweredOp, num_stages: int, num_chunks: int,
+                 placement: str) -> tuple[int, int, str, int, int]:
+    """A message as (sender, receiver, send kind, micro-batch, sender's chunk), from its receive."""
+    sender_chunk = neighbour(receiver, receive.chunk, receive.kind, num_stages, num_chunks, placement)[1]
+    send_kind = SEND_ACT if receive.kind == RECV_ACT else SEND_GRAD
+    return receive.peer, receiver, send_kind, receive.micro_batch, sender_chunk
+
+
+def _even_cost_send_times(lowered: list[list[LoweredOp]], num_stages: int, num_chunks: int,
+                          placement: str) -> dict | None:
+    """When each message is sent and each compute op ends, were compute ops of even cost
+    run as soon as their inputs are there (messages take no time and never wait): a
+    dict from :func:`_message_key`'s key to the send time, and from ``("ends", worker)``
+    to its compute ops' end times, in order. None if the compute ops cannot all run."""
+    times: dict = {}
+    position, free = [0] * len(lowered), [0.0] * len(lowered)
+    ends: list[list[float]] = [[] for _ in lowered]
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, ops in enumerate(lowered):
+            while position[stage] < len(ops):
+                op, start = ops[position[stage]], free[stage]
+                if op.kind in RECEIVES:
+                    key = _message_key(stage, op, num_stages, num_chunks, placement)
+                    if key not in times:
+                        break
+                    free[stage] = max(start, times[key])
+                elif op.kind in SENDS:
+                    times[(stage, op.peer, op.kind, op.micro_batch, op.chunk)] = start
+                else:
+                    free[stage] = start + _EVEN_COST[op.kind]
+                    ends[stage].append(free[stage])
+                position[stage] += 1
+                progressed = True
+    if any(place < len(ops) for place, ops in zip(position, lowered)):
+        return None
+    times.update({("ends", stage): stage_ends for stage, stage_ends in enumerate(ends)})
+    return times
+
+
+def _batch_exchanges(lowered: list[LoweredOp], every_run: bool = False) -> list[LoweredOp]:
+    """``lowered`` with each run of consecutive sends and receives that sends to a
+    peer it also receives from made one EXCHANGE (with ``every_run``, each run of two
+    or more messages). Posting a run together never delays any of its messages, so it
+    is done only where it can matter."""
+    batched: list[LoweredOp] = []
+    run: list[LoweredOp] = []
+    for op in lowered + [None]:
+        if op is not None and op.kind in SENDS + RECEIVES:
+            run.append(op)
+            continue
+        sent_to = {part.peer for part in run if part.kind in SENDS}
+        received_from = {part.peer for part in run if part.kind in RECEIVES}
+        batched.extend([exchange(*run)] if sent_to & received_from or (every_run and len(run) > 1) else run)
+        run = []
+        if op is not None:
+            batched.append(op)
+    return batched

@@ -1,47 +1,134 @@
 """The op language of a pipeline step. No Ray, no torch.
 
-A compute schedule is made of :class:`Op` (F or B of one micro-batch); lowering
+A compute schedule is made of :class:`Op` (F, B, I or W of one micro-batch on one
+model chunk); lowering
 (:mod:`raypipe.core.lowering`) turns it into :class:`LoweredOp` lists that also
 say when tensors cross stage boundaries (SEND/RECV of activations and
-gradients) and where the step's collectives run (REDUCE_GRAD, OPTIMIZER_STEP).
+gradients, alone or batched in an EXCHANGE) and where the step's collectives
+run (REDUCE_GRAD, OPTIMIZER_STEP).
+
+The backward of a micro-batch is either one B, or an I (the input gradient, which
+the previous virtual stage waits for) and later a W (the weight gradient, which
+nobody waits for, so a schedule may defer it into a bubble); I followed at once by
+W is B. A worker may hold several model chunks (``v`` of them): its chunk ``c`` is
+one virtual stage of the ``p * v`` the model is cut into, placed by a
+:data:`PLACEMENTS` rule (:func:`virtual_stage`, :func:`worker_and_chunk`).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 F, B = "F", "B"
+# the backward split: the input gradient (I) and the weight gradient (W) of a micro-batch
+I, W = "I", "W"
+COMPUTE = (F, B, I, W)
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
+# sends and receives posted together, completing once every one is matched (``dist.batch_isend_irecv``)
+EXCHANGE = "EXCHANGE"
 REDUCE_GRAD, OPTIMIZER_STEP = "REDUCE_GRAD", "OPTIMIZER_STEP"
 
-# Activations flow to the next stage, gradients back to the previous one.
+SENDS, RECEIVES = (SEND_ACT, SEND_GRAD), (RECV_ACT, RECV_GRAD)
+# Activations flow to the next virtual stage, gradients back to the previous one.
 PEER_OFFSET = {SEND_ACT: +1, RECV_ACT: -1, SEND_GRAD: -1, RECV_GRAD: +1}
+
+# Where the p * v virtual stages live. LOOPED: chunk c of worker s is virtual stage c * p + s (Megatron's
+# interleaving; with v = 1 it is the plain pipeline), so activations go s -> s + 1 and wrap from the last
+# worker back to the first. V_SHAPED (v = 2): chunk 0 of worker s is virtual stage s and chunk 1 is
+# 2p - 1 - s, so the model goes down the workers and back up and both ends are on worker 0.
+LOOPED, V_SHAPED = "looped", "v_shaped"
+PLACEMENTS = (LOOPED, V_SHAPED)
+
+
+def virtual_stage(worker: int, chunk: int, num_workers: int, placement: str = LOOPED) -> int:
+    """The virtual stage that ``chunk`` of ``worker`` holds (see :data:`PLACEMENTS`)."""
+    if placement == LOOPED:
+        return chunk * num_workers + worker
+    if placement == V_SHAPED:
+        if chunk not in (0, 1):
+            raise ValueError(f"the {V_SHAPED} placement has chunks 0 and 1, not {chunk}")
+        return worker if chunk == 0 else 2 * num_workers - 1 - worker
+    raise ValueError(f"unknown placement {placement!r}: expected one of {PLACEMENTS}")
+
+
+def worker_and_chunk(stage: int, num_workers: int, placement: str = LOOPED) -> tuple[int, int]:
+    """The (worker, chunk) that holds virtual stage ``stage`` (the inverse of :func:`virtual_stage`)."""
+    if placement == LOOPED:
+        return stage % num_workers, stage // num_workers
+    if placement == V_SHAPED:
+        if not 0 <= stage < 2 * num_workers:
+            raise ValueError(f"the {V_SHAPED} placement on {num_workers} workers has virtual stages "
+                             f"0..{2 * num_workers - 1}, not {stage}")
+        return (stage, 0) if stage < num_workers else (2 * num_workers - 1 - stage, 1)
+    raise ValueError(f"unknown placement {placement!r}: expected one of {PLACEMENTS}")
+
+
+def neighbour(stage: int, chunk: int, kind: str, num_stages: int, num_chunks: int,
+              placement: str = LOOPED) -> tuple[int, int] | None:
+    """The (worker, chunk) that the message ``kind`` (SEND_ACT, RECV_ACT, SEND_GRAD or
+    RECV_GRAD) of ``chunk`` on worker ``stage`` goes to or comes from, or None where the
+    pipeline ends there (no previous or next virtual stage)."""
+    other = virtual_stage(stage, chunk, num_stages, placement) + PEER_OFFSET[kind]
+    if not 0 <= other < num_stages * num_chunks:
+        return None
+    return worker_and_chunk(other, num_stages, placement)
+
+
+def _chunk_suffix(chunk: int) -> str:
+    # chunk 0 prints bare, so a schedule of one chunk per worker prints as it always did
+    return f"c{chunk}" if chunk else ""
 
 
 class Op(NamedTuple):
-    """One op of one stage: ``kind`` is "F" or "B", on micro-batch ``micro_batch``."""
+    """One op of one worker: ``kind`` is F, B, I or W, on micro-batch ``micro_batch`` of model chunk ``chunk``
+    (printed ``F3``, or ``F3c1`` for chunk 1)."""
 
     kind: str
     micro_batch: int
+    chunk: int = 0
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
+        return f"{self.kind}{self.micro_batch}{_chunk_suffix(self.chunk)}"
 
 
 class LoweredOp(NamedTuple):
     """One op of a lowered stage.
 
-    ``micro_batch`` is None for the collectives (REDUCE_GRAD, OPTIMIZER_STEP);
-    ``peer`` is the other stage of a SEND/RECV and None otherwise.
+    ``micro_batch`` is None for the collectives (REDUCE_GRAD, OPTIMIZER_STEP)
+    and for an EXCHANGE; ``peer`` is the other stage of a SEND/RECV and None
+    otherwise. An EXCHANGE's ``parts`` are the SEND/RECV ops it posts together,
+    in issue order (see :func:`exchange`); every other op has none. ``chunk`` is
+    the model chunk of this worker whose compute op it is, or whose output a SEND
+    sends or whose input a RECV receives (0 for the collectives and an EXCHANGE);
+    it prints after the micro-batch when it is not 0 (``F3c1``, ``SEND_ACT3c1->0``).
     """
 
     kind: str
     micro_batch: int | None = None
     peer: int | None = None
+    parts: tuple[LoweredOp, ...] = ()
+    chunk: int = 0
 
     def __repr__(self) -> str:
+        if self.kind == EXCHANGE:
+            return "+".join(repr(part) for part in self.parts)
         if self.micro_batch is None:
             return self.kind
         if self.peer is None:
-            return f"{self.kind}{self.micro_batch}"
+            return f"{self.kind}{self.micro_batch}{_chunk_suffix(self.chunk)}"
         arrow = "->" if self.kind.startswith("SEND") else "<-"
-        return f"{self.kind}{self.micro_batch}{arrow}{self.peer}"
+        return f"{self.kind}{self.micro_batch}{_chunk_suffix(self.chunk)}{arrow}{self.peer}"
+
+    def unbatched(self) -> tuple[LoweredOp, ...]:
+        """The point-to-point and other ops this op stands for: an EXCHANGE's parts, any other op itself."""
+        return self.parts if self.kind == EXCHANGE else (self,)
+
+
+def exchange(*parts: LoweredOp) -> LoweredOp:
+    """One EXCHANGE of the sends and receives ``parts`` (printed ``SEND_ACT1->1+RECV_GRAD0<-1``)."""
+    return LoweredOp(EXCHANGE, parts=tuple(parts))
+
+
+def unbatch(stage_ops: Iterable[LoweredOp]) -> list[LoweredOp]:
+    """``stage_ops`` with every EXCHANGE replaced by its parts."""
+    return [part for op in stage_ops for part in op.unbatched()]

@@ -1,33 +1,58 @@
 """Split a list of layers into contiguous pipeline stages."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def partition_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Layers per stage for a contiguous split minimizing the largest stage cost.
+    """Layers per stage for a contiguous split minimizing the largest stage cost
+    (:func:`min_max_partition` with no memory limit, over the costs as floats).
 
     Every stage gets at least one layer. Ties favour earlier stages taking fewer
-    layers. Exact dynamic programme, O(stages * layers^2): fine for the few
-    hundred layers a pipeline has.
+    layers.
     """
-    num_layers = len(costs)
+    return min_max_partition([float(cost) for cost in costs], num_stages)
+
+
+def min_max_partition(times: Sequence[float], num_stages: int,
+                      fits: Callable[[int, int, int], bool] | None = None) -> list[int]:
+    """Layers per stage of the contiguous split minimising the largest stage's summed time,
+    among those where ``fits(stage_index, first, end)`` holds for every stage (None: all).
+
+    Every stage gets at least one layer; ties favour earlier stages taking fewer layers.
+    Raises ValueError when no split fits.
+    """
+    num_layers = len(times)
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + float(cost))
+    prefix = [0]
+    for time in times:
+        prefix.append(prefix[-1] + time)
     inf = float("inf")
-    # best[s][i]: smallest max-stage-cost putting the first i layers on s stages
+    # best[s][e]: the smallest bottleneck putting the first e layers on s stages (inf: none fits)
     best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = 0
     for stages in range(1, num_stages + 1):
-        for end in range(stages, num_layers + 1):
-            for start in range(stages - 1, end):
-                candidate = max(best[stages - 1][start], prefix[end] - prefix[start])
-                if candidate < best[stages][end]:
+        # the layers after ``end`` must leave one for each later stage
+        for end in range(stages, num_layers - (num_stages - stages) + 1):
+            pairs = ((max(best[stages - 1][start], prefix[end] - prefix[start]), start)
+                     for start in range(stages - 1, end))
+            if fits is None:  # the smallest bottleneck, then the smallest start
+                best[stages][end], cut[stages][end] = min(pairs)
+                continue
+            # the best start among those that fit, tried in that order, so a stage's memory is
+            # asked about only until one fits
+            candidates = sorted((max(best[stages - 1][start], prefix[end] - prefix[start]), start)
+                                for start in range(stages - 1, end))
+            for candidate, start in candidates:
+                if candidate == inf:
+                    break
+                if fits is None or fits(stages - 1, start, end):
                     best[stages][end], cut[stages][end] = candidate, start
+                    break
+    if best[num_stages][num_layers] == inf:
+        raise ValueError(f"no contiguous split of {num_layers} layers into {num_stages} stages fits")
     sizes, end = [], num_layers
     for stages in range(num_stages, 0, -1):
         start = cut[stages][end]

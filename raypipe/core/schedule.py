@@ -1,20 +1,34 @@
-"""Pipeline schedules as pure data: per stage, the ordered ops. No Ray, no torch.
+"""Pipeline schedules as pure data: per worker, the ordered ops. No Ray, no torch.
 
 A schedule is ``list[list[Op]]``: ``schedule[stage]`` is the order in which that
-stage runs its forward (F) and backward (B) ops. :mod:`raypipe.core.lowering`
-adds the sends, receives and collectives; :mod:`raypipe.core.simulator` checks
-the result runs (``make_schedule`` does for every schedule) and orders it for
-the per-op executor, whose submission order is the schedule.
+worker runs its forward (F) and backward (B, or the input gradient I and later
+the weight gradient W) ops, each on one micro-batch of one of its ``v`` model
+chunks (:data:`PLACEMENT` says which virtual stage each chunk is).
+:mod:`raypipe.core.lowering` adds the sends, receives and collectives;
+:mod:`raypipe.core.simulator` checks the result runs (``make_schedule`` does for
+every schedule) and orders it for the per-op executor, whose submission order is
+the schedule.
+
+Memory is counted in :func:`max_in_flight` units: one unit is one micro-batch's
+activations of one chunk (1/v of the worker's layers), held from its F until its
+backward no longer needs it (B, or W after I).
 """
 from __future__ import annotations
 
 import functools
 
+from collections import deque
+
 from raypipe.core.lowering import lower
-from raypipe.core.ops import LoweredOp, Op
+from raypipe.core.ops import LOOPED, V_SHAPED, B, F, I, LoweredOp, Op, W
 from raypipe.core.simulator import simulate
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+# what the executors interpret today: the chunked and split-backward schedules are data the simulator and
+# the planner check, and become runnable (config, jobs, plan) once the executors run I, W and chunks
+RUNNABLE_SCHEDULES = ("gpipe", "1f1b")
+# Where each schedule puts its chunks (see raypipe.core.ops.PLACEMENTS); one chunk per worker is placed alike by both.
+PLACEMENT = {"gpipe": LOOPED, "1f1b": LOOPED, "interleaved_1f1b": LOOPED, "zb_h1": LOOPED, "zbv": V_SHAPED}
 
 
 def gpipe_schedule(num_stages: int, num_micro_batches: int) -> list[list[Op]]:
@@ -47,32 +61,183 @@ def one_f_one_b_schedule(num_stages: int, num_micro_batches: int) -> list[list[O
     return schedule
 
 
-def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> list[list[Op]]:
-    """The schedule called ``name`` (one of :data:`SCHEDULES`), checked by a dry-run.
+def interleaved_1f1b_schedule(num_stages: int, num_micro_batches: int, num_chunks: int) -> list[list[Op]]:
+    """Megatron's interleaved 1F1B: each worker holds ``num_chunks`` (v >= 2) chunks, chunk c
+    of worker s being virtual stage c * p + s (activations wrap from the last worker to the first).
 
-    Raises :class:`~raypipe.core.simulator.ScheduleError` when the lowered
-    schedule would deadlock, mis-pair messages or run F/B out of place.
+    Shape: micro-batches go in rounds of p. A worker's forwards run round by round,
+    and within a round chunk by chunk (F of micro-batches 0..p-1 on chunk 0, then on
+    chunk 1, ...); its backwards run in the same order with the chunks reversed.
+    Worker s warms up with 2(p - 1 - s) + (v - 1)p forwards (at most all m*v), then
+    alternates one forward and one backward, then drains the backwards. Each
+    boundary between virtual stages costs 1/v of a stage, so the bubble is about
+    (p - 1)/(v*m + p - 1) of the step, 1/v of 1F1B's, for v times the messages.
+
+    Memory: worker s holds at most 2(p - 1 - s) + (v - 1)p + 1 chunk-activations
+    (each 1/v of its layers): worker 0 holds (p(v + 1) - 1)/v stages' worth, against
+    1F1B's p, so a little more (at v = 2, about 1.5p).
+
+    Raises ``ValueError`` unless v >= 2 and m is a multiple of p: as Megatron, the
+    rounds are whole (a round of fewer than p micro-batches would stall the wrap
+    from the last worker to the first).
     """
-    if name == "gpipe":
-        schedule = gpipe_schedule(num_stages, num_micro_batches)
-    elif name == "1f1b":
-        schedule = one_f_one_b_schedule(num_stages, num_micro_batches)
-    else:
-        raise ValueError(f"unknown schedule {name!r}: expected one of {SCHEDULES}")
-    dry_run(schedule)
+    _check_sizes(num_stages, num_micro_batches)
+    if num_chunks < 2:
+        raise ValueError(f"interleaved_1f1b needs v >= 2 chunks per worker, got v={num_chunks}")
+    if num_micro_batches % num_stages:
+        raise ValueError(f"interleaved_1f1b needs the number of micro-batches to be a multiple of the number of "
+                         f"stages (Megatron's rule): m={num_micro_batches}, p={num_stages}")
+    total = num_micro_batches * num_chunks  # F (and B) ops per worker
+
+    def nth(kind: str, index: int) -> Op:
+        # the index-th F (or B) of a worker: round, then chunk (reversed for B), then micro-batch in the round
+        round_, within = divmod(index, num_stages * num_chunks)
+        chunk, offset = divmod(within, num_stages)
+        return Op(kind, round_ * num_stages + offset, chunk if kind == F else num_chunks - 1 - chunk)
+
+    schedule = []
+    for stage in range(num_stages):
+        warmup = min(2 * (num_stages - 1 - stage) + (num_chunks - 1) * num_stages, total)
+        ops = [nth(F, index) for index in range(warmup)]
+        for index in range(total - warmup):
+            ops += [nth(F, warmup + index), nth(B, index)]
+        ops += [nth(B, index) for index in range(total - warmup, total)]
+        schedule.append(ops)
     return schedule
 
 
-def dry_run(schedule: list[list[Op]]) -> tuple[tuple[int, LoweredOp], ...]:
+def zb_h1_schedule(num_stages: int, num_micro_batches: int) -> list[list[Op]]:
+    """ZB-H1 (arXiv 2401.10241, section 3): 1F1B with the backward split, each weight gradient
+    deferred into the drain's bubble.
+
+    Shape: stage s warms up with p - 1 - s forwards as 1F1B does, then runs F and I
+    in turn; its W of a micro-batch waits until s later input gradients have run (at
+    most s W pending), and the s still pending at the end fill the drain, where 1F1B's
+    stage s idles while the gradients climb from the last stage. With F = I = W the
+    bubble is (p - 1)F, a third of 1F1B's (p - 1)(F + B), so about (p - 1)/(3m + p - 1)
+    of the step.
+
+    Memory: 1F1B's. Stage s holds at most p - s micro-batches between F and I and s
+    between I and W: p in all, as 1F1B's stage 0 (a deferred W holds less than a whole
+    activation: the layer inputs and output gradients its weights need).
+    """
+    _check_sizes(num_stages, num_micro_batches)
+    schedule = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - 1 - stage, num_micro_batches)
+        ops = [Op(F, mb) for mb in range(warmup)]
+        deferred: deque[int] = deque()
+        for mb in range(num_micro_batches):
+            if warmup + mb < num_micro_batches:
+                ops.append(Op(F, warmup + mb))
+            ops.append(Op(I, mb))
+            deferred.append(mb)
+            if len(deferred) > stage:
+                ops.append(Op(W, deferred.popleft()))
+        ops += [Op(W, mb) for mb in deferred]
+        schedule.append(ops)
+    return schedule
+
+
+def zbv_schedule(num_stages: int, num_micro_batches: int) -> list[list[Op]]:
+    """ZB-V (arXiv 2401.10241, section 6): two chunks per worker in a V, with the backward split.
+
+    Chunk 0 of worker s is virtual stage s and chunk 1 is 2p - 1 - s: the forward goes
+    down the workers on chunk 0, turns on worker p - 1 (its chunk 0 feeds its chunk 1
+    with no message) and comes back up on chunk 1 to the loss on worker 0, and the
+    backward retraces it. With F = I = W the bubble is small once m >= 2p - 1, where
+    every worker's W ops fill what the fill and the drain leave: 0.059 of the step at
+    p = 4, m = 8 and 0.030 at m = 16, 0.068 at p = 8, m = 16 (1F1B: 0.273, 0.158,
+    0.304); with fewer micro-batches the V does not fill (0.226 at p = 8, m = 8).
+
+    Shape, worker s (the paper's figure 6): 2(p - s) - 1 forwards of chunk 0; s pairs
+    (F chunk 1, F chunk 0); p - s rounds (F, I, W of chunk 1); then rounds
+    (F, I, W of chunk 0, then F, I, W of chunk 1) until every forward ran; then s pairs
+    (I chunk 0, I chunk 1) and p - s pairs (I, W of chunk 0); then the pending Ws of
+    chunk 1, then of chunk 0. With m < 2p - 1 the shape is built for 2p - 1
+    micro-batches and the ops of the missing ones left out, which keeps it valid.
+
+    Memory: worker s holds at most 2p chunk-activations (chunk-F to W; each 1/2 of its
+    layers): p stages' worth, as 1F1B's stage 0, on every worker.
+    """
+    _check_sizes(num_stages, num_micro_batches)
+    p = num_stages
+    built = max(num_micro_batches, 2 * p - 1)
+    schedule = []
+    for stage in range(p):
+        ops: list[Op] = []
+        count = {(kind, chunk): 0 for kind in (F, I, W) for chunk in (0, 1)}
+
+        def run(kind: str, chunk: int) -> None:
+            ops.append(Op(kind, count[(kind, chunk)], chunk))
+            count[(kind, chunk)] += 1
+
+        for _ in range(2 * (p - stage) - 1):
+            run(F, 0)
+        for _ in range(stage):
+            run(F, 1)
+            run(F, 0)
+        for _ in range(p - stage):
+            for kind in (F, I, W):
+                run(kind, 1)
+        while count[(F, 0)] < built or count[(F, 1)] < count[(F, 0)]:
+            if count[(F, 0)] < built:
+                run(F, 0)
+            run(I, 0)
+            run(W, 0)
+            for kind in (F, I, W):
+                run(kind, 1)
+        for _ in range(stage):
+            run(I, 0)
+            run(I, 1)
+        for _ in range(p - stage):
+            run(I, 0)
+            run(W, 0)
+        for chunk in (1, 0):
+            while count[(W, chunk)] < count[(I, chunk)]:
+                run(W, chunk)
+        schedule.append([op for op in ops if op.micro_batch < num_micro_batches])
+    return schedule
+
+
+def make_schedule(name: str, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> list[list[Op]]:
+    """The schedule called ``name`` (one of :data:`SCHEDULES`) with ``num_chunks`` (v) chunks
+    per worker, checked by a dry-run.
+
+    v is 1 for gpipe, 1f1b and zb_h1, >= 2 for interleaved_1f1b, and 2 for zbv; another v
+    is a ``ValueError`` that says so, as is an interleaved_1f1b whose m is not a multiple of p.
+    Raises :class:`~raypipe.core.simulator.ScheduleError` when the lowered
+    schedule would deadlock, mis-pair messages or run compute ops out of place.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: expected one of {SCHEDULES}")
+    if name == "interleaved_1f1b":
+        schedule = interleaved_1f1b_schedule(num_stages, num_micro_batches, num_chunks)
+    elif name == "zbv":
+        if num_chunks != 2:
+            raise ValueError(f"zbv holds exactly v=2 chunks per worker (a V), got v={num_chunks}")
+        schedule = zbv_schedule(num_stages, num_micro_batches)
+    else:
+        if num_chunks != 1:
+            raise ValueError(f"{name} holds one chunk per worker (v=1), got v={num_chunks}: "
+                             f"interleaved_1f1b (v >= 2) and zbv (v = 2) hold more")
+        builder = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb_h1": zb_h1_schedule}[name]
+        schedule = builder(num_stages, num_micro_batches)
+    dry_run(schedule, PLACEMENT[name])
+    return schedule
+
+
+def dry_run(schedule: list[list[Op]], placement: str = LOOPED) -> tuple[tuple[int, LoweredOp], ...]:
     """The simulator's order of the lowered ``schedule`` (each stage's order kept,
-    every receive after its send): the per-op executor submits in it."""
-    return _dry_run(tuple(tuple(ops) for ops in schedule))
+    every receive after the op that made what it receives): the per-op executor submits in it.
+    ``placement`` is the schedule's (:data:`PLACEMENT`); one chunk per worker is placed alike by all."""
+    return _dry_run(tuple(tuple(ops) for ops in schedule), placement)
 
 
 @functools.lru_cache(maxsize=256)
-def _dry_run(schedule: tuple[tuple[Op, ...], ...]) -> tuple[tuple[int, LoweredOp], ...]:
+def _dry_run(schedule: tuple[tuple[Op, ...], ...], placement: str) -> tuple[tuple[int, LoweredOp], ...]:
     # once per distinct schedule: the memory planner builds thousands while it searches
-    return tuple(simulate(lower([list(ops) for ops in schedule])))
+    return tuple(simulate(lower([list(ops) for ops in schedule], placement), placement))
 
 
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
@@ -82,14 +247,30 @@ def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
 
 
 def max_in_flight(schedule: list[list[Op]]) -> list[int]:
-    """Per stage, the most micro-batches whose forward ran but backward did not."""
+    """Per stage, the most (chunk, micro-batch) pairs whose forward ran but whose backward has not
+    finished: held from F until B, or until W where the backward is split (the input until I,
+    then what W needs until W). One unit is one micro-batch's activations of one chunk."""
     peaks = []
     for ops in schedule:
         in_flight = peak = 0
         for op in ops:
-            in_flight += 1 if op.kind == "F" else -1
+            in_flight += {F: 1, B: -1, W: -1}.get(op.kind, 0)  # I frees part only: counted held until W
             peak = max(peak, in_flight)
         peaks.append(peak)
+    return peaks
+
+
+def max_in_flight_split(schedule: list[list[Op]]) -> list[tuple[int, int]]:
+    """Per stage, the most pairs held for an input gradient (F run, B/I not) and the most held
+    only for a deferred weight gradient (I run, W not), each peak on its own."""
+    peaks = []
+    for ops in schedule:
+        for_input = for_weight = peak_input = peak_weight = 0
+        for op in ops:
+            for_input += {F: 1, B: -1, I: -1}.get(op.kind, 0)
+            for_weight += {I: 1, W: -1}.get(op.kind, 0)
+            peak_input, peak_weight = max(peak_input, for_input), max(peak_weight, for_weight)
+        peaks.append((peak_input, peak_weight))
     return peaks
 
 

@@ -1,17 +1,34 @@
 """Dry-run of lowered schedules: catch hangs and mis-paired tensors before any
 worker starts. No Ray, no torch.
 
-The model is the one NCCL imposes at run time: each stage runs its ops in order;
-sends are buffered and never block; a receive blocks until its sender has sent;
-point-to-point messages are matched in order per (sender, receiver, kind); a
-collective completes only once every stage has reached it.
+The model is NCCL's rendezvous rule, which binds every transport (gloo and the
+object store block less, so a lowering that completes here completes there):
+
+- each stage runs its ops in order, one at a time;
+- a send completes only once its receive is posted, and a receive only once
+  its send is posted: nothing is buffered (NCCL buffers no large message);
+- between two stages, messages match in issue order whatever their kind (NCCL
+  ignores tags): the k-th send from a to b meets b's k-th receive from a, and
+  both must name the same kind and micro-batch, and the receiver's chunk must
+  hold the virtual stage next to the sender's (each end names its own chunk);
+- an EXCHANGE posts all its sends and receives at once, as
+  ``dist.batch_isend_irecv`` does, and completes once every one is matched;
+- a collective completes only once every stage has reached it.
+
+So a stage that sends to a peer and then receives from it, while the peer sends
+first too, deadlocks here although it runs on gloo: the lowering
+(:mod:`raypipe.core.lowering`) posts such pairs as one EXCHANGE.
+
+:func:`simulate_timed` (from :mod:`raypipe.core.timed_simulation`, re-exported
+here) runs the same rule with time: the step's length and each stage's bubble.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
+from dataclasses import dataclass, field
 
-from raypipe.core.ops import (B, F, OPTIMIZER_STEP, PEER_OFFSET, RECV_ACT, RECV_GRAD, REDUCE_GRAD,
-                                   SEND_ACT, SEND_GRAD, LoweredOp)
+from raypipe.core.ops import (COMPUTE, EXCHANGE, LOOPED, OPTIMIZER_STEP, PEER_OFFSET, RECEIVES, RECV_ACT, RECV_GRAD,
+                              REDUCE_GRAD, SEND_ACT, SEND_GRAD, SENDS, B, F, I, LoweredOp, W, neighbour, unbatch)
 
 _COLLECTIVES = (REDUCE_GRAD, OPTIMIZER_STEP)
 _SEND_MATCHING = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
@@ -21,89 +38,203 @@ class ScheduleError(ValueError):
     """A schedule that would fail or hang at run time; the message names the stage(s) and op(s)."""
 
 
-def simulate(lowered: list[list[LoweredOp]]) -> list[tuple[int, LoweredOp]]:
-    """Dry-run ``lowered`` (``lowered[stage]`` = that stage's ops, in order).
+def simulate(lowered: list[list[LoweredOp]], placement: str = LOOPED) -> list[tuple[int, LoweredOp]]:
+    """Dry-run ``lowered`` (``lowered[stage]`` = that stage's ops, in order), whose
+    chunks are placed on the workers by ``placement`` (see :mod:`raypipe.core.ops`).
 
-    Returns every ``(stage, op)`` in the order it ran, a topological order the
-    executor can submit in: each stage's order is kept and every RECV comes after
-    its SEND. The order is round-robin: in each sweep, stages 0..p-1 in turn run
-    one op each if their next op can run; then, if every stage waits on the same
-    collective, it runs on all stages, in stage order.
+    Returns every ``(stage, op)`` in the order it completed, a topological order
+    the executor can submit in: each stage's order is kept and every receive
+    (alone or in an EXCHANGE) comes after the op that made the tensor it
+    receives. The order is round-robin: in each sweep, stages 0..p-1 in turn
+    post their next op if they have not yet and complete it if every message
+    in it is matched; then, if every stage waits on the same collective, it runs
+    on all stages, in stage order.
 
-    Raises :class:`ScheduleError` for F/B ops out of place, a SEND/RECV with the
-    wrong peer, a receive that would get another micro-batch's message
-    ("mismatch"), stages that all wait ("deadlock") and messages never received.
+    Every worker must run, for each of its chunks and each micro-batch, F once
+    and then either B once or I once and W after it; F after what it needs (the
+    received activation, or the other chunk's F where the previous virtual stage is
+    on the same worker), B/I after F and after what they need (the received
+    gradient, or the other chunk's B/I on the same worker).
+
+    Raises :class:`ScheduleError` for compute ops out of place, a SEND/RECV with the
+    wrong peer, a send never received or a receive never sent, a receive that
+    would get another message than it names ("mismatch") and stages that all
+    wait ("deadlock", including sends that wait on each other's receives).
     """
-    _check_stages(lowered)
-    run = _Run(lowered)
+    num_chunks = _check_stages(lowered, placement)
+    _check_message_counts(lowered)
+    run = _Run(lowered, placement, num_chunks)
     while not run.finished():
         if not run.sweep():
             raise ScheduleError(run.deadlock_message())
-    run.check_all_received()
     return run.order
 
 
-def _check_stages(lowered: list[list[LoweredOp]]) -> None:
-    # Every stage must run F and B once for each micro-batch 0..m-1, so m is the
-    # number of distinct micro-batches among all compute ops.
-    num_micro_batches = len({op.micro_batch for ops in lowered for op in ops if op.kind in (F, B)})
+def stuck_sends(lowered: list[list[LoweredOp]], placement: str = LOOPED,
+                num_chunks: int = 1) -> list[tuple[int, LoweredOp]]:
+    """Where a dry-run of ``lowered`` gets stuck: each ``(stage, send)`` of a send (alone
+    or in an EXCHANGE) that waits for a receive not posted; empty if the dry-run
+    finishes. For the lowering, which moves such sends (no checks are run)."""
+    run = _Run(lowered, placement, num_chunks)
+    while not run.finished():
+        if not run.sweep():
+            return [(stage, part) for stage in range(len(lowered))
+                    if (op := run.next_op(stage)) is not None and op.kind not in _COLLECTIVES
+                    for part in run._unmatched(stage) if part.kind in SENDS]
+    return []
+
+
+def _check_stages(lowered: list[list[LoweredOp]], placement: str) -> int:
+    """Check each worker's ops alone; return the number of chunks per worker (v)."""
+    # Every worker must run F and a backward once for each chunk 0..v-1 and micro-batch 0..m-1, so
+    # m is the number of distinct micro-batches and v the number of distinct chunks among all compute ops.
+    compute = [op for ops in lowered for op in ops if op.kind in COMPUTE]
+    num_micro_batches = len({op.micro_batch for op in compute})
+    num_chunks = 1 + max((op.chunk for op in compute), default=0)
     for stage, ops in enumerate(lowered):
-        _check_stage(stage, ops, len(lowered), num_micro_batches)
+        _check_stage(stage, ops, _Shape(len(lowered), num_micro_batches, num_chunks, placement))
+    return num_chunks
 
 
-def _check_stage(stage: int, ops: list[LoweredOp], num_stages: int, num_micro_batches: int) -> None:
+@dataclass(frozen=True)
+class _Shape:
+    """What a worker's ops are checked against: p workers, m micro-batches, v chunks placed by ``placement``."""
+
+    num_stages: int
+    num_micro_batches: int
+    num_chunks: int
+    placement: str
+
+    def neighbour(self, stage: int, chunk: int, kind: str) -> tuple[int, int] | None:
+        return neighbour(stage, chunk, kind, self.num_stages, self.num_chunks, self.placement)
+
+
+def _check_stage(stage: int, ops: list[LoweredOp], shape: _Shape) -> None:
     done: set[LoweredOp] = set()
     for op in ops:
-        _check_op(stage, op, num_stages, num_micro_batches)
-        for needed in _inputs(stage, op, num_stages):
-            if needed not in done:
-                raise ScheduleError(f"stage {stage}: {op!r} runs before {needed!r}, which it needs")
-        if op.kind in (F, B) and op in done:
+        _check_op(stage, op, shape)
+        for part in op.unbatched():  # an exchange's sends need their tensors before it posts
+            for needed in _inputs(stage, part, shape):
+                if not done.intersection(needed):
+                    raise ScheduleError(f"stage {stage}: {part!r} runs before "
+                                        f"{' or '.join(map(repr, needed))}, which it needs")
+        if op.kind in COMPUTE and op in done:
             raise ScheduleError(f"stage {stage}: {op!r} runs twice")
-        done.add(op)
-    for micro_batch in range(num_micro_batches):
-        for kind in (F, B):
-            if LoweredOp(kind, micro_batch) not in done:
-                raise ScheduleError(f"stage {stage}: {kind}{micro_batch} is missing")
+        if op.kind in (B, I) and _compute(B if op.kind == I else I, op) in done:
+            raise ScheduleError(f"stage {stage}: {op!r} and {_compute(B if op.kind == I else I, op)!r} both run "
+                                f"(a backward is one B, or an I and a W)")
+        done.update(op.unbatched())
+    for chunk in range(shape.num_chunks):
+        for micro_batch in range(shape.num_micro_batches):
+            forward, whole, input_gradient, weight_gradient = (LoweredOp(kind, micro_batch, chunk=chunk)
+                                                               for kind in (F, B, I, W))
+            if forward not in done:
+                raise ScheduleError(f"stage {stage}: {forward!r} is missing")
+            if whole not in done and input_gradient not in done:
+                raise ScheduleError(f"stage {stage}: {whole!r} (or {input_gradient!r} and {weight_gradient!r}) "
+                                    f"is missing")
+            if input_gradient in done and weight_gradient not in done:
+                raise ScheduleError(f"stage {stage}: {weight_gradient!r} is missing (after {input_gradient!r})")
 
 
-def _check_op(stage: int, op: LoweredOp, num_stages: int, num_micro_batches: int) -> None:
-    if op.kind in (F, B):
-        if op.micro_batch not in range(num_micro_batches):
-            raise ScheduleError(f"stage {stage}: {op!r} has a micro-batch outside 0..{num_micro_batches - 1}")
+def _compute(kind: str, op: LoweredOp) -> LoweredOp:
+    """The compute op ``kind`` of ``op``'s micro-batch and chunk."""
+    return LoweredOp(kind, op.micro_batch, chunk=op.chunk)
+
+
+def _check_op(stage: int, op: LoweredOp, shape: _Shape) -> None:
+    if op.kind in COMPUTE:
+        if op.micro_batch not in range(shape.num_micro_batches):
+            raise ScheduleError(f"stage {stage}: {op!r} has a micro-batch outside 0..{shape.num_micro_batches - 1}")
     elif op.kind in PEER_OFFSET:
-        peer = stage + PEER_OFFSET[op.kind]
-        if not 0 <= peer < num_stages:
-            raise ScheduleError(f"stage {stage}: {op!r} has no neighbour to talk to ({num_stages} stages)")
-        if op.peer != peer:
-            raise ScheduleError(f"stage {stage}: {op!r} must have peer {peer}")
+        if op.chunk not in range(shape.num_chunks):
+            raise ScheduleError(f"stage {stage}: {op!r} names a chunk outside 0..{shape.num_chunks - 1}")
+        other = shape.neighbour(stage, op.chunk, op.kind)
+        if other is None:
+            raise ScheduleError(f"stage {stage}: {op!r} has no neighbour to talk to ({shape.num_stages} stages"
+                                + (f", {shape.num_chunks} chunks each)" if shape.num_chunks > 1 else ")"))
+        if other[0] == stage:
+            raise ScheduleError(f"stage {stage}: {op!r} talks to its own worker (chunk {other[1]} is here too: "
+                                f"it uses the tensor without a message)")
+        if op.peer != other[0]:
+            raise ScheduleError(f"stage {stage}: {op!r} must have peer {other[0]}")
+    elif op.kind == EXCHANGE:
+        if not op.parts or any(part.kind not in PEER_OFFSET for part in op.parts):
+            raise ScheduleError(f"stage {stage}: an EXCHANGE holds one or more sends and receives, "
+                                f"not {list(op.parts)!r}")
+        for part in op.parts:
+            _check_op(stage, part, shape)
     elif op.kind not in _COLLECTIVES:
         raise ScheduleError(f"stage {stage}: unknown op kind {op.kind!r} in {op!r}")
 
 
-def _inputs(stage: int, op: LoweredOp, num_stages: int) -> list[LoweredOp]:
-    """The ops that must already have run on ``stage`` for ``op`` to have its tensors."""
-    micro_batch = op.micro_batch
+def _inputs(stage: int, op: LoweredOp, shape: _Shape) -> list[tuple[LoweredOp, ...]]:
+    """The ops that must already have run on ``stage`` for ``op`` to have its tensors: each
+    entry is a choice of ops, one of which must have run (the input gradient comes from a B or an I)."""
     if op.kind == F:
-        return [LoweredOp(RECV_ACT, micro_batch, stage - 1)] if stage > 0 else []
-    if op.kind == B:
-        gradient = [LoweredOp(RECV_GRAD, micro_batch, stage + 1)] if stage < num_stages - 1 else []
-        return [LoweredOp(F, micro_batch)] + gradient
+        return _from_neighbour(stage, op, RECV_ACT, (F,), shape)
+    if op.kind in (B, I):
+        return [(_compute(F, op),)] + _from_neighbour(stage, op, RECV_GRAD, (B, I), shape)
+    if op.kind == W:
+        return [(_compute(I, op),)]
     if op.kind == SEND_ACT:
-        return [LoweredOp(F, micro_batch)]
+        return [(_compute(F, op),)]
     if op.kind == SEND_GRAD:
-        return [LoweredOp(B, micro_batch)]
+        return [(_compute(B, op), _compute(I, op))]
     return []
 
 
-class _Run:
-    """The state of a dry-run: where each stage is and the messages in flight."""
+def _from_neighbour(stage: int, op: LoweredOp, receive: str, local_kinds: tuple[str, ...],
+                    shape: _Shape) -> list[tuple[LoweredOp, ...]]:
+    """What ``op`` needs from the neighbouring virtual stage: nothing at an end of the pipeline,
+    that chunk's op (one of ``local_kinds``) where it is on this worker, else the receive."""
+    other = shape.neighbour(stage, op.chunk, receive)
+    if other is None:
+        return []
+    if other[0] == stage:
+        return [tuple(LoweredOp(kind, op.micro_batch, chunk=other[1]) for kind in local_kinds)]
+    return [(LoweredOp(receive, op.micro_batch, other[0], chunk=op.chunk),)]
 
-    def __init__(self, lowered: list[list[LoweredOp]]) -> None:
+
+def _check_message_counts(lowered: list[list[LoweredOp]]) -> None:
+    """Every send has a receive and every receive a send, counted per (sender, receiver)."""
+    sends: defaultdict[tuple[int, int], list[LoweredOp]] = defaultdict(list)
+    receives: defaultdict[tuple[int, int], list[LoweredOp]] = defaultdict(list)
+    for stage, ops in enumerate(lowered):
+        for op in unbatch(ops):
+            if op.kind in SENDS:
+                sends[(stage, op.peer)].append(op)
+            elif op.kind in RECEIVES:
+                receives[(op.peer, stage)].append(op)
+    for (sender, receiver) in sorted(set(sends) | set(receives)):
+        sent, received = sends[(sender, receiver)], receives[(sender, receiver)]
+        if len(sent) > len(received):
+            raise ScheduleError(f"stage {sender} runs {sent[len(received)]!r} but stage {receiver} never receives "
+                                f"it ({len(sent)} sends to it, {len(received)} receives)")
+        if len(received) > len(sent):
+            raise ScheduleError(f"stage {receiver} runs {received[len(sent)]!r} but stage {sender} never sends "
+                                f"it ({len(received)} receives from it, {len(sent)} sends)")
+
+
+@dataclass
+class _Channel:
+    """The messages from one stage to another, in the order each side posted them."""
+
+    sends: list[LoweredOp] = field(default_factory=list)
+    receives: list[LoweredOp] = field(default_factory=list)
+
+
+class _Run:
+    """The state of a dry-run: where each stage is and what it has posted."""
+
+    def __init__(self, lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1) -> None:
         self.lowered = lowered
+        self.placement, self.num_chunks = placement, num_chunks
         self.position = [0] * len(lowered)
-        # (sender, receiver, send kind) -> the SEND ops not yet received, oldest first
-        self.channels: defaultdict[tuple[int, int, str], deque[LoweredOp]] = defaultdict(deque)
+        self.channels: defaultdict[tuple[int, int], _Channel] = defaultdict(_Channel)  # (sender, receiver)
+        # per stage, the messages its current op posted: (its place in the channel's list, the other
+        # side's list, which holds its match once longer than that place), None until posted
+        self.posted: list[list[tuple[int, list[LoweredOp], LoweredOp]] | None] = [None] * len(lowered)
         self.order: list[tuple[int, LoweredOp]] = []
         self.total = sum(len(ops) for ops in lowered)
 
@@ -118,12 +249,18 @@ class _Run:
         """One round-robin sweep; False when nothing could run."""
         progressed = False
         for stage in range(len(self.lowered)):
-            if self._can_run(stage):
-                self._run(stage)
+            op = self.next_op(stage)
+            if op is None or op.kind in _COLLECTIVES:
+                continue
+            if self.posted[stage] is None:
+                self._post(stage, op)
+                progressed = True
+            if not self._unmatched(stage):
+                self._complete(stage, op)
                 progressed = True
         if self._collective_ready():
             for stage in range(len(self.lowered)):
-                self._run(stage)
+                self._complete(stage, self.next_op(stage))
             progressed = True
         return progressed
 
@@ -136,37 +273,71 @@ class _Run:
         others = (self.next_op(stage) for stage in range(1, len(self.lowered)))
         return all(op is not None and op.kind == first.kind for op in others)
 
-    def _channel(self, stage: int, recv: LoweredOp) -> deque[LoweredOp]:
-        return self.channels[(recv.peer, stage, _SEND_MATCHING[recv.kind])]
+    def _post(self, stage: int, op: LoweredOp) -> None:
+        """Post the sends and receives of ``op`` (none for a compute op), checking each
+        message that now has both ends."""
+        posted = []
+        for part in op.unbatched():
+            if part.kind in SENDS:
+                sender, receiver = stage, part.peer
+            elif part.kind in RECEIVES:
+                sender, receiver = part.peer, stage
+            else:
+                continue
+            channel = self.channels[(sender, receiver)]
+            own, other = (channel.sends, channel.receives) if part.kind in SENDS else (channel.receives, channel.sends)
+            own.append(part)
+            place = len(own) - 1
+            if place < len(other):  # both ends posted: the message is matched
+                self._check_match(channel.sends[place], channel.receives[place], sender, receiver)
+            posted.append((place, other, part))
+        self.posted[stage] = posted
 
-    def _can_run(self, stage: int) -> bool:
-        op = self.next_op(stage)
-        if op is None or op.kind in _COLLECTIVES:
-            return False
-        return op.kind not in _SEND_MATCHING or bool(self._channel(stage, op))
+    def _check_match(self, send: LoweredOp, recv: LoweredOp, sender: int, receiver: int) -> None:
+        # each end names its own chunk: the send's chunk's neighbour must be the receive's chunk
+        target = neighbour(sender, send.chunk, send.kind, len(self.lowered), self.num_chunks, self.placement)
+        if (send.kind == _SEND_MATCHING[recv.kind] and send.micro_batch == recv.micro_batch
+                and target == (receiver, recv.chunk)):
+            return
+        if send.kind != _SEND_MATCHING[recv.kind]:
+            detail = f"a {send.kind}, not a {_SEND_MATCHING[recv.kind]}"
+        elif send.micro_batch != recv.micro_batch:
+            detail = f"micro-batch {send.micro_batch}, not {recv.micro_batch}"
+        else:
+            detail = f"for chunk {target[1] if target else None}, not chunk {recv.chunk}"
+        # NCCL pairs point-to-point ops in issue order: this would hand over the wrong tensor.
+        raise ScheduleError(f"mismatch: stage {receiver} runs {recv!r} but the message it meets, stage {sender}'s "
+                            f"next in issue order, is {send!r} ({detail})")
 
-    def _run(self, stage: int) -> None:
-        op = self.next_op(stage)
-        if op.kind in (SEND_ACT, SEND_GRAD):
-            self.channels[(stage, op.peer, op.kind)].append(op)
-        elif op.kind in _SEND_MATCHING:
-            sent = self._channel(stage, op).popleft()
-            if sent.micro_batch != op.micro_batch:
-                # NCCL pairs point-to-point ops in order: this would hand over the wrong tensor.
-                raise ScheduleError(
-                    f"mismatch: stage {stage} runs {op!r} but the oldest message from stage {op.peer} "
-                    f"is its {sent!r} (micro-batch {sent.micro_batch}, not {op.micro_batch})")
+    def _unmatched(self, stage: int) -> list[LoweredOp]:
+        return [part for place, other, part in self.posted[stage] or () if place >= len(other)]
+
+    def _complete(self, stage: int, op: LoweredOp) -> None:
         self.order.append((stage, op))
         self.position[stage] += 1
+        self.posted[stage] = None
 
     def deadlock_message(self) -> str:
-        states = []
+        states, sends_wait = [], False
         for stage in range(len(self.lowered)):
             op = self.next_op(stage)
-            states.append(f"stage {stage} has finished" if op is None else f"stage {stage} waits on {op!r}")
-        return "deadlock: " + "; ".join(states)
+            if op is None:
+                states.append(f"stage {stage} has finished")
+                continue
+            unmatched = self._unmatched(stage) if op.kind not in _COLLECTIVES else []
+            sends_wait = sends_wait or any(part.kind in SENDS for part in unmatched)
+            partly = op.kind == EXCHANGE and len(unmatched) < len(op.parts)
+            states.append(f"stage {stage} waits on {op!r}" + (f" (on {'+'.join(map(repr, unmatched))})"
+                                                                 if partly else ""))
+        hint = (" (a send completes only once its receive is posted: a stage that sends to a peer and then "
+                "receives from it must post both in one EXCHANGE when the peer sends first too)") if sends_wait else ""
+        return "deadlock: " + "; ".join(states) + hint
 
-    def check_all_received(self) -> None:
-        for (sender, receiver, _), pending in self.channels.items():
-            if pending:
-                raise ScheduleError(f"stage {sender} ran {pending[0]!r} but stage {receiver} never received it")
+
+def __getattr__(name: str) -> object:
+    # The timed run (raypipe.core.timed_simulation) builds on simulate(); it is re-exported
+    # here, loaded on first use so that neither module imports the other at load time.
+    if name in ("simulate_timed", "TimedRun", "TimedOp"):
+        from raypipe.core import timed_simulation
+        return getattr(timed_simulation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

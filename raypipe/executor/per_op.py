@@ -2,9 +2,11 @@
 object references (or Ray Direct Transport references).
 
 The driver walks the lowered schedule in the dry-run simulator's order (each
-stage's order kept, every receive after its send), so the submission order is
-the schedule: a SEND hands the op's result reference to the peer, the peer's
-op takes it as an argument, and Ray runs each actor's tasks in order.
+stage's order kept, every receive after the op that made what it receives), so
+the submission order is the schedule: a RECV takes the reference of the op
+whose result the peer sends, the next op takes it as an argument, and Ray runs
+each actor's tasks in order. A batched EXCHANGE is just its sends and receives
+here: references need no rendezvous.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
 from raypipe.core.schedule import dry_run
 from raypipe.executor.base import Executor, Submitted
+from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.group import StageGroup
 from raypipe.stage.worker import StageWorker
 
@@ -31,7 +34,7 @@ class PerOpExecutor(Executor):
         self._order = dry_run(schedule)  # cached: the trainer's make_schedule ran it
 
     def actor_class(self) -> Any:
-        return self.transport.actor_class(StageWorker)
+        return worker_actor_class(StageWorker, self.transport.tensor_transport)
 
     def connect(self, group: StageGroup) -> None:
         super().connect(group)
@@ -61,8 +64,8 @@ class PerOpExecutor(Executor):
 
 
 class _Wiring:
-    """One step's tasks, submitted op by op: a SEND hands its op's result reference
-    to the peer, whose op then takes it as an argument."""
+    """One step's tasks, submitted op by op: a RECV takes the reference of the
+    peer's op whose result it receives, and the stage's next op takes it as an argument."""
 
     def __init__(self, actors: list[Any], step: int, batch: MicroBatches | None, loss_scale: float,
                  clip_value: float | None) -> None:
@@ -71,14 +74,15 @@ class _Wiring:
         self.in_flight: dict[tuple[str, int, int], Any] = {}  # (what, stage, micro-batch) -> reference
         self.outcomes: dict[int, Any] = {}
         self.created: list = []  # every op's reference, so that a failed step's errors are all read
-        # RECV_*: the reference is already in flight; OPTIMIZER_STEP: the commit, after every op
-        self._handlers = {ops.F: self._forward, ops.B: self._backward, ops.SEND_ACT: self._send,
-                          ops.SEND_GRAD: self._send, ops.REDUCE_GRAD: self._finish}
+        # SEND_*: the receive takes the reference; OPTIMIZER_STEP: the commit, after every op
+        self._handlers = {ops.F: self._forward, ops.B: self._backward, ops.RECV_ACT: self._receive,
+                          ops.RECV_GRAD: self._receive, ops.REDUCE_GRAD: self._finish}
 
     def submit(self, stage: int, op: ops.LoweredOp) -> None:
-        handler = self._handlers.get(op.kind)
-        if handler is not None:
-            handler(stage, op)
+        for part in op.unbatched():  # an exchange: its sends and receives, in order
+            handler = self._handlers.get(part.kind)
+            if handler is not None:
+                handler(stage, part)
 
     def _forward(self, stage: int, op: ops.LoweredOp) -> None:
         micro_batch, batch = op.micro_batch, self.batch
@@ -98,9 +102,10 @@ class _Wiring:
             op.micro_batch, gradient, scale)
         self.created.append(gradient)
 
-    def _send(self, stage: int, op: ops.LoweredOp) -> None:
-        sent, received = ("output", "activation") if op.kind == ops.SEND_ACT else ("input_gradient", "gradient")
-        self.in_flight[(received, op.peer, op.micro_batch)] = self.in_flight.pop((sent, stage, op.micro_batch))
+    def _receive(self, stage: int, op: ops.LoweredOp) -> None:
+        # the simulator lists a receive only once its send was posted, so after the op that made the tensor
+        sent, received = ("output", "activation") if op.kind == ops.RECV_ACT else ("input_gradient", "gradient")
+        self.in_flight[(received, stage, op.micro_batch)] = self.in_flight.pop((sent, op.peer, op.micro_batch))
 
     def _finish(self, stage: int, _: ops.LoweredOp) -> None:
         # after every op of the stage (tasks of one actor run in order); raises

@@ -1,9 +1,10 @@
 """Lowering a compute schedule adds the sends, receives and collectives: pure data, no Ray or torch."""
 import pytest
 
+from raypipe.core import lowering
 from raypipe.core.lowering import lower
-from raypipe.core.ops import (B, F, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT, SEND_GRAD, LoweredOp,
-                              Op)
+from raypipe.core.ops import (B, EXCHANGE, F, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT, SEND_GRAD,
+                              LoweredOp, Op, exchange, unbatch)
 from raypipe.core.schedule import gpipe_schedule, one_f_one_b_schedule
 
 BUILDERS = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
@@ -18,7 +19,8 @@ def test_lowering_adds_one_message_per_boundary_and_micro_batch(name, p, m):
     schedule = BUILDERS[name](p, m)
     lowered = lower(schedule)
     assert len(lowered) == p
-    for stage, ops in enumerate(lowered):
+    for stage, batched in enumerate(lowered):
+        ops = unbatch(batched)
         has_previous, has_next = stage > 0, stage < p - 1
         counts = {kind: sum(op.kind == kind for op in ops) for kind in
                   (F, B, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, REDUCE_GRAD, OPTIMIZER_STEP)}
@@ -34,6 +36,28 @@ def test_lowering_adds_one_message_per_boundary_and_micro_batch(name, p, m):
                 assert op.peer is None, (stage, op)
 
 
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("p", range(1, 9))
+def test_an_exchange_is_a_send_and_a_receive_with_one_peer_that_would_otherwise_come_one_by_one(name, p):
+    for m in range(1, 17):
+        _assert_exchanges_only_regroup(BUILDERS[name](p, m))
+
+
+def _assert_exchanges_only_regroup(schedule):
+    p = len(schedule)
+    for stage, ops in enumerate(lower(schedule)):
+        # only regrouped: the same sends and receives, in the same order
+        assert unbatch(ops) == lowering._communicating(stage, schedule[stage], p) + ops[-2:]
+        for index, op in enumerate(ops):
+            if op.kind == EXCHANGE:
+                send, recv = op.parts
+                assert send.kind in (SEND_ACT, SEND_GRAD) and recv.kind in (RECV_ACT, RECV_GRAD)
+                assert send.peer == recv.peer and op.micro_batch is op.peer is None
+            elif op.kind in (SEND_ACT, SEND_GRAD):  # a lone send is never followed by a receive from its peer
+                following = ops[index + 1]
+                assert following.kind != EXCHANGE and following.peer != op.peer, (stage, ops)
+
+
 def test_lowered_two_stage_gpipe_literally():
     act_to_1 = [LoweredOp(SEND_ACT, mb, 1) for mb in range(2)]
     grad_from_1 = [LoweredOp(RECV_GRAD, mb, 1) for mb in range(2)]
@@ -41,11 +65,31 @@ def test_lowered_two_stage_gpipe_literally():
     grad_to_0 = [LoweredOp(SEND_GRAD, mb, 0) for mb in range(2)]
     collectives = [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
     assert lower(gpipe_schedule(2, 2)) == [
-        [LoweredOp(F, 0), act_to_1[0], LoweredOp(F, 1), act_to_1[1],
-         grad_from_1[1], LoweredOp(B, 1), grad_from_1[0], LoweredOp(B, 0)] + collectives,
+        [LoweredOp(F, 0), act_to_1[0], LoweredOp(F, 1), exchange(act_to_1[1], grad_from_1[1]),
+         LoweredOp(B, 1), grad_from_1[0], LoweredOp(B, 0)] + collectives,
         [act_from_0[0], LoweredOp(F, 0), act_from_0[1], LoweredOp(F, 1),
          LoweredOp(B, 1), grad_to_0[1], LoweredOp(B, 0), grad_to_0[0]] + collectives,
     ]
+
+
+def test_lowered_two_stage_1f1b_pairs_each_send_with_the_receive_behind_it():
+    # Megatron's send_forward_recv_backward on stage 0, send_backward_recv_forward on stage 1
+    assert [[repr(op) for op in ops] for ops in lower(one_f_one_b_schedule(2, 3))] == [
+        ["F0", "SEND_ACT0->1", "F1", "SEND_ACT1->1+RECV_GRAD0<-1", "B0", "F2", "SEND_ACT2->1+RECV_GRAD1<-1", "B1",
+         "RECV_GRAD2<-1", "B2", "REDUCE_GRAD", "OPTIMIZER_STEP"],
+        ["RECV_ACT0<-0", "F0", "B0", "SEND_GRAD0->0+RECV_ACT1<-0", "F1", "B1", "SEND_GRAD1->0+RECV_ACT2<-0", "F2", "B2",
+         "SEND_GRAD2->0", "REDUCE_GRAD", "OPTIMIZER_STEP"],
+    ]
+
+
+def test_a_run_of_messages_is_batched_whole_when_it_sends_to_a_peer_it_receives_from():
+    # as an interleaved schedule may have it: both neighbours in one run (Megatron's
+    # send_forward_backward_recv_forward_backward); a run with no such peer stays as it is
+    both = [LoweredOp(SEND_ACT, 0, 2), LoweredOp(SEND_GRAD, 1, 0), LoweredOp(RECV_ACT, 2, 0),
+            LoweredOp(RECV_GRAD, 3, 2)]
+    apart = [LoweredOp(SEND_ACT, 0, 2), LoweredOp(RECV_ACT, 1, 0)]
+    assert lowering._batch_exchanges([LoweredOp(F, 0)] + both + [LoweredOp(B, 1)] + apart + [LoweredOp(F, 1)]) == (
+        [LoweredOp(F, 0), exchange(*both), LoweredOp(B, 1)] + apart + [LoweredOp(F, 1)])
 
 
 def test_lowered_ops_print_short():
@@ -53,9 +97,10 @@ def test_lowered_ops_print_short():
     assert repr(LoweredOp(SEND_ACT, 3, 1)) == "SEND_ACT3->1"
     assert repr(LoweredOp(RECV_GRAD, 2, 2)) == "RECV_GRAD2<-2"
     assert repr(LoweredOp(REDUCE_GRAD)) == "REDUCE_GRAD"
+    assert repr(exchange(LoweredOp(SEND_ACT, 1, 1), LoweredOp(RECV_GRAD, 0, 1))) == "SEND_ACT1->1+RECV_GRAD0<-1"
     assert repr(lower([[Op(F, 0), Op(B, 0)]])) == "[[F0, B0, REDUCE_GRAD, OPTIMIZER_STEP]]"
 
 
 def test_lowering_rejects_an_unknown_op_kind():
-    with pytest.raises(ValueError, match="stage 0.*'W'"):
-        lower([[Op("F", 0), Op("W", 0)]])
+    with pytest.raises(ValueError, match="stage 0.*'X'"):
+        lower([[Op("F", 0), Op("X", 0)]])

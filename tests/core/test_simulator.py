@@ -7,34 +7,66 @@ from collections import defaultdict
 import pytest
 
 import raypipe.core.schedule as schedule_module
+from raypipe.core import lowering
 from raypipe.core.lowering import lower
-from raypipe.core.ops import OPTIMIZER_STEP, RECV_ACT, REDUCE_GRAD, LoweredOp, Op
-from raypipe.core.schedule import make_schedule
+from raypipe.core.ops import (B, EXCHANGE, F, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT, SEND_GRAD,
+                              LoweredOp, Op, exchange, unbatch)
+from raypipe.core.schedule import make_schedule, one_f_one_b_schedule
 from raypipe.core.simulator import ScheduleError, simulate
 
-SIZES = [(p, m) for p in range(1, 5) for m in range(1, 9)]
+SIZES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 COLLECTIVES = (REDUCE_GRAD, OPTIMIZER_STEP)
+SENDS, RECEIVES = (SEND_ACT, SEND_GRAD), (RECV_ACT, RECV_GRAD)
+
+
+def unpaired(schedule):
+    """The lowering as it was before sends and receives were paired: each alone, in
+    the order its compute op implies (what NCCL deadlocks on in 1F1B)."""
+    return [lowering._communicating(stage, ops, len(schedule)) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
+            for stage, ops in enumerate(schedule)]
+
+
+def messages(lowered):
+    """Per (sender, receiver): the sends and the receives, each as (index of its op in
+    its stage, the part), in issue order."""
+    sends, receives = defaultdict(list), defaultdict(list)
+    for stage, ops in enumerate(lowered):
+        for index, op in enumerate(ops):
+            for part in (op.parts if op.kind == EXCHANGE else (op,)):
+                if part.kind in SENDS:
+                    sends[(stage, part.peer)].append((index, part))
+                elif part.kind in RECEIVES:
+                    receives[(part.peer, stage)].append((index, part))
+    return sends, receives
 
 
 def assert_valid_order(lowered, order):
-    """Independent of the simulator: ``order`` keeps each stage's order, every RECV
-    comes after the SEND it pairs with in FIFO order, and each collective starts
-    only after every stage has run all its ops before that collective."""
+    """Independent of the simulator: ``order`` keeps each stage's order; between two
+    stages the k-th send meets the k-th receive, of the same kind and micro-batch; an op
+    completes only after every op it exchanges a message with was posted (the other
+    stage ran all its ops before that one: the rendezvous rule); and each collective
+    starts only after every stage has run all its ops before that collective."""
     assert len(order) == sum(len(ops) for ops in lowered)
     for stage, ops in enumerate(lowered):
         assert [op for s, op in order if s == stage] == ops
-    sent = defaultdict(list)  # (sender, receiver, "ACT" or "GRAD") -> micro-batches, in send order
-    received = defaultdict(int)
-    for stage, op in order:
-        direction, _, payload = op.kind.partition("_")
-        if direction == "SEND":
-            sent[(stage, op.peer, payload)].append(op.micro_batch)
-        elif direction == "RECV":
-            channel = (op.peer, stage, payload)
-            assert received[channel] < len(sent[channel]), f"stage {stage} ran {op!r} before its send"
-            assert sent[channel][received[channel]] == op.micro_batch
-            received[channel] += 1
-    assert all(received[channel] == len(mbs) for channel, mbs in sent.items())
+    completed = {}  # (stage, index of op in its stage) -> index in order
+    seen = defaultdict(int)
+    for position, (stage, _) in enumerate(order):
+        completed[(stage, seen[stage])] = position
+        seen[stage] += 1
+
+    def posted(stage, index):  # when the stage got to that op: once the op before it completed
+        return completed[(stage, index - 1)] if index > 0 else -1
+
+    sends, receives = messages(lowered)
+    assert sends.keys() == receives.keys()
+    for (sender, receiver), sent in sends.items():
+        received = receives[(sender, receiver)]
+        assert len(sent) == len(received)
+        for (send_index, send), (recv_index, recv) in zip(sent, received):
+            assert (send.kind.replace("SEND", "RECV"), send.micro_batch) == (recv.kind, recv.micro_batch)
+            assert completed[(sender, send_index)] > posted(receiver, recv_index), (send, recv)
+            assert completed[(receiver, recv_index)] > posted(sender, send_index), (send, recv)
     _assert_collectives_wait_for_every_stage(lowered, order)
 
 
@@ -51,11 +83,90 @@ def _assert_collectives_wait_for_every_stage(lowered, order):
             assert all(position[(stage, i)] < start for i in range(indices[nth]))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p,m", SIZES)
-def test_simulate_runs_gpipe_and_1f1b_in_a_valid_order(name, p, m):
-    lowered = lower(make_schedule(name, p, m))
+def runs_with_buffered_sends(lowered):
+    """A reference interpreter of the model the simulator used to have: sends never
+    block, a receive waits for its send. True when every stage gets to its end."""
+    lowered = [unbatch(ops) for ops in lowered]  # an exchange: its sends, then its receives
+    position, in_flight = [0] * len(lowered), defaultdict(list)
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, ops in enumerate(lowered):
+            while position[stage] < len(ops):
+                op = ops[position[stage]]
+                if op.kind in SENDS:
+                    in_flight[(stage, op.peer)].append(op.micro_batch)
+                elif op.kind in RECEIVES:
+                    if not in_flight[(op.peer, stage)]:
+                        break
+                    assert in_flight[(op.peer, stage)].pop(0) == op.micro_batch
+                elif op.kind in COLLECTIVES:
+                    break
+                position[stage] += 1
+                progressed = True
+        at_collective = [ops[position[s]].kind if position[s] < len(ops) else None for s, ops in enumerate(lowered)]
+        if at_collective[0] in COLLECTIVES and len(set(at_collective)) == 1:
+            position = [place + 1 for place in position]
+            progressed = True
+    return all(place == len(ops) for place, ops in zip(position, lowered))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])  # the others (chunks, I and W): tests/core/test_new_schedules.py
+@pytest.mark.parametrize("p", range(1, 9))
+def test_every_schedule_lowers_and_runs_in_a_valid_order_under_the_rendezvous_rule(name, p):
+    for m in range(1, 17):
+        lowered = lower(make_schedule(name, p, m))
+        assert_valid_order(lowered, simulate(lowered))
+
+
+def test_the_unpaired_1f1b_order_deadlocks_under_the_rendezvous_rule_and_the_paired_one_runs():
+    # today's 1F1B at p=2 before pairing: stage 0 sends a1 before receiving g0 while
+    # stage 1 sends g0 before receiving a1; each send waits for a receive behind the other send
+    before = [[LoweredOp(F, 0), LoweredOp(SEND_ACT, 0, 1), LoweredOp(F, 1), LoweredOp(SEND_ACT, 1, 1),
+               LoweredOp(RECV_GRAD, 0, 1), LoweredOp(B, 0), LoweredOp(RECV_GRAD, 1, 1), LoweredOp(B, 1)],
+              [LoweredOp(RECV_ACT, 0, 0), LoweredOp(F, 0), LoweredOp(B, 0), LoweredOp(SEND_GRAD, 0, 0),
+               LoweredOp(RECV_ACT, 1, 0), LoweredOp(F, 1), LoweredOp(B, 1), LoweredOp(SEND_GRAD, 1, 0)]]
+    before = [ops + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)] for ops in before]
+    assert before == unpaired(one_f_one_b_schedule(2, 2))
+    assert runs_with_buffered_sends(before)  # so the deadlock is the rendezvous rule's alone
+    expected = ("deadlock: stage 0 waits on SEND_ACT1->1; stage 1 waits on SEND_GRAD0->0 "
+                "(a send completes only once its receive is posted")
+    with pytest.raises(ScheduleError, match=re.escape(expected)):
+        simulate(before)
+
+    after = lower(one_f_one_b_schedule(2, 2))
+    assert [repr(op) for op in after[0] if op.kind == EXCHANGE] == ["SEND_ACT1->1+RECV_GRAD0<-1"]
+    assert [repr(op) for op in after[1] if op.kind == EXCHANGE] == ["SEND_GRAD0->0+RECV_ACT1<-0"]
+    assert_valid_order(after, simulate(after))
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_every_unpaired_1f1b_with_a_steady_state_is_refused_though_buffered_sends_would_run_it(p):
+    for m in range(2, 17):
+        before = unpaired(one_f_one_b_schedule(p, m))
+        assert runs_with_buffered_sends(before)
+        with pytest.raises(ScheduleError, match=r"^deadlock: .*waits on SEND_"):
+            simulate(before)
+
+
+def test_a_hand_written_exchange_between_two_waiting_sends_runs():
+    # pairing one side is enough at p=2: stage 0's exchange posts the receive stage 1's send waits for
+    lowered = unpaired(one_f_one_b_schedule(2, 2))
+    lowered[0][3:5] = [exchange(lowered[0][3], lowered[0][4])]
     assert_valid_order(lowered, simulate(lowered))
+
+
+def test_a_middle_pair_left_unpaired_deadlocks_and_is_named():
+    # 1F1B on three stages with stages 1 and 2 sending and receiving one by one again
+    # (stage 0 keeps its exchanges with stage 1): only that pair waits on each other
+    lowered = lower(one_f_one_b_schedule(3, 3))
+    for stage in (1, 2):
+        lowered[stage] = [part for op in lowered[stage] for part in
+                          (op.parts if op.kind == EXCHANGE and {p.peer for p in op.parts} == {3 - stage} else (op,))]
+    assert runs_with_buffered_sends(lowered)
+    with pytest.raises(ScheduleError, match=r"^deadlock: stage 0 waits on .*stage 1 waits on SEND_ACT1->2; "
+                                            r"stage 2 waits on SEND_GRAD0->1 \(a send completes"):
+        simulate(lowered)
 
 
 def test_simulate_is_round_robin_over_stages():
@@ -67,7 +178,7 @@ def test_simulate_is_round_robin_over_stages():
 
 
 def test_a_receive_before_the_send_it_waits_for_deadlocks():
-    lowered = lower(make_schedule("gpipe", 2, 1))
+    lowered = unpaired(make_schedule("gpipe", 2, 1))
     assert [repr(op) for op in lowered[0][1:3]] == ["SEND_ACT0->1", "RECV_GRAD0<-1"]
     lowered[0][1:3] = lowered[0][2], lowered[0][1]
     expected = "deadlock: stage 0 waits on RECV_GRAD0<-1; stage 1 waits on RECV_ACT0<-0"
@@ -81,7 +192,9 @@ def test_receiving_micro_batches_out_of_send_order_is_a_mismatch():
     assert receives == [LoweredOp(RECV_ACT, 0, 0), LoweredOp(RECV_ACT, 1, 0)]
     computes = [op for op in lowered[1] if op.kind != RECV_ACT]
     lowered[1] = receives[::-1] + computes  # still receives before it computes, but 1 then 0
-    with pytest.raises(ScheduleError, match=r"mismatch: stage 1 runs RECV_ACT1<-0 .*stage 0 is its SEND_ACT0->1"):
+    expected = ("mismatch: stage 1 runs RECV_ACT1<-0 but the message it meets, stage 0's next in issue order, "
+                "is SEND_ACT0->1 (micro-batch 0, not 1)")
+    with pytest.raises(ScheduleError, match=re.escape(expected)):
         simulate(lowered)
 
 
@@ -127,10 +240,34 @@ def test_ops_with_a_wrong_peer_or_kind_are_caught(stage, index, op, message):
         simulate(lowered)
 
 
-def test_a_message_never_received_is_caught():
+@pytest.mark.parametrize("stage,index,message", [
+    (0, 1, "stage 0 runs SEND_ACT0->1 but stage 1 never receives it (2 sends to it, 1 receives)"),
+    (1, 0, "stage 1 runs RECV_ACT0<-0 but stage 0 never sends it (2 receives from it, 1 sends)"),
+])
+def test_a_message_never_received_or_never_sent_is_caught(stage, index, message):
     lowered = lower(make_schedule("gpipe", 2, 1))
-    lowered[0].insert(2, lowered[0][1])  # SEND_ACT0->1 twice
-    with pytest.raises(ScheduleError, match=re.escape("stage 0 ran SEND_ACT0->1 but stage 1 never received it")):
+    assert repr(lowered[0][1]) == "SEND_ACT0->1+RECV_GRAD0<-1"
+    lowered[stage].insert(index, LoweredOp(SEND_ACT, 0, 1) if stage == 0 else LoweredOp(RECV_ACT, 0, 0))
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        simulate(lowered)
+
+
+@pytest.mark.parametrize("parts,message", [
+    ((), "stage 0: an EXCHANGE holds one or more sends and receives, not []"),
+    ((LoweredOp(SEND_ACT, 0, 1), LoweredOp(F, 0)), "not [SEND_ACT0->1, F0]"),
+    ((LoweredOp(SEND_ACT, 0, 2),), "stage 0: SEND_ACT0->2 must have peer 1"),
+])
+def test_a_malformed_exchange_is_caught(parts, message):
+    lowered = lower(make_schedule("gpipe", 2, 1))
+    lowered[0][1] = exchange(*parts)
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        simulate(lowered)
+
+
+def test_an_exchange_whose_send_comes_before_its_tensor_is_caught():
+    lowered = lower(make_schedule("gpipe", 2, 1))
+    lowered[0][0:2] = lowered[0][1], lowered[0][0]
+    with pytest.raises(ScheduleError, match=re.escape("stage 0: SEND_ACT0->1 runs before F0, which it needs")):
         simulate(lowered)
 
 
