@@ -10,11 +10,20 @@ import torch
 def pytest_collection_modifyitems(config, items):
     _pickle_test_code_by_value(items)
     # GPU-marked tests are deselected (not skipped) on machines without CUDA, and
-    # run where one exists: `pytest -m gpu` on a GPU machine runs just those.
-    if torch.cuda.is_available():
+    # run where one exists: `pytest -m gpu` on a GPU machine runs just those. Tests
+    # marked gpus2 need two GPUs: on a machine with one they skip, saying so.
+    if os.environ.get("RAYPIPE_LIST_GPU_TESTS") == "1":  # scripts/gpu_check.sh --dry-run: list them with --collect-only
         return
-    selected = [item for item in items if "gpu" not in item.keywords]
-    deselected = [item for item in items if "gpu" in item.keywords]
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if count < 2:
+            skip = pytest.mark.skip(reason=f"needs 2 CUDA GPUs on this node, found {count}")
+            for item in items:
+                if "gpus2" in item.keywords:
+                    item.add_marker(skip)
+        return
+    selected = [item for item in items if "gpu" not in item.keywords and "gpus2" not in item.keywords]
+    deselected = [item for item in items if "gpu" in item.keywords or "gpus2" in item.keywords]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

@@ -14,7 +14,17 @@ the same way), and a gradient's receive as soon as its activation is sent. A
 payload whose shape changed goes under another tag, and the stale prediction is
 consumed by a filler of the predicted size, so no posted receive is ever left
 unmatched. NCCL matches point-to-point messages in stream order and ignores
-tags (:class:`_InOrder`): there each message is received when it is reached.
+tags (:class:`_InOrder`): there each payload and gradient is received when it is
+reached (headers are posted ahead all the same, on the control channel below).
+
+A send completes only once its receive is posted, so a stage that sends to a
+peer and then receives from it, while the peer does the same the other way,
+must post both at once: :meth:`P2PChannel.exchange` runs the lowering's
+EXCHANGE ops (:mod:`raypipe.core.lowering`). On NCCL it posts them in one
+``dist.batch_isend_irecv``, and every other point-to-point op goes through a
+batch too (of one): torch gives a batch the group's communicator, but a lone
+send or receive a two-rank one of its own when the group was made lazily, and
+messages on two communicators are not ordered against each other.
 
 With data parallelism the group holds every replica's stages (rank =
 :meth:`~raypipe.core.topology.Topology.rank`, replica-major, so a stage's
@@ -22,19 +32,39 @@ neighbours are the ranks next to it); the workers of one stage across
 replicas also form a subgroup, :attr:`P2PChannel.replicas`
 (:mod:`raypipe.comm.replicas`).
 
-A peer that leaves the group (see :meth:`P2PChannel.leave`) makes every receive
-from it, and every collective with it, fail at once: :class:`~raypipe.errors.StepAborted`.
+Headers and the step's all-reduce of gradient statistics (the step decision)
+go over a control channel of CPU tensors on gloo (:attr:`P2PChannel.control`),
+even when the tensors go over NCCL: decoding a header or reading the sums then
+never waits on a GPU stream. On a gloo-only run the control channel is the group
+itself.
+
+On gloo, a peer that leaves the group (see :meth:`P2PChannel.leave`) makes every
+receive from it, and every collective with it, fail at once:
+:class:`~raypipe.errors.StepAborted`. NCCL does not: its ``Work.wait()`` neither
+blocks the host nor raises, and a host sync on a transfer from a departed peer
+waits until NCCL's watchdog fires. So on NCCL (and under its emulation,
+:mod:`raypipe.comm.nccl_emulation`) every wait polls the Work's completion
+against an abort flag and a deadline of ``p2p_timeout_s`` instead, and
+:meth:`P2PChannel.abort`, called from another thread (the worker's health
+thread) while the step is blocked, sets the flag and aborts the communicators
+(never a destroy, which waits for pending work): the step raises
+:class:`~raypipe.errors.StepAborted` and the group is formed afresh.
 """
 from __future__ import annotations
 
+import os
 import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
 from raypipe.comm.replicas import StageReplicas
+from raypipe.core.ops import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, LoweredOp
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
 
@@ -42,11 +72,14 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.bool]
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype code, shape
+_LONGEST_POLL_S = 0.005  # a polled wait sleeps at most this long between looks at its Work
 
 # what a message is, for its tag
 HEADER, PREDICTED, UNPREDICTED, GRADIENT = range(4)
 
 Signature = tuple[int, tuple[int, ...]]  # dtype code, shape
+# a point-to-point operation to start: dist.isend or dist.irecv, the tensor, the peer's rank, the tag
+Operation = tuple[Any, torch.Tensor, int, int]
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -71,12 +104,21 @@ class _ByTag:
     def post(self, buffer: torch.Tensor, peer: int, kind: int, micro_batch: int) -> Any:
         return dist.irecv(buffer, peer, tag=self.tag(kind, micro_batch))
 
+    @staticmethod
+    def start(operations: list[Operation]) -> list[Any]:
+        """Start each operation on its own: one Work each."""
+        return [function(tensor, peer, tag=tag) for function, tensor, peer, tag in operations]
+
 
 class _InOrder:
     """NCCL: messages match in stream order and tags are ignored, so nothing is
-    posted ahead (None) and nothing is predicted."""
+    posted ahead (None) and nothing is predicted. ``stream``: NCCL's emulation
+    runs the batches (:mod:`raypipe.comm.nccl_emulation`)."""
 
     predicts = False
+
+    def __init__(self, stream: EmulatedStream | None = None) -> None:
+        self.stream = stream
 
     @staticmethod
     def tag(kind: int, micro_batch: int) -> int:
@@ -84,6 +126,13 @@ class _InOrder:
 
     def post(self, buffer: torch.Tensor, peer: int, kind: int, micro_batch: int) -> None:
         return None
+
+    def start(self, operations: list[Operation]) -> list[Any]:
+        """Post ``operations`` together (one NCCL group), on the group's communicator."""
+        if self.stream is not None:
+            return self.stream.start(operations)
+        return dist.batch_isend_irecv([dist.P2POp(function, tensor, peer, tag=tag)
+                                       for function, tensor, peer, tag in operations])
 
 
 class P2PChannel:
@@ -94,8 +143,17 @@ class P2PChannel:
         self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
         self.rank = topology.rank(replica, stage)
         self.replicas = StageReplicas(topology, replica, stage,
-                                      wait=lambda work, what: self._wait(work, None, None, what))
-        self._matching = _InOrder() if self.backend == "nccl" else _ByTag()
+                                      wait=lambda work, what: self._wait(self._collective(work), None, None, what))
+        self._matching: _ByTag | _InOrder = _InOrder() if self.backend == "nccl" else _ByTag()
+        # the group of headers and the step's all-reduce (gloo, CPU tensors); None: the group itself
+        self.control: Any = None
+        self._polls = False  # NCCL's rules: waits poll against the abort flag and the deadline
+        self._timeout_s = 300.0
+        self._aborted = threading.Event()
+        # an abort (on another thread) against leaving: both tear the group down. Issuing an operation
+        # takes no lock: NCCL's abort exists to release a call stuck in the communicator, and an
+        # operation that fails because the group was just aborted ends the step all the same
+        self._lock = threading.Lock()
         # the running step's unfinished sends and posted receives, per micro-batch:
         # a pending operation keeps the group's connections open, so leaving drops them all
         self._sends: list[tuple[Any, torch.Tensor]] = []
@@ -106,34 +164,80 @@ class P2PChannel:
         # received from the previous one: the same on both ends of a link
         self._sent: dict[int, Signature] = {}
         self._received: dict[int, Signature] = {}
+        self._batch: list[Operation] | None = None  # while an exchange collects its sends
 
     @property
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
-    def join(self, address: str, port: int, timeout_s: float) -> None:
-        """Join the group at ``address:port``, and this stage's replica subgroup."""
-        topology = self.topology
+    def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False) -> None:
+        """Join the group at ``address:port``, its control channel, and this stage's
+        replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
+        (:mod:`raypipe.comm.nccl_emulation`)."""
+        topology, nccl = self.topology, self.backend == "nccl"
+        if emulate_nccl and nccl:
+            raise ValueError("cannot emulate NCCL on a CUDA device: NCCL itself runs there")
+        if nccl:  # a failed peer's operations are ours to abort (abort()): NCCL's watchdog must not end the process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        # on NCCL, device_id makes the group's communicator now, with every rank: a batch of sends and
+        # receives between two ranks may not be the first use of a group (``dist.batch_isend_irecv``)
         dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
+                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s),
+                                device_id=self.device if nccl else None)
+        self._aborted.clear()
+        self._timeout_s, self._polls = timeout_s, nccl or emulate_nccl
+        if self._polls:  # every rank makes the control group first, then the replicas' subgroups
+            self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            stream = EmulatedStream(dist.distributed_c10d._get_default_group()) if emulate_nccl else None
+            self._matching = _InOrder(stream)
+        else:
+            self.control, self._matching = None, _ByTag()
         self.replicas.join()
 
     def leave(self) -> None:
         """Drop pending operations and leave the group, closing its connections;
-        forget the predicted shapes (every member leaves before a group re-forms)."""
-        for pending in (self._sends, self._headers, self._payloads, self._gradients, self._sent, self._received):
-            pending.clear()
-        self.replicas.leave()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        forget the predicted shapes (every member leaves before a group re-forms).
+        On NCCL, with operations pending or after an abort, the communicators are
+        aborted: a destroy would wait for the pending work."""
+        with self._lock:
+            pending = any((self._sends, self._headers, self._payloads, self._gradients))
+            for kept in (self._sends, self._headers, self._payloads, self._gradients, self._sent, self._received):
+                kept.clear()
+            self._stop_stream()
+            self.replicas.leave()
+            self.control = None
+            if dist.is_initialized():
+                if self.backend == "nccl" and (pending or self._aborted.is_set()):
+                    dist.distributed_c10d._abort_process_group()
+                else:
+                    dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Release a step blocked on this channel; callable from any thread (the
+        worker's health thread, while the step runs). Sets the abort flag, which every
+        polled wait checks, and on NCCL aborts every communicator of the group (never
+        a destroy: it would wait for the blocked work). The step raises
+        :class:`~raypipe.errors.StepAborted` and leaves; the group must be joined
+        afresh. On gloo without the emulation a wait blocks in gloo, which releases
+        it when a peer leaves; the flag then stops the step at its next operation."""
+        self._aborted.set()  # first: a polling wait sees it at once
+        with self._lock:
+            self._stop_stream()
+            if self.backend == "nccl" and dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called since the group was last joined."""
+        return self._aborted.is_set()
 
     def expect_activations(self, micro_batches: list[int]) -> None:
         """Post the receives of this step's activations from the previous stage
         (headers, and payloads of predicted shape), before they are needed."""
         peer = self.rank - 1
         for micro_batch in micro_batches:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self._headers[micro_batch] = self._matching.post(header, peer, HEADER, micro_batch), header
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self._control_device)
+            self._headers[micro_batch] = self._control_op(dist.irecv, header, peer, micro_batch), header
             predicted = self._received.get(micro_batch)
             if predicted is not None:
                 payload = _empty(predicted, self.device)
@@ -146,7 +250,8 @@ class P2PChannel:
             raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
         payload, peer = tensor.detach().contiguous(), self.rank + 1
         signature, predicted = _signature(payload), self._sent.get(micro_batch)
-        self._send(_encode(signature, self.device), peer, HEADER, micro_batch)
+        header = _encode(signature, self._control_device)
+        self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
             self._send(_empty(predicted, self.device), peer, PREDICTED, micro_batch)
         self._send(payload, peer, PREDICTED if predicted == signature else UNPREDICTED, micro_batch)
@@ -158,8 +263,11 @@ class P2PChannel:
     def recv_activation(self, micro_batch: int) -> torch.Tensor:
         """The activation of ``micro_batch`` from the previous stage, whatever its shape and dtype."""
         peer = self.rank - 1
-        signature = _decode(self._receive(self._headers.pop(micro_batch, None), _HEADER_SIGNATURE, peer, HEADER,
-                                          micro_batch))
+        if micro_batch not in self._headers:
+            self.expect_activations([micro_batch])
+        work, header = self._headers.pop(micro_batch)
+        self._wait(work, peer, micro_batch, "activation")
+        signature = _decode(header)
         if self._matching.predicts:
             self._received[micro_batch] = signature
         posted = self._payloads.pop(micro_batch, None)
@@ -181,6 +289,52 @@ class P2PChannel:
                                f"{micro_batch}: the stage does not use its input")
         self._send(gradient.detach().contiguous(), self.rank - 1, GRADIENT, micro_batch)
 
+    def exchange(self, sends: list[tuple[LoweredOp, torch.Tensor | None]],
+                 receives: list[LoweredOp]) -> list[torch.Tensor]:
+        """Run one EXCHANGE op (:func:`raypipe.core.ops.exchange`): start ``sends``
+        (SEND_ACT or SEND_GRAD parts, each with its tensor) and post ``receives``
+        (RECV_ACT or RECV_GRAD parts) together, then return what each receive got,
+        in order.
+
+        On NCCL all of them go in one ``dist.batch_isend_irecv``, so neither this
+        stage's sends nor its peer's wait behind a receive posted after them; an
+        activation's header comes over the control channel (posted ahead), and its
+        payload follows alone, once the header gives its shape (the sender posted it
+        with the batch). On gloo every receive is posted ahead already: the sends
+        start, then the receives are waited for.
+        """
+        for part in [op for op, _ in sends] + list(receives):
+            offset = {SEND_ACT: +1, RECV_GRAD: +1, SEND_GRAD: -1, RECV_ACT: -1}.get(part.kind)
+            if offset is None or part.peer != self.stage + offset:
+                raise ValueError(f"stage {self.stage} cannot exchange {part!r}: this channel sends activations to "
+                                 "the next stage and gradients to the previous one, and receives them from there")
+        self._batch = []
+        try:
+            for op, tensor in sends:
+                (self.send_activation if op.kind == SEND_ACT else self.send_gradient)(tensor, op.micro_batch)
+            operations, self._batch = self._batch, None
+            posted = []  # the receives this batch posts: where each is kept, its buffer, its operation
+            for op in receives:
+                if op.kind == RECV_ACT:  # its header: posted ahead on the control channel
+                    if op.micro_batch not in self._headers:
+                        self.expect_activations([op.micro_batch])
+                    continue
+                work, buffer = self._gradients[op.micro_batch]
+                if work is None:  # NCCL: posted now, with the sends
+                    posted.append((self._gradients, op.micro_batch, buffer, len(operations)))
+                    operations.append((dist.irecv, buffer, self.rank + 1,
+                                       self._matching.tag(GRADIENT, op.micro_batch)))
+            works = self._started(operations) if operations else []
+            for work, (function, tensor, _, _) in zip(works, operations):
+                if function is dist.isend:
+                    self._sends.append((work, tensor))
+            for kept, micro_batch, buffer, index in posted:
+                kept[micro_batch] = works[index], buffer
+        finally:
+            self._batch = None
+        return [self.recv_activation(op.micro_batch) if op.kind == RECV_ACT else self.recv_gradient(op.micro_batch)
+                for op in receives]
+
     def finish_sends(self) -> None:
         """Wait until every started send has completed (the buffers live until then)."""
         for work, _buffer in self._sends:
@@ -190,33 +344,115 @@ class P2PChannel:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum of ``values`` over every worker (float64: adding the
         zeros of the other workers' slots is exact, so every worker gets the same)."""
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        self._wait(dist.all_reduce(tensor, async_op=True), None, None, "reduction")
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._control_device)
+        self._refuse_after_abort("reduction")
+        work = dist.all_reduce(tensor, group=self.control, async_op=True)
+        self._wait(work, None, None, "reduction")
         return tensor.tolist()
 
+    @property
+    def _control_device(self) -> torch.device:
+        """Where the control channel's tensors live: the CPU when it is gloo beside NCCL."""
+        return torch.device("cpu") if self.control is not None else self.device
+
+    def _control_op(self, function: Any, tensor: torch.Tensor, peer: int, micro_batch: int) -> Any:
+        """Start a header's send or receive on the control channel (matched by tag)."""
+        self._refuse_after_abort("activation")
+        work = function(tensor, peer, group=self.control, tag=_ByTag.tag(HEADER, micro_batch))
+        # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
+        return _WaitedOnThread(work) if self._polls else work
+
+    def _collective(self, work: Any) -> Any:
+        """A data-group collective's Work, under NCCL's rules when they are emulated."""
+        return SilentCollective(work) if isinstance(self._matching, _InOrder) and self._matching.stream else work
+
+    def _refuse_after_abort(self, what: str) -> None:
+        """Issue nothing more once aborted (the step is ending)."""
+        if self._aborted.is_set():
+            self._raise_aborted(None, None, what)
+
+    def _stop_stream(self) -> None:
+        if isinstance(self._matching, _InOrder) and self._matching.stream is not None:
+            self._matching.stream.stop()
+
     def _send(self, tensor: torch.Tensor, peer: int, kind: int, micro_batch: int) -> None:
-        self._sends.append((dist.isend(tensor, peer, tag=self._matching.tag(kind, micro_batch)), tensor))
+        operation = (dist.isend, tensor, peer, self._matching.tag(kind, micro_batch))
+        if self._batch is not None:  # an exchange's: started with its receives
+            self._batch.append(operation)
+        else:
+            self._sends.append((self._started([operation])[0], tensor))
+
+    def _started(self, operations: list[Operation]) -> list[Any]:
+        """Start ``operations``; the Work of each (NCCL's batch has one Work for all)."""
+        self._refuse_after_abort("operation")
+        works = self._matching.start(operations)
+        return works if len(works) == len(operations) else [works[0]] * len(operations)
 
     def _receive(self, posted: tuple[Any, torch.Tensor] | None, signature: Signature | None, peer: int,
                  kind: int, micro_batch: int) -> torch.Tensor:
         """Wait for a posted receive, or post one into a new buffer of ``signature`` and wait."""
         work, buffer = posted if posted is not None else (None, _empty(signature, self.device))
         if work is None:
-            work = dist.irecv(buffer, peer, tag=self._matching.tag(kind, micro_batch))
+            work = self._started([(dist.irecv, buffer, peer, self._matching.tag(kind, micro_batch))])[0]
         self._wait(work, peer, micro_batch, "gradient" if kind == GRADIENT else "activation")
         return buffer
 
     def _wait(self, work: Any, peer: int | None, micro_batch: int | None, what: str) -> None:
+        """Wait for ``work``: in gloo (which raises when a peer leaves), or under NCCL's
+        rules by polling its completion against the abort flag and ``p2p_timeout_s``
+        (NCCL's ``wait()`` neither blocks the host nor raises)."""
+        if self._polls:
+            deadline, pause = time.monotonic() + self._timeout_s, 1e-4
+            while not work.is_completed():
+                if self._aborted.is_set():
+                    self._raise_aborted(peer, micro_batch, what)
+                if time.monotonic() > deadline:
+                    raise self._step_aborted(peer, micro_batch, what, f"it did not complete within "
+                                             f"p2p_timeout_s={self._timeout_s:g}s")
+                time.sleep(pause)
+                pause = min(2 * pause, _LONGEST_POLL_S)
         try:
-            work.wait()
+            work.wait()  # completed when polled: returns at once, or raises the transport's error
         except RuntimeError as error:
             source = "a worker" if peer is None else f"stage {self.topology.coordinates(peer).stage}"
-            raise StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch,
-                              f"{source} left the step before this {what} completed ({error})",
-                              replica=self.replica if self.topology.num_replicas > 1 else None) from None
+            raise self._step_aborted(peer, micro_batch, what,
+                                     f"{source} left the step before this {what} completed ({error})") from None
+
+    def _raise_aborted(self, peer: int | None, micro_batch: int | None, what: str) -> None:
+        raise self._step_aborted(peer, micro_batch, what, "the step was aborted (a worker of the group failed)")
+
+    def _step_aborted(self, peer: int | None, micro_batch: int | None, what: str, why: str) -> StepAborted:
+        return StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch, why,
+                           replica=self.replica if self.topology.num_replicas > 1 else None)
 
 
-_HEADER_SIGNATURE: Signature = (_DTYPES.index(torch.int64), (_HEADER,))
+class _WaitedOnThread:
+    """A gloo point-to-point Work, waited for on a thread of its own once first
+    polled (gloo's says it completed only once waited for), so that a polled wait
+    can give up on it; its error is raised by :meth:`wait`."""
+
+    def __init__(self, work: Any) -> None:
+        self._work, self._thread, self._error = work, None, None
+
+    def is_completed(self) -> bool:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._wait_in_gloo, name="raypipe-control-wait", daemon=True)
+            self._thread.start()
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._thread is None:  # not polled: the plain wait
+            return self._work.wait()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _wait_in_gloo(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as error:
+            self._error = error
 
 
 def _empty(signature: Signature, device: torch.device) -> torch.Tensor:

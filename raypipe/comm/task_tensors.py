@@ -12,6 +12,14 @@ same for one tensor, without an extra copy (:func:`as_shipped_state` uses it
 for a worker's state). A small buffer travels inside the pickle (``bytes``:
 cheapest for what Ray inlines in the task), a large one as a numpy array,
 which Ray ships out of band and maps without a copy.
+
+Only host tensors travel: a tensor on a GPU would be pickled through torch,
+readable only by a process with CUDA (the snapshot keeper has none), and
+unpickled onto the receiver's GPU. :func:`as_task_argument` and
+:func:`as_shipped_state` copy a device tensor to the host first (a
+synchronous copy: a worker's state is staged on the host beforehand, see
+:mod:`raypipe.stage.host_copy`); :class:`TaskTensor` and :class:`TaskTensors`
+refuse one.
 """
 from __future__ import annotations
 
@@ -33,13 +41,28 @@ def _shippable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
 
 
+def _in_host_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, refused unless in host memory."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"a task tensor must be in host memory, not on {tensor.device}: a receiver without that "
+                         "device could not read it (as_task_argument and as_shipped_state copy it to the host)")
+    return tensor
+
+
+def _on_host(value: Any) -> Any:
+    """A dense tensor on a device (a GPU) as a host copy; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu" and value.layout == torch.strided:
+        return value.detach().cpu()
+    return value
+
+
 class TaskTensors:
     """CPU tensors that pickle as one byte array; unpickle as the list of tensors."""
 
     __slots__ = ("tensors",)
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = list(tensors)
+        self.tensors = [_in_host_memory(tensor) for tensor in tensors]
 
     def __reduce__(self) -> tuple:
         return _unpack, _pack(self.tensors)
@@ -51,7 +74,7 @@ class TaskTensor:
     __slots__ = ("tensor",)
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = _in_host_memory(tensor)
 
     def __reduce__(self) -> tuple:
         return _unpack_one, _pack([self.tensor])
@@ -60,6 +83,7 @@ class TaskTensor:
 def as_task_argument(value: Any) -> Any:
     """``value`` ready to travel as a task argument: a CPU tensor as a
     :class:`TaskTensor`, a list of them as one :class:`TaskTensors`."""
+    value = [_on_host(v) for v in value] if isinstance(value, (list, tuple)) else _on_host(value)
     if isinstance(value, (list, tuple)) and value and all(_shippable(v) for v in value):
         return TaskTensors(value)
     if isinstance(value, (list, tuple)):
@@ -75,7 +99,8 @@ def as_shipped_state(state: Any) -> Any:
     """``state`` (nested dicts, lists and tuples, such as a state dict) with every
     CPU tensor as a :class:`TaskTensor`: Ray copies each one once, straight into
     its buffer, when it serializes the value. The tensors are read then, not now:
-    return it from a task (or put it) before they change."""
+    return it from a task (or put it) before they change. A tensor on a device is
+    copied to the host here (so that no receiver needs that device)."""
     if isinstance(state, dict):
         shipped = copy.copy(state)  # keeps the kind and attributes (a state dict's _metadata)
         shipped.update((key, as_shipped_state(value)) for key, value in state.items())
@@ -84,13 +109,14 @@ def as_shipped_state(state: Any) -> Any:
         return [as_shipped_state(value) for value in state]
     if isinstance(state, tuple):
         return tuple(as_shipped_state(value) for value in state)
+    state = _on_host(state)
     return TaskTensor(state) if _shippable(state) else state
 
 
 def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray | bytes, Layout]:
     """One byte array with every tensor's own bytes (also for a view of a larger batch)."""
     pieces, layout, offset = [], [], 0
-    for tensor in tensors:
+    for tensor in map(_in_host_memory, tensors):
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         padding = -offset % _ALIGN
         if padding:

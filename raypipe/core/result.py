@@ -30,6 +30,7 @@ class StageStats:
     offloaded_bytes: int = 0  # peak bytes of kept inputs living in the object store
     device_allocated_bytes: int | None = None  # CUDA only
     device_peak_bytes: int | None = None  # CUDA only
+    device_reserved_bytes: int | None = None  # CUDA only: held by the caching allocator (what an OOM meets)
     rss_bytes: int = 0
     learning_rate: float | None = None  # of the stage's first parameter group, after this step
     task_seconds: float | None = None  # per-step executor: the worker's whole step task

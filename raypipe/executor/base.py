@@ -5,6 +5,14 @@ An executor submits one step (:meth:`Executor.submit`), collects its outcome
 every worker drops the step, the transport is made whole, and the cause is
 raised. :meth:`Executor.run_step` is that path.
 
+A failed worker's neighbours are released by gloo at once (a receive from a
+peer that left raises), but not by NCCL: there a neighbour blocked on the failed
+worker waits until NCCL's watchdog fires. So as soon as one worker's step failed
+or a worker is found dead or hung, the driver aborts the others' communication
+(:meth:`Executor.abort_communication`: each survivor's
+:meth:`~raypipe.comm.p2p.P2PChannel.abort`, on its health thread), and their
+steps end with :class:`~raypipe.errors.StepAborted`.
+
 The commit is part of the step: every worker gets every stage's gradient
 statistics (as task arguments, or by an all-reduce inside the group), decides
 the same way (:func:`raypipe.core.step_decision.decide`) and steps or skips.
@@ -13,9 +21,10 @@ reaches no optimizer, and the driver waits once per step.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, NoReturn
 
 import ray
@@ -64,6 +73,7 @@ class Executor(ABC):
         self.group: StageGroup | None = None
         self.usable = True  # False once a failed step could not be dropped: the group cannot be made whole
         self.in_flight: Submitted | None = None  # the step being run
+        self.groups_formed = 0  # how many times the workers joined a group: an abort names the one it is for
 
     @abstractmethod
     def actor_class(self) -> Any:
@@ -85,10 +95,10 @@ class Executor(ABC):
     def collect(self, submitted: Submitted) -> StepOutcome:
         """Wait for the step's commit on every worker (a failure raises Ray's error;
         a worker that stops answering its heartbeat raises :class:`WorkersFailed`)."""
-        failed = self._watchdog().wait(submitted.commits, self.group.actors)
+        failed = self._watchdog().wait_until(_ended_or_failed(submitted.commits), self.group.actors)
         if failed:
             raise self._workers_failed(submitted.step, failed, "found while waiting on the step")
-        reports = ray.get(submitted.commits)
+        reports = ray.get(submitted.commits)  # a failure raises (and not every worker may have ended yet)
         return StepOutcome(reports[0].decision, reports)
 
     # whether a snapshot of the state a step starts from is best taken as that step starts
@@ -130,6 +140,7 @@ class Executor(ABC):
         otherwise have every worker drop the step, repair the transport, and raise
         the step's first real failure."""
         refs = submitted.refs
+        self.abort_communication()
         watchdog = self._watchdog()
         failed = watchdog.wait(refs, self.group.actors, deadline_s=self.config.p2p_timeout_s) or watchdog.probe(
             self.group.actors)
@@ -162,9 +173,25 @@ class Executor(ABC):
         # outcomes and commits are per worker, in rank order
         refs = list({ref: None for refs in (submitted.outcomes, submitted.commits) for index, ref in enumerate(refs)
                      if index not in failed})
+        self.abort_communication(failed)
         more = self._watchdog().wait(refs, self.group.actors, deadline_s=self.config.p2p_timeout_s)
         self._read_errors(refs + submitted.intermediates)
         return more
+
+    def abort_communication(self, failed: Collection[int] = ()) -> None:
+        """Release every worker but ``failed`` from a step blocked on a peer (NCCL
+        releases no one when a peer fails; see the module's docstring). The calls run
+        on the workers' health threads; a worker that does not answer within a second
+        (hung, or gone) is not waited for: the heartbeats find it. Workers without a
+        group of their own (the per-op executor's) have nothing to abort."""
+        aborts = [getattr(actor, "abort_communication", None) for index, actor in enumerate(self.group.actors)
+                  if index not in failed]
+        # a call still queued when the group is formed again must not abort the new one
+        calls = [abort.remote(self.groups_formed) for abort in aborts if abort is not None]
+        if not calls:
+            return
+        done, _ = ray.wait(calls, num_returns=len(calls), timeout=1.0, fetch_local=False)
+        self._read_errors(done)
 
     def _read_errors(self, refs: list) -> None:
         """Read every finished error of a failed step, so that Ray does not print them as unhandled."""
@@ -234,3 +261,21 @@ class Executor(ABC):
             raise RaypipeError("a stage died or never finished a failed step, so the pipeline cannot be made "
                                "whole again: shut this trainer down and start a new one (load_checkpoint resumes)")
 
+
+def _ended_or_failed(refs: list) -> Callable[[float], bool]:
+    """For :meth:`Watchdog.wait_until`: whether every one of ``refs`` is done, or one
+    that is done failed (the others may then wait on it forever: NCCL raises nothing)."""
+    def done(timeout_s: float) -> bool:
+        end, pending = time.monotonic() + timeout_s, list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()),
+                                      fetch_local=False)
+            if not ready:
+                return False
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayError:
+                return True
+        return True
+
+    return done

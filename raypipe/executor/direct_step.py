@@ -12,7 +12,11 @@ What changes against actor tasks is how a step's end is seen:
 - the driver waits on the connections and checks heartbeats in between, as it
   does on task results (:meth:`~raypipe.runtime.health.Watchdog.wait_until`);
 - a dead worker closes its connection: the step's other workers end when their
-  sends fail, and the connections are opened again over the healed group.
+  sends fail (on gloo) or once the driver aborts their communication (on NCCL,
+  which releases no one: :meth:`~raypipe.executor.base.Executor.abort_communication`),
+  and the connections are opened again over the healed group;
+- the first failure read stops the wait: the workers still in the step are
+  aborted, and their answers (:class:`~raypipe.errors.StepAborted`) read after.
 
 The calls run on a thread of each worker's own, beside its actor tasks, so a
 snapshot or checkpoint copy submitted between two steps is ordered before the
@@ -22,11 +26,14 @@ copied once the stage first waits in it (:meth:`DirectStepExecutor.snapshot_work
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
+from multiprocessing import connection as connections
 from typing import Any
 
 import ray
 
+from raypipe.comm import call_socket
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
@@ -100,22 +107,31 @@ class DirectStepExecutor(PerStepExecutor):
         """Read every worker's result; a dead or hung worker raises
         :class:`~raypipe.errors.WorkersFailed`, any other failure drops the step
         everywhere and raises its cause."""
-        calls, watchdog = self._calls, self._watchdog()
-        failed = watchdog.wait_until(lambda timeout_s: calls.answered(submitted.commits, timeout_s), self.group.actors)
+        watchdog, pending, answers = self._watchdog(), submitted.commits, {}
+        failed = watchdog.wait_until(lambda timeout_s: _read_answers(pending, answers, timeout_s, until_failure=True),
+                                     self.group.actors)
         if failed:
             raise self._workers_failed(submitted.step, failed, "found while waiting on the step")
-        results = calls.results(submitted.commits)
-        failures = [result for result in results if isinstance(result, Exception)]
+        failures = [answer for answer in answers.values() if isinstance(answer, Exception)]
         broken = [failure for failure in failures if isinstance(failure, CallsBroken)]
         if broken:
             failed = watchdog.probe(self.group.actors)
             if failed:
                 cause = first_cause([f for f in failures if not isinstance(f, CallsBroken)]) or broken[0].error
                 raise self._workers_failed(submitted.step, failed, str(cause))
+            self.abort_communication()
             self._teardown()  # broken with every worker alive: close, connect afresh next step
             self._drop_failed_step(broken[0].error, ended_everywhere=True)
         if failures:
-            self._drop_failed_step(first_cause(failures), ended_everywhere=True)
+            if len(answers) < len(pending):  # the others may wait on the failed one forever (NCCL): release them
+                self.abort_communication()
+                failed = watchdog.wait_until(lambda timeout_s: _read_answers(pending, answers, timeout_s),
+                                             self.group.actors, deadline_s=self.config.p2p_timeout_s)
+                if failed:
+                    raise self._workers_failed(submitted.step, failed, str(first_cause(failures)))
+            failures = [answer for answer in answers.values() if isinstance(answer, Exception)]
+            self._drop_failed_step(first_cause(failures), ended_everywhere=len(answers) == len(pending))
+        results = [answers[rank] for rank in range(len(pending))]
         return StepOutcome(results[0].decision, results)
 
     def drain(self, failed: Collection[int]) -> dict[int, str]:
@@ -123,6 +139,7 @@ class DirectStepExecutor(PerStepExecutor):
         close the connections, which waits for the other workers' step to end."""
         submitted, self.in_flight = self.in_flight, None
         if submitted is not None:
+            self.abort_communication(failed)  # on NCCL nothing else ends their step
             self._teardown()
         return {}
 
@@ -137,3 +154,24 @@ class DirectStepExecutor(PerStepExecutor):
         calls, self._calls = self._calls, None
         if calls is not None:
             calls.teardown(wait)
+
+
+def _read_answers(pending: list[Any], answers: dict[int, Any], timeout_s: float, until_failure: bool = False) -> bool:
+    """Read into ``answers`` (rank -> result) every answer of ``pending`` (one
+    :meth:`DirectCalls.call`'s connections) that arrives within ``timeout_s``; whether
+    every rank answered (``until_failure``: or one answered with a failure). A read
+    that fails gives :class:`CallsBroken` in that rank's place."""
+    end = time.monotonic() + timeout_s
+    while True:
+        waiting = [connection for rank, connection in enumerate(pending) if rank not in answers]
+        if not waiting or (until_failure and any(isinstance(answer, Exception) for answer in answers.values())):
+            return True
+        readable = connections.wait(waiting, max(0.0, end - time.monotonic()))
+        if not readable:
+            return False
+        for connection in readable:
+            rank = pending.index(connection)
+            try:
+                answers[rank] = call_socket.receive(connection)
+            except Exception as error:  # noqa: BLE001 - EOFError, OSError, or an unpicklable reply
+                answers[rank] = CallsBroken(rank, error if str(error) else EOFError("the connection was closed"))

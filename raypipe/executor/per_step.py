@@ -7,12 +7,13 @@ from typing import Any
 
 import ray
 
+from raypipe.comm import nccl_emulation
 from raypipe.comm.task_tensors import as_task_argument
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.executor.base import Executor, Submitted
 from raypipe.executor.per_step_worker import PerStepWorker
+from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.group import StageGroup
-from raypipe.runtime.health import worker_actor_class
 
 
 class PerStepExecutor(Executor):
@@ -79,4 +80,7 @@ class PerStepExecutor(Executor):
 
     def _join(self, actors: list[Any]) -> None:
         address, port = ray.get(actors[0].rendezvous_address.remote())
-        ray.get([actor.join_group.remote(address, port, self.config.p2p_timeout_s) for actor in actors])
+        emulate_nccl = nccl_emulation.requested()  # the driver's environment decides for every worker
+        self.groups_formed += 1
+        ray.get([actor.join_group.remote(address, port, self.config.p2p_timeout_s, emulate_nccl, self.groups_formed)
+                 for actor in actors])

@@ -4,9 +4,12 @@ list of one step in one Ray task, sending straight to its neighbours.
 One task per stage per step instead of one per op, and no hop through the
 object store: the per-op overhead that shows with small micro-batches goes.
 A stage whose step fails leaves the group at once (closing its connections),
-so a neighbour blocked on it fails immediately with
+so on gloo a neighbour blocked on it fails immediately with
 :class:`~raypipe.errors.StepAborted` and leaves in turn: the whole group stops
-within milliseconds instead of waiting ``p2p_timeout_s``.
+within milliseconds instead of waiting ``p2p_timeout_s``. NCCL (and its
+emulation) releases no one that way: the driver calls every survivor's
+:meth:`PerStepWorker.abort_communication`, which runs on the worker's health
+thread while the step is blocked (:meth:`~raypipe.comm.p2p.P2PChannel.abort`).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import ray
 import torch
 
 from raypipe.comm.call_socket import AnswersCalls
@@ -24,7 +28,8 @@ from raypipe.comm.p2p import P2PChannel, rendezvous_address
 from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.step_decision import StageGradStats
-from raypipe.errors import RaypipeError
+from raypipe.errors import RaypipeError, StepAborted
+from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.step_gate import StepGate
 from raypipe.stage.worker import StageWorker
@@ -63,7 +68,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         self._first_waits.open(math.inf)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
-                          ops.B: self._backward, ops.SEND_GRAD: self._send_gradient,
+                          ops.B: self._backward, ops.SEND_GRAD: self._send_gradient, ops.EXCHANGE: self._exchange,
                           ops.REDUCE_GRAD: self._reduce, ops.OPTIMIZER_STEP: self._commit}
 
     def take_layout(self, spec: WorkerSpec) -> None:
@@ -71,7 +76,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         leaving the old group)."""
         super().take_layout(spec)
         self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
-        self._received_micro_batches = [op.micro_batch for op in self._ops if op.kind == ops.RECV_ACT]
+        self._received_micro_batches = [op.micro_batch for op in ops.unbatch(self._ops) if op.kind == ops.RECV_ACT]
         # the first op that changes what a snapshot or checkpoint copies: the commit, or a forward
         # when the layers save buffers (a forward may update them, e.g. running statistics); a
         # buffer left out of the state dict (LLaMA's RoPE tables) is not copied, so it holds no step
@@ -108,8 +113,24 @@ class PerStepWorker(StageWorker, AnswersCalls):
         """Where the other stages meet this one (called on stage 0)."""
         return rendezvous_address()
 
-    def join_group(self, address: str, port: int, timeout_s: float) -> None:
-        self._channel.join(address, port, timeout_s)
+    def join_group(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False,
+                   group: int = 0) -> None:
+        """Join the group, the driver's ``group``-th (``emulate_nccl``: on gloo under
+        NCCL's rules, as the driver was asked, :func:`raypipe.comm.nccl_emulation.requested`)."""
+        self._group_joined = None  # an abort that comes while joining is for the group left
+        self._channel.join(address, port, timeout_s, emulate_nccl)
+        self._group_joined = group
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def abort_communication(self, group: int) -> None:
+        """Release this worker's step if it waits on a peer, on the health thread (so
+        it runs while the step blocks): a step of another worker failed. The step
+        raises :class:`~raypipe.errors.StepAborted`; the group is joined afresh after.
+        Only while in the driver's ``group``-th group: a call that comes after the
+        next one was formed is for the group left."""
+        channel = getattr(self, "_channel", None)
+        if channel is not None and getattr(self, "_group_joined", None) == group:
+            channel.abort()
 
     def leave_group(self) -> None:
         self._channel.leave()
@@ -133,9 +154,13 @@ class PerStepWorker(StageWorker, AnswersCalls):
                     self._first_waits.open(gate)
                 if index == self._gated_op and gate is not None:
                     self._pass_gate(gate)
-                self._handlers[op.kind](op.micro_batch, state)
+                self._handlers[op.kind](op.parts if op.kind == ops.EXCHANGE else op.micro_batch, state)
         except BaseException as error:
+            aborted = self._channel.aborted
             self._leave_failed_step(error)
+            if aborted and not isinstance(error, StepAborted):  # e.g. an operation on the group being aborted
+                raise StepAborted(self.stage_index, "step", None, f"the step was aborted ({error})",
+                                  replica=self.replica if self.topology.num_replicas > 1 else None) from None
             raise
         finally:
             if gate is not None:  # a step that failed before its first wait lets its snapshot go too
@@ -193,6 +218,19 @@ class PerStepWorker(StageWorker, AnswersCalls):
     def _send_gradient(self, micro_batch: int, state: _StepState) -> None:
         self._channel.send_gradient(state.input_gradients.pop(micro_batch), micro_batch)
 
+    def _exchange(self, parts: tuple[ops.LoweredOp, ...], state: _StepState) -> None:
+        # sends and the receives behind them, posted together: one by one, NCCL's rendezvous would deadlock them
+        start = time.time()
+        outgoing = {ops.SEND_ACT: state.outputs, ops.SEND_GRAD: state.input_gradients}
+        incoming = {ops.RECV_ACT: state.activations, ops.RECV_GRAD: state.gradients}
+        sends = [(part, outgoing[part.kind].pop(part.micro_batch)) for part in parts if part.kind in ops.SENDS]
+        receives = [part for part in parts if part.kind in ops.RECEIVES]
+        received = self._channel.exchange(sends, receives)
+        end = time.time()
+        for part, tensor in zip(receives, received):
+            incoming[part.kind][part.micro_batch] = tensor
+            self._events.append(OpEvent(self.stage_index, "recv", part.micro_batch, start, end, self.replica))
+
     def _reduce(self, _: None, state: _StepState) -> None:
         # the replicas' gradients are summed (the loss weights are global) while the last sends finish
         start = time.time()
@@ -236,9 +274,11 @@ class PerStepWorker(StageWorker, AnswersCalls):
 
 def first_wait(stage_ops: list[ops.LoweredOp], gated_op: int) -> int:
     """The index of the op before which a stage first waits for a neighbour (its first
-    receive: stage 0's first gradient, the others' first activation), and no later than
-    ``gated_op`` (which waits for the snapshot); 0 with no receive (a lone stage never idles)."""
-    receives = (index for index, op in enumerate(stage_ops) if op.kind in (ops.RECV_ACT, ops.RECV_GRAD))
+    receive, alone or in an exchange: stage 0's first gradient, the others' first activation),
+    and no later than ``gated_op`` (which waits for the snapshot); 0 with no receive (a lone
+    stage never idles)."""
+    receives = (index for index, op in enumerate(stage_ops)
+                if any(part.kind in ops.RECEIVES for part in op.unbatched()))
     return min(next(receives, 0), gated_op)
 
 

@@ -37,6 +37,7 @@ MEMORY_KINDS = (
     ("offloaded", "offloaded_bytes"),
     ("device_allocated", "device_allocated_bytes"),
     ("device_peak", "device_peak_bytes"),
+    ("device_reserved", "device_reserved_bytes"),
     ("rss", "rss_bytes"),
     ("optimizer", "optimizer_bytes"),
     ("weights", "weights_bytes"),
@@ -57,6 +58,7 @@ class _TrainingCollector(Collector):
         self._replayed_steps = 0
         self._resizes = {direction: 0 for direction in RESIZE_DIRECTIONS}
         self._replicas: int | None = None  # unknown until the first step or resize
+        self._controller_state: tuple[str, tuple[str, ...]] | None = None  # (current, every state); None: no controller
 
     def record_step(self, result: StepResult) -> None:
         with self._lock:
@@ -86,8 +88,15 @@ class _TrainingCollector(Collector):
             self._resizes[direction] += 1
             self._replicas = num_replicas
 
+    def record_controller_state(self, state: str, states: tuple[str, ...]) -> None:
+        if state not in states:
+            raise ValueError(f"controller state {state!r} is not one of {states}")
+        with self._lock:
+            self._controller_state = (state, tuple(states))
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
+            controller_state = self._controller_state
             last, eval_loss = self._last, self._eval_loss
             steps, skipped, restarts = self._steps, dict(self._skipped), dict(self._restarts)
             recovery_seconds, replayed = self._recovery_seconds, self._replayed_steps
@@ -130,6 +139,8 @@ class _TrainingCollector(Collector):
         if replicas is not None:
             yield _gauge("raypipe_replicas",
                          "Data-parallel pipeline replicas running (of the latest step or resize).", replicas)
+        if controller_state is not None:
+            yield _controller_state_family(*controller_state)
         if eval_loss is not None:
             yield _gauge("raypipe_eval_loss", "Latest evaluation loss.", eval_loss)
         if last is not None:
@@ -138,6 +149,18 @@ class _TrainingCollector(Collector):
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def _controller_state_family(current: str, states: tuple[str, ...]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "raypipe_controller_state",
+        "The layout controller's state: 1 for the current one (starting, running, healing, resizing, "
+        "repartitioned, failed, stopped), 0 for the others.",
+        labels=["state"],
+    )
+    for state in states:
+        family.add_metric([state], 1.0 if state == current else 0.0)
+    return family
 
 
 def _stage_labels(stage: int, replica: int | str = DEFAULT_REPLICA) -> list[str]:
@@ -201,14 +224,15 @@ def _memory_family(stages: list[StageStats]) -> GaugeMetricFamily:
     family = GaugeMetricFamily(
         "raypipe_stage_memory_bytes",
         "Per-stage memory of the latest step by kind: held_for_backward and offloaded "
-        "(peak bytes kept for backward, in device memory / object store), device_allocated "
-        "and device_peak (CUDA), rss (process resident set), optimizer (its state's tensors; "
-        "a shard with shard_optimizer).",
+        "(peak bytes kept for backward, in device memory / object store), device_allocated, "
+        "device_peak and device_reserved (CUDA; reserved: held by the caching allocator, what an "
+        "out-of-memory compares with the card), rss (process resident set), optimizer (its "
+        "state's tensors; a shard with shard_optimizer).",
         labels=(*STAGE_LABELS, "kind"),
     )
     for stats in stages:
         for kind, attribute in MEMORY_KINDS:
-            value = getattr(stats, attribute)
+            value = getattr(stats, attribute, None)  # a report from a worker without the field: absent
             if value is not None:  # None = not measurable here (CUDA fields on CPU)
                 family.add_metric([*_stage_labels(stats.stage, stats.replica), kind], float(value))
     return family
@@ -271,6 +295,11 @@ class MetricsExporter:
         running after it; raises ValueError on another direction or fewer than 1 replica."""
         self._collector.record_resize(direction, num_replicas)
 
+    def record_controller_state(self, state: str, states: tuple[str, ...]) -> None:
+        """Publish the controller's ``state`` (1) among all its ``states`` (0); raises
+        ValueError when ``state`` is not one of them."""
+        self._collector.record_controller_state(state, states)
+
     def close(self) -> None:
         """Stop serving and release the port. Idempotent."""
         if self._server is None:
@@ -310,22 +339,54 @@ PEAK_FLOPS_BY_DEVICE: dict[str, float] = {
 }
 
 
+# Peak FP32 FLOP/s per device (CUDA cores, no tensor cores), from the same datasheets: an fp32
+# run's matmuls compute at this rate unless TF32 is enabled (torch leaves it off by default;
+# a run that turns it on should set ``peak_flops_per_second`` to the card's TF32 figure).
+PEAK_FP32_FLOPS_BY_DEVICE: dict[str, float] = {
+    "B200": 75e12,  # HGX B200: 600 TFLOPS for 8
+    "H200": 67e12,  # SXM
+    "H200 NVL": 60e12,
+    "GH200": 67e12,
+    "H100": 67e12,  # SXM
+    "H100 NVL": 60e12,
+    "H100 PCIe": 51e12,
+    "H800": 67e12,
+    "A100": 19.5e12,
+    "A800": 19.5e12,
+    "L40S": 91.6e12,
+    "L4": 30.3e12,
+    "A10": 31.2e12,
+    "A6000": 38.7e12,
+}
+# raypipe's precisions and the table of the peak their matmuls run at (fp16 and bf16 share
+# the tensor cores' rate on every card above)
+PEAK_TABLE_BY_PRECISION: dict[str, dict[str, float]] = {
+    "bf16": PEAK_FLOPS_BY_DEVICE, "fp16": PEAK_FLOPS_BY_DEVICE, "fp32": PEAK_FP32_FLOPS_BY_DEVICE,
+}
+
+
 def _words(name: str) -> list[str]:
     return re.findall(r"[A-Z0-9]+", name.upper())
 
 
-def peak_flops_for_device(name: str) -> float | None:
-    """Peak dense bf16 FLOP/s for a device name such as ``torch.cuda.get_device_name()``.
+def peak_flops_for_device(name: str, precision: str = "bf16") -> float | None:
+    """Peak dense FLOP/s of a device name such as ``torch.cuda.get_device_name()`` at the
+    matmul rate of ``precision`` ("bf16", "fp16": tensor cores; "fp32": CUDA cores), so that
+    an fp32 run's MFU is not measured against the bf16 peak.
 
-    Returns None when the device is not in :data:`PEAK_FLOPS_BY_DEVICE` (then MFU
+    Returns None when the device is not in the precision's table (then MFU
     is not reported unless the user configures a peak).
     """
+    if precision not in PEAK_TABLE_BY_PRECISION:
+        raise ValueError(f"peak_flops_for_device: precision must be one of {sorted(PEAK_TABLE_BY_PRECISION)}, "
+                         f"got {precision!r}")
+    table = PEAK_TABLE_BY_PRECISION[precision]
     words = _words(name)
-    for key in sorted(PEAK_FLOPS_BY_DEVICE, key=lambda k: len(_words(k)), reverse=True):
+    for key in sorted(table, key=lambda k: len(_words(k)), reverse=True):
         key_words = _words(key)
         for i in range(len(words) - len(key_words) + 1):
             if words[i : i + len(key_words)] == key_words:
-                return PEAK_FLOPS_BY_DEVICE[key]
+                return table[key]
     return None
 
 

@@ -11,6 +11,11 @@ training state per snapshot kept, and the transfer of each snapshot to it;
 :attr:`~raypipe.PipelineConfig.snapshot_every` spaces them out, and while the
 keeper copies one the next waits (training does not), so that the one before
 stays until a newer one is safe.
+
+The keeper needs no GPU: a snapshot holds host tensors only (workers stage
+their state in host memory, :mod:`raypipe.stage.host_copy`, and
+:func:`~raypipe.comm.task_tensors.as_shipped_state` ships nothing else), so it
+unpickles in a process without CUDA.
 """
 from __future__ import annotations
 

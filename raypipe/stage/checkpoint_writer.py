@@ -22,8 +22,7 @@ import torch
 
 from raypipe.checkpoint.store import StoredFile, step_dir_name
 from raypipe.errors import CheckpointError
-
-CHECKPOINT_GROUP = "checkpoint"  # the concurrency group (own thread) that waits for a worker's checkpoint files
+from raypipe.stage.host_copy import stage_to_host
 
 
 @dataclass
@@ -42,14 +41,31 @@ class WrittenFiles:
 def on_host(state: Any) -> Any:
     """``state`` (nested dicts, lists and tuples) with its tensors on the host: the same
     tensors when they are there already, so that encoding one layer at a time holds
-    at most one layer's device-to-host copies besides the bytes."""
+    at most one layer's device-to-host copies besides the bytes. A state with CUDA
+    tensors is copied as snapshots are (:func:`~raypipe.stage.host_copy.stage_to_host`:
+    pinned buffers, a side stream), and waited for."""
+    device = _cuda_device_in(state)
+    if device is not None:
+        return stage_to_host(state, device).wait()
+    return _held_on_host(state)
+
+
+def _held_on_host(state: Any) -> Any:
     if torch.is_tensor(state):
         return state.detach().cpu()
     if isinstance(state, dict):
-        return {key: on_host(value) for key, value in state.items()}
+        return {key: _held_on_host(value) for key, value in state.items()}
     if type(state) in (list, tuple):
-        return type(state)(on_host(value) for value in state)
+        return type(state)(_held_on_host(value) for value in state)
     return state
+
+
+def _cuda_device_in(state: Any) -> torch.device | None:
+    """The device of the first CUDA tensor in ``state``, or None."""
+    if torch.is_tensor(state):
+        return state.device if state.device.type == "cuda" else None
+    values = state.values() if isinstance(state, dict) else state if type(state) in (list, tuple) else ()
+    return next((device for device in map(_cuda_device_in, values) if device is not None), None)
 
 
 def write_named(root_uri: str, step: int, name: str, write: Callable[[], StoredFile]) -> StoredFile:

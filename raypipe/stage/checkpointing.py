@@ -10,15 +10,19 @@ parts. Saves are written in the background (:mod:`raypipe.stage.checkpoint_write
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
 
 from raypipe.checkpoint.parts import add_sole_mains, merged_model, optimizer_part_name, read_layer_parts
-from raypipe.checkpoint.store import encode, encode_layer, layer_file_name
+from raypipe.checkpoint.store import encode, encode_layer, layer_file_name, read_manifest
 from raypipe.comm.task_tensors import as_shipped_state
-from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP, CheckpointWriter, WrittenFiles, on_host, write_named
+from raypipe.errors import CheckpointMismatchError
+from raypipe.stage.checkpoint_writer import CheckpointWriter, WrittenFiles, on_host, write_named
+from raypipe.stage.concurrency_groups import CHECKPOINT_GROUP
+from raypipe.stage.host_copy import HostBuffers, HostCopy, copy_path, load_optimizer_in_place, stage_to_host
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
 
 
@@ -60,27 +64,58 @@ class StageCheckpointing:
     def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
         scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, copied: Callable[[], None] | None = None) -> dict[str, Any]:
         """Everything a step changes on this worker, as it is now: weights (and
         buffers), optimizer and LR-scheduler state. :meth:`restore` on a worker
         built from the same spec makes it bitwise this one (the in-memory snapshot
-        that heals a failed step). It is a task result: its tensors are the live
-        ones, wrapped to be copied once, when Ray serializes the result (the step
-        gate holds the next step until then), and unpickled as tensors again."""
-        return as_shipped_state({
+        that heals a failed step). It is a task result: its tensors are a copy in
+        host memory (:meth:`host_snapshot`, waited for here), sharing no storage
+        with the live state and readable by a process without the stage's device,
+        copied once more when Ray serializes the result, and unpickled as tensors.
+
+        ``copied()`` is called as soon as the state may change again (before the copy
+        is shipped, and on a GPU before it reaches the host: the device's current
+        stream, the one the steps compute on, waits for the copy first): e.g. to let
+        the next step's commit go (:mod:`raypipe.stage.step_gate`)."""
+        staged = self.host_snapshot()
+        if copied is not None:
+            if copy_path(self.device) == "cuda":
+                staged.order_before(torch.cuda.current_stream(self.device))
+            copied()
+        return as_shipped_state(staged.wait())
+
+    def host_snapshot(self) -> HostCopy:
+        """Start copying what :meth:`snapshot` holds to host memory and return the copy
+        under way (:func:`~raypipe.stage.host_copy.stage_to_host`): on a GPU into pinned
+        buffers on a side stream, overlapping what the compute stream runs next, which
+        must not change the state before the copy is done (:meth:`HostCopy.order_before`
+        on the device, or after :meth:`HostCopy.wait` on the host); on the CPU copied
+        here. The buffers are used again by the next snapshot once this one is dropped."""
+        if getattr(self, "_snapshot_buffers", None) is None:
+            self._snapshot_buffers = HostBuffers(pinned=copy_path(self.device) == "cuda")
+            self._snapshot_stream = torch.cuda.Stream(self.device) if copy_path(self.device) == "cuda" else None
+        self._snapshot_copy = stage_to_host(self._snapshot_state(), self.device, self._snapshot_buffers,
+                                            self._snapshot_stream)
+        return self._snapshot_copy
+
+    def _snapshot_state(self) -> dict[str, Any]:
+        """What :meth:`snapshot` holds, as the live tensors."""
+        return {
             "layers": self.layers.state_dict(), "commits": self.commits,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             # what makes it readable by any partition and number of ZeRO-1 replicas (see adopt)
             "layer_indices": list(self.layer_indices), "parameter_names": self._optimizer_parameter_names(),
-            "compute_only": [sorted(self.weights.without_main(position)) for position in range(len(self.layers))]})
+            "compute_only": [sorted(self.weights.without_main(position)) for position in range(len(self.layers))]}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
-        """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`)."""
+        """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`): its
+        host tensors are copied into the parameters, buffers and optimizer state there
+        are (no second copy of the state on the device), bitwise."""
         self.abort_step()
-        self.layers.load_state_dict(snapshot["layers"])
+        self.layers.load_state_dict(snapshot["layers"])  # copies into the parameters and buffers
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(snapshot["optimizer"])
+            load_optimizer_in_place(self.optimizer, snapshot["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(snapshot["scheduler"])
         self.commits = snapshot["commits"]
@@ -150,9 +185,23 @@ class StageCheckpointing:
 
     def load_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
         """Load this stage's layers from a checkpoint written by any partition and
-        any number of optimizer parts (ZeRO-1 replicas)."""
+        any number of optimizer parts (ZeRO-1 replicas). A checkpoint that does not fit
+        this stage's layers (a missing, unexpected or differently shaped tensor) raises
+        :class:`~raypipe.errors.CheckpointMismatchError` naming the stage, layer and
+        tensor, before this stage's state changes."""
+        where, checkpoint = stage_and_layers(self.stage_index, self.layer_indices), f"{root_uri} step {step}"
+        held = read_manifest(root_uri, step)["num_layers"]
+        absent = [index for index in self.layer_indices if index >= held]
+        if absent:
+            raise CheckpointMismatchError(checkpoint, where, f"layer {absent[0]} is in the model, not in the "
+                                                             f"checkpoint (it holds layers 0–{held - 1})")
         parts = {index: read_layer_parts(root_uri, step, index, optimizer_parts) for index in self.layer_indices}
-        self.load_state_dict({index: merged_model(parts[index]) for index in self.layer_indices})
+        weights = {index: merged_model(parts[index]) for index in self.layer_indices}
+        for index, layer in zip(self.layer_indices, self.layers):
+            problem = layer_misfit(index, layer.state_dict(), weights[index])
+            if problem is not None:
+                raise CheckpointMismatchError(checkpoint, where, problem)
+        self.load_state_dict(weights)
         optimizer = {index: {name: state for part in parts[index] for name, state in part["optimizer"].items()}
                      for index in self.layer_indices}
         # hyper-parameters and schedule: the same in every part whose replica has an optimizer
@@ -164,10 +213,11 @@ class StageCheckpointing:
         if self.scheduler is not None and scheduler is not None:
             self.scheduler.load_state_dict(scheduler)
 
-    def export_hf(self, out_uri: str, dtype: str, n_blocks: int,
+    def export_hf(self, out_uri: str, dtype: str | None, n_blocks: int,
                   *other_mains: dict[int, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Write this stage's layers of a LLaMA as Hugging Face safetensors shards, one per
-        layer; ``other_mains``: the other replicas' :meth:`sole_main_weights` (ZeRO-1 in bf16)."""
+        layer (``dtype`` None: as trained, the fp32 main weights); ``other_mains``: the other
+        replicas' :meth:`sole_main_weights` (ZeRO-1 in bf16)."""
         from raypipe.models.hf.export import write_layer_shard
 
         states = add_sole_mains(self.state_dict(), *other_mains)
@@ -182,6 +232,30 @@ class StageCheckpointing:
         return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups,
                         "model": self._sole_mains(position)}
                 for position, index in enumerate(self.layer_indices)}
+
+
+def stage_and_layers(stage: int, layer_indices: list[int]) -> str:
+    """``stage 1 (layers 3–5)``: a stage as its errors name it."""
+    first, last = min(layer_indices), max(layer_indices)
+    return f"stage {stage} (layer {first})" if first == last else f"stage {stage} (layers {first}–{last})"
+
+
+def layer_misfit(index: int, model: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str | None:
+    """Why global layer ``index``'s ``saved`` state does not load into its ``model`` state
+    (a tensor missing, unexpected or of another shape), or None when it fits."""
+    missing = [name for name in model if name not in saved]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"layer {index} {missing[0]!r} is in the model, not in the checkpoint{more}"
+    unexpected = [name for name in saved if name not in model]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        return f"layer {index} {unexpected[0]!r} is in the checkpoint, not in the model{more}"
+    for name, tensor in model.items():
+        if saved[name].shape != tensor.shape:
+            return (f"layer {index} {name!r} is {tuple(saved[name].shape)} in the checkpoint, "
+                    f"{tuple(tensor.shape)} in the model")
+    return None
 
 
 def snapshot_by_layer(snapshot: dict[str, Any]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, Any]]]:

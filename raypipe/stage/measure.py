@@ -65,3 +65,15 @@ def rss_bytes() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def device_memory_bytes(device: torch.device) -> dict[str, int | None]:
+    """CUDA memory of ``device`` now, by :class:`~raypipe.core.result.StageStats` field:
+    allocated (live tensors), peak allocated since the step's reset, and reserved (what
+    the caching allocator holds from the driver: allocated plus its cache, the figure an
+    out-of-memory compares against the card). None for each on a CPU device."""
+    if device.type != "cuda":
+        return {"device_allocated_bytes": None, "device_peak_bytes": None, "device_reserved_bytes": None}
+    return {"device_allocated_bytes": torch.cuda.memory_allocated(device),
+            "device_peak_bytes": torch.cuda.max_memory_allocated(device),
+            "device_reserved_bytes": torch.cuda.memory_reserved(device)}

@@ -32,14 +32,41 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.M
 
 def scatter_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.ModuleList,
                             layer_indices: list[int], states: dict[int, dict[str, Any]]) -> None:
-    """Inverse of :func:`gather_optimizer_state` for this stage's layers."""
+    """Inverse of :func:`gather_optimizer_state` for this stage's layers.
+
+    Every tensor is placed where torch's own ``Optimizer.load_state_dict`` would place it
+    (see :func:`place_state`): a fused or capturable AdamW finds its ``step`` on the
+    parameter's device, a plain one on the host.
+    """
     if optimizer is None or not states:
         return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}  # ZeRO-1: owned only
-    for index, name, parameter in _named_parameters(layers, layer_indices):
-        state = states.get(index, {}).get(name)
-        if state is not None and id(parameter) in stepped:
-            optimizer.state[parameter] = {k: v.to(parameter.device) if torch.is_tensor(v) and v.dim() > 0 else v
-                                          for k, v in state.items()}
+    # the saved hyper-parameters first: like load_state_dict, placement follows the saved
+    # groups' ``fused`` / ``capturable``
     for group, saved in zip(optimizer.param_groups, states.get(-1, {}).get("param_groups", [])):
         group.update(saved)
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}  # ZeRO-1: owned only
+    for index, name, parameter in _named_parameters(layers, layer_indices):
+        state = states.get(index, {}).get(name)
+        group = group_of.get(id(parameter))
+        if state is not None and group is not None:
+            optimizer.state[parameter] = place_state(parameter, state, group)
+
+
+def place_state(parameter: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's optimizer state, its tensors cast and moved as ``Optimizer.load_state_dict``
+    does for ``parameter`` in ``group``: floating state to the parameter's dtype and device;
+    ``step`` left as it is (a host float32), unless the group is fused or capturable, then a
+    float32 on the parameter's device. Delegates to torch's own rule, so the two cannot drift."""
+    # torch's rule looks the parameter's group up by id among plain dicts of ids
+    groups = [{"params": [0], "fused": group.get("fused") or False, "capturable": group.get("capturable") or False}]
+
+    def place(value: Any, key: Any = None) -> Any:
+        if torch.is_tensor(value):
+            return torch.optim.Optimizer._process_value_according_to_param_policy(parameter, value, 0, groups, key)
+        if isinstance(value, dict):
+            return {k: place(v, k) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(place(v) for v in value)
+        return value
+
+    return {key: place(value, key) for key, value in state.items()}

@@ -1,16 +1,27 @@
 """A stage op's record: its timed event on the stage's timeline, and its failure
 as a :class:`~raypipe.errors.StageError` naming the stage, replica, op and
-micro-batch."""
+micro-batch.
+
+On a CPU an op's time is the host's: ``time.time()`` around it. On a GPU the host
+only queues the op's kernels and returns, so host times would measure the queueing:
+the op records a CUDA event pair around its work instead, and the step's device
+times are read back once, when the step's last op (the optimizer's) ends, in one
+wait on the last event (:class:`DeviceTimer`).
+"""
 from __future__ import annotations
 
 import functools
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from raypipe.core.result import OpEvent
 from raypipe.errors import StageError
+
+# every step ends with this op (StageWorker.commit runs it, stepped or skipped): when it
+# ends, the step's device times are resolved
+STEP_END_OP = "optimizer"
 
 
 def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step: bool = False) -> Callable:
@@ -27,8 +38,11 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
             micro_batch = None
             if per_micro_batch:
                 micro_batch = kwargs["micro_batch"] if "micro_batch" in kwargs else (args[0] if args else None)
-            start = time.time()
+            timer = device_timer(self) if timed else None
+            start, device_start = time.time(), None
             try:
+                if timer is not None:
+                    device_start = timer.mark()
                 return method(self, *args, **kwargs)
             except StageError as error:
                 if in_step:
@@ -44,9 +58,90 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
             finally:
                 self.ops_done += 1
                 if timed:
-                    self._events.append(OpEvent(self.stage_index, op, micro_batch, start, time.time(),
-                                                self.replica))
+                    event = OpEvent(self.stage_index, op, micro_batch, start, time.time(), self.replica)
+                    self._events.append(event)
+                    if timer is not None and device_start is not None:
+                        try:
+                            timer.add(event, device_start, timer.mark(), self._events)
+                            if op == STEP_END_OP:
+                                timer.resolve(self._events)
+                        except Exception:  # noqa: BLE001 - a broken CUDA context: the op's own error
+                            pass  # (or the next op's) says so; timing must not mask it; host times stay
 
         return wrapper
 
     return decorate
+
+
+def device_timer(worker: Any) -> DeviceTimer | None:
+    """The worker's CUDA event timer (made on first use); None on a CPU worker."""
+    device = getattr(worker, "device", None)
+    if device is None or device.type != "cuda":
+        return None
+    timer = worker.__dict__.get("_device_timer")
+    if timer is None:
+        timer = worker.__dict__["_device_timer"] = DeviceTimer()
+    return timer
+
+
+class _Marked(NamedTuple):
+    event: OpEvent
+    start: Any  # torch.cuda.Event
+    end: Any
+
+
+class DeviceTimer:
+    """CUDA events around a step's ops, resolved into their :class:`OpEvent` times once a step.
+
+    Device times are put on the host's wall clock through the step's first op: the GPU
+    reaches that op's start event when the host records it (the previous step's resolve
+    waited for the GPU, so nothing is queued before it), and every other op is placed at
+    its device offset from it (:func:`device_times`).
+    """
+
+    def __init__(self) -> None:
+        self._marked: list[_Marked] = []
+
+    @staticmethod
+    def mark() -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, event: OpEvent, start: Any, end: Any, timeline: Sequence[OpEvent]) -> None:
+        """Remember ``event``'s device events; forget those of an aborted step first (its
+        events are no longer on the worker's ``timeline``)."""
+        if self._marked and not any(e is self._marked[0].event for e in timeline):
+            self._marked.clear()
+        self._marked.append(_Marked(event, start, end))
+
+    def resolve(self, timeline: Sequence[OpEvent]) -> None:
+        """Wait for the last op's end event (one host wait a step) and rewrite each marked
+        event still on ``timeline`` with its device start and end."""
+        live = {id(e) for e in timeline}
+        marked = [m for m in self._marked if id(m.event) in live]
+        self._marked = []
+        if not marked:
+            return
+        marked[-1].end.synchronize()
+        anchor = marked[0].start
+        offsets = [(anchor.elapsed_time(m.start) / 1e3, anchor.elapsed_time(m.end) / 1e3) for m in marked]
+        times = device_times(marked[0].event.start, [m.event.start for m in marked], offsets)
+        for m, (start, end) in zip(marked, times):
+            m.event.start, m.event.end = start, end
+
+
+def device_times(anchor: float, host_starts: Sequence[float],
+                 offsets: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Wall-clock (start, end) of ops from their device offsets (seconds) after an anchor event
+    the GPU is taken to reach at host time ``anchor``.
+
+    Were the GPU late to reach the anchor, some op would seem to start on the device before
+    the host queued it (``host_starts``); every time is then shifted by the largest such
+    lead, so that no op starts before it was queued.
+    """
+    starts = [anchor + start for start, _ in offsets]
+    lag = max([0.0] + [host - device for host, device in zip(host_starts, starts)])
+    return [(anchor + lag + start, anchor + lag + end) for start, end in offsets]

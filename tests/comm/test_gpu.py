@@ -1,8 +1,9 @@
-"""GPU paths: NCCL direct transport, pinned-memory offload, bf16 on CUDA.
+"""GPU paths: p2p over NCCL, Ray Direct Transport over NCCL, pinned-memory offload, bf16 on CUDA.
 
-Marked ``gpu``: deselected where CUDA is absent (see conftest), run where it exists.
+Marked ``gpu``: deselected where CUDA is absent (see conftest), run where it exists; those
+also marked ``gpus2`` need two GPUs on the node and skip (saying so) on one.
 Their CPU fallbacks run everywhere: the gloo transport (tests/test_trainer_errors.py) and
-object-store offload (tests/test_recompute.py).
+object-store offload (tests/stage/test_recompute.py).
 """
 import pytest
 import torch
@@ -10,9 +11,10 @@ from torch import nn
 
 import raypipe
 import raypipe.core.schedule
-from raypipe.comm.direct import DirectTransport, direct_transport_worker
+from raypipe.comm.direct import DirectTransport
 from raypipe.executor import make_executor
 from raypipe.executor.per_op import PerOpExecutor
+from raypipe.runtime.actor_classes import direct_transport_worker
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
 
@@ -41,26 +43,61 @@ def test_nccl_worker_computes_what_a_plain_stage_worker_computes():
     assert results[0] == results[1] and results[0][1][0] > 0
 
 
-def _train(config, steps=3):
+def _train(config, steps=3, make_layers=None, batch=None):
     torch.manual_seed(0)
-    layers = [nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 8)]
-    x, y = torch.randn(32, 64), torch.randn(32, 8)
+    if make_layers is None:
+        layers = [nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 8)]
+    else:
+        layers = make_layers()
+    x, y = batch if batch is not None else (torch.randn(32, 64), torch.randn(32, 8))
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, lambda p: torch.optim.AdamW(p, lr=1e-3),
                                  config) as trainer:
         losses = [trainer.step(x, y).loss for _ in range(steps)]
         return losses, trainer.state_dict()
 
 
-@pytest.mark.gpu
-def test_nccl_transport_matches_object_store_on_gpus(ray_cluster):
-    if torch.cuda.device_count() < 2:
-        pytest.fail("the NCCL transport test needs 2 GPUs on this node")
-    base = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, use_gpu=True)
-    reference = _train(base)
-    nccl = _train(base.replace(transport="nccl"))
-    assert nccl[0] == pytest.approx(reference[0], rel=1e-6)
+def _assert_same_run(run, reference, rel=1e-6):
+    assert run[0] == pytest.approx(reference[0], rel=rel)
     for key, value in reference[1].items():
-        torch.testing.assert_close(nccl[1][key], value)
+        torch.testing.assert_close(run[1][key], value)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpus2
+def test_p2p_nccl_transport_matches_object_store_on_gpus(ray_cluster):
+    # transport="p2p" on GPUs sends activations and gradients stage to stage over NCCL
+    base = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, use_gpu=True)
+    reference = _train(base.replace(transport="object_store"))
+    _assert_same_run(_train(base.replace(transport="p2p")), reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpus2
+def test_rdt_nccl_transport_matches_object_store_on_gpus(ray_cluster):
+    # transport="nccl": Ray Direct Transport, a task per op whose tensor results go by NCCL
+    base = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, use_gpu=True)
+    reference = _train(base.replace(transport="object_store"))
+    _assert_same_run(_train(base.replace(transport="nccl")), reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpus2
+def test_1f1b_at_two_stages_moves_64_mb_activations_over_nccl(ray_cluster):
+    # Messages far beyond NCCL's internal buffering: at p=2 an order in which both stages send
+    # before they receive waits forever on NCCL (the tiny tensors of the other tests hide it).
+    # A short p2p timeout turns such a deadlock into a failure instead of a hang.
+    width, rows = 4096, 4096  # one micro-batch's activation: 4096 x 4096 fp32 = 64 MiB
+    generator = torch.Generator().manual_seed(1)
+    batch = (torch.randn(2 * rows, width, generator=generator), torch.randn(2 * rows, 8, generator=generator))
+
+    def layers():
+        return [nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Linear(width, 8)]
+
+    base = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, schedule="1f1b", use_gpu=True,
+                                  snapshot_every=0, balance=[2, 2])
+    reference = _train(base.replace(transport="object_store"), steps=2, make_layers=layers, batch=batch)
+    _assert_same_run(_train(base.replace(transport="p2p", p2p_timeout_s=60.0), steps=2, make_layers=layers,
+                            batch=batch), reference, rel=1e-5)
 
 
 @pytest.mark.gpu
@@ -74,11 +111,10 @@ def test_pinned_memory_offload_matches_no_offload_on_gpu(ray_cluster):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpus2
 def test_zero1_over_nccl_changes_no_bit_of_a_bf16_run(ray_cluster):
     # two replicas of one stage, one GPU each: their gradients reduce-scattered and their bf16
     # compute weights all-gathered over NCCL, against the same run all-reducing (every bit the same at d=2)
-    if torch.cuda.device_count() < 2:
-        pytest.fail("the NCCL data-parallel test needs 2 GPUs on this node")
     base = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2, num_replicas=2, precision="bf16", use_gpu=True)
     replicated = _train(base)
     sharded = _train(base.replace(shard_optimizer=True))

@@ -104,3 +104,55 @@ def run_replicated_stage(rank: int, port: int) -> None:
 
 def test_replicas_keep_to_their_pipeline_and_sum_gradients_per_stage():
     mp.start_processes(run_replicated_stage, args=(free_port(),), nprocs=4, start_method="spawn")
+
+
+def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> None:
+    """Stage ``rank`` of a two-stage 1F1B, run op by op from its lowering: the
+    exchanges (a send and the receive behind it) deliver exactly, over gloo's posted
+    receives, then over NCCL's path (every operation in a batch, matched in order).
+    ``emulate_nccl``: every step under NCCL's emulation (raypipe.comm.nccl_emulation)."""
+    from raypipe.comm.p2p import _InOrder
+    from raypipe.core import ops
+    from raypipe.core.lowering import lower
+    from raypipe.core.schedule import one_f_one_b_schedule
+
+    torch.set_num_threads(1)
+    channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
+    channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=emulate_nccl)
+    stage_ops = lower(one_f_one_b_schedule(2, 3))[rank]
+    assert sum(op.kind == ops.EXCHANGE for op in stage_ops) == 2
+    try:
+        for step in range(2 * len(STEPS)):  # shapes change from step to step: predictions go stale
+            if step == len(STEPS) and not emulate_nccl:  # every message of gloo's steps is in: switch (NCCL predicts no shape)
+                channel._matching = _InOrder()
+                channel._sent.clear()
+                channel._received.clear()
+            shapes = step % len(STEPS)
+            received = {}
+            if rank == 1:
+                channel.expect_activations([op.micro_batch for op in ops.unbatch(stage_ops) if op.kind == ops.RECV_ACT])
+            for op in stage_ops:
+                if op.kind == ops.EXCHANGE:
+                    sends = [(part, (1 if rank == 0 else -1) * activation(shapes, part.micro_batch))
+                             for part in op.parts if part.kind in ops.SENDS]
+                    receives = [part for part in op.parts if part.kind in ops.RECEIVES]
+                    received.update(zip(receives, channel.exchange(sends, receives)))
+                elif op.kind == ops.SEND_ACT:
+                    channel.send_activation(activation(shapes, op.micro_batch), op.micro_batch)
+                elif op.kind == ops.SEND_GRAD:
+                    channel.send_gradient(-activation(shapes, op.micro_batch), op.micro_batch)
+                elif op.kind == ops.RECV_ACT:
+                    received[op] = channel.recv_activation(op.micro_batch)
+                elif op.kind == ops.RECV_GRAD:
+                    received[op] = channel.recv_gradient(op.micro_batch)
+            for op, tensor in received.items():
+                sign = 1 if op.kind == ops.RECV_ACT else -1
+                torch.testing.assert_close(tensor, sign * activation(shapes, op.micro_batch), rtol=0, atol=0)
+            assert len(received) == 3
+            channel.finish_sends()
+    finally:
+        channel.leave()
+
+
+def test_an_exchange_delivers_its_send_and_its_receive_on_gloo_and_on_nccls_path():
+    mp.start_processes(run_exchanging_stage, args=(free_port(),), nprocs=2, start_method="spawn")

@@ -131,3 +131,23 @@ def test_a_state_through_the_object_store_comes_back_writable_and_its_own(ray_cl
     for key, tensor in state["optimizer"]["state"][0].items():
         torch.testing.assert_close(second["optimizer"]["state"][0][key], tensor, rtol=0, atol=0)
     assert not torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+
+
+def test_a_tensor_off_the_host_is_refused_as_a_task_tensor():
+    on_device = torch.empty(2, 3, device="meta")  # a device this machine has: what a GPU tensor would meet
+    for wrap in (TaskTensor, lambda tensor: TaskTensors([torch.ones(1), tensor])):
+        with pytest.raises(ValueError, match="^a task tensor must be in host memory, not on meta"):
+            wrap(on_device)
+
+
+@pytest.mark.gpu
+def test_a_gpu_tensor_ships_as_host_bytes():
+    """A CUDA tensor in a state or a task argument is copied to the host before it ships:
+    what arrives is a host tensor that a process without CUDA can unpickle."""
+    on_gpu = torch.randn(300, 200, device="cuda")
+    for shipped in (as_shipped_state({"w": on_gpu})["w"], as_task_argument(on_gpu), as_task_argument([on_gpu])):
+        assert isinstance(shipped, (TaskTensor, TaskTensors))
+        assert b"cuda" not in pickle.dumps(shipped, protocol=5)
+        rebuilt = pickle.loads(pickle.dumps(shipped, protocol=5))
+        rebuilt = rebuilt[0] if isinstance(rebuilt, list) else rebuilt
+        assert rebuilt.device.type == "cpu" and torch.equal(rebuilt, on_gpu.cpu())

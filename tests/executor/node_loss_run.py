@@ -6,14 +6,17 @@ tests.executor.node_loss_run OUT.json``).
 three 1-CPU worker nodes, so the two stages sit on two nodes and the third is
 spare. The same steps run twice: without failures, then with the node of
 stage 1 removed (``allow_graceful=False``, its raylet and workers killed)
-before step 2. In the second run the keeper of snapshots on the driver's node
-copies the first snapshot and is then stopped (SIGSTOP) until the node is gone,
+before step 2, under NCCL's emulation (``RAYPIPE_EMULATE_NCCL=1``: no transfer
+raises when a peer goes, only the driver's abort releases the survivor). In the
+second run the keeper of snapshots on the driver's node copies the first
+snapshot and is then stopped (SIGSTOP) until the node is gone,
 as a keeper lags on a busy machine or with a large state over a slow link: it
 never gets the snapshot of step 1 off the node, and the heal falls back to its
 copy of step 0's. Prints what the test checks as JSON.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -30,7 +33,23 @@ from tests.reference import adamw, make_mlp, random_batches
 STEPS, LOST_AT = 4, 2
 
 
-def train(cluster: Cluster | None) -> dict:
+def train(cluster: Cluster | None, emulate_nccl: bool = False) -> dict:
+    """The run (``cluster`` None: without failures); ``emulate_nccl``: its workers'
+    transfers under NCCL's emulation (raypipe.comm.nccl_emulation), so that only the
+    driver's abort releases stage 0 when stage 1's node goes."""
+    before = os.environ.get("RAYPIPE_EMULATE_NCCL")
+    if emulate_nccl:
+        os.environ["RAYPIPE_EMULATE_NCCL"] = "1"  # read by this driver when the workers join
+    try:
+        return _train(cluster)
+    finally:
+        if before is None:
+            os.environ.pop("RAYPIPE_EMULATE_NCCL", None)
+        else:
+            os.environ["RAYPIPE_EMULATE_NCCL"] = before
+
+
+def _train(cluster: Cluster | None) -> dict:
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, hang_timeout_s=5, replace_timeout_s=60)
     model = make_mlp(width=256)  # snapshots of ~0.5 MB: in the object store of the node, not inline
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
@@ -63,4 +82,5 @@ def the_keeper() -> psutil.Process:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    run_on_cluster(sys.argv[1], 3, lambda cluster: {"uninterrupted": train(None), "lost": train(cluster)})
+    run_on_cluster(sys.argv[1], 3, lambda cluster: {"uninterrupted": train(None),
+                                                     "lost": train(cluster, emulate_nccl=True)})

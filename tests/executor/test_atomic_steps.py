@@ -99,3 +99,12 @@ def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_
         loss, _ = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, MICRO_BATCHES, clip)
         assert result.loss == pytest.approx(loss, rel=1e-5)
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
+
+
+def test_under_nccls_emulation_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_path,
+                                                                                     monkeypatch):
+    """The same with three stages under NCCL's emulation (RAYPIPE_EMULATE_NCCL=1): the
+    middle stage's neighbours are released only by the driver's abort (no transfer
+    raises when a peer leaves), still within seconds, with the cause reported."""
+    monkeypatch.setenv("RAYPIPE_EMULATE_NCCL", "1")
+    test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_path, "p2p", 3)

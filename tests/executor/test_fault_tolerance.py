@@ -7,6 +7,7 @@ step's loss and gradient norm, and at the end every parameter, optimizer and
 LR-scheduler state, bitwise.
 """
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -102,10 +103,18 @@ LAYOUTS = {  # name: (config, steps with a failure, where healed state comes fro
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout):
+def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout, caplog):
     cfg, failures, source = LAYOUTS[layout]
     expected = uninterrupted(cfg, tmp_path)
+    caplog.set_level(logging.INFO, logger="raypipe")
+    caplog.clear()
     killed = train(cfg, tmp_path / "killed", failures, seed=len(layout), inside_the_step=source != "replica")
+    # the controller went into healing and back to running once per failure event, and said so
+    transitions = [record.getMessage() for record in caplog.records if record.getMessage().startswith("controller ")]
+    assert [message.split(" (")[0] for message in transitions] == [
+        "controller starting -> running",
+        *["controller running -> healing", "controller healing -> running"] * len(failures),
+        "controller running -> stopped"], transitions
     # one failure event per kill (a kill landing just after a step is found by the next one)
     assert len(killed.failures) == len(failures) and all("died" in failure for failure in killed.failures)
     assert all(healed_from.startswith(source) for healed_from in killed.sources), killed.sources
@@ -124,6 +133,24 @@ def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path, s
     assert stopped.results == expected.results
     assert_bitwise_equal(expected.state, stopped.state)
     assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize("signal_number,found", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "hung")],
+                         ids=["kill", "hang"])
+def test_under_nccls_emulation_a_killed_or_stopped_worker_is_healed_by_aborting_the_survivor(
+        ray_cluster, tmp_path, monkeypatch, signal_number, found):
+    """Under NCCL's emulation (RAYPIPE_EMULATE_NCCL=1, raypipe.comm.nccl_emulation) no
+    transfer raises when a peer goes: only the driver's abort releases the survivor,
+    within seconds, and the run still matches the uninterrupted one (on gloo) bitwise."""
+    cfg = config()
+    expected = uninterrupted(cfg, tmp_path)
+    monkeypatch.setenv("RAYPIPE_EMULATE_NCCL", "1")
+    run = train(cfg, tmp_path / "emulated", failures=(2,), signal_number=signal_number, seed=3)
+    assert len(run.failures) == 1 and found in run.failures[0], run.failures
+    assert run.results == expected.results
+    assert_bitwise_equal(expected.state, run.state)
+    assert run.healed_seconds[0] < 60 < cfg.p2p_timeout_s  # without the abort: p2p_timeout_s (300 s) at least
+    print(f"emulated NCCL, {found}: failure to step done {run.healed_seconds[0]:.1f} s")
 
 
 def test_a_trainer_with_a_hung_worker_shuts_down_within_its_hang_timeout(ray_cluster):

@@ -32,6 +32,7 @@ EXPORTED_NAMES = {
     "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
     "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
     "raypipe_replayed_steps_total", "raypipe_recovery_seconds", "raypipe_replicas", "raypipe_resizes_total",
+    "raypipe_controller_state",
 }
 
 
@@ -197,6 +198,7 @@ def test_dashboard_queries_against_the_exporter(prometheus_factory):
                 bubble_fraction=[0.5, 0.5],
             ))
         exporter.record_eval(0.9)
+        exporter.record_controller_state("running", ("starting", "running", "healing", "stopped"))
         assert_every_dashboard_expr_has_data(prometheus, target, min_steps=3)
 
 
