@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     from raypipe.data.verify import add_verify_arguments
     from raypipe.planning.plan import add_plan_arguments
 
-    add_plan_arguments(commands.add_parser("plan", help="predict per-stage memory of a model and pipeline"))
+    add_plan_arguments(commands.add_parser("plan", help="predict per-stage memory of a model and pipeline; with "
+                                                    "--cluster, search the fastest shape on N GPUs"))
     add_prepare_arguments(commands.add_parser("prepare", help="turn a text corpus into Parquet token shards"))
     add_verify_arguments(commands.add_parser("verify-data", help="read every shard of a prepared dataset and check "
                                                                  "it against its manifest"))
@@ -26,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--checkpoint", required=True, metavar="ROOT", help="checkpoint root (path or URI)")
     export.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     export.add_argument("--out", required=True, metavar="DIR", help="new directory for config.json and shards")
-    export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights' dtype")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="weights' dtype (default: as trained, i.e. the fp32 main weights, which compute "
+                             "exactly what the trainer did; files are twice the size of bf16's)")
 
     args = parser.parse_args(argv)
     if args.command == "train":
@@ -68,8 +71,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from raypipe.checkpoint.hf_export import export_checkpoint
     from raypipe.checkpoint.store import latest_checkpoint
-    from raypipe.models.hf.export import export_checkpoint
 
     try:
         step = latest_checkpoint(args.checkpoint) if args.step is None else args.step
@@ -79,7 +82,9 @@ def _export(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"raypipe export: error: {error}", file=sys.stderr)
         return 2
-    print(f"exported step {step} of {args.checkpoint} to {args.out} ({args.dtype})")
+    from raypipe.models.hf.weights import CONFIG, read_json
+
+    print(f"exported step {step} of {args.checkpoint} to {args.out} ({read_json(args.out, CONFIG)['dtype']})")
     return 0
 
 

@@ -99,6 +99,20 @@ class CheckpointError(RaypipeError):
         return (type(self), (self.path, self.problem))
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint that does not fit the model it is loaded into (another model's, or
+    another size's): its files are intact, so an older checkpoint is no remedy.
+    ``where`` names the stage and its layers, ``problem`` the first tensor that does
+    not fit, ``path`` the checkpoint."""
+
+    def __init__(self, path: str, where: str, problem: str) -> None:
+        self.path, self.where, self.problem = path, where, problem
+        RaypipeError.__init__(self, f"{where}: {problem} (checkpoint {path}; is it of another model?)")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.where, self.problem))
+
+
 class WorkersFailed(RaypipeError):
     """Workers died, became unreachable or hung during a step. Nothing of the step
     was kept; the trainer heals this (replaces them, rolls every worker back to a

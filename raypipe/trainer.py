@@ -1,39 +1,34 @@
-"""PipelineTrainer: the facade users see. Config -> topology -> group of stage
-workers -> executor; it keeps the step count, the loss scale and the metrics."""
+"""PipelineTrainer: the facade users see. It composes the
+:class:`~raypipe.control.controller.Controller` (the one owner of the running
+layout: workers, topology, partition, the config in force, snapshots), the
+checkpoint manager (:class:`~raypipe.checkpoint.trainer_state.TrainerState`) and
+the metrics, and keeps the step count and the loss scale."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ray
 import torch
 from torch import nn
 
-from raypipe.checkpoint.trainer_state import TrainerState
+from raypipe.checkpoint.trainer_state import TrainerState, TrainingProgress
 from raypipe.config import PipelineConfig
+from raypipe.control.controller import Controller, StageModel
 from raypipe.core.loss_scale import LossScaler
 from raypipe.core.micro_batches import MicroBatches, count_samples, loss_weights, split_micro_batches
-from raypipe.core.partition import partition_by_cost, stage_layer_ranges
 from raypipe.core.result import StepResult
-from raypipe.core.schedule import make_schedule
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
-from raypipe.core.topology import Topology
 from raypipe.errors import NonFiniteError
-from raypipe.executor import make_executor
-from raypipe.executor.elastic import Resizer, layout
-from raypipe.executor.partition_return import PartitionReturn
-from raypipe.executor.partitioning import Partitioning
-from raypipe.executor.recovery import Recovered, Recovery
 from raypipe.executor.snapshot import LoggedStep
 from raypipe.models.hf.export import describe_llama
-from raypipe.models.layers import LayerSpec, layer_parameter_count, model_layers
+from raypipe.models.layers import LayerSpec, model_layers
 from raypipe.observability.step_report import build_step_result
-from raypipe.runtime import cluster
-from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
-from raypipe.runtime.group import StageGroup, WorkerInfo
-from raypipe.runtime.snapshot_keeper import start_keeper
+from raypipe.planning.balance import resolve_balance
+from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES
+from raypipe.runtime.group import WorkerInfo
 from raypipe.stage.spec import WorkerSpec
 
 logger = logging.getLogger("raypipe")
@@ -42,7 +37,15 @@ Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
 Batch = torch.Tensor | Sequence[torch.Tensor]
 
 
-class PipelineTrainer(TrainerState, Partitioning):
+def _checkpoints_do(name: str) -> Callable:
+    """A trainer method that is the checkpoint manager's ``name`` (its docstring and signature)."""
+    @functools.wraps(getattr(TrainerState, name))
+    def method(self: PipelineTrainer, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._checkpoints, name)(*args, **kwargs)
+    return method
+
+
+class PipelineTrainer:
     """Train ``model`` with pipeline parallelism over Ray stage actors.
 
     ``model`` is an ``nn.Sequential``, a list of modules, or a list of
@@ -59,107 +62,75 @@ class PipelineTrainer(TrainerState, Partitioning):
                  config: PipelineConfig | None = None, *,
                  loss_count_fn: Callable[[torch.Tensor], int] | None = None,
                  lr_scheduler: Callable | None = None) -> None:
-        self.config = config = (config or PipelineConfig()).replace()
-        layers, self._layer_names = model_layers(model)
-        self._llama = describe_llama(layers)  # what export_hf and checkpoints need of a LLaMA, else None
+        config = (config or PipelineConfig()).replace()
+        layers, layer_names = model_layers(model)
         config.validate(len(layers))
-        self.topology = Topology(config.num_stages, config.max_replicas)  # until placed: an elastic run's may be fewer
-        self.balance = list(config.balance or partition_by_cost([layer_parameter_count(l) for l in layers],
-                                                                config.num_stages))
-        self._configured = (config, list(self.balance))  # a re-partitioned run goes back to it when there is room
-        self._partition_return: PartitionReturn | None = None
-        self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
+        balance = resolve_balance(config, layers)  # "time": from the layers' costs, before any actor starts
         self._loss_count_fn = loss_count_fn or count_samples
-        self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
-                                 min_scale=config.min_loss_scale) if config.precision == "fp16" else None
-        self.step_count = 0
+        scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
+                            min_scale=config.min_loss_scale) if config.precision == "fp16" else None
+        self._progress = TrainingProgress(0, scaler)
         self.metrics = None
-        self.recoveries: list[Recovered] = []  # each healed failure event: how long, from where, steps replayed
-        # (step_count, direction, replicas after): "shrink"/"grow" (elastic), "repartition"/"restore" (stages)
-        self.resizes: list[tuple[int, str, int]] = []
-        self._damaged_checkpoints: set[tuple[str, int]] = set()  # (root, step) a load fell back past
-        self._group: StageGroup | None = None
-        self._datasets: tuple[Any, Any] | None = None
-        self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
-        self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
-        self._pending_save = None  # the checkpoint save in flight (a PendingSave)
-        self._executor = make_executor(config, self.schedule)
-        self._recovery = Recovery(self._executor, config, self._give_datasets, self._record_recovery)
-        self._recovery.settle_saves = self._settle_saves
-        self._recovery.repartition = self._repartition
-        self._recovery.restore_partition = self._restore_partition
-        self._model = (layers, optimizer, loss_fn, lr_scheduler)
+        if config.metrics_port is not None:  # first: the controller exports its state from the start
+            from raypipe.observability.metrics import MetricsExporter
+
+            self.metrics = MetricsExporter(config.metrics_host, config.metrics_port)
+        self._controller = Controller(
+            config, balance, StageModel(tuple(layers), optimizer, loss_fn, lr_scheduler, self._loss_count_fn),
+            metrics=self.metrics, settle_saves=lambda: self._checkpoints.settle_saves(),
+            steps=lambda: self._progress.step_count)
+        self._checkpoints = TrainerState(self._controller, self._progress, layer_names, describe_llama(layers))
         self._start()
 
     # -- lifecycle ------------------------------------------------------------
     def _start(self) -> None:
-        config = self.config
-        cluster.connect(config.ray_address, self.topology.world_size * config.cpus_per_stage)
-        self.use_gpu = cluster.resolve_use_gpu(config)
-        if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
-            self._recovery.keeper = start_keeper()
-        self._bundle = cluster.worker_bundle(config, self.use_gpu)
         try:
-            placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
-                                                      [self._bundle] * config.num_stages, config.placement_timeout_s)
-            self.topology = Topology(config.num_stages, len(placed))
-            if config.elastic:
-                self._recovery.resizer = Resizer(config, self._executor, self._stage_specs(), self._bundle, pending,
-                                                 self._resized)
-            infos = self._launch(placed)
+            infos = self._controller.start()
         except BaseException:
-            self.shutdown()  # the keeper, placement groups asked for, workers started
+            self._close_metrics()
             raise
         self.num_parameters = sum(info["num_parameters"] for info in infos) // self.topology.num_replicas
         self.device_name = infos[0]["device_name"]
-        self._device_memory = infos[0].get("device_memory_bytes")
-        self._start_metrics()
-        self._recovery.snapshot(self.step_count, first=True)
 
-    def _stage_specs(self, config: PipelineConfig | None = None, balance: list[int] | None = None
-                     ) -> list[WorkerSpec]:
-        """One spec per stage of the current partition (else of ``config`` split by ``balance``), as replica 0's."""
-        config, balance = config or self.config, balance or self.balance
-        layers, optimizer, loss_fn, lr_scheduler = self._model
-        last = config.num_stages - 1
-        return [WorkerSpec(stage=stage, num_stages=config.num_stages, layers=tuple(layers[i] for i in indices),
-                           layer_indices=tuple(indices), config=config, use_gpu=self.use_gpu,
-                           optimizer_factory=optimizer, loss_fn=loss_fn if stage == last else None,
-                           loss_count_fn=self._loss_count_fn, scheduler_factory=lr_scheduler)
-                for stage, indices in enumerate(stage_layer_ranges(balance))]
+    # the layout in force, read from the controller (its one owner)
+    config = property(lambda self: self._controller.config, doc="The config in force (fewer stages when "
+                      "re-partitioned).")
+    topology = property(lambda self: self._controller.topology, doc="The ranks of the layout in force.")
+    balance = property(lambda self: self._controller.balance, doc="Layers per stage in force.")
+    schedule = property(lambda self: self._controller.schedule, doc="The schedule in force.")
+    recoveries = property(lambda self: self._controller.recoveries,
+                          doc="Each healed failure event (a Recovered: how long, from where, steps replayed).")
+    resizes = property(lambda self: self._controller.resizes, doc="(step_count, direction, replicas after) of each "
+                       "resize: shrink/grow (elastic), repartition/restore (stages).")
+    scaler = property(lambda self: self._progress.scaler, doc="The fp16 loss scaler, else None.")
+    _group = property(lambda self: self._controller.group)
+    _executor = property(lambda self: self._controller.executor)
+    _recovery = property(lambda self: self._controller.recovery)
 
-    def _launch(self, placed: list | None) -> list[dict[str, Any]]:
-        """Start the workers of the current partition and topology (in ``placed``
-        placement groups, else reserved now) and connect them; what each reported."""
-        specs = layout(self._stage_specs(), self.topology.num_replicas, self.micro_batches_per_step)
-        self._group = StageGroup(self._executor.actor_class(), specs, self._bundle, self.config.placement_timeout_s,
-                                 placed)
-        infos = self._group.wait_ready()
-        self._executor.connect(self._group)
-        return infos
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps committed (a loaded checkpoint's count included)."""
+        return self._progress.step_count
 
-    def _record_resize(self, direction: str) -> None:
-        self.resizes.append((self.step_count, direction, self.topology.num_replicas))
-        if self.metrics is not None:
-            self.metrics.record_resize(direction, self.topology.num_replicas)
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._progress.step_count = value
+
+    @property
+    def use_gpu(self) -> bool | None:
+        return self._controller.use_gpu
+
+    @use_gpu.setter
+    def use_gpu(self, value: bool) -> None:
+        self._controller.use_gpu = value
+
+    def _stage_specs(self) -> list[WorkerSpec]:
+        return self._controller.stage_specs()
 
     @property
     def micro_batches_per_step(self) -> int:
         """A step's micro-batches: ``num_micro_batches x`` the most replicas, whatever the number running."""
         return self.config.micro_batches_per_step
-
-    def _resized(self, direction: str, num_replicas: int, new_ranks: list[int]) -> None:
-        """After an elastic resize: the new layout's topology, datasets for new readers, metrics."""
-        self.topology = Topology(self.config.num_stages, num_replicas)
-        self._give_datasets(new_ranks)
-        self._record_resize(direction)
-
-    def _start_metrics(self) -> None:
-        if self.config.metrics_port is None:
-            return
-        from raypipe.observability.metrics import MetricsExporter
-
-        self.metrics = MetricsExporter(self.config.metrics_host, self.config.metrics_port)
 
     @property
     def metrics_url(self) -> str | None:
@@ -172,13 +143,14 @@ class PipelineTrainer(TrainerState, Partitioning):
         return self.topology.num_replicas
 
     @property
-    def _first_replica(self) -> list:
-        return self._group.actors[:self.topology.num_stages]
-
-    @property
     def workers(self) -> list[WorkerInfo]:
         """The live workers as ``WorkerInfo(replica, stage, node_id, pid)``, in (replica, stage) order."""
-        return [] if self._group is None else self._group.workers
+        return list(self._controller.layout.workers)
+
+    @property
+    def failures(self) -> list[str]:
+        """Every failure event healed (or not) so far, as its error named it."""
+        return self._controller.failures
 
     def shutdown(self) -> None:
         """Wait for a checkpoint save in flight, then free the stage actors, the
@@ -186,22 +158,10 @@ class PipelineTrainer(TrainerState, Partitioning):
         try:
             self.wait_for_checkpoint()
         finally:
-            self._free()
+            self._controller.stop()
+            self._close_metrics()
 
-    def _free(self) -> None:
-        if self._group is not None:
-            self._executor.close()
-            self._group.shutdown()
-            self._group = None
-            self._shipped = {}
-        if self._recovery.resizer is not None:
-            self._recovery.resizer.close()
-        if self._partition_return is not None:
-            self._partition_return.close()
-            self._partition_return = None
-        if self._recovery.keeper is not None:
-            ray.kill(self._recovery.keeper)
-            self._recovery.keeper = None
+    def _close_metrics(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -217,6 +177,14 @@ class PipelineTrainer(TrainerState, Partitioning):
                 raise
             # the exception leaving the block is the one to see; the save's error is logged
             logger.exception("raypipe: the checkpoint save in flight failed")
+
+    # -- state in and out: the checkpoint manager's ---------------------------------
+    state_dict = _checkpoints_do("state_dict")
+    load_state_dict = _checkpoints_do("load_state_dict")
+    save_checkpoint = _checkpoints_do("save_checkpoint")
+    wait_for_checkpoint = _checkpoints_do("wait_for_checkpoint")
+    load_checkpoint = _checkpoints_do("load_checkpoint")
+    export_hf = _checkpoints_do("export_hf")
 
     # -- training ---------------------------------------------------------------
     def step(self, inputs: Batch, targets: Batch) -> StepResult:
@@ -254,31 +222,19 @@ class PipelineTrainer(TrainerState, Partitioning):
         open a local dataset gets its shards through the object store, up to
         ``ship_data_limit_bytes``; any other problem raises a DataAccessError
         naming the path, the worker and its node, before any step runs."""
-        self._datasets, self._ship_limit, self._shipped = (train, validation), ship_data_limit_bytes, {}
-        self._give_datasets(range(self.topology.world_size))
-
-    def _give_datasets(self, indices: Sequence[int]) -> None:
-        """Workers ``indices`` that read data (every replica's first and last stage) get the datasets,
-        checked where each runs (a replacement too, which may run on another node)."""
-        if self._datasets is None:
-            return
-        last = self.topology.num_stages - 1
-        readers = [(where.replica, where.stage, self._group.actors[rank]) for rank, where in
-                   ((rank, self.topology.coordinates(rank)) for rank in indices) if where.stage in (0, last)]
-        own = datasets_for_readers(readers, self._datasets, self._executor.get, self._ship_limit, self._shipped)
-        self._executor.get([actor.attach_datasets.remote(*datasets) for (_, _, actor), datasets in zip(readers, own)])
+        self._controller.attach_datasets(train, validation, ship_data_limit_bytes)
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
         self._executor.check_usable()
         batch = self._split(inputs, targets)
-        return self._record_eval(self._recovery.between_steps(
+        return self._record_eval(self._controller.between_steps(
             lambda: self._executor.evaluate(self.step_count, batch), self.step_count, "during evaluate"))
 
     def evaluate_from_datasets(self, step: int) -> float:
         """Validation loss of the validation dataset's ``step``, read by the stages."""
         self._executor.check_usable()
-        return self._record_eval(self._recovery.between_steps(lambda: self._executor.evaluate(step, None),
+        return self._record_eval(self._controller.between_steps(lambda: self._executor.evaluate(step, None),
                                                               self.step_count, "during evaluate"))
 
     def fit(self, dataset: Any, steps: int, **options: Any) -> list[StepResult]:
@@ -302,9 +258,9 @@ class PipelineTrainer(TrainerState, Partitioning):
     def _run_step(self, data_step: int, batch: MicroBatches | None, start: float, num_samples: int,
                   num_tokens: int) -> StepResult:
         loss_scale = self.scaler.scale if self.scaler else None
-        failures_before = len(self._recovery.failures)
-        outcome = self._recovery.run_step(data_step, batch, loss_scale)
-        failures = self._recovery.failures[failures_before:]
+        failures_before = len(self._controller.recovery.failures)
+        outcome = self._controller.run_step(data_step, batch, loss_scale)
+        failures = self._controller.recovery.failures[failures_before:]
         decision = outcome.decision
         self._check_finite(decision)
         if self.scaler:
@@ -317,20 +273,10 @@ class PipelineTrainer(TrainerState, Partitioning):
             num_devices=self.topology.world_size)
         result.recovered, result.failures = bool(failures), failures
         self.step_count += 1
-        self._recovery.committed(self.step_count, LoggedStep(data_step, batch, loss_scale))
+        self._controller.committed(self.step_count, LoggedStep(data_step, batch, loss_scale))
         if self.metrics is not None:
             self.metrics.record_step(result)
         return result
-
-    @property
-    def failures(self) -> list[str]:
-        """Every failure event healed (or not) so far, as its error named it."""
-        return list(self._recovery.failures)
-
-    def _record_recovery(self, recovered: Recovered) -> None:
-        self.recoveries.append(recovered)
-        if self.metrics is not None:
-            self.metrics.record_recovery(recovered.reasons, recovered.seconds, recovered.replayed_steps)
 
     def _check_finite(self, decision: StepDecision) -> None:
         """``nonfinite="raise"``: a non-finite step (nothing was applied) raises. In fp16 an
@@ -355,4 +301,4 @@ class PipelineTrainer(TrainerState, Partitioning):
             return None
         from raypipe.observability.metrics import peak_flops_for_device
 
-        return peak_flops_for_device(self.device_name)
+        return peak_flops_for_device(self.device_name, self.config.precision)  # fp32: the FP32 peak, not bf16

@@ -1,11 +1,16 @@
 """The trainer's state in and out: full state dicts, sharded checkpoints (saved in
 the background, loaded into any partition, falling back past damaged ones) and
-Hugging Face export. A mixin of :class:`~raypipe.trainer.PipelineTrainer`, whose
-group, executor, recovery, topology and step count it reads."""
+Hugging Face export. The checkpoint manager of a
+:class:`~raypipe.trainer.PipelineTrainer`: it reads the running layout from the
+:class:`~raypipe.control.controller.Controller` (a frozen
+:class:`~raypipe.control.controller.Layout`) and the step count and loss scale
+from the trainer's :class:`TrainingProgress`."""
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,14 +18,47 @@ from raypipe.checkpoint.parts import add_sole_mains
 from raypipe.checkpoint.pending import PendingSave, SavedCheckpoint
 from raypipe.core.partition import stage_layer_ranges
 from raypipe.core.validation import check_int
-from raypipe.errors import CheckpointError, RaypipeError
+from raypipe.errors import CheckpointError, CheckpointMismatchError, RaypipeError
 from raypipe.models.layers import split_state_by_layer
+
+if TYPE_CHECKING:
+    from raypipe.control.controller import Controller
+    from raypipe.core.loss_scale import LossScaler
 
 logger = logging.getLogger("raypipe")
 
 
+@dataclass
+class TrainingProgress:
+    """What a run has done, besides its workers' state: the steps committed and the fp16 loss scale."""
+
+    step_count: int = 0
+    scaler: LossScaler | None = None
+
+
 class TrainerState:
-    """State dicts, checkpoints and export of a :class:`~raypipe.trainer.PipelineTrainer`."""
+    """State dicts, checkpoints and export of a :class:`~raypipe.trainer.PipelineTrainer`
+    whose workers ``controller`` runs; ``layer_names`` are the user's names of the
+    layers, ``llama`` what export and checkpoints need of a LLaMA (else None)."""
+
+    def __init__(self, controller: Controller, progress: TrainingProgress, layer_names: list[str],
+                 llama: dict[str, Any] | None) -> None:
+        self._controller, self._progress = controller, progress
+        self._layer_names, self._llama = layer_names, llama
+        self._damaged_checkpoints: set[tuple[str, int]] = set()  # (root, step) a load fell back past
+        self._pending_save = None  # the checkpoint save in flight (a PendingSave)
+
+    @property
+    def step_count(self) -> int:
+        return self._progress.step_count
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        return self._progress.scaler
+
+    @property
+    def _executor(self) -> Any:
+        return self._controller.executor
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model, with the user's parameter names (``model.state_dict()`` keys).
@@ -28,28 +66,30 @@ class TrainerState:
         A worker that died or hung since the last step is replaced first, with
         that step's state (as a failed step heals): the state is the same."""
         self._executor.check_usable()
-        return self._recovery.between_steps(self._read_state_dict, self.step_count, "during state_dict")
+        return self._controller.between_steps(self._read_state_dict, self.step_count, "during state_dict")
 
     def _read_state_dict(self) -> dict[str, torch.Tensor]:
         step, during = self.step_count, "during state_dict"
         per_layer: dict[int, dict] = {}
-        for states in self._executor.gather([actor.state_dict.remote() for actor in self._first_replica], step,
+        layout = self._controller.layout
+        for states in self._executor.gather([actor.state_dict.remote() for actor in layout.first_replica], step,
                                             during):
             per_layer.update(states)
         add_sole_mains(per_layer, *self._executor.gather([actor.sole_main_weights.remote()
-                                                          for actor in self._other_replicas], step, during))
+                                                          for actor in self._other_replicas(layout)], step, during))
         return {f"{self._layer_names[index]}.{key}": value
                 for index in sorted(per_layer) for key, value in per_layer[index].items()}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Scatter a full state dict (keys as :meth:`state_dict`) to the stages."""
         per_layer = split_state_by_layer(state_dict, self._layer_names)
-        self._recovery.heal_if_broken(self.step_count, "a state dict load")
-        ranges = stage_layer_ranges(self.balance) * self.topology.num_replicas  # every replica, in rank order
+        self._controller.heal_if_broken(self.step_count, "a state dict load")
+        layout = self._controller.layout
+        ranges = stage_layer_ranges(layout.balance) * layout.topology.num_replicas  # every replica, in rank order
         self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
-                            for actor, indices in zip(self._group.actors, ranges)])
-        self._recovery.persisted.forget()
-        self._recovery.snapshot(self.step_count, first=True)
+                            for actor, indices in zip(layout.actors, ranges)])
+        self._controller.recovery.persisted.forget()
+        self._controller.recovery.snapshot(self.step_count, first=True)
 
     def save_checkpoint(self, root_uri: str, extra: dict | None = None, keep_last: int | None = None, *,
                         wait: bool = True) -> int:
@@ -82,17 +122,20 @@ class TrainerState:
         if keep_last is not None:
             check_int("keep_last", keep_last, 1, allowed="must be an int >= 1 (checkpoints kept), or None for all")
         self._executor.check_usable()
-        self._recovery.heal_if_broken(self.step_count, "a checkpoint save")  # a dead writer would leave it incomplete
-        step, writers = self.step_count, self._first_replica
+        self._controller.heal_if_broken(self.step_count, "a checkpoint save")  # a dead writer: incomplete
+        layout = self._controller.layout
+        step, writers = self.step_count, list(layout.first_replica)
         self._replace_damaged(str(root_uri), step)
-        if self._optimizer_parts() > 1:  # ZeRO-1: the other replicas' optimizer state, as blobs
-            writers = list(self._group.actors)
-        names = [f"replica {replica} stage {stage}" for replica, stage in
-                 (divmod(rank, self.topology.num_stages) for rank in range(len(writers)))]
-        self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names, self._manifest_extra(extra),
-                                                     keep_last, self.config.hang_timeout_s))
+        parts = self._optimizer_parts(layout)
+        if parts > 1:  # ZeRO-1: the other replicas' optimizer state, as blobs
+            writers = list(layout.actors)
+        names = [f"replica {where.replica} stage {where.stage}" for where in
+                 map(layout.topology.coordinates, range(len(writers)))]
+        self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names,
+                                                     self._manifest_extra(extra, parts), keep_last,
+                                                     layout.config.hang_timeout_s))
         self._executor.before_next_step(writers)  # their copy is of the state before the next step
-        self._recovery.persisted.saved(str(root_uri), step, self._optimizer_parts())
+        self._controller.recovery.persisted.saved(str(root_uri), step, parts)
         if wait:
             saved = self.wait_for_checkpoint()
             if not saved.complete:
@@ -117,16 +160,16 @@ class TrainerState:
             delete_checkpoint(root_uri, step)
             self._damaged_checkpoints.discard((root_uri, step))
 
-    def _settle_saves(self) -> None:
+    def settle_saves(self) -> None:
         """Before a heal loads a checkpoint: the save in flight completes, or fails and is reported."""
         try:
             self.wait_for_checkpoint()
         except RaypipeError as error:
             logger.warning("raypipe: %s", error)
 
-    def _manifest_extra(self, extra: dict | None) -> dict:
+    def _manifest_extra(self, extra: dict | None, optimizer_parts: int) -> dict:
         state = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
-                 "layer_names": self._layer_names, "optimizer_parts": self._optimizer_parts(), **(extra or {})}
+                 "layer_names": self._layer_names, "optimizer_parts": optimizer_parts, **(extra or {})}
         if self._llama is not None:
             state["model"] = self._llama  # lets `raypipe export` convert the checkpoint
         try:  # now, not when a background save writes its manifest
@@ -135,9 +178,10 @@ class TrainerState:
             raise TypeError(f"checkpoint extra metadata is not JSON-serializable: {error}") from None
         return state
 
-    def export_hf(self, uri: str, dtype: str = "bf16") -> str:
+    def export_hf(self, uri: str, dtype: str | None = None) -> str:
         """Write the model as a Hugging Face LLaMA directory (``config.json``, one safetensors shard per
-        layer, written by the stages in parallel, and the index); ``dtype`` "bf16", "fp16" or "fp32".
+        layer, written by the stages in parallel, and the index); ``dtype`` None (default: as trained,
+        the fp32 main weights, twice bf16's size), "fp32", "bf16" or "fp16"; config.json records it.
 
         Only for a LLaMA built with ``llama_layers`` or ``from_pretrained``. Returns ``uri``.
         """
@@ -148,24 +192,26 @@ class TrainerState:
         check_dtype(dtype)
         self.wait_for_checkpoint()
         self._executor.check_usable()
-        self._recovery.heal_if_broken(self.step_count, "an export")
+        self._controller.heal_if_broken(self.step_count, "an export")
         prepare_output(str(uri))
         n_blocks = self._llama["llama_config"]["n_layers"]
-        stages = self.topology.num_stages
-        others = [actor.sole_main_weights.remote() for actor in self._other_replicas]
+        layout = self._controller.layout
+        stages = layout.topology.num_stages
+        others = [actor.sole_main_weights.remote() for actor in self._other_replicas(layout)]
         written = self._executor.get([actor.export_hf.remote(str(uri), dtype, n_blocks, *others[stage::stages])
-                                      for stage, actor in enumerate(self._first_replica)])
+                                      for stage, actor in enumerate(layout.first_replica)])
         write_index_and_config(str(uri), self._llama, dtype, [shard for shards in written for shard in shards])
         return str(uri)
 
-    @property
-    def _other_replicas(self) -> list:
+    @staticmethod
+    def _other_replicas(layout: Any) -> list:
         """Workers beyond the first replica that hold main weights no one else keeps
         (ZeRO-1; in rank order); none unsharded."""
-        return list(self._group.actors[self.topology.num_stages:]) if self.config.shard_optimizer else []
+        return list(layout.actors[layout.topology.num_stages:]) if layout.config.shard_optimizer else []
 
-    def _optimizer_parts(self) -> int:
-        return self.topology.num_replicas if self.config.shard_optimizer else 1
+    @staticmethod
+    def _optimizer_parts(layout: Any) -> int:
+        return layout.topology.num_replicas if layout.config.shard_optimizer else 1
 
     def load_checkpoint(self, root_uri: str, step: int | None = None) -> dict:
         """Load checkpoint ``step`` into any partition; returns its extra state.
@@ -173,7 +219,9 @@ class TrainerState:
         Without ``step``: the newest intact one. A damaged file (missing, truncated,
         failing its checksum) makes the load fall back to the next older complete
         checkpoint, with a warning naming the file; with ``step`` it raises
-        :class:`~raypipe.CheckpointError` naming it."""
+        :class:`~raypipe.CheckpointError` naming it. A checkpoint of another model (other
+        layers, or tensors of other shapes) raises a :class:`~raypipe.CheckpointError` whose
+        first line names the stage, layer and tensor that do not fit."""
         from raypipe.checkpoint.store import list_checkpoints
 
         self.wait_for_checkpoint()
@@ -186,6 +234,8 @@ class TrainerState:
         for candidate in reversed(steps):
             try:
                 return self._load_checkpoint(str(root_uri), candidate)
+            except CheckpointMismatchError:
+                raise  # intact files of another model: an older checkpoint of it fits no better
             except CheckpointError as error:
                 logger.warning("raypipe: checkpoint step %d is damaged (%s); trying an older one", candidate, error)
                 damaged.append(error)
@@ -195,12 +245,17 @@ class TrainerState:
     def _load_checkpoint(self, root_uri: str, step: int) -> dict:
         from raypipe.checkpoint.store import read_manifest
 
-        extra = read_manifest(str(root_uri), step).get("extra", {})
+        manifest = read_manifest(str(root_uri), step)
+        if manifest["num_layers"] != len(self._layer_names):
+            raise CheckpointMismatchError(f"{root_uri} step {step}", f"the model ({len(self._layer_names)} layers)",
+                                          f"the checkpoint holds {manifest['num_layers']} layers")
+        extra = manifest.get("extra", {})
         parts = extra.get("optimizer_parts", 1)
-        self._executor.get([actor.load_checkpoint.remote(str(root_uri), step, parts) for actor in self._group.actors])
-        self.step_count = extra.get("step_count", step)
+        self._executor.get([actor.load_checkpoint.remote(str(root_uri), step, parts)
+                            for actor in self._controller.layout.actors])
+        self._progress.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
-        self._recovery.persisted.loaded(str(root_uri), step, parts)
-        self._recovery.snapshot(self.step_count, first=True)
+        self._controller.recovery.persisted.loaded(str(root_uri), step, parts)
+        self._controller.recovery.snapshot(self.step_count, first=True)
         return extra

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
-
 from raypipe.comm.object_store import ObjectStoreTransport
-from raypipe.runtime.health import worker_actor_class
 
 
 class DirectTransport(ObjectStoreTransport):
     """Forward and backward results go by ``backend`` ("nccl" or "gloo"); every other
-    result (grad stats, reports) stays a plain object that other tasks may depend on."""
+    result (grad stats, reports) stays a plain object that other tasks may depend on
+    (the workers' actor class: :func:`raypipe.runtime.actor_classes.worker_actor_class`)."""
 
     def __init__(self, backend: str) -> None:
-        self.name = backend
+        self.name = self.tensor_transport = backend
         self._group = None
-
-    def actor_class(self, worker_class: type) -> Any:
-        return worker_actor_class(direct_transport_worker(worker_class, self.name))
 
     def connect(self, actors: list[Any]) -> None:
         from ray.experimental.collective import create_collective_group
@@ -38,18 +33,3 @@ class DirectTransport(ObjectStoreTransport):
             pass
         self._group = None
 
-
-def direct_transport_worker(worker_class: type, backend: str) -> type:
-    """``worker_class`` whose forward/backward results go by ``backend``."""
-
-    class DirectTransportWorker(worker_class):
-        @ray.method(tensor_transport=backend)
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            return super().forward(*args, **kwargs)
-
-        @ray.method(tensor_transport=backend)
-        def backward(self, *args: Any, **kwargs: Any) -> Any:
-            return super().backward(*args, **kwargs)
-
-    DirectTransportWorker.__name__ = f"{worker_class.__name__}_{backend}"
-    return DirectTransportWorker

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from raypipe.runtime.health import worker_actor_class
-
 
 class ObjectStoreTransport:
     """The per-op executor's default transport; the base of the direct ones."""
 
     name = "object_store"
-
-    def actor_class(self, worker_class: type) -> Any:
-        """The Ray actor class whose op results travel by this transport."""
-        return worker_actor_class(worker_class)
+    tensor_transport: str | None = None  # the workers' forward/backward results go by Ray's object store
 
     def connect(self, actors: list[Any]) -> None:
         """Prepare the actors for transfers (nothing to do for the object store)."""

@@ -23,6 +23,9 @@ it, and an autoscaler adds nodes for it, while the run goes on) and:
   through the object store) and every worker takes the new layout
   (:meth:`Resizer.poll`).
 
+Whether to shrink (or raise below ``min``) and whether to admit a ready replica
+are :mod:`raypipe.control.policy`'s decisions; the :class:`Resizer` carries them out.
+
 With ZeRO-1 (``shard_optimizer``) a resize moves parameters to other owners
 (:mod:`raypipe.stage.zero` assigns them over the replicas running): every
 worker takes the new layout, builds its optimizer over the parameters it now
@@ -40,6 +43,8 @@ from typing import Any
 import ray
 
 from raypipe.config import PipelineConfig
+from raypipe.control.policy import Grow, decide_scaling
+from raypipe.control.view import LayoutView
 from raypipe.core.micro_batches import replica_blocks
 from raypipe.errors import PlacementError
 from raypipe.executor.base import Executor
@@ -64,7 +69,7 @@ def layout(stages: list[WorkerSpec], num_replicas: int, num_micro_batches: int) 
 class Resizer:
     """Keeps an elastic run's replicas between ``config.min_replicas`` and ``max_replicas``.
 
-    ``on_resized(direction, num_replicas, new_ranks)`` tells the trainer (its
+    ``on_resized(direction, num_replicas, new_ranks)`` tells the controller (its
     topology, metrics, datasets of new readers) after the workers took the new
     layout.
     """
@@ -94,10 +99,6 @@ class Resizer:
     def _replicas_of(self, ranks: tuple[int, ...]) -> set[int]:
         return {self.executor.group.spec(rank).replica for rank in ranks}
 
-    def can_shrink(self, unplaced: tuple[int, ...]) -> bool:
-        """Whether dropping the replicas of workers ``unplaced`` leaves at least ``min``."""
-        return self.running - len(self._replicas_of(unplaced)) >= self.config.min_replicas
-
     def below_minimum(self, unplaced: tuple[int, ...]) -> PlacementError:
         """The error when dropping the replicas of workers ``unplaced`` would leave fewer than ``min``."""
         dropped = self._replicas_of(unplaced)
@@ -107,15 +108,13 @@ class Resizer:
                               f"(num_replicas={tuple(self.config.num_replicas)}); saved checkpoints are intact: "
                               "load_checkpoint resumes from the newest", unplaced)
 
-    def shrink(self, unplaced: tuple[int, ...]) -> list[int]:
-        """Drop the replicas of workers ``unplaced`` (by rank), re-number the rest and
-        give the group their specs; returns the old ranks of the workers kept, in
-        their new order. The workers take the layout in :meth:`Executor.relayout`.
-        Raises :class:`PlacementError` when fewer than ``min`` replicas would be left."""
-        if not self.can_shrink(unplaced):
-            raise self.below_minimum(unplaced)
-        group, dropped, running = self.executor.group, self._replicas_of(unplaced), self.running
-        kept = group.drop_replicas(dropped)
+    def shrink(self, dropped: frozenset[int]) -> list[int]:
+        """Drop the replicas ``dropped`` (the policy's :class:`~raypipe.control.policy.Shrink`:
+        those whose replacements found no room, leaving at least ``min``), re-number the
+        rest and give the group their specs; returns the old ranks of the workers kept, in
+        their new order. The workers take the layout in :meth:`Executor.relayout`."""
+        group, running = self.executor.group, self.running
+        kept = group.drop_replicas(set(dropped))
         group.set_specs(self.specs(running - len(dropped)))
         self._ask_for(len(dropped))
         logger.warning("raypipe: shrank from %d to %d replica(s): no room to replace replica(s) %s",
@@ -123,17 +122,21 @@ class Resizer:
         return kept
 
     def resized(self, direction: str, new_ranks: list[int]) -> None:
-        """Tell the trainer, once the workers run the new layout."""
+        """Tell the controller, once the workers run the new layout."""
         self.on_resized(direction, self.running, new_ranks)
 
     # -- grow ---------------------------------------------------------------
     def poll(self) -> list[int] | None:
         """At a step boundary, cheaply: start a replica whose placement group was
-        placed, or admit one whose workers are ready (returns the new workers' ranks,
-        after they took the state of a live replica and everyone the new layout)."""
+        placed, or admit one whose workers are ready when the scaling policy says grow
+        (returns the new workers' ranks, after they took the state of a live replica and
+        everyone the new layout)."""
         if self._starting is not None:
             done, _ = ray.wait(self._starting.ready, num_returns=len(self._starting.ready), timeout=0)
-            return self._admit() if len(done) == len(self._starting.ready) else None
+            view = LayoutView(num_stages=self.config.num_stages, replicas=self.running,
+                              min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,
+                              elastic=True, new_replicas_ready=int(len(done) == len(self._starting.ready)))
+            return self._admit() if isinstance(decide_scaling(view), Grow) else None
         if self._pending:
             waits = [ready for _, ready in self._pending]
             placed, _ = ray.wait(waits, num_returns=1, timeout=0)

@@ -1,6 +1,6 @@
 """A re-partitioned run's way back to the stages it was configured with.
 
-When not even one whole pipeline could be placed, the trainer re-partitioned
+When not even one whole pipeline could be placed, the controller re-partitioned
 the model onto fewer stages (:mod:`raypipe.planning.repartition`). That run
 is slower per step and holds more per worker, so it goes back as soon as there
 is room again, the way an elastic run grows:
@@ -12,12 +12,12 @@ is room again, the way an elastic run grows:
 - at the first step boundary where they are all ready, they adopt every layer
   of the running workers (snapshotted then, sent worker to worker through the
   object store; each fetches the snapshots that hold its layers), and the
-  trainer swaps the groups.
+  controller swaps the groups.
 
 That needs room for the configured pipeline beside the running one: the nodes
 an autoscaler adds for it. A cluster that cannot grow (a fixed-size one whose
 lost node came back) never has it; there, once the configured pipeline fits in
-the room there is plus the running workers' own, the trainer swaps in place at
+the room there is plus the running workers' own, the controller swaps in place at
 a step boundary: the running workers are snapshotted and stopped, and the
 configured pipeline is placed, started and adopts the snapshot (the run waits
 for its workers to start; no step is lost or redone). If the room went
@@ -31,6 +31,8 @@ from typing import Any
 
 import ray
 
+from raypipe.control.policy import fits_only_in_place
+from raypipe.control.view import Room
 from raypipe.executor.snapshot import holding
 from raypipe.runtime import cluster, spread
 from raypipe.runtime.group import StageGroup, WorkerInfo
@@ -70,14 +72,26 @@ class PartitionReturn:
         """The workers, created in the placed placement group."""
         return StageGroup(self._actor_class, self._specs, self._bundle, 0, [self._placement])
 
+    @property
+    def num_stages(self) -> int:
+        """The configured pipeline's stages (one worker each)."""
+        return len(self._specs)
+
+    @property
+    def started(self) -> bool:
+        """Whether its workers were started beside the running ones (ready or not)."""
+        return self._group is not None
+
+    def room(self, running: list[WorkerInfo]) -> Room:
+        """The room for workers of its bundle now, and once the ``running`` workers went (a bundle each)."""
+        return Room(cluster.placeable_workers(self._bundle),
+                    cluster.placeable_workers(self._bundle, [worker.node_id for worker in running]))
+
     def fits_in_place(self, running: list[WorkerInfo]) -> bool:
         """Whether the configured pipeline, not started beside, fits only in the room there
-        is plus that of the ``running`` workers (a bundle each). Where it fits beside,
-        its placement group is about to be placed: that swap holds up no step."""
-        if not self.in_place or self._group is not None:
-            return False
-        needed, freed = len(self._specs), [worker.node_id for worker in running]
-        return cluster.placeable_workers(self._bundle, freed) >= needed > cluster.placeable_workers(self._bundle)
+        is plus that of the ``running`` workers (a bundle each;
+        :func:`~raypipe.control.policy.fits_only_in_place`)."""
+        return self.in_place and not self.started and fits_only_in_place(self.room(running), self.num_stages)
 
     def start_in_place(self, timeout_s: float) -> StageGroup | None:
         """Once the running workers went: the configured pipeline's group, its workers

@@ -62,6 +62,11 @@ class PersistedCheckpoints:
     def __bool__(self) -> bool:
         return any(state.since is not None for state in self._states)
 
+    @property
+    def newest_step(self) -> int | None:
+        """The step of the newest checkpoint a heal can replay from; None when there is none."""
+        return next((state.step for state in reversed(self._states) if state.since is not None), None)
+
     def restore(self, actors: list, settle: Callable[[], None]) -> PersistedState:
         """Every worker drops any partial step and loads the newest intact checkpoint;
         returns it (the caller replays ``since``). ``settle()`` first finishes a save in flight."""

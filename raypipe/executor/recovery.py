@@ -36,25 +36,34 @@ When a step raises :class:`~raypipe.errors.WorkersFailed`:
 Seeds depend only on (step, micro-batch, layer) and reductions run in a fixed
 order, so on the same layout the result is bitwise that of a run without
 failures. Each failure event counts against ``max_failures``.
+
+Which way a heal goes (raise, replace, shrink, re-partition, and the source of
+the state) is decided by :func:`raypipe.control.policy.decide_failure` from a
+frozen :class:`~raypipe.control.view.LayoutView` this module builds; this module
+carries the decisions out.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import ray
 
 from raypipe.config import PipelineConfig
+from raypipe.control.policy import (BELOW_MINIMUM, TOO_MANY_FAILURES, CopyFromSiblings, LoadCheckpoint, Raise,
+                                    Repartition, RestoreSnapshot, Shrink, WaitForRoom, decide_failure)
+from raypipe.control.view import FailedWorker, LayoutView, SnapshotView
 from raypipe.core.micro_batches import MicroBatches
+from raypipe.core.topology import Topology
 from raypipe.errors import PlacementError, RaypipeError, TooManyFailures, WorkersFailed
 from raypipe.executor.base import Executor, StepOutcome
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
 from raypipe.executor.persisted import PersistedCheckpoints
-from raypipe.executor.siblings import copy_from_siblings, find_siblings
-from raypipe.executor.snapshot import LoggedStep, Snapshot, holding, load_newest, whole_ones
+from raypipe.executor.siblings import copy_from_siblings, survivors_that_ended
+from raypipe.executor.snapshot import LoggedStep, Snapshot, holding, load_snapshot, replay_since, whole_ones
 from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
@@ -67,19 +76,45 @@ class Recovered:
     reasons: list[str]
     seconds: float
     replayed_steps: int
-    source: str  # where the replacements' state came from: "replica R" or "snapshot of step N"
+    # where the replacements' state came from: "replica R" or "snapshot of step N"; with a suffix
+    # " (replaced by spare S, ...)" when warm spares took the failed workers' places
+    source: str
+
+
+class LayoutOwner(Protocol):
+    """What a :class:`Recovery` needs of the one owner of the layout (the
+    :class:`~raypipe.control.controller.Controller`): the config in force, its
+    resizer and keeper, the layout changes a heal asks for, and word of each heal."""
+
+    config: PipelineConfig
+    resizer: Resizer | None  # an elastic run's: shrinks when a replacement cannot be placed
+    keeper: Any  # a SnapshotKeeper when workers run off the driver's node
+
+    def settle_saves(self) -> None: ...  # finishes a background save in flight
+
+    # starts the model on fewer stages when no whole pipeline can be placed: given the last step's reports
+    # and the heal's view, it measures the room, asks the policy how many stages, and starts them
+    def repartition(self, reports: list | None, view: LayoutView) -> None: ...
+
+    # a re-partitioned run's: at a step boundary, back to the configured stages when their workers are ready
+    def restore_partition(self) -> bool: ...
+
+    def heal_started(self, failure: WorkersFailed) -> None: ...
+
+    def settled(self, reason: str) -> None: ...  # a layout change (a grow) is over
 
 
 class Recovery:
     """Runs steps on ``executor``, healing :class:`WorkersFailed` as the policy allows.
 
-    ``on_replaced(indices)`` gives replaced workers what the trainer set up
-    after start (their datasets); ``on_recovered(Recovered)`` reports each heal.
+    ``owner`` owns the layout (see :class:`LayoutOwner`); ``on_replaced(indices)``
+    gives replaced workers what was set up after start (their datasets);
+    ``on_recovered(Recovered)`` reports each heal.
     """
 
-    def __init__(self, executor: Executor, config: PipelineConfig, on_replaced: Callable[[list[int]], None],
+    def __init__(self, executor: Executor, owner: LayoutOwner, on_replaced: Callable[[list[int]], None],
                  on_recovered: Callable[[Recovered], None]) -> None:
-        self.executor, self.config = executor, config
+        self.executor, self._owner = executor, owner
         self.on_replaced, self.on_recovered = on_replaced, on_recovered
         self.failures: list[str] = []  # each failure event, as the error named it
         self._snapshots: list[Snapshot] = []  # the newest last; the one before kept until a heal needs it
@@ -87,16 +122,22 @@ class Recovery:
         self._failed: dict[int, str] = {}  # workers to replace before the next step
         self._failed_since: float | None = None
         self._commits = 0  # the steps every worker's state had ended after the last step that returned
-        self.keeper: Any = None  # a SnapshotKeeper when workers run off the driver's node
         # the last resort: the newest checkpoint saved or loaded, and the steps since
-        self.persisted = PersistedCheckpoints(keep_batches=not config.snapshot_every)
-        self.settle_saves: Callable[[], None] = lambda: None  # finishes a background save in flight
-        self.resizer: Resizer | None = None  # an elastic run's: shrinks when a replacement cannot be placed
-        # starts the model on fewer stages when no whole pipeline can be placed (given the last step's reports)
-        self.repartition: Callable[[list | None], None] | None = None
-        # a re-partitioned run's: at a step boundary, back to the configured stages when their workers are ready
-        self.restore_partition: Callable[[], bool] = lambda: False
+        self.persisted = PersistedCheckpoints(keep_batches=not owner.config.snapshot_every)
         self._last_reports: list | None = None
+
+    @property
+    def config(self) -> PipelineConfig:
+        """The config in force (the owner's)."""
+        return self._owner.config
+
+    @property
+    def resizer(self) -> Resizer | None:
+        return self._owner.resizer
+
+    @property
+    def keeper(self) -> Any:
+        return self._owner.keeper
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self, step: int, first: bool = False, in_next_step: bool = False) -> None:
@@ -148,7 +189,7 @@ class Recovery:
                     self._heal()
                 elif self.resizer is not None:
                     self._grow()
-                elif self.restore_partition():
+                elif self._owner.restore_partition():
                     self._last_reports = None  # of the stages that went
                     self._snapshot_now()
                 self._take_due_snapshot()
@@ -157,12 +198,13 @@ class Recovery:
                 self._note(failure)
 
     def _grow(self) -> None:
-        """Admit a new replica when one is ready (the step boundary is the only time the
-        layout changes), and snapshot the grown group."""
+        """Admit a new replica when one is ready and the scaling policy says so (the step
+        boundary is the only time the layout changes), and snapshot the grown group."""
         new_ranks = self.resizer.poll()
         if new_ranks:
             self.resizer.resized(GROW, new_ranks)
             self._snapshot_now()
+            self._owner.settled("grew")
 
     def relaunch(self, launch: Callable[[], None]) -> str:
         """Between steps, another group in place of this one (``launch()``: stop the
@@ -236,14 +278,10 @@ class Recovery:
                        self.config.max_failures)
         group = self.executor.group
         failed = {self._index(worker): why for worker, why in failure.workers.items()}
-        if self.config.max_failures is not None and len(self.failures) > self.config.max_failures:
-            self.executor.usable = False
-            raise TooManyFailures(self.config.max_failures, self.failures) from failure
-        if not self._snapshots and not self._replicas_hold_copies() and not self.persisted:
-            self.executor.usable = False
-            raise RaypipeError(f"{failure}: snapshot_every=0 keeps no snapshot to heal from, and no checkpoint was "
-                               "saved or loaded to replay from; load_checkpoint resumes from the newest "
-                               "checkpoint") from failure
+        decision = decide_failure(self.view({**self._failed, **failed}))  # the survivors not asked yet
+        if isinstance(decision, Raise):
+            raise self._cannot_heal(decision, str(failure)) from failure
+        self._owner.heal_started(failure)
         group.kill(list(failed))
         failed.update(self.executor.drain(failed))
         self._failed.update(failed)
@@ -252,35 +290,72 @@ class Recovery:
         failed = sorted(self._failed)
         group = self.executor.group
         survivors = [actor for index, actor in enumerate(group.actors) if index not in failed]
-        siblings = self._siblings(failed)
-        if siblings is None and not self._snapshots and not self.persisted:
-            self.executor.usable = False
-            raise RaypipeError(f"{self.failures[-1]}: a surviving worker had ended the step, and snapshot_every=0 "
-                               "keeps no snapshot (nor was a checkpoint saved) to roll it back to; load_checkpoint "
-                               "resumes from the newest checkpoint")
+        ended = self._survivors_ended(failed)
+        decision = decide_failure(self.view(self._failed, survivors_ended_step=ended))
+        if isinstance(decision, Raise):
+            raise self._cannot_heal(decision, self.failures[-1])
+        spares: dict[int, str] = {}  # the failed workers whose place a warm spare took
         try:
-            group.replace(failed, self.config.replace_timeout_s)
+            spares = group.replace(failed, self.config.replace_timeout_s)
             resized = False
         except PlacementError as error:
-            if self.resizer is not None and self.resizer.can_shrink(error.unplaced):
-                failed, survivors = self._shrink(failed, error.unplaced)
-                siblings, resized = self._siblings(failed), True
-            elif self.repartition is not None and self._no_pipeline_left(error.unplaced):
-                return self._healed(*self._repartition(), failed=[])
+            view = self.view(self._failed, unplaced=error.unplaced)
+            decision = decide_failure(view)
+            if isinstance(decision, Shrink):
+                failed, survivors = self._shrink(failed, decision)
+                ended, resized = self._survivors_ended(failed), True
+            elif isinstance(decision, (Repartition, WaitForRoom)):  # fewer stages: the room decides how many
+                return self._healed(*self._repartition(view), failed=[])
             else:
-                self.executor.usable = False
-                if self.resizer is not None:
-                    raise self.resizer.below_minimum(error.unplaced) from error
-                raise
+                cannot = self._cannot_heal(decision, self.failures[-1], error)
+                if cannot is error:
+                    raise
+                raise cannot from error
         if resized:  # the new layout first: with ZeRO-1 each worker rebuilds for its new owners, then takes state
             self.executor.relayout(survivors)
-            replay, source = self._transfer_state(siblings, reshard=self.config.shard_optimizer)
+            replay, source = self._transfer_state(failed, ended, shrunk=True)
             self.resizer.resized(SHRINK, failed)
         else:
-            replay, source = self._transfer_state(siblings)
+            replay, source = self._transfer_state(failed, ended)
             self.executor.reconnect(survivors)
             self.on_replaced(failed)
+        if spares:
+            source += f" (replaced by {', '.join(spares[index] for index in sorted(spares))})"
         self._healed(replay, source, failed)
+
+    def view(self, failed: dict[int, str] | None = None, **facts: Any) -> LayoutView:
+        """The layout in force, the workers ``failed`` (rank: why) and what a heal can
+        restore from, with the decision point's ``facts``, for the policy."""
+        config, stages = self.config, self.config.num_stages
+        topology = Topology(stages, len(self.executor.group.actors) // stages)
+        return LayoutView(
+            num_stages=stages, replicas=topology.num_replicas,
+            min_replicas=config.min_replicas, max_replicas=config.max_replicas, elastic=self.resizer is not None,
+            shard_optimizer=config.shard_optimizer,
+            failed=tuple(FailedWorker(rank, *topology.coordinates(rank), why)
+                         for rank, why in sorted((failed or {}).items())),
+            failures=len(self.failures), max_failures=config.max_failures, snapshot_every=config.snapshot_every,
+            snapshots=tuple(SnapshotView(snapshot.step, True if snapshot.kept is None else snapshot.copied,
+                                         kept_off_node=snapshot.kept is not None) for snapshot in self._snapshots),
+            checkpoint_step=self.persisted.newest_step, can_repartition=True,
+            placement_timeout_s=config.placement_timeout_s, **facts)
+
+    def _survivors_ended(self, failed: list[int]) -> frozenset[int] | None:
+        """The survivors whose state ended the failed step (all of them when one does not
+        answer); None, without asking, when the replicas cannot hold copies anyway."""
+        actors = self.executor.group.actors
+        if len(actors) // self.config.num_stages < 2 or self.config.shard_optimizer:
+            return None
+        return survivors_that_ended(actors, failed, self._commits)
+
+    def _cannot_heal(self, decision: Raise, failure: str, placement: PlacementError | None = None) -> RaypipeError:
+        """The error that ends the run for the policy's ``decision``; the executor is unusable after it."""
+        self.executor.usable = False
+        if decision.reason == TOO_MANY_FAILURES:
+            return TooManyFailures(self.config.max_failures, self.failures)
+        if placement is not None:  # no room to replace, nor to shrink or re-partition
+            return self.resizer.below_minimum(placement.unplaced) if decision.reason == BELOW_MINIMUM else placement
+        return RaypipeError(f"{failure}: {decision.message}; load_checkpoint resumes from the newest checkpoint")
 
     def _healed(self, replay: list[LoggedStep], source: str, failed: list[int]) -> None:
         """Replay the steps since the state restored, snapshot, and report the heal."""
@@ -295,16 +370,12 @@ class Recovery:
                        seconds, [self._worker(index) for index in failed] or "none", source, len(replay))
         self.on_recovered(Recovered(reasons, seconds, len(replay), source))
 
-    def _no_pipeline_left(self, unplaced: tuple[int, ...]) -> bool:
-        """Whether every replica has a worker that cannot be placed."""
-        group = self.executor.group
-        return {group.spec(rank).replica for rank in unplaced} == {spec.replica for spec in group.specs}
-
-    def _repartition(self) -> tuple[list[LoggedStep], str]:
-        """One replica on fewer stages; its workers adopt the layers of the old stages'
+    def _repartition(self, view: LayoutView) -> tuple[list[LoggedStep], str]:
+        """One replica on fewer stages (as many as the policy picks for the room, ``view``
+        being what the heal knows); its workers adopt the layers of the old stages'
         newest whole snapshot (else the newest checkpoint), and the steps since are replayed."""
         old_stages = self.config.num_stages
-        self.repartition(self._last_reports)
+        self._owner.repartition(self._last_reports, view)
         self.on_replaced(list(range(len(self.executor.group.actors))))
         # every replica's snapshots with ZeRO-1 (each holds the optimizer part of the parameters it owned)
         needed = None if self.config.shard_optimizer else old_stages
@@ -318,70 +389,79 @@ class Recovery:
         return lambda refs, layers: [actor.adopt.remote(*holding(refs[:needed], layers[:needed], spec.layer_indices))
                                      for actor, spec in zip(group.actors, group.specs)]
 
-    def _transfer_state(self, siblings: dict[int, int] | None, reshard: bool = False
+    def _transfer_state(self, failed: list[int], ended: frozenset[int] | None, shrunk: bool = False
                         ) -> tuple[list[LoggedStep], str]:
-        """Give the replacements their state (from siblings, else roll every worker back;
-        ``reshard``: ZeRO-1 after a resize, every worker adopts the snapshots of its stage
-        in every replica of the old layout): the steps to replay, and where the state came from."""
-        if reshard:
-            actors, stages = self.executor.group.actors, self.config.num_stages
-            replay, source = self._restore(lambda refs, _: [actor.adopt.remote(*refs[rank % stages::stages])
-                                                            for rank, actor in enumerate(actors)], as_taken=True)
-            return replay, f"{source}, resharded"
-        if siblings is None:
-            return self._restore()
+        """Give the replacements ``failed`` their state from where the policy says (siblings
+        when no survivor ``ended`` the failed step, else every worker rolls back; ``shrunk``
+        with ZeRO-1: every worker adopts the snapshots of its stage in every replica of the
+        old layout): the steps to replay, and where the state came from."""
+        view = self.view(dict.fromkeys(failed, ""), survivors_ended_step=ended, replaced=True, shrunk=shrunk)
+        decision = decide_failure(view)
+        if not isinstance(decision, CopyFromSiblings):
+            if isinstance(decision, RestoreSnapshot) and decision.reshard:
+                actors, stages = self.executor.group.actors, self.config.num_stages
+                replay, source = self._restore(lambda refs, _: [actor.adopt.remote(*refs[rank % stages::stages])
+                                                                for rank, actor in enumerate(actors)],
+                                               as_taken=True, view=view)
+                return replay, f"{source}, resharded"
+            return self._restore(view=view)
+        siblings = dict(decision.sources)
         copy_from_siblings(self.executor.group.actors, siblings)
         if not siblings:  # a shrink dropped every failed worker's replica
             return [], "surviving replicas"
         num_stages = self.config.num_stages
         return [], "replica " + ", ".join(sorted({str(source // num_stages) for source in siblings.values()}))
 
-    def _shrink(self, failed: list[int], unplaced: tuple[int, ...]) -> tuple[list[int], list[Any]]:
-        """Drop the replicas whose replacements found no room (an elastic run); returns the
-        failed workers left (replaced) and the survivors, by their new ranks."""
-        kept = self.resizer.shrink(unplaced)
+    def _shrink(self, failed: list[int], decision: Shrink) -> tuple[list[int], list[Any]]:
+        """Drop the replicas the policy names (whose replacements found no room; an
+        elastic run); returns the failed workers left (replaced) and the survivors, by
+        their new ranks."""
+        kept = self.resizer.shrink(decision.drop_replicas)
         for snapshot in self._snapshots:
             snapshot.keep_only(kept)
         actors = self.executor.group.actors
         return ([rank for rank, old in enumerate(kept) if old in failed],
                 [actors[rank] for rank, old in enumerate(kept) if old not in failed])
 
-    def _replicas_hold_copies(self) -> bool:
-        """Whether the replicas of a stage hold the same state (its whole optimizer on each)."""
-        running = len(self.executor.group.actors) // self.config.num_stages
-        return running > 1 and not self.config.shard_optimizer
-
-    def _siblings(self, failed: list[int]) -> dict[int, int] | None:
-        """Survivors to copy the failed workers' state from (:func:`find_siblings`); None
-        when the replicas do not hold copies."""
-        if not self._replicas_hold_copies():
-            return None
-        return find_siblings(self.executor.group.actors, failed, self.config.num_stages, self._commits)
-
     def _restore(self, load: Callable[[list, list], list] | None = None, needed: int | None = None,
-                 as_taken: bool = False) -> tuple[list[LoggedStep], str]:
-        """Every worker back to the newest whole snapshot (an older one when a worker
-        died while the newest was being taken; the newest intact checkpoint when none
-        is left): the steps to replay since, and which state it was. ``load(refs,
-        layers)`` gives the workers a snapshot's states (of at least ``needed`` workers,
-        by current rank; ``as_taken``: of every worker snapshotted, in the order taken),
-        ``layers`` the global layers each held; default: each worker restores its own."""
+                 as_taken: bool = False, view: LayoutView | None = None) -> tuple[list[LoggedStep], str]:
+        """Every worker back to the state the policy picks: the newest snapshot, an older
+        one when a newer one was lost (a worker died while it was taken), the newest
+        intact checkpoint when none is left. Returns the steps to replay since, and which
+        state it was. ``load(refs, layers)`` gives the workers a snapshot's states (of at
+        least ``needed`` workers, by current rank; ``as_taken``: of every worker
+        snapshotted, in the order taken), ``layers`` the global layers each held; default:
+        each worker restores its own. ``view``: what the heal knows (default: the layout now)."""
         actors = self.executor.group.actors
         load = load or (lambda refs, _: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
-        restored, replay, lost = load_newest(self._snapshots, self.keeper, load, needed, as_taken)
-        if restored is not None:
-            return replay, f"snapshot of step {restored.step}"
-        if self.persisted:
-            if self._snapshots:
-                logger.warning("raypipe: every snapshot was lost (%s); healing from the newest checkpoint", lost)
-            try:
-                state = self.persisted.restore(actors, self.settle_saves)
-                return list(state.since), f"checkpoint of step {state.step}"
-            except RaypipeError as error:
-                lost = f"{lost}; {error}" if lost else str(error)
-        self.executor.usable = False
-        raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); load_checkpoint "
-                           "resumes from the newest persisted checkpoint")
+        view = replace(view or self.view(), replaced=True)
+        lost, lost_at, checkpoint_lost = "", set(), False
+        while True:
+            snapshots = tuple(replace(snapshot, lost=position in lost_at)
+                              for position, snapshot in enumerate(view.snapshots))
+            decision = decide_failure(replace(view, snapshots=snapshots, checkpoint_lost=checkpoint_lost))
+            if isinstance(decision, RestoreSnapshot):
+                position = max(position for position, snapshot in enumerate(snapshots)
+                               if snapshot.step == decision.step and not snapshot.lost)
+                why = load_snapshot(self._snapshots[position], self.keeper, load, needed, as_taken)
+                if why is None:
+                    if decision.older:
+                        logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
+                                       self._snapshots[-1].step, lost, decision.step)
+                    return replay_since(self._snapshots, position), f"snapshot of step {decision.step}"
+                lost, lost_at = lost or why, lost_at | {position}
+            elif isinstance(decision, LoadCheckpoint):
+                if self._snapshots:
+                    logger.warning("raypipe: every snapshot was lost (%s); healing from the newest checkpoint", lost)
+                try:
+                    state = self.persisted.restore(actors, self._owner.settle_saves)
+                    return list(state.since), f"checkpoint of step {state.step}"
+                except RaypipeError as error:
+                    lost, checkpoint_lost = (f"{lost}; {error}" if lost else str(error)), True
+            else:
+                self.executor.usable = False
+                raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); "
+                                   "load_checkpoint resumes from the newest persisted checkpoint")
 
     def _index(self, worker: tuple[int, int]) -> int:
         replica, stage = worker

@@ -9,23 +9,18 @@ from typing import Any
 import ray
 
 
-def find_siblings(actors: list[Any], failed: list[int], num_stages: int, commits: int) -> dict[int, int] | None:
-    """For each failed worker (by rank), a surviving worker of the same stage in another
-    replica to copy its state from; None when some stage has none, or when a survivor's
-    committed steps differ from ``commits`` (it ended the failed step: then only a
-    snapshot rolls every worker back alike)."""
+def survivors_that_ended(actors: list[Any], failed: list[int], commits: int) -> frozenset[int]:
+    """The surviving workers (by rank, not in ``failed``) whose committed steps differ
+    from ``commits``: they ended the failed step, so only a snapshot rolls every worker
+    back alike. Every survivor when one does not answer (another worker is failing: the
+    snapshot path finds out how). Which sibling to copy from is the failure policy's
+    choice (:func:`raypipe.control.policy.siblings`)."""
     alive = [index for index in range(len(actors)) if index not in failed]
-    sources = {}
-    for index in failed:
-        same_stage = [other for other in alive if other % num_stages == index % num_stages]
-        if not same_stage:
-            return None
-        sources[index] = same_stage[0]
     try:
         ended = ray.get([actors[index].committed_steps.remote() for index in alive])
-    except ray.exceptions.RayError:  # another worker is failing: the snapshot path finds out how
-        return None
-    return sources if all(count == commits for count in ended) else None
+    except ray.exceptions.RayError:
+        return frozenset(alive)
+    return frozenset(index for index, count in zip(alive, ended) if count != commits)
 
 
 def copy_from_siblings(actors: list[Any], sources: dict[int, int]) -> None:

@@ -1,6 +1,6 @@
 """What a heal restores and replays: a snapshot of every worker's state and the
 committed steps logged since it, which snapshots a heal may still need, and
-loading the newest that is left (see :mod:`raypipe.executor.recovery`)."""
+loading one (see :mod:`raypipe.executor.recovery`)."""
 from __future__ import annotations
 
 import logging
@@ -93,35 +93,30 @@ def whole_ones(snapshots: list[Snapshot]) -> list[Snapshot]:
     return snapshots
 
 
-def load_newest(snapshots: list[Snapshot], keeper: Any, load: Callable[[list, list], list], needed: int | None,
-                as_taken: bool) -> tuple[Snapshot | None, list[LoggedStep], str]:
-    """Give the workers the newest of ``snapshots`` that loads: ``load(refs, layers)``
-    with its workers' references, else the ``keeper``'s copies of them (an older
-    snapshot when a worker died while the newest was being taken). ``refs``: of at
-    least ``needed`` workers, by current rank (``as_taken``: every worker's, in the
-    order taken); ``layers``: the global layers each held. Returns the snapshot, the
-    steps to replay since it, and why a newer one did not load; (None, [], why) when none did."""
-    lost = ""
-    for position in range(len(snapshots) - 1, -1, -1):
-        snapshot = snapshots[position]
-        copies = ((snapshot.taken, snapshot.kept_copies(keeper, as_taken=True)) if as_taken
-                  else (snapshot.refs, snapshot.kept_copies(keeper)))
-        layers = (snapshot.layers if as_taken or not snapshot.layers
-                  else [snapshot.layers[taken_at] for taken_at in snapshot.taken_by])
-        for refs in copies:
-            if len(refs) < (needed or len(copies[0])):  # no copies kept
-                continue
-            try:
-                ray.get(load(refs, layers))
-                break
-            except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
-                lost = lost or str(error).strip().splitlines()[-1]
-        else:
+def load_snapshot(snapshot: Snapshot, keeper: Any, load: Callable[[list, list], list], needed: int | None,
+                  as_taken: bool) -> str | None:
+    """Give the workers ``snapshot``: ``load(refs, layers)`` with its workers' references,
+    else the ``keeper``'s copies of them. ``refs``: of at least ``needed`` workers, by
+    current rank (``as_taken``: every worker's, in the order taken); ``layers``: the
+    global layers each held. None when it loaded; else why not (lost with its worker or
+    node, no copy kept). Which snapshot to try is the failure policy's choice."""
+    lost = None
+    copies = ((snapshot.taken, snapshot.kept_copies(keeper, as_taken=True)) if as_taken
+              else (snapshot.refs, snapshot.kept_copies(keeper)))
+    layers = (snapshot.layers if as_taken or not snapshot.layers
+              else [snapshot.layers[taken_at] for taken_at in snapshot.taken_by])
+    for refs in copies:
+        if len(refs) < (needed or len(copies[0])):  # no copies kept
             continue
-        # replaying from an older snapshot runs the newer one's steps too
-        replay = [step for later in snapshots[position:] for step in later.since]
-        if position < len(snapshots) - 1:
-            logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
-                           snapshots[-1].step, lost, snapshot.step)
-        return snapshot, replay, lost
-    return None, [], lost
+        try:
+            ray.get(load(refs, layers))
+            return None
+        except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
+            lost = lost or str(error).strip().splitlines()[-1]
+    return lost or ""
+
+
+def replay_since(snapshots: list[Snapshot], position: int) -> list[LoggedStep]:
+    """The steps to replay after restoring ``snapshots[position]``: an older snapshot's
+    replay runs the newer ones' steps too."""
+    return [step for later in snapshots[position:] for step in later.since]

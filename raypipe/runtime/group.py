@@ -8,6 +8,8 @@ its business: executors drive them.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypipe.errors import PlacementError, RaypipeError
 from raypipe.runtime import cluster
+from raypipe.runtime.spares import Location, SparePool
 from raypipe.stage.spec import WorkerSpec
+
+logger = logging.getLogger("raypipe")
 
 
 @dataclass(frozen=True)
@@ -47,16 +52,24 @@ class NewReplica:
 
 class StageGroup:
     """Workers of ``actor_class``, one per spec; each replica's in its own PACK
-    placement group (bundle = stage)."""
+    placement group (bundle = stage), until a warm spare takes a failed worker's
+    place: that worker then runs in the spare's bundle (see :mod:`raypipe.runtime.spares`)."""
 
     def __init__(self, actor_class: Any, specs: list[WorkerSpec], bundle: dict[str, float],
-                 placement_timeout_s: float, placements: list[Any] | None = None) -> None:
-        """``placements``: one placement group per replica, already placed (else reserved here)."""
+                 placement_timeout_s: float, placements: list[Any] | None = None,
+                 spares: SparePool | None = None) -> None:
+        """``placements``: one placement group per replica, already placed (else reserved here).
+        ``spares``: the warm spares replacements come from first; None: the group starts the
+        config's ``spare_workers`` itself (and stops them at :meth:`shutdown`)."""
         self._actor_class, self._specs, self._bundle = actor_class, list(specs), bundle
         num_replicas = 1 + max(spec.replica for spec in specs)
         self._placements = placements or cluster.reserve(num_replicas, [bundle] * (len(specs) // num_replicas),
                                                          placement_timeout_s)
+        # where each worker runs: its replica's bundle of its stage, or a spare's bundle it took
+        self._where: list[Location] = [(self._placements[spec.replica], spec.stage) for spec in specs]
         self.actors: list[Any] = [self._create(index) for index in range(len(specs))]
+        self._owns_spares = spares is None
+        self.spares = spares if spares is not None else SparePool(actor_class, bundle, specs[0].config.spare_workers)
         self._ready: list[dict[str, Any]] = []
 
     def wait_ready(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
@@ -96,24 +109,50 @@ class StageGroup:
         for index in indices:
             _kill(self.actors[index])
 
-    def replace(self, indices: list[int], timeout_s: float | None = None) -> None:
-        """Kill workers ``indices`` (those still alive) and start new ones from their
-        specs, in the same bundles; waits until all are ready, or raises
-        :class:`PlacementError` after ``timeout_s`` (e.g. no node has room for
-        a bundle whose node was lost)."""
+    def replace(self, indices: list[int], timeout_s: float | None = None) -> dict[int, str]:
+        """Kill workers ``indices`` (those still alive) and put new ones built from their
+        specs in their place: a warm spare where one is up (it runs on in its bundle,
+        and a new spare starts in the freed one), else a new process in the same
+        bundle. Waits until all are ready, or raises :class:`PlacementError` after
+        ``timeout_s`` (e.g. no node has room for a bundle whose node was lost).
+        Returns which spare took each place (index: "spare N"), if any did."""
         self.kill(indices)
+        pings, taken, freed = {}, {}, []
         for index in indices:
-            self.actors[index] = self._create(index)
-        pings = {self.actors[index].ready.remote(): index for index in indices}
-        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
-        for ref in answered:
-            self._ready[pings[ref]] = ray.get(ref)
-        unplaced = sorted(index for ref, index in pings.items() if ref not in answered)
+            spare = self.spares.take()
+            if spare is None:
+                self.actors[index] = self._create(index)
+                pings[self.actors[index].ready.remote()] = index
+                continue
+            freed.append(self._where[index])
+            self._where[index], self.actors[index], taken[index] = spare.location, spare.actor, spare.name
+            pings[spare.actor.become.remote(self._specs[index])] = index
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pings:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=left)
+            if not answered:
+                break
+            for ref in answered:
+                index = pings.pop(ref)
+                try:
+                    self._ready[index] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    if index not in taken:
+                        raise
+                    # the spare died before it became the worker (e.g. with its node): a new process in its bundle
+                    logger.warning("raypipe: %s died taking a failed worker's place; starting a new process",
+                                   taken.pop(index))
+                    self.actors[index] = self._create(index)
+                    pings[self.actors[index].ready.remote()] = index
+        self.spares.start_in(freed)  # after the heal's critical path: the new spares start in the background
+        unplaced = sorted(pings.values())
         if unplaced:
             where = ", ".join(f"replica {self._specs[i].replica} stage {self._specs[i].stage}" for i in unplaced)
             raise PlacementError(f"could not place a replacement for {where} within {timeout_s:g}s "
                                  f"(replace_timeout_s): the cluster has {cluster.describe_available()} available",
                                  tuple(unplaced))
+        return taken
 
     def index_of(self, error: ray.exceptions.RayActorError) -> int | None:
         """Which worker a Ray actor error is about, if any of ours."""
@@ -137,9 +176,11 @@ class StageGroup:
         others keep their order. Returns the old ranks of the workers kept. Their
         specs still hold the old layout until :meth:`set_specs`."""
         kept = [index for index, spec in enumerate(self._specs) if spec.replica not in replicas]
-        self.kill([index for index in range(len(self._specs)) if index not in kept])
-        cluster.release([self._placements[replica] for replica in sorted(replicas)])
+        dropped = [index for index in range(len(self._specs)) if index not in kept]
+        self.kill(dropped)
+        self._give_up([self._placements[replica] for replica in sorted(replicas)], kept, dropped)
         self._placements = [group for replica, group in enumerate(self._placements) if replica not in replicas]
+        self._where = [self._where[index] for index in kept]
         self.actors = [self.actors[index] for index in kept]
         self._specs = [self._specs[index] for index in kept]
         self._ready = [self._ready[index] for index in kept]
@@ -156,8 +197,21 @@ class StageGroup:
         actors = [self._create_in(placement, spec) for spec in specs]
         return NewReplica(placement, list(specs), actors, [actor.ready.remote() for actor in actors])
 
+    def _give_up(self, placements: list[Any], kept: list[int], dropped: list[int]) -> None:
+        """Free the placement groups of dropped replicas, except one where a kept worker or a
+        spare still runs (a spare took its place, or started in a freed bundle): the pool
+        adopts that one. The dropped workers' bundles elsewhere may hold new spares."""
+        for group in placements:
+            if any(self._where[index][0] == group for index in kept) or self.spares.located_in(group):
+                free = [self._where[index][1] for index in dropped if self._where[index][0] == group]
+                self.spares.adopt(group, free)
+            else:
+                cluster.release([group])
+        self.spares.start_in([self._where[index] for index in dropped if self._where[index][0] not in placements])
+
     def admit(self, replica: NewReplica) -> None:
         """Make a started replica (whose workers are ready) the group's last."""
+        self._where += [(replica.placement, spec.stage) for spec in replica.specs]
         self._placements.append(replica.placement)
         self.actors += replica.actors
         self._specs += replica.specs
@@ -168,15 +222,22 @@ class StageGroup:
         for actor in self.actors:
             _kill(actor)
         self.actors = []
+        if self._owns_spares:
+            self.spares.shutdown()
+        else:  # a pool that outlives this group: spares it started in our bundles go with them, and
+            # the bundles of its own where our workers ran (having taken a spare's place) are its again
+            self.spares.forget(self._placements)
+            self.spares.start_in([where for where in self._where if where[0] not in self._placements])
         cluster.release(self._placements)
         self._placements = []
 
     def _create(self, index: int) -> Any:
-        spec = self._specs[index]
-        return self._create_in(self._placements[spec.replica], spec)
+        placement, bundle_index = self._where[index]
+        return self._create_in(placement, self._specs[index], bundle_index)
 
-    def _create_in(self, placement: Any, spec: WorkerSpec) -> Any:
-        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=spec.stage)
+    def _create_in(self, placement: Any, spec: WorkerSpec, bundle_index: int | None = None) -> Any:
+        bundle_index = spec.stage if bundle_index is None else bundle_index
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle_index)
         options = {"num_cpus": self._bundle["CPU"], "num_gpus": self._bundle.get("GPU", 0),
                    "scheduling_strategy": strategy, "max_restarts": 0}
         return self._actor_class.options(**options).remote(spec)

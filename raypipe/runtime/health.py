@@ -1,7 +1,8 @@
 """Is each worker alive and answering? Dead, unreachable and hung workers.
 
 Every stage worker answers :meth:`~raypipe.stage.worker.StageWorker.heartbeat`
-on a thread of its own (Ray concurrency group ``health``), so a worker busy in
+on a thread of its own (Ray concurrency group ``health``,
+:mod:`raypipe.runtime.actor_classes`), so a worker busy in
 a long step still answers; one that is stopped (SIGSTOP), wedged or cut off
 does not. A :class:`Watchdog` keeps one heartbeat in flight per worker and
 declares a worker hung when its heartbeat has stayed unanswered for
@@ -16,17 +17,7 @@ from typing import Any
 
 import ray
 
-from raypipe.stage.checkpoint_writer import CHECKPOINT_GROUP
-from raypipe.stage.worker import HEALTH_GROUP
-
 DIED, HUNG, UNREACHABLE = "died", "hung", "unreachable"
-
-
-def worker_actor_class(worker_class: type) -> Any:
-    """``worker_class`` as a Ray actor class whose heartbeats run on their own
-    thread, and its waits for background checkpoint writes on another; its other
-    methods run one at a time, in submission order."""
-    return ray.remote(concurrency_groups={HEALTH_GROUP: 1, CHECKPOINT_GROUP: 1})(worker_class)
 
 
 class Watchdog:

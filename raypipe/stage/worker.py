@@ -6,6 +6,7 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ray
@@ -21,21 +22,39 @@ from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
 from raypipe.stage.activations import ActivationStore
 from raypipe.stage.checkpointing import StageCheckpointing
+from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
-from raypipe.stage.measure import SavedTensorMeter, rss_bytes, storage_bytes, storage_pointers, tensor_bytes
+from raypipe.stage.device import stage_device
+from raypipe.stage.measure import (
+    SavedTensorMeter,
+    device_memory_bytes,
+    rss_bytes,
+    storage_bytes,
+    storage_pointers,
+    tensor_bytes,
+)
 from raypipe.stage.offload import Offloader
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.stage_op import stage_op
 from raypipe.stage.zero import Ownership
 
-HEALTH_GROUP = "health"  # the concurrency group (own thread) of heartbeats: answered even mid-step
-
 
 class StageWorker(StageCheckpointing):
     """One pipeline stage of one replica: its layers, optimizer and per-micro-batch ops."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec | None = None) -> None:
+        """Build stage ``spec``; None: a warm spare (:mod:`raypipe.runtime.spares`), the
+        process with torch imported and its device set up, holding nothing until :meth:`become`."""
+        if spec is None:
+            self.spec = None
+            self.ops_done = 0  # answers heartbeat()
+            device = stage_device(torch.cuda.is_available())  # the GPU Ray gave it, if any
+            if device.type == "cuda":  # its CUDA context is made now, not in a heal
+                torch.empty(1, device=device)
+            # what a first build imports lazily (torch's optimizers import dynamo, and it sympy): ~2 s on a CPU box
+            importlib.import_module("torch._dynamo")
+            return
         config = spec.config
         torch.set_num_threads(config.cpus_per_stage)
         self.spec, self.config = spec, config
@@ -43,7 +62,7 @@ class StageWorker(StageCheckpointing):
         self.replica = spec.replica
         self.layer_indices = list(spec.layer_indices)
         self.is_first, self.is_last = spec.is_first, spec.is_last
-        self.device = torch.device("cuda", torch.cuda.current_device()) if spec.use_gpu else torch.device("cpu")
+        self.device = stage_device(spec.use_gpu)  # on GPU: the one Ray assigned, made current
         self._build_model(spec)
         self.loss_fn = spec.loss_fn
         self.data = StageData(spec.loss_count_fn, spec.block, reads_inputs=self.is_first,
@@ -108,6 +127,14 @@ class StageWorker(StageCheckpointing):
         self.data.take_block(spec.block)
         self._last_micro_batch = len(spec.block) - 1
         self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
+
+    def become(self, spec: WorkerSpec) -> dict[str, Any]:
+        """A warm spare takes a failed worker's place: builds ``spec`` as a replacement
+        started from it would (its state then comes as a replacement's does); returns :meth:`ready`."""
+        if self.spec is not None:
+            raise RuntimeError(f"stage {self.stage_index} is no spare: it cannot become another worker")
+        self.__init__(spec)  # the actor class's own __init__ (a subclass's too), now with a spec
+        return self.ready()
 
     def ready(self) -> dict[str, Any]:
         """Once the layers are built: parameter count, device, and where this worker runs."""
@@ -383,12 +410,10 @@ class StageWorker(StageCheckpointing):
 
     def _stats(self, events: list[OpEvent]) -> StageStats:
         busy = sum(e.end - e.start for e in events if e.op in ("F", "B"))
-        cuda = self.device.type == "cuda"
         return StageStats(
             stage=self.stage_index, replica=self.replica, busy_seconds=busy,
             held_for_backward_bytes=self.store.peak_held_bytes,
             offloaded_bytes=self.store.peak_offloaded_bytes,
-            device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else None,
-            device_peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            **device_memory_bytes(self.device),  # allocated, peak and reserved (None each on a CPU)
             rss_bytes=rss_bytes(), optimizer_bytes=self._optimizer_bytes(), weights_bytes=self._weights_bytes,
             learning_rate=self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)

@@ -130,3 +130,41 @@ def test_keep_last_keeps_only_the_newest_checkpoints(ray_cluster, tmp_path):
         assert list_checkpoints(tmp_path) == [2, 3]
         with pytest.raises(ValueError, match="keep_last"):
             trainer.save_checkpoint(tmp_path / "other", keep_last=0)
+
+
+def test_a_checkpoint_of_another_model_names_the_stage_layer_and_tensor(ray_cluster, tmp_path, caplog):
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, balance=[3, 4])
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
+        step = trainer.save_checkpoint(tmp_path)
+    other_head = make_mlp(seed=1)
+    other_head[6] = nn.Linear(16, 5)  # stage 1's last layer: (5, 16) where the checkpoint has (4, 16)
+    with raypipe.PipelineTrainer(other_head, nn.functional.mse_loss, adamw, config) as trainer:
+        before = trainer.state_dict()
+        with caplog.at_level("WARNING", logger="raypipe"):
+            with pytest.raises(raypipe.CheckpointError) as error:
+                trainer.load_checkpoint(tmp_path)  # the newest: intact files of another model, no fallback
+        assert str(error.value).splitlines()[0] == (
+            f"stage 1 (layers 3–6): layer 6 'weight' is (4, 16) in the checkpoint, (5, 16) in the model "
+            f"(checkpoint {tmp_path} step {step}; is it of another model?)")
+        assert "damaged" not in caplog.text
+        # the stage that found the misfit changed nothing (stage 0, which fits, loaded its layers)
+        stage_1 = [key for key in before if int(key.split(".")[0]) >= 3]
+        assert_parameters_match({key: trainer.state_dict()[key] for key in stage_1},
+                                {key: before[key] for key in stage_1}, rtol=0, atol=0)
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
+    with raypipe.PipelineTrainer(make_mlp()[:5], nn.functional.mse_loss, adamw, config) as trainer:
+        with pytest.raises(raypipe.CheckpointError, match=r"^the model \(5 layers\): the checkpoint holds 7 layers"):
+            trainer.load_checkpoint(tmp_path, step=step)
+
+
+def test_layer_misfit_names_a_missing_an_unexpected_and_a_misshapen_tensor():
+    from raypipe.stage.checkpointing import layer_misfit, stage_and_layers
+
+    model = {"weight": torch.zeros(3, 2), "bias": torch.zeros(3)}
+    assert layer_misfit(4, model, {"weight": torch.ones(3, 2), "bias": torch.ones(3)}) is None
+    assert layer_misfit(4, model, {"weight": torch.ones(3, 2)}) == "layer 4 'bias' is in the model, not in the checkpoint"
+    assert layer_misfit(4, model, {**model, "scale": torch.ones(1), "shift": torch.ones(1)}) == (
+        "layer 4 'scale' is in the checkpoint, not in the model (and 1 more)")
+    assert layer_misfit(4, model, {"weight": torch.ones(2, 2), "bias": torch.ones(3)}) == (
+        "layer 4 'weight' is (2, 2) in the checkpoint, (3, 2) in the model")
+    assert (stage_and_layers(1, [3, 4, 5]), stage_and_layers(0, [0])) == ("stage 1 (layers 3–5)", "stage 0 (layer 0)")

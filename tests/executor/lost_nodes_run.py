@@ -9,7 +9,8 @@ nodes) serves all three, so the suite starts one cluster instead of three:
    lost with no room for a replacement (the run shrinks), then a node is added
    (it grows back). Four nodes are alive afterwards. Then the same with ZeRO-1.
 2. node_loss_run.py: two stages and spare nodes; stage 1's node is lost while
-   the keeper of snapshots lags, and the stage moves to a spare node.
+   the keeper of snapshots lags, and the stage moves to a spare node (under
+   NCCL's emulation: the suite's node loss under it).
 3. repartition_run.py: one node of the three left is removed first, so an
    elastic run's one replica of two stages fills the last two; stage 1's node
    is then lost with no spare, and the model is re-partitioned onto the one
@@ -39,7 +40,8 @@ def lose_every_node(cluster: Cluster) -> dict:
     record = {"elastic": elastic_run.train(cluster)}
     record["elastic"]["alive_nodes"] = alive_nodes()
     record["elastic_zero1"] = elastic_run.train(cluster, shard_optimizer=True)
-    record["node_loss"] = {"uninterrupted": node_loss_run.train(None), "lost": node_loss_run.train(cluster)}
+    record["node_loss"] = {"uninterrupted": node_loss_run.train(None),  # on gloo; the loss under NCCL's emulation
+                           "lost": node_loss_run.train(cluster, emulate_nccl=True)}
     record["node_loss"]["alive_nodes"] = alive_nodes()
     workers = [node for node in record["node_loss"]["alive_nodes"] if node != cluster.head_node.node_id]
     remove_node(cluster, workers[0])  # of the three worker nodes left: two stages on two, no spare

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 import raypipe
+from raypipe.checkpoint.hf_export import export_checkpoint
 from raypipe.core.partition import stage_layer_ranges
-from raypipe.models.hf.export import export_checkpoint
 from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
 from raypipe.planning.memory import estimate_stage
 from tests.reference import adamw, assert_bitwise_equal, assert_parameters_match

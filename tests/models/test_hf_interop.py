@@ -3,6 +3,7 @@ LlamaForCausalLM saved in several safetensors shards is imported, trained in a
 2-stage pipeline, exported and loaded back."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -13,7 +14,8 @@ import transformers
 import raypipe
 from raypipe.cli import main as cli_main
 from raypipe.errors import ConfigError
-from raypipe.models.llama import from_pretrained, llama_loss
+from raypipe.models.hf import from_pretrained
+from raypipe.models.llama import llama_loss
 from raypipe.run import RunConfig, llama_count_tokens, train
 from tests.data.test_hf_tokenizer import stdlib_slice, train_tokenizer
 
@@ -73,28 +75,135 @@ def test_import_train_export_matches_transformers(ray_cluster, tmp_path, rope_sc
     tokens = rows()
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
-    layers = from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)
+    layers = from_pretrained(tmp_path / "hf")  # rotary tables for max_position_embeddings, one per stage
     with raypipe.PipelineTrainer(layers, llama_loss, adamw, config, loss_count_fn=llama_count_tokens) as trainer:
         before = trainer.evaluate(tokens[:, :-1], tokens[:, 1:])
         assert relative(before, hf_loss(source, tokens)) < 1e-5
         losses = [trainer.step(tokens[:, :-1], tokens[:, 1:]).loss for _ in range(3)]
         assert relative(losses[0], before) < 1e-6 and losses[-1] < losses[0] - 0.05  # it trained
         after = trainer.evaluate(tokens[:, :-1], tokens[:, 1:])
-        trainer.export_hf(tmp_path / "out", dtype="fp32")
+        trainer.export_hf(tmp_path / "out")  # default: as trained, the fp32 main weights
         trained = trainer.state_dict()
         trainer.save_checkpoint(tmp_path / "ckpt")
-    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    assert exported.config.tie_word_embeddings is False
-    assert relative(hf_loss(exported, tokens), after) < 1e-5
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()  # dtype "auto": the config's
+    assert exported.config.tie_word_embeddings is False and exported.lm_head.weight.dtype == torch.float32
+    assert relative(hf_loss(exported, tokens), after) < 1e-6
     assert torch.equal(exported.model.layers[1].self_attn.k_proj.weight, trained["2.attention.wk.weight"])
+    # the CLI's default is the same: the checkpoint's fp32 main weights, recorded as such
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "as-trained")]) == 0
+    assert json.loads((tmp_path / "as-trained/config.json").read_text())["dtype"] == "float32"
+    assert torch.equal(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "as-trained").lm_head.weight,
+                       trained["4.output.weight"])
     # the CLI converts the checkpoint the trainer saved, here in bf16
     assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--step", "3",
                      "--out", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
-    from_checkpoint = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16/config.json").read_text())["dtype"] == "bfloat16"
+    from_checkpoint = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16")
     assert from_checkpoint.lm_head.weight.dtype == torch.bfloat16
     assert torch.equal(from_checkpoint.lm_head.weight, trained["4.output.weight"].bfloat16())
     index = json.loads((tmp_path / "bf16/model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == [f"model-0000{k}-of-00005.safetensors" for k in range(1, 6)]
+
+
+def export_locally(layers, out, dtype=None):
+    """What ``export_hf`` and ``raypipe export`` run, without a trainer: each built layer's
+    state written as its shard, then the index and config. Returns the modules."""
+    from raypipe.models.hf.export import describe_llama, prepare_output, write_index_and_config, write_layer_shard
+
+    modules = [layer.build() for layer in layers]
+    prepare_output(str(out))
+    shards = [write_layer_shard(str(out), index, len(modules) - 2, module.state_dict(), dtype)
+              for index, module in enumerate(modules)]
+    write_index_and_config(str(out), describe_llama(layers), dtype, shards)
+    return modules
+
+
+def raypipe_loss(modules, tokens: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(llama_loss(torch.nn.Sequential(*modules)(tokens[:, :-1]), tokens[:, 1:]))
+
+
+def test_export_defaults_to_the_trained_fp32_weights_and_reloads_to_the_same_loss(tmp_path):
+    """With no dtype asked, the files hold the fp32 main weights and config.json says float32, so
+    transformers' default (dtype "auto": the config's) computes what raypipe did; bf16 only when
+    asked: half the bytes, config bfloat16, and a loss that moved."""
+    save(hf_model(), tmp_path / "hf")
+    layers = from_pretrained(tmp_path / "hf")
+    tokens = rows()
+    modules = export_locally(layers, tmp_path / "fp32")
+    config = json.loads((tmp_path / "fp32/config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "float32"
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "fp32").eval()  # no dtype: as recorded
+    assert reloaded.lm_head.weight.dtype == torch.float32
+    assert torch.equal(reloaded.model.layers[2].mlp.up_proj.weight, modules[3].feed_forward.w3.weight)
+    trained = raypipe_loss(modules, tokens)
+    assert relative(hf_loss(reloaded, tokens), trained) < 1e-6
+    n_parameters = sum(p.numel() for m in modules for p in m.parameters())
+    size = json.loads((tmp_path / "fp32/model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert size == 4 * n_parameters
+
+    export_locally(layers, tmp_path / "bf16", dtype="bf16")
+    config = json.loads((tmp_path / "bf16/config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    halved = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16").eval()
+    assert halved.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(halved.lm_head.weight, modules[-1].output.weight.bfloat16())
+    assert json.loads((tmp_path / "bf16/model.safetensors.index.json").read_text())["metadata"]["total_size"] \
+        == 2 * n_parameters
+    # the rounding alone moves the loss (the weights evaluated in fp32) by far more than 1e-6
+    assert relative(hf_loss(halved.float(), tokens), trained) > 1e-6
+
+
+def test_export_as_trained_refuses_mixed_dtypes(tmp_path):
+    from raypipe.models.hf.export import write_index_and_config
+
+    save(hf_model(), tmp_path / "hf")
+    layers = from_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="trained in different dtypes"):
+        write_index_and_config(str(tmp_path), {"llama_config": dataclasses.asdict(layers[0].args[0])}, None,
+                               [{"file": f"model-0000{k + 1}-of-00005.safetensors", "tensors": [], "bytes": 0,
+                                 "dtype": "float32" if k else "bfloat16"} for k in range(5)])
+
+
+def test_from_pretrained_without_max_seq_len_shares_one_rotary_table_per_stage(tmp_path, monkeypatch):
+    """Tables for max_position_embeddings (64 here), built once and shared by every block
+    (not buffers: nothing in the state dict, nothing a checkpoint saves); results bitwise
+    those of tables sized by max_seq_len."""
+    import raypipe.models.llama as llama
+    from raypipe.executor.per_step_worker import _saves_buffers
+
+    source = hf_model()
+    save(source, tmp_path / "hf")
+    layers = from_pretrained(tmp_path / "hf")
+    assert layers[0].args[0].max_seq_len == 64
+    llama.clear_shared_rotary_tables()
+    built = []
+    real = llama.rotary_tables
+    monkeypatch.setattr(llama, "rotary_tables", lambda *a, **k: built.append(a) or real(*a, **k))
+    stage = torch.nn.ModuleList(layer.build() for layer in layers)
+    tokens = rows()
+    with torch.no_grad():
+        logits = torch.nn.Sequential(*stage)(tokens[:, :-1])
+    blocks = [module.attention for module in stage[1:-1]]
+    assert len(built) == 1 and built[0][:2] == (16, 64)  # head_dim, positions: one table for the stage
+    assert all(block.rope_cos is blocks[0].rope_cos and block.rope_sin is blocks[0].rope_sin for block in blocks)
+    assert blocks[0].rope_cos.shape == (64, 8)
+    assert not _saves_buffers(stage) and not any("rope" in key for key in stage.state_dict())
+    assert relative(float(llama_loss(logits, tokens[:, 1:])), hf_loss(source, tokens)) < 1e-5
+    sized = torch.nn.Sequential(*(layer.build() for layer in from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)))
+    assert sized[1].attention.rope_cos.shape == (SEQ_LEN, 8)  # smaller tables when asked
+    with torch.no_grad():
+        assert torch.equal(sized(tokens[:, :-1]), logits)
+
+
+def test_from_pretrained_without_max_position_embeddings_asks_for_max_seq_len(tmp_path):
+    save(hf_model(), tmp_path / "hf")
+    path = tmp_path / "hf/config.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items()
+                                if k != "max_position_embeddings"}))
+    with pytest.raises(ConfigError, match="config.json max_position_embeddings.*pass max_seq_len"):
+        from_pretrained(tmp_path / "hf")
+    assert from_pretrained(tmp_path / "hf", max_seq_len=SEQ_LEN)[0].args[0].max_seq_len == SEQ_LEN
 
 
 def test_exported_llama3_config_keeps_the_scaling(tmp_path):
@@ -260,3 +369,8 @@ def test_train_7b_flags_reach_the_run_config(capsys):
     with pytest.raises(SystemExit):
         job["parse_args"](["--preset", "tiny", "--untie-embeddings"])
     assert "--untie-embeddings only applies with --init-from" in capsys.readouterr().err
+
+
+def test_from_pretrained_is_the_hf_packages_and_its_old_path_says_so():
+    with pytest.raises(ImportError, match=r"^raypipe.models.llama.from_pretrained is now raypipe.models.hf.from_pretrained"):
+        from raypipe.models.llama import from_pretrained as old  # noqa: F401

@@ -12,8 +12,9 @@ import ray
 
 import raypipe
 from raypipe.comm.call_socket import AnswersCalls
+from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
-from raypipe.runtime.health import HUNG, Watchdog, worker_actor_class
+from raypipe.runtime.health import HUNG, Watchdog
 
 
 class Echo(AnswersCalls):

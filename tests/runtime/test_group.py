@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import raypipe
+from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.group import StageGroup
-from raypipe.runtime.health import worker_actor_class
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
 

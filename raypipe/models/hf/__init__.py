@@ -1,8 +1,8 @@
 """Hugging Face LLaMA checkpoints: import as pipeline layers, export back.
 
-``from_pretrained(path, max_seq_len=...)`` gives the layers of a safetensors
+``from_pretrained(path)`` gives the layers of a safetensors
 LLaMA (local directory, ``s3://`` or ``gs://``), each loading its own weights
-inside its stage actor. :func:`~raypipe.models.hf.export.export_checkpoint`
+inside its stage actor. :func:`~raypipe.checkpoint.hf_export.export_checkpoint`
 and ``PipelineTrainer.export_hf`` write a directory ``transformers`` loads.
 
 Tied embeddings (``tie_word_embeddings: true``, e.g. Llama 3.2 1B/3B) are not
@@ -20,13 +20,19 @@ from raypipe.models.hf.weights import CONFIG, PretrainedLayer, read_json, weight
 from raypipe.models.llama import llama_layers
 
 
-def from_pretrained(uri: str | Path, max_seq_len: int, untie_embeddings: bool = False) -> list[PretrainedLayer]:
+def from_pretrained(uri: str | Path, max_seq_len: int | None = None,
+                    untie_embeddings: bool = False) -> list[PretrainedLayer]:
     """A Hugging Face LLaMA directory as pipeline layers (embedding, blocks, head), weights loaded in the stages.
 
-    ``max_seq_len`` is the run's longest sequence: it sizes the rotary tables
-    (``max_position_embeddings`` can be 131072). Unsupported ``config.json``
-    fields raise a ConfigError naming them; ``tie_word_embeddings: true`` too,
-    unless ``untie_embeddings`` (the head then starts as a copy of the embedding).
+    ``max_seq_len``: the longest sequence the model will see (longer ones are refused);
+    None: the checkpoint's ``max_position_embeddings``. It sizes the rotary tables, which
+    each stage builds once, on first use, and shares among its blocks (at 131072 positions
+    and head_dim 128, 64 MiB of fp32 cos and sin per stage); a smaller ``max_seq_len``
+    makes them smaller. The layers' costs (``PipelineConfig(balance="time")``) are for
+    ``max_seq_len``-token sequences; :func:`raypipe.models.llama_costs.with_llama_costs`
+    re-costs them for the run's. Unsupported ``config.json`` fields raise a ConfigError
+    naming them; ``tie_word_embeddings: true`` too, unless ``untie_embeddings`` (the head
+    then starts as a copy of the embedding).
     """
     uri = str(uri)
     hf = read_json(uri, CONFIG)

@@ -15,15 +15,22 @@ from raypipe.models.llama import LLAMA3_ROPE_KEYS, LlamaConfig
 _ARCHITECTURE = "LlamaForCausalLM"
 
 
-def llama_config_from_hf(hf: dict[str, Any], max_seq_len: int, untie_embeddings: bool = False) -> LlamaConfig:
+def llama_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None,
+                         untie_embeddings: bool = False) -> LlamaConfig:
     """The :class:`LlamaConfig` of a Hugging Face LLaMA ``config.json`` (as a dict).
 
-    ``max_seq_len`` sizes the rotary tables for the run (not ``max_position_embeddings``).
+    ``max_seq_len``: the longest sequence the model will see, sizing the rotary tables;
+    None: the checkpoint's ``max_position_embeddings``.
     ``tie_word_embeddings: true`` is refused unless ``untie_embeddings``.
     """
     check_supported(hf, untie_embeddings)
-    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
-        raise ConfigError("max_seq_len", max_seq_len, "must be an int >= 1 (the run's sequence length)")
+    if max_seq_len is None:
+        max_seq_len = hf.get("max_position_embeddings")
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
+            _refuse("max_position_embeddings", max_seq_len,
+                    "must be an int >= 1 to size the rotary tables (or pass max_seq_len)")
+    elif not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
+        raise ConfigError("max_seq_len", max_seq_len, "must be None or an int >= 1 (the longest sequence)")
     rope = _rope_parameters(hf)
     return LlamaConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
@@ -68,14 +75,16 @@ def check_supported(hf: dict[str, Any], untie_embeddings: bool = False) -> None:
 def hf_config_from_llama(config: LlamaConfig, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` for ``config``: ``base`` (the imported checkpoint's, if any) with every field
     that describes the weights overwritten; embeddings are written untied."""
-    hf = {key: value for key, value in (base or {}).items() if key not in ("rope_parameters", "torch_dtype")}
+    hf = {key: value for key, value in (base or {}).items() if key != "rope_parameters"}
     hf.update({
         "architectures": [_ARCHITECTURE], "model_type": "llama", "vocab_size": config.vocab_size,
         "hidden_size": config.dim, "intermediate_size": config.ffn_dim, "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads, "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "tie_word_embeddings": False, "dtype": dtype,
+        # the weights' dtype: transformers 5 reads "dtype" (and, if absent, "torch_dtype"),
+        # transformers 4 and other readers "torch_dtype"
+        "tie_word_embeddings": False, "dtype": dtype, "torch_dtype": dtype,
         "max_position_embeddings": max(config.max_seq_len, (base or {}).get("max_position_embeddings", 0)),
     })
     scaling = None if config.rope_scaling is None else {"rope_type": "llama3", **config.rope_scaling}

@@ -3,8 +3,18 @@
 ``model.safetensors.index.json``.
 
 Shards are written where the weights are (each stage its own layers, in
-parallel; or layer by layer from a checkpoint); the index and config, written
-last from what the writers return, make the directory complete.
+parallel; or layer by layer from a checkpoint, :mod:`raypipe.checkpoint.hf_export`);
+the index and config, written last from what the writers return, make the
+directory complete.
+
+The dtype: by default (``dtype=None``) the weights as they are trained, i.e. the
+fp32 main weights of every precision setting, so the export computes exactly what
+the trainer did; "bf16" or "fp16" when asked, half the files' size (an fp32 export
+is twice a bf16 one: 4 bytes per parameter, ~27 GB for a 7B model), rounding each
+weight, so an fp32-trained model's loss moves (the tests' tiny LLaMA: 1.9e-4 relative
+from the rounding, 3.4e-4 as transformers loads it, in bf16). ``config.json`` records
+the dtype written (``dtype`` and ``torch_dtype``), which transformers' default
+``dtype="auto"`` loads the weights in.
 """
 from __future__ import annotations
 
@@ -37,10 +47,15 @@ def describe_llama(layers: Sequence[Any]) -> dict[str, Any] | None:
     return {"llama_config": llama_config_to_dict(config), "hf_config": getattr(layers[0], "hf_config", None)}
 
 
-def check_dtype(dtype: str) -> str:
-    if dtype not in DTYPES:
-        raise ValueError(f"export dtype {dtype!r}: must be one of {sorted(DTYPES)}")
+def check_dtype(dtype: str | None) -> str | None:
+    """``dtype`` if an export can write it: a name of :data:`DTYPES`, or None (as trained)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: must be one of {sorted(DTYPES)} or None (as trained)")
     return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # torch.float32 -> "float32", as config.json spells it
 
 
 def prepare_output(out_uri: str) -> None:
@@ -53,24 +68,36 @@ def prepare_output(out_uri: str) -> None:
 
 
 def write_layer_shard(out_uri: str, layer_index: int, n_blocks: int, state: dict[str, torch.Tensor],
-                      dtype: str) -> dict[str, Any]:
-    """Write pipeline layer ``layer_index``'s tensors, renamed and cast, as its own shard;
-    returns ``{"file", "tensors", "bytes"}`` for the index."""
+                      dtype: str | None = None) -> dict[str, Any]:
+    """Write pipeline layer ``layer_index``'s tensors, renamed, as its own shard: cast to
+    ``dtype``, or as they are (None); returns ``{"file", "tensors", "bytes", "dtype"}``
+    for the index and config ("dtype": the floating-point tensors' dtype as written)."""
     from safetensors.torch import save
 
-    torch_dtype = DTYPES[check_dtype(dtype)][0]
+    check_dtype(dtype)
     names = hf_names(layer_index, n_blocks)
-    tensors = {names[key]: value.detach().to("cpu", torch_dtype).contiguous() for key, value in state.items()}
+    if dtype is None:
+        tensors = {names[key]: value.detach().to("cpu").contiguous() for key, value in state.items()}
+    else:
+        tensors = {names[key]: value.detach().to("cpu", DTYPES[dtype][0]).contiguous()
+                   for key, value in state.items()}
+    written = {_dtype_name(tensor.dtype) for tensor in tensors.values() if tensor.is_floating_point()}
+    if len(written) > 1:
+        raise ValueError(f"pipeline layer {layer_index} holds weights of several dtypes {sorted(written)}: "
+                         "export it with one dtype (dtype='fp32', 'bf16' or 'fp16')")
     file = shard_file_name(layer_index, n_blocks + 2)
     filesystem, out = filesystem_for(out_uri)
     with filesystem.open_output_stream(f"{out}/{file}") as stream:
         stream.write(save(tensors, metadata={"format": "pt"}))
-    return {"file": file, "tensors": sorted(tensors),
+    return {"file": file, "tensors": sorted(tensors), "dtype": next(iter(written), None),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
-def write_index_and_config(out_uri: str, model: dict[str, Any], dtype: str, shards: list[dict[str, Any]]) -> None:
-    """Complete the export: the index of every tensor's shard, then ``config.json``."""
+def write_index_and_config(out_uri: str, model: dict[str, Any], dtype: str | None,
+                           shards: list[dict[str, Any]]) -> str:
+    """Complete the export: the index of every tensor's shard, then ``config.json``
+    recording the weights' dtype (``dtype``'s, or with None the one the shards were
+    written in); returns that dtype's name ("float32", "bfloat16", "float16")."""
     config = llama_config_from_dict(model["llama_config"])
     expected = {shard_file_name(index, config.n_layers + 2) for index in range(config.n_layers + 2)}
     written = {shard["file"] for shard in shards}
@@ -78,29 +105,14 @@ def write_index_and_config(out_uri: str, model: dict[str, Any], dtype: str, shar
         raise RuntimeError(f"export to {out_uri} is incomplete: missing shards {sorted(expected - written)}")
     index = {"metadata": {"total_size": sum(shard["bytes"] for shard in shards)},
              "weight_map": {name: shard["file"] for shard in shards for name in shard["tensors"]}}
-    hf = hf_config_from_llama(config, DTYPES[dtype][1], model.get("hf_config"))
+    written_dtypes = {shard.get("dtype") for shard in shards} - {None}
+    if dtype is None and len(written_dtypes) != 1:
+        raise ValueError(f"export to {out_uri}: the layers were trained in different dtypes "
+                         f"{sorted(written_dtypes)}; export with one dtype ('fp32', 'bf16' or 'fp16')")
+    dtype_name = DTYPES[dtype][1] if dtype is not None else written_dtypes.pop()
+    hf = hf_config_from_llama(config, dtype_name, model.get("hf_config"))
     filesystem, out = filesystem_for(out_uri)
     for name, content in ((INDEX, index), (CONFIG, hf)):
         with filesystem.open_output_stream(f"{out}/{name}") as stream:
             stream.write((json.dumps(content, indent=2, sort_keys=True) + "\n").encode())
-
-
-def export_checkpoint(root_uri: str, step: int, out_uri: str, dtype: str = "bf16") -> str:
-    """Convert raypipe checkpoint ``step`` under ``root_uri`` (of a LLaMA) into a Hugging Face
-    directory at ``out_uri``, one layer in memory at a time; returns ``out_uri``."""
-    from raypipe.checkpoint.parts import merged_model, read_layer_parts
-    from raypipe.checkpoint.store import read_manifest
-
-    check_dtype(dtype)
-    extra = read_manifest(root_uri, step).get("extra", {})
-    model = extra.get("model")
-    if not model or "llama_config" not in model:
-        raise ValueError(f"checkpoint step {step} under {root_uri} does not record a LLaMA model config "
-                         "(it was not written by a trainer of llama_layers or from_pretrained)")
-    n_blocks = model["llama_config"]["n_layers"]
-    prepare_output(out_uri)
-    parts = extra.get("optimizer_parts", 1)  # ZeRO-1 in bf16: each part holds its owner's main weights
-    shards = [write_layer_shard(out_uri, index, n_blocks, merged_model(read_layer_parts(root_uri, step, index, parts)),
-                                dtype) for index in range(n_blocks + 2)]
-    write_index_and_config(out_uri, model, dtype, shards)
-    return out_uri
+    return dtype_name
