@@ -55,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from raypipe.config import (activation_arguments, add_activation_arguments, max_replicas,  # noqa: E402
-                            parse_replicas, replicas_for_config)
+                            parse_balance, parse_replicas, replicas_for_config)
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
 from raypipe.run import RunConfig, dataset_path, train  # noqa: E402
@@ -116,6 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state "
                              "(and in bf16 of the fp32 main weights); an elastic run re-assigns it at each resize")
+    parser.add_argument("--balance", type=parse_balance, default="parameters", metavar="parameters|time|N,N,...",
+                        help="how layers are split into stages: 'parameters' (equal parameter counts), 'time' "
+                             "(equal predicted compute: the LLaMA layers' flops at --seq-len), or layers per stage "
+                             "like 3,3,2 (default: parameters)")
     parser.add_argument("--keep-last", type=int, default=None, metavar="K",
                         help="keep only the newest K checkpoints (default: all)")
     parser.add_argument("--max-failures", type=int, default=3,
@@ -128,6 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replace-timeout", type=float, default=60.0,
                         help="seconds to wait for the resources of a replacement worker, e.g. while Ray declares a "
                              "lost node dead and the autoscaler adds one (default: 60)")
+    parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
+                        help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
+                             "place is taken by one instead of a process started then (a faster heal); never an "
+                             "extra replica (default: 0)")
     parser.add_argument("--micro-batches", type=int,
                         help="micro-batches per optimizer step and replica; elastic: per replica of MAX (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
@@ -193,6 +201,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     max_seq_len = get_config(args.model).max_seq_len
     if args.init_from is None and args.seq_len > max_seq_len:
         parser.error(f"--seq-len {args.seq_len} exceeds the max_seq_len of {args.model} ({max_seq_len})")
+    if isinstance(args.balance, list) and len(args.balance) != args.stages:
+        parser.error(f"--balance {','.join(map(str, args.balance))} needs one entry per stage (--stages {args.stages})")
     if args.untie_embeddings and args.init_from is None:
         parser.error("--untie-embeddings only applies with --init-from")
     if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
@@ -201,6 +211,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--placement-timeout must be > 0 seconds, got {args.placement_timeout}")
     if args.keep_last is not None and args.keep_last < 1:
         parser.error(f"--keep-last must be >= 1, got {args.keep_last}")
+    if args.spare_workers < 0:
+        parser.error(f"--spare-workers must be >= 0, got {args.spare_workers}")
     if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0 or not args.replace_timeout > 0:
         parser.error("--max-failures must be >= -1, --snapshot-every >= 0, --hang-timeout and --replace-timeout > 0, "
                      f"got {args.max_failures}, {args.snapshot_every}, {args.hang_timeout} and {args.replace_timeout}")
@@ -219,12 +231,13 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         ship_data_limit_bytes=args.ship_data_limit_mb * 2**20,
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
-                  "precision": args.precision, **activation_arguments(args), "use_gpu": args.use_gpu,
+                  "balance": args.balance, "precision": args.precision, **activation_arguments(args),
+                  "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                   "max_failures": None if args.max_failures == -1 else args.max_failures,
                   "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
-                  "replace_timeout_s": args.replace_timeout})
+                  "replace_timeout_s": args.replace_timeout, "spare_workers": args.spare_workers})
 
 
 def replicas_text(replicas: int | tuple[int, int]) -> str:

@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from raypipe.config import (STEP_CALLS, TRANSPORTS, PipelineConfig, activation_arguments,  # noqa: E402
-                            add_activation_arguments, parse_replicas, replicas_for_config)
+                            add_activation_arguments, parse_balance, parse_replicas,
+                            replicas_for_config)
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -37,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "between MIN and MAX, with the global batch of MAX")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-1: shard the optimizer state (and in bf16 the fp32 main weights) over the replicas")
+    parser.add_argument("--balance", type=parse_balance, default="parameters", metavar="parameters|time|N,N,...",
+                        help="how layers are split into stages: 'parameters' (equal parameter counts), 'time' "
+                             "(equal predicted compute: the LLaMA layers' flops at --seq-len), or layers per stage "
+                             "like 3,3,2 (default: parameters)")
     # 8 of 2 sequences, not 4 of 4: the same 16 a step, and GPipe's bubble on 2 stages, (p - 1) / (m + p - 1),
     # shrinks from 1/5 to 1/9 of the step (4.9% more tokens/s here: benchmarks/RESULTS.md, 2026-12-02, 12:45)
     parser.add_argument("--micro-batches", type=int, default=8,
@@ -53,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how the driver starts each p2p step: over a connection to each worker, or as "
                              "actor tasks "
                              f"(default {PipelineConfig.step_calls})")
+    parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
+                        help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
+                             "place is taken by one instead of a process started then (a faster heal); never an "
+                             "extra replica (default: 0)")
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")
     parser.add_argument("--out", default="runs/tiny", help="output directory")
@@ -76,8 +85,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
-                  **activation_arguments(args), "precision": args.precision,
-                  "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port})
+                  "balance": args.balance, **activation_arguments(args), "precision": args.precision,
+                  "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port,
+                  "spare_workers": args.spare_workers})
 
 
 def main(argv: list[str] | None = None) -> int:

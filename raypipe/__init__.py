@@ -17,8 +17,12 @@ def __getattr__(name: str):
         from raypipe.models.layers import LayerSpec
 
         return LayerSpec
+    if name == "LayerCost":
+        from raypipe.models.layers import LayerCost
+
+        return LayerCost
     raise AttributeError(f"module 'raypipe' has no attribute {name!r}")
 
 
-__all__ = ["PipelineConfig", "PipelineTrainer", "LayerSpec", "StepResult", "StageStats", "OpEvent",
+__all__ = ["PipelineConfig", "PipelineTrainer", "LayerSpec", "LayerCost", "StepResult", "StageStats", "OpEvent",
            "CheckpointError", "ConfigError", "NonFiniteError", "PlacementError", "RaypipeError", "StageError", "StepAborted"]

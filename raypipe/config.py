@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raypipe.core.schedule import SCHEDULES
+from raypipe.core.schedule import RUNNABLE_SCHEDULES
 from raypipe.core.validation import (check_bool, check_choice, check_int, check_number, check_positive_int,
                                      check_positive_number, check_renamed, from_mapping)
 from raypipe.errors import ConfigError
@@ -18,6 +18,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "raise")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
 STEP_CALLS = ("direct", "tasks")
+BALANCE_MODES = ("parameters", "time")  # PipelineConfig.balance other than a list: what the stages balance
 # Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
 _RENAMED: dict[str, str] = {
     "checkpoint": 'activation_checkpoint ("checkpoint" now means saved training state)',
@@ -47,7 +48,9 @@ class PipelineConfig:
     clip_grad_norm: float | None = None
     clip_grad_value: float | None = None
     precision: str = "fp32"
-    balance: list[int] | None = None  # layers per stage; None = balanced by parameters
+    # layers per stage (a list), or how to choose them: "parameters" (None: the same) balances
+    # parameter counts, "time" the layers' costs (LayerSpec(..., cost=LayerCost(...)); llama_layers has them)
+    balance: list[int] | str | None = None
     # "p2p": one call per worker per step, direct sends; "object_store", "gloo", "nccl": a task per op
     transport: str = "p2p"
     # how the driver starts each step of transport="p2p": "direct" (over a connection from the driver to each
@@ -59,10 +62,13 @@ class PipelineConfig:
     cpus_per_stage: int = 1
     placement_timeout_s: float = 60.0
     seed: int = 0
-    # fault tolerance (see docs/fault_tolerance.md)
+    # fault tolerance (see docs/deploy.md, "What survives what")
     max_failures: int | None = 3  # failure events healed over the trainer's life; None: unlimited
     snapshot_every: int = 1  # steps between in-memory snapshots of every worker; 0: none (a failure is fatal)
     replace_timeout_s: float = 60.0  # how long to wait for resources to place a replacement worker
+    # idle stage processes kept started (a worker bundle each): a heal hands one the failed worker's spec
+    # instead of starting a process (see raypipe/runtime/spares.py); they never add a replica
+    spare_workers: int = 0
     hang_timeout_s: float = 30.0  # a worker that does not answer a heartbeat for this long is hung
     # fp16 dynamic loss scaling
     initial_loss_scale: float = 2.0**16
@@ -80,7 +86,7 @@ class PipelineConfig:
         check_positive_int("num_micro_batches", self.num_micro_batches)
         check_replicas(self.num_replicas)
         check_bool("shard_optimizer", self.shard_optimizer)
-        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("schedule", self.schedule, RUNNABLE_SCHEDULES)
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("transport", self.transport, TRANSPORTS)
@@ -90,6 +96,7 @@ class PipelineConfig:
                               "transport='p2p'")
         check_choice("step_calls", self.step_calls, STEP_CALLS)
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_balance(self.balance)
         if self.activation_checkpoint_segments is not None:
             check_positive_int("activation_checkpoint_segments", self.activation_checkpoint_segments)
         check_offload_activations(self.offload_activations, self.activation_checkpoint)
@@ -101,6 +108,7 @@ class PipelineConfig:
         if self.max_failures is not None:
             check_int("max_failures", self.max_failures, 0, None, "must be an int >= 0, or None for unlimited")
         check_int("snapshot_every", self.snapshot_every, 0, None, "must be an int >= 0 (0: no snapshots)")
+        check_int("spare_workers", self.spare_workers, 0, None, "must be an int >= 0 (0: no warm spares)")
         for name in ("replace_timeout_s", "hang_timeout_s"):
             check_positive_number(name, getattr(self, name), "must be a number of seconds > 0")
         check_positive_number("initial_loss_scale", self.initial_loss_scale)
@@ -118,7 +126,7 @@ class PipelineConfig:
             raise ConfigError("model", num_layers, "the model needs at least one layer")
         if self.num_stages > num_layers:
             raise ConfigError("num_stages", self.num_stages, f"must be <= the number of layers ({num_layers})")
-        if self.balance is None:
+        if self.balance is None or isinstance(self.balance, str):
             return
         balance = list(self.balance)
         if len(balance) != self.num_stages:
@@ -169,6 +177,28 @@ def _init_rejecting_renamed(self: PipelineConfig, *args: Any, **kwargs: Any) -> 
 
 
 PipelineConfig.__init__ = _init_rejecting_renamed  # type: ignore[method-assign]
+
+
+def check_balance(balance: Any) -> None:
+    """None, one of :data:`BALANCE_MODES`, or a list of ints (checked against the layers later)."""
+    if isinstance(balance, str):
+        check_choice("balance", balance, BALANCE_MODES)
+    elif balance is not None and not isinstance(balance, (list, tuple)):
+        raise ConfigError("balance", balance, f"must be a list of layers per stage or one of {BALANCE_MODES}")
+
+
+def parse_balance(text: str) -> str | list[int]:
+    """``--balance``'s type: "parameters", "time", or layers per stage as "3,3,2"."""
+    if text in BALANCE_MODES:
+        return text
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid balance {text!r}: one of {', '.join(BALANCE_MODES)}, or layers "
+                                         "per stage as a comma list like 3,3,2") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"invalid balance {text!r}: every stage needs at least one layer")
+    return sizes
 
 
 def check_replicas(num_replicas: Any) -> None:

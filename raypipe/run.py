@@ -83,11 +83,14 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None,
     progress bar).
     """
     from raypipe.models.llama import llama_loss
+    from raypipe.models.llama_costs import with_llama_costs
     from raypipe.trainer import PipelineTrainer
 
     check_int("steps", run.steps, 1, allowed="must be an int >= 1 (the run's total optimizer steps)")
     pipeline = PipelineConfig.from_dict(run.pipeline)
     layers, model, seq_len = _model(run)
+    # costs for the run's sequences and precision, which balance="time" splits the stages by
+    layers = with_llama_costs(layers, model, seq_len, pipeline.precision)
     data, datasets = _datasets(run, pipeline, model, seq_len)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,13 +181,14 @@ def dataset_path(data: str | None, seq_len: int, tokenizer: str | None = None) -
 
 def _model(run: RunConfig) -> tuple[list, Any, int]:
     """The model's layers, its LlamaConfig and the run's sequence length."""
-    from raypipe.models.llama import from_pretrained, get_config, llama_layers
+    from raypipe.models.hf import from_pretrained
+    from raypipe.models.llama import get_config, llama_layers
 
     if run.init_from is None:
         config = get_config(run.model)
         return llama_layers(config), config, _seq_len(run.seq_len, config.max_seq_len)
     if run.seq_len is None:
-        raise ValueError(f"init_from={run.init_from!r} needs seq_len: it sizes the rotary tables of the run")
+        raise ValueError(f"init_from={run.init_from!r} needs seq_len: the training sequence length (the checkpoint's max_position_embeddings, often 131072, is no default)")
     layers = from_pretrained(run.init_from, max_seq_len=run.seq_len, untie_embeddings=run.untie_embeddings)
     return layers, layers[0].args[0], run.seq_len
 

@@ -1,6 +1,8 @@
 """LayerSpec: a layer described on the driver and built inside its stage actor."""
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -9,19 +11,66 @@ from torch import nn
 from raypipe.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs for ONE SEQUENCE of the run's length (a micro-batch of b
+    sequences costs b times as much), which ``PipelineConfig(balance="time")`` and
+    ``raypipe plan`` balance stages by.
+
+    Flops: the forward; the backward's gradient of the input (``bwd_input_flops``: what
+    the previous stage waits for) and of the weights (``bwd_weight_flops``). A
+    recomputed forward (activation checkpointing) adds ``fwd_flops`` again. Only the
+    ratios between layers matter to the balance, so measured seconds (times a
+    constant) do as well as flops. Bytes: ``saved_bytes`` what autograd keeps for the
+    backward; ``param_bytes`` the weights as the forward uses them; ``output_bytes``
+    the output the next layer (or stage) receives.
+    """
+
+    fwd_flops: float
+    bwd_input_flops: float
+    bwd_weight_flops: float
+    saved_bytes: int = 0
+    param_bytes: int = 0
+    output_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"LayerCost.{item.name}", value, "must be a number >= 0")
+
+    @property
+    def train_flops(self) -> float:
+        """Forward and both backward halves: one training pass of one sequence."""
+        return self.fwd_flops + self.bwd_input_flops + self.bwd_weight_flops
+
+
 class LayerSpec:
-    """A recipe for one pipeline layer: ``LayerSpec(cls, *args, **kwargs)``.
+    """A recipe for one pipeline layer: ``LayerSpec(cls, *args, cost=None, **kwargs)``.
 
     The layer is only constructed by :meth:`build`, which a stage actor calls,
     so a model too large for the driver's memory is never materialized there.
+    ``cost`` (a :class:`LayerCost`, keyword only and never passed to ``cls``) is
+    what ``PipelineConfig(balance="time")`` balances stages by.
     """
 
-    def __init__(self, cls: type[nn.Module], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, cls: type[nn.Module], *args: Any, cost: LayerCost | None = None, **kwargs: Any) -> None:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"LayerSpec needs an nn.Module subclass, got {cls!r}")
+        if cost is not None and not isinstance(cost, LayerCost):
+            raise TypeError(f"LayerSpec's cost must be a raypipe.LayerCost or None, got {cost!r}")
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
+        self.cost = cost
+
+    def with_cost(self, cost: LayerCost | None) -> LayerSpec:
+        """A copy of this recipe (of its subclass too, e.g. a pretrained layer) with ``cost``."""
+        if cost is not None and not isinstance(cost, LayerCost):
+            raise TypeError(f"LayerSpec's cost must be a raypipe.LayerCost or None, got {cost!r}")
+        spec = copy.copy(self)
+        spec.cost = cost
+        return spec
 
     def build(self, device: torch.device | str | None = None) -> nn.Module:
         """Construct the layer (on ``device`` when given; "meta" allocates nothing)."""

@@ -52,41 +52,10 @@ from raypipe.core.schedule import make_schedule
 from raypipe.core.validation import check_choice, check_int, check_positive_int
 from raypipe.errors import ConfigError
 from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
-from raypipe.planning.activation_memory import (AMP_STYLES, PRECISIONS, RAYPIPE_AMP, activation_breakdown,
-                                                amp_style, estimate_layer_activation_bytes, layer_kinds,
-                                                layer_parameter_counts, stage_input_bytes)
-
-@dataclass(frozen=True)
-class StaticBytes:
-    """Bytes per parameter of one precision setting with Adam (moments in fp32)."""
-
-    weights: int
-    gradients: int
-    master: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.gradients + self.master + self.optimizer
-
-
-# per mixed-precision style (None: fp32), with Adam
-STATIC_BYTES_PER_PARAMETER: dict[str | None, StaticBytes] = {
-    None: StaticBytes(weights=4, gradients=4, master=0, optimizer=8),
-    "main_weights": StaticBytes(weights=2, gradients=4, master=4, optimizer=8),
-    "autocast": StaticBytes(weights=4, gradients=4, master=0, optimizer=8),
-    "standard": StaticBytes(weights=2, gradients=2, master=4, optimizer=8),
-}
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # fp32 state per parameter
-
-
-def static_bytes_per_parameter(precision: str, amp: str | None = None, optimizer: str = "adam") -> StaticBytes:
-    """Static bytes per parameter for a precision, mixed-precision style (None: the one
-    raypipe runs, see :data:`RAYPIPE_AMP`) and optimizer."""
-    check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
-    table = STATIC_BYTES_PER_PARAMETER[amp_style(precision, amp)]
-    return StaticBytes(table.weights, table.gradients, table.master, OPTIMIZER_STATE_BYTES[optimizer])
-
+from raypipe.models.llama_memory import (AMP_STYLES, OPTIMIZER_STATE_BYTES, PRECISIONS, RAYPIPE_AMP,
+                                         STATIC_BYTES_PER_PARAMETER, StaticBytes, activation_breakdown, amp_style,
+                                         estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
+                                         stage_input_bytes, static_bytes_per_parameter)
 
 # -- per stage -----------------------------------------------------------------------
 

@@ -235,6 +235,9 @@ def test_chart_lints_clean(values: dict[str, Any]) -> None:
 def test_lint_reports_values_that_break_the_schema() -> None:
     report = helm_python.lint(CHART_DIR, {"training": {"stages": 0}}, strict=True, namespace=NAMESPACE)
     assert any("/training/stages" in error for error in report["errors"])
+    for balance in ("memory", [3, 0]):
+        report = helm_python.lint(CHART_DIR, {"training": {"balance": balance}}, strict=True, namespace=NAMESPACE)
+        assert any("/training/balance" in error for error in report["errors"]), report["errors"]
 
 
 @pytest.mark.parametrize("values", CASES.values(), ids=CASES.keys())
@@ -277,6 +280,15 @@ def test_entrypoint_passes_replicas_and_a_sharded_optimizer(chart) -> None:
     assert flags["--stages"] == ["4"] and flags["--replicas"] == ["4"] and flags["--shard-optimizer"] == []
 
 
+def test_entrypoint_passes_the_balance(chart) -> None:
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert "--balance" not in flags  # the default, "parameters", is train_7b.py's default too
+    for balance, flag in (("time", "time"), ([3, 3, 2], "3,3,2"), ("parameters", None)):
+        _command, flags = entrypoint_flags(only(render(chart, {"training": {"stages": 3, "balance": balance}}),
+                                                "RayJob"))
+        assert flags.get("--balance") == (None if flag is None else [flag])
+
+
 def test_entrypoint_passes_the_failure_policy(chart) -> None:
     _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
     assert (flags["--max-failures"], flags["--snapshot-every"], flags["--hang-timeout"]) == (["3"], ["1"], ["30"])
@@ -285,6 +297,17 @@ def test_entrypoint_passes_the_failure_policy(chart) -> None:
         _command, flags = entrypoint_flags(only(render(chart, overrides), "RayJob"))
         assert (flags["--max-failures"], flags["--snapshot-every"], flags["--hang-timeout"]) == (
             [str(failures)], [str(every)], ["90"])
+
+
+def test_spare_workers_are_passed_and_counted_in_the_worker_pods(chart) -> None:
+    manifests = render(chart, {})
+    assert "--spare-workers" not in entrypoint_flags(only(manifests, "RayJob"))[1]  # none by default
+    assert worker_group(manifests) == (1, 1, 1)  # 8 stages on one 8-GPU pod
+    manifests = render(chart, {"training": {"spareWorkers": 2}})
+    assert entrypoint_flags(only(manifests, "RayJob"))[1]["--spare-workers"] == ["2"]
+    assert worker_group(manifests) == (2, 2, 2)  # 8 stages + 2 spares: ceil(10 / 8) pods
+    with pytest.raises(Exception, match="spareWorkers"):
+        render(chart, {"training": {"spareWorkers": -1}})
 
 
 def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:

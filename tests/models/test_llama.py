@@ -151,6 +151,22 @@ def test_rotary_tables_are_not_in_the_state_dict():
     assert block.attention.rope_cos.shape == (256, 16)
 
 
+def test_rotary_tables_first_built_under_inference_mode_still_train():
+    """The shared tables outlive the forward that built them: built in an inference_mode
+    forward (an evaluation first), they must still serve a training forward and backward."""
+    from raypipe.models.llama import clear_shared_rotary_tables
+
+    clear_shared_rotary_tables()
+    model = torch.nn.Sequential(*(spec.build() for spec in llama_layers(tiny(n_layers=2, max_seq_len=32))))
+    tokens = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        evaluated = model(tokens)
+    logits = model(tokens)
+    llama_loss(logits, tokens).backward()
+    assert torch.equal(evaluated, logits.detach()) and model[1].attention.wq.weight.grad is not None
+    assert not model[1].attention.rope_cos.is_inference()
+
+
 def test_dropout_only_when_configured_and_only_in_training():
     assert isinstance(LlamaBlock(tiny(), 0).dropout, torch.nn.Identity)
     torch.manual_seed(0)

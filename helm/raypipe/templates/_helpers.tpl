@@ -88,18 +88,19 @@ Stage workers one worker pod holds: its GPUs with the 7b preset (a stage per GPU
 {{/*
 The GPU worker group's pods as JSON {"min", "max", "start"}. Unset gpuWorkers.minReplicas and
 maxReplicas follow training.replicas: the pods holding training.stages x min (max) replicas'
-stages, ceil(stages x replicas / stages per pod); unset gpuWorkers.replicas starts at the pods of
-max replicas, within [min, max].
+stages and training.spareWorkers, ceil((stages x replicas + spares) / stages per pod); unset
+gpuWorkers.replicas starts at the pods of max replicas, within [min, max].
 */}}
 {{- define "raypipe.workerPods" -}}
 {{- $w := .Values.gpuWorkers }}
 {{- $range := include "raypipe.replicaRange" . | fromJson }}
 {{- $perPod := int (include "raypipe.stagesPerPod" .) }}
 {{- $stages := int .Values.training.stages }}
+{{- $spares := int (.Values.training.spareWorkers | default 0) }}
 {{- $needed := dict "min" 0 "max" 0 }}
 {{- if gt $perPod 0 }}
 {{- range $bound := list "min" "max" }}
-{{- $_ := set $needed $bound (div (add (mul $stages (int (index $range $bound))) (sub $perPod 1)) $perPod) }}
+{{- $_ := set $needed $bound (div (add (mul $stages (int (index $range $bound))) $spares (sub $perPod 1)) $perPod) }}
 {{- end }}
 {{- else if or (kindIs "invalid" $w.minReplicas) (kindIs "invalid" $w.maxReplicas) }}
 {{- fail (printf "gpuWorkers: a worker pod holds no pipeline stage (training.preset=%s: a stage per %s, none in gpuWorkers.resources), so its minReplicas and maxReplicas cannot follow training.replicas; set them" (toString .Values.training.preset) (ternary "GPU" "whole CPU" (eq (toString .Values.training.preset) "7b"))) }}
@@ -154,10 +155,18 @@ the values involved and what is allowed.
 {{- end }}
 {{- end }}
 
+{{/* --balance, unless it is the default "parameters": a list of layers per stage as "3,3,2". */}}
+{{- define "raypipe.balanceFlag" -}}
+{{- $b := .Values.training.balance -}}
+{{- if kindIs "slice" $b }} --balance {{ range $i, $size := $b }}{{ if $i }},{{ end }}{{ int $size }}{{ end }}
+{{- else if and $b (ne (toString $b) "parameters") }} --balance {{ $b }}
+{{- end }}
+{{- end }}
+
 {{/* The training command: the flags of jobs/train_7b.py. */}}
 {{- define "raypipe.entrypoint" -}}
 {{- $t := .Values.training -}}
-python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ include "raypipe.replicasFlag" . }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }} --hang-timeout {{ $t.hangTimeoutSeconds }} --replace-timeout {{ $t.replaceTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --checkpoint-every {{ int $t.checkpointEvery }}
+python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ include "raypipe.replicasFlag" . }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }}{{ include "raypipe.balanceFlag" . }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }}{{ if $t.spareWorkers }} --spare-workers {{ int $t.spareWorkers }}{{ end }} --hang-timeout {{ $t.hangTimeoutSeconds }} --replace-timeout {{ $t.replaceTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }} --checkpoint-dir {{ $t.checkpointDir }} --checkpoint-every {{ int $t.checkpointEvery }}
 {{- if gt (int $t.keepLast) 0 }} --keep-last {{ int $t.keepLast }}{{ end }} {{ if $t.resume }}--resume{{ else }}--no-resume{{ end }} --metrics-port {{ int $t.metricsPort }}
 {{- if $t.metricsHost }} --metrics-host {{ $t.metricsHost }}{{ end }}
 {{- range $t.extraArgs }} {{ . }}{{ end }}

@@ -1,0 +1,200 @@
+"""The step-time predictor and `raypipe plan --cluster` (no Ray): hand-checked steps, MFU,
+the search against brute force, the cluster files and the plan's output."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from raypipe.models.layers import LayerCost
+from raypipe.models.llama import LlamaConfig, get_config
+from raypipe.models.llama_costs import llama_layer_costs
+from raypipe.planning.balance import balance_by_time, llama_stage_bytes
+from raypipe.planning.memory import estimate_stage
+from raypipe.planning.plan import main as plan_main
+from raypipe.planning.predict import (Cluster, Link, LlamaStageBytes, StepShape, candidate_shapes, load_cluster,
+                                      predict_step, search_plans)
+
+GB = 10**9
+
+
+def unit_cluster(**changes) -> Cluster:
+    """1 TFLOP/s reached in full, 8 GB/s links without latency, 60 GB/s memory, 8 GB/s host copies."""
+    cluster = Cluster(name="unit", peak_flops={"bf16": 1e12, "fp32": 1e12}, memory_bytes=10**15,
+                      memory_bandwidth_bytes_per_s=60e9, gpus_per_node=8, intra_node=Link(8e9, 0.0),
+                      inter_node=Link(8e9, 0.0), host_copy_bytes_per_s=8e9, achievable_fraction=1.0)
+    return replace(cluster, **changes)
+
+
+# four layers of 1e9 parameters (2 GB of bf16 weights): 1 s forward, 2 s backward per sequence
+LAYER = LayerCost(fwd_flops=1e12, bwd_input_flops=1e12, bwd_weight_flops=1e12, param_bytes=2 * GB)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_four_micro_batches_by_hand(schedule):
+    # per stage F = 2 s, B = 4 s; p = 2, m = 4: the pipeline is (m + p - 1)(F + B) = 30 s. Two replicas
+    # on one node: stage 0's 2e9 parameters' fp32 gradients (8 GB) ring-all-reduced, 2 (d-1)/d x 8 GB / 8 GB/s
+    # = 1 s after its last backward (at 30 s); stage 1 finished 4 s earlier, so its reduction hides. The
+    # optimizer: bf16 with fp32 main weights touches 2x8 + 2x4 + 4 + 2 = 30 B per parameter, 60 GB at 60 GB/s.
+    prediction = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
+                              schedule=schedule, seq_len=100, snapshot_every=0)
+    assert prediction.balance == (2, 2)
+    assert prediction.pipeline_s == pytest.approx(30.0)
+    assert prediction.pipeline_bubble == pytest.approx(1 - 24 / 30)
+    assert prediction.reduction_exposed_s == pytest.approx(1.0)
+    assert prediction.optimizer_s == pytest.approx(1.0)
+    assert prediction.step_s == pytest.approx(32.0)
+    assert prediction.tokens_per_s == pytest.approx(2 * 4 * 100 / 32)
+    # each GPU computes 4 x (2 + 4) = 24 s of the 32: MFU 0.75 at a fully reached peak
+    assert prediction.mfu == pytest.approx(24 / 32)
+    assert prediction.bubble_fraction == pytest.approx(1 - 24 / 32)
+
+
+def test_zero1_and_snapshot_by_hand():
+    # ZeRO-1: reduce-scatter half the all-reduce (0.5 s), the optimizer on half the parameters (0.5 s),
+    # then an all-gather of half the 4 GB of bf16 weights (0.25 s): 30 + 0.5 + 0.5 + 0.25
+    zero = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
+                        schedule="gpipe", shard_optimizer=True, seq_len=100, snapshot_every=0)
+    assert zero.step_s == pytest.approx(31.25)
+    # snapshot of a stage without ZeRO-1: fp32 main weights and Adam moments (12 B/param, 24 GB) at 8 GB/s =
+    # 3 s; stage 0 computes from 0 s (none hidden), stage 1 waits 2 s for its first input (2 s hidden)
+    snap = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
+                        schedule="gpipe", seq_len=100, snapshot_every=1)
+    assert snap.snapshot_exposed_s == pytest.approx(3.0)
+    assert snap.step_s == pytest.approx(35.0)
+    every_third = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
+                               schedule="gpipe", seq_len=100, snapshot_every=3)
+    assert every_third.step_s == pytest.approx(33.0)
+
+
+def test_messages_and_recompute_by_hand():
+    # one stage per node (gpus_per_node=1): each activation and gradient of 8 GB crosses the inter-node
+    # link in 1 s + 0.5 s latency. GPipe, p = 2, m = 1: F0, message, F1, B1, message, B0 = 2 + 1.5 + 2 + 4 +
+    # 1.5 + 4; recompute adds each stage's forward to its backward (+4 s)
+    layer = replace(LAYER, output_bytes=8 * GB, param_bytes=0)
+    cluster = unit_cluster(gpus_per_node=1, inter_node=Link(8e9, 0.5))
+    plain = predict_step([layer] * 4, cluster, num_stages=2, num_micro_batches=1, schedule="gpipe", seq_len=1,
+                         snapshot_every=0)
+    assert plain.step_s == pytest.approx(15.0)
+    recomputed = predict_step([layer] * 4, cluster, num_stages=2, num_micro_batches=1, schedule="gpipe",
+                              activation_checkpoint="always", seq_len=1, snapshot_every=0)
+    assert recomputed.step_s == pytest.approx(19.0)
+    assert recomputed.mfu == pytest.approx(12 / (19 * 2))  # recompute is not model flops
+
+
+def test_mfu_of_one_busy_gpu_is_the_achievable_fraction():
+    layer = replace(LAYER, param_bytes=0)
+    prediction = predict_step([layer] * 3, unit_cluster(achievable_fraction=0.5), num_micro_batches=5,
+                              seq_len=7, snapshot_every=0)
+    assert prediction.step_s == pytest.approx(5 * 3 * 3 / 0.5)
+    assert prediction.mfu == pytest.approx(0.5)
+    assert prediction.tokens_per_s == pytest.approx(5 * 7 / prediction.step_s)
+
+
+def test_fast_stage_bytes_are_the_memory_model():
+    config = LlamaConfig(vocab_size=1000, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=128)
+    for schedule in ("gpipe", "1f1b"):
+        for recompute in ("never", "always", "except_last"):
+            for sharded in (False, True):
+                shape = StepShape(num_replicas=4, num_stages=3, num_micro_batches=5, schedule=schedule,
+                                  activation_checkpoint=recompute, precision="bf16", shard_optimizer=sharded,
+                                  micro_batch_size=2, seq_len=128)
+                fast = LlamaStageBytes(config, shape)
+                for stage, (start, end) in enumerate([(0, 2), (2, 5), (5, 8)]):
+                    expected = estimate_stage(config, range(start, end), num_micro_batches=5, micro_batch_size=2,
+                                              seq_len=128, precision="bf16", activation_checkpoint=recompute,
+                                              schedule=schedule, stage_index=stage, num_stages=3,
+                                              optimizer_shards=4 if sharded else 1).total_bytes
+                    assert fast(stage, start, end) == expected, (schedule, recompute, sharded, stage)
+
+
+def test_search_finds_the_best_fitting_configuration_of_a_brute_force():
+    config = LlamaConfig(vocab_size=4000, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, ffn_dim=640,
+                         max_seq_len=512)
+    cluster = unit_cluster(gpus_per_node=2, inter_node=Link(1e9, 1e-4), intra_node=Link(1e10, 1e-5))
+    # a memory limit that rules out the small stage counts without ZeRO-1 and recompute
+    limit = 60 * 10**6
+    result = search_plans(config, cluster, 8, precision="bf16", gpu_memory_bytes=limit, top=2)
+    assert result.best, result.reason
+    costs = llama_layer_costs(config, 512, "bf16")
+    best_tokens, fitting = 0.0, 0
+    for shape in candidate_shapes(8, config.n_layers + 2, seq_len=512, precision="bf16"):
+        exact_bytes = llama_stage_bytes(config, shape.num_stages, num_micro_batches=shape.num_micro_batches,
+                                        micro_batch_size=shape.micro_batch_size, seq_len=512, precision="bf16",
+                                        activation_checkpoint=shape.activation_checkpoint, schedule=shape.schedule,
+                                        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1)
+        try:  # the fastest split within the limit (the time balance where it fits)
+            split = balance_by_time(costs, shape.num_stages, activation_checkpoint=shape.activation_checkpoint,
+                                    num_micro_batches=shape.num_micro_batches, stage_bytes=exact_bytes,
+                                    memory_limit_bytes=limit)
+        except ValueError:
+            continue
+        prediction = predict_step(costs, cluster, num_replicas=shape.num_replicas, num_stages=shape.num_stages,
+                                  num_micro_batches=shape.num_micro_batches, schedule=shape.schedule,
+                                  activation_checkpoint=shape.activation_checkpoint, precision="bf16",
+                                  shard_optimizer=shape.shard_optimizer, micro_batch_size=shape.micro_batch_size,
+                                  seq_len=512, balance=split, stage_bytes=exact_bytes, gpu_memory_bytes=limit)
+        assert prediction.fits
+        fitting += 1
+        best_tokens = max(best_tokens, prediction.tokens_per_s)
+    assert 0 < fitting < len(candidate_shapes(8, config.n_layers + 2, seq_len=512))  # the limit bites
+    chosen = result.best[0]
+    assert chosen.prediction.fits and max(chosen.prediction.stage_bytes) <= limit
+    assert chosen.prediction.tokens_per_s == pytest.approx(best_tokens, rel=1e-9)
+    assert result.best[1].prediction.tokens_per_s <= chosen.prediction.tokens_per_s
+
+
+def test_405b_on_16384_gpus_finds_a_layout_that_fits():
+    # its time (28.6 s of CPU on 2026-12-02, the issue asks <= 60 s) is in benchmarks/RESULTS.md, not asserted here
+    result = search_plans(get_config("llama3-405b"), load_cluster("h100"), 16384)
+    assert result.best and all(candidate.prediction.fits for candidate in result.best)
+    assert result.best[0].shape.num_stages * result.best[0].shape.num_replicas == 16384
+
+
+def test_presets_and_a_users_cluster_file(tmp_path):
+    h100, h200 = load_cluster("h100"), load_cluster("h200")
+    assert h100.peak("bf16") == h200.peak("bf16") == 989e12
+    assert (h100.memory_bytes, h200.memory_bytes) == (80 * GB, 141 * GB)
+    assert h100.inter_node.bandwidth_bytes_per_s == 50e9 and h100.gpus_per_node == 8
+    assert "datasheet" in h100.source and "datasheet" in h200.source
+    data = json.loads((load_cluster.__globals__["CLUSTERS_DIR"] / "h100.json").read_text())
+    data["memory_bytes"] = 40e9
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    assert load_cluster(str(path)).memory_bytes == 40 * GB
+    del data["inter_node"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="missing field 'inter_node'"):
+        load_cluster(str(path))
+    with pytest.raises(ValueError, match="unknown cluster 'a100'"):
+        load_cluster("a100")
+
+
+def test_plan_json_adds_predicted_figures_and_keeps_todays_fields(capsys):
+    assert plan_main(["--cluster", "h100", "--model", "llama3-8b", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tokens_per_second", "mfu", "bubble_fraction", "candidates", "cluster"):
+        assert key in plan
+    for key in ("model", "num_parameters", "num_replicas", "settings", "bytes_per_parameter", "gpu_memory_bytes",
+                "fits", "max_total_bytes", "stages", "suggestions", "balances"):
+        assert key in plan
+    assert plan["fits"] and 0 < plan["mfu"] < 0.6 and plan["max_total_bytes"] <= 80 * GB
+    best = plan["candidates"][0]
+    assert best["num_replicas"] * best["num_stages"] == 8
+    assert f"--stages {best['num_stages']}" in best["job_command"]
+    assert best["helm_values"]["training"]["stages"] == best["num_stages"]
+
+
+def test_plan_says_plainly_when_nothing_fits(capsys):
+    assert plan_main(["--cluster", "h100", "--model", "llama3-405b", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT POSSIBLE" in out and "tensor parallelism" in out
+
+
+def test_plan_without_cluster_is_unchanged(capsys):
+    assert plan_main(["--model", "tiny", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["settings"]["precision"] == "fp32" and "step_time_s" not in plan
+    assert plan_main(["--model", "tiny", "--gpus", "8"]) == 2
+    assert "need --cluster" in capsys.readouterr().err
