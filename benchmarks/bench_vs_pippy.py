@@ -133,27 +133,35 @@ def pippy_worker(rank: int, port: int, args: argparse.Namespace, commands: list,
 
 
 class PippyRunner:
-    """The two PiPPy ranks, idle between rounds (blocked on their command queues)."""
+    """PiPPy's ranks, idle between rounds (blocked on their command queues).
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    ``worker(rank, port, args, commands, results)`` runs in each of ``num_ranks``
+    spawned processes: it takes ``(steps, option)`` commands from ``commands[rank]``
+    until ``None``, and answers each with ``(rank, step times, losses)`` on ``results``
+    (losses empty on ranks without the last stage). ``option`` is the worker's own:
+    here the max norm to clip to, a schedule's name in bench_timed_schedules.py."""
+
+    def __init__(self, args: argparse.Namespace, worker=None, num_ranks: int = NUM_STAGES) -> None:
         context = mp.get_context("spawn")
-        self._commands = [context.Queue() for _ in range(NUM_STAGES)]
+        self._num_ranks = num_ranks
+        self._commands = [context.Queue() for _ in range(num_ranks)]
         self._results = context.Queue()
-        self._procs = mp.start_processes(pippy_worker, args=(_free_port(), args, self._commands, self._results),
-                                         nprocs=NUM_STAGES, join=False, start_method="spawn")
+        self._procs = mp.start_processes(worker or pippy_worker,
+                                         args=(_free_port(), args, self._commands, self._results),
+                                         nprocs=num_ranks, join=False, start_method="spawn")
 
-    def run(self, steps: int, max_norm: float | None = None) -> tuple[list[float], list[float]]:
-        """Step times (rank 0) and losses (last rank) of ``steps`` steps."""
+    def run(self, steps: int, option=None) -> tuple[list[float], list[float]]:
+        """Step times (rank 0) and losses (the rank that computed them) of ``steps`` steps."""
         for commands in self._commands:
-            commands.put((steps, max_norm))
+            commands.put((steps, option))
         by_rank = {}
-        while len(by_rank) < NUM_STAGES:
+        while len(by_rank) < self._num_ranks:
             try:
                 rank, times, losses = self._results.get(timeout=1.0)
                 by_rank[rank] = (times, losses)
             except queue.Empty:
                 self._procs.join(timeout=0)  # re-raises a rank's exception with its traceback
-        return by_rank[0][0], by_rank[NUM_STAGES - 1][1]
+        return by_rank[0][0], next((by_rank[rank][1] for rank in sorted(by_rank) if by_rank[rank][1]), [])
 
     def close(self) -> None:
         for commands in self._commands:
@@ -168,14 +176,16 @@ def _free_port() -> int:
 
 
 # -- raypipe side ---------------------------------------------------------------
-def start_ray(args: argparse.Namespace, trainers: int) -> None:
+def start_ray(args: argparse.Namespace, trainers: int, stages: int = NUM_STAGES) -> None:
+    """A private local Ray instance (never another session's) with one logical CPU per
+    stage actor of every trainer; ``args.inline_bytes`` sets its inline-object limit."""
     import ray
 
     # Objects up to max_direct_call_object_size (Ray's default: 100 KiB) travel inline in
     # task replies; larger ones go through the plasma object store (~1 ms per put+get here).
     system_config = {"max_direct_call_object_size": args.inline_bytes} if args.inline_bytes else {}
     # one logical CPU per stage actor of every trainer; only one trainer computes at a time
-    ray.init(num_cpus=NUM_STAGES * trainers, include_dashboard=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=stages * trainers, include_dashboard=False, logging_level="WARNING",
              _system_config=system_config)
 
 

@@ -1,0 +1,257 @@
+"""Pipeline schedules on timed layers: raypipe against torch.distributed.pipelining.
+
+Every layer is a :class:`raypipe.testing.TimedLayer` whose forward, input-gradient
+and weight-gradient each sleep a fixed time (default 4 ms) without using a core,
+so p stage processes behave as p devices even on a 2-core machine, and a step's
+time is its schedule's critical path plus each system's overhead. Default shape
+(issue 42's baseline): p=4 stages, 2 layers per stage, m=8 micro-batches, one
+process per stage. With F, B the forward and backward time of a stage, 1F1B's
+ideal step is (m+p-1)(F+B) = 11 x 24 ms = 264 ms; no schedule beats m(F+B) = 192 ms
+(every stage busy all step).
+
+Contenders, all alive for the whole run and taking turns round by round (so load
+from other users of the machine hits all alike):
+
+* raypipe ``PipelineTrainer`` per ``--raypipe-schedules`` entry (default ``gpipe``
+  and ``1f1b``), the default p2p transport, balance ``[layers_per_stage] * p``, on
+  a private local Ray instance (``address="local"``) with one logical CPU per
+  stage actor; its default snapshot of every worker's state each step
+  (``--snapshot-every 0``: none, like PiPPy);
+* torch.distributed.pipelining on gloo, p processes started with
+  ``torch.multiprocessing``, per ``--pippy-schedules`` entry: ``ScheduleGPipe`` and
+  ``Schedule1F1B`` with one stage of ``layers_per_stage`` layers per rank;
+  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (loop placement:
+  rank r holds stages r and r+p) and ``ScheduleZBVZeroBubble`` (V placement: rank r
+  holds stages r and 2p-1-r) with 2 chunks of ``layers_per_stage / 2`` layers per rank.
+
+Same weights and data everywhere (the first step's loss is printed for each), MSE
+loss, SGD. A raypipe step is ``trainer.step()`` wall time on the driver (the commit
+included); a PiPPy step is timed on rank 0 between two barriers and includes
+``optimizer.step()``. Figures: per contender, the median over rounds of the
+round's median step time, with the min-max spread; for each raypipe schedule and
+its PiPPy counterpart, the median of the per-round ratios.
+
+    python benchmarks/bench_timed_schedules.py --rounds 5 --steps 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from alternate import add_round_arguments, command_line, print_table, round_medians, round_ratios, run_rounds, spread
+from bench_vs_pippy import PippyRunner, RaypipeRunner, driver_overhead, make_optimizer, start_ray
+
+# PiPPy schedule -> chunks (stages) per rank and their placement ("loop": r, r+p; "v": r, 2p-1-r)
+PIPPY_SCHEDULES = {
+    "ScheduleGPipe": (1, "loop"),
+    "Schedule1F1B": (1, "loop"),
+    "ScheduleInterleaved1F1B": (2, "loop"),
+    "ScheduleInterleavedZeroBubble": (2, "loop"),
+    "ScheduleZBVZeroBubble": (2, "v"),
+}
+# raypipe schedule -> its PiPPy counterpart, for the ratio column
+COUNTERPARTS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                "zbv": "ScheduleZBVZeroBubble", "zb_h1": "ScheduleInterleavedZeroBubble"}
+
+
+def build_model(args: argparse.Namespace, seed: int = 0) -> nn.Sequential:
+    """p x layers_per_stage timed layers; the same weights for a given seed, in every process."""
+    from raypipe.testing import timed_model
+
+    torch.manual_seed(seed)
+    return timed_model(args.stages * args.layers_per_stage, args.forward_ms / 1e3, args.input_grad_ms / 1e3,
+                       args.weight_grad_ms / 1e3, args.width)
+
+
+def make_batch(args: argparse.Namespace, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(args.batch_size, args.width, generator=generator),
+            torch.randn(args.batch_size, args.width, generator=generator))
+
+
+def stage_indices(name: str, rank: int, num_ranks: int) -> list[int]:
+    """The pipeline stages rank ``rank`` holds under PiPPy schedule ``name``, in order."""
+    chunks, placement = PIPPY_SCHEDULES[name]
+    if chunks == 1:
+        return [rank]
+    return [rank, 2 * num_ranks - 1 - rank] if placement == "v" else [rank, rank + num_ranks]
+
+
+# -- PiPPy side: p gloo processes, each holding every schedule's stages --------------
+def timed_pippy_worker(rank: int, port: int, args: argparse.Namespace, commands: list, results) -> None:
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=args.stages)
+    try:
+        inputs, targets = make_batch(args)
+        runs = {}  # schedule name -> (schedule, parameters, optimizer, holds first stage, holds last stage)
+        for name in args.pippy_schedules:
+            chunks = PIPPY_SCHEDULES[name][0]
+            layers = list(build_model(args))  # a fresh copy per schedule: each takes its own optimizer steps
+            per_chunk = args.layers_per_stage // chunks
+            num_stages = args.stages * chunks
+            indices = stage_indices(name, rank, args.stages)
+            stages = [pipelining.PipelineStage(nn.Sequential(*layers[i * per_chunk:(i + 1) * per_chunk]), i,
+                                               num_stages, torch.device("cpu")) for i in indices]
+            parameters = [p for stage in stages for p in stage.submod.parameters()]
+            schedule = getattr(pipelining, name)(stages if chunks > 1 else stages[0],
+                                                 n_microbatches=args.micro_batches, loss_fn=nn.functional.mse_loss)
+            runs[name] = (schedule, parameters, make_optimizer("sgd")(parameters), 0 in indices,
+                          num_stages - 1 in indices)
+        while (command := commands[rank].get()) is not None:
+            count, name = command
+            schedule, parameters, optimizer, first, last = runs[name]
+            times, losses = [], []
+            for _ in range(count):
+                step_losses: list[torch.Tensor] = []
+                dist.barrier()
+                start = time.perf_counter()
+                schedule.step(*((inputs,) if first else ()), target=targets if last else None,
+                              losses=step_losses if last else None)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                dist.barrier()
+                times.append(time.perf_counter() - start)
+                if last:
+                    losses.append(float(torch.stack(step_losses).detach().mean()))
+            results.put((rank, times, losses))
+    finally:
+        dist.destroy_process_group()
+
+
+# -- raypipe side ---------------------------------------------------------------
+class TimedRaypipe(RaypipeRunner):
+    """One PipelineTrainer on the timed model, running ``schedule`` (steps and shutdown as
+    bench_vs_pippy's runner)."""
+
+    def __init__(self, args: argparse.Namespace, schedule: str) -> None:
+        # not super().__init__: the timed model takes another config (a schedule, no transport or clipping)
+        import raypipe
+
+        config = raypipe.PipelineConfig(num_stages=args.stages, num_micro_batches=args.micro_batches,
+                                        balance=[args.layers_per_stage] * args.stages, schedule=schedule,
+                                        snapshot_every=args.snapshot_every)
+        self.trainer = raypipe.PipelineTrainer(build_model(args), nn.MSELoss(), optimizer=make_optimizer("sgd"),
+                                               config=config)
+        self.inputs, self.targets = make_batch(args)
+        self.results: list = []  # every StepResult, warm-up included
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_round_arguments(parser, rounds=5, steps=3, warmup=2)
+    parser.add_argument("--stages", "-p", type=int, default=4, help="pipeline stages = processes (default 4)")
+    parser.add_argument("--micro-batches", "-m", type=int, default=8, help="micro-batches per step (default 8)")
+    parser.add_argument("--layers-per-stage", type=int, default=2,
+                        help="timed layers per stage; even, as the 2-chunk schedules halve it (default 2)")
+    parser.add_argument("--forward-ms", type=float, default=4.0, help="each layer's forward sleep (default 4)")
+    parser.add_argument("--input-grad-ms", type=float, default=4.0, help="each layer's input-gradient sleep (default 4)")
+    parser.add_argument("--weight-grad-ms", type=float, default=4.0,
+                        help="each layer's weight-gradient sleep (default 4)")
+    parser.add_argument("--width", type=int, default=8, help="features per layer (default 8)")
+    parser.add_argument("--rows-per-micro-batch", type=int, default=4, help="(default 4)")
+    parser.add_argument("--raypipe-schedules", nargs="*", default=["gpipe", "1f1b"],
+                        help="raypipe schedules (default: gpipe 1f1b)")
+    parser.add_argument("--pippy-schedules", nargs="*", choices=sorted(PIPPY_SCHEDULES), default=list(PIPPY_SCHEDULES),
+                        help="torch.distributed.pipelining schedules (default: all five)")
+    parser.add_argument("--snapshot-every", type=int, default=None,
+                        help="raypipe's snapshot_every (default: PipelineConfig's, a snapshot of every worker's "
+                             "state every step; 0: none, as PiPPy)")
+    parser.set_defaults(inline_bytes=None)  # bench_vs_pippy.start_ray's knob: Ray's default here
+    args = parser.parse_args()
+    if args.stages < 2 or args.micro_batches < 1:
+        parser.error("--stages must be >= 2 and --micro-batches >= 1")
+    if args.layers_per_stage < 1 or (args.layers_per_stage % 2 and any(
+            PIPPY_SCHEDULES[name][0] == 2 for name in args.pippy_schedules)):
+        parser.error("--layers-per-stage must be >= 1, and even for the 2-chunk PiPPy schedules")
+    if args.snapshot_every is None:
+        from raypipe import PipelineConfig
+
+        args.snapshot_every = PipelineConfig.snapshot_every
+    args.batch_size = args.micro_batches * args.rows_per_micro_batch
+    return args
+
+
+def ideal_ms(args: argparse.Namespace) -> tuple[float, float]:
+    """1F1B's (and GPipe's) ideal step (m+p-1)(F+B) and the no-bubble floor m(F+B), in ms."""
+    per_micro_batch = args.layers_per_stage * (args.forward_ms + args.input_grad_ms + args.weight_grad_ms)
+    return (args.micro_batches + args.stages - 1) * per_micro_batch, args.micro_batches * per_micro_batch
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    one_f_one_b, floor = ideal_ms(args)
+    print(command_line())
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}; p={args.stages}, m={args.micro_batches}, "
+          f"{args.layers_per_stage} timed layers per stage (F {args.forward_ms:g} / I {args.input_grad_ms:g} / "
+          f"W {args.weight_grad_ms:g} ms each, width {args.width}), batch {args.batch_size}, sgd; raypipe p2p, "
+          f"snapshot_every={args.snapshot_every}; 1F1B ideal (m+p-1)(F+B) = {one_f_one_b:.0f} ms, "
+          f"no-bubble floor m(F+B) = {floor:.0f} ms", flush=True)
+    pippy = PippyRunner(args, timed_pippy_worker, args.stages) if args.pippy_schedules else None
+    start_ray(args, len(args.raypipe_schedules), args.stages)
+    raypipe_runners: dict = {}
+    try:
+        raypipe_runners = {name: TimedRaypipe(args, name) for name in args.raypipe_schedules}
+        contenders = {("raypipe", name): (lambda count, r=runner: r.run(count)[0])
+                      for name, runner in raypipe_runners.items()}
+        contenders |= {("pippy", name): (lambda count, n=name: pippy.run(count, n)[0])
+                       for name in args.pippy_schedules}
+        # Same weights, same data: every contender's first step has the same loss.
+        first = {("raypipe", name): runner.run(1)[1][0] for name, runner in raypipe_runners.items()}
+        first |= {("pippy", name): pippy.run(1, name)[1][0] for name in args.pippy_schedules}
+        print("first-step loss: " + "  ".join(f"{'/'.join(key)} {loss:.6f}" for key, loss in first.items()),
+              flush=True)
+
+        def on_round(index: int, results: dict) -> None:
+            last = {key: 1e3 * statistics.median(values[-args.steps:]) for key, values in results.items()}
+            print(f"round {index + 1:2d}: " + "  ".join(f"{'/'.join(key)} {ms:.0f}" for key, ms in last.items())
+                  + " ms", flush=True)
+
+        times = run_rounds(contenders, args.rounds, args.steps, args.warmup, on_round)
+    finally:
+        for runner in raypipe_runners.values():
+            runner.close()
+        import ray
+
+        ray.shutdown()
+        if pippy is not None:
+            pippy.close()
+    report(args, times, {name: runner.results[-args.rounds * args.steps:] for name, runner in raypipe_runners.items()})
+
+
+def report(args: argparse.Namespace, times: dict, results: dict) -> None:
+    one_f_one_b, floor = ideal_ms(args)
+    rows = []
+    for key, values in times.items():
+        system, name = key
+        per_round = [1e3 * t for t in round_medians(values, args.steps)]
+        ratio, overhead = "", ""
+        counterpart = ("pippy", COUNTERPARTS.get(name, ""))
+        if system == "raypipe":
+            if counterpart in times:
+                ratio = f"{spread(round_ratios(values, times[counterpart], args.steps))} vs {counterpart[1]}"
+            overhead = f"{1e3 * statistics.median(driver_overhead(results[name])):.1f}"
+        rows.append([f"{system} {name}", spread(per_round, digits=0), f"{statistics.median(per_round) / one_f_one_b:.3f}",
+                     ratio, overhead])
+    print()
+    print_table(["contender", "step ms, median [min-max] of per-round medians",
+                 f"/ 1F1B ideal {one_f_one_b:.0f} ms", "raypipe/PiPPy per-round ratio", "raypipe driver overhead ms"],
+                rows)
+    print(f"(1F1B ideal (m+p-1)(F+B) = {one_f_one_b:.0f} ms; no-bubble floor m(F+B) = {floor:.0f} ms; "
+          f"driver overhead: step time minus the longest worker task, median)")
+    print(command_line())
+
+
+if __name__ == "__main__":
+    main()
