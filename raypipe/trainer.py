@@ -299,6 +299,6 @@ class PipelineTrainer:
             return self.config.peak_flops_per_second
         if not self.use_gpu:
             return None
-        from raypipe.observability.metrics import peak_flops_for_device
+        from raypipe.observability.mfu import peak_flops_for_device
 
         return peak_flops_for_device(self.device_name, self.config.precision)  # fp32: the FP32 peak, not bf16

@@ -42,7 +42,7 @@ def build_step_result(*, step: int, loss: float, grad_norm: float, max_norm: flo
     skipped = skip_reason is not None
     mfu = None
     if peak_flops:
-        from raypipe.observability.metrics import mfu as model_flops_utilization
+        from raypipe.observability.mfu import mfu as model_flops_utilization
 
         mfu = model_flops_utilization(num_parameters, num_tokens, step_time, peak_flops, num_devices)
     return StepResult(

@@ -3,10 +3,10 @@ import pytest
 
 from raypipe.config import PRECISIONS
 from raypipe.core.result import StageStats
-from raypipe.observability.metrics import (
+from raypipe.observability.metrics import _memory_family
+from raypipe.observability.mfu import (
     PEAK_FLOPS_BY_DEVICE,
     PEAK_FP32_FLOPS_BY_DEVICE,
-    _memory_family,
     peak_flops_for_device,
 )
 from raypipe.stage.measure import device_memory_bytes

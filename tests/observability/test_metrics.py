@@ -1,4 +1,4 @@
-"""MetricsExporter over real HTTP (no Ray), and the MFU helpers."""
+"""MetricsExporter over real HTTP (no Ray), and the MFU helpers (observability.mfu)."""
 from __future__ import annotations
 
 import errno
@@ -13,9 +13,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from raypipe.observability.metrics import (
+from raypipe.observability.metrics import MetricsExporter
+from raypipe.observability.mfu import (
     PEAK_FLOPS_BY_DEVICE,
-    MetricsExporter,
     mfu,
     model_flops_per_token,
     peak_flops_for_device,
