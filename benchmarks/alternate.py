@@ -46,6 +46,17 @@ def run_rounds(contenders: dict[Hashable, Callable[[int], list]], rounds: int, s
     return results
 
 
+def print_round_ms(steps: int) -> Callable[[int, dict], None]:
+    """An ``on_round`` for :func:`run_rounds` over step times in seconds: prints each
+    contender's median step of the round just run, in ms."""
+    def on_round(index: int, results: dict) -> None:
+        last = {key: 1e3 * statistics.median(values[-steps:]) for key, values in results.items()}
+        print(f"round {index + 1:2d}: " + "  ".join(f"{'/'.join(key)} {ms:.0f}" for key, ms in last.items())
+              + " ms", flush=True)
+
+    return on_round
+
+
 def run_alternating(trainers: dict[Hashable, raypipe.PipelineTrainer], batches: dict[Hashable, tuple],
                     args: argparse.Namespace,
                     on_round: Callable[[int, dict], None] | None = None) -> dict[Hashable, list]:

@@ -44,7 +44,8 @@ import time
 import torch
 from torch import nn
 
-from alternate import add_round_arguments, command_line, print_table, round_medians, round_ratios, run_rounds, spread
+from alternate import (add_round_arguments, command_line, print_round_ms, print_table, round_medians, round_ratios,
+                       run_rounds, spread)
 from bench_vs_pippy import PippyRunner, RaypipeRunner, driver_overhead, make_optimizer, start_ray
 
 # PiPPy schedule -> chunks (stages) per rank and their placement ("loop": r, r+p; "v": r, 2p-1-r)
@@ -213,12 +214,7 @@ def main() -> None:
         print("first-step loss: " + "  ".join(f"{'/'.join(key)} {loss:.6f}" for key, loss in first.items()),
               flush=True)
 
-        def on_round(index: int, results: dict) -> None:
-            last = {key: 1e3 * statistics.median(values[-args.steps:]) for key, values in results.items()}
-            print(f"round {index + 1:2d}: " + "  ".join(f"{'/'.join(key)} {ms:.0f}" for key, ms in last.items())
-                  + " ms", flush=True)
-
-        times = run_rounds(contenders, args.rounds, args.steps, args.warmup, on_round)
+        times = run_rounds(contenders, args.rounds, args.steps, args.warmup, print_round_ms(args.steps))
     finally:
         for runner in raypipe_runners.values():
             runner.close()

@@ -50,7 +50,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from alternate import add_round_arguments, command_line, print_table, round_medians, round_ratios, run_rounds, spread
+from alternate import (add_round_arguments, command_line, print_round_ms, print_table, round_medians, round_ratios,
+                       run_rounds, spread)
 
 NUM_STAGES = 2
 # preset -> model and batch; target is the largest acceptable median raypipe/PiPPy ratio
@@ -274,12 +275,7 @@ def main() -> None:
         first_pippy = pippy.run(1)[1][0]
         print(f"first-step loss: raypipe {first_raypipe:.6f}  pippy {first_pippy:.6f}", flush=True)
 
-        def on_round(index: int, results: dict) -> None:
-            last = {key: 1e3 * statistics.median(values[-args.steps:]) for key, values in results.items()}
-            print(f"round {index + 1:2d}: " + "  ".join(f"{'/'.join(key)} {ms:.0f}" for key, ms in last.items())
-                  + " ms", flush=True)
-
-        times = run_rounds(contenders, args.rounds, args.steps, args.warmup, on_round)
+        times = run_rounds(contenders, args.rounds, args.steps, args.warmup, print_round_ms(args.steps))
     finally:
         for runner in raypipe_runners.values():
             runner.close()
