@@ -159,7 +159,7 @@ def probe_flash_vs_sdpa(cpu: bool) -> dict[str, Any]:
     """LLaMA-2 7B attention shapes (32 heads of 128, T=4096, bf16): flash-attn against SDPA."""
     import torch.nn.functional as F
 
-    from raypipe.models import llama
+    from raypipe.models import attention
 
     if cpu:
         batch, seq_len, heads, head_dim, dtype, device = 1, 128, 4, 32, torch.float32, "cpu"
@@ -186,10 +186,10 @@ def probe_flash_vs_sdpa(cpu: bool) -> dict[str, Any]:
     results.update(sdpa_deterministic_backward_bitwise=same, sdpa_seconds=round(seconds, 4))
     if not same:
         raise AssertionError("SDPA's backward under use_deterministic_algorithms(True) differs between two runs")
-    reason = llama.flash_unavailable_reason(q)
+    reason = attention.flash_unavailable_reason(q)
     results["flash_attn"] = reason or "runs"
     if reason is None:
-        same, flash_out, seconds = _bitwise_twice(llama.causal_attention, q, k, v, grad)
+        same, flash_out, seconds = _bitwise_twice(attention.causal_attention, q, k, v, grad)
         difference = (flash_out.float() - sdpa_out.float()).abs().max().item()
         results.update(flash_backward_bitwise=same, flash_seconds=round(seconds, 4),
                        flash_vs_sdpa_max_abs_difference=difference)

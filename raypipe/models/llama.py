@@ -1,48 +1,30 @@
 """A LLaMA-style decoder as a list of pipeline layers.
 
-One readable file, in the spirit of nanoGPT: token embedding, ``n_layers``
-blocks (RMSNorm, causal self-attention with rotary position embeddings,
-SwiGLU MLP, residuals), final RMSNorm and LM head. Every layer takes one
+In the spirit of nanoGPT: token embedding, ``n_layers`` blocks (RMSNorm, causal
+self-attention with rotary position embeddings, SwiGLU MLP, residuals), final
+RMSNorm and LM head, with the configs and named presets. Every layer takes one
 tensor and returns one tensor, so any contiguous run of them is a pipeline
 stage: ``llama_layers(config)`` gives the list as :class:`~raypipe.LayerSpec`.
 
-Attention runs flash-attn's ``flash_attn_func`` when it imports, the tensors
-are CUDA bf16/fp16, head_dim is at most 256 and the card is Ampere or newer,
-otherwise ``torch.nn.functional.scaled_dot_product_attention`` (a CUDA run that
-could have used flash-attn says once why it did not). Rotary embeddings use the
-"rotate half" pairing (dimension ``j`` with ``j + head_dim/2``), as Hugging Face
-checkpoints do; their cos/sin tables are built once per process (per stage) and
-shared by every block (:func:`shared_rotary_tables`), not stored in each block.
-
-Determinism (raypipe promises a healed run is bitwise the uninterrupted one): the
-forward is deterministic on every path; flash-attn's backward runs its deterministic
-variant; on CPU SDPA is deterministic. SDPA's CUDA backward kernels (flash,
-memory-efficient) sum with atomics unless ``torch.use_deterministic_algorithms(True)``
-is on when the backward runs (it also needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8``), so
-on GPU without flash-attn the bitwise promise holds only under that setting.
+The rotary tables (built once per process and shared by every block, Llama 3.1's
+frequency scaling) are :mod:`raypipe.models.rotary`; the attention kernel (flash-attn
+or SDPA, and what each path promises about determinism) is :mod:`raypipe.models.attention`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import threading
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raypipe.models.attention import causal_attention
 from raypipe.models.layers import LayerSpec
-
-try:  # optional: the [gpu] extra
-    from flash_attn import flash_attn_func as _flash_attn_func
-except (ImportError, OSError):  # not installed, or built against another CUDA/torch
-    _flash_attn_func = None
+from raypipe.models.rotary import LLAMA3_ROPE_KEYS, apply_rotary, shared_rotary_tables
 
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in its mean
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -140,140 +122,6 @@ def num_parameters(config: LlamaConfig) -> int:
 
 def _init_linear(linear: nn.Linear, std: float) -> None:
     nn.init.normal_(linear.weight, mean=0.0, std=std)
-
-
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float,
-                  scaling: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, shape (max_seq_len, head_dim // 2), fp32.
-
-    Position ``t`` rotates the pair (j, j + head_dim/2) by ``t * theta**(-2j/head_dim)``,
-    the frequencies rescaled as Llama 3.1 does when ``scaling`` is given.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling is not None:
-        inv_freq = llama3_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-_shared_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_shared_tables_lock = threading.Lock()
-
-
-def shared_rotary_tables(head_dim: int, max_positions: int, theta: float, scaling: dict[str, float] | None,
-                         device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rotary_tables` on ``device``, built once per process and shared by every caller.
-
-    Every block of a stage asks for the same tables, so a stage holds one pair whatever its
-    number of blocks (a checkpoint's ``max_position_embeddings`` can be 131072: 32 MiB per
-    table at head_dim 128). Computed on the CPU in fp32 and then copied, as a module's
-    buffers were, so the values are bitwise those of a per-block table. Not module buffers:
-    they stay out of state dicts and checkpoints, and ``module.to()`` cannot split them.
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    scaling_key = None if scaling is None else tuple(sorted((k, float(v)) for k, v in scaling.items()))
-    key = (head_dim, max_positions, float(theta), scaling_key, torch.float32, device)
-    tables = _shared_tables.get(key)
-    if tables is None:
-        with _shared_tables_lock:  # stage threads may run blocks concurrently: still one build
-            tables = _shared_tables.get(key)
-            if tables is None:
-                # CPU math whatever the caller's default device, as the buffers had; normal tensors
-                # even when the first caller runs under inference_mode (training reuses them)
-                with torch.device("cpu"), torch.inference_mode(False), torch.no_grad():
-                    cos, sin = rotary_tables(head_dim, max_positions, theta, scaling)
-                    tables = _shared_tables[key] = (cos.to(device), sin.to(device))
-    return tables
-
-
-def clear_shared_rotary_tables() -> None:
-    """Forget the shared tables (their memory is freed once no tensor refers to them)."""
-    with _shared_tables_lock:
-        _shared_tables.clear()
-
-
-def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
-    """Llama 3.1's frequency scaling: wavelengths longer than the original context / low_freq_factor
-    are stretched by ``factor``, shorter than context / high_freq_factor kept, those between blended."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    context = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
-    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
-    return torch.where(wavelength > context / low, inv_freq / factor,
-                       torch.where(wavelength < context / high, inv_freq, scaled))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, T, heads, head_dim) by the angles of its positions; cos/sin are (T, head_dim/2)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's kernels go up to 256; it pads other sizes to a multiple of 8 itself
-FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere, Ada and Hopper
-# A healed run must be bitwise the uninterrupted one: flash-attn's deterministic backward
-# ("slightly slower and uses more memory", its docs say) instead of its atomic one.
-FLASH_DETERMINISTIC_BACKWARD = True
-_fallbacks_said: set[str] = set()
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(QKᵀ/√d)V on (B, T, heads, head_dim) tensors; k/v may have fewer heads (GQA)."""
-    reason = flash_unavailable_reason(q)
-    if reason is None:
-        return _flash_attn_func(q, k, v, causal=True,  # same layout, GQA built in
-                                deterministic=FLASH_DETERMINISTIC_BACKWARD)
-    if _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        _say_fallback_once(f"not flash-attn, because {reason}")
-    if q.is_cuda and q.requires_grad and not torch.are_deterministic_algorithms_enabled():
-        _say_fallback_once("its CUDA backward is not deterministic unless torch.use_deterministic_algorithms(True) "
-                           "is on, so a healed run may differ from the uninterrupted one in the last bits")
-    gqa = k.size(2) != q.size(2)
-    if gqa and q.is_cuda and q.dtype == torch.float32:
-        # SDPA runs enable_gqa only in its flash (bf16/fp16) and math kernels: fp32 GQA would take
-        # the O(T²) math kernel. With the heads expanded the memory-efficient kernel can run.
-        k, v, gqa = expand_kv_heads(k, q.size(2)), expand_kv_heads(v, q.size(2)), False
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, enable_gqa=gqa)
-    return out.transpose(1, 2)
-
-
-def flash_unavailable_reason(q: torch.Tensor) -> str | None:
-    """Why flash-attn's kernel cannot attend over ``q`` (B, T, heads, head_dim); None: it can."""
-    if _flash_attn_func is None:
-        return "flash-attn is not installed (or does not import)"
-    if not q.is_cuda:
-        return "the tensors are not on a CUDA device"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"flash-attn computes in bf16/fp16, not {q.dtype}"
-    if q.size(-1) > FLASH_MAX_HEAD_DIM:
-        return f"head_dim {q.size(-1)} exceeds flash-attn's maximum of {FLASH_MAX_HEAD_DIM}"
-    capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if capability < FLASH_MIN_CAPABILITY:
-        return (f"the GPU's compute capability {capability[0]}.{capability[1]} is below the "
-                f"{FLASH_MIN_CAPABILITY[0]}.{FLASH_MIN_CAPABILITY[1]} (Ampere) flash-attn 2 needs")
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _say_fallback_once(reason: str) -> None:
-    if reason not in _fallbacks_said:
-        _fallbacks_said.add(reason)
-        warnings.warn(f"attention runs torch's scaled_dot_product_attention: {reason}", stacklevel=3)
-
-
-def expand_kv_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(B, T, kv_heads, head_dim) -> (B, T, n_heads, head_dim), query head ``h`` reading key/value
-    head ``h // (n_heads / kv_heads)``: the grouping of SDPA's ``enable_gqa`` and flash-attn."""
-    return x.repeat_interleave(n_heads // x.size(2), dim=2)
 
 
 class RMSNorm(nn.Module):

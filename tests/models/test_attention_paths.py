@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raypipe.models import llama
-from raypipe.models.llama import causal_attention, expand_kv_heads, flash_unavailable_reason
+from raypipe.models import attention
+from raypipe.models.attention import causal_attention, expand_kv_heads, flash_unavailable_reason
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
@@ -40,15 +40,15 @@ def test_the_cpu_path_is_unchanged_sdpa_with_enable_gqa():
 
 def test_flash_guards_name_what_rules_flash_out(monkeypatch):
     q = torch.randn(1, 4, 2, 8)
-    monkeypatch.setattr(llama, "_flash_attn_func", None)
+    monkeypatch.setattr(attention, "_flash_attn_func", None)
     assert flash_unavailable_reason(q) == "flash-attn is not installed (or does not import)"
-    monkeypatch.setattr(llama, "_flash_attn_func", lambda *a, **k: None)
+    monkeypatch.setattr(attention, "_flash_attn_func", lambda *a, **k: None)
     assert flash_unavailable_reason(q) == "the tensors are not on a CUDA device"
 
 
 def test_flash_limits_are_flash_attn_2s():
-    assert llama.FLASH_MAX_HEAD_DIM == 256 and llama.FLASH_MIN_CAPABILITY == (8, 0)
-    assert llama.FLASH_DETERMINISTIC_BACKWARD is True
+    assert attention.FLASH_MAX_HEAD_DIM == 256 and attention.FLASH_MIN_CAPABILITY == (8, 0)
+    assert attention.FLASH_DETERMINISTIC_BACKWARD is True
 
 
 # -- GPU --------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def test_a_head_dim_over_256_falls_back_to_sdpa_and_says_why():
     pytest.importorskip("flash_attn")
     q, k, v = _qkv(288)
     assert flash_unavailable_reason(q) == "head_dim 288 exceeds flash-attn's maximum of 256"
-    llama._fallbacks_said.clear()
+    attention._fallbacks_said.clear()
     with pytest.warns(UserWarning, match="head_dim 288 exceeds"):
         out = causal_attention(q, k, v)
     assert out.shape == q.shape

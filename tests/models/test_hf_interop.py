@@ -169,17 +169,17 @@ def test_from_pretrained_without_max_seq_len_shares_one_rotary_table_per_stage(t
     """Tables for max_position_embeddings (64 here), built once and shared by every block
     (not buffers: nothing in the state dict, nothing a checkpoint saves); results bitwise
     those of tables sized by max_seq_len."""
-    import raypipe.models.llama as llama
+    import raypipe.models.rotary as rotary
     from raypipe.executor.per_step_worker import _saves_buffers
 
     source = hf_model()
     save(source, tmp_path / "hf")
     layers = from_pretrained(tmp_path / "hf")
     assert layers[0].args[0].max_seq_len == 64
-    llama.clear_shared_rotary_tables()
+    rotary.clear_shared_rotary_tables()
     built = []
-    real = llama.rotary_tables
-    monkeypatch.setattr(llama, "rotary_tables", lambda *a, **k: built.append(a) or real(*a, **k))
+    real = rotary.rotary_tables
+    monkeypatch.setattr(rotary, "rotary_tables", lambda *a, **k: built.append(a) or real(*a, **k))
     stage = torch.nn.ModuleList(layer.build() for layer in layers)
     tokens = rows()
     with torch.no_grad():

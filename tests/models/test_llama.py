@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raypipe.models.attention import causal_attention
 from raypipe.models.layers import LayerSpec
 from raypipe.models.llama import (
     CONFIGS,
@@ -14,14 +15,12 @@ from raypipe.models.llama import (
     LlamaConfig,
     LlamaEmbedding,
     LlamaHead,
-    apply_rotary,
-    causal_attention,
     get_config,
     llama_layers,
     llama_loss,
     num_parameters,
-    rotary_tables,
 )
+from raypipe.models.rotary import apply_rotary, rotary_tables
 
 
 def tiny(**changes) -> LlamaConfig:
@@ -154,7 +153,7 @@ def test_rotary_tables_are_not_in_the_state_dict():
 def test_rotary_tables_first_built_under_inference_mode_still_train():
     """The shared tables outlive the forward that built them: built in an inference_mode
     forward (an evaluation first), they must still serve a training forward and backward."""
-    from raypipe.models.llama import clear_shared_rotary_tables
+    from raypipe.models.rotary import clear_shared_rotary_tables
 
     clear_shared_rotary_tables()
     model = torch.nn.Sequential(*(spec.build() for spec in llama_layers(tiny(n_layers=2, max_seq_len=32))))
@@ -285,9 +284,9 @@ def test_tiny_model_learns_a_repeated_sequence():
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_flash_attn_path_matches_sdpa(dtype, kv_heads):
     pytest.importorskip("flash_attn")
-    from raypipe.models import llama
+    from raypipe.models import attention
 
-    assert llama._flash_attn_func is not None
+    assert attention._flash_attn_func is not None
     torch.manual_seed(0)
     q = torch.randn(2, 300, 8, 64, device="cuda", dtype=dtype)
     k = torch.randn(2, 300, kv_heads, 64, device="cuda", dtype=dtype)

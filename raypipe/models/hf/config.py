@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any
 
 from raypipe.errors import ConfigError
-from raypipe.models.llama import LLAMA3_ROPE_KEYS, LlamaConfig
+from raypipe.models.llama import LlamaConfig
+from raypipe.models.rotary import LLAMA3_ROPE_KEYS
 
 _ARCHITECTURE = "LlamaForCausalLM"
 
