@@ -1,7 +1,7 @@
 """GPU paths: p2p over NCCL, Ray Direct Transport over NCCL, pinned-memory offload, bf16 on CUDA.
 
 Marked ``gpu``: deselected where CUDA is absent (see conftest), run where it exists; those
-also marked ``gpus2`` need two GPUs on the node and skip (saying so) on one.
+also marked ``gpus2`` need two GPUs on the node and are deselected (counted in a closing line) on one.
 Their CPU fallbacks run everywhere: the gloo transport (tests/test_trainer_errors.py) and
 object-store offload (tests/stage/test_recompute.py).
 """

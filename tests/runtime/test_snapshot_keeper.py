@@ -18,7 +18,7 @@ from tests.reference import adamw, make_mlp
 def test_the_keeper_keeps_a_gpu_workers_snapshot_without_a_gpu(ray_cluster):
     ray = ray_cluster
     if not ray.cluster_resources().get("GPU"):
-        pytest.skip("the local Ray instance sees no GPU")
+        pytest.fail("the local Ray instance sees no GPU")  # CUDA is here (the test was selected): a misconfiguration
     spec = WorkerSpec(0, 1, tuple(make_mlp()), tuple(range(7)), raypipe.PipelineConfig(num_stages=1),
                       optimizer_factory=adamw, loss_fn=nn.functional.mse_loss, use_gpu=True)
     worker = worker_actor_class(StageWorker).options(num_gpus=1, num_cpus=0).remote(spec)
