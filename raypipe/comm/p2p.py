@@ -7,15 +7,17 @@ gradient has the shape and dtype of the activation sent for the same
 micro-batch, so it needs no header.
 
 Gloo hands a message over only once its receive is posted, so with gloo every
-receive is posted as early as the schedule allows (:class:`_ByTag`): a stage's
-activation headers at the start of its step, each payload too when its shape is
-predicted (the shape this micro-batch had last step, which both sides remember
-the same way), and a gradient's receive as soon as its activation is sent. A
-payload whose shape changed goes under another tag, and the stale prediction is
-consumed by a filler of the predicted size, so no posted receive is ever left
-unmatched. NCCL matches point-to-point messages in stream order and ignores
-tags (:class:`_InOrder`): there each payload and gradient is received when it is
-reached (headers are posted ahead all the same, on the control channel below).
+receive is posted as early as the schedule allows
+(:class:`~raypipe.comm.matching.ByTag`): a stage's activation headers at the
+start of its step, each payload too when its shape is predicted (the shape this
+micro-batch had last step, which both sides remember the same way), and a
+gradient's receive as soon as its activation is sent. A payload whose shape
+changed goes under another tag, and the stale prediction is consumed by a filler
+of the predicted size, so no posted receive is ever left unmatched. NCCL matches
+point-to-point messages in stream order and ignores tags
+(:class:`~raypipe.comm.matching.InOrder`): there each payload and gradient is
+received when it is reached (headers are posted ahead all the same, on the
+control channel below). An activation's header is :mod:`raypipe.comm.headers`.
 
 A send completes only once its receive is posted, so a stage that sends to a
 peer and then receives from it, while the peer does the same the other way,
@@ -44,8 +46,8 @@ receive from it, and every collective with it, fail at once:
 blocks the host nor raises, and a host sync on a transfer from a departed peer
 waits until NCCL's watchdog fires. So on NCCL (and under its emulation,
 :mod:`raypipe.comm.nccl_emulation`) every wait polls the Work's completion
-against an abort flag and a deadline of ``p2p_timeout_s`` instead, and
-:meth:`P2PChannel.abort`, called from another thread (the worker's health
+against an abort flag and a deadline of ``p2p_timeout_s`` instead
+(:mod:`raypipe.comm.polled_wait`), and :meth:`P2PChannel.abort`, called from another thread (the worker's health
 thread) while the step is blocked, sets the flag and aborts the communicators
 (never a destroy, which waits for pending work): the step raises
 :class:`~raypipe.errors.StepAborted` and the group is formed afresh.
@@ -55,32 +57,21 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from raypipe.comm.headers import (DTYPES, HEADER_LENGTH, MAX_DIMS, Signature, decode, empty_buffer, encode,
+                                  signature_of)
+from raypipe.comm.matching import GRADIENT, HEADER, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
+from raypipe.comm.polled_wait import ABORTED, WaitedOnThread, poll
 from raypipe.comm.replicas import StageReplicas
 from raypipe.core.ops import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, LoweredOp
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
-           torch.bool]
-_MAX_DIMS = 8
-_HEADER = 2 + _MAX_DIMS  # ndim, dtype code, shape
-_LONGEST_POLL_S = 0.005  # a polled wait sleeps at most this long between looks at its Work
-
-# what a message is, for its tag
-HEADER, PREDICTED, UNPREDICTED, GRADIENT = range(4)
-
-Signature = tuple[int, tuple[int, ...]]  # dtype code, shape
-# a point-to-point operation to start: dist.isend or dist.irecv, the tensor, the peer's rank, the tag
-Operation = tuple[Any, torch.Tensor, int, int]
-
 
 def rendezvous_address() -> tuple[str, int]:
     """An address and free port on this node for the group's rendezvous."""
@@ -89,50 +80,6 @@ def rendezvous_address() -> tuple[str, int]:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return ray.util.get_node_ip_address(), sock.getsockname()[1]
-
-
-class _ByTag:
-    """Gloo: messages match by (peer, tag), so receives are posted ahead and
-    payload shapes are predicted."""
-
-    predicts = True
-
-    @staticmethod
-    def tag(kind: int, micro_batch: int) -> int:
-        return 4 * micro_batch + kind + 1
-
-    def post(self, buffer: torch.Tensor, peer: int, kind: int, micro_batch: int) -> Any:
-        return dist.irecv(buffer, peer, tag=self.tag(kind, micro_batch))
-
-    @staticmethod
-    def start(operations: list[Operation]) -> list[Any]:
-        """Start each operation on its own: one Work each."""
-        return [function(tensor, peer, tag=tag) for function, tensor, peer, tag in operations]
-
-
-class _InOrder:
-    """NCCL: messages match in stream order and tags are ignored, so nothing is
-    posted ahead (None) and nothing is predicted. ``stream``: NCCL's emulation
-    runs the batches (:mod:`raypipe.comm.nccl_emulation`)."""
-
-    predicts = False
-
-    def __init__(self, stream: EmulatedStream | None = None) -> None:
-        self.stream = stream
-
-    @staticmethod
-    def tag(kind: int, micro_batch: int) -> int:
-        return 0
-
-    def post(self, buffer: torch.Tensor, peer: int, kind: int, micro_batch: int) -> None:
-        return None
-
-    def start(self, operations: list[Operation]) -> list[Any]:
-        """Post ``operations`` together (one NCCL group), on the group's communicator."""
-        if self.stream is not None:
-            return self.stream.start(operations)
-        return dist.batch_isend_irecv([dist.P2POp(function, tensor, peer, tag=tag)
-                                       for function, tensor, peer, tag in operations])
 
 
 class P2PChannel:
@@ -144,7 +91,7 @@ class P2PChannel:
         self.rank = topology.rank(replica, stage)
         self.replicas = StageReplicas(topology, replica, stage,
                                       wait=lambda work, what: self._wait(self._collective(work), None, None, what))
-        self._matching: _ByTag | _InOrder = _InOrder() if self.backend == "nccl" else _ByTag()
+        self._matching: ByTag | InOrder = InOrder() if self.backend == "nccl" else ByTag()
         # the group of headers and the step's all-reduce (gloo, CPU tensors); None: the group itself
         self.control: Any = None
         self._polls = False  # NCCL's rules: waits poll against the abort flag and the deadline
@@ -189,9 +136,9 @@ class P2PChannel:
         if self._polls:  # every rank makes the control group first, then the replicas' subgroups
             self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             stream = EmulatedStream(dist.distributed_c10d._get_default_group()) if emulate_nccl else None
-            self._matching = _InOrder(stream)
+            self._matching = InOrder(stream)
         else:
-            self.control, self._matching = None, _ByTag()
+            self.control, self._matching = None, ByTag()
         self.replicas.join()
 
     def leave(self) -> None:
@@ -236,24 +183,24 @@ class P2PChannel:
         (headers, and payloads of predicted shape), before they are needed."""
         peer = self.rank - 1
         for micro_batch in micro_batches:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self._control_device)
+            header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._control_device)
             self._headers[micro_batch] = self._control_op(dist.irecv, header, peer, micro_batch), header
             predicted = self._received.get(micro_batch)
             if predicted is not None:
-                payload = _empty(predicted, self.device)
+                payload = empty_buffer(predicted, self.device)
                 self._payloads[micro_batch] = self._matching.post(payload, peer, PREDICTED, micro_batch), payload
 
     def send_activation(self, tensor: torch.Tensor, micro_batch: int) -> None:
         """Start sending an activation (header, then payload) to the next stage,
         and post the receive of its gradient."""
-        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+        if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
             raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
         payload, peer = tensor.detach().contiguous(), self.rank + 1
-        signature, predicted = _signature(payload), self._sent.get(micro_batch)
-        header = _encode(signature, self._control_device)
+        signature, predicted = signature_of(payload), self._sent.get(micro_batch)
+        header = encode(signature, self._control_device)
         self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
-            self._send(_empty(predicted, self.device), peer, PREDICTED, micro_batch)
+            self._send(empty_buffer(predicted, self.device), peer, PREDICTED, micro_batch)
         self._send(payload, peer, PREDICTED if predicted == signature else UNPREDICTED, micro_batch)
         if self._matching.predicts:
             self._sent[micro_batch] = signature
@@ -267,13 +214,13 @@ class P2PChannel:
             self.expect_activations([micro_batch])
         work, header = self._headers.pop(micro_batch)
         self._wait(work, peer, micro_batch, "activation")
-        signature = _decode(header)
+        signature = decode(header)
         if self._matching.predicts:
             self._received[micro_batch] = signature
         posted = self._payloads.pop(micro_batch, None)
         if posted is not None:
             predicted = self._receive(posted, None, peer, PREDICTED, micro_batch)
-            if _signature(predicted) == signature:
+            if signature_of(predicted) == signature:
                 return predicted
         return self._receive(None, signature, peer, UNPREDICTED, micro_batch)
 
@@ -358,13 +305,13 @@ class P2PChannel:
     def _control_op(self, function: Any, tensor: torch.Tensor, peer: int, micro_batch: int) -> Any:
         """Start a header's send or receive on the control channel (matched by tag)."""
         self._refuse_after_abort("activation")
-        work = function(tensor, peer, group=self.control, tag=_ByTag.tag(HEADER, micro_batch))
+        work = function(tensor, peer, group=self.control, tag=ByTag.tag(HEADER, micro_batch))
         # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
-        return _WaitedOnThread(work) if self._polls else work
+        return WaitedOnThread(work) if self._polls else work
 
     def _collective(self, work: Any) -> Any:
         """A data-group collective's Work, under NCCL's rules when they are emulated."""
-        return SilentCollective(work) if isinstance(self._matching, _InOrder) and self._matching.stream else work
+        return SilentCollective(work) if isinstance(self._matching, InOrder) and self._matching.stream else work
 
     def _refuse_after_abort(self, what: str) -> None:
         """Issue nothing more once aborted (the step is ending)."""
@@ -372,7 +319,7 @@ class P2PChannel:
             self._raise_aborted(None, None, what)
 
     def _stop_stream(self) -> None:
-        if isinstance(self._matching, _InOrder) and self._matching.stream is not None:
+        if isinstance(self._matching, InOrder) and self._matching.stream is not None:
             self._matching.stream.stop()
 
     def _send(self, tensor: torch.Tensor, peer: int, kind: int, micro_batch: int) -> None:
@@ -391,7 +338,7 @@ class P2PChannel:
     def _receive(self, posted: tuple[Any, torch.Tensor] | None, signature: Signature | None, peer: int,
                  kind: int, micro_batch: int) -> torch.Tensor:
         """Wait for a posted receive, or post one into a new buffer of ``signature`` and wait."""
-        work, buffer = posted if posted is not None else (None, _empty(signature, self.device))
+        work, buffer = posted if posted is not None else (None, empty_buffer(signature, self.device))
         if work is None:
             work = self._started([(dist.irecv, buffer, peer, self._matching.tag(kind, micro_batch))])[0]
         self._wait(work, peer, micro_batch, "gradient" if kind == GRADIENT else "activation")
@@ -402,15 +349,7 @@ class P2PChannel:
         rules by polling its completion against the abort flag and ``p2p_timeout_s``
         (NCCL's ``wait()`` neither blocks the host nor raises)."""
         if self._polls:
-            deadline, pause = time.monotonic() + self._timeout_s, 1e-4
-            while not work.is_completed():
-                if self._aborted.is_set():
-                    self._raise_aborted(peer, micro_batch, what)
-                if time.monotonic() > deadline:
-                    raise self._step_aborted(peer, micro_batch, what, f"it did not complete within "
-                                             f"p2p_timeout_s={self._timeout_s:g}s")
-                time.sleep(pause)
-                pause = min(2 * pause, _LONGEST_POLL_S)
+            poll(work, self._aborted, self._timeout_s, lambda why: self._step_aborted(peer, micro_batch, what, why))
         try:
             work.wait()  # completed when polled: returns at once, or raises the transport's error
         except RuntimeError as error:
@@ -419,57 +358,8 @@ class P2PChannel:
                                      f"{source} left the step before this {what} completed ({error})") from None
 
     def _raise_aborted(self, peer: int | None, micro_batch: int | None, what: str) -> None:
-        raise self._step_aborted(peer, micro_batch, what, "the step was aborted (a worker of the group failed)")
+        raise self._step_aborted(peer, micro_batch, what, ABORTED)
 
     def _step_aborted(self, peer: int | None, micro_batch: int | None, what: str, why: str) -> StepAborted:
         return StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch, why,
                            replica=self.replica if self.topology.num_replicas > 1 else None)
-
-
-class _WaitedOnThread:
-    """A gloo point-to-point Work, waited for on a thread of its own once first
-    polled (gloo's says it completed only once waited for), so that a polled wait
-    can give up on it; its error is raised by :meth:`wait`."""
-
-    def __init__(self, work: Any) -> None:
-        self._work, self._thread, self._error = work, None, None
-
-    def is_completed(self) -> bool:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._wait_in_gloo, name="raypipe-control-wait", daemon=True)
-            self._thread.start()
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: Any = None) -> bool:
-        if self._thread is None:  # not polled: the plain wait
-            return self._work.wait()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def _wait_in_gloo(self) -> None:
-        try:
-            self._work.wait()
-        except RuntimeError as error:
-            self._error = error
-
-
-def _empty(signature: Signature, device: torch.device) -> torch.Tensor:
-    code, shape = signature
-    return torch.empty(shape, dtype=_DTYPES[code], device=device)
-
-
-def _signature(tensor: torch.Tensor) -> Signature:
-    return _DTYPES.index(tensor.dtype), tuple(tensor.shape)
-
-
-def _encode(signature: Signature, device: torch.device) -> torch.Tensor:
-    code, shape = signature
-    return torch.tensor([len(shape), code, *shape, *[0] * (_MAX_DIMS - len(shape))], dtype=torch.int64,
-                        device=device)
-
-
-def _decode(header: torch.Tensor) -> Signature:
-    ndim, code, *shape = header.tolist()
-    return code, tuple(shape[:ndim])

@@ -17,7 +17,8 @@ from tests.comm.test_p2p import free_port
 def run_abort_and_rejoin(rank: int, results: mp.Queue) -> None:
     import torch.distributed as dist
 
-    from raypipe.comm.p2p import GRADIENT, P2PChannel
+    from raypipe.comm.matching import GRADIENT
+    from raypipe.comm.p2p import P2PChannel
     from raypipe.core.topology import Topology
     from raypipe.errors import StepAborted
 

@@ -111,7 +111,7 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
     exchanges (a send and the receive behind it) deliver exactly, over gloo's posted
     receives, then over NCCL's path (every operation in a batch, matched in order).
     ``emulate_nccl``: every step under NCCL's emulation (raypipe.comm.nccl_emulation)."""
-    from raypipe.comm.p2p import _InOrder
+    from raypipe.comm.matching import InOrder
     from raypipe.core import ops
     from raypipe.core.lowering import lower
     from raypipe.core.schedule import one_f_one_b_schedule
@@ -124,7 +124,7 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
     try:
         for step in range(2 * len(STEPS)):  # shapes change from step to step: predictions go stale
             if step == len(STEPS) and not emulate_nccl:  # every message of gloo's steps is in: switch (NCCL predicts no shape)
-                channel._matching = _InOrder()
+                channel._matching = InOrder()
                 channel._sent.clear()
                 channel._received.clear()
             shapes = step % len(STEPS)
