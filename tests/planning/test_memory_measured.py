@@ -152,7 +152,7 @@ def test_plan_predicts_the_bytes_of_each_workers_snapshot(ray_cluster):
     main weights and Adam moments) against the model, within 10%."""
     import ray
 
-    from raypipe.planning.plan import snapshot_bytes
+    from raypipe.planning.stage_rows import snapshot_bytes
 
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, precision="bf16")
     tokens = torch.randint(0, TINY.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))

@@ -21,7 +21,8 @@ from raypipe.planning.memory import (
     static_bytes_per_parameter,
 )
 from raypipe.models.llama import get_config, llama_layers, llama_loss, num_parameters
-from raypipe.planning.plan import add_plan_arguments, run_plan
+from raypipe.planning.plan import run_plan
+from raypipe.planning.plan_arguments import add_plan_arguments
 from raypipe.stage.precision import Bf16ComputeWeights, ModuleWeights
 from raypipe.units import format_bytes, parse_bytes
 

@@ -11,10 +11,11 @@ from raypipe.models.layers import LayerCost
 from raypipe.models.llama import LlamaConfig, get_config
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.planning.balance import balance_by_time, llama_stage_bytes
+from raypipe.planning.cluster_spec import Cluster, Link, load_cluster
+from raypipe.planning.configuration_search import LlamaStageBytes, candidate_shapes, search_plans
 from raypipe.planning.memory import estimate_stage
 from raypipe.planning.plan import main as plan_main
-from raypipe.planning.predict import (Cluster, Link, LlamaStageBytes, StepShape, candidate_shapes, load_cluster,
-                                      predict_step, search_plans)
+from raypipe.planning.predict import StepShape, predict_step
 
 GB = 10**9
 

@@ -1,0 +1,124 @@
+"""The cluster the step-time predictor runs on (:class:`Cluster`), and its loader: a preset
+(``planning/clusters/*.json``) or a user's JSON file. Per device the peak flop rate of each
+precision, memory, memory bandwidth, host-copy bandwidth, and an ``achievable_fraction`` of
+peak that compute reaches; per GPU the link to a GPU on its node (NVLink) and to one on
+another node (its NIC); GPUs per node. No Ray, no torch."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+CLUSTERS_DIR = Path(__file__).resolve().parent / "clusters"
+PRESET_CLUSTERS = ("h100", "h200")
+_COMPUTE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}  # raypipe leaves TF32 off: fp32 is fp32
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point path, per GPU: bytes/s one way and the latency of one message."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, num_bytes: float) -> float:
+        """Time to move ``num_bytes`` as one message."""
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster of identical nodes of ``gpus_per_node`` GPUs (see the module docstring)."""
+
+    name: str
+    peak_flops: dict[str, float]  # per precision ("bf16", "fp16", "fp32"; "tf32" for reference)
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    host_copy_bytes_per_s: float
+    achievable_fraction: float  # of peak, for the layers' flops (the MFU ceiling of a busy GPU)
+    source: str = ""
+    description: str = ""
+
+    def peak(self, precision: str) -> float:
+        """Peak flop/s of ``precision``'s compute (what MFU divides by)."""
+        key = _COMPUTE_PRECISION.get(precision, precision)
+        if key not in self.peak_flops:
+            raise ValueError(f"cluster {self.name!r} gives no peak_flops for {key!r} (it has "
+                             f"{sorted(self.peak_flops)})")
+        return self.peak_flops[key]
+
+    def flops_per_s(self, precision: str) -> float:
+        """The rate the layers' flops run at: peak x achievable_fraction."""
+        return self.peak(precision) * self.achievable_fraction
+
+    def node(self, gpu: int) -> int:
+        return gpu // self.gpus_per_node
+
+    def link(self, gpu_a: int, gpu_b: int) -> Link:
+        """NVLink between GPUs of one node, the inter-node link otherwise."""
+        return self.intra_node if self.node(gpu_a) == self.node(gpu_b) else self.inter_node
+
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "cluster") -> Cluster:
+        """A cluster from its JSON form; a missing or bad field raises ValueError naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{origin}: a cluster is a JSON object, not {type(data).__name__}")
+
+        def number(value: object, name: str, integer: bool = False) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                    or not math.isfinite(value) or (integer and value != int(value)):
+                raise ValueError(f"{origin}: {name}={value!r} must be a {'whole ' if integer else ''}number > 0")
+            return int(value) if integer else float(value)
+
+        def get(name: str) -> object:
+            if name not in data:
+                raise ValueError(f"{origin}: missing field {name!r} (see raypipe/planning/clusters/h100.json)")
+            return data[name]
+
+        def link(name: str) -> Link:
+            value = get(name)
+            if not isinstance(value, dict) or set(value) != {"bandwidth_bytes_per_s", "latency_s"}:
+                raise ValueError(f"{origin}: {name} must be {{\"bandwidth_bytes_per_s\": ..., \"latency_s\": ...}}")
+            latency = value["latency_s"]
+            if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
+                raise ValueError(f"{origin}: {name}.latency_s={latency!r} must be a number >= 0")
+            return Link(number(value["bandwidth_bytes_per_s"], f"{name}.bandwidth_bytes_per_s"), float(latency))
+
+        peaks = get("peak_flops")
+        if not isinstance(peaks, dict) or not peaks:
+            raise ValueError(f"{origin}: peak_flops must map precisions (bf16, fp16, fp32) to flop/s")
+        fraction = number(get("achievable_fraction"), "achievable_fraction")
+        if fraction > 1:
+            raise ValueError(f"{origin}: achievable_fraction={fraction!r} must be in (0, 1]")
+        known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "gpus_per_node",
+                 "intra_node", "inter_node", "host_copy_bytes_per_s", "achievable_fraction", "source"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{origin}: unknown field(s) {unknown}; a cluster has {sorted(known)}")
+        return cls(name=str(data.get("name", origin)),
+                   peak_flops={str(key): number(value, f"peak_flops.{key}") for key, value in peaks.items()},
+                   memory_bytes=number(get("memory_bytes"), "memory_bytes", integer=True),
+                   memory_bandwidth_bytes_per_s=number(get("memory_bandwidth_bytes_per_s"),
+                                                       "memory_bandwidth_bytes_per_s"),
+                   gpus_per_node=number(get("gpus_per_node"), "gpus_per_node", integer=True),
+                   intra_node=link("intra_node"), inter_node=link("inter_node"),
+                   host_copy_bytes_per_s=number(get("host_copy_bytes_per_s"), "host_copy_bytes_per_s"),
+                   achievable_fraction=fraction, source=str(data.get("source", "")),
+                   description=str(data.get("description", "")))
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A preset (``"h100"``, ``"h200"``: ``raypipe/planning/clusters/NAME.json``) or a JSON file."""
+    text = str(name_or_path)
+    path = CLUSTERS_DIR / f"{text}.json" if text in PRESET_CLUSTERS else Path(text)
+    if not path.is_file():
+        raise ValueError(f"unknown cluster {text!r}: give a preset ({', '.join(PRESET_CLUSTERS)}) or a JSON file "
+                         f"like {CLUSTERS_DIR / 'h100.json'}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"cluster file {path}: not JSON ({error})") from None
+    return Cluster.from_dict(data, origin=text if text in PRESET_CLUSTERS else f"cluster file {path}")

@@ -1,0 +1,237 @@
+"""The search ``raypipe plan --cluster`` runs over configurations of a LLaMA (replicas,
+stages, micro-batches, schedule, recompute, ZeRO-1), each step predicted by
+:mod:`raypipe.planning.predict`, each stage's memory checked by :class:`LlamaStageBytes`.
+No Ray, no torch.
+
+**The search** (:func:`search_plans`): for every ``p`` dividing the GPU count up to the
+layer count, ``d = N / p``, micro-batches ``m`` in ``{p, 2p, 4p}`` (or what a fixed global
+batch leaves), micro-batch sizes 1 and 2, schedules gpipe and 1F1B, recompute never and
+always, ZeRO-1 off and on (d > 1): the layers balanced by time (``--balance time``), or, where
+that split does not fit, the fastest split that does (the memory model's exact DP, printed
+as a list); a configuration that fits nowhere is dropped. Candidates are simulated in
+order of an optimistic step time (the busiest stage's compute, plus the F and B of the
+stages before it and the messages between, plus the optimizer tail), which no simulated
+step undercuts, and the search stops when the next optimistic figure cannot beat the
+``top``-th best found: the result is the exact best under the model.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from raypipe.core.ops import F
+from raypipe.models.llama import LlamaConfig
+from raypipe.models.llama_costs import llama_layer_costs
+from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
+                                         stage_input_bytes, static_bytes_per_parameter)
+from raypipe.planning.balance import balance_by_time, layer_step_flops, min_max_partition
+from raypipe.planning.cluster_spec import Cluster
+from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, predict_split, schedule_ops,
+                                      stage_bounds)
+
+SEARCH_SCHEDULES = ("gpipe", "1f1b")
+SEARCH_RECOMPUTE = ("never", "always")
+SEARCH_MICRO_BATCH_SIZES = (1, 2)
+SEARCH_MICRO_BATCHES_PER_STAGE = (1, 2, 4)  # m = p, 2p, 4p: a bubble of at most (p-1)/(5p-1) ~ 20% at 4p
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the search evaluated, with its prediction."""
+
+    shape: StepShape
+    balance_mode: str  # "time" (--balance time) or "memory" (the fastest split that fits: a list)
+    prediction: Prediction
+
+    def to_dict(self) -> dict:
+        shape = self.shape
+        return {"num_replicas": shape.num_replicas, "num_stages": shape.num_stages,
+                "num_micro_batches": shape.num_micro_batches, "micro_batch_size": shape.micro_batch_size,
+                "seq_len": shape.seq_len, "schedule": shape.schedule,
+                "activation_checkpoint": shape.activation_checkpoint, "shard_optimizer": shape.shard_optimizer,
+                "precision": shape.precision, "balance_mode": self.balance_mode, **self.prediction.to_dict()}
+
+
+@dataclass
+class SearchResult:
+    """The best configurations, fastest first; ``smallest_stage_bytes`` and ``reason`` say
+    why nothing fits when ``best`` is empty."""
+
+    best: list[Candidate]
+    evaluated: int  # configurations whose memory was checked
+    simulated: int  # configurations simulated
+    reason: str | None = None
+    smallest_stage_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class LlamaStageBytes:
+    """A LLaMA stage's total memory as :func:`~raypipe.planning.memory.estimate_stage` counts it
+    (no offload, no segments), fast enough for the search: per schedule shape, the pairs
+    (kept graphs, kept inputs) the schedule's walk can peak at, reused for every split."""
+
+    def __init__(self, config: LlamaConfig, shape: StepShape, fused_attention: bool = True) -> None:
+        self.config, self.shape = config, shape
+        kinds = layer_kinds(config)
+        common = {"micro_batch_size": shape.micro_batch_size, "seq_len": shape.seq_len,
+                  "precision": shape.precision}
+        by_kind = {kind: estimate_layer_activation_bytes(config, kind, fused_attention=fused_attention,
+                                                         amp=shape.amp, **common)
+                   for kind in ("embedding", "block", "head", "loss")}
+        self._saved = [0]
+        for kind in kinds:
+            self._saved.append(self._saved[-1] + by_kind[kind])
+        self._loss = by_kind["loss"]
+        self._input = [stage_input_bytes(config, index, amp=shape.amp, **common) for index in range(len(kinds) + 1)]
+        counts = layer_parameter_counts(config)
+        self._params = [0]
+        for count in counts:
+            self._params.append(self._params[-1] + count)
+        per_param = static_bytes_per_parameter(shape.precision, shape.amp)
+        shards = shape.num_replicas if shape.shard_optimizer else 1
+        self._per_param_unsharded = per_param.weights + per_param.gradients
+        self._per_param_sharded = (per_param.master, per_param.optimizer, shards)
+        self._peaks = _walk_peaks(shape.schedule, shape.num_stages, shape.num_micro_batches,
+                                  shape.activation_checkpoint)
+        self.num_layers = len(kinds)
+
+    def parameters(self, start: int, end: int) -> int:
+        return self._params[end] - self._params[start]
+
+    def __call__(self, stage: int, start: int, end: int) -> int:
+        count = self.parameters(start, end)
+        master, optimizer, shards = self._per_param_sharded
+        static = count * self._per_param_unsharded + -(-count * master // shards) + -(-count * optimizer // shards)
+        holds_loss = end == self.num_layers
+        graph = self._saved[end] - self._saved[start] + (self._loss if holds_loss else self._input[end])
+        kept_input = self._input[start]
+        return static + max(graphs * graph + inputs * kept_input for graphs, inputs in self._peaks[stage])
+
+
+@functools.lru_cache(maxsize=256)
+def _walk_peaks(schedule: str, num_stages: int, num_micro_batches: int, activation_checkpoint: str
+                ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, every (kept graphs, kept inputs) the memory model's walk
+    (:func:`raypipe.planning.memory._walk`, no offload) may peak at."""
+    out = []
+    for ops in schedule_ops(schedule, num_stages, num_micro_batches):
+        graphs = inputs = 0
+        points = {(0, 0)}
+        for op in ops:
+            recompute = activation_checkpoint == "always" or (
+                activation_checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
+            if op.kind == F:
+                graphs, inputs = (graphs, inputs + 1) if recompute else (graphs + 1, inputs)
+            else:
+                if recompute:  # its graph rebuilt, the input it holds already counted among the kept ones
+                    points.add((graphs + 1, inputs - 1))
+                graphs, inputs = (graphs, inputs - 1) if recompute else (graphs - 1, inputs)
+            points.add((graphs, inputs))
+        # only the points no other one exceeds in both counts can be the peak (bytes are >= 0)
+        out.append(tuple(point for point in points
+                         if not any(other != point and other[0] >= point[0] and other[1] >= point[1]
+                                    for other in points)))
+    return tuple(out)
+
+
+def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision: str = "bf16",
+                     global_batch: int | None = None, snapshot_every: int = 1,
+                     schedules: Sequence[str] = SEARCH_SCHEDULES) -> list[StepShape]:
+    """Every configuration the search considers for ``num_gpus`` (see the module docstring)."""
+    shapes = []
+    for stages in range(1, min(num_gpus, num_layers) + 1):
+        if num_gpus % stages:
+            continue
+        replicas = num_gpus // stages
+        for size in SEARCH_MICRO_BATCH_SIZES:
+            if global_batch is None:
+                micro_batches = [stages * k for k in SEARCH_MICRO_BATCHES_PER_STAGE]
+            elif global_batch % (replicas * size) == 0:
+                micro_batches = [global_batch // (replicas * size)]
+            else:
+                micro_batches = []
+            for m in micro_batches:
+                for schedule in schedules:
+                    for recompute in SEARCH_RECOMPUTE:
+                        for sharded in ((False, True) if replicas > 1 else (False,)):
+                            shapes.append(StepShape(replicas, stages, m, schedule, recompute, precision, sharded,
+                                                    size, seq_len, None, snapshot_every))
+    return shapes
+
+
+def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_len: int | None = None,
+                 precision: str = "bf16", gpu_memory_bytes: int | None = None, global_batch: int | None = None,
+                 top: int = 3, snapshot_every: int = 1, fused_attention: bool = True) -> SearchResult:
+    """The ``top`` configurations of ``config`` on ``num_gpus`` GPUs of ``cluster`` with the
+    highest predicted tokens/s that fit ``gpu_memory_bytes`` (default: the cluster's memory)."""
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"--gpus {num_gpus!r} must be an int >= 1")
+    seq_len = seq_len or config.max_seq_len
+    limit = cluster.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes
+    num_layers = config.n_layers + 2
+    costs = llama_layer_costs(config, seq_len, precision, fused_attention)
+    shapes = candidate_shapes(num_gpus, num_layers, seq_len=seq_len, precision=precision,
+                              global_batch=global_batch, snapshot_every=snapshot_every)
+    if not shapes:
+        return SearchResult([], 0, 0, reason=f"no (replicas, stages, micro-batches) gives a global batch of "
+                                             f"{global_batch} sequences on {num_gpus} GPUs")
+    time_splits: dict[tuple[int, str], list[int]] = {}
+    fitting: list[tuple[float, int, StepShape, str, list[int], LlamaStageBytes]] = []
+    smallest = None
+    for index, shape in enumerate(shapes):
+        bytes_of = LlamaStageBytes(config, shape, fused_attention)
+        key = (shape.num_stages, shape.activation_checkpoint)
+        if key not in time_splits:  # "never"/"always" weigh the layers alike for every m
+            times = [layer_step_flops(cost, shape.activation_checkpoint) for cost in costs]
+            time_splits[key] = min_max_partition(times, shape.num_stages)
+        split, mode = time_splits[key], "time"
+        bounds = stage_bounds(split)
+        worst = max(bytes_of(stage, start, end) for stage, (start, end) in enumerate(bounds))
+        if worst > limit:
+            # a stage holds at least one layer: where even its cheapest layer does not fit, nothing does
+            least = max(min(bytes_of(stage, layer, layer + 1)
+                            for layer in range(stage, num_layers - (shape.num_stages - 1 - stage)))
+                        for stage in range(shape.num_stages))
+            smallest = least if smallest is None else min(smallest, least)
+            if least > limit:
+                continue
+            try:
+                split = balance_by_time(costs, shape.num_stages, activation_checkpoint=shape.activation_checkpoint,
+                                        num_micro_batches=shape.num_micro_batches, stage_bytes=bytes_of,
+                                        memory_limit_bytes=limit)
+            except ValueError:
+                continue
+            mode = "memory"
+        fitting.append((0.0, index, shape, mode, split, bytes_of))
+    if not fitting:
+        return SearchResult([], len(shapes), 0, smallest_stage_bytes=smallest, reason=_no_fit_reason(
+            config, cluster, num_gpus, limit, smallest))
+    ranked = []
+    for _, index, shape, mode, split, bytes_of in fitting:
+        parameters = [bytes_of.parameters(start, end) for start, end in stage_bounds(split)]
+        bound = optimistic_step_s(costs, split, parameters, shape, cluster)
+        tokens = shape.num_replicas * shape.num_micro_batches * shape.micro_batch_size * seq_len
+        ranked.append((tokens / bound, index, shape, mode, split, parameters, bytes_of))
+    ranked.sort(key=lambda item: (-item[0], item[1]))
+    best: list[Candidate] = []
+    simulated = 0
+    for ceiling, _, shape, mode, split, parameters, bytes_of in ranked:
+        if len(best) >= top and ceiling <= best[-1].prediction.tokens_per_s:
+            break  # nothing later can enter the top
+        memory = [bytes_of(stage, start, end) for stage, (start, end) in enumerate(stage_bounds(split))]
+        prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster)
+        simulated += 1
+        best.append(Candidate(shape, mode, prediction))
+        best.sort(key=lambda c: -c.prediction.tokens_per_s)
+        del best[top:]
+    return SearchResult(best, len(shapes), simulated)
+
+
+def _no_fit_reason(config: LlamaConfig, cluster: Cluster, num_gpus: int, limit: int, smallest: int | None) -> str:
+    from raypipe.units import format_bytes
+
+    need = f" (the smallest stage found needs {format_bytes(smallest)})" if smallest is not None else ""
+    return (f"no configuration fits: with pipeline and data parallelism alone, every split of the model over at "
+            f"most {min(num_gpus, config.n_layers + 2)} stages of {num_gpus} GPUs leaves a stage above "
+            f"{format_bytes(limit)} per device{need}. raypipe has no tensor parallelism: use devices with more "
+            f"memory (--gpu-memory / a cluster file), more GPUs (more stages), or shorter sequences (--seq-len)")
