@@ -12,9 +12,8 @@ from typing import Any
 import ray
 import torch
 from torch import nn
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from raypipe.core.result import OpEvent, StageReport, StageStats
+from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.seeding import derive_seed
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide
 from raypipe.core.topology import Topology
@@ -25,18 +24,13 @@ from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
 from raypipe.stage.device import stage_device
-from raypipe.stage.measure import (
-    SavedTensorMeter,
-    device_memory_bytes,
-    rss_bytes,
-    storage_bytes,
-    storage_pointers,
-    tensor_bytes,
-)
+from raypipe.stage.gradients import clip_and_step, owned_grad_stats
+from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers, tensor_bytes
 from raypipe.stage.offload import Offloader
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.stage_op import stage_op
+from raypipe.stage.step_stats import stage_stats
 from raypipe.stage.zero import Ownership
 
 
@@ -250,18 +244,7 @@ class StageWorker(StageCheckpointing):
         """Unscale gradients, clamp them elementwise if asked, and report this stage's
         squared L2 norm (fp32), whether any gradient is inf/NaN, and (last stage)
         its weighted loss sum."""
-        loss = self._step_loss if self.is_last else None
-        grads = [p.grad for p in self._owned if p.grad is not None]  # ZeRO-1: only owned sums are whole
-        if not grads:
-            return StageGradStats(0.0, False, loss)
-        if inv_scale != 1.0:
-            torch._foreach_mul_(grads, inv_scale)
-        norm = get_total_norm([g.float() for g in grads])
-        found_inf = not bool(torch.isfinite(norm))
-        if clip_value is not None and not found_inf:
-            torch.nn.utils.clip_grad_value_(self._owned, clip_value)
-            norm = get_total_norm([g.float() for g in grads])
-        return StageGradStats(float(norm.to(torch.float32)) ** 2, found_inf, loss)
+        return owned_grad_stats(self._owned, self._step_loss if self.is_last else None, inv_scale, clip_value)
 
     def _check_step_is_whole(self) -> None:
         if self._step_failure is not None:
@@ -280,7 +263,9 @@ class StageWorker(StageCheckpointing):
         self._optimizer_step(decision)
         self.commits += 1
         events, self._events = self._events, []
-        return StageReport(events, self._stats(events), decision, self.commits)
+        stats = stage_stats(events, self.stage_index, self.replica, self.store, self.device, self.optimizer,
+                            self._weights_bytes)
+        return StageReport(events, stats, decision, self.commits)
 
     def committed_steps(self) -> int:
         """The steps this worker's state has ended (restored with a snapshot)."""
@@ -290,11 +275,8 @@ class StageWorker(StageCheckpointing):
     def _optimizer_step(self, decision: StepDecision) -> None:
         if not decision.skipped:
             if self.optimizer is not None:
-                if self.config.clip_grad_norm is not None:
-                    clip_grads_with_norm_(self._owned, self.config.clip_grad_norm, torch.tensor(decision.grad_norm))
-                self.optimizer.step()
-                if self.scheduler is not None:  # a skipped step does not advance the schedule
-                    self.scheduler.step()
+                clip_and_step(self.optimizer, self.scheduler, self._owned, self.config.clip_grad_norm,
+                              decision.grad_norm)
             self.weights.refresh()
             self._share_updated_parameters()
         self._end_step()
@@ -401,19 +383,3 @@ class StageWorker(StageCheckpointing):
         position = self._backward_order.index(micro_batch)
         if position + 1 < len(self._backward_order):
             self.store.prefetch(self._backward_order[position + 1])
-
-    def _optimizer_bytes(self) -> int:
-        if self.optimizer is None:
-            return 0
-        return sum(value.numel() * value.element_size() for state in self.optimizer.state.values()
-                   for value in state.values() if torch.is_tensor(value))
-
-    def _stats(self, events: list[OpEvent]) -> StageStats:
-        busy = sum(e.end - e.start for e in events if e.op in ("F", "B"))
-        return StageStats(
-            stage=self.stage_index, replica=self.replica, busy_seconds=busy,
-            held_for_backward_bytes=self.store.peak_held_bytes,
-            offloaded_bytes=self.store.peak_offloaded_bytes,
-            **device_memory_bytes(self.device),  # allocated, peak and reserved (None each on a CPU)
-            rss_bytes=rss_bytes(), optimizer_bytes=self._optimizer_bytes(), weights_bytes=self._weights_bytes,
-            learning_rate=self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
