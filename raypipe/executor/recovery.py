@@ -39,31 +39,33 @@ failures. Each failure event counts against ``max_failures``.
 
 Which way a heal goes (raise, replace, shrink, re-partition, and the source of
 the state) is decided by :func:`raypipe.control.policy.decide_failure` from a
-frozen :class:`~raypipe.control.view.LayoutView` this module builds; this module
-carries the decisions out.
+frozen :class:`~raypipe.control.view.LayoutView` this module builds
+(:mod:`raypipe.executor.layout_view`); this module carries the decisions out,
+the state-giving ones (step 3) in :mod:`raypipe.executor.state_transfer`.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import ray
 
 from raypipe.config import PipelineConfig
-from raypipe.control.policy import (BELOW_MINIMUM, TOO_MANY_FAILURES, CopyFromSiblings, LoadCheckpoint, Raise,
-                                    Repartition, RestoreSnapshot, Shrink, WaitForRoom, decide_failure)
-from raypipe.control.view import FailedWorker, LayoutView, SnapshotView
+from raypipe.control.policy import (BELOW_MINIMUM, TOO_MANY_FAILURES, Raise, Repartition, Shrink, WaitForRoom,
+                                    decide_failure)
+from raypipe.control.view import LayoutView
 from raypipe.core.micro_batches import MicroBatches
-from raypipe.core.topology import Topology
 from raypipe.errors import PlacementError, RaypipeError, TooManyFailures, WorkersFailed
 from raypipe.executor.base import Executor, StepOutcome
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
+from raypipe.executor.layout_view import layout_view
 from raypipe.executor.persisted import PersistedCheckpoints
-from raypipe.executor.siblings import copy_from_siblings, survivors_that_ended
-from raypipe.executor.snapshot import LoggedStep, Snapshot, holding, load_snapshot, replay_since, whole_ones
+from raypipe.executor.siblings import survivors_that_ended
+from raypipe.executor.snapshot import LoggedStep, Snapshot, whole_ones
+from raypipe.executor.state_transfer import StateTransfer
 from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
@@ -124,6 +126,7 @@ class Recovery:
         self._commits = 0  # the steps every worker's state had ended after the last step that returned
         # the last resort: the newest checkpoint saved or loaded, and the steps since
         self.persisted = PersistedCheckpoints(keep_batches=not owner.config.snapshot_every)
+        self.state = StateTransfer(executor, owner, self.persisted, lambda: self._snapshots, self.view)
         self._last_reports: list | None = None
 
     @property
@@ -218,7 +221,7 @@ class Recovery:
         ray.wait(waited, num_returns=len(waited), fetch_local=False)
         launch()
         self.on_replaced(list(range(len(self.executor.group.actors))))
-        replay, source = self._restore(self._adopt_layers(), as_taken=True)
+        replay, source = self.state.restore(self.state.adopt_layers(), as_taken=True)
         self._last_reports = None  # of the stages that went
         for logged in replay:
             self._run(logged.data_step, logged.batch, logged.loss_scale)
@@ -313,10 +316,10 @@ class Recovery:
                 raise cannot from error
         if resized:  # the new layout first: with ZeRO-1 each worker rebuilds for its new owners, then takes state
             self.executor.relayout(survivors)
-            replay, source = self._transfer_state(failed, ended, shrunk=True)
+            replay, source = self.state.transfer_state(failed, ended, shrunk=True)
             self.resizer.resized(SHRINK, failed)
         else:
-            replay, source = self._transfer_state(failed, ended)
+            replay, source = self.state.transfer_state(failed, ended)
             self.executor.reconnect(survivors)
             self.on_replaced(failed)
         if spares:
@@ -326,19 +329,8 @@ class Recovery:
     def view(self, failed: dict[int, str] | None = None, **facts: Any) -> LayoutView:
         """The layout in force, the workers ``failed`` (rank: why) and what a heal can
         restore from, with the decision point's ``facts``, for the policy."""
-        config, stages = self.config, self.config.num_stages
-        topology = Topology(stages, len(self.executor.group.actors) // stages)
-        return LayoutView(
-            num_stages=stages, replicas=topology.num_replicas,
-            min_replicas=config.min_replicas, max_replicas=config.max_replicas, elastic=self.resizer is not None,
-            shard_optimizer=config.shard_optimizer,
-            failed=tuple(FailedWorker(rank, *topology.coordinates(rank), why)
-                         for rank, why in sorted((failed or {}).items())),
-            failures=len(self.failures), max_failures=config.max_failures, snapshot_every=config.snapshot_every,
-            snapshots=tuple(SnapshotView(snapshot.step, True if snapshot.kept is None else snapshot.copied,
-                                         kept_off_node=snapshot.kept is not None) for snapshot in self._snapshots),
-            checkpoint_step=self.persisted.newest_step, can_repartition=True,
-            placement_timeout_s=config.placement_timeout_s, **facts)
+        return layout_view(self.config, len(self.executor.group.actors), self.resizer is not None,
+                           len(self.failures), self._snapshots, self.persisted.newest_step, failed, **facts)
 
     def _survivors_ended(self, failed: list[int]) -> frozenset[int] | None:
         """The survivors whose state ended the failed step (all of them when one does not
@@ -379,38 +371,8 @@ class Recovery:
         self.on_replaced(list(range(len(self.executor.group.actors))))
         # every replica's snapshots with ZeRO-1 (each holds the optimizer part of the parameters it owned)
         needed = None if self.config.shard_optimizer else old_stages
-        replay, source = self._restore(self._adopt_layers(needed), needed=needed, as_taken=True)
+        replay, source = self.state.restore(self.state.adopt_layers(needed), needed=needed, as_taken=True)
         return replay, f"{source}, re-partitioned onto {self.config.num_stages} stage(s)"
-
-    def _adopt_layers(self, needed: int | None = None) -> Callable[[list, list], list]:
-        """Each worker of the group (of another partition than the snapshot's) adopts the
-        snapshots, of the first ``needed`` workers snapshotted, that hold its layers."""
-        group = self.executor.group
-        return lambda refs, layers: [actor.adopt.remote(*holding(refs[:needed], layers[:needed], spec.layer_indices))
-                                     for actor, spec in zip(group.actors, group.specs)]
-
-    def _transfer_state(self, failed: list[int], ended: frozenset[int] | None, shrunk: bool = False
-                        ) -> tuple[list[LoggedStep], str]:
-        """Give the replacements ``failed`` their state from where the policy says (siblings
-        when no survivor ``ended`` the failed step, else every worker rolls back; ``shrunk``
-        with ZeRO-1: every worker adopts the snapshots of its stage in every replica of the
-        old layout): the steps to replay, and where the state came from."""
-        view = self.view(dict.fromkeys(failed, ""), survivors_ended_step=ended, replaced=True, shrunk=shrunk)
-        decision = decide_failure(view)
-        if not isinstance(decision, CopyFromSiblings):
-            if isinstance(decision, RestoreSnapshot) and decision.reshard:
-                actors, stages = self.executor.group.actors, self.config.num_stages
-                replay, source = self._restore(lambda refs, _: [actor.adopt.remote(*refs[rank % stages::stages])
-                                                                for rank, actor in enumerate(actors)],
-                                               as_taken=True, view=view)
-                return replay, f"{source}, resharded"
-            return self._restore(view=view)
-        siblings = dict(decision.sources)
-        copy_from_siblings(self.executor.group.actors, siblings)
-        if not siblings:  # a shrink dropped every failed worker's replica
-            return [], "surviving replicas"
-        num_stages = self.config.num_stages
-        return [], "replica " + ", ".join(sorted({str(source // num_stages) for source in siblings.values()}))
 
     def _shrink(self, failed: list[int], decision: Shrink) -> tuple[list[int], list[Any]]:
         """Drop the replicas the policy names (whose replacements found no room; an
@@ -422,46 +384,6 @@ class Recovery:
         actors = self.executor.group.actors
         return ([rank for rank, old in enumerate(kept) if old in failed],
                 [actors[rank] for rank, old in enumerate(kept) if old not in failed])
-
-    def _restore(self, load: Callable[[list, list], list] | None = None, needed: int | None = None,
-                 as_taken: bool = False, view: LayoutView | None = None) -> tuple[list[LoggedStep], str]:
-        """Every worker back to the state the policy picks: the newest snapshot, an older
-        one when a newer one was lost (a worker died while it was taken), the newest
-        intact checkpoint when none is left. Returns the steps to replay since, and which
-        state it was. ``load(refs, layers)`` gives the workers a snapshot's states (of at
-        least ``needed`` workers, by current rank; ``as_taken``: of every worker
-        snapshotted, in the order taken), ``layers`` the global layers each held; default:
-        each worker restores its own. ``view``: what the heal knows (default: the layout now)."""
-        actors = self.executor.group.actors
-        load = load or (lambda refs, _: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
-        view = replace(view or self.view(), replaced=True)
-        lost, lost_at, checkpoint_lost = "", set(), False
-        while True:
-            snapshots = tuple(replace(snapshot, lost=position in lost_at)
-                              for position, snapshot in enumerate(view.snapshots))
-            decision = decide_failure(replace(view, snapshots=snapshots, checkpoint_lost=checkpoint_lost))
-            if isinstance(decision, RestoreSnapshot):
-                position = max(position for position, snapshot in enumerate(snapshots)
-                               if snapshot.step == decision.step and not snapshot.lost)
-                why = load_snapshot(self._snapshots[position], self.keeper, load, needed, as_taken)
-                if why is None:
-                    if decision.older:
-                        logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
-                                       self._snapshots[-1].step, lost, decision.step)
-                    return replay_since(self._snapshots, position), f"snapshot of step {decision.step}"
-                lost, lost_at = lost or why, lost_at | {position}
-            elif isinstance(decision, LoadCheckpoint):
-                if self._snapshots:
-                    logger.warning("raypipe: every snapshot was lost (%s); healing from the newest checkpoint", lost)
-                try:
-                    state = self.persisted.restore(actors, self._owner.settle_saves)
-                    return list(state.since), f"checkpoint of step {state.step}"
-                except RaypipeError as error:
-                    lost, checkpoint_lost = (f"{lost}; {error}" if lost else str(error)), True
-            else:
-                self.executor.usable = False
-                raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); "
-                                   "load_checkpoint resumes from the newest persisted checkpoint")
 
     def _index(self, worker: tuple[int, int]) -> int:
         replica, stage = worker
