@@ -13,11 +13,18 @@ from collections.abc import Sequence
 
 from raypipe.core.result import OpEvent
 
-# Colours for the Gantt chart; ops without an entry (recv, grad_stats,
-# optimizer, ...) are drawn grey.
-OP_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
+# Colours for the Gantt chart. A backward split into its input-gradient (I) and
+# weight-gradient (W) halves (the zero-bubble schedules) is drawn in two shades of
+# the unsplit backward's colour. Ops without an entry (grad_stats, optimizer,
+# reduce, ...) are drawn grey.
+OP_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 OTHER_COLOUR = "#9A9A9A"
-OP_LABELS = {"F": "forward (F)", "B": "backward (B)"}
+OP_LABELS = {"F": "forward (F)", "B": "backward (B)", "I": "input gradient (I)", "W": "weight gradient (W)"}
+# A receive (and the step gate) is the stage waiting for a neighbour or the
+# driver, not working: drawn as hatched outline, so that it reads as idle time
+# with a cause rather than as work.
+WAIT_OPS = frozenset({"recv", "gate"})
+WAIT_STYLE = {"facecolor": "white", "edgecolor": "#B0B0B0", "hatch": "////", "linewidth": 0.5}
 
 
 def _check_events(events: Sequence[OpEvent]) -> None:
@@ -86,8 +93,9 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
     """Draw the timeline as a Gantt chart PNG: one row per worker (stage, or
     replica and stage), time in ms.
 
-    F and B ops are coloured (labelled with their micro-batch where wide
-    enough), other ops are grey; white space in a row is that stage idling.
+    F, B, I and W ops are coloured (labelled with their micro-batch where wide
+    enough); a receive is drawn hatched, as the stage waiting for its neighbour;
+    other ops are grey; white space in a row is that stage idling.
     """
     # The object-oriented API with an Agg canvas: no pyplot global state, no
     # display needed, safe to call from any thread.
@@ -108,9 +116,14 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
         start_ms = (event.start - origin) * 1e3
         width_ms = (event.end - event.start) * 1e3
         row = rows[event.replica, event.stage][0]
+        if event.op in WAIT_OPS:
+            axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=WAIT_STYLE["facecolor"],
+                             edgecolor=WAIT_STYLE["edgecolor"], hatch=WAIT_STYLE["hatch"],
+                             linewidth=WAIT_STYLE["linewidth"])
+            continue
         colour = OP_COLOURS.get(event.op, OTHER_COLOUR)
         axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.5)
-        # Label F/B bars with their micro-batch where the digits fit (~1.2% of the axis each).
+        # Label F/B/I/W bars with their micro-batch where the digits fit (~1.2% of the axis each).
         label = str(event.micro_batch)
         if event.op in OP_COLOURS and event.micro_batch is not None and width_ms > 0.012 * span_ms * len(label):
             axes.text(start_ms + width_ms / 2, row, label, ha="center", va="center", fontsize=8, color="white")
@@ -121,8 +134,14 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
     axes.set_xlabel("time since first op (ms)")
     axes.grid(axis="x", alpha=0.3)
     axes.set_axisbelow(True)
-    handles = [Patch(facecolor=colour, label=OP_LABELS[op]) for op, colour in OP_COLOURS.items()]
-    handles.append(Patch(facecolor=OTHER_COLOUR, label="other (transfer, grad stats, optimizer)"))
+    drawn = {event.op for event in events}
+    # the legend names only the op kinds this timeline has (no I/W entries for a 1F1B step)
+    handles = [Patch(facecolor=colour, label=OP_LABELS[op]) for op, colour in OP_COLOURS.items()
+               if op in drawn or op == "F"]
+    if drawn & WAIT_OPS:
+        handles.append(Patch(label="waiting for a neighbour (recv)", **WAIT_STYLE))
+    if drawn - OP_COLOURS.keys() - WAIT_OPS:
+        handles.append(Patch(facecolor=OTHER_COLOUR, label="other (send, grad stats, reduce, optimizer)"))
     handles.append(Patch(facecolor="white", edgecolor="#444444", label="idle (bubble)"))
     figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=8)
     axes.set_title(title or "pipeline timeline, one step")

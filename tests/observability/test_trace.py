@@ -1,6 +1,7 @@
 """Chrome trace JSON and Gantt PNG of a step's timeline."""
 from __future__ import annotations
 
+import collections
 import json
 import struct
 
@@ -98,6 +99,33 @@ def test_gantt_png_is_written(tmp_path):
     width, height = png_size(path)
     assert width >= 800 and height >= 200
     assert path.stat().st_size > 10_000  # bars, labels and legend, not a blank canvas
+
+
+def pixels_of_colour(path) -> collections.Counter:
+    """How many pixels of a PNG have each colour, as lower-case "#rrggbb"."""
+    from matplotlib.image import imread
+
+    pixels = (imread(path)[..., :3] * 255).round().astype(int).reshape(-1, 3).tolist()
+    return collections.Counter("#%02x%02x%02x" % tuple(rgb) for rgb in pixels)
+
+
+def test_gantt_draws_split_backwards_and_receive_waits_as_what_they_are(tmp_path):
+    """I and W ops get their own colours; a receive is drawn as waiting (hatched), never
+    as grey "other" work, which is how a stage waiting for its first gradient used to look."""
+    from raypipe.observability.trace import OP_COLOURS, OTHER_COLOUR
+
+    timeline = [OpEvent(0, "F", 0, T0, T0 + 0.01), OpEvent(0, "recv", 0, T0 + 0.01, T0 + 0.05),
+                OpEvent(0, "I", 0, T0 + 0.05, T0 + 0.06), OpEvent(0, "W", 0, T0 + 0.06, T0 + 0.07),
+                OpEvent(1, "recv", 0, T0, T0 + 0.01), OpEvent(1, "F", 0, T0 + 0.01, T0 + 0.02),
+                OpEvent(1, "I", 0, T0 + 0.02, T0 + 0.03), OpEvent(1, "W", 0, T0 + 0.03, T0 + 0.04)]
+    plot_gantt(timeline, tmp_path / "zero_bubble.png")
+    counts = pixels_of_colour(tmp_path / "zero_bubble.png")
+    bar = min(counts[OP_COLOURS[op].lower()] for op in "FIW")
+    assert bar > 1000  # each of F, I and W is drawn as a bar in its own colour
+    # the receives (40 ms of stage 0's row, more than any F) are not drawn as grey work, and no
+    # other op ran, so grey appears only as a few anti-aliased pixels of text
+    assert counts[OTHER_COLOUR.lower()] < bar / 20
+    assert counts[OP_COLOURS["B"].lower()] < bar / 20  # no unsplit backward, nor its legend entry
 
 
 def test_gantt_of_nothing_is_an_error(tmp_path):
