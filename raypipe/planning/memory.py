@@ -170,11 +170,20 @@ def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int) -> 
 
 def _walk(ops, num_micro_batches: int, activation_checkpoint: str, offload: bool, graph: int, input_bytes: int,
           segment_transient: int) -> tuple[int, int, int]:
-    """Peak held bytes, peak offloaded bytes and peak micro-batches in flight over one step."""
+    """Peak held bytes, peak offloaded bytes and peak micro-batches in flight over one step.
+
+    A backward split in two (the zero-bubble schedules) holds more than an unsplit one: the
+    input-gradient op (I) runs with the graph retained, because the weight-gradient op (W)
+    walks it again, so a micro-batch's graph (rebuilt whole, if it was recomputed) stays
+    held from its I until its W, and the micro-batch is in flight until its W.
+    """
     held = offloaded = peak_held = peak_offloaded = in_flight = peak_in_flight = 0
     for op in ops:
         recompute = activation_checkpoint == "always" or (
             activation_checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
+        # a recompute rebuilds this micro-batch's graph while the others stay kept; its
+        # input is already counted as kept unless it was offloaded
+        rebuilt = graph - (0 if offload else input_bytes) if recompute else 0
         if op.kind == "F":
             in_flight += 1
             if not recompute:
@@ -183,11 +192,15 @@ def _walk(ops, num_micro_batches: int, activation_checkpoint: str, offload: bool
                 offloaded += input_bytes
             else:
                 held += input_bytes
+        elif op.kind == "I":
+            # the rebuilt graph (every segment of it: W needs them all) stays until W
+            held += rebuilt + (segment_transient if recompute else 0)
+            peak_held = max(peak_held, held)
         else:
-            # backward: a recompute rebuilds this micro-batch's graph while the others
-            # stay kept; its input is already counted as kept unless it was offloaded
-            rebuilt = graph - (0 if offload else input_bytes) if recompute else 0
-            peak_held = max(peak_held, held + rebuilt + segment_transient)
+            if op.kind == "B":
+                peak_held = max(peak_held, held + rebuilt + segment_transient)
+            else:  # W frees what its I kept
+                held -= rebuilt + (segment_transient if recompute else 0)
             in_flight -= 1
             if not recompute:
                 held -= graph

@@ -233,6 +233,23 @@ def test_one_f_one_b_holds_at_most_stages_minus_index_micro_batches():
         assert memory.activation_bytes == in_flight * memory.graph_bytes
 
 
+def test_zb_h1_holds_each_graph_from_its_forward_to_its_weight_gradient():
+    """ZB-H1 defers W ops into the bubble, and the graph stays retained from I until W: every stage
+    then holds p micro-batches, 1F1B's first-stage peak (the schedule's memory claim), where 1F1B's
+    later stages hold fewer; a recomputed graph, rebuilt at I, stays whole until W."""
+    for index in range(3):
+        memory = stage_memory(activation_checkpoint="never", schedule="zb_h1", stage_index=index)
+        assert memory.micro_batches_in_flight == 3
+        assert memory.activation_bytes == 3 * memory.graph_bytes
+    # the last stage runs F0 I0 F1 I1 F2 I2 W0 ...: three rebuilt graphs are held at once, where
+    # an unsplit backward rebuilds one at a time
+    last = stage_memory(activation_checkpoint="always", schedule="zb_h1", stage_index=2)
+    rebuilt = last.graph_bytes - last.input_bytes
+    assert last.activation_bytes == 3 * last.input_bytes + 3 * rebuilt
+    assert stage_memory(activation_checkpoint="always", schedule="1f1b", stage_index=2).activation_bytes == (
+        last.input_bytes + rebuilt)
+
+
 def test_segments_keep_segment_inputs_and_recompute_one_segment():
     four_blocks = range(1, 5)
     full = estimate_stage(TINY, four_blocks, num_micro_batches=4, micro_batch_size=2, seq_len=64)
