@@ -13,10 +13,6 @@ def make_executor(config: PipelineConfig, schedule: list[list[Op]]) -> Executor:
     """The executor for ``config.transport``: "p2p" runs per step (its calls sent over
     a connection to each worker or as actor tasks, per ``config.step_calls``);
     "object_store", "gloo" and "nccl" run per op over that transport."""
-    if config.transport == "p2p" and config.step_calls == "direct":
-        from raypipe.executor.direct_step import DirectStepExecutor
-
-        return DirectStepExecutor(config, schedule)
     if config.transport == "p2p":
         from raypipe.executor.per_step import PerStepExecutor
 

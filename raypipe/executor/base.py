@@ -95,9 +95,13 @@ class Executor(ABC):
     def collect(self, submitted: Submitted) -> StepOutcome:
         """Wait for the step's commit on every worker (a failure raises Ray's error;
         a worker that stops answering its heartbeat raises :class:`WorkersFailed`)."""
-        failed = self._watchdog().wait_until(_ended_or_failed(submitted.commits), self.group.actors)
+        return self.collect_task_results(submitted)
+
+    def collect_task_results(self, submitted: Submitted) -> StepOutcome:
+        """:meth:`collect` of a step whose commits are Ray task results."""
+        failed = self.watchdog().wait_until(_ended_or_failed(submitted.commits), self.group.actors)
         if failed:
-            raise self._workers_failed(submitted.step, failed, "found while waiting on the step")
+            raise self.workers_failed(submitted.step, failed, "found while waiting on the step")
         reports = ray.get(submitted.commits)  # a failure raises (and not every worker may have ended yet)
         return StepOutcome(reports[0].decision, reports)
 
@@ -141,16 +145,16 @@ class Executor(ABC):
         the step's first real failure."""
         refs = submitted.refs
         self.abort_communication()
-        watchdog = self._watchdog()
+        watchdog = self.watchdog()
         failed = watchdog.wait(refs, self.group.actors, deadline_s=self.config.p2p_timeout_s) or watchdog.probe(
             self.group.actors)
         if failed:
-            raise self._workers_failed(submitted.step, failed, str(first_failure(self._finished(refs)) or error))
+            raise self.workers_failed(submitted.step, failed, str(first_failure(self._finished(refs)) or error))
         done = self._finished(refs)
         self._read_errors(submitted.intermediates)
-        self._drop_failed_step(first_failure(done) or error, ended_everywhere=len(done) == len(refs))
+        self.drop_failed_step(first_failure(done) or error, ended_everywhere=len(done) == len(refs))
 
-    def _drop_failed_step(self, cause: BaseException, ended_everywhere: bool) -> NoReturn:
+    def drop_failed_step(self, cause: BaseException, ended_everywhere: bool) -> NoReturn:
         """Have every worker drop the failed step, repair the transport, and raise
         ``cause`` (the group stays unusable when the step did not end everywhere)."""
         self.in_flight = None
@@ -167,6 +171,10 @@ class Executor(ABC):
         """After :class:`WorkersFailed` (workers ``failed``, killed): wait for the
         failed step's tasks on the other workers to end (they fail once their peers
         are gone); returns any other worker found failed meanwhile."""
+        return self.drain_tasks(failed)
+
+    def drain_tasks(self, failed: Collection[int]) -> dict[int, str]:
+        """:meth:`drain` of a step whose ops are Ray tasks."""
         submitted, self.in_flight = self.in_flight, None
         if submitted is None:
             return {}
@@ -174,7 +182,7 @@ class Executor(ABC):
         refs = list({ref: None for refs in (submitted.outcomes, submitted.commits) for index, ref in enumerate(refs)
                      if index not in failed})
         self.abort_communication(failed)
-        more = self._watchdog().wait(refs, self.group.actors, deadline_s=self.config.p2p_timeout_s)
+        more = self.watchdog().wait(refs, self.group.actors, deadline_s=self.config.p2p_timeout_s)
         self._read_errors(refs + submitted.intermediates)
         return more
 
@@ -212,10 +220,12 @@ class Executor(ABC):
         the group joins afresh."""
         self.connect(self.group)
 
-    def _watchdog(self) -> Watchdog:
+    def watchdog(self) -> Watchdog:
+        """The heartbeat watchdog that finds a dead or hung worker while the driver waits."""
         return Watchdog(self.config.hang_timeout_s)
 
-    def _workers_failed(self, step: int, failed: dict[int, str], detail: str) -> WorkersFailed:
+    def workers_failed(self, step: int, failed: dict[int, str], detail: str) -> WorkersFailed:
+        """The error of ``failed`` workers (rank -> why) found during ``step``, to be healed."""
         num_stages = self.config.num_stages
         return WorkersFailed(step, {divmod(index, num_stages): why for index, why in failed.items()}, detail)
 
@@ -243,9 +253,9 @@ class Executor(ABC):
     def gather(self, refs: list, step: int, during: str) -> list:
         """:meth:`get` of calls to the workers, after the committed step ``step``; raises
         :class:`WorkersFailed` if a worker hangs first (a plain get would block forever)."""
-        failed = self._watchdog().wait(refs, self.group.actors)
+        failed = self.watchdog().wait(refs, self.group.actors)
         if failed:
-            raise self._workers_failed(step, failed, during)
+            raise self.workers_failed(step, failed, during)
         return self.get(refs)
 
     def get(self, refs: list) -> list:

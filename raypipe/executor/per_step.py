@@ -1,36 +1,48 @@
-"""The per-step executor: one ``run_step`` task per worker per step (see
+"""The per-step executor: one ``run_step`` call per worker per step (see
 :mod:`raypipe.executor.per_step_worker`); activations and gradients go straight
-between neighbours over ``torch.distributed``."""
+between neighbours over ``torch.distributed``. How the calls reach the workers
+(a connection to each, or actor tasks) is its :mod:`~raypipe.executor.step_dispatch`."""
 from __future__ import annotations
 
 from typing import Any
 
 import ray
 
+from collections.abc import Collection
+
 from raypipe.comm import nccl_emulation
 from raypipe.comm.task_tensors import as_task_argument
+from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
-from raypipe.executor.base import Executor, Submitted
+from raypipe.core.ops import Op
+from raypipe.executor.base import Executor, StepOutcome, Submitted
 from raypipe.executor.per_step_worker import PerStepWorker
+from raypipe.executor.step_dispatch import ActorTasks, Connections, StepDispatch
 from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.group import StageGroup
 
 
 class PerStepExecutor(Executor):
-    """Each worker runs its whole step; the driver submits one actor task per worker
-    (``step_calls="tasks"``; the default sends them over a connection to each worker,
-    :class:`~raypipe.executor.direct_step.DirectStepExecutor`)."""
+    """Each worker runs its whole step from one call; ``config.step_calls`` picks how the
+    driver sends it: over a connection to each worker (``"direct"``, the default) or as
+    an actor task (``"tasks"``)."""
+
+    def __init__(self, config: PipelineConfig, schedule: list[list[Op]]) -> None:
+        super().__init__(config, schedule)
+        self.dispatch: StepDispatch = (Connections if config.step_calls == "direct" else ActorTasks)(self)
 
     def actor_class(self) -> Any:
         return worker_actor_class(PerStepWorker)
 
     def connect(self, group: StageGroup) -> None:
+        self.dispatch.connect()
         super().connect(group)
         self._join(group.actors)
 
     def close(self) -> None:
         """Every worker leaves the group before the trainer kills it; one that has not
         within ``hang_timeout_s`` is hung (and killed all the same), not waited for."""
+        self.dispatch.close()
         if self.group is None or not self.usable:
             return
         try:
@@ -39,9 +51,23 @@ class PerStepExecutor(Executor):
             pass
 
     def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
-        steps = [actor.run_step.remote(*arguments)
-                 for actor, arguments in zip(self.group.actors, self.step_arguments(step, batch, loss_scale))]
-        return Submitted(steps, steps, step)
+        return self.dispatch.submit(step, self.step_arguments(step, batch, loss_scale))
+
+    def collect(self, submitted: Submitted) -> StepOutcome:
+        return self.dispatch.collect(submitted)
+
+    def drain(self, failed: Collection[int]) -> dict[int, str]:
+        return self.dispatch.drain(failed)
+
+    def before_next_step(self, actors: list[Any]) -> None:
+        self.dispatch.before_next_step(actors)
+
+    @property
+    def snapshots_in_next_step(self) -> bool:
+        return isinstance(self.dispatch, Connections)
+
+    def snapshot_workers(self, actors: list[Any], in_next_step: bool = False) -> list:
+        return self.dispatch.snapshot_workers(actors) if in_next_step else super().snapshot_workers(actors)
 
     def step_arguments(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> list[tuple]:
         """Each worker's ``run_step`` arguments, in rank order: each replica runs its

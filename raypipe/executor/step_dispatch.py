@@ -1,10 +1,13 @@
-"""The per-step executor with each step's calls sent over a connection from the
-driver to every worker (``step_calls="direct"``, the default;
-:mod:`raypipe.runtime.direct_calls`) instead of as actor tasks: the same
-``run_step`` on every worker, at a fraction of the driver's cost per step
-(one message each way per worker instead of a Ray task's round trip).
+"""How the per-step executor's driver reaches its workers: the one thing its two
+ways of running a step differ in (``PipelineConfig.step_calls``).
 
-What changes against actor tasks is how a step's end is seen:
+:class:`ActorTasks` (``"tasks"``) submits one ``run_step`` actor task per worker
+and reads the results as Ray task results. :class:`Connections` (``"direct"``,
+the default) sends the same ``run_step`` over a connection from the driver to
+every worker (:mod:`raypipe.runtime.direct_calls`), at a fraction of the driver's
+cost per step (one message each way per worker instead of a Ray task's round trip).
+
+What changes with connections is how a step's end is seen:
 
 - every worker returns its failure instead of raising it
   (:meth:`~raypipe.executor.per_step_worker.PerStepWorker.run_step_returning_failure`),
@@ -21,46 +24,95 @@ What changes against actor tasks is how a step's end is seen:
 The calls run on a thread of each worker's own, beside its actor tasks, so a
 snapshot or checkpoint copy submitted between two steps is ordered before the
 next step's commit by a numbered gate (:mod:`raypipe.stage.step_gate`). That
-lets a snapshot wait for the step too: it is submitted with the next step and
-copied once the stage first waits in it (:meth:`DirectStepExecutor.snapshot_workers`).
+lets a snapshot wait for the step too: it is copied once the stage first waits
+in the step (:meth:`Connections.snapshot_workers`). Actor tasks run in
+submission order, so there the same call copies at once, before the step's
+first op: a snapshot is always submitted just before the step it precedes.
 """
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Collection
 from multiprocessing import connection as connections
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from raypipe.comm import call_socket
-from raypipe.config import PipelineConfig
-from raypipe.core.micro_batches import MicroBatches
-from raypipe.core.ops import Op
 from raypipe.executor.base import StepOutcome, Submitted
 from raypipe.executor.failures import first_cause
-from raypipe.executor.per_step import PerStepExecutor
 from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
-from raypipe.runtime.group import StageGroup
+
+if TYPE_CHECKING:
+    from raypipe.executor.per_step import PerStepExecutor
 
 
-class DirectStepExecutor(PerStepExecutor):
-    """A :class:`PerStepExecutor` whose steps reach the workers over a connection to
-    each, opened again whenever the group's workers change."""
+class StepDispatch(ABC):
+    """One way of sending a step to the per-step executor's workers and reading its end."""
 
-    def __init__(self, config: PipelineConfig, schedule: list[list[Op]]) -> None:
-        super().__init__(config, schedule)
+    def __init__(self, executor: PerStepExecutor) -> None:
+        self.executor = executor
+
+    def connect(self) -> None:
+        """The executor has a new group (its workers joined it)."""
+
+    def close(self) -> None:
+        """The workers are about to be killed."""
+
+    @abstractmethod
+    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
+        """Start ``run_step(*arguments[rank])`` on every worker."""
+
+    @abstractmethod
+    def collect(self, submitted: Submitted) -> StepOutcome:
+        """Every worker's report of the submitted step; see :meth:`Executor.collect`."""
+
+    @abstractmethod
+    def drain(self, failed: Collection[int]) -> dict[int, str]:
+        """See :meth:`Executor.drain`."""
+
+    def before_next_step(self, actors: list[Any]) -> None:
+        """See :meth:`Executor.before_next_step`."""
+
+    def snapshot_workers(self, actors: list[Any]) -> list:
+        """Each of ``actors``' snapshot of the state the next step (submitted right
+        after) starts from."""
+        refs = [actor.snapshot.remote() for actor in actors]
+        self.before_next_step(actors)
+        return refs
+
+
+class ActorTasks(StepDispatch):
+    """One ``run_step`` actor task per worker (``step_calls="tasks"``)."""
+
+    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
+        steps = [actor.run_step.remote(*worker_arguments)
+                 for actor, worker_arguments in zip(self.executor.group.actors, arguments)]
+        return Submitted(steps, steps, step)
+
+    def collect(self, submitted: Submitted) -> StepOutcome:
+        return self.executor.collect_task_results(submitted)
+
+    def drain(self, failed: Collection[int]) -> dict[int, str]:
+        return self.executor.drain_tasks(failed)
+
+
+class Connections(StepDispatch):
+    """The steps' calls over a connection to each worker (``step_calls="direct"``),
+    opened again whenever the group's workers change."""
+
+    def __init__(self, executor: PerStepExecutor) -> None:
+        super().__init__(executor)
         self._calls: DirectCalls | None = None
         self._gate_calls: dict[Any, int] = {}  # worker -> gate calls submitted (see before_next_step)
 
-    def connect(self, group: StageGroup) -> None:
+    def connect(self) -> None:
         self._teardown()  # a new group (a re-partition): the old connections' workers are gone
         self._gate_calls = {}
-        super().connect(group)
 
     def close(self) -> None:
         self._teardown(wait=False)  # the workers are killed next: a hung one's call never ends
-        super().close()
 
     def before_next_step(self, actors: list[Any]) -> None:
         """The steps run on a thread of each worker's own, beside its other calls:
@@ -70,16 +122,12 @@ class DirectStepExecutor(PerStepExecutor):
             self._gate_calls[actor] = self._gate_calls.get(actor, 0) + 1
             actor.open_step_gate.remote(self._gate_calls[actor])
 
-    snapshots_in_next_step = True
-
-    def snapshot_workers(self, actors: list[Any], in_next_step: bool = False) -> list:
-        """With the next step submitted right after, each worker copies its snapshot
-        once that step first waits for a neighbour (stage 0 after its forwards, the
-        others before their first activation arrives), not beside its first forward;
-        the step's commit still waits for it. Over open connections only: a snapshot
-        waiting for a step would hold up the set-up of a new one."""
-        if not in_next_step:
-            return super().snapshot_workers(actors)
+    def snapshot_workers(self, actors: list[Any]) -> list:
+        """Each worker copies its snapshot once the next step first waits for a
+        neighbour (stage 0 after its forwards, the others before their first
+        activation arrives), not beside its first forward; the step's commit still
+        waits for it. Over open connections only: a snapshot waiting for a step would
+        hold up the set-up of a new one."""
         try:
             self._connected()
         except (ray.exceptions.RayError, OSError):  # a worker lost between steps: the step's submit finds out
@@ -88,66 +136,69 @@ class DirectStepExecutor(PerStepExecutor):
         self.before_next_step(actors)
         return refs
 
-    def submit(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> Submitted:
+    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
         """Start the step (each worker once the calls it must follow have run); a
         connection broken since the last step (a worker died between steps) is found here."""
-        arguments = [(self._gate_calls.get(actor, 0), step_arguments) for actor, step_arguments
-                     in zip(self.group.actors, self.step_arguments(step, batch, loss_scale))]
+        executor = self.executor
+        gated = [(self._gate_calls.get(actor, 0), worker_arguments)
+                 for actor, worker_arguments in zip(executor.group.actors, arguments)]
         try:
-            pending = self._connected().call(arguments)
+            pending = self._connected().call(gated)
         except (ray.exceptions.RayError, OSError) as error:
             self._teardown()
-            failed = self._watchdog().probe(self.group.actors)
+            failed = executor.watchdog().probe(executor.group.actors)
             if failed:
-                raise self._workers_failed(step, failed, f"found starting the step: {error}") from error
-            pending = self._connected().call(arguments)
+                raise executor.workers_failed(step, failed, f"found starting the step: {error}") from error
+            pending = self._connected().call(gated)
         return Submitted(pending, pending, step)
 
     def collect(self, submitted: Submitted) -> StepOutcome:
         """Read every worker's result; a dead or hung worker raises
         :class:`~raypipe.errors.WorkersFailed`, any other failure drops the step
         everywhere and raises its cause."""
-        watchdog, pending, answers = self._watchdog(), submitted.commits, {}
+        executor = self.executor
+        watchdog, pending, answers = executor.watchdog(), submitted.commits, {}
         failed = watchdog.wait_until(lambda timeout_s: _read_answers(pending, answers, timeout_s, until_failure=True),
-                                     self.group.actors)
+                                     executor.group.actors)
         if failed:
-            raise self._workers_failed(submitted.step, failed, "found while waiting on the step")
+            raise executor.workers_failed(submitted.step, failed, "found while waiting on the step")
         failures = [answer for answer in answers.values() if isinstance(answer, Exception)]
         broken = [failure for failure in failures if isinstance(failure, CallsBroken)]
         if broken:
-            failed = watchdog.probe(self.group.actors)
+            failed = watchdog.probe(executor.group.actors)
             if failed:
                 cause = first_cause([f for f in failures if not isinstance(f, CallsBroken)]) or broken[0].error
-                raise self._workers_failed(submitted.step, failed, str(cause))
-            self.abort_communication()
+                raise executor.workers_failed(submitted.step, failed, str(cause))
+            executor.abort_communication()
             self._teardown()  # broken with every worker alive: close, connect afresh next step
-            self._drop_failed_step(broken[0].error, ended_everywhere=True)
+            executor.drop_failed_step(broken[0].error, ended_everywhere=True)
         if failures:
             if len(answers) < len(pending):  # the others may wait on the failed one forever (NCCL): release them
-                self.abort_communication()
+                executor.abort_communication()
                 failed = watchdog.wait_until(lambda timeout_s: _read_answers(pending, answers, timeout_s),
-                                             self.group.actors, deadline_s=self.config.p2p_timeout_s)
+                                             executor.group.actors, deadline_s=executor.config.p2p_timeout_s)
                 if failed:
-                    raise self._workers_failed(submitted.step, failed, str(first_cause(failures)))
+                    raise executor.workers_failed(submitted.step, failed, str(first_cause(failures)))
             failures = [answer for answer in answers.values() if isinstance(answer, Exception)]
-            self._drop_failed_step(first_cause(failures), ended_everywhere=len(answers) == len(pending))
+            executor.drop_failed_step(first_cause(failures), ended_everywhere=len(answers) == len(pending))
         results = [answers[rank] for rank in range(len(pending))]
         return StepOutcome(results[0].decision, results)
 
     def drain(self, failed: Collection[int]) -> dict[int, str]:
         """After :class:`~raypipe.errors.WorkersFailed` (workers ``failed``, killed):
         close the connections, which waits for the other workers' step to end."""
-        submitted, self.in_flight = self.in_flight, None
+        executor = self.executor
+        submitted, executor.in_flight = executor.in_flight, None
         if submitted is not None:
-            self.abort_communication(failed)  # on NCCL nothing else ends their step
+            executor.abort_communication(failed)  # on NCCL nothing else ends their step
             self._teardown()
         return {}
 
     def _connected(self) -> DirectCalls:
-        actors = self.group.actors
+        actors = self.executor.group.actors
         if self._calls is None or not self._calls.over(actors):
             self._teardown()
-            self._calls = DirectCalls(actors, "run_step_returning_failure", self.config.p2p_timeout_s)
+            self._calls = DirectCalls(actors, "run_step_returning_failure", self.executor.config.p2p_timeout_s)
         return self._calls
 
     def _teardown(self, wait: bool = True) -> None:
