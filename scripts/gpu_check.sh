@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh            # on a machine with a CUDA GPU
 #   bash scripts/gpu_check.sh --dry-run  # anywhere: every step that needs no CUDA, and what it would run
+#   bash scripts/gpu_check.sh --calibrate  # also the predictor's calibration (at most ~4 minutes more)
 #
 # Steps: 1. versions (torch, CUDA, NCCL, flash-attn, Ray; a missing one is reported and skipped)
 #        2. every single-GPU test: python -m pytest -q -m "gpu and not gpus2" tests
@@ -10,6 +11,8 @@
 #           a bf16 LLaMA stage with recompute and offload under set_sync_debug_mode("warn");
 #           flash-attn vs SDPA at 7B shapes, each backward run twice and compared bitwise;
 #           a Ray run at p=1 with snapshots on and off (step time of each)
+#        4. with --calibrate (scripts/gpu_calibrate.py): a LLaMA 1B's per-layer F, I and W times in bf16,
+#           whole-model MFU and pinned host<->device bandwidth, each beside the predictor's figure
 # Tests marked gpus2 need two GPUs: run them where there are two with
 #   python -m pytest -q -m gpus2 tests
 # The dry run lists the tests, imports the probes (naming them) and runs the CPU path of the
@@ -19,12 +22,14 @@ set -u -o pipefail
 
 DRY_RUN=0
 FULL=0
+CALIBRATE=0
 for argument in "$@"; do
   case "$argument" in
     --dry-run) DRY_RUN=1 ;;
     --full) FULL=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument '$argument' (use --dry-run, --full or --help)" >&2; exit 2 ;;
+    --calibrate) CALIBRATE=1 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$argument' (use --dry-run, --full, --calibrate or --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -34,6 +39,7 @@ OUT="${GPU_CHECK_OUT:-/tmp/raypipe_gpu_check}"
 mkdir -p "$OUT"
 TESTS_TIMEOUT_S=300   # budget: tests 5 min + probes 2.5 min + versions, under 8 minutes
 PROBES_TIMEOUT_S=150
+CALIBRATE_TIMEOUT_S=240  # --calibrate: at most 4 minutes more
 declare -a SUMMARY=()
 FAILED=0
 
@@ -105,6 +111,11 @@ if [ "$DRY_RUN" -eq 1 ]; then
     step "probes without Ray, CPU path" timeout "$PROBES_TIMEOUT_S" "$PYTHON" scripts/gpu_probes.py --cpu \
       --only nccl_world1 flash_vs_sdpa --out "$OUT/probes_cpu.json"
   fi
+  if [ "$CALIBRATE" -eq 1 ]; then
+    echo "   timeout $CALIBRATE_TIMEOUT_S $PYTHON scripts/gpu_calibrate.py --out $OUT/calibrate.json"
+    step "calibration, CPU path" timeout "$CALIBRATE_TIMEOUT_S" "$PYTHON" scripts/gpu_calibrate.py --cpu \
+      --out "$OUT/calibrate_cpu.json"
+  fi
 else
   if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_check.sh: torch sees no CUDA GPU here; run with --dry-run for the steps that need none" >&2
@@ -113,6 +124,9 @@ else
   step "single-GPU tests" timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -q -p no:cacheprovider -m "gpu and not gpus2" \
     --junitxml "$OUT/tests.xml" tests
   step probes timeout "$PROBES_TIMEOUT_S" "$PYTHON" scripts/gpu_probes.py --out "$OUT/probes.json"
+  if [ "$CALIBRATE" -eq 1 ]; then
+    step calibration timeout "$CALIBRATE_TIMEOUT_S" "$PYTHON" scripts/gpu_calibrate.py --out "$OUT/calibrate.json"
+  fi
 fi
 
 echo "== summary$([ "$DRY_RUN" -eq 1 ] && echo ' (dry run)'); results under $OUT"

@@ -27,9 +27,13 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# the probes import raypipe lazily: from the checkout this script is in, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROBES: dict[str, Callable[[bool], dict[str, Any]]] = {}
 

@@ -1,0 +1,213 @@
+"""Calibrate the step-time predictor on one GPU: measured against predicted.
+
+Measures, on one GPU in bf16 (flash-attn when it imports, else SDPA):
+
+- a LLaMA 1B's per-layer times for one micro-batch: the forward (F), the gradient of
+  the layer's input (I, with the graph retained, as a split backward runs it) and of its
+  weights (W), for the embedding, one block and the head with the cross entropy;
+- the whole model's forward and backward on one GPU, as MFU (the model's flops of one
+  training pass / time / the precision's peak);
+- host <-> device copy bandwidth with pinned host memory (what a snapshot's copy runs at);
+
+and prints each beside what :mod:`raypipe.planning.predict` assumes for the same shapes on
+the card's cluster preset (``planning/clusters/h100.json`` or ``h200.json``: the layers'
+flops at ``peak x achievable_fraction``, the host copy at ``host_copy_bytes_per_s``).
+The ratio measured / predicted is the correction a plan on that card needs.
+
+    python scripts/gpu_calibrate.py [--cluster h100|h200] [--out FILE]
+    python scripts/gpu_calibrate.py --cpu   # the CPU path: a tiny LLaMA in fp32 (a dry run)
+
+``scripts/gpu_check.sh --calibrate`` runs it (at most ~4 minutes on an H100/H200).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+
+from raypipe.models.llama import get_config, llama_layers, llama_loss  # noqa: E402
+from raypipe.models.llama_costs import llama_layer_cost  # noqa: E402
+from raypipe.models.layers import build_layer  # noqa: E402
+from raypipe.planning.cluster_spec import load_cluster  # noqa: E402
+
+GPU_SHAPE = {"model": "llama-1b", "micro_batch_size": 1, "seq_len": 2048, "precision": "bf16"}
+CPU_SHAPE = {"model": "tiny", "micro_batch_size": 2, "seq_len": 64, "precision": "fp32"}
+REPEATS, WARMUPS = 5, 2
+CPU_REPEATS, CPU_WARMUPS = 2, 1  # the CPU path checks that everything runs, not the figures
+
+
+class Clock:
+    """Seconds of a piece of work: CUDA events on a GPU (the host only queues the
+    kernels), the host's clock on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.repeats, self.warmups = (REPEATS, WARMUPS) if self.cuda else (CPU_REPEATS, CPU_WARMUPS)
+
+    def seconds(self, work: Callable[[], Any]) -> tuple[float, Any]:
+        if not self.cuda:
+            start = time.perf_counter()
+            result = work()
+            return time.perf_counter() - start, result
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        result = work()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3, result
+
+
+def _layer_times(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor], loss_of: Callable | None,
+                 clock: Clock) -> dict[str, float]:
+    """Median F, I and W seconds of ``layer`` (I is 0 for an integer input: nothing flows back)."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    times: dict[str, list[float]] = {"F": [], "I": [], "W": []}
+    for repeat in range(clock.warmups + clock.repeats):
+        inputs = make_input()
+        differentiable = inputs.is_floating_point()
+        if differentiable:
+            inputs.requires_grad_(True)
+        forward_s, output = clock.seconds(lambda: layer(inputs) if loss_of is None else loss_of(layer(inputs)))
+        gradient = None if output.dim() == 0 else torch.randn_like(output)
+        input_s = 0.0
+        if differentiable:
+            input_s, _ = clock.seconds(lambda: torch.autograd.grad(output, inputs, gradient, retain_graph=True))
+        weight_s, _ = clock.seconds(lambda: torch.autograd.grad(output, params, gradient))
+        if repeat >= clock.warmups:
+            for key, value in (("F", forward_s), ("I", input_s), ("W", weight_s)):
+                times[key].append(value)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _predicted(config, kind: str, shape: dict, rate: float) -> dict[str, float]:
+    cost = llama_layer_cost(config, kind, shape["seq_len"], shape["precision"])
+    batch = shape["micro_batch_size"]
+    return {"F": batch * cost.fwd_flops / rate, "I": batch * cost.bwd_input_flops / rate,
+            "W": batch * cost.bwd_weight_flops / rate}
+
+
+def _copy_bandwidth(device: torch.device, clock: Clock, size_bytes: int) -> dict[str, float]:
+    """Pinned host -> device and device -> host bytes/s (median of a few copies)."""
+    host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    on_device = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    rates = {"host_to_device": [], "device_to_host": []}
+    for repeat in range(clock.warmups + clock.repeats):
+        up, _ = clock.seconds(lambda: on_device.copy_(host, non_blocking=True))
+        down, _ = clock.seconds(lambda: host.copy_(on_device, non_blocking=True))
+        if repeat >= clock.warmups:
+            rates["host_to_device"].append(size_bytes / up)
+            rates["device_to_host"].append(size_bytes / down)
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
+def calibrate(cpu: bool, cluster_name: str | None = None) -> dict[str, Any]:
+    """Every measurement beside its prediction; see the module's docstring."""
+    shape = CPU_SHAPE if cpu else GPU_SHAPE
+    device = torch.device("cpu" if cpu else "cuda")
+    dtype = torch.float32 if shape["precision"] == "fp32" else torch.bfloat16
+    card = "cpu" if cpu else torch.cuda.get_device_name(device)
+    cluster_name = cluster_name or ("h200" if "H200" in card else "h100")
+    cluster = load_cluster(cluster_name)
+    rate = cluster.flops_per_s(shape["precision"])
+    config = get_config(shape["model"]).replace(max_seq_len=max(shape["seq_len"], get_config(shape["model"]).max_seq_len))
+    batch, seq_len = shape["micro_batch_size"], shape["seq_len"]
+    clock = Clock(device)
+    torch.manual_seed(0)
+    specs = llama_layers(config)
+    built = {"embedding": build_layer(specs[0], 0, 0), "block": build_layer(specs[1], 1, 0),
+             "head": build_layer(specs[-1], len(specs) - 1, 0)}
+    tokens = lambda: torch.randint(0, config.vocab_size, (batch, seq_len), device=device)  # noqa: E731
+    hidden = lambda: torch.randn(batch, seq_len, config.dim, device=device, dtype=dtype)  # noqa: E731
+    targets = tokens()
+    inputs = {"embedding": (tokens, None), "block": (hidden, None),
+              "head": (hidden, lambda logits: llama_loss(logits.float(), targets))}
+    layers: dict[str, Any] = {}
+    for kind, layer in built.items():
+        layer = layer.to(device=device, dtype=dtype)
+        measured = _layer_times(layer, *inputs[kind], clock)
+        predicted = _predicted(config, kind, shape, rate)
+        layers[kind] = {op: {"measured_s": measured[op], "predicted_s": predicted[op],
+                             "measured_over_predicted": measured[op] / predicted[op] if predicted[op] else None}
+                        for op in ("F", "I", "W")}
+        built[kind] = None  # free it before the whole model
+        del layer
+    results: dict[str, Any] = {"card": card, "cluster": cluster_name, "shape": shape, "layers": layers,
+                               "achievable_fraction": cluster.achievable_fraction}
+    results["whole_model"] = _whole_model(config, specs, shape, device, dtype, clock, cluster)
+    size = (16 if cpu else 1024) * 2**20
+    bandwidth = _copy_bandwidth(device, clock, size)
+    results["host_copy"] = {**{f"{key}_bytes_per_s": value for key, value in bandwidth.items()},
+                            "predicted_bytes_per_s": cluster.host_copy_bytes_per_s}
+    return results
+
+
+def _whole_model(config, specs, shape: dict, device: torch.device, dtype: torch.dtype, clock: Clock,
+                 cluster) -> dict[str, float]:
+    """Forward and backward of every layer on this one device: measured MFU against the
+    predictor's (its ``achievable_fraction`` is the MFU it assumes of a busy GPU)."""
+    model = torch.nn.Sequential(*[build_layer(spec, index, 0) for index, spec in enumerate(specs)]).to(
+        device=device, dtype=dtype)
+    batch, seq_len = shape["micro_batch_size"], shape["seq_len"]
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1), device=device)
+
+    def train_pass() -> None:
+        llama_loss(model(tokens[:, :-1]).float(), tokens[:, 1:]).backward()
+
+    seconds = []
+    for repeat in range(clock.warmups + clock.repeats):
+        elapsed, _ = clock.seconds(train_pass)
+        if repeat >= clock.warmups:
+            seconds.append(elapsed)
+    step_s = statistics.median(seconds)
+    flops = batch * sum(spec.cost.train_flops for spec in specs)
+    peak = cluster.peak(shape["precision"])
+    predicted_s = flops / cluster.flops_per_s(shape["precision"])
+    return {"train_pass_s": step_s, "predicted_s": predicted_s, "mfu": flops / step_s / peak,
+            "predicted_mfu": flops / predicted_s / peak, "tokens_per_s": batch * seq_len / step_s}
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(f"card {results['card']}; predictor: cluster preset {results['cluster']!r}, "
+          f"achievable_fraction {results['achievable_fraction']}; shape {results['shape']}")
+    print(f"{'layer':<10} {'op':<3} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}")
+    for kind, ops in results["layers"].items():
+        for op, row in ops.items():
+            ratio = row["measured_over_predicted"]
+            print(f"{kind:<10} {op:<3} {row['measured_s'] * 1e3:>12.3f} {row['predicted_s'] * 1e3:>13.3f} "
+                  f"{'-' if ratio is None else f'{ratio:.2f}':>7}")
+    whole = results["whole_model"]
+    print(f"whole model, one train pass: {whole['train_pass_s'] * 1e3:.1f} ms measured, "
+          f"{whole['predicted_s'] * 1e3:.1f} ms predicted; MFU {whole['mfu']:.3f} measured, "
+          f"{whole['predicted_mfu']:.3f} predicted")
+    copy = results["host_copy"]
+    print(f"host copy (pinned): H2D {copy['host_to_device_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"D2H {copy['device_to_host_bytes_per_s'] / 1e9:.1f} GB/s; predicted {copy['predicted_bytes_per_s'] / 1e9:.1f} GB/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="the CPU path: a tiny LLaMA in fp32 (no CUDA needed)")
+    parser.add_argument("--cluster", help="the preset to compare with (default: h200 on an H200, else h100)")
+    parser.add_argument("--out", help="also write the results here as JSON")
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("gpu_calibrate: CUDA is not available here; use --cpu for the CPU path", file=sys.stderr)
+        return 2
+    results = calibrate(args.cpu, args.cluster)
+    print_table(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
