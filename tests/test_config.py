@@ -11,6 +11,7 @@ from raypipe import ConfigError, PipelineConfig
 from raypipe.cli import main as raypipe_cli
 from raypipe.config import load_yaml, max_replicas, parse_replicas, replicas_for_config
 from raypipe.core.loss_scale import LossScaler
+from raypipe.core.schedule import RUNNABLE_SCHEDULES
 from raypipe.models.llama import get_config
 from raypipe.planning.memory import estimate_pipeline, estimate_stage
 from raypipe.run import RunConfig
@@ -133,6 +134,20 @@ def test_spare_workers_from_yaml_and_the_jobs_flags(tmp_path):
         assert PipelineConfig.from_dict(job["run_config"](args).pipeline).spare_workers == 2
     with pytest.raises(SystemExit):
         load_job("train_7b")["parse_args"](["--preset", "tiny", "--spare-workers", "-1"])
+
+
+def test_schedule_from_yaml_and_the_jobs_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\npipeline:\n  num_stages: 2\n  schedule: zb_h1\n")
+    assert PipelineConfig.from_dict(RunConfig.from_dict(load_yaml(path)).pipeline).schedule == "zb_h1"
+    for name, extra in (("train_tiny", []), ("train_7b", ["--preset", "tiny"])):
+        job = load_job(name)
+        assert job["run_config"](job["parse_args"](extra)).pipeline["schedule"] == "gpipe"
+        for schedule in RUNNABLE_SCHEDULES:
+            args = job["parse_args"]([*extra, "--schedule", schedule])
+            assert PipelineConfig.from_dict(job["run_config"](args).pipeline).schedule == schedule
+        with pytest.raises(SystemExit):  # a schedule no executor runs yet is a usage error
+            job["parse_args"]([*extra, "--schedule", "zbv"])
 
 
 def test_old_keys_in_a_yaml_run_config_name_their_new_name(tmp_path):
@@ -269,8 +284,10 @@ def test_train_7b_prints_an_elastic_range_as_min_dash_max():
 
 
 def test_a_schedule_the_executors_cannot_run_yet_is_refused_before_any_actor_starts():
-    # the zero-bubble and interleaved schedules exist as data (core/schedule.py), checked by the simulator,
-    # but no executor runs their I/W ops and chunks yet
-    for name in ("zbv", "zb_h1", "interleaved_1f1b"):
+    # the chunked schedules exist as data (core/schedule.py), checked by the simulator, but no executor
+    # runs chunks yet; zb_h1 (one chunk, split backward) runs on every executor
+    for name in ("zbv", "interleaved_1f1b"):
         with pytest.raises(ConfigError, match=f"invalid schedule='{name}': must be one of"):
             PipelineConfig(num_stages=2, num_micro_batches=4, schedule=name).validate()
+    for transport in ("p2p", "object_store", "gloo"):
+        PipelineConfig(num_stages=2, num_micro_batches=4, schedule="zb_h1", transport=transport).validate()

@@ -34,6 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint storage", ("raypipe.checkpoint",)),  # store, parts, hf_export (reads files, writes HF shards)
     ("comm", ("raypipe.comm",)),
     ("stage", ("raypipe.stage",)),
+    # the in-process interpreter of lowered ops runs stage workers (no Ray): a testing aid above the stage
+    ("stage testing aids", ("raypipe.testing.op_interpreter",)),
     ("runtime", ("raypipe.runtime",)),
     ("executor", ("raypipe.executor",)),
     ("control", ("raypipe.control",)),

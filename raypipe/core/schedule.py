@@ -24,9 +24,9 @@ from raypipe.core.ops import LOOPED, V_SHAPED, B, F, I, LoweredOp, Op, W
 from raypipe.core.simulator import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
-# what the executors interpret today: the chunked and split-backward schedules are data the simulator and
-# the planner check, and become runnable (config, jobs, plan) once the executors run I, W and chunks
-RUNNABLE_SCHEDULES = ("gpipe", "1f1b")
+# what every executor interprets today (zb_h1: I and W ops, raypipe/stage/split_backward.py); the chunked
+# schedules are data the simulator and the planner check, runnable (config, jobs, plan) once the executors run chunks
+RUNNABLE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 # Where each schedule puts its chunks (see raypipe.core.ops.PLACEMENTS); one chunk per worker is placed alike by both.
 PLACEMENT = {"gpipe": LOOPED, "1f1b": LOOPED, "interleaved_1f1b": LOOPED, "zb_h1": LOOPED, "zbv": V_SHAPED}
 

@@ -75,7 +75,8 @@ class _Wiring:
         self.outcomes: dict[int, Any] = {}
         self.created: list = []  # every op's reference, so that a failed step's errors are all read
         # SEND_*: the receive takes the reference; OPTIMIZER_STEP: the commit, after every op
-        self._handlers = {ops.F: self._forward, ops.B: self._backward, ops.RECV_ACT: self._receive,
+        self._handlers = {ops.F: self._forward, ops.B: self._backward, ops.I: self._backward, ops.W: self._weight,
+                          ops.RECV_ACT: self._receive,
                           ops.RECV_GRAD: self._receive, ops.REDUCE_GRAD: self._finish}
 
     def submit(self, stage: int, op: ops.LoweredOp) -> None:
@@ -98,9 +99,14 @@ class _Wiring:
     def _backward(self, stage: int, op: ops.LoweredOp) -> None:
         gradient = self.in_flight.pop(("gradient", stage, op.micro_batch), None)
         scale = self.loss_scale if stage == self.last else 1.0
-        self.in_flight[("input_gradient", stage, op.micro_batch)] = gradient = self.actors[stage].backward.remote(
+        # B, or the input gradient I of a split backward (its W comes later, in _weight)
+        method = self.actors[stage].backward if op.kind == ops.B else self.actors[stage].backward_input
+        self.in_flight[("input_gradient", stage, op.micro_batch)] = gradient = method.remote(
             op.micro_batch, gradient, scale)
         self.created.append(gradient)
+
+    def _weight(self, stage: int, op: ops.LoweredOp) -> None:
+        self.created.append(self.actors[stage].backward_weight.remote(op.micro_batch))
 
     def _receive(self, stage: int, op: ops.LoweredOp) -> None:
         # the simulator lists a receive only once its send was posted, so after the op that made the tensor

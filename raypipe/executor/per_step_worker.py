@@ -27,6 +27,7 @@ from raypipe.comm.call_socket import AnswersCalls
 from raypipe.comm.p2p import P2PChannel, rendezvous_address
 from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
+from raypipe.core.schedule import PLACEMENT, make_schedule
 from raypipe.core.step_decision import StageGradStats
 from raypipe.errors import RaypipeError, StepAborted
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
@@ -69,13 +70,14 @@ class PerStepWorker(StageWorker, AnswersCalls):
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
                           ops.B: self._backward, ops.SEND_GRAD: self._send_gradient, ops.EXCHANGE: self._exchange,
+                          ops.I: self._backward_input, ops.W: self._backward_weight,
                           ops.REDUCE_GRAD: self._reduce, ops.OPTIMIZER_STEP: self._commit}
 
     def take_layout(self, spec: WorkerSpec) -> None:
         """The layout's ops and place in the group (joined by :meth:`join_group`, after
         leaving the old group)."""
         super().take_layout(spec)
-        self._ops = lowering.lower_stage(spec.stage, spec.stage_ops(), spec.num_stages)
+        self._ops = lowered_stage_ops(spec)
         self._received_micro_batches = [op.micro_batch for op in ops.unbatch(self._ops) if op.kind == ops.RECV_ACT]
         # the first op that changes what a snapshot or checkpoint copies: the commit, or a forward
         # when the layers save buffers (a forward may update them, e.g. running statistics); a
@@ -215,6 +217,14 @@ class PerStepWorker(StageWorker, AnswersCalls):
         scale = state.loss_scale if self.is_last and state.loss_scale is not None else 1.0
         state.input_gradients[micro_batch] = self.backward(micro_batch, gradient, scale)
 
+    def _backward_input(self, micro_batch: int, state: _StepState) -> None:
+        gradient = state.gradients.pop(micro_batch, None)
+        scale = state.loss_scale if self.is_last and state.loss_scale is not None else 1.0
+        state.input_gradients[micro_batch] = self.backward_input(micro_batch, gradient, scale)
+
+    def _backward_weight(self, micro_batch: int, _: _StepState) -> None:
+        self.backward_weight(micro_batch)
+
     def _send_gradient(self, micro_batch: int, state: _StepState) -> None:
         self._channel.send_gradient(state.input_gradients.pop(micro_batch), micro_batch)
 
@@ -270,6 +280,19 @@ class PerStepWorker(StageWorker, AnswersCalls):
                 traceback.clear_frames(failure.__traceback__)
         self._channel.leave()
         self.abort_step()
+
+
+def lowered_stage_ops(spec: WorkerSpec) -> list[ops.LoweredOp]:
+    """Worker ``spec.stage``'s lowered ops of a step. A split backward (I, W) places each
+    receive after its peer's send, so the whole schedule is lowered (alike on every worker)."""
+    stage_ops = spec.stage_ops()
+    if not any(op.kind in (ops.I, ops.W) for op in stage_ops):
+        return lowering.lower_stage(spec.stage, stage_ops, spec.num_stages)
+    schedule = make_schedule(spec.config.schedule, spec.num_stages, len(spec.block))
+    if tuple(schedule[spec.stage]) != tuple(stage_ops):
+        raise ValueError(f"stage {spec.stage}: its ops are not those of schedule {spec.config.schedule!r}, "
+                         "which the other workers lower")
+    return lowering.lower(schedule, PLACEMENT[spec.config.schedule])[spec.stage]
 
 
 def first_wait(stage_ops: list[ops.LoweredOp], gated_op: int) -> int:

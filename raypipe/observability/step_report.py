@@ -12,11 +12,11 @@ def clip_coefficient(grad_norm: float, max_norm: float | None) -> float:
 
 
 def measured_bubble(timeline: list[OpEvent], num_stages: int, num_replicas: int = 1) -> list[float]:
-    """Per stage, 1 - busy/window over its replica's F/B phase (first F start to
-    last B end), averaged over the replicas."""
+    """Per stage, 1 - busy/window over its replica's compute phase (first F start to
+    last B, or W of a split backward, end), averaged over the replicas."""
     bubbles = [0.0] * num_stages
     for replica in range(num_replicas):
-        compute = [e for e in timeline if e.op in ("F", "B") and e.replica == replica]
+        compute = [e for e in timeline if e.op in ("F", "B", "I", "W") and e.replica == replica]
         if not compute:
             continue
         window = max(e.end for e in compute) - min(e.start for e in compute)

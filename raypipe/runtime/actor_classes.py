@@ -23,7 +23,7 @@ def worker_actor_class(worker_class: type, tensor_transport: str | None = None) 
 
 
 def direct_transport_worker(worker_class: type, backend: str) -> type:
-    """``worker_class`` whose forward/backward results go by ``backend``. Only those:
+    """``worker_class`` whose forward/backward (and input-gradient) results go by ``backend``. Only those:
     every other result (grad stats, reports) stays a plain object that other tasks
     may depend on."""
 
@@ -35,6 +35,10 @@ def direct_transport_worker(worker_class: type, backend: str) -> type:
         @ray.method(tensor_transport=backend)
         def backward(self, *args: Any, **kwargs: Any) -> Any:
             return super().backward(*args, **kwargs)
+
+        @ray.method(tensor_transport=backend)
+        def backward_input(self, *args: Any, **kwargs: Any) -> Any:  # a split backward's I: B's result
+            return super().backward_input(*args, **kwargs)
 
     DirectTransportWorker.__name__ = f"{worker_class.__name__}_{backend}"
     return DirectTransportWorker

@@ -21,7 +21,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 def stage_stats(events: list[OpEvent], stage: int, replica: int, store: ActivationStore, device: torch.device,
                 optimizer: torch.optim.Optimizer | None, weights_bytes: int) -> StageStats:
     """The statistics of the step whose timeline is ``events``, measured now."""
-    busy = sum(e.end - e.start for e in events if e.op in ("F", "B"))
+    busy = sum(e.end - e.start for e in events if e.op in ("F", "B", "I", "W"))  # compute ops
     return StageStats(
         stage=stage, replica=replica, busy_seconds=busy,
         held_for_backward_bytes=store.peak_held_bytes,

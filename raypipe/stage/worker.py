@@ -19,7 +19,7 @@ from raypipe.core.step_decision import StageGradStats, StepDecision, decide
 from raypipe.core.topology import Topology
 from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
-from raypipe.stage.activations import ActivationStore
+from raypipe.stage.activations import ActivationStore, Kept
 from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
@@ -29,6 +29,7 @@ from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_point
 from raypipe.stage.offload import Offloader
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
+from raypipe.stage.split_backward import input_gradient
 from raypipe.stage.stage_op import stage_op
 from raypipe.stage.step_stats import stage_stats
 from raypipe.stage.zero import Ownership
@@ -65,6 +66,7 @@ class StageWorker(StageCheckpointing):
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step
         self._backwards_done: set[int] = set()  # micro-batches whose backward ran in the running step
+        self._pending_weight_gradients: dict = {}  # micro-batch -> what its W needs, from I to W
         self._step_loss = 0.0  # last stage: the running step's weighted loss sum
         self._events: list[OpEvent] = []
         self.ops_done = 0  # ops finished over this worker's life (its heartbeat)
@@ -120,7 +122,7 @@ class StageWorker(StageCheckpointing):
         self.ownership = ownership
         self.data.take_block(spec.block)
         self._last_micro_batch = len(spec.block) - 1
-        self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind == "B"]
+        self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind in ("B", "I")]
 
     def become(self, spec: WorkerSpec) -> dict[str, Any]:
         """A warm spare takes a failed worker's place: builds ``spec`` as a replacement
@@ -194,6 +196,37 @@ class StageWorker(StageCheckpointing):
     def backward(self, micro_batch: int, grad_outputs: torch.Tensor | None = None,
                  loss_scale: float = 1.0) -> torch.Tensor | None:
         """Backpropagate one micro-batch, accumulating into ``.grad``; return the input gradient."""
+        kept, inputs, outputs = self._materialized(micro_batch)
+        torch.autograd.backward(outputs, self._output_gradient(outputs, grad_outputs, loss_scale))
+        self.store.release(kept)
+        self._backwards_done.add(micro_batch)
+        if self.is_first or inputs is None or inputs.grad is None:
+            return None
+        return inputs.grad
+
+    @stage_op("I", in_step=True)
+    def backward_input(self, micro_batch: int, grad_outputs: torch.Tensor | None = None,
+                       loss_scale: float = 1.0) -> torch.Tensor | None:
+        """A split backward's input gradient (I) of one micro-batch (None on the first stage),
+        keeping what its :meth:`backward_weight` needs; loss scale and received gradient as in B."""
+        kept, inputs, outputs = self._materialized(micro_batch)
+        seed = self._output_gradient(outputs, grad_outputs, loss_scale)
+        differentiable = not self.is_first and isinstance(inputs, torch.Tensor) and inputs.requires_grad
+        gradient, pending = input_gradient(outputs, seed, inputs if differentiable else None, self._compute_weights)
+        self._pending_weight_gradients[micro_batch] = (kept, pending)  # kept bytes stay counted until W
+        return gradient
+
+    @stage_op("W", in_step=True)
+    def backward_weight(self, micro_batch: int) -> None:
+        """A split backward's weight gradient (W): accumulate one micro-batch's into ``.grad``, after its I."""
+        kept, pending = self._pending_weight_gradients.pop(micro_batch)
+        pending.run()
+        self.store.release(kept)
+        self._backwards_done.add(micro_batch)
+
+    def _materialized(self, micro_batch: int) -> tuple[Kept, torch.Tensor, torch.Tensor]:
+        """A micro-batch's kept state, its stage input and its graph's output, the forward
+        replayed with the same seeds where only the input was kept (once per backward)."""
         kept = self.store.take(micro_batch)
         self._prefetch_next(micro_batch)
         inputs, outputs = kept.inputs, kept.outputs
@@ -205,16 +238,14 @@ class StageWorker(StageCheckpointing):
                 outputs = self._run(inputs, micro_batch, targets, loss_weight)
             meter.add(outputs)
             self.store.note_transient(meter.bytes + kept.offloaded_bytes)  # + the fetched-back input
+        return kept, inputs, outputs
+
+    def _output_gradient(self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None,
+                         loss_scale: float) -> torch.Tensor:
+        """What the backward starts from: the loss scale on the last stage, else the received gradient."""
         if self.is_last:
-            outputs.backward(torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device))
-        else:
-            grad_outputs = grad_outputs.to(self.device)
-            torch.autograd.backward(outputs, grad_outputs.to(outputs.dtype))
-        self.store.release(kept)
-        self._backwards_done.add(micro_batch)
-        if self.is_first or inputs is None or inputs.grad is None:
-            return None
-        return inputs.grad
+            return torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device)
+        return grad_outputs.to(self.device).to(outputs.dtype)
 
     def finish_backward(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
         """:meth:`grad_stats` of a step whose ops the driver submitted one by one.
@@ -297,6 +328,7 @@ class StageWorker(StageCheckpointing):
         self.store.clear()
         self._step_failure = None
         self._backwards_done.clear()
+        self._pending_weight_gradients.clear()
         self._step_loss = 0.0
 
     @stage_op("eval", timed=False)

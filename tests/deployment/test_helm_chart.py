@@ -22,6 +22,8 @@ import jsonschema
 import pytest
 import yaml
 
+from raypipe.core.schedule import RUNNABLE_SCHEDULES
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "helm" / "raypipe"
 CRD_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "kuberay-crds"
@@ -278,6 +280,16 @@ def test_entrypoint_passes_replicas_and_a_sharded_optimizer(chart) -> None:
     overrides = {"training": {"stages": 4, "replicas": 4, "shardOptimizer": True}}
     _command, flags = entrypoint_flags(only(render(chart, overrides), "RayJob"))
     assert flags["--stages"] == ["4"] and flags["--replicas"] == ["4"] and flags["--shard-optimizer"] == []
+
+
+def test_entrypoint_passes_the_schedule(chart) -> None:
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert "--schedule" not in flags  # the default, "gpipe", is train_7b.py's default too
+    for schedule in ("1f1b", "zb_h1"):
+        _command, flags = entrypoint_flags(only(render(chart, {"training": {"schedule": schedule}}), "RayJob"))
+        assert flags["--schedule"] == [schedule]
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    assert schema["properties"]["training"]["properties"]["schedule"]["enum"] == list(RUNNABLE_SCHEDULES)
 
 
 def test_entrypoint_passes_the_balance(chart) -> None:

@@ -1,0 +1,163 @@
+"""The backward of a micro-batch split in two: the input gradient (I), which the
+previous stage waits for, and the weight gradient (W), which nobody waits for, so
+a schedule may run it later, in a bubble (zero-bubble pipelining, arXiv 2401.10241).
+
+I runs the autograd graph from the stage's output (or loss) down to the stage input
+only, with the graph retained. On its way it notes the gradient arriving at each
+node where a weight's branch leaves that path (a matrix multiply whose other operand
+is a weight, say); W later restarts autograd from those nodes, with those gradients,
+towards the weights alone, and accumulates into ``.grad`` as a whole backward does.
+Each node computes what it computed in the whole backward, from the same gradients,
+so I followed at once by W gives bitwise the gradients of B. This is the idea of
+``torch.distributed.pipelining``'s ``stage_backward_input`` / ``stage_backward_weight``.
+
+A stage whose input is not differentiable (the first stage: token ids) has no input
+gradient to send: its I only replays the forward where activations were not kept,
+and its W runs the whole backward. A recomputed forward runs once, in I; W uses the
+graph I kept. The worker's I and W ops (:class:`~raypipe.stage.worker.StageWorker`) call these.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+
+def _node_of(tensor: torch.Tensor) -> Node | None:
+    """The autograd node a gradient for ``tensor`` flows into: its grad_fn, or for a
+    leaf its gradient accumulator (made on demand, through a view)."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    if not tensor.requires_grad:
+        return None
+    return tensor.view_as(tensor).grad_fn.next_functions[0][0]
+
+
+def _consumers(root: Node) -> dict[Node, list[Node]]:
+    """For every node reachable from ``root``, the nodes whose backward feeds it."""
+    consumers: dict[Node, list[Node]] = {root: []}
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in consumers:
+                consumers[child] = []
+                queue.append(child)
+            consumers[child].append(node)
+    return consumers
+
+
+def _upwards(start: Node, consumers: dict[Node, list[Node]], stop: set[Node] = frozenset()) -> tuple[set, set]:
+    """The nodes above ``start`` (towards the output), not going past nodes in ``stop``:
+    (the nodes visited, the ``stop`` nodes met)."""
+    seen, met = {start}, set()
+    queue = deque([start])
+    while queue:
+        for consumer in consumers.get(queue.popleft(), ()):
+            if consumer in stop:
+                met.add(consumer)
+            elif consumer not in seen:
+                seen.add(consumer)
+                queue.append(consumer)
+    return seen, met
+
+
+@dataclass
+class _WeightGroup:
+    """Weights whose branches join the input path at the same nodes (``junctions``), and the
+    gradients I saw arrive at each junction (per forward output of the junction node)."""
+
+    weights: list[torch.Tensor]
+    junctions: list[Node]
+    gradients: dict[Node, tuple] = field(default_factory=dict)
+
+
+@dataclass
+class PendingWeightGradient:
+    """What a micro-batch's W needs once its I ran: either the junctions' gradients (a
+    differentiable stage input) or the whole graph's output and seed (no input gradient)."""
+
+    groups: list[_WeightGroup]
+    outputs: torch.Tensor | None = None  # set when W runs the whole backward
+    seed: torch.Tensor | None = None
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into ``.grad`` (through the weights' gradient
+        accumulators, so their hooks run as in a whole backward)."""
+        if self.outputs is not None:
+            torch.autograd.backward(self.outputs, self.seed)
+            return
+        for group in self.groups:
+            edges, seeds = [], []
+            for junction in group.junctions:
+                for index, gradient in enumerate(group.gradients.get(junction, ())):
+                    if gradient is not None:
+                        edges.append(GradientEdge(junction, index))
+                        seeds.append(gradient)
+            if not edges:
+                continue
+            # a junction below another would also get the gradient the upper one passes
+            # down: each gets exactly what it got in the whole backward
+            handles = [junction.register_prehook(lambda _, saved=group.gradients.get(junction): saved)
+                       for junction in group.junctions if len(group.junctions) > 1]
+            try:
+                torch.autograd.backward(edges, seeds, inputs=group.weights, retain_graph=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+
+def input_gradient(outputs: torch.Tensor, seed: torch.Tensor, stage_input: torch.Tensor | None,
+                   weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, PendingWeightGradient]:
+    """The gradient of ``stage_input`` from ``outputs`` seeded with ``seed`` (None where the
+    input is not differentiable), and what the weights' gradient later needs."""
+    root = _node_of(outputs)
+    input_node = None if stage_input is None else _node_of(stage_input)
+    if root is None or input_node is None:
+        return None, PendingWeightGradient([], outputs, seed)
+    consumers = _consumers(root)
+    if input_node not in consumers:  # the output does not depend on the input
+        return None, PendingWeightGradient([], outputs, seed)
+    input_path, _ = _upwards(input_node, consumers)
+    groups = _weight_groups(weights, consumers, input_path)
+    handles = []
+    for group in groups:
+        for junction in group.junctions:
+            def note(gradients, group=group, junction=junction):
+                group.gradients[junction] = tuple(gradients)
+            handles.append(junction.register_prehook(note))
+    try:
+        (gradient,) = torch.autograd.grad(outputs, stage_input, seed, retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return gradient, PendingWeightGradient(groups)
+
+
+def _weight_groups(weights: Sequence[torch.Tensor], consumers: dict[Node, list[Node]],
+                   input_path: set[Node]) -> list[_WeightGroup]:
+    """The weights in the graph, grouped by the input-path nodes their branches join
+    (weights sharing a junction are one group: one autograd call computes them)."""
+    groups: list[_WeightGroup] = []
+    group_of: dict[Node, _WeightGroup] = {}
+    for weight in weights:
+        node = _node_of(weight)
+        if node is None or node not in consumers:
+            continue  # unused by this micro-batch's graph: no gradient, as in a whole backward
+        _, junctions = _upwards(node, consumers, input_path)
+        merged = {id(group_of[j]): group_of[j] for j in junctions if j in group_of}
+        group = _WeightGroup([weight], sorted(junctions, key=id))
+        for other in merged.values():
+            group.weights = other.weights + group.weights
+            group.junctions = list({*other.junctions, *group.junctions})
+            groups.remove(other)
+        groups.append(group)
+        for junction in group.junctions:
+            group_of[junction] = group
+    return groups

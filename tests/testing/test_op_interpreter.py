@@ -1,0 +1,69 @@
+"""The lowered ops of every runnable schedule, interpreted in one process (no Ray), train
+exactly as one plain PyTorch process does (issue 42, item 6)."""
+import pytest
+import torch
+from torch import nn
+
+import raypipe
+from raypipe.testing.op_interpreter import OpInterpreter
+from tests.reference import (adamw, assert_bitwise_equal, assert_parameters_match, make_mlp, random_batches,
+                             reference_step)
+
+BATCH, MICRO_BATCHES, STEPS, CLIP = 8, 4, 2, 0.1
+
+
+MODES = [{"activation_checkpoint": "never"}, {"activation_checkpoint": "always"},
+         {"activation_checkpoint": "except_last"},
+         {"activation_checkpoint": "always", "activation_checkpoint_segments": 2}]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: "-".join(map(str, mode.values())))
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_interpreted_schedule_trains_as_one_process(schedule, num_stages, mode):
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=MICRO_BATCHES, schedule=schedule,
+                                    clip_grad_norm=CLIP, **mode)
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
+    model = make_mlp()
+    optimizer = adamw(model.parameters())
+    for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+        decision = pipeline.step(step, x, y)
+        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, MICRO_BATCHES, CLIP)
+        assert not decision.skipped
+        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
+        assert norm > CLIP  # the global clip acted: the decision took every stage's gradients
+    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+
+
+def test_split_backward_runs_i_and_w_ops():
+    """zb_h1 is interpreted as I and W ops (no B), every stage's W of a micro-batch after its I."""
+    config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=MICRO_BATCHES, schedule="zb_h1")
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
+    pipeline.step(0, *random_batches(BATCH, 1)[0])
+    for report in pipeline.reports:
+        timeline = [(event.op, event.micro_batch) for event in report.events if event.op in ("B", "I", "W")]
+        assert sorted(timeline) == sorted([(kind, mb) for kind in "IW" for mb in range(MICRO_BATCHES)])
+        assert all(timeline.index(("I", mb)) < timeline.index(("W", mb)) for mb in range(MICRO_BATCHES))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zb_h1_gives_bitwise_the_results_of_1f1b_in_low_precision(precision):
+    """zb_h1 is 1F1B with each B split into I and W, and every stage's W ops in 1F1B's B order:
+    on the same layout the same gradients sum in the same order, so the same bits, skipped
+    steps included (fp16: a loss scale that overflows skips the step on every stage)."""
+    results = {}
+    for schedule in ("1f1b", "zb_h1"):
+        config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=MICRO_BATCHES, schedule=schedule,
+                                        precision=precision, clip_grad_norm=CLIP)
+        pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config,
+                                 loss_scale=1024.0 if precision == "fp16" else None)
+        decisions = [pipeline.step(step, x, y) for step, (x, y) in enumerate(random_batches(BATCH, STEPS))]
+        if precision == "fp16":
+            pipeline.loss_scale = 2.0**120  # fp16 gradients overflow
+            decisions.append(pipeline.step(STEPS, *random_batches(BATCH, 1, seed=5)[0]))
+            assert decisions[-1].skip_reason == "overflow"
+        assert not any(decision.skipped for decision in decisions[:STEPS])
+        results[schedule] = decisions, pipeline.state_dict()
+    assert repr(results["zb_h1"][0]) == repr(results["1f1b"][0])  # an overflow's norm is NaN
+    assert_bitwise_equal(results["1f1b"][1], results["zb_h1"][1])
