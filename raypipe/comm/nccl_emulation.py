@@ -24,7 +24,8 @@ What NCCL does, and gloo does not, that the emulation reproduces
   :meth:`raypipe.comm.p2p.P2PChannel.abort`).
 
 Collectives of the data group (the replicas' gradient sums) run on gloo as
-they are, their errors swallowed likewise (:class:`SilentCollective`).
+they are, waited for beside the host, their errors swallowed likewise
+(:class:`SilentCollective`).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from raypipe.comm.polled_wait import WaitedOnThread
 
 ENVIRONMENT_VARIABLE = "RAYPIPE_EMULATE_NCCL"
 
@@ -64,10 +67,16 @@ class EmulatedWork:
 
 class SilentCollective:
     """A gloo collective's Work with NCCL's failure behaviour: one that failed
-    (a departed peer) never completes, instead of raising."""
+    (a departed peer) never completes, instead of raising.
+
+    Some of gloo's collectives run, or say they completed, only once waited for
+    (``reduce_scatter_single``: ZeRO-1's gradient reduction), where NCCL's
+    complete on their own; so the gloo Work is waited for on a thread of its own
+    once first polled (:class:`~raypipe.comm.polled_wait.WaitedOnThread`), and
+    a polled wait sees it complete as NCCL's would."""
 
     def __init__(self, work: Any) -> None:
-        self._work, self._failed = work, False
+        self._work, self._failed = WaitedOnThread(work), False
 
     def is_completed(self) -> bool:
         if self._failed or not self._work.is_completed():

@@ -1,16 +1,19 @@
 """A stage's replicas over gloo between three real processes: all-reduce,
 ZeRO-1's reduce-scatter onto owners and all-gather from them, in chunks small
 enough that every chunk boundary cuts a tensor, match sums computed in one
-process; and the flat layout reads and writes exactly the elements it names."""
+process, on plain gloo and under NCCL's emulation (each wait polled, as the
+channel waits); and the flat layout reads and writes exactly the elements it names."""
 from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raypipe.comm import replicas
+from raypipe.comm.p2p import P2PChannel
 from raypipe.comm.replicas import StageReplicas, _FlatLayout
 from raypipe.core.topology import Topology
 from tests.comm.test_p2p import free_port
@@ -33,14 +36,20 @@ def as_bytes(value) -> bytes:
     return buffer.getvalue()
 
 
-def run_replica(replica: int, port: int, results: mp.Queue) -> None:
+def run_replica(replica: int, port: int, results: mp.Queue, emulate_nccl: bool) -> None:
     torch.set_num_threads(1)
     replicas._BUCKET_BYTES = 24  # 6 fp32 elements per collective: every chunk cuts some tensor
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=replica, world_size=REPLICAS)
+    topology = Topology(num_stages=1, num_replicas=REPLICAS)
     try:
-        group = StageReplicas(Topology(num_stages=1, num_replicas=REPLICAS), replica, 0,
-                              lambda work, what: work.wait())
-        group.join()
+        if emulate_nccl:  # the channel's own replicas, waited for as the channel waits: polled
+            channel = P2PChannel(topology, replica, 0, torch.device("cpu"))
+            channel.join("127.0.0.1", port, timeout_s=20, emulate_nccl=True)
+            group = channel.replicas
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=replica,
+                                    world_size=REPLICAS)
+            group = StageReplicas(topology, replica, 0, lambda work, what: work.wait())
+            group.join()
         summed = tensors_of(replica)
         group.finish_gradient_reduction(group.start_gradient_reduction(summed))
         owned = tensors_of(replica)
@@ -51,13 +60,15 @@ def run_replica(replica: int, port: int, results: mp.Queue) -> None:
         group.gather_parameters(gathered, OWNERS)
         results.put((replica, as_bytes((summed, owned, gathered))))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process():
+@pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process(emulate_nccl):
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=run_replica, args=(replica, port, results))
+    processes = [context.Process(target=run_replica, args=(replica, port, results, emulate_nccl))
                  for port in [free_port()] for replica in range(REPLICAS)]
     for process in processes:
         process.start()
