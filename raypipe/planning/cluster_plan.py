@@ -28,6 +28,9 @@ def build_cluster_plan(args: argparse.Namespace) -> dict:
         raise ValueError(f"--global-batch must be >= 1 sequences, got {args.global_batch}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    mtbf = getattr(args, "node_mtbf_hours", None)
+    if mtbf is not None and not 0 < mtbf < float("inf"):
+        raise ValueError(f"--node-mtbf-hours must be a number of hours > 0, got {mtbf}")
     cluster = load_cluster(args.cluster)
     config = get_config(args.model)
     precision = args.precision or "bf16"
@@ -48,6 +51,13 @@ def build_cluster_plan(args: argparse.Namespace) -> dict:
     out.update(chosen_plan_fields(config, args.model, best, memory, args.fused_attention))
     out.update(fits=True, step_time_s=best.prediction.step_s, tokens_per_second=best.prediction.tokens_per_s,
                mfu=best.prediction.mfu, bubble_fraction=best.prediction.bubble_fraction)
+    if mtbf is not None:  # each configuration's goodput per recovery method; the best one's at the top
+        from raypipe.planning.plan_goodput import candidate_goodput, goodput_summary
+
+        for item, candidate in zip(out["candidates"], result.best):
+            item["goodput"] = candidate_goodput(config, candidate, cluster, mtbf)
+        out["goodput"] = {method: value["goodput"] for method, value in out["candidates"][0]["goodput"].items()}
+        out["goodput_model"] = goodput_summary(args.gpus, cluster, mtbf)
     return out
 
 
@@ -147,6 +157,10 @@ def render_cluster_plan(plan: dict) -> str:
         lines.append(f"  stage {row['stage']}: {row['description']}, {row['num_parameters'] / 1e6:,.0f}M parameters, "
                      f"{format_bytes(row['total_bytes'])}")
     lines.extend(describe_balances(plan["balances"]))
+    if "goodput" in plan:
+        from raypipe.planning.plan_goodput import describe_goodput
+
+        lines.extend(describe_goodput(plan))
     lines.append("(predicted: see raypipe/planning/predict.py for what the model counts and leaves out; "
                  f"cluster figures: {plan['cluster_source'][:120]}...)")
     return "\n".join(lines)

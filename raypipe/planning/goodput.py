@@ -1,0 +1,349 @@
+"""Goodput at scale: the share of wall time a run spends on useful steps when its nodes fail,
+for three ways of recovering. Pure arithmetic and a seeded Monte Carlo; no Ray, no torch.
+
+**Failures**: each node fails as a Poisson process of rate ``1 / node_mtbf_hours``, so a job
+on ``n`` nodes fails at rate ``n / H`` (job MTTF ``M = H / n``). arXiv 2410.21680 (Kokolis et
+al., Meta, HPCA 2025) reports a job MTTF of 7.9 h at 1,024 GPUs (128 nodes of 8):
+``H = 7.9 x 128 ~ 1011`` node-hours (:data:`PAPER_NODE_MTBF_HOURS`). A failure may strike
+during a recovery too.
+
+**Segments** (methods a and b): work is done in segments of ``T`` wall seconds that a failure
+throws away whole (what was done since the segment began is lost), each failure followed by a
+recovery of ``R`` seconds (restarted if a failure strikes during it). For a failure rate
+``l``, the expected wall time of one segment is, exactly (Daly 2006, eq. 11)::
+
+    E[X] = (exp(l T) - 1) exp(l R) / l
+
+and goodput = useful seconds of the segment / E[X].
+
+(a) **raypipe** (``raypipe`` / ``raypipe_warm_spare``): every ``k = snapshot_every`` steps end
+with an in-memory snapshot, so a segment is ``k`` steps plus the snapshot copy's exposed part
+``c`` (useful time: the ``k`` steps without it), ``k`` by default at Young's interval for ``c``,
+``round(sqrt(2 c M) / step)`` and at least 1 (``raypipe plan`` predicts ``c`` with
+``snapshot_every=1``); ``R = detection + replacement start + state transfer`` — the failed node's workers replaced
+(a warm spare or a started process), each given its stage's state (weights + optimizer state)
+over the inter-node link, the steps since the snapshot redone. Where a data-parallel sibling
+holds each lost stage's state (d >= 2, no ZeRO-1, no node holding every replica), raypipe heals
+from it and replays nothing (``executor/recovery.py``): a segment is then one step, the
+snapshot's cost spread over its ``k`` steps, and only the partial step is lost.
+
+(b) **full restart from a checkpoint** (``checkpoint_restart``): a blocking checkpoint of
+``C`` seconds every ``tau = sqrt(2 C M)`` seconds of work (Young 1974), so ``T = tau + C``
+and ``R = job relaunch + checkpoint load``. On average half an interval is lost per failure.
+
+(c) **dropping the failed replica's step** (``replica_drop``, as torchft does): the replicas
+with a GPU on the failed node drop out, the others go on after the failure is detected (the
+whole job waits ``detection_s``); each dropped replica loses its partial step and rejoins at
+the first step boundary after its replacement and state transfer. Expected replica-seconds
+lost per failure: ``k (S + replacement + transfer)`` for ``k`` replicas on the node (the
+partial step plus the wait for a boundary average one step exactly), so to first order::
+
+    goodput = 1 - l detection - l k (S + replacement + transfer) / d
+
+(the Monte Carlo counts a replica failing again while already out once). Needs d >= 2.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+HOUR_S = 3600.0
+
+# -- figures the defaults come from ---------------------------------------------------------
+
+PAPER_JOB_MTTF_HOURS_AT_1024_GPUS = 7.9
+"""arXiv 2410.21680 (Kokolis et al., "Revisiting Reliability in Large-Scale Machine Learning
+Research Clusters"): the job mean time to failure projected at 1,024 GPUs."""
+PAPER_NODE_MTBF_HOURS = PAPER_JOB_MTTF_HOURS_AT_1024_GPUS * 1024 / 8
+"""The per-node MTBF that gives that job MTTF on 128 nodes of 8 GPUs (~1011 h)."""
+
+BENCH_RECOVERY_WITH_SPARE_S = 1.35
+"""Seconds from SIGKILL to the hit step done with a warm spare (``spare_workers=1``), median of 8,
+tiny LLaMA on 2 CPU stages: benchmarks/RESULTS.md, 2026-12-02 17:00 (``bench_recovery.py --spares``)."""
+BENCH_RECOVERY_WITHOUT_SPARE_S = 3.5
+"""The same without a spare (a replacement process started), median of 3 at a low load:
+benchmarks/RESULTS.md, 2026-12-01 (``bench_recovery.py --rounds 8 --steps 4 --kills 3``)."""
+BENCH_STEP_S = 0.254
+"""That benchmark's tiny-LLaMA step (the step redone inside the two figures above):
+benchmarks/RESULTS.md, 2026-12-02 16:34 ("254 ms a step without")."""
+BENCH_DETECTION_S = 0.5
+"""Detection of a killed worker: "well under a second" (its peers fail at once, Ray sees the
+process gone): benchmarks/RESULTS.md, 2026-11-30."""
+
+
+@dataclass(frozen=True)
+class GoodputAssumptions:
+    """What the goodput model assumes; every time in seconds. Defaults: raypipe's measured
+    recovery (``bench_recovery.py`` on CPU) and common figures for checkpoint storage."""
+
+    node_mtbf_hours: float = PAPER_NODE_MTBF_HOURS
+    """Mean hours between failures of one node (its GPUs, host, NIC, software): each node fails as
+    a Poisson process of rate 1/H. Default ~1011 h, from arXiv 2410.21680's 7.9 h at 1,024 GPUs."""
+    gpus_per_node: int = 8
+    """GPUs of a node; a node's failure takes all of them (the cluster file's ``gpus_per_node``)."""
+    detection_s: float = BENCH_DETECTION_S
+    """From a failure to raypipe (or a replica-dropping trainer) acting on it. Default 0.5 s: a
+    killed process as measured; a hang waits for the watchdog's timeout instead."""
+    replacement_with_spare_s: float = BENCH_RECOVERY_WITH_SPARE_S - BENCH_DETECTION_S - BENCH_STEP_S
+    """A warm spare taking a failed worker's place and the group re-formed, without the state
+    transfer. Default 0.6 s = 1.35 s measured - detection - the step redone (CPU; on a GPU a spare
+    also holds its CUDA context already)."""
+    replacement_without_spare_s: float = BENCH_RECOVERY_WITHOUT_SPARE_S - BENCH_DETECTION_S - BENCH_STEP_S
+    """A replacement process started from the worker's spec (Python, torch, the stage built), without
+    the transfer. Default 2.75 s = 3.5 s measured - detection - the step redone (CPU; a GPU adds its
+    CUDA context and communicator set-up, seconds)."""
+    job_relaunch_s: float = 300.0
+    """A full restart's relaunch: the scheduler requeues the job, every node starts its processes,
+    the communicators form. Default 5 min, an assumption (minutes at scale), not measured here."""
+    storage_bytes_per_s_per_node: float = 5e9
+    """Checkpoint write and read bandwidth of one node to shared storage. Default 5 GB/s."""
+    storage_bytes_per_s_total: float = 1e12
+    """The storage system's aggregate bandwidth, which caps all nodes together. Default 1 TB/s
+    (Llama 3's cluster reports 2 TB/s sustained over 24k GPUs)."""
+    checkpoint_write_s: float | None = None
+    """The blocking part of one checkpoint save; None: the model's state (weights and optimizer,
+    one copy) over the storage bandwidth (the nodes' or the aggregate, the smaller)."""
+    snapshot_every: int | None = None
+    """raypipe's steps between in-memory snapshots; None: Young's interval for the snapshot's exposed
+    copy, at least 1 (a failure redoes the steps since the last snapshot)."""
+    run_hours: float | None = None
+    """The simulated run's useful length; None: 2,000 job MTTFs (so ~2,000 failures)."""
+    seed: int = 0
+    """The Monte Carlo's seed."""
+
+    def __post_init__(self) -> None:
+        for name in ("node_mtbf_hours", "storage_bytes_per_s_per_node", "storage_bytes_per_s_total"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
+        for name in ("detection_s", "replacement_with_spare_s", "replacement_without_spare_s", "job_relaunch_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+        if self.snapshot_every is not None and (not isinstance(self.snapshot_every, int) or self.snapshot_every < 1):
+            raise ValueError(f"snapshot_every={self.snapshot_every!r} must be an int >= 1 (or None: Young's interval)")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an int >= 1")
+
+
+def num_nodes(num_gpus: int, gpus_per_node: int) -> int:
+    return -(-num_gpus // gpus_per_node)
+
+
+def job_mttf_hours(num_gpus: int, node_mtbf_hours: float, gpus_per_node: int = 8) -> float:
+    """A job's mean time to failure: ``H / nodes`` (each node a Poisson process of rate 1/H)."""
+    return node_mtbf_hours / num_nodes(num_gpus, gpus_per_node)
+
+
+def node_mtbf_from_job_mttf(job_mttf: float, num_gpus: int, gpus_per_node: int = 8) -> float:
+    """The per-node MTBF that gives ``job_mttf`` (same unit) on ``num_gpus`` GPUs."""
+    return job_mttf * num_nodes(num_gpus, gpus_per_node)
+
+
+def young_interval_s(checkpoint_write_s: float, mttf_s: float) -> float:
+    """Young's optimal work between checkpoints: ``sqrt(2 C M)``."""
+    return math.sqrt(2.0 * checkpoint_write_s * mttf_s)
+
+
+# -- segments (a, b) ----------------------------------------------------------------------------
+
+def segment_goodput(work_s: float, segment_s: float, recovery_s: float, failure_rate: float,
+                    failures_during_recovery: bool = True) -> float:
+    """Closed form: ``work_s`` useful seconds per segment of ``segment_s`` wall seconds, a failure
+    losing the segment and costing ``recovery_s`` (rate per second). A failure during a recovery
+    restarts it; with ``failures_during_recovery=False`` none strikes one (the failure clock stops),
+    ``E[X] = (exp(l T) - 1)(1/l + R)`` (the two agree to first order in ``l R``)."""
+    if failure_rate == 0:
+        return work_s / segment_s
+    if failures_during_recovery:
+        expected = math.expm1(failure_rate * segment_s) * math.exp(failure_rate * recovery_s) / failure_rate
+    else:
+        expected = math.expm1(failure_rate * segment_s) * (1.0 / failure_rate + recovery_s)
+    return work_s / expected
+
+
+def simulate_segments(work_s: float, segment_s: float, recovery_s: float, failure_rate: float,
+                      useful_s: float, rng: random.Random, failures_during_recovery: bool = True
+                      ) -> tuple[float, int]:
+    """Monte Carlo of :func:`segment_goodput`: run until ``useful_s`` seconds of work are done, one
+    draw per failure; returns (goodput, failures)."""
+    wall = done = 0.0
+    failures = 0
+    while True:
+        gap = rng.expovariate(failure_rate)  # from a segment boundary (after a recovery) to the next failure
+        whole = math.floor(gap / segment_s)
+        if done + whole * work_s >= useful_s:
+            needed = math.ceil((useful_s - done) / work_s - 1e-9)
+            return (done + needed * work_s) / (wall + needed * segment_s), failures
+        done += whole * work_s
+        wall += gap  # the whole segments, then the lost part of the next
+        failures += 1
+        while True:  # the recovery, restarted when a failure strikes during it
+            gap = rng.expovariate(failure_rate) if failures_during_recovery else math.inf
+            if gap >= recovery_s:
+                wall += recovery_s
+                break
+            wall += gap
+            failures += 1
+
+
+# -- replica drop (c) --------------------------------------------------------------------------
+
+def replicas_per_node(num_replicas: int, num_stages: int, gpus_per_node: int) -> list[int]:
+    """Per node, the replicas with a GPU on it (replica r on GPUs r*p .. r*p+p-1)."""
+    gpus = num_replicas * num_stages
+    counts = []
+    for node in range(num_nodes(gpus, gpus_per_node)):
+        first, last = node * gpus_per_node, min(gpus, (node + 1) * gpus_per_node) - 1
+        counts.append(last // num_stages - first // num_stages + 1)
+    return counts
+
+
+def replica_drop_goodput(step_s: float, rejoin_s: float, detection_s: float, failure_rate: float,
+                         num_replicas: int, mean_replicas_hit: float) -> float:
+    """Closed form of (c) to first order (see the module docstring)."""
+    return 1.0 - failure_rate * detection_s - failure_rate * mean_replicas_hit * (step_s + rejoin_s) / num_replicas
+
+
+def simulate_replica_drop(step_s: float, rejoin_s: float, detection_s: float, failure_rate: float,
+                          num_replicas: int, hits: Sequence[int], num_stages: int, gpus_per_node: int,
+                          useful_s: float, rng: random.Random) -> tuple[float, int]:
+    """Monte Carlo of (c): failures on uniformly drawn nodes; each stalls the job ``detection_s``
+    (stalls queue up), the node's replicas are out from their step's start to the first step
+    boundary ``rejoin_s`` of job time after the failure. Returns (goodput, failures)."""
+    del hits  # the nodes are drawn here; ``hits`` is for the closed form's mean
+    out_until = [0.0] * num_replicas  # job time (stalls excluded) until which each replica is out
+    job = wall = stall_left = lost = 0.0
+    failures = 0
+    gpus = num_replicas * num_stages
+    nodes = num_nodes(gpus, gpus_per_node)
+    while job < useful_s:
+        gap = rng.expovariate(failure_rate)
+        wall += gap
+        stalled = min(gap, stall_left)
+        stall_left -= stalled
+        job += gap - stalled
+        failures += 1
+        stall_left += detection_s
+        node = rng.randrange(nodes)
+        first, last = node * gpus_per_node, min(gpus, (node + 1) * gpus_per_node) - 1
+        step_start = math.floor(job / step_s) * step_s
+        back = math.ceil((job + rejoin_s) / step_s - 1e-12) * step_s
+        for replica in range(first // num_stages, last // num_stages + 1):
+            start = max(step_start, out_until[replica])
+            if back > start:
+                lost += back - start
+                out_until[replica] = back
+    # the last gap overshoots: count the run to its end, replicas out past it included up to it
+    overshoot = sum(max(0.0, until - job) for until in out_until)
+    useful = num_replicas * job - (lost - overshoot)
+    return useful / (num_replicas * (wall + stall_left)), failures
+
+
+# -- a configuration's goodput ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunShape:
+    """What goodput needs of a configuration: its step, its replicas and stages, and its state."""
+
+    num_gpus: int
+    num_replicas: int
+    num_stages: int
+    step_s: float  # the predicted (or measured) step, its exposed snapshot copy included
+    snapshot_exposed_s: float  # the part of step_s that raypipe's per-step snapshot adds
+    largest_worker_state_bytes: float  # one worker's weights + optimizer state (what a replacement receives)
+    model_state_bytes: float  # one copy of the whole model's weights + optimizer state (what a checkpoint holds)
+    inter_node_bytes_per_s: float  # per GPU, to another node
+    shard_optimizer: bool = False  # ZeRO-1: replicas hold different optimizer parts (no healing from a sibling)
+
+
+@dataclass(frozen=True)
+class MethodGoodput:
+    """One recovery method's goodput: simulated (Monte Carlo) and closed form."""
+
+    method: str
+    goodput: float | None  # simulated; None where the method does not apply
+    closed_form: float | None
+    downtime_per_failure_s: float | None  # the recovery R, or for replica_drop a replica's rejoin
+    failures_simulated: int
+    save_interval_s: float | None = None  # work between saves: snapshots (raypipe) or checkpoints
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+METHODS = ("raypipe_warm_spare", "raypipe", "checkpoint_restart", "replica_drop")
+
+
+def checkpoint_write_s(shape: RunShape, assumptions: GoodputAssumptions) -> float:
+    """The blocking save: the model's state over the smaller of the nodes' and the aggregate bandwidth."""
+    if assumptions.checkpoint_write_s is not None:
+        return assumptions.checkpoint_write_s
+    nodes = num_nodes(shape.num_gpus, assumptions.gpus_per_node)
+    bandwidth = min(nodes * assumptions.storage_bytes_per_s_per_node, assumptions.storage_bytes_per_s_total)
+    return shape.model_state_bytes / bandwidth
+
+
+def raypipe_snapshot_every(shape: RunShape, mttf_s: float, assumptions: GoodputAssumptions) -> int:
+    """Steps between raypipe's snapshots: the assumption's, or Young's interval for the exposed copy."""
+    if assumptions.snapshot_every is not None:
+        return assumptions.snapshot_every
+    plain_step = shape.step_s - shape.snapshot_exposed_s
+    if shape.snapshot_exposed_s <= 0:
+        return 1
+    return max(1, round(young_interval_s(shape.snapshot_exposed_s, mttf_s) / plain_step))
+
+
+def goodput_by_method(shape: RunShape, assumptions: GoodputAssumptions) -> dict[str, MethodGoodput]:
+    """Goodput of each method of :data:`METHODS` for ``shape`` (see the module docstring)."""
+    mttf_s = job_mttf_hours(shape.num_gpus, assumptions.node_mtbf_hours, assumptions.gpus_per_node) * HOUR_S
+    rate = 1.0 / mttf_s
+    useful_s = (assumptions.run_hours * HOUR_S) if assumptions.run_hours else 2000 * mttf_s
+    transfer_s = shape.largest_worker_state_bytes / shape.inter_node_bytes_per_s
+    plain_step = shape.step_s - shape.snapshot_exposed_s
+    out = {}
+    every = raypipe_snapshot_every(shape, mttf_s, assumptions)
+    hits = replicas_per_node(shape.num_replicas, shape.num_stages, assumptions.gpus_per_node)
+    from_sibling = shape.num_replicas > 1 and not shape.shard_optimizer and max(hits) < shape.num_replicas
+    if from_sibling:  # one step lost at most; the snapshot (a fallback) costs its share of each step
+        work, segment = plain_step, plain_step + shape.snapshot_exposed_s / every
+    else:  # the steps since the snapshot are redone
+        work, segment = every * plain_step, every * plain_step + shape.snapshot_exposed_s
+    for method, replacement in (("raypipe_warm_spare", assumptions.replacement_with_spare_s),
+                                ("raypipe", assumptions.replacement_without_spare_s)):
+        recovery = assumptions.detection_s + replacement + transfer_s
+        rng = random.Random(f"{assumptions.seed}:{method}")
+        simulated, failures = simulate_segments(work, segment, recovery, rate, useful_s, rng)
+        out[method] = MethodGoodput(method, simulated, segment_goodput(work, segment, recovery, rate),
+                                    recovery, failures, work,
+                                    f"{'from a sibling, ' if from_sibling else ''}snapshot_every={every}, "
+                                    f"transfer {transfer_s:.3g} s")
+    write = checkpoint_write_s(shape, assumptions)
+    load = write  # read back at the same bandwidth
+    tau = max(young_interval_s(write, mttf_s), plain_step)
+    restart = assumptions.job_relaunch_s + load
+    rng = random.Random(f"{assumptions.seed}:checkpoint_restart")
+    simulated, failures = simulate_segments(tau, tau + write, restart, rate, useful_s, rng)
+    out["checkpoint_restart"] = MethodGoodput(
+        "checkpoint_restart", simulated, segment_goodput(tau, tau + write, restart, rate), restart, failures, tau,
+        f"checkpoint {write:.3g} s every {tau / 60:.3g} min")
+    if shape.num_replicas < 2:
+        out["replica_drop"] = MethodGoodput("replica_drop", None, None, None, 0, None, "needs >= 2 replicas")
+        return out
+    rejoin = assumptions.replacement_without_spare_s + transfer_s
+    rng = random.Random(f"{assumptions.seed}:replica_drop")
+    simulated, failures = simulate_replica_drop(plain_step, rejoin, assumptions.detection_s, rate,
+                                                shape.num_replicas, hits, shape.num_stages,
+                                                assumptions.gpus_per_node, useful_s, rng)
+    mean_hit = sum(hits) / len(hits)
+    note = f"{mean_hit:.3g} of {shape.num_replicas} replicas out per failure"
+    if max(hits) >= shape.num_replicas:
+        note += "; a node holds every replica: the job stops (a full restart in practice)"
+    out["replica_drop"] = MethodGoodput(
+        "replica_drop", simulated, replica_drop_goodput(plain_step, rejoin, assumptions.detection_s, rate,
+                                                        shape.num_replicas, mean_hit), rejoin, failures,
+        plain_step, note)
+    return out
