@@ -22,6 +22,8 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import ray
+
 from raypipe.control.policy import Raise, Repartition, ReturnToConfigured, WaitForRoom, decide_failure, decide_scaling
 from raypipe.control.view import LayoutView, Room
 from raypipe.errors import PlacementError
@@ -60,10 +62,7 @@ class Partitioning:
         control.swap_group(None)  # the survivors' room goes to the new partition; their state is in snapshots
         control.use_partition(control.config.replace(num_stages=len(balance), balance=balance), balance)
         control.launch(None)
-        configured, configured_balance = control.configured
-        control.partition_return = PartitionReturn(
-            control.executor.actor_class(), layout(control.stage_specs(configured, configured_balance), 1,
-                                                   control.config.micro_batches_per_step), control.bundle)
+        control.partition_return = self._configured_return()
         control.record_resize("repartition")
         logger.warning("raypipe: re-partitioned from %d to %d stage(s) (layers per stage %s): no room for a whole "
                        "pipeline of %d", old_stages, len(balance), balance, old_stages)
@@ -127,7 +126,14 @@ class Partitioning:
         is placed in their room; if the room went elsewhere, the fewer stages start again."""
         control = self._controller
         control.swap_group(None)
-        group = control.partition_return.start_in_place(control.config.placement_timeout_s)
+        try:
+            group = control.partition_return.start_in_place(control.config.placement_timeout_s)
+        except ray.exceptions.RayError as error:  # a new worker died while it started: asked for beside again
+            logger.warning("raypipe: a worker of the configured pipeline died while it started in place (%s)",
+                           str(error).strip().splitlines()[-1])
+            control.partition_return = self._configured_return()
+            control.partition_return.in_place = False
+            group = None
         if group is not None:
             self._swap_in(group)
             return
@@ -135,6 +141,13 @@ class Partitioning:
                        "within %gs (placement_timeout_s); going on with %d", control.configured[0].num_stages,
                        control.config.placement_timeout_s, control.config.num_stages)
         control.launch(None)
+
+    def _configured_return(self) -> PartitionReturn:
+        """The configured pipeline (one replica), asked for beside the running one."""
+        control = self._controller
+        configured, configured_balance = control.configured
+        specs = layout(control.stage_specs(configured, configured_balance), 1, control.config.micro_batches_per_step)
+        return PartitionReturn(control.executor.actor_class(), specs, control.bundle)
 
     def _fewer_stages(self, reports: list | None, view: LayoutView) -> list[int]:
         """The balance of the stages the failure policy picks (the most, fewer than now,

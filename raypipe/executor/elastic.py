@@ -172,13 +172,32 @@ class Resizer:
             return None
         group.admit(starting)
         group.set_specs(self.specs(self.running))
-        self.executor.relayout(old)
-        if sharded:  # ZeRO-1: every worker adopts its stage's parts from every old replica
-            stages = self.config.num_stages
-            ray.get([actor.adopt.remote(*snapshots[rank % stages::stages])
-                     for rank, actor in enumerate(group.actors)])
+        try:
+            self.executor.relayout(old)
+            if sharded:  # ZeRO-1: every worker adopts its stage's parts from every old replica
+                stages = self.config.num_stages
+                ray.get([actor.adopt.remote(*snapshots[rank % stages::stages])
+                         for rank, actor in enumerate(group.actors)])
+        except ray.exceptions.RayError as error:
+            return self._undo_admit(old, snapshots if sharded else None, error)
         logger.warning("raypipe: grew from %d to %d replica(s)", self.running - 1, self.running)
         return list(range(len(old), len(group.actors)))
+
+    def _undo_admit(self, old: list[Any], snapshots: list | None, error: BaseException) -> None:
+        """A worker was lost while every worker took the grown layout: the new replica
+        goes (asked for again) and the old workers take their layout back (with ZeRO-1
+        their own state too: some may have adopted new parts). One of them lost raises
+        Ray's error here, which the heal folds in (re-giving every worker its spec)."""
+        logger.warning("raypipe: a worker failed while the new replica joined (%s); undoing the grow and "
+                       "asking for another replica", str(error).strip().splitlines()[-1])
+        group = self.executor.group
+        group.drop_replicas({self.running - 1})
+        group.set_specs(self.specs(self.running))
+        self._ask_for(1)
+        self.executor.relayout(old)
+        if snapshots is not None:
+            ray.get([actor.restore.remote(snapshot) for actor, snapshot in zip(old, snapshots)])
+        return None
 
     # -- lifecycle ------------------------------------------------------------
     def _ask_for(self, count: int) -> None:

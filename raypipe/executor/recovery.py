@@ -3,16 +3,13 @@ and no bit of the result.
 
 After every ``snapshot_every`` committed steps each worker returns a snapshot
 of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
-as a task result owned by the driver, so it outlives the worker that made it
-(it stays in its node's object store, or inline in the driver when small), and
-the driver logs the steps run since (their data step, micro-batches and loss
-scale). The default executor takes it as the next step starts, each worker
-copying it while it first waits in that step
+as a task result owned by the driver, so it outlives the worker that made it,
+and the driver logs the steps run since (data step, micro-batches, loss scale).
+The default executor takes it as the next step starts
 (:attr:`~raypipe.executor.base.Executor.snapshots_in_next_step`); a failure
 before it is whole heals from the snapshot before and replays one step more.
 With workers off the driver's node a keeper copies each snapshot off their
-nodes (:mod:`raypipe.runtime.snapshot_keeper`), and the snapshot before stays
-until that copy is made.
+nodes (:mod:`raypipe.runtime.snapshot_keeper`); the one before stays until then.
 When a step raises :class:`~raypipe.errors.WorkersFailed`:
 
 1. the failed workers are killed, and the step's tasks on the others end
@@ -32,6 +29,10 @@ When a step raises :class:`~raypipe.errors.WorkersFailed`:
 4. communication groups are re-formed under a fresh rendezvous, dataset
    readers get their datasets again;
 5. the failed step is redone.
+
+A worker lost while a heal (or another layout change) runs is folded into it,
+and a replacement that dies as it starts is started again
+(:mod:`raypipe.executor.compound`).
 
 Seeds depend only on (step, micro-batch, layer) and reductions run in a fixed
 order, so on the same layout the result is bitwise that of a run without
@@ -58,15 +59,16 @@ from raypipe.control.policy import (BELOW_MINIMUM, TOO_MANY_FAILURES, Raise, Rep
                                     decide_failure)
 from raypipe.control.view import LayoutView
 from raypipe.core.micro_batches import MicroBatches
+from raypipe.core.topology import Topology
 from raypipe.errors import PlacementError, RaypipeError, TooManyFailures, WorkersFailed
 from raypipe.executor.base import Executor, StepOutcome
+from raypipe.executor.compound import folded, lost_workers, replace_within
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
 from raypipe.executor.layout_view import layout_view
 from raypipe.executor.persisted import PersistedCheckpoints
 from raypipe.executor.siblings import survivors_that_ended
 from raypipe.executor.snapshot import LoggedStep, Snapshot, whole_ones
 from raypipe.executor.state_transfer import StateTransfer
-from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
 
@@ -78,9 +80,7 @@ class Recovered:
     reasons: list[str]
     seconds: float
     replayed_steps: int
-    # where the replacements' state came from: "replica R" or "snapshot of step N"; with a suffix
-    # " (replaced by spare S, ...)" when warm spares took the failed workers' places
-    source: str
+    source: str  # "replica R", "snapshot of step N"...; " (replaced by spare S, ...)" when spares took places
 
 
 class LayoutOwner(Protocol):
@@ -94,8 +94,7 @@ class LayoutOwner(Protocol):
 
     def settle_saves(self) -> None: ...  # finishes a background save in flight
 
-    # starts the model on fewer stages when no whole pipeline can be placed: given the last step's reports
-    # and the heal's view, it measures the room, asks the policy how many stages, and starts them
+    # no whole pipeline can be placed: the model on as many fewer stages as the policy picks for the room
     def repartition(self, reports: list | None, view: LayoutView) -> None: ...
 
     # a re-partitioned run's: at a step boundary, back to the configured stages when their workers are ready
@@ -122,12 +121,15 @@ class Recovery:
         self._snapshots: list[Snapshot] = []  # the newest last; the one before kept until a heal needs it
         self._due: int | None = None  # the committed steps a snapshot is due at, taken as the next step starts
         self._failed: dict[int, str] = {}  # workers to replace before the next step
+        self._reasons: set[str] = set()  # why the workers of the heal under way failed (a shrink drops some)
         self._failed_since: float | None = None
         self._commits = 0  # the steps every worker's state had ended after the last step that returned
         # the last resort: the newest checkpoint saved or loaded, and the steps since
         self.persisted = PersistedCheckpoints(keep_batches=not owner.config.snapshot_every)
-        self.state = StateTransfer(executor, owner, self.persisted, lambda: self._snapshots, self.view)
+        self.state = StateTransfer(executor, owner, self.persisted, lambda: self._snapshots, self.view,
+                                   lambda detail: self._probe(self._commits, detail))
         self._last_reports: list | None = None
+        self._relayout: str | None = None  # "shrink"/"grow" cut short by a lost worker: the heal re-gives specs
 
     @property
     def config(self) -> PipelineConfig:
@@ -188,14 +190,15 @@ class Recovery:
         """One step, healed and redone after any number of failure events within ``max_failures``."""
         while True:
             try:
-                if self._failed:
-                    self._heal()
-                elif self.resizer is not None:
-                    self._grow()
-                elif self._owner.restore_partition():
-                    self._last_reports = None  # of the stages that went
-                    self._snapshot_now()
-                self._take_due_snapshot()
+                with self._folded("while the layout changed"):  # a worker lost meanwhile: the same heal
+                    if self._failed:
+                        self._heal()
+                    elif self.resizer is not None:
+                        self._grow()
+                    elif self._owner.restore_partition():
+                        self._last_reports = None  # of the stages that went
+                        self._snapshot_now()
+                    self._take_due_snapshot()
                 return self._run(data_step, batch, loss_scale)
             except WorkersFailed as failure:
                 self._note(failure)
@@ -203,7 +206,9 @@ class Recovery:
     def _grow(self) -> None:
         """Admit a new replica when one is ready and the scaling policy says so (the step
         boundary is the only time the layout changes), and snapshot the grown group."""
+        self._relayout = "grow"  # until it returns: a worker lost midway leaves workers with its specs
         new_ranks = self.resizer.poll()
+        self._relayout = None
         if new_ranks:
             self.resizer.resized(GROW, new_ranks)
             self._snapshot_now()
@@ -245,15 +250,11 @@ class Recovery:
         healed (to the state of ``step``) and ``run`` runs again."""
         while True:
             try:
-                if self._failed:
-                    self._heal()
-                return run()
+                with self._folded(during, step):  # an error of a worker lost: a failure to heal
+                    if self._failed:
+                        self._heal()
+                    return run()
             except WorkersFailed as failure:
-                self._note(failure)
-            except RaypipeError as error:
-                failure = self._probe(step, f"{during}: {error}")
-                if failure is None:
-                    raise
                 self._note(failure)
 
     def heal_if_broken(self, step: int, before: str) -> None:
@@ -267,11 +268,14 @@ class Recovery:
 
     def _probe(self, step: int, detail: str) -> WorkersFailed | None:
         """The workers found dead or hung now, as a failure after step ``step``; None when every one answers."""
-        failed = Watchdog(self.config.hang_timeout_s).probe(self.executor.group.actors)
-        if not failed:
-            return None
-        return WorkersFailed(step, {divmod(index, self.config.num_stages): why for index, why in failed.items()},
-                             detail)
+        return lost_workers(self.executor.group.actors, self.config.hang_timeout_s, self.config.num_stages, step,
+                            detail)
+
+    def _folded(self, during: str, step: int | None = None) -> Any:
+        """A worker lost ``during`` a layout change (or a call after step ``step``) raises
+        :class:`WorkersFailed` (see :mod:`raypipe.executor.compound`)."""
+        return folded(lambda detail: self._probe(self._commits if step is None else step, detail), during,
+                      lambda: self.executor.usable)
 
     def _note(self, failure: WorkersFailed) -> None:
         """Count the event, kill its workers and let the step end on the others."""
@@ -280,7 +284,7 @@ class Recovery:
         logger.warning("raypipe: %s; healing (failure %d of max_failures=%s)", failure, len(self.failures),
                        self.config.max_failures)
         group = self.executor.group
-        failed = {self._index(worker): why for worker, why in failure.workers.items()}
+        failed = {self._topology.rank(*worker): why for worker, why in failure.workers.items()}
         decision = decide_failure(self.view({**self._failed, **failed}))  # the survivors not asked yet
         if isinstance(decision, Raise):
             raise self._cannot_heal(decision, str(failure)) from failure
@@ -288,6 +292,7 @@ class Recovery:
         group.kill(list(failed))
         failed.update(self.executor.drain(failed))
         self._failed.update(failed)
+        self._reasons.update(failed.values())
 
     def _heal(self) -> None:
         failed = sorted(self._failed)
@@ -299,14 +304,13 @@ class Recovery:
             raise self._cannot_heal(decision, self.failures[-1])
         spares: dict[int, str] = {}  # the failed workers whose place a warm spare took
         try:
-            spares = group.replace(failed, self.config.replace_timeout_s)
-            resized = False
+            spares = replace_within(group, failed, self.config.replace_timeout_s)
         except PlacementError as error:
             view = self.view(self._failed, unplaced=error.unplaced)
             decision = decide_failure(view)
             if isinstance(decision, Shrink):
                 failed, survivors = self._shrink(failed, decision)
-                ended, resized = self._survivors_ended(failed), True
+                ended = self._survivors_ended(failed)
             elif isinstance(decision, (Repartition, WaitForRoom)):  # fewer stages: the room decides how many
                 return self._healed(*self._repartition(view), failed=[])
             else:
@@ -314,10 +318,12 @@ class Recovery:
                 if cannot is error:
                     raise
                 raise cannot from error
-        if resized:  # the new layout first: with ZeRO-1 each worker rebuilds for its new owners, then takes state
+        if self._relayout:  # the new layout first: with ZeRO-1 each worker rebuilds for its new owners
             self.executor.relayout(survivors)
-            replay, source = self.state.transfer_state(failed, ended, shrunk=True)
-            self.resizer.resized(SHRINK, failed)
+            shrunk = self._relayout == "shrink"
+            replay, source = self.state.transfer_state(failed, ended, shrunk=shrunk)
+            self._relayout = None
+            self.resizer.resized(SHRINK, failed) if shrunk else self.on_replaced(failed)
         else:
             replay, source = self.state.transfer_state(failed, ended)
             self.executor.reconnect(survivors)
@@ -354,12 +360,12 @@ class Recovery:
         for logged in replay:
             self._run(logged.data_step, logged.batch, logged.loss_scale)
         self._snapshot_now()  # of the healed state: a lost one is never fallen back to again
-        reasons = sorted(set(self._failed.values()))
-        self._failed = {}
+        reasons, self._reasons, self._failed = sorted(self._reasons), set(), {}
         seconds = time.monotonic() - self._failed_since
         self._failed_since = None
+        replaced = ["replica {} stage {}".format(*self._topology.coordinates(index)) for index in failed]
         logger.warning("raypipe: healed in %.1fs (replaced %s) from the %s, replayed %d step(s)",
-                       seconds, [self._worker(index) for index in failed] or "none", source, len(replay))
+                       seconds, replaced or "none", source, len(replay))
         self.on_recovered(Recovered(reasons, seconds, len(replay), source))
 
     def _repartition(self, view: LayoutView) -> tuple[list[LoggedStep], str]:
@@ -381,14 +387,12 @@ class Recovery:
         kept = self.resizer.shrink(decision.drop_replicas)
         for snapshot in self._snapshots:
             snapshot.keep_only(kept)
+        # by the new ranks from now on: a worker lost before the heal ends is added to these
+        self._failed = {rank: self._failed[old] for rank, old in enumerate(kept) if old in failed}
+        self._relayout = "shrink"
         actors = self.executor.group.actors
-        return ([rank for rank, old in enumerate(kept) if old in failed],
-                [actors[rank] for rank, old in enumerate(kept) if old not in failed])
+        return sorted(self._failed), [actors[rank] for rank, old in enumerate(kept) if old not in failed]
 
-    def _index(self, worker: tuple[int, int]) -> int:
-        replica, stage = worker
-        return replica * self.config.num_stages + stage
-
-    def _worker(self, index: int) -> str:
-        replica, stage = divmod(index, self.config.num_stages)
-        return f"replica {replica} stage {stage}"
+    @property
+    def _topology(self) -> Topology:
+        return Topology(self.config.num_stages, len(self.executor.group.actors) // self.config.num_stages)

@@ -14,7 +14,7 @@ from typing import Any
 from raypipe.config import PipelineConfig
 from raypipe.control.policy import CopyFromSiblings, LoadCheckpoint, RestoreSnapshot, decide_failure
 from raypipe.control.view import LayoutView
-from raypipe.errors import RaypipeError
+from raypipe.errors import RaypipeError, WorkersFailed
 from raypipe.executor.base import Executor
 from raypipe.executor.persisted import PersistedCheckpoints
 from raypipe.executor.siblings import copy_from_siblings
@@ -28,12 +28,15 @@ class StateTransfer:
     the layout's ``owner`` (the config in force, the snapshot keeper, settling saves),
     the ``persisted`` checkpoints, and two readers of the heal's state as it is when an
     action runs: ``snapshots()`` (oldest first) and ``view(failed, **facts)``, the
-    policy's view of the layout."""
+    policy's view of the layout. ``probe(detail)``: the workers lost now, as a failure
+    (None when every one answers): a load that fails because a worker was lost is a
+    failure to fold into the heal, not a lost snapshot."""
 
     def __init__(self, executor: Executor, owner: Any, persisted: PersistedCheckpoints,
-                 snapshots: Callable[[], list[Snapshot]], view: Callable[..., LayoutView]) -> None:
+                 snapshots: Callable[[], list[Snapshot]], view: Callable[..., LayoutView],
+                 probe: Callable[[str], WorkersFailed | None]) -> None:
         self.executor, self._owner, self.persisted = executor, owner, persisted
-        self._snapshots_now, self.view = snapshots, view
+        self._snapshots_now, self.view, self._probe = snapshots, view, probe
 
     @property
     def config(self) -> PipelineConfig:
@@ -83,6 +86,7 @@ class StateTransfer:
         snapshotted, in the order taken), ``layers`` the global layers each held; default:
         each worker restores its own. ``view``: what the heal knows (default: the layout now)."""
         actors = self.executor.group.actors
+        own = load is None  # each worker its own snapshot, unless a snapshot is of another partition
         load = load or (lambda refs, _: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
         view = replace(view or self.view(), replaced=True)
         lost, lost_at, checkpoint_lost = "", set(), False
@@ -93,12 +97,16 @@ class StateTransfer:
             if isinstance(decision, RestoreSnapshot):
                 position = max(position for position, snapshot in enumerate(snapshots)
                                if snapshot.step == decision.step and not snapshot.lost)
-                why = load_snapshot(self._snapshots[position], self._owner.keeper, load, needed, as_taken)
+                snapshot = self._snapshots[position]
+                other = own and self._of_another_partition(snapshot)  # a swap in place that a failure cut short
+                why = load_snapshot(snapshot, self._owner.keeper, self.adopt_layers() if other else load, needed,
+                                    as_taken or other)
                 if why is None:
                     if decision.older:
                         logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
                                        self._snapshots[-1].step, lost, decision.step)
                     return replay_since(self._snapshots, position), f"snapshot of step {decision.step}"
+                self._raise_if_lost(f"restoring the snapshot of step {decision.step}: {why}")
                 lost, lost_at = lost or why, lost_at | {position}
             elif isinstance(decision, LoadCheckpoint):
                 if self._snapshots:
@@ -107,9 +115,20 @@ class StateTransfer:
                     state = self.persisted.restore(actors, self._owner.settle_saves)
                     return list(state.since), f"checkpoint of step {state.step}"
                 except RaypipeError as error:
+                    self._raise_if_lost(f"loading the checkpoint: {error}")
                     lost, checkpoint_lost = (f"{lost}; {error}" if lost else str(error)), True
             else:
                 self.executor.usable = False
                 raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); "
                                    "load_checkpoint resumes from the newest persisted checkpoint")
 
+    def _raise_if_lost(self, detail: str) -> None:
+        """Raise the failure when a load failed because a worker was lost (not the state)."""
+        failure = self._probe(detail)
+        if failure is not None:
+            raise failure
+
+    def _of_another_partition(self, snapshot: Snapshot) -> bool:
+        """Whether ``snapshot``'s workers held other layers than the group's now do."""
+        held = [snapshot.layers[taken_at] for taken_at in snapshot.taken_by] if snapshot.layers else None
+        return held is not None and held != [spec.layer_indices for spec in self.executor.group.specs]

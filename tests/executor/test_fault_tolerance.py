@@ -300,3 +300,41 @@ def test_a_worker_lost_after_the_last_step_is_healed_before_its_state_is_read_or
         assert len(trainer.failures) == 2, trainer.failures
         assert "stage 0 hung" in trainer.failures[1] and "before a checkpoint save" in trainer.failures[1]
         assert len(trainer.recoveries) == 2
+
+
+def test_a_second_sigkill_while_a_heal_restores_state_is_healed_in_the_same_heal(ray_cluster, tmp_path, monkeypatch):
+    """Stage 0 is killed before step 3; while the heal gives the replacement its state, the
+    survivor (stage 1) is killed too (the moment is the heal's own, so the test is exact).
+    The second loss is folded into the same heal (both replaced, every worker back to the
+    snapshot), never a raw ActorDiedError, and the run is bitwise the uninterrupted one."""
+    from raypipe.executor.state_transfer import StateTransfer
+
+    cfg = config()
+    expected = uninterrupted(cfg, tmp_path)
+    original, second = StateTransfer.transfer_state, []
+
+    def killing_a_survivor_first(self, *args, **kwargs):
+        if second and not second[-1][1]:  # once: the heal of the first kill
+            os.kill(second[-1][0], signal.SIGKILL)
+            seconds_until_gone(second[-1][0])
+            second[-1] = (second[-1][0], True)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StateTransfer, "transfer_state", killing_a_survivor_first)
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+        results = []
+        for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+            if step == 3:
+                first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
+                second.append((survivor, False))
+                os.kill(first, signal.SIGKILL)
+                seconds_until_gone(first)
+            result = trainer.step(x, y)
+            results.append((result.loss, result.grad_norm))
+        assert second == [(survivor, True)]
+        assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
+        assert len(trainer.failures) == 2 and len(trainer.recoveries) == 1, trainer.failures
+        assert "replica 0 stage 1 died" in trainer.failures[1]
+        state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
+    assert results == expected.results
+    assert_bitwise_equal(expected.state, state)

@@ -1,0 +1,375 @@
+"""Deterministic fault injection for the control plane, without Ray.
+
+A :class:`FakeRay` stands in for ``ray.get``/``ray.wait``/``ray.kill`` (a test
+installs it over the ``ray`` module with ``monkeypatch``), and fabricated
+workers (:class:`FakeActor`), groups (:class:`FakeGroup`) and an executor
+(:class:`FakeExecutor`) take the place of the Ray-backed ones under the real
+controller, recovery, resizer and partitioning. Every ``actor.method.remote()``
+goes through :meth:`FakeRay.call`, where scripted :class:`Fault` s fire: at the
+n-th call of a method (on any worker, or on the worker at given coordinates),
+the named workers die. A dead worker's calls fail with Ray's own
+``ActorDiedError``, as they do in a cluster, so the mechanisms meet exactly the
+errors they meet there, at a point a test picks.
+
+Each worker's state is the list of data steps it committed, so a test compares
+every worker's history with an uninterrupted run's (``0, 1, ..., n-1``): a heal
+that loses, repeats or mixes a step shows as a wrong history, the logical form
+of "bitwise equal".
+
+Only errors, core and ray's exception types are imported (the testing layer);
+the test installs the fakes into the executor and control modules.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from raypipe.core.result import StageReport, StageStats
+from raypipe.errors import PlacementError, RaypipeError, WorkersFailed
+
+CALLER = "caller"  # a fault that kills the worker called (a replacement dying while it starts)
+
+
+@dataclass
+class Fault:
+    """At the ``nth`` call of ``method`` (on the worker at ``on``, (replica, stage) in
+    the running group, or on any), the workers at ``kill`` die: coordinates in the
+    running group, or :data:`CALLER`. ``times``: how many calls in a row it fires on."""
+
+    method: str
+    kill: Sequence[tuple[int, int]] | str = CALLER
+    nth: int = 1
+    on: tuple[int, int] | None = None
+    times: int = 1
+    seen: int = 0  # matching calls so far
+    fired: int = 0
+
+
+class FakeRef:
+    """A finished task's result: its value, or the error ``ray.get`` raises."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+
+class FakeMethod:
+    def __init__(self, actor: FakeActor, name: str) -> None:
+        self.actor, self.name = actor, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> FakeRef:
+        return self.actor.fake_ray.call(self.actor, self.name, args)
+
+
+class FakeActor:
+    """A stage worker: its state is the data steps it committed (``steps``)."""
+
+    def __init__(self, fake_ray: FakeRay, name: str) -> None:
+        self.fake_ray, self.name, self.alive, self.steps = fake_ray, name, True, ()
+
+    def __getattr__(self, name: str) -> FakeMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return FakeMethod(self, name)
+
+    def __repr__(self) -> str:
+        return f"FakeActor({self.name}{'' if self.alive else ', dead'})"
+
+    def answer(self, method: str, args: tuple) -> Any:
+        """What a call of ``method`` returns (and does to the state)."""
+        if method == "snapshot":
+            return self.steps
+        if method == "restore":
+            self.steps = args[0].value
+        elif method == "adopt":  # every snapshot adopted must be of the same step history
+            histories = {ref.value for ref in args}
+            if len(histories) != 1:
+                raise AssertionError(f"{self.name} adopted snapshots of different steps: {sorted(histories)}")
+            self.steps = histories.pop()
+        elif method == "committed_steps":
+            return len(self.steps)
+        elif method == "ready" or method == "become":
+            return {"num_parameters": 10, "device_name": "cpu"}
+        elif method == "evaluate":
+            return 1.0
+        elif method == "rendezvous_address":
+            return ("127.0.0.1", 0)
+        return None
+
+
+class FakeRay:
+    """``ray.get``/``wait``/``kill`` over :class:`FakeRef` s, firing ``faults`` as calls are made."""
+
+    def __init__(self, faults: Sequence[Fault] = ()) -> None:
+        self.faults = list(faults)
+        self.executor: FakeExecutor | None = None  # the group at that moment names the coordinates
+        self.created = 0
+        self.calls: list[tuple[str, str]] = []
+
+    def actor(self, prefix: str = "worker") -> FakeActor:
+        self.created += 1
+        return FakeActor(self, f"{prefix}-{self.created}")
+
+    def where(self, actor: FakeActor) -> tuple[int, int] | None:
+        group = None if self.executor is None else self.executor.group
+        if group is None or actor not in group.actors:
+            return None
+        return divmod(group.actors.index(actor), self.executor.config.num_stages)
+
+    def call(self, actor: FakeActor, method: str, args: tuple) -> FakeRef:
+        self.calls.append((actor.name, method))
+        for fault in self.faults:
+            if fault.method != method or fault.fired >= fault.times:
+                continue
+            if fault.on is not None and self.where(actor) != fault.on:
+                continue
+            fault.seen += 1
+            if fault.seen >= fault.nth:
+                fault.fired += 1
+                self._kill_for(fault, actor)
+        if not actor.alive:
+            return FakeRef(error=ray.exceptions.ActorDiedError())
+        for arg in args:
+            if isinstance(arg, FakeRef) and arg.error is not None:  # an argument's failure is the task's
+                return FakeRef(error=arg.error)
+        try:
+            return FakeRef(actor.answer(method, args))
+        except AssertionError as error:
+            return FakeRef(error=error)
+
+    def _kill_for(self, fault: Fault, caller: FakeActor) -> None:
+        if fault.kill == CALLER:
+            caller.alive = False
+            return
+        group = self.executor.group
+        for replica, stage in fault.kill:
+            group.actors[replica * self.executor.config.num_stages + stage].alive = False
+
+    # -- the ray API the mechanisms use ----------------------------------------------------
+    def get(self, refs: Any, timeout: float | None = None) -> Any:
+        if isinstance(refs, FakeRef):
+            if refs.error is not None:
+                raise refs.error
+            return refs.value
+        return [self.get(ref) for ref in refs]
+
+    def wait(self, refs: list, num_returns: int = 1, timeout: float | None = None, fetch_local: bool = True
+             ) -> tuple[list, list]:
+        pending = [ref for ref in refs if isinstance(ref, FakePlacement) and not ref.placed()]
+        return [ref for ref in refs if ref not in pending], pending
+
+    def kill(self, actor: Any, **kwargs: Any) -> None:
+        if isinstance(actor, FakeActor):
+            actor.alive = False
+
+    def install(self, setattr_: Callable[[Any, str, Any], None]) -> None:
+        """Put this in the place of ``ray.get``/``wait``/``kill`` (``setattr_``: a
+        monkeypatch's, so that it is undone), and make ``ray.init`` fail."""
+        for name in ("get", "wait", "kill"):
+            setattr_(ray, name, getattr(self, name))
+
+        def no_ray(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError("a fault-injection test started Ray")
+
+        setattr_(ray, "init", no_ray)
+
+
+@dataclass(frozen=True)
+class FakeWorkerInfo:
+    replica: int
+    stage: int
+    node_id: str
+    pid: int
+
+
+class FakeGroup:
+    """A StageGroup's surface over :class:`FakeActor` s. A replacement is started, pinged
+    and, if it died while it started, raises Ray's error as the real one does;
+    ``no_room`` (attempts left) makes a replacement raise :class:`PlacementError`."""
+
+    fake_ray: FakeRay | None = None  # set by the test: the class is what the controller constructs
+    no_room = 0
+
+    def __init__(self, actor_class: Any, specs: list, bundle: Any = None, timeout_s: float = 0,
+                 placed: Any = None) -> None:
+        self.specs = list(specs)
+        self.actors = [self.fake_ray.actor() for _ in specs]
+        self.stopped = False
+        self.replaced: list[int] = []
+
+    @property
+    def workers(self) -> list[FakeWorkerInfo]:
+        return [FakeWorkerInfo(spec.replica, spec.stage, "node", rank) for rank, spec in enumerate(self.specs)]
+
+    def wait_ready(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        return ray.get([actor.ready.remote() for actor in self.actors])
+
+    def spec(self, rank: int) -> Any:
+        return self.specs[rank]
+
+    def index_of(self, error: Any) -> int | None:
+        return None
+
+    def kill(self, indices: list[int]) -> None:
+        for index in indices:
+            self.actors[index].alive = False
+
+    def replace(self, indices: list[int], timeout_s: float | None = None) -> dict[int, str]:
+        if FakeGroup.no_room:
+            FakeGroup.no_room -= 1
+            raise PlacementError("no room", tuple(indices))
+        self.kill(indices)
+        for index in indices:
+            self.actors[index] = self.fake_ray.actor("replacement")
+        self.replaced += indices
+        ray.get([self.actors[index].ready.remote() for index in indices])  # a dead one raises, as in Ray
+        return {}
+
+    def drop_replicas(self, replicas: set[int]) -> list[int]:
+        kept = [rank for rank, spec in enumerate(self.specs) if spec.replica not in replicas]
+        for rank, spec in enumerate(self.specs):
+            if spec.replica in replicas:
+                self.actors[rank].alive = False
+        self.actors = [self.actors[rank] for rank in kept]
+        self.specs = [self.specs[rank] for rank in kept]
+        return kept
+
+    def set_specs(self, specs: list) -> None:
+        self.specs = list(specs)
+
+    def start_replica(self, placement: Any, specs: list) -> Any:
+        actors = [self.fake_ray.actor("new-replica") for _ in specs]
+
+        def cancel() -> None:
+            for actor in actors:
+                actor.alive = False
+
+        return types.SimpleNamespace(ready=[actor.ready.remote() for actor in actors], cancel=cancel, actors=actors,
+                                     specs=list(specs), placement=placement)
+
+    def admit(self, replica: Any) -> None:
+        self.actors += replica.actors
+        self.specs += replica.specs
+
+    def shutdown(self) -> None:
+        self.stopped = True
+        for actor in self.actors:
+            actor.alive = False
+
+
+@dataclass
+class FakeExecutor:
+    """Runs steps at once over a :class:`FakeGroup`: a step commits on every worker or on
+    none (a dead worker fails it with :class:`WorkersFailed`); the transport's calls
+    (leave, join, take a layout) go to the workers and fail as Ray's do."""
+
+    config: Any
+    schedule: Any
+    usable: bool = True
+    group: Any = None
+    in_flight: Any = None
+    steps_run: list[int] = field(default_factory=list)
+    snapshots_in_next_step = False
+
+    def __post_init__(self) -> None:
+        FakeGroup.fake_ray.executor = self
+
+    def actor_class(self) -> Any:
+        return object
+
+    def connect(self, group: FakeGroup) -> None:
+        self.group = group
+        ray.get([actor.join_group.remote() for actor in group.actors])
+
+    def close(self) -> None:
+        pass
+
+    def check_usable(self) -> None:
+        if not self.usable:
+            raise RaypipeError("the pipeline cannot be made whole again")
+
+    def _dead(self) -> dict[tuple[int, int], str]:
+        return {divmod(rank, self.config.num_stages): "died"
+                for rank, actor in enumerate(self.group.actors) if not actor.alive}
+
+    def run_step(self, data_step: int, batch: Any, loss_scale: Any) -> Any:
+        started = [actor.run_step.remote(data_step) for actor in self.group.actors]
+        dead = self._dead()
+        if dead or any(ref.error is not None for ref in started):
+            raise WorkersFailed(data_step, dead or {(0, 0): "died"})
+        for actor in self.group.actors:  # committed everywhere
+            actor.steps = (*actor.steps, data_step)
+        self.steps_run.append(data_step)
+        return types.SimpleNamespace(decision=None, reports=[
+            StageReport([], StageStats(rank % self.config.num_stages), None, commits=len(actor.steps))
+            for rank, actor in enumerate(self.group.actors)])
+
+    def evaluate(self, step: int, batch: Any) -> float:
+        return sum(self.get([actor.evaluate.remote(step) for actor in self.group.actors]))
+
+    def snapshot_workers(self, actors: list, in_next_step: bool = False) -> list:
+        return [actor.snapshot.remote() for actor in actors]
+
+    def drain(self, failed: Any) -> dict[int, str]:
+        return {rank: "died" for rank, actor in enumerate(self.group.actors) if not actor.alive and rank not in failed}
+
+    def reconnect(self, survivors: list) -> None:
+        ray.get([actor.leave_group.remote() for actor in survivors])
+        ray.get([actor.join_group.remote() for actor in self.group.actors])
+
+    def relayout(self, survivors: list) -> None:
+        ray.get([actor.leave_group.remote() for actor in survivors])
+        ray.get([actor.take_layout.remote(self.group.spec(rank)) for rank, actor in enumerate(self.group.actors)])
+        ray.get([actor.join_group.remote() for actor in self.group.actors])
+
+    def before_next_step(self, actors: list) -> None:
+        pass
+
+    def get(self, refs: list) -> list:
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError as error:
+            raise RaypipeError(f"stage worker ? died: {error}") from None
+
+
+class FakePlacement:
+    """A placement group asked for: placed once ``FakePlacement.condition()`` holds
+    (a test may set it; default: at once)."""
+
+    condition: Callable[[], bool] = lambda: True  # read through the class: a plain function
+
+    def placed(self) -> bool:
+        return FakePlacement.condition()
+
+    def ready(self) -> FakePlacement:
+        return self  # what ray.wait waits on
+
+
+def fake_cluster(num_replicas_placed: int | None = None) -> types.SimpleNamespace:
+    """``raypipe.runtime.cluster``'s surface the controller uses: one node with room for
+    everything (``num_replicas_placed``: how many replicas the start places, else max)."""
+    def reserve_between(low: int, high: int, bundles: list, timeout: float) -> tuple[list, list]:
+        placed = high if num_replicas_placed is None else num_replicas_placed
+        return [FakePlacement()] * placed, [FakePlacement()] * (high - placed)
+
+    return types.SimpleNamespace(
+        connect=lambda address, cpus: None, resolve_use_gpu=lambda config: False, num_alive_nodes=lambda: 1,
+        worker_bundle=lambda config, use_gpu: {"CPU": 1.0}, worker_memory_bytes=lambda device_memory: 2**40,
+        placeable_workers=lambda bundle, freed=(): len(freed), release=lambda groups: None,
+        describe_available=lambda: "nothing", reserve_between=reserve_between)
+
+
+def fake_spread() -> types.SimpleNamespace:
+    return types.SimpleNamespace(replica_group=lambda bundles: FakePlacement(),
+                                 relocate=lambda placement, bundles, nodes: placement)
+
+
+def fake_resource_request(bundles: Any) -> types.SimpleNamespace:
+    return types.SimpleNamespace(request=lambda count: None, withdraw=lambda: None)
+
+
+__all__ = ["CALLER", "FakeActor", "FakeExecutor", "FakeGroup", "FakePlacement", "FakeRay", "FakeRef", "Fault",
+           "fake_cluster", "fake_resource_request", "fake_spread"]

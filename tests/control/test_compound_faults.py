@@ -1,0 +1,283 @@
+"""Compound faults, injected deterministically: a worker lost while the run is already
+changing its layout (a heal, a replacement starting, a shrink, a grow's admission, a
+partition swap beside or in place, a background checkpoint write, an evaluation, the
+snapshot copy) is healed, never surfaces as a raw Ray error.
+
+The real controller, recovery, resizer and partitioning run over fabricated workers
+(:mod:`raypipe.testing.fault_injection`, no Ray): a scripted :class:`Fault` kills
+workers at a chosen call. The reference is independent of the mechanisms: a run
+without failures commits data steps 0, 1, ..., n-1 on every worker, so after the
+faulted run every worker's history must be exactly that.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import ray
+from torch import nn
+
+from raypipe.config import PipelineConfig
+from raypipe.control import controller as controller_module
+from raypipe.control import partitioning as partitioning_module
+from raypipe.control.controller import Controller, ControllerState, StageModel
+from raypipe.executor import compound, elastic, partition_return, recovery, state_transfer
+from raypipe.executor.snapshot import LoggedStep
+from raypipe.testing.fault_injection import (CALLER, FakeExecutor, FakeGroup, FakePlacement, FakeRay, Fault,
+                                             fake_cluster, fake_resource_request, fake_spread)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch) -> FakeRay:
+    """The fakes in the place of Ray, the cluster and the worker groups."""
+    fake = FakeRay()
+    fake.install(monkeypatch.setattr)
+    monkeypatch.setattr(FakeGroup, "fake_ray", fake)
+    monkeypatch.setattr(FakeGroup, "no_room", 0)
+    monkeypatch.setattr(FakePlacement, "condition", lambda: True)
+    cluster = fake_cluster()
+    for module in (controller_module, partitioning_module, partition_return, elastic):
+        monkeypatch.setattr(module, "cluster", cluster)
+    for module in (elastic, partition_return):
+        monkeypatch.setattr(module, "spread", fake_spread())
+    monkeypatch.setattr(controller_module, "StageGroup", FakeGroup)
+    monkeypatch.setattr(partition_return, "StageGroup", FakeGroup)
+    monkeypatch.setattr(controller_module, "make_executor", FakeExecutor)
+    monkeypatch.setattr(elastic, "ResourceRequest", fake_resource_request)
+    monkeypatch.setattr(compound, "RETRY_PAUSE_S", 0.0)
+    fake.decisions = []  # every failure decision the mechanisms asked for, in order
+    for module in (recovery, state_transfer, partitioning_module):
+        monkeypatch.setattr(module, "decide_failure", recorded(module.decide_failure, fake.decisions))
+    return fake
+
+
+def recorded(decide: Any, decisions: list) -> Any:
+    def deciding(view: Any) -> Any:
+        decisions.append(decide(view))
+        return decisions[-1]
+
+    return deciding
+
+
+def decided(fake_ray: FakeRay) -> list[str]:
+    """The decisions taken, by kind, repeats of the same one in a row once."""
+    kinds = [type(decision).__name__ for decision in fake_ray.decisions]
+    return [kind for position, kind in enumerate(kinds) if position == 0 or kinds[position - 1] != kind]
+
+
+def controller_for(**options: Any) -> Controller:
+    config = PipelineConfig(**{"num_stages": 2, "num_micro_batches": 2, "snapshot_every": 1,
+                               "max_failures": None, "hang_timeout_s": 1.0, **options})
+    layers = tuple(nn.Linear(4, 4) for _ in range(4))
+    return Controller(config, [2, 2], StageModel(layers, None, nn.functional.mse_loss, None, len))
+
+
+def run(controller: Controller, steps: range) -> None:
+    """As the trainer runs steps: each one, then its commit logged."""
+    for step in steps:
+        controller.run_step(step, None, None)
+        controller.committed(step + 1, LoggedStep(step, None, None))
+
+
+def histories(controller: Controller) -> set[tuple[int, ...]]:
+    return {actor.steps for actor in controller.layout.actors}
+
+
+def arm(fake_ray: FakeRay, *faults: Fault) -> None:
+    """From now on (calls before do not count)."""
+    fake_ray.faults[:] = faults
+
+
+def assert_healed(controller: Controller, steps: int, recoveries: int = 1) -> None:
+    assert all(fault.fired for fault in FakeGroup.fake_ray.faults)  # each scripted fault happened
+    assert histories(controller) == {tuple(range(steps))}  # every worker as in a run without failures
+    assert controller.state in (ControllerState.RUNNING, ControllerState.REPARTITIONED)
+    assert len(controller.recoveries) == recoveries and controller.executor.usable
+
+
+def test_a_second_worker_lost_while_the_snapshot_is_restored_is_the_same_heal(fake_ray) -> None:
+    controller = controller_for()
+    controller.start()
+    run(controller, range(2))
+    arm(fake_ray, Fault("run_step", kill=[(0, 0)]), Fault("restore", kill=[(0, 1)]))
+    run(controller, range(2, 4))
+    assert_healed(controller, 4)
+    assert len(controller.failures) == 2 and controller.recoveries[0].source.startswith("snapshot of step 2")
+    # the second failure: both replaced, and every worker restored again
+    assert decided(fake_ray) == ['ReplaceWorkers', 'RestoreSnapshot', 'ReplaceWorkers', 'RestoreSnapshot']
+
+
+def test_a_sibling_lost_while_it_gives_its_state_is_the_same_heal(fake_ray) -> None:
+    controller = controller_for(num_replicas=2)
+    controller.start()
+    run(controller, range(1))
+    arm(fake_ray, Fault("run_step", kill=[(1, 1)]), Fault("abort_step", kill=[(0, 0)]))
+    run(controller, range(1, 3))
+    assert_healed(controller, 3)
+    assert len(controller.failures) == 2
+    assert decided(fake_ray) == ['ReplaceWorkers', 'CopyFromSiblings', 'ReplaceWorkers', 'CopyFromSiblings']
+
+
+@pytest.mark.parametrize("during", ["leave_group", "join_group", "committed_steps"])
+def test_a_worker_lost_while_the_group_is_formed_again_is_the_same_heal(fake_ray, during) -> None:
+    controller = controller_for(num_replicas=2)
+    controller.start()
+    run(controller, range(1))
+    arm(fake_ray, Fault("run_step", kill=[(0, 1)]), Fault(during, kill=[(1, 0)]))
+    run(controller, range(1, 3))
+    assert_healed(controller, 3)
+    # both replicas lost a worker: only a sibling of each (the other replica's survivor) can give state
+    assert decided(fake_ray)[-2:] == ["ReplaceWorkers", "CopyFromSiblings"]
+
+
+def test_a_worker_lost_during_the_replay_is_the_same_heal(fake_ray) -> None:
+    controller = controller_for(snapshot_every=3)
+    controller.start()
+    run(controller, range(2))
+    arm(fake_ray, Fault("run_step", kill=[(0, 1)]), Fault("run_step", kill=[(0, 0)], nth=4))
+    run(controller, range(2, 4))
+    assert_healed(controller, 4)
+    assert controller.recoveries[0].replayed_steps == 2
+    assert decided(fake_ray) == ['ReplaceWorkers', 'RestoreSnapshot', 'ReplaceWorkers', 'RestoreSnapshot']
+
+
+def test_a_replacement_that_dies_while_it_starts_is_started_again(fake_ray) -> None:
+    """A lost node's bundle not re-placed yet: its replacements die at start, twice."""
+    controller = controller_for()
+    controller.start()
+    run(controller, range(1))
+    arm(fake_ray, Fault("run_step", kill=[(0, 0)]), Fault("ready", kill=CALLER, times=2))
+    run(controller, range(1, 3))
+    assert_healed(controller, 3)
+    assert controller.group.replaced == [0, 0, 0]  # twice dead at start, then up
+    assert len(controller.failures) == 1  # one failure event, not three
+    assert decided(fake_ray) == ['ReplaceWorkers', 'RestoreSnapshot']
+
+
+def test_replacements_dying_past_replace_timeout_go_to_the_policy(fake_ray) -> None:
+    """Never up within replace_timeout_s: as if no room, so the policy re-partitions."""
+    controller = controller_for(replace_timeout_s=0.0)
+    controller.start()
+    run(controller, range(1))
+    arm(fake_ray, Fault("run_step", kill=[(0, 0)]), Fault("ready", kill=CALLER, times=1))
+    run(controller, range(1, 3))
+    assert_healed(controller, 3)
+    assert controller.layout.repartitioned and controller.state is ControllerState.REPARTITIONED
+    assert decided(fake_ray) == ['ReplaceWorkers', 'WaitForRoom', 'Repartition', 'RestoreSnapshot']
+
+
+def test_a_worker_lost_during_a_shrink_is_the_same_heal(fake_ray) -> None:
+    controller = controller_for(num_replicas=(1, 2))
+    controller.start()
+    run(controller, range(1))
+    FakeGroup.no_room = 1  # replica 1's replacement finds no room: shrink
+    arm(fake_ray, Fault("run_step", kill=[(1, 0)]), Fault("take_layout", kill=[(0, 1)]))
+    run(controller, range(1, 3))
+    assert_healed(controller, 3)
+    assert controller.layout.topology.num_replicas == 1 and [d for _, d, _ in controller.resizes] == ["shrink"]
+    assert decided(fake_ray) == ['ReplaceWorkers', 'Shrink', 'ReplaceWorkers', 'RestoreSnapshot']
+
+
+@pytest.mark.parametrize("fault, heals", [
+    (Fault("restore", kill=[(0, 1)]), 1),  # before the new replica joined: it is asked for again
+    (Fault("take_layout", kill=[(0, 1)]), 1),  # while every worker takes the grown layout: the grow is undone
+    (Fault("take_layout", kill=CALLER, nth=3), 0),  # a worker of the new replica, then: undone, nothing to heal
+])
+def test_a_worker_lost_during_a_grows_admission_is_healed(fake_ray, monkeypatch, fault, heals) -> None:
+    monkeypatch.setattr(controller_module, "cluster", fake_cluster(num_replicas_placed=1))
+    controller = controller_for(num_replicas=(1, 2))
+    controller.start()
+    run(controller, range(1))  # the pending replica starts at the first step boundary, joins at the second
+    arm(fake_ray, fault)
+    run(controller, range(1, 6))  # asked for again, it starts and joins
+    assert fault.fired == 1
+    assert_healed(controller, 6, recoveries=heals)
+    assert decided(fake_ray) == ["ReplaceWorkers", "RestoreSnapshot"] * heals
+    assert controller.layout.topology.num_replicas == 2 and controller.state is ControllerState.RUNNING
+    assert [direction for _, direction, _ in controller.resizes] == ["grow"]
+
+
+def repartitioned(fake_ray: FakeRay) -> Controller:
+    """A one-replica run re-partitioned onto 1 stage (no room to replace its stage 1)."""
+    controller = controller_for()
+    controller.start()
+    run(controller, range(1))
+    FakeGroup.no_room = 1
+    arm(fake_ray, Fault("run_step", kill=[(0, 1)]))
+    run(controller, range(1, 2))
+    assert controller.layout.repartitioned
+    return controller
+
+
+@pytest.mark.parametrize("fault, heals", [
+    (Fault("adopt", kill=CALLER), 0),  # a new worker, while it adopts the running ones' layers
+    (Fault("snapshot", kill=CALLER, on=(0, 0), nth=2), 1),  # the running worker, while it is snapshotted for them
+])
+def test_a_worker_lost_during_a_swap_beside_is_healed_and_the_swap_comes_again(fake_ray, fault, heals) -> None:
+    controller = repartitioned(fake_ray)
+    arm(fake_ray, fault)
+    run(controller, range(2, 6))
+    assert not controller.layout.repartitioned and controller.state is ControllerState.RUNNING
+    assert fault.fired == 1
+    assert_healed(controller, 6, recoveries=1 + heals)
+
+
+def test_a_new_worker_lost_during_a_swap_in_place_is_healed(fake_ray, monkeypatch) -> None:
+    controller = repartitioned(fake_ray)
+    # no room beside: the configured pipeline is placed only once the running workers went
+    monkeypatch.setattr(FakePlacement, "condition", lambda: controller.group is None)
+    monkeypatch.setattr(partition_return.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
+    arm(fake_ray, Fault("adopt", kill=[(0, 1)]))
+    run(controller, range(2, 5))
+    assert_healed(controller, 5, recoveries=2)
+    assert decided(fake_ray)[-2:] == ['ReplaceWorkers', 'RestoreSnapshot']  # the new workers adopt the snapshot again
+
+
+def test_a_new_worker_dying_at_start_during_a_swap_in_place_goes_on_with_fewer_stages(fake_ray, monkeypatch) -> None:
+    controller = repartitioned(fake_ray)
+    monkeypatch.setattr(FakePlacement, "condition", lambda: controller.group is None)
+    monkeypatch.setattr(partition_return.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
+    arm(fake_ray, Fault("ready", kill=CALLER))
+    run(controller, range(2, 5))
+    assert histories(controller) == {tuple(range(5))} and controller.executor.usable
+
+
+def test_a_worker_lost_during_a_background_checkpoint_write_is_healed_at_the_next_step(fake_ray) -> None:
+    settled = []
+    controller = controller_for()
+    controller.settle_saves = lambda: settled.append(True)
+    controller.start()
+    run(controller, range(2))
+    arm(fake_ray, Fault("write_checkpoint", kill=CALLER))
+    writes = [actor.write_checkpoint.remote(2) for actor in controller.layout.first_replica]
+    with pytest.raises(ray.exceptions.RayActorError):  # the save learns of it (incomplete)
+        ray.get(writes)
+    run(controller, range(2, 4))
+    assert_healed(controller, 4)
+    assert decided(fake_ray) == ['ReplaceWorkers', 'RestoreSnapshot']
+
+
+@pytest.mark.parametrize("also", [None, Fault("restore", kill=[(0, 0)])])
+def test_a_worker_lost_during_evaluate_is_healed_and_evaluate_runs_again(fake_ray, also) -> None:
+    controller = controller_for()
+    controller.start()
+    run(controller, range(2))
+    arm(fake_ray, Fault("evaluate", kill=[(0, 1)]), *([also] if also else []))
+    loss = controller.between_steps(lambda: controller.executor.evaluate(2, None), 2, "during evaluate")
+    assert loss == 2.0
+    run(controller, range(2, 3))
+    assert_healed(controller, 3)
+    assert decided(fake_ray) == ["ReplaceWorkers", "RestoreSnapshot"] * (1 if also is None else 2)
+
+
+def test_a_worker_lost_during_the_snapshot_copy_heals_from_the_snapshot_before(fake_ray) -> None:
+    controller = controller_for()
+    controller.start()
+    run(controller, range(2))
+    arm(fake_ray, Fault("snapshot", kill=CALLER, on=(0, 1)))  # the copy after step 3 commits
+    run(controller, range(2, 5))
+    assert_healed(controller, 5)
+    assert controller.recoveries[0].source == "snapshot of step 2"
+    last = fake_ray.decisions[-1]  # the newest snapshot lost with the worker: the one before
+    assert type(last).__name__ == "RestoreSnapshot" and (last.step, last.older) == (2, True)
+
