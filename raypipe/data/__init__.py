@@ -10,6 +10,10 @@ vocabulary size, row counts, the size and sha256 of every shard).
 replica)`` come from a seeded permutation of the split per epoch, so any
 process computes the same batch from the same arguments and a restart resumes
 exactly from :meth:`TokenDataset.state_dict`.
+
+``prepare(pack=True)`` also stores each row's document boundaries
+(:mod:`raypipe.data.packing`); the reader then yields packed micro-batches whose
+documents attend only to themselves (:mod:`raypipe.core.packed`).
 """
 from raypipe.data.corpus import corpus_files, stdlib_corpus_files
 from raypipe.data.dataset import TokenDataset

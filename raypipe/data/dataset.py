@@ -7,7 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from raypipe.core.packed import document_targets, make_packed
 from raypipe.data.decoded import open_decoded
+from raypipe.data.packing import CODES_SUFFIX, check_boundaries, layout_of_codes, read_boundaries, token_codes
 from raypipe.data.shards import (SPLITS, check_split_files, check_vocabulary, decode_rows, read_file, read_manifest,
                                  verify_shard)
 from raypipe.filesystem import filesystem_for
@@ -37,6 +39,14 @@ class TokenDataset:
     after unpickling. A local ``path`` is made absolute here, so every process
     that gets the object reads the same path, whatever its working directory.
 
+    A *packed* dataset (``prepare(pack=True)``) gives as inputs one int64 tensor
+    ``(micro_batch_size, 3, seq_len)`` of tokens, positions and document ids
+    (:mod:`raypipe.core.packed`), and as targets the shifted rows with every target
+    that crosses into another document (or is padding) set to -100, so a loss that
+    ignores -100 and ``loss_count_fn`` counting the rest give the exact per-token mean.
+    Rows and their order are those of the same corpus unpacked. Each shard's
+    boundaries are decoded once per node beside its tokens.
+
     A *shipped* copy (:func:`raypipe.data.shipping.ship`) reads the shard files'
     bytes from Ray's object store instead of the filesystem, for workers on
     nodes that cannot open the driver's local path; each is fetched once per
@@ -65,6 +75,7 @@ class TokenDataset:
         manifest = read_manifest(path)
         self.tokenizer_name: str = manifest["tokenizer"]["name"]
         self.seq_len: int = manifest["seq_len"]
+        self.packed: bool = bool(manifest.get("packed", False))
         self.vocab_size: int = manifest["vocab_size"] if vocab_size is None else int(vocab_size)
         self.shards: list[dict[str, Any]] = manifest["splits"][split]["shards"]
         self.num_rows: int = sum(shard["num_rows"] for shard in self.shards)
@@ -83,11 +94,12 @@ class TokenDataset:
 
     def _reset_caches(self) -> None:
         self._mapped: dict[int, np.ndarray] = {}  # shard index -> its decoded rows, memory-mapped
+        self._mapped_codes: dict[int, np.ndarray] = {}  # packed: shard index -> its rows' token codes
         self._permutation: tuple[int, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_mapped"], state["_permutation"]
+        del state["_mapped"], state["_mapped_codes"], state["_permutation"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -115,9 +127,16 @@ class TokenDataset:
         return self._epoch_permutation(epoch)[start:start + self.micro_batch_size]
 
     def get(self, step: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` of one micro-batch: int64, ``(micro_batch_size, seq_len)``."""
-        rows = torch.from_numpy(self._gather(self.row_indices(step, micro_batch)).astype(np.int64))
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        """``(inputs, targets)`` of one micro-batch: int64, ``(micro_batch_size, seq_len)``
+        (packed: inputs ``(micro_batch_size, 3, seq_len)``, see the class)."""
+        indices = self.row_indices(step, micro_batch)
+        rows = torch.from_numpy(self._gather(indices, self._shard).astype(np.int64))
+        if not self.packed:
+            return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        positions, document_ids, padding = (torch.from_numpy(part) for part in
+                                            layout_of_codes(self._gather(indices, self._codes)))
+        inputs = make_packed(rows[:, :-1], positions[:, :-1], document_ids[:, :-1])
+        return inputs, document_targets(rows, document_ids, padding)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch of ``step``, concatenated in order."""
@@ -160,12 +179,12 @@ class TokenDataset:
             self._permutation = (epoch, generator.permutation(self.num_rows))
         return self._permutation[1]
 
-    def _gather(self, rows: np.ndarray) -> np.ndarray:
+    def _gather(self, rows: np.ndarray, shard: Any) -> np.ndarray:
         shard_of_row = np.searchsorted(self._offsets, rows, side="right") - 1
         out = np.empty((len(rows), self.seq_len + 1), dtype=np.int32)
         for shard_index in np.unique(shard_of_row):
             chosen = shard_of_row == shard_index
-            out[chosen] = self._shard(int(shard_index))[rows[chosen] - self._offsets[shard_index]]
+            out[chosen] = shard(int(shard_index))[rows[chosen] - self._offsets[shard_index]]
         return out
 
     def _shard(self, index: int) -> np.ndarray:
@@ -177,8 +196,26 @@ class TokenDataset:
             self._mapped[index] = tokens
         return self._mapped[index]
 
+    def _codes(self, index: int) -> np.ndarray:
+        """Packed: shard ``index``'s per-token codes (:func:`~raypipe.data.packing.token_codes`), memory-mapped."""
+        if index not in self._mapped_codes:
+            source = self._source(index)
+            self._mapped_codes[index] = open_decoded(self.shards[index]["sha256"] + CODES_SUFFIX, self.seq_len + 1,
+                                                     lambda: self._decode_codes(index, source), source)
+        return self._mapped_codes[index]
+
     def _decode(self, index: int, source: str) -> np.ndarray:
         """Shard ``index`` read from ``source``, checked against the manifest, decoded."""
+        return decode_rows(source, self._verified(index, source), self.seq_len + 1, self.vocab_size)
+
+    def _decode_codes(self, index: int, source: str) -> np.ndarray:
+        """Shard ``index``'s boundaries, checked, as per-token codes."""
+        offsets, lengths, starts = read_boundaries(source, self._verified(index, source))
+        check_boundaries(source, None, offsets, lengths, starts, None, self.seq_len + 1)
+        return token_codes(offsets, lengths, starts, len(offsets) - 1, self.seq_len + 1)
+
+    def _verified(self, index: int, source: str) -> Any:
+        """Shard ``index``'s bytes, read from ``source`` (or the object store) and checked against the manifest."""
         if self.shipped_shards is not None:
             import pyarrow as pa
             import ray
@@ -187,7 +224,7 @@ class TokenDataset:
         else:
             data = read_file(filesystem_for(self.uri)[0], source)
         verify_shard(source, data, self.shards[index], self.seq_len + 1)
-        return decode_rows(source, data, self.seq_len + 1, self.vocab_size)
+        return data
 
     def _source(self, index: int) -> str:
         """Shard ``index``'s file (the path it is read from, unless shipped), as errors name it."""
@@ -200,5 +237,6 @@ class TokenDataset:
         return (
             f"TokenDataset({self.uri!r}, split={self.split!r}, rows={self.num_rows}, seq_len={self.seq_len}, "
             f"micro_batch_size={self.micro_batch_size}, num_micro_batches={self.num_micro_batches}, "
+            f"{'packed, ' if self.packed else ''}"
             f"next_step={self.next_step}{', shipped' if self.shipped_shards is not None else ''})"
         )

@@ -5,9 +5,7 @@ import argparse
 import hashlib
 import json
 import logging
-import math
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -20,10 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypipe.data.corpus import corpus_description, corpus_files, read_documents
+from raypipe.data.packing import RowPacker, boundary_columns
 from raypipe.data.shards import (
     COLUMN,
     DEFAULT_ROWS_PER_SHARD,
     FORMAT,
+    is_validation_row,
+    placement_phase,
     MANIFEST,
     SPLITS,
     VERSION,
@@ -47,6 +48,7 @@ def prepare(
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
     seed: int = 0,
     max_bytes: int | None = None,
+    pack: bool = False,
 ) -> Path:
     """Tokenize ``corpus`` into Parquet shards under ``out_dir`` and return ``out_dir``.
 
@@ -57,16 +59,24 @@ def prepare(
     built in a temporary directory next to ``out_dir`` and renamed into place
     when complete, so a failed run leaves no ``out_dir``; an existing dataset
     at ``out_dir`` is replaced only on success.
+
+    ``pack`` stores, beside each row's tokens, where its documents begin and end
+    (:mod:`raypipe.data.packing`), pads the corpus's last row instead of dropping
+    it, and records ``"packed": true`` in the manifest: the reader then yields
+    packed micro-batches (:mod:`raypipe.core.packed`) whose documents attend only
+    to themselves.
     """
     tokenizer = tokenizer or ByteTokenizer()
     _check_prepare_arguments(seq_len, val_fraction, rows_per_shard, max_bytes)
+    if not isinstance(pack, bool):
+        raise ValueError(f"pack must be True or False, got {pack!r}")
     out = Path(out_dir).expanduser().resolve()
     _check_replaceable(out)
     files = corpus_files(corpus)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        stats = _write_shards(staging, files, tokenizer, seq_len, val_fraction, rows_per_shard, seed, max_bytes)
+        stats = _write_shards(staging, files, tokenizer, seq_len, val_fraction, rows_per_shard, seed, max_bytes, pack)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -80,6 +90,7 @@ def prepare(
             "seq_len": seq_len,
             "row_length": seq_len + 1,
             "column": COLUMN,
+            "packed": pack,
             "splits": stats.pop("splits"),
             "source": stats,
             "params": {
@@ -90,6 +101,7 @@ def prepare(
                 "rows_per_shard": rows_per_shard,
                 "seed": seed,
                 "max_bytes": max_bytes,
+                "pack": pack,
             },
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -143,11 +155,16 @@ class _SplitWriter:
         self.row_length = row_length
         self.rows_per_shard = rows_per_shard
         self.pending: list[np.ndarray] = []
+        self.pending_lengths: list[list[int]] = []  # packed: each row's pieces (raypipe.data.packing)
+        self.pending_starts: list[list[int]] = []
         self.pending_rows = 0
         self.shards: list[dict[str, Any]] = []
 
-    def add(self, row: np.ndarray) -> None:
+    def add(self, row: np.ndarray, lengths: list[int] | None = None, starts: list[int] | None = None) -> None:
         self.pending.append(row)
+        if lengths is not None:
+            self.pending_lengths.append(lengths)
+            self.pending_starts.append(starts)
         self.pending_rows += 1
         if self.pending_rows == self.rows_per_shard:
             self.flush()
@@ -157,7 +174,10 @@ class _SplitWriter:
             return
         rows = np.stack(self.pending).astype(np.int32, copy=False)
         values = pa.array(rows.reshape(-1), type=pa.int32())
-        table = pa.table({COLUMN: pa.FixedSizeListArray.from_arrays(values, self.row_length)})
+        columns = {COLUMN: pa.FixedSizeListArray.from_arrays(values, self.row_length)}
+        if self.pending_lengths:
+            columns.update(boundary_columns(self.pending_lengths, self.pending_starts))
+        table = pa.table(columns)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd")
         data = sink.getvalue()
@@ -167,7 +187,7 @@ class _SplitWriter:
             {"file": name, "num_rows": len(rows), "num_bytes": data.size,
              "sha256": hashlib.sha256(memoryview(data)).hexdigest()}
         )
-        self.pending, self.pending_rows = [], 0
+        self.pending, self.pending_lengths, self.pending_starts, self.pending_rows = [], [], [], 0
 
     def summary(self) -> dict[str, Any]:
         self.flush()
@@ -183,26 +203,41 @@ def _write_shards(
     rows_per_shard: int,
     seed: int,
     max_bytes: int | None,
+    pack: bool = False,
 ) -> dict[str, Any]:
     row_length = seq_len + 1
     writers = {split: _SplitWriter(directory, split, row_length, rows_per_shard) for split in SPLITS}
     # Row i is a validation row when floor(i*f + phase) steps up: exactly a
     # fraction f of rows, spread evenly, placed by the seed.
-    phase = random.Random(seed).random()
+    phase = placement_phase(seed)
     carry = np.empty(0, dtype=np.int64)
-    documents = total_bytes = total_tokens = rows = 0
+    packer = RowPacker(row_length) if pack else None
+    documents = total_bytes = total_tokens = rows = padded = 0
+
+    def place(row: np.ndarray, *boundaries: list[int]) -> None:
+        nonlocal rows
+        writers["validation" if is_validation_row(rows, val_fraction, phase) else "train"].add(row, *boundaries)
+        rows += 1
+
     for path, text, size in read_documents(files, max_bytes):
         ids = _encode(tokenizer, text, path)
         documents += 1
         total_bytes += size
         total_tokens += len(ids) + 2
-        carry = np.concatenate([carry, [tokenizer.bos_id], ids, [tokenizer.eos_id]])
+        document = np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int64)
+        if packer is not None:
+            for row, lengths, starts in packer.add(document):
+                place(row, lengths, starts)
+            continue
+        carry = np.concatenate([carry, document])
         full = len(carry) // row_length
         for row in carry[: full * row_length].reshape(full, row_length):
-            is_validation = math.floor((rows + 1) * val_fraction + phase) > math.floor(rows * val_fraction + phase)
-            writers["validation" if is_validation else "train"].add(row)
-            rows += 1
+            place(row)
         carry = carry[full * row_length:]
+    last = packer.finish(tokenizer.pad_id) if packer is not None else None
+    if last is not None:  # packed: the corpus's last row is padded, not dropped
+        row, lengths, starts, padded = last
+        place(row, lengths, starts)
     if documents == 0:
         raise ValueError(f"the corpus is empty: no non-empty text files among {len(files)} file(s)")
     splits = {split: writer.summary() for split, writer in writers.items()}
@@ -213,6 +248,7 @@ def _write_shards(
         "num_bytes": total_bytes,
         "num_tokens": total_tokens,
         "dropped_tokens": int(len(carry)),
+        **({"padded_tokens": padded} if pack else {}),
     }
 
 
@@ -272,6 +308,8 @@ def _parameter_differences(recorded: dict[str, Any], requested: dict[str, Any]) 
     for key, value in requested.items():
         if key == "corpus":
             value = corpus_description(value)
+        elif key == "pack" and "pack" not in recorded:  # made before packing existed: unpacked
+            recorded = {**recorded, "pack": False}
         elif key == "tokenizer":
             value = tokenizer_name(value) if value is not None else "byte"
         if recorded.get(key) != value:
@@ -295,6 +333,8 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--max-bytes", type=int, default=None, metavar="N", help="read at most N bytes of the corpus")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="Hugging Face tokenizer directory (tokenizer.json); default: bytes")
+    parser.add_argument("--pack", action="store_true",
+                        help="store each row's document boundaries, so documents attend only to themselves")
     parser.add_argument("--if-missing", action="store_true",
                         help="keep an existing dataset made with the same arguments")
     return parser
@@ -313,6 +353,7 @@ def run_prepare(args: argparse.Namespace) -> int:
             rows_per_shard=args.rows_per_shard,
             seed=args.seed,
             max_bytes=args.max_bytes,
+            pack=args.pack,
         )
     except (ValueError, OSError) as error:
         print(f"raypipe prepare: error: {error}", file=sys.stderr)
@@ -323,7 +364,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         f"prepared {out}: {manifest['source']['num_documents']} documents, "
         f"train {splits['train']['num_rows']} rows, validation {splits['validation']['num_rows']} rows "
         f"of {manifest['seq_len']}+1 tokens (tokenizer {manifest['tokenizer']['name']}, "
-        f"vocab {manifest['vocab_size']})"
+        f"vocab {manifest['vocab_size']}{', packed' if manifest.get('packed') else ''})"
     )
     return 0
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,23 @@ COLUMN = "tokens"
 SPLITS = ("train", "validation")
 DEFAULT_ROWS_PER_SHARD = 4096
 STDLIB_CORPUS = "python-stdlib"
+
+
+def placement_phase(seed: int) -> float:
+    """Where the validation rows fall, drawn from ``prepare``'s seed."""
+    return random.Random(seed).random()
+
+
+def is_validation_row(row: int, val_fraction: float, phase: float) -> bool:
+    """Whether the corpus's row ``row`` (counted over both splits) is a validation row: where
+    ``floor(row * f + phase)`` steps up, so exactly a fraction ``f`` of rows, spread evenly."""
+    return math.floor((row + 1) * val_fraction + phase) > math.floor(row * val_fraction + phase)
+
+
+def validation_rows(num_rows: int, val_fraction: float, seed: int) -> np.ndarray:
+    """:func:`is_validation_row` of the corpus's first ``num_rows`` rows (the same float64 arithmetic)."""
+    rows, phase = np.arange(num_rows, dtype=np.float64), placement_phase(seed)
+    return np.floor((rows + 1) * val_fraction + phase) > np.floor(rows * val_fraction + phase)
 
 
 # --- reading -----------------------------------------------------------------
@@ -124,9 +144,11 @@ def check_vocabulary(path: str, tokens: np.ndarray, vocab_size: int) -> None:
     raise ValueError(f"shard {path} row {row} holds token id {token}, outside the vocabulary [0, {vocab_size})")
 
 
-def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str, vocab_size: int | None = None) -> int:
+def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str, vocab_size: int | None = None,
+                       check: Callable[[str, pa.Buffer, np.ndarray], None] | None = None) -> int:
     """:func:`verify_shard` for every shard of ``split`` (and, given ``vocab_size``, every
-    token id through :func:`decode_rows`): reads every byte of the split; returns how many."""
+    token id through :func:`decode_rows`, then ``check(path, data, tokens)``): reads every
+    byte of the split; returns how many."""
     filesystem, base = filesystem_for(root)
     row_length = manifest["seq_len"] + 1
     size = 0
@@ -135,7 +157,9 @@ def verify_split_files(root: str | Path, manifest: dict[str, Any], split: str, v
         data = read_file(filesystem, path)
         verify_shard(path, data, shard, row_length)
         if vocab_size is not None:
-            decode_rows(path, data, row_length, vocab_size)
+            tokens = decode_rows(path, data, row_length, vocab_size)
+            if check is not None:
+                check(path, data, tokens)
         size += data.size
     return size
 

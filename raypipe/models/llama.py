@@ -9,6 +9,14 @@ stage: ``llama_layers(config)`` gives the list as :class:`~raypipe.LayerSpec`.
 The rotary tables (built once per process and shared by every block, Llama 3.1's
 frequency scaling) are :mod:`raypipe.models.rotary`; the attention kernel (flash-attn
 or SDPA, and what each path promises about determinism) is :mod:`raypipe.models.attention`.
+
+Packed micro-batches (:mod:`raypipe.core.packed`, from a dataset prepared with
+``pack=True``): the embedding takes the ``(B, 3, T)`` tensor of tokens, positions and
+document ids and returns ``(hidden, positions, document_ids)``, which the blocks pass
+on; each block rotates by the per-token positions and attends only inside each
+document (:mod:`raypipe.models.document_mask`); the head returns the logits. Inside
+one stage that is plain Python; between stages a tuple needs stage boundaries that
+carry trees of tensors.
 """
 from __future__ import annotations
 
@@ -20,11 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raypipe.core.packed import IGNORE_INDEX, is_packed, split_packed
 from raypipe.models.attention import causal_attention
+from raypipe.models.document_mask import document_attention
 from raypipe.models.layers import LayerSpec
-from raypipe.models.rotary import LLAMA3_ROPE_KEYS, apply_rotary, shared_rotary_tables
+from raypipe.models.rotary import LLAMA3_ROPE_KEYS, apply_rotary, rotary_at_positions, shared_rotary_tables
 
-IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in its mean
+# targets with IGNORE_INDEX (-100) count neither in the loss nor in its mean
+Documents = tuple[torch.Tensor, torch.Tensor]  # packed: per-token (positions, document ids), each (B, T)
 
 
 @dataclass
@@ -163,19 +174,25 @@ class Attention(nn.Module):
     def rope_sin(self) -> torch.Tensor:
         return self.rotary()[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """Causal attention over ``x`` (B, T, dim); with ``documents`` (packed rows: per-token
+        positions and document ids) rotary at those positions and attention inside each document."""
         batch, seq_len, _ = x.shape
         if seq_len > self.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len={self.max_seq_len}")
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        cos, sin = self.rotary(q.device)
-        # copies of the first seq_len rows, so what autograd saves is seq_len rows in every
-        # precision, never a view pinning the whole shared table (the memory model counts so)
-        cos, sin = cos[:seq_len].to(q.dtype, copy=True), sin[:seq_len].to(q.dtype, copy=True)
+        if documents is not None:
+            cos, sin = rotary_at_positions(documents[0], self.head_dim, self.rope_theta, self.rope_scaling)
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        else:
+            cos, sin = self.rotary(q.device)
+            # copies of the first seq_len rows, so what autograd saves is seq_len rows in every
+            # precision, never a view pinning the whole shared table (the memory model counts so)
+            cos, sin = cos[:seq_len].to(q.dtype, copy=True), sin[:seq_len].to(q.dtype, copy=True)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v) if documents is None else document_attention(q, k, v, documents[1])
         return self.wo(out.reshape(batch, seq_len, -1))
 
 
@@ -195,7 +212,8 @@ class SwiGLU(nn.Module):
 # -- the pipeline layers -----------------------------------------------------------
 
 class LlamaEmbedding(nn.Module):
-    """Token ids (B, T) -> hidden states (B, T, dim)."""
+    """Token ids (B, T) -> hidden states (B, T, dim); a packed micro-batch (B, 3, T) ->
+    ``(hidden, positions, document_ids)``."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -203,7 +221,13 @@ class LlamaEmbedding(nn.Module):
         self.tokens = nn.Embedding(config.vocab_size, config.dim)
         nn.init.normal_(self.tokens.weight, mean=0.0, std=0.02)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if is_packed(token_ids):
+            tokens, positions, document_ids = split_packed(token_ids)
+            return self._embed(tokens), positions, document_ids
+        return self._embed(token_ids)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if token_ids.dtype not in (torch.int64, torch.int32) or token_ids.dim() != 2:
             raise ValueError(f"LlamaEmbedding expects token ids of shape (batch, seq_len) and dtype "
                              f"int64/int32, got shape {tuple(token_ids.shape)} and {token_ids.dtype}")
@@ -237,13 +261,19 @@ class LlamaBlock(nn.Module):
         for linear in (self.attention.wo, self.feed_forward.w2):
             _init_linear(linear, std / math.sqrt(2 * config.n_layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if isinstance(x, tuple):  # packed: (hidden, positions, document_ids), passed on
+            hidden, *documents = x
+            return (self._forward(hidden, tuple(documents)), *documents)
+        return self._forward(x, None)
+
+    def _forward(self, x: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), documents))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 class LlamaHead(nn.Module):
-    """Hidden states (B, T, dim) -> logits (B, T, vocab_size)."""
+    """Hidden states (B, T, dim), or packed ``(hidden, positions, document_ids)`` -> logits (B, T, vocab_size)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -251,7 +281,9 @@ class LlamaHead(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         _init_linear(self.output, 0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if isinstance(x, tuple):
+            x = x[0]
         return self.output(self.norm(x))
 
 

@@ -21,10 +21,33 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float,
     Position ``t`` rotates the pair (j, j + head_dim/2) by ``t * theta**(-2j/head_dim)``,
     the frequencies rescaled as Llama 3.1 does when ``scaling`` is given.
     """
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rotary_frequencies(head_dim, theta, scaling))
+    return angles.cos(), angles.sin()
+
+
+def rotary_frequencies(head_dim: int, theta: float, scaling: dict[str, float] | None = None) -> torch.Tensor:
+    """The (head_dim // 2,) fp32 rotation frequencies ``theta**(-2j/head_dim)``, Llama 3.1-scaled when asked."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling is not None:
-        inv_freq = llama3_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return inv_freq if scaling is None else llama3_frequencies(inv_freq, scaling)
+
+
+_shared_frequencies: dict[tuple, torch.Tensor] = {}
+
+
+def rotary_at_positions(positions: torch.Tensor, head_dim: int, theta: float,
+                        scaling: dict[str, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (batch, T, head_dim // 2), fp32, of per-token ``positions`` (batch, T): packed
+    documents, each at its own positions, which may run past any table (a continuation piece
+    goes on from where its document's previous piece ended). The angle is the table's one
+    product ``position * frequency`` in fp32, as Hugging Face computes it from position ids."""
+    scaling_key = None if scaling is None else tuple(sorted((k, float(v)) for k, v in scaling.items()))
+    key = (head_dim, float(theta), scaling_key, positions.device)
+    frequencies = _shared_frequencies.get(key)
+    if frequencies is None:
+        with torch.device("cpu"), torch.inference_mode(False), torch.no_grad():
+            frequencies = rotary_frequencies(head_dim, theta, scaling)
+        frequencies = _shared_frequencies[key] = frequencies.to(positions.device)
+    angles = positions.to(torch.float32)[..., None] * frequencies
     return angles.cos(), angles.sin()
 
 
@@ -64,6 +87,7 @@ def clear_shared_rotary_tables() -> None:
     """Forget the shared tables (their memory is freed once no tensor refers to them)."""
     with _shared_tables_lock:
         _shared_tables.clear()
+        _shared_frequencies.clear()
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
@@ -79,7 +103,8 @@ def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float]) -> tor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, T, heads, head_dim) by the angles of its positions; cos/sin are (T, head_dim/2)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    """Rotate ``x`` (B, T, heads, head_dim) by the angles of its positions; cos/sin are (T, head_dim/2),
+    or (B, T, head_dim/2) when every sequence has positions of its own (packed documents)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
