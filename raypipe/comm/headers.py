@@ -12,6 +12,15 @@ MAX_DIMS = 8
 HEADER_LENGTH = 2 + MAX_DIMS  # ndim, dtype code, shape
 
 Signature = tuple[int, tuple[int, ...]]  # dtype code, shape
+# the code of a tree's header (:mod:`raypipe.comm.tree_messages`): its "shape" is (payload bytes,
+# layout bytes); the payload is uint8 and the layout follows the header on the control channel
+TREE = len(DTYPES)
+PAYLOAD_OF_TREE = DTYPES.index(torch.uint8)
+
+
+def tree_signature(payload_bytes: int, layout_bytes: int) -> Signature:
+    """The header's signature of a tree whose payload and layout have these sizes."""
+    return TREE, (payload_bytes, layout_bytes)
 
 
 def empty_buffer(signature: Signature, device: torch.device) -> torch.Tensor:

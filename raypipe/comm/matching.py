@@ -3,7 +3,7 @@
 order on NCCL and its emulation (:class:`InOrder`: tags ignored, nothing posted
 ahead, operations started together in one batch). The tag of a message comes
 from its kind (:data:`HEADER`, :data:`PREDICTED`, :data:`UNPREDICTED`,
-:data:`GRADIENT`) and its micro-batch.
+:data:`GRADIENT`, a tree's :data:`LAYOUT`) and its micro-batch.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch.distributed as dist
 from raypipe.comm.nccl_emulation import EmulatedStream
 
 # what a message is, for its tag
-HEADER, PREDICTED, UNPREDICTED, GRADIENT = range(4)
+HEADER, PREDICTED, UNPREDICTED, GRADIENT, LAYOUT = range(5)
+KINDS = 5
 
 # a point-to-point operation to start: dist.isend or dist.irecv, the tensor, the peer's rank, the tag
 Operation = tuple[Any, torch.Tensor, int, int]
@@ -29,7 +30,7 @@ class ByTag:
 
     @staticmethod
     def tag(kind: int, micro_batch: int) -> int:
-        return 4 * micro_batch + kind + 1
+        return KINDS * micro_batch + kind + 1
 
     def post(self, buffer: torch.Tensor, peer: int, kind: int, micro_batch: int) -> Any:
         return dist.irecv(buffer, peer, tag=self.tag(kind, micro_batch))

@@ -1,10 +1,11 @@
 """Point-to-point sends between neighbouring stages over ``torch.distributed``
 (gloo on CPU, NCCL on GPU): the per-step executor's transport.
 
-An activation travels as a fixed-size header (its dtype and shape) and a
-payload, so micro-batches of any shape flow without a fixed-shape agreement. A
-gradient has the shape and dtype of the activation sent for the same
-micro-batch, so it needs no header.
+An activation travels as a fixed-size header (its dtype and shape,
+:mod:`raypipe.comm.headers`) and a payload, so micro-batches of any shape flow without
+a fixed-shape agreement; a tree of tensors travels as one payload with its layout
+beside the header (:mod:`raypipe.comm.tree_messages`). A gradient has the shape and
+dtype of the payload sent for the same micro-batch, so it needs no header.
 
 Gloo hands a message over only once its receive is posted, so with gloo every
 receive is posted as early as the schedule allows
@@ -17,7 +18,7 @@ of the predicted size, so no posted receive is ever left unmatched. NCCL matches
 point-to-point messages in stream order and ignores tags
 (:class:`~raypipe.comm.matching.InOrder`): there each payload and gradient is
 received when it is reached (headers are posted ahead all the same, on the
-control channel below). An activation's header is :mod:`raypipe.comm.headers`.
+control channel below).
 
 A send completes only once its receive is posted, so a stage that sends to a
 peer and then receives from it, while the peer does the same the other way,
@@ -29,27 +30,23 @@ send or receive a two-rank one of its own when the group was made lazily, and
 messages on two communicators are not ordered against each other.
 
 With data parallelism the group holds every replica's stages (rank =
-:meth:`~raypipe.core.topology.Topology.rank`, replica-major, so a stage's
-neighbours are the ranks next to it); the workers of one stage across
-replicas also form a subgroup, :attr:`P2PChannel.replicas`
-(:mod:`raypipe.comm.replicas`).
+:meth:`~raypipe.core.topology.Topology.rank`, replica-major); the workers of one
+stage across replicas also form a subgroup, :attr:`P2PChannel.replicas`
+(:mod:`raypipe.comm.replicas`). Headers, layouts and the step's all-reduce of
+gradient statistics go over a control channel of CPU tensors on gloo
+(:attr:`P2PChannel.control`) even when the tensors go over NCCL, so decoding a
+header never waits on a GPU stream; on a gloo-only run it is the group itself.
 
-Headers and the step's all-reduce of gradient statistics (the step decision)
-go over a control channel of CPU tensors on gloo (:attr:`P2PChannel.control`),
-even when the tensors go over NCCL: decoding a header or reading the sums then
-never waits on a GPU stream. On a gloo-only run the control channel is the group
-itself.
-
-On gloo, a peer that leaves the group (see :meth:`P2PChannel.leave`) makes every
+On gloo, a peer that leaves the group (:meth:`P2PChannel.leave`) makes every
 receive from it, and every collective with it, fail at once:
-:class:`~raypipe.errors.StepAborted`. NCCL does not: its ``Work.wait()`` neither
-blocks the host nor raises, and a host sync on a transfer from a departed peer
-waits until NCCL's watchdog fires. So on NCCL (and under its emulation,
-:mod:`raypipe.comm.nccl_emulation`) every wait polls the Work's completion
-against an abort flag and a deadline of ``p2p_timeout_s`` instead
-(:mod:`raypipe.comm.polled_wait`), and :meth:`P2PChannel.abort`, called from another thread (the worker's health
-thread) while the step is blocked, sets the flag and aborts the communicators
-(never a destroy, which waits for pending work): the step raises
+:class:`~raypipe.errors.StepAborted`. NCCL's ``Work.wait()`` neither blocks the
+host nor raises, and a host sync on a transfer from a departed peer waits until
+NCCL's watchdog fires. So on NCCL (and under its emulation,
+:mod:`raypipe.comm.nccl_emulation`) every wait polls completion against an abort
+flag and a deadline of ``p2p_timeout_s`` (:mod:`raypipe.comm.polled_wait`), and
+:meth:`P2PChannel.abort`, called from another thread (the worker's health thread)
+while the step is blocked, sets the flag and aborts the communicators (never a
+destroy, which waits for pending work): the step raises
 :class:`~raypipe.errors.StepAborted` and the group is formed afresh.
 """
 from __future__ import annotations
@@ -63,9 +60,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypipe.comm.headers import (DTYPES, HEADER_LENGTH, MAX_DIMS, Signature, decode, empty_buffer, encode,
-                                  signature_of)
-from raypipe.comm.matching import GRADIENT, HEADER, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
+from raypipe.comm import tree_messages
+from raypipe.comm.headers import (DTYPES, HEADER_LENGTH, MAX_DIMS, PAYLOAD_OF_TREE, TREE, Signature, decode,
+                                  empty_buffer, encode, signature_of, tree_signature)
+from raypipe.comm.matching import GRADIENT, HEADER, LAYOUT, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
+from raypipe.comm.tree_messages import TreeLayout
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
 from raypipe.comm.polled_wait import ABORTED, WaitedOnThread, poll
 from raypipe.comm.replicas import StageReplicas
@@ -111,6 +110,10 @@ class P2PChannel:
         # received from the previous one: the same on both ends of a link
         self._sent: dict[int, Signature] = {}
         self._received: dict[int, Signature] = {}
+        # the layouts of the running step's trees (tree_messages), per micro-batch: a sent one
+        # unpacks its gradient, a received one packs the gradient sent back
+        self._sent_layouts: dict[int, TreeLayout] = {}
+        self._received_layouts: dict[int, TreeLayout] = {}
         self._batch: list[Operation] | None = None  # while an exchange collects its sends
 
     @property
@@ -148,7 +151,8 @@ class P2PChannel:
         aborted: a destroy would wait for the pending work."""
         with self._lock:
             pending = any((self._sends, self._headers, self._payloads, self._gradients))
-            for kept in (self._sends, self._headers, self._payloads, self._gradients, self._sent, self._received):
+            for kept in (self._sends, self._headers, self._payloads, self._gradients, self._sent, self._received,
+                         self._sent_layouts, self._received_layouts):
                 kept.clear()
             self._stop_stream()
             self.replicas.leave()
@@ -190,15 +194,26 @@ class P2PChannel:
                 payload = empty_buffer(predicted, self.device)
                 self._payloads[micro_batch] = self._matching.post(payload, peer, PREDICTED, micro_batch), payload
 
-    def send_activation(self, tensor: torch.Tensor, micro_batch: int) -> None:
+    def send_activation(self, tensor: Any, micro_batch: int) -> None:
         """Start sending an activation (header, then payload) to the next stage,
-        and post the receive of its gradient."""
-        if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-            raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
-        payload, peer = tensor.detach().contiguous(), self.rank + 1
+        and post the receive of its gradient. A tree of tensors (not a single tensor)
+        goes as one payload, its layout beside the header (:mod:`raypipe.comm.tree_messages`)."""
+        peer = self.rank + 1
+        if tree_messages.is_tree(tensor):
+            layout = tree_messages.layout_of(tensor, self.stage, self.device)
+            payload = tree_messages.pack(tensor, layout, self.device)
+            described = torch.frombuffer(bytearray(layout.to_bytes()), dtype=torch.uint8).to(self._control_device)
+            header = encode(tree_signature(layout.nbytes, described.numel()), self._control_device)
+            self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
+            self._sends.append((self._control_op(dist.isend, described, peer, micro_batch, LAYOUT), described))
+            self._sent_layouts[micro_batch] = layout
+        else:
+            if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
+                raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
+            payload = tensor.detach().contiguous()
+            header = encode(signature_of(payload), self._control_device)
+            self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
         signature, predicted = signature_of(payload), self._sent.get(micro_batch)
-        header = encode(signature, self._control_device)
-        self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
             self._send(empty_buffer(predicted, self.device), peer, PREDICTED, micro_batch)
         self._send(payload, peer, PREDICTED if predicted == signature else UNPREDICTED, micro_batch)
@@ -207,16 +222,28 @@ class P2PChannel:
         gradient = torch.empty_like(payload)
         self._gradients[micro_batch] = self._matching.post(gradient, peer, GRADIENT, micro_batch), gradient
 
-    def recv_activation(self, micro_batch: int) -> torch.Tensor:
-        """The activation of ``micro_batch`` from the previous stage, whatever its shape and dtype."""
+    def recv_activation(self, micro_batch: int) -> Any:
+        """The activation of ``micro_batch`` from the previous stage, whatever its shape and
+        dtype: a tensor, or a tree of them as it was sent."""
         peer = self.rank - 1
         if micro_batch not in self._headers:
             self.expect_activations([micro_batch])
         work, header = self._headers.pop(micro_batch)
         self._wait(work, peer, micro_batch, "activation")
         signature = decode(header)
+        layout = None
+        if signature[0] == TREE:
+            layout = self._receive_layout(signature[1][1], peer, micro_batch)
+            signature = (PAYLOAD_OF_TREE, (signature[1][0],))
         if self._matching.predicts:
             self._received[micro_batch] = signature
+        payload = self._receive_payload(signature, peer, micro_batch)
+        if layout is None:
+            return payload
+        self._received_layouts[micro_batch] = layout
+        return tree_messages.unpack(payload, layout)
+
+    def _receive_payload(self, signature: Signature, peer: int, micro_batch: int) -> torch.Tensor:
         posted = self._payloads.pop(micro_batch, None)
         if posted is not None:
             predicted = self._receive(posted, None, peer, PREDICTED, micro_batch)
@@ -224,13 +251,27 @@ class P2PChannel:
                 return predicted
         return self._receive(None, signature, peer, UNPREDICTED, micro_batch)
 
-    def recv_gradient(self, micro_batch: int) -> torch.Tensor:
-        """The gradient of the activation sent for ``micro_batch``."""
-        work, gradient = self._gradients.pop(micro_batch)
-        return self._receive((work, gradient), None, self.rank + 1, GRADIENT, micro_batch)
+    def _receive_layout(self, size: int, peer: int, micro_batch: int) -> TreeLayout:
+        """A tree's layout, sent right after its header on the control channel."""
+        described = torch.empty(size, dtype=torch.uint8, device=self._control_device)
+        work = self._control_op(dist.irecv, described, peer, micro_batch, LAYOUT)
+        self._wait(work, peer, micro_batch, "activation")
+        return TreeLayout.from_bytes(described.cpu().numpy().tobytes())
 
-    def send_gradient(self, gradient: torch.Tensor | None, micro_batch: int) -> None:
-        """Start sending the gradient of this stage's input to the previous stage."""
+    def recv_gradient(self, micro_batch: int) -> Any:
+        """The gradient of the activation sent for ``micro_batch`` (for a tree: a tree of
+        its structure, ``None`` where a leaf is not floating-point)."""
+        work, gradient = self._gradients.pop(micro_batch)
+        gradient = self._receive((work, gradient), None, self.rank + 1, GRADIENT, micro_batch)
+        layout = self._sent_layouts.pop(micro_batch, None)
+        return gradient if layout is None else tree_messages.unpack_gradient(gradient, layout)
+
+    def send_gradient(self, gradient: Any, micro_batch: int) -> None:
+        """Start sending the gradient of this stage's input to the previous stage (for a
+        received tree: a tree of its structure, ``None`` for a leaf with no gradient)."""
+        layout = self._received_layouts.pop(micro_batch, None)
+        if layout is not None:
+            gradient = tree_messages.pack_gradient(gradient, layout, self.device)
         if gradient is None:
             raise RuntimeError(f"stage {self.stage} has no gradient for its input of micro-batch "
                                f"{micro_batch}: the stage does not use its input")
@@ -302,10 +343,11 @@ class P2PChannel:
         """Where the control channel's tensors live: the CPU when it is gloo beside NCCL."""
         return torch.device("cpu") if self.control is not None else self.device
 
-    def _control_op(self, function: Any, tensor: torch.Tensor, peer: int, micro_batch: int) -> Any:
-        """Start a header's send or receive on the control channel (matched by tag)."""
+    def _control_op(self, function: Any, tensor: torch.Tensor, peer: int, micro_batch: int,
+                    kind: int = HEADER) -> Any:
+        """Start a header's (or a tree's layout's) send or receive on the control channel (matched by tag)."""
         self._refuse_after_abort("activation")
-        work = function(tensor, peer, group=self.control, tag=ByTag.tag(HEADER, micro_batch))
+        work = function(tensor, peer, group=self.control, tag=ByTag.tag(kind, micro_batch))
         # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
         return WaitedOnThread(work) if self._polls else work
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -156,3 +157,64 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
 
 def test_an_exchange_delivers_its_send_and_its_receive_on_gloo_and_on_nccls_path():
     mp.start_processes(run_exchanging_stage, args=(free_port(),), nprocs=2, start_method="spawn")
+
+
+def tree_activation(step: int, micro_batch: int) -> dict:
+    """A packed-sequence boundary: hidden states with positions, document ids and a mask beside
+    them, a None and a constant; micro-batch 1 changes its sequence length at step 1."""
+    length = 5 + (micro_batch == 1) * step
+    hidden = torch.arange(2 * length * 3, dtype=torch.float32).reshape(2, length, 3) + 100 * step + 10 * micro_batch
+    positions = torch.arange(length, dtype=torch.int64).repeat(2, 1) + micro_batch
+    return {"hidden": hidden, "extras": (positions, {"mask": positions % 2 == 0, "aux": None}),
+            "scale": 0.5, "bf16": hidden[:, :, 0].to(torch.bfloat16)}
+
+
+def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
+    torch.set_num_threads(1)
+    channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
+    channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=emulate_nccl)
+    try:
+        for step in range(2):
+            micro_batches = range(3)
+            if rank == 0:
+                for micro_batch in micro_batches:
+                    channel.send_activation(tree_activation(step, micro_batch), micro_batch)
+                for micro_batch in reversed(micro_batches):
+                    gradient = channel.recv_gradient(micro_batch)
+                    sent = tree_activation(step, micro_batch)
+                    # gradients of the floating-point leaves; None for the others (they go forward only)
+                    torch.testing.assert_close(gradient["hidden"], -sent["hidden"], rtol=0, atol=0)
+                    torch.testing.assert_close(gradient["bf16"], 2 * sent["bf16"], rtol=0, atol=0)
+                    assert gradient["extras"][0] is None and gradient["extras"][1] == {"mask": None, "aux": None}
+                    assert gradient["scale"] is None
+            else:
+                channel.expect_activations(list(micro_batches))
+                for micro_batch in micro_batches:
+                    received, sent = channel.recv_activation(micro_batch), tree_activation(step, micro_batch)
+                    assert received.keys() == sent.keys() and received["scale"] == 0.5
+                    torch.testing.assert_close(received["hidden"], sent["hidden"], rtol=0, atol=0)
+                    torch.testing.assert_close(received["bf16"], sent["bf16"], rtol=0, atol=0)
+                    torch.testing.assert_close(received["extras"][0], sent["extras"][0], rtol=0, atol=0)
+                    assert torch.equal(received["extras"][1]["mask"], sent["extras"][1]["mask"])
+                    assert received["extras"][1]["aux"] is None
+                for micro_batch in reversed(micro_batches):
+                    sent = tree_activation(step, micro_batch)
+                    channel.send_gradient({"hidden": -sent["hidden"], "bf16": 2 * sent["bf16"],
+                                           "extras": (None, {"mask": None, "aux": None}), "scale": None}, micro_batch)
+            channel.finish_sends()
+    finally:
+        channel.leave()
+
+
+@pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+def test_a_tree_of_tensors_crosses_the_boundary_and_its_float_leaves_get_gradients(emulate_nccl):
+    mp.start_processes(run_tree_stage, args=(free_port(), emulate_nccl), nprocs=2, start_method="spawn")
+
+
+def test_a_leaf_that_cannot_cross_names_the_stage_and_its_path():
+    from raypipe.comm.tree_messages import TreeLeafError, layout_of
+
+    with pytest.raises(TreeLeafError, match=r"^stage 1 output\[1\]\['bad'\] is a object: "):
+        layout_of((torch.ones(2), {"bad": object()}), 1, torch.device("cpu"))
+    with pytest.raises(TreeLeafError, match=r"^stage 2 output\[0\] is a torch.complex64 tensor"):
+        layout_of([torch.ones(2, dtype=torch.complex64)], 2, torch.device("cpu"))
