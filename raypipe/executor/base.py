@@ -105,18 +105,18 @@ class Executor(ABC):
         reports = ray.get(submitted.commits)  # a failure raises (and not every worker may have ended yet)
         return StepOutcome(reports[0].decision, reports)
 
-    # whether a snapshot of the state a step starts from is best taken as that step starts
-    # (its copy then runs in each stage's first wait) rather than as soon as the step before commits
-    snapshots_in_next_step = False
-
-    def snapshot_workers(self, actors: list[Any], in_next_step: bool = False) -> list:
+    def snapshot_workers(self, actors: list[Any]) -> list:
         """Submit every one of ``actors``' :meth:`snapshot` (results owned by the driver),
-        ordered before their next step's commit. ``in_next_step``: that step is submitted
-        right after (see :attr:`snapshots_in_next_step`). Actor tasks run in submission
-        order, so here each is copied at once, before the next step's first op."""
+        ordered before their next step's commit. Actor tasks run in submission order, so
+        each is copied at once, before the next step's first op."""
         refs = [actor.snapshot.remote() for actor in actors]
         self.before_next_step(actors)
         return refs
+
+    def snapshot_as_next_step_starts(self, actors: list[Any]) -> list:
+        """:meth:`snapshot_workers`, where the next step is submitted right after: an
+        executor may overlap the copy with that step's start (here it cannot)."""
+        return self.snapshot_workers(actors)
 
     def before_next_step(self, actors: list[Any]) -> None:
         """Calls just submitted to ``actors`` and not waited for (a snapshot, a

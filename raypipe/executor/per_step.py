@@ -62,12 +62,8 @@ class PerStepExecutor(Executor):
     def before_next_step(self, actors: list[Any]) -> None:
         self.dispatch.before_next_step(actors)
 
-    @property
-    def snapshots_in_next_step(self) -> bool:
-        return isinstance(self.dispatch, Connections)
-
-    def snapshot_workers(self, actors: list[Any], in_next_step: bool = False) -> list:
-        return self.dispatch.snapshot_workers(actors) if in_next_step else super().snapshot_workers(actors)
+    def snapshot_as_next_step_starts(self, actors: list[Any]) -> list:
+        return self.dispatch.snapshot_workers(actors)
 
     def step_arguments(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> list[tuple]:
         """Each worker's ``run_step`` arguments, in rank order: each replica runs its

@@ -5,9 +5,10 @@ After every ``snapshot_every`` committed steps each worker returns a snapshot
 of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
 as a task result owned by the driver, so it outlives the worker that made it,
 and the driver logs the steps run since (data step, micro-batches, loss scale).
-The default executor takes it as the next step starts
-(:attr:`~raypipe.executor.base.Executor.snapshots_in_next_step`); a failure
-before it is whole heals from the snapshot before and replays one step more.
+It is taken as the next step starts
+(:meth:`~raypipe.executor.base.Executor.snapshot_as_next_step_starts`: the default
+executor copies it in each stage's first wait of that step); a failure before it
+is whole heals from the snapshot before and replays one step more.
 With workers off the driver's node a keeper copies each snapshot off their
 nodes (:mod:`raypipe.runtime.snapshot_keeper`); the one before stays until then.
 When a step raises :class:`~raypipe.errors.WorkersFailed`:
@@ -145,16 +146,20 @@ class Recovery:
         return self._owner.keeper
 
     # -- snapshots ------------------------------------------------------------
-    def snapshot(self, step: int, first: bool = False, in_next_step: bool = False) -> None:
+    def snapshot(self, step: int, first: bool = False) -> None:
         """Snapshot every worker at the start of ``step``, keeping the newest whole
         snapshot until this one is known whole. ``first``: the state changed
         outside a step (start, a load), so older snapshots are void and this one
-        is waited for. ``in_next_step``: the next step is submitted right after."""
+        is waited for."""
+        self._keep(step, self.executor.snapshot_workers, first)
+
+    def _keep(self, step: int, submit: Callable[[list], list], first: bool = False) -> None:
+        """The snapshot ``submit(actors)`` takes, as the newest."""
         if not self.config.snapshot_every:
             return
         self._due = None
         actors = self.executor.group.actors
-        taken = Snapshot(step, self.executor.snapshot_workers(actors, in_next_step),
+        taken = Snapshot(step, submit(actors),
                          layers=[spec.layer_indices for spec in self.executor.group.specs])
         if self.keeper is not None:
             taken.kept = self.keeper.keep.remote(step, *taken.refs)
@@ -176,14 +181,11 @@ class Recovery:
         # may need the one before it, so the snapshots pinned on the workers' nodes never pile up
         if newest.copied_off_node() is None:
             return
-        if self.executor.snapshots_in_next_step:
-            self._due = steps_done
-        else:
-            self.snapshot(steps_done)
+        self._due = steps_done  # taken as the next step starts, where the executor can overlap the copy
 
     def _take_due_snapshot(self) -> None:
         if self._due is not None:
-            self.snapshot(self._due, in_next_step=True)
+            self._keep(self._due, self.executor.snapshot_as_next_step_starts)
 
     # -- steps ---------------------------------------------------------------
     def run_step(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:

@@ -272,8 +272,6 @@ class FakeExecutor:
     group: Any = None
     in_flight: Any = None
     steps_run: list[int] = field(default_factory=list)
-    snapshots_in_next_step = False
-
     def __post_init__(self) -> None:
         FakeGroup.fake_ray.executor = self
 
@@ -310,8 +308,10 @@ class FakeExecutor:
     def evaluate(self, step: int, batch: Any) -> float:
         return sum(self.get([actor.evaluate.remote(step) for actor in self.group.actors]))
 
-    def snapshot_workers(self, actors: list, in_next_step: bool = False) -> list:
+    def snapshot_workers(self, actors: list) -> list:
         return [actor.snapshot.remote() for actor in actors]
+
+    snapshot_as_next_step_starts = snapshot_workers
 
     def drain(self, failed: Any) -> dict[int, str]:
         return {rank: "died" for rank, actor in enumerate(self.group.actors) if not actor.alive and rank not in failed}

@@ -273,9 +273,9 @@ def test_a_worker_lost_during_evaluate_is_healed_and_evaluate_runs_again(fake_ra
 def test_a_worker_lost_during_the_snapshot_copy_heals_from_the_snapshot_before(fake_ray) -> None:
     controller = controller_for()
     controller.start()
-    run(controller, range(2))
-    arm(fake_ray, Fault("snapshot", kill=CALLER, on=(0, 1)))  # the copy after step 3 commits
-    run(controller, range(2, 5))
+    run(controller, range(3))
+    arm(fake_ray, Fault("snapshot", kill=CALLER, on=(0, 1)))  # the copy of step 3's state, as step 3 starts
+    run(controller, range(3, 5))
     assert_healed(controller, 5)
     assert controller.recoveries[0].source == "snapshot of step 2"
     last = fake_ray.decisions[-1]  # the newest snapshot lost with the worker: the one before

@@ -97,8 +97,6 @@ class FakeGroup:
 class FakeExecutor:
     """Runs steps instantly; ``fail_next`` scripts the WorkersFailed the next steps raise."""
 
-    snapshots_in_next_step = False
-
     def __init__(self, config: PipelineConfig, schedule: Any) -> None:
         self.config, self.schedule, self.usable, self.group = config, schedule, True, None
         self.fail_next: list[dict[tuple[int, int], str]] = []
@@ -125,8 +123,10 @@ class FakeExecutor:
         report = StageReport([], types.SimpleNamespace(), None, commits=len(self.steps_run))
         return types.SimpleNamespace(decision=None, reports=[report] * len(self.group.actors))
 
-    def snapshot_workers(self, actors: list, in_next_step: bool = False) -> list:
+    def snapshot_workers(self, actors: list) -> list:
         return [actor.snapshot.remote() for actor in actors]
+
+    snapshot_as_next_step_starts = snapshot_workers
 
     def drain(self, failed: Any) -> dict:
         return {}
