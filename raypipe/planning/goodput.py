@@ -315,7 +315,8 @@ def goodput_by_method(shape: RunShape, assumptions: GoodputAssumptions) -> dict[
     for method, replacement in (("raypipe_warm_spare", assumptions.replacement_with_spare_s),
                                 ("raypipe", assumptions.replacement_without_spare_s)):
         recovery = assumptions.detection_s + replacement + transfer_s
-        rng = random.Random(f"{assumptions.seed}:{method}")
+        # the same failure stream for both (common random numbers): they differ only by the recovery
+        rng = random.Random(f"{assumptions.seed}:raypipe")
         simulated, failures = simulate_segments(work, segment, recovery, rate, useful_s, rng)
         out[method] = MethodGoodput(method, simulated, segment_goodput(work, segment, recovery, rate),
                                     recovery, failures, work,
