@@ -50,7 +50,6 @@ def fit(trainer: Any, dataset: Any, steps: int, *, validation: Any = None, eval_
     """
     per_step = trainer.micro_batches_per_step
     _check_dataset(dataset, per_step, "dataset")
-    _check_packed(dataset, trainer.config.num_stages)
     if validation is not None:
         _check_dataset(validation, per_step, "validation")
     limit = {} if ship_data_limit_bytes is None else {"ship_data_limit_bytes": ship_data_limit_bytes}
@@ -115,16 +114,6 @@ def _check_dataset(dataset: Any, per_step: int, name: str) -> None:
     if dataset.num_micro_batches != per_step:
         raise ValueError(f"{name} yields {dataset.num_micro_batches} micro-batches per step but a step of the "
                          f"pipeline has {per_step} (num_micro_batches x the most replicas)")
-
-
-def _check_packed(dataset: Any, num_stages: int) -> None:
-    # A packed micro-batch's positions and document ids reach the LLaMA's blocks as a tuple
-    # (hidden, positions, document_ids); a stage boundary carries one tensor today.
-    if getattr(dataset, "packed", False) and num_stages > 1:
-        raise ValueError(f"the dataset is packed (prepared with pack=True), which trains on one stage for now: "
-                         f"its documents' positions and boundaries travel beside the hidden states, and a stage "
-                         f"boundary carries one tensor; use num_stages=1, or a dataset prepared without pack "
-                         f"(num_stages={num_stages})")
 
 
 def _progress_bar(steps: int, enabled: bool) -> Any:

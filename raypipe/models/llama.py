@@ -14,9 +14,9 @@ Packed micro-batches (:mod:`raypipe.core.packed`, from a dataset prepared with
 ``pack=True``): the embedding takes the ``(B, 3, T)`` tensor of tokens, positions and
 document ids and returns ``(hidden, positions, document_ids)``, which the blocks pass
 on; each block rotates by the per-token positions and attends only inside each
-document (:mod:`raypipe.models.document_mask`); the head returns the logits. Inside
-one stage that is plain Python; between stages a tuple needs stage boundaries that
-carry trees of tensors.
+document (:mod:`raypipe.models.document_mask`); the head returns the logits. Between
+stages the tuple crosses the boundary as a tree (:mod:`raypipe.stage.boundary`): the
+hidden states take a gradient, the positions and document ids go forward only.
 """
 from __future__ import annotations
 

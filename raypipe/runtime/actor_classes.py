@@ -25,7 +25,10 @@ def worker_actor_class(worker_class: type, tensor_transport: str | None = None) 
 def direct_transport_worker(worker_class: type, backend: str) -> type:
     """``worker_class`` whose forward/backward (and input-gradient) results go by ``backend``. Only those:
     every other result (grad stats, reports) stays a plain object that other tasks
-    may depend on."""
+    may depend on. A result that is a tree of tensors (:mod:`raypipe.stage.boundary`) goes
+    too: Ray takes every tensor out of the value as it serializes it and sends each by the
+    backend, the rest with the reference; its tensors must share one device type, which the
+    worker's forward checks of every leaf (the stage's device)."""
 
     class DirectTransportWorker(worker_class):
         @ray.method(tensor_transport=backend)

@@ -6,7 +6,9 @@ functions, so a single tensor takes exactly the path it always has.
 Gradients flow back through the floating-point tensors only: a received tree's
 floating-point leaves become autograd leaves that require grad, integer leaves
 (positions, document ids) and masks go forward only, and the gradient sent back is a
-tree of the input's structure with ``None`` where there is none.
+tree of the input's structure with ``None`` where there is none. A stage's output tree
+is checked where it is made (:func:`check_sendable`), so a leaf no boundary carries fails
+alike under every executor, named by stage and path.
 """
 from __future__ import annotations
 
@@ -15,7 +17,34 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from raypipe.comm.tree_messages import layout_of
+
 Boundary = Any  # a tensor, or a tree of them
+
+
+def is_tree(value: Boundary) -> bool:
+    """Whether ``value`` is a tree (not a single tensor, nor ``None``)."""
+    return value is not None and not isinstance(value, torch.Tensor)
+
+
+def check_sendable(value: Boundary, stage: int, device: torch.device) -> None:
+    """Raise :class:`~raypipe.comm.tree_messages.TreeLeafError`, naming ``stage`` and the
+    leaf's path, when a leaf of the tree ``value`` cannot cross a stage boundary. Checked
+    where the value is made, so every executor refuses it alike (the object store would
+    pickle anything, and the failure would come later, elsewhere, or not at all)."""
+    if is_tree(value):
+        layout_of(value, stage, device)
+
+
+def describe(value: Boundary) -> str:
+    """A short account of a boundary value for messages: each leaf's path and kind."""
+    if not is_tree(value):
+        return "a tensor" if value is not None else "None"
+    parts = []
+    for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+        kind = (f"{leaf.dtype} {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__)
+        parts.append(f"{pytree.keystr(path)}: {kind}")
+    return ", ".join(parts)
 
 
 def to_device(value: Boundary, device: torch.device) -> Boundary:
@@ -35,10 +64,12 @@ def as_autograd_leaves(value: Boundary) -> Boundary:
 
 
 def detached(value: Boundary) -> Boundary:
-    """The value to send on: its tensors detached from this stage's graph."""
+    """The value to send on: its tensors detached from this stage's graph; a tree's also
+    contiguous (a packed row's positions are a strided view of the batch, and Ray Direct
+    Transport hands each tensor as it is to a collective send, which takes contiguous ones)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
-    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value)
+    return pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.detach().contiguous(), value)
 
 
 def tensors(value: Boundary) -> list[torch.Tensor]:
@@ -73,5 +104,25 @@ def input_gradient(inputs: Boundary) -> Boundary:
     structure, ``None`` where a leaf has none); ``None`` when no gradient reached it."""
     if isinstance(inputs, torch.Tensor):
         return inputs.grad
-    gradients = pytree.tree_map(lambda leaf: leaf.grad if isinstance(leaf, torch.Tensor) else None, inputs)
+    # contiguous, as detached()'s tensors are: each may travel alone by a collective send
+    gradients = pytree.tree_map(
+        lambda leaf: leaf.grad.contiguous() if isinstance(leaf, torch.Tensor) and leaf.grad is not None else None,
+        inputs)
     return gradients if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(gradients)) else None
+
+
+def differentiable_leaves(value: Boundary) -> list[tuple[str, torch.Tensor]]:
+    """The (path, tensor) of each of the value's tensors that requires grad, in tree order
+    (a single tensor's path is ``""``)."""
+    if isinstance(value, torch.Tensor):
+        return [("", value)] if value.requires_grad else []
+    return [(pytree.keystr(path), leaf) for path, leaf in pytree.tree_flatten_with_path(value)[0]
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+def gradients_at(value: Boundary, gradients: dict[str, torch.Tensor]) -> Boundary:
+    """A gradient of ``value``'s structure: ``gradients[path]`` at each path it names, ``None``
+    at every other leaf (for a single tensor, the gradient at path ``""``)."""
+    if isinstance(value, torch.Tensor):
+        return gradients.get("")
+    return pytree.tree_map_with_path(lambda at, _: gradients.get(pytree.keystr(at)), value)

@@ -55,11 +55,6 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def tensor_bytes(tensor: torch.Tensor | None) -> int:
-    """Bytes of a tensor's own elements (not its whole storage)."""
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
-
-
 def rss_bytes() -> int:
     """Resident set size of this process now."""
     import psutil

@@ -14,7 +14,9 @@ so I followed at once by W gives bitwise the gradients of B. This is the idea of
 A stage whose input is not differentiable (the first stage: token ids) has no input
 gradient to send: its I only replays the forward where activations were not kept,
 and its W runs the whole backward. A recomputed forward runs once, in I; W uses the
-graph I kept. The worker's I and W ops (:class:`~raypipe.stage.worker.StageWorker`) call these.
+graph I kept. A stage input that is a tree may have several tensors that take a gradient
+(:func:`input_gradients`): the weights' branches then join the union of their paths. The
+worker's I and W ops (:class:`~raypipe.stage.worker.StageWorker`) call these.
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
-
 
 
 def _node_of(tensor: torch.Tensor) -> Node | None:
@@ -84,8 +85,8 @@ class PendingWeightGradient:
     differentiable stage input) or the whole graph's output and seed (no input gradient)."""
 
     groups: list[_WeightGroup]
-    outputs: torch.Tensor | None = None  # set when W runs the whole backward
-    seed: torch.Tensor | None = None
+    outputs: torch.Tensor | list[torch.Tensor] | None = None  # set when W runs the whole backward
+    seed: torch.Tensor | list[torch.Tensor] | None = None
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` (through the weights' gradient
@@ -117,14 +118,28 @@ def input_gradient(outputs: torch.Tensor, seed: torch.Tensor, stage_input: torch
                    weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, PendingWeightGradient]:
     """The gradient of ``stage_input`` from ``outputs`` seeded with ``seed`` (None where the
     input is not differentiable), and what the weights' gradient later needs."""
+    gradients, pending = input_gradients(outputs, seed, [] if stage_input is None else [stage_input], weights)
+    return (None if gradients is None else gradients[0]), pending
+
+
+def input_gradients(outputs: torch.Tensor, seed: torch.Tensor, stage_inputs: Sequence[torch.Tensor],
+                    weights: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None] | None,
+                                                              PendingWeightGradient]:
+    """The gradients of ``stage_inputs`` (a tree input's tensors that require grad) from
+    ``outputs`` seeded with ``seed``, None for an input the output does not depend on (None
+    in all when it depends on none), and what the weights' gradient later needs. Every weight
+    joins the union of the inputs' paths on its way to the one output, so W finds each."""
     root = _node_of(outputs)
-    input_node = None if stage_input is None else _node_of(stage_input)
-    if root is None or input_node is None:
+    if root is None:
         return None, PendingWeightGradient([], outputs, seed)
     consumers = _consumers(root)
-    if input_node not in consumers:  # the output does not depend on the input
+    nodes = [_node_of(stage_input) for stage_input in stage_inputs]
+    reached = [index for index, node in enumerate(nodes) if node is not None and node in consumers]
+    if not reached:  # the output does not depend on the input
         return None, PendingWeightGradient([], outputs, seed)
-    input_path, _ = _upwards(input_node, consumers)
+    input_path: set[Node] = set()
+    for index in reached:
+        input_path |= _upwards(nodes[index], consumers)[0]
     groups = _weight_groups(weights, consumers, input_path)
     handles = []
     for group in groups:
@@ -133,11 +148,14 @@ def input_gradient(outputs: torch.Tensor, seed: torch.Tensor, stage_input: torch
                 group.gradients[junction] = tuple(gradients)
             handles.append(junction.register_prehook(note))
     try:
-        (gradient,) = torch.autograd.grad(outputs, stage_input, seed, retain_graph=True)
+        found = torch.autograd.grad(outputs, [stage_inputs[index] for index in reached], seed, retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
-    return gradient, PendingWeightGradient(groups)
+    gradients: list[torch.Tensor | None] = [None] * len(stage_inputs)
+    for index, gradient in zip(reached, found):
+        gradients[index] = gradient
+    return gradients, PendingWeightGradient(groups)
 
 
 def _weight_groups(weights: Sequence[torch.Tensor], consumers: dict[Node, list[Node]],

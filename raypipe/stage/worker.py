@@ -19,17 +19,18 @@ from raypipe.core.step_decision import StageGradStats, StepDecision, decide
 from raypipe.core.topology import Topology
 from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
+from raypipe.stage import boundary
 from raypipe.stage.activations import ActivationStore, Kept
 from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
 from raypipe.stage.device import stage_device
 from raypipe.stage.gradients import clip_and_step, owned_grad_stats
-from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers, tensor_bytes
+from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers
 from raypipe.stage.offload import Offloader
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
-from raypipe.stage.split_backward import input_gradient
+from raypipe.stage.split_backward import PendingWeightGradient, input_gradient, input_gradients
 from raypipe.stage.stage_op import stage_op
 from raypipe.stage.step_stats import stage_stats
 from raypipe.stage.zero import Ownership
@@ -164,12 +165,14 @@ class StageWorker(StageCheckpointing):
 
     # -- the ops of a step --------------------------------------------------
     @stage_op("F", in_step=True)
-    def forward(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
-                loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:
+    def forward(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
+                loss_weight: float | None = None, step: int = 0) -> boundary.Boundary | float:
         """Run this stage on one micro-batch; keep what backward needs.
 
-        Returns the activation for the next stage, or on the last stage the
-        loss weighted so that summing over micro-batches gives the global mean.
+        ``inputs``: a tensor or a tree of them (:mod:`raypipe.stage.boundary`); None on the
+        first stage when it reads its own data. Returns the activation (tensor or tree) for
+        the next stage, or on the last stage the loss weighted so that summing over
+        micro-batches gives the global mean.
         """
         self._begin_step(step)
         inputs = self._stage_input(micro_batch, inputs, step, "train")
@@ -177,44 +180,75 @@ class StageWorker(StageCheckpointing):
             targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "train")
         recompute = self._recomputes(micro_batch)
         if recompute:
+            self._check_offloadable(inputs)
             with torch.no_grad():
                 outputs = self._run(inputs, micro_batch, targets, loss_weight)
-            self.store.keep_input(micro_batch, inputs, tensor_bytes(inputs), extra=(targets, loss_weight))
+            self.store.keep_input(micro_batch, inputs, boundary.nbytes(inputs), extra=(targets, loss_weight))
         else:
             leaf = self._as_leaf(inputs)
             with SavedTensorMeter(self._parameter_storages) as meter:
                 outputs = self._run(leaf, micro_batch, targets, loss_weight)
-            meter.add(outputs)  # the graph's root stays alive until backward
+            for output in boundary.tensors(outputs):
+                meter.add(output)  # the graph's roots stay alive until backward
             self.store.keep_graph(micro_batch, leaf, outputs, meter.bytes)
         if self.is_last:
             loss = float(outputs.detach())
             self._step_loss += loss
             return loss
-        return outputs.detach()
+        boundary.check_sendable(outputs, self.stage_index, self.device)
+        return boundary.detached(outputs)
 
     @stage_op("B", in_step=True)
-    def backward(self, micro_batch: int, grad_outputs: torch.Tensor | None = None,
-                 loss_scale: float = 1.0) -> torch.Tensor | None:
-        """Backpropagate one micro-batch, accumulating into ``.grad``; return the input gradient."""
+    def backward(self, micro_batch: int, grad_outputs: boundary.Boundary = None,
+                 loss_scale: float = 1.0) -> boundary.Boundary:
+        """Backpropagate one micro-batch, accumulating into ``.grad``; return the input gradient
+        (for a tree input: a tree of its structure, ``None`` where a leaf has no gradient)."""
         kept, inputs, outputs = self._materialized(micro_batch)
-        torch.autograd.backward(outputs, self._output_gradient(outputs, grad_outputs, loss_scale))
+        roots, gradients = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs,
+                                                                                  loss_scale))
+        torch.autograd.backward(roots, gradients)
         self.store.release(kept)
         self._backwards_done.add(micro_batch)
-        if self.is_first or inputs is None or inputs.grad is None:
+        if self.is_first or inputs is None:
             return None
-        return inputs.grad
+        return boundary.input_gradient(inputs)
 
     @stage_op("I", in_step=True)
-    def backward_input(self, micro_batch: int, grad_outputs: torch.Tensor | None = None,
-                       loss_scale: float = 1.0) -> torch.Tensor | None:
+    def backward_input(self, micro_batch: int, grad_outputs: boundary.Boundary = None,
+                       loss_scale: float = 1.0) -> boundary.Boundary:
         """A split backward's input gradient (I) of one micro-batch (None on the first stage),
-        keeping what its :meth:`backward_weight` needs; loss scale and received gradient as in B."""
+        keeping what its :meth:`backward_weight` needs; loss scale and received gradient as in B.
+        A tree input's gradient is a tree of its structure, as in B. The output may be a tree
+        with one tensor that requires grad (a LLaMA's hidden states beside positions and
+        document ids), or with several on a stage whose input takes no gradient (the first)."""
         kept, inputs, outputs = self._materialized(micro_batch)
-        seed = self._output_gradient(outputs, grad_outputs, loss_scale)
-        differentiable = not self.is_first and isinstance(inputs, torch.Tensor) and inputs.requires_grad
-        gradient, pending = input_gradient(outputs, seed, inputs if differentiable else None, self._compute_weights)
+        roots, seeds = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs, loss_scale))
+        if isinstance(inputs, torch.Tensor) and isinstance(outputs, torch.Tensor):  # the single-tensor path
+            differentiable = not self.is_first and inputs.requires_grad
+            gradient, pending = input_gradient(roots[0], seeds[0], inputs if differentiable else None,
+                                               self._compute_weights)
+        else:
+            gradient, pending = self._split_tree_backward(inputs, outputs, roots, seeds)
         self._pending_weight_gradients[micro_batch] = (kept, pending)  # kept bytes stay counted until W
         return gradient
+
+    def _split_tree_backward(self, inputs: boundary.Boundary, outputs: boundary.Boundary,
+                             roots: list[torch.Tensor], seeds: list[torch.Tensor]
+                             ) -> tuple[boundary.Boundary, PendingWeightGradient]:
+        """:meth:`backward_input`'s I where either end is a tree: the input gradient (a tree of
+        the input's structure, or None) and what W needs."""
+        leaves = [] if self.is_first or inputs is None else boundary.differentiable_leaves(inputs)
+        if not leaves:  # no input gradient: W runs the whole backward from every root
+            return None, PendingWeightGradient([], roots, seeds)
+        if len(roots) != 1:
+            raise ValueError(self._unsplittable(outputs, inputs, len(roots)))
+        gradients, pending = input_gradients(roots[0], seeds[0], [tensor for _, tensor in leaves],
+                                             self._compute_weights)
+        if gradients is None:
+            return None, pending
+        by_path = {path: gradient.contiguous() for (path, _), gradient in zip(leaves, gradients)
+                   if gradient is not None}  # contiguous as in B (boundary.input_gradient)
+        return boundary.gradients_at(inputs, by_path), pending
 
     @stage_op("W", in_step=True)
     def backward_weight(self, micro_batch: int) -> None:
@@ -224,7 +258,24 @@ class StageWorker(StageCheckpointing):
         self.store.release(kept)
         self._backwards_done.add(micro_batch)
 
-    def _materialized(self, micro_batch: int) -> tuple[Kept, torch.Tensor, torch.Tensor]:
+    def _unsplittable(self, outputs: boundary.Boundary, inputs: boundary.Boundary, roots: int) -> str:
+        """Why a split backward cannot run on this stage's trees (its first line names the cause)."""
+        return (f"stage {self.stage_index}: schedule {self.config.schedule!r} splits the backward of a stage "
+                f"whose output has one tensor that requires grad; this stage's output has {roots} and its input "
+                f"takes a gradient\n"
+                f"  output: {boundary.describe(outputs)}\n  input: {boundary.describe(inputs)}\n"
+                "  use a schedule without the split backward (e.g. '1f1b'), or pass one floating-point tensor "
+                "that requires grad out of this stage")
+
+    def _check_offloadable(self, inputs: boundary.Boundary) -> None:
+        """Offload keeps one tensor per micro-batch off the device; a tree input is refused."""
+        if self.config.offload_activations and boundary.is_tree(inputs):
+            raise ValueError(f"stage {self.stage_index}: offload_activations offloads a single-tensor stage "
+                             f"input; this stage receives a tree ({boundary.describe(inputs)})\n"
+                             "  set offload_activations=False (activation_checkpoint still recomputes from the "
+                             "kept input, on the device)")
+
+    def _materialized(self, micro_batch: int) -> tuple[Kept, boundary.Boundary, boundary.Boundary]:
         """A micro-batch's kept state, its stage input and its graph's output, the forward
         replayed with the same seeds where only the input was kept (once per backward)."""
         kept = self.store.take(micro_batch)
@@ -234,18 +285,20 @@ class StageWorker(StageCheckpointing):
             inputs = self._as_leaf(inputs)
             targets, loss_weight = kept.extra
             # the kept input is still counted in the store until release()
-            with SavedTensorMeter(self._parameter_storages, counted=(inputs,)) as meter:
+            with SavedTensorMeter(self._parameter_storages, counted=tuple(boundary.tensors(inputs))) as meter:
                 outputs = self._run(inputs, micro_batch, targets, loss_weight)
-            meter.add(outputs)
+            for output in boundary.tensors(outputs):
+                meter.add(output)
             self.store.note_transient(meter.bytes + kept.offloaded_bytes)  # + the fetched-back input
         return kept, inputs, outputs
 
-    def _output_gradient(self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None,
-                         loss_scale: float) -> torch.Tensor:
-        """What the backward starts from: the loss scale on the last stage, else the received gradient."""
+    def _output_gradient(self, outputs: boundary.Boundary, grad_outputs: boundary.Boundary,
+                         loss_scale: float) -> boundary.Boundary:
+        """What the backward starts from: the loss scale on the last stage, else the received
+        gradient (moved to each output's device and dtype by :func:`boundary.backward_roots`)."""
         if self.is_last:
             return torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device)
-        return grad_outputs.to(self.device).to(outputs.dtype)
+        return grad_outputs
 
     def finish_backward(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
         """:meth:`grad_stats` of a step whose ops the driver submitted one by one.
@@ -332,8 +385,8 @@ class StageWorker(StageCheckpointing):
         self._step_loss = 0.0
 
     @stage_op("eval", timed=False)
-    def evaluate(self, micro_batch: int, inputs: torch.Tensor | None, targets: torch.Tensor | None = None,
-                 loss_weight: float | None = None, step: int = 0) -> torch.Tensor | float:
+    def evaluate(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
+                 loss_weight: float | None = None, step: int = 0) -> boundary.Boundary | float:
         """Forward only, keeping nothing: activation or weighted loss."""
         inputs = self._stage_input(micro_batch, inputs, step, "validation")
         if self.is_last:
@@ -354,32 +407,34 @@ class StageWorker(StageCheckpointing):
         mode = self.config.activation_checkpoint
         return mode == "always" or (mode == "except_last" and micro_batch != self._last_micro_batch)
 
-    def _stage_input(self, micro_batch: int, inputs: torch.Tensor | None, step: int, split: str) -> torch.Tensor:
+    def _stage_input(self, micro_batch: int, inputs: boundary.Boundary, step: int,
+                     split: str) -> boundary.Boundary:
         if inputs is None:
             inputs = self.data.inputs(step, micro_batch, split)
-        return inputs.to(self.device, non_blocking=True)
+        return boundary.to_device(inputs, self.device)
 
     def _targets(self, micro_batch, targets, loss_weight, step, split):
         if targets is None:
             return self.data.targets_and_weight(step, micro_batch, split)
         return targets, 1.0 if loss_weight is None else loss_weight
 
-    def _as_leaf(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.is_first or not inputs.is_floating_point():
-            return inputs
-        return inputs.detach().requires_grad_(True)
+    def _as_leaf(self, inputs: boundary.Boundary) -> boundary.Boundary:
+        """The received input whose floating-point tensors are autograd leaves (the first stage's data is not)."""
+        return inputs if self.is_first else boundary.as_autograd_leaves(inputs)
 
-    def _run(self, hidden: torch.Tensor, micro_batch: int, targets: torch.Tensor | None,
+    def _run(self, hidden: boundary.Boundary, micro_batch: int, targets: torch.Tensor | None,
              loss_weight: float | None, training: bool = True) -> torch.Tensor:
-        """The stage's layers (and loss, on the last stage), seeded per layer."""
+        """The stage's layers (and loss, on the last stage), seeded per layer. The loss takes
+        a single-tensor output in fp32, a tree output as it is."""
         self.layers.train(training)
         with autocast(self.config.precision, self.device.type):
             hidden = self._run_layers(hidden, micro_batch, training)
         if not self.is_last:
             return hidden
-        return self.loss_fn(hidden.float(), targets.to(self.device)) * loss_weight
+        output = hidden.float() if isinstance(hidden, torch.Tensor) else hidden
+        return self.loss_fn(output, targets.to(self.device)) * loss_weight
 
-    def _run_layers(self, hidden: torch.Tensor, micro_batch: int, training: bool) -> torch.Tensor:
+    def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool) -> boundary.Boundary:
         size = self.config.activation_checkpoint_segments
         if not size or not training or not torch.is_grad_enabled():
             for position in range(len(self.layers)):
@@ -392,12 +447,12 @@ class StageWorker(StageCheckpointing):
             hidden = checkpoint(self._run_segment, segment, hidden, micro_batch, use_reentrant=False)
         return hidden
 
-    def _run_segment(self, positions: range, hidden: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    def _run_segment(self, positions: range, hidden: boundary.Boundary, micro_batch: int) -> boundary.Boundary:
         for position in positions:
             hidden = self._run_layer(position, hidden, micro_batch)
         return hidden
 
-    def _run_layer(self, position: int, hidden: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    def _run_layer(self, position: int, hidden: boundary.Boundary, micro_batch: int) -> boundary.Boundary:
         # Randomness from (seed, step, micro-batch, layer): a recompute replays the
         # same dropout masks, whatever the partition or activation-checkpoint mode.
         # the step's global micro-batch index: the same masks whatever the number of replicas

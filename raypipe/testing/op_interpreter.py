@@ -58,14 +58,18 @@ class _Replica:
 class OpInterpreter:
     """``config.num_stages`` workers of ``layers`` (split by ``config.balance``, or evenly) per
     replica (``config.num_replicas``, fixed; ZeRO-1 with ``shard_optimizer``), each running the
-    lowered ``config.schedule`` on its block of the step: :meth:`step` is one training step."""
+    lowered ``config.schedule`` on its block of the step: :meth:`step` is one training step.
+    ``loss_count_fn`` counts each micro-batch's targets for the loss weights, as the trainer's does.
+    What passes between stages (a tensor or a tree of them) is handed over as it is."""
 
     def __init__(self, layers: Sequence[Callable[[], nn.Module]] | Sequence[nn.Module], loss_fn: Callable,
-                 optimizer_factory: Callable, config: PipelineConfig, loss_scale: float | None = None) -> None:
+                 optimizer_factory: Callable, config: PipelineConfig, loss_scale: float | None = None,
+                 loss_count_fn: Callable[[torch.Tensor], int] = count_samples) -> None:
         config.validate(len(layers))
         if config.elastic:
             raise ValueError("the interpreter runs a fixed number of replicas")
-        self.config, self.loss_scale = config, loss_scale
+        # what weights each micro-batch's mean loss, as the trainer's loss_count_fn (packed rows: predicted tokens)
+        self.config, self.loss_scale, self.loss_count_fn = config, loss_scale, loss_count_fn
         p, count = config.num_stages, config.max_replicas
         balance = (config.balance if isinstance(config.balance, list)
                    else partition_by_cost([1.0] * len(layers), p))
@@ -77,7 +81,8 @@ class OpInterpreter:
             workers = [StageWorker(WorkerSpec(
                 stage, p, tuple(_layer(layers[i], count) for i in indices), tuple(indices), config,
                 ops=tuple(schedule[stage]), replica=replica, num_replicas=count, micro_batches=block,
-                optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == p - 1 else None))
+                optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == p - 1 else None,
+                loss_count_fn=loss_count_fn))
                 for stage, indices in enumerate(stage_layer_ranges(balance))]
             self.replicas.append(_Replica(workers, lower(schedule, PLACEMENT[config.schedule]), block))
         self.workers = [worker for replica in self.replicas for worker in replica.workers]
@@ -88,7 +93,7 @@ class OpInterpreter:
         """One step on the global batch (split as the trainer splits it); the decision
         every worker took (loss, grad norm, skipped or not)."""
         inputs, targets = split_micro_batches(inputs, targets, self.config.micro_batches_per_step)
-        weights = loss_weights([count_samples(t) for t in targets])
+        weights = loss_weights([self.loss_count_fn(t) for t in targets])
         for replica in self.replicas:
             block = replica.block
             self._run_replica(replica, step, inputs[block.start:block.stop], targets[block.start:block.stop],

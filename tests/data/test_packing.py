@@ -202,17 +202,6 @@ def test_lengths_that_fall_short_of_the_row_are_padding_the_manifest_does_not_re
         verify_dataset(corrupt(packed, tmp_path, drop_last_piece))
 
 
-def test_fit_refuses_a_packed_dataset_on_more_than_one_stage(packed):
-    from types import SimpleNamespace
-
-    from raypipe.fit import fit
-
-    trainer = SimpleNamespace(micro_batches_per_step=2, config=SimpleNamespace(num_stages=2))
-    with pytest.raises(ValueError, match=r"^the dataset is packed \(prepared with pack=True\), which trains on one "
-                                         r"stage for now.*num_stages=2"):
-        fit(trainer, TokenDataset(packed, micro_batch_size=1, num_micro_batches=2), 1)
-
-
 def test_a_packed_reader_pickles_and_resumes_to_the_same_batches(packed):
     import pickle
 

@@ -176,16 +176,23 @@ def test_flash_attn_varlen_matches_the_mask_path_at_bf16():
         torch.testing.assert_close(got.float(), expected, rtol=5e-2, atol=5e-2 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("activation_checkpoint", ["never", "always"])
-def test_one_stage_trains_packed_rows_as_one_process_on_each_document(activation_checkpoint):
-    """The stage itself (its worker, as the executors run it, without Ray) on a packed batch: the
-    step's loss is the per-token mean over every document alone, and the gradients theirs."""
+@pytest.mark.parametrize("num_stages,num_micro_batches,schedule,activation_checkpoint", [
+    (1, 1, "gpipe", "never"), (1, 1, "gpipe", "always"), (2, 2, "1f1b", "never"), (2, 2, "gpipe", "always"),
+    (2, 4, "zb_h1", "never"), (3, 2, "1f1b", "except_last"), (4, 2, "zb_h1", "always")])
+def test_stages_train_packed_rows_as_one_process_on_each_document(num_stages, num_micro_batches, schedule,
+                                                                  activation_checkpoint):
+    """The stages themselves (their workers, as the executors run them, without Ray) on a packed
+    batch: the step's loss is the per-token mean over every document alone, and the gradients
+    theirs. Between stages the hidden states, positions and document ids travel as a tuple, and
+    micro-batches are weighted by their predicted tokens (``loss_count_fn``)."""
     import raypipe
     from raypipe.testing.op_interpreter import OpInterpreter
 
     inputs, targets, pieces = packed_batch(seed=9, rows=4)
-    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1, activation_checkpoint=activation_checkpoint)
-    pipeline = OpInterpreter(list(model()), llama_loss, lambda params: torch.optim.SGD(params, lr=0.1), config)
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches, schedule=schedule,
+                                    activation_checkpoint=activation_checkpoint)
+    pipeline = OpInterpreter(list(model()), llama_loss, lambda params: torch.optim.SGD(params, lr=0.1), config,
+                             loss_count_fn=llama_count_tokens)
     decision = pipeline.step(0, inputs, targets)
 
     net = model()
