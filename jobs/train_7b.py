@@ -42,6 +42,11 @@ the numbers do not change with the replica count.
 local or ``s3://`` / ``gs://``) instead of the preset's random weights; each
 stage reads only its own layers. ``--tokenizer DIR`` prepares the data with
 that Hugging Face tokenizer (``tokenizer.json``) instead of bytes.
+
+``--pack`` trains on packed documents (``raypipe prepare --pack``): each
+document attends only to itself, at its own positions, and never predicts the
+next one's first token. The default dataset is then prepared packed, in a cache
+directory of its own; a ``--data`` given must have been prepared with ``--pack``.
 """
 from __future__ import annotations
 
@@ -154,6 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", help="prepared dataset: local path (prepared from the Python stdlib if "
                                        "missing) or s3:// / gs:// URI (default: the stdlib, prepared in "
                                        "$RAYPIPE_CACHE or ~/.cache/raypipe)")
+    parser.add_argument("--pack", action="store_true",
+                        help="packed documents: each attends only to itself, at its own positions; the default "
+                             "dataset is prepared packed (in its own cache directory), a given --data must be "
+                             "packed (`raypipe prepare --pack`)")
     parser.add_argument("--ship-data-limit-mb", type=int, default=1024, metavar="MB",
                         help="a local --data that a stage's node cannot open goes through Ray's object store up to "
                              "this size; above it the run stops before step 0 (default: 1024)")
@@ -186,7 +195,7 @@ def apply_preset(args: argparse.Namespace) -> None:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.data is None:
-        args.data = dataset_path(None, args.seq_len, args.tokenizer)
+        args.data = dataset_path(None, args.seq_len, args.tokenizer, pack=args.pack)
     if args.out is None:
         args.out = f"runs/train_7b-{args.preset}"
     if args.checkpoint_dir is None:
@@ -226,7 +235,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     """The shared run config of these flags: ``--steps`` in total, resumed steps included."""
     return RunConfig(
         model=args.model, init_from=args.init_from, untie_embeddings=args.untie_embeddings, tokenizer=args.tokenizer,
-        data=args.data, seq_len=args.seq_len, steps=args.steps,
+        data=args.data, pack=args.pack, seq_len=args.seq_len, steps=args.steps,
         micro_batch_size=args.micro_batch_size, learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
         lr_decay_steps=args.steps,  # the whole run's schedule; a resumed scheduler continues it

@@ -1,7 +1,7 @@
 """Train the tiny LLaMA on the Python standard library, on CPU, in a few minutes.
 
     python jobs/train_tiny.py [--stages 2] [--replicas 1 | --replicas 1:2] [--micro-batches 8] [--steps 200]
-                              [--out runs/tiny]
+                              [--pack] [--out runs/tiny]
 
 Prepares the corpus if missing, starts a local Ray instance (or joins
 RAY_ADDRESS), trains on pipeline stages and writes summary.json, loss.png,
@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "extra replica (default: 0)")
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")
+    parser.add_argument("--pack", action="store_true",
+                        help="packed documents: each attends only to itself, at its own positions (the default "
+                             "dataset is prepared packed, in its own cache directory; a --data must be packed, "
+                             "`raypipe prepare --pack`)")
     parser.add_argument("--out", default="runs/tiny", help="output directory")
     parser.add_argument("--checkpoint-dir", default=None, help="checkpoints (default: OUT/checkpoints)")
     parser.add_argument("--checkpoint-every", type=int, default=50,
@@ -85,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The run config of these flags."""
     return RunConfig(
-        model="tiny", data=args.data, steps=args.steps, micro_batch_size=args.micro_batch_size,
+        model="tiny", data=args.data, pack=args.pack, steps=args.steps, micro_batch_size=args.micro_batch_size,
         eval_every=args.eval_every, out=args.out, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),

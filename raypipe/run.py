@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from raypipe.config import PipelineConfig
-from raypipe.core.validation import check_int, from_mapping
+from raypipe.core.validation import check_bool, check_int, from_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class RunConfig:
     tokenizer: str | None = None  # Hugging Face tokenizer directory preparing ``data``; None: bytes
     data: str | None = None  # prepared dataset (local path or s3:// / gs:// URI); None: the stdlib, in the cache
     prepare_if_missing: bool = True  # prepare the stdlib corpus at ``data`` if absent
+    pack: bool = False  # packed documents (``raypipe prepare --pack``): each attends only to itself; the default
+    # stdlib dataset is prepared packed, in its own cache directory; a given ``data`` must be packed
     steps: int = 200  # the run's total: a resumed run trains the steps its checkpoint does not hold yet
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     micro_batch_size: int = 2
@@ -54,8 +56,13 @@ class RunConfig:
         """Build from a mapping (e.g. a YAML file); unknown keys, here or in ``pipeline``, and the
         renamed activation-checkpointing keys raise a ConfigError naming them."""
         run = from_mapping(cls, values, "run config")
+        run.validate()
         PipelineConfig.from_dict(run.pipeline)  # fail now, before any data is prepared
         return run
+
+    def validate(self) -> None:
+        """The checks a run config can make before any data is prepared (ConfigError naming the field)."""
+        check_bool("pack", self.pack)
 
 
 def llama_count_tokens(targets: torch.Tensor) -> int:
@@ -87,6 +94,7 @@ def train(run: RunConfig, callback: Callable[[Any], None] | None = None,
     from raypipe.trainer import PipelineTrainer
 
     check_int("steps", run.steps, 1, allowed="must be an int >= 1 (the run's total optimizer steps)")
+    run.validate()
     pipeline = PipelineConfig.from_dict(run.pipeline)
     layers, model, seq_len = _model(run)
     # costs for the run's sequences and precision, which balance="time" splits the stages by
@@ -121,15 +129,16 @@ def _datasets(run: RunConfig, pipeline: PipelineConfig, model: Any, seq_len: int
     """The dataset's path (prepared if missing and allowed) and its train and validation readers."""
     from raypipe.data import TokenDataset, prepare
 
-    data = dataset_path(run.data, seq_len, run.tokenizer)
+    data = dataset_path(run.data, seq_len, run.tokenizer, pack=run.pack)
     if run.prepare_if_missing and "://" not in data and not (Path(data) / "manifest.json").exists():
         # only when absent: re-preparing would replace a dataset made from another corpus with the stdlib
-        prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer))
+        prepare(data, seq_len=seq_len, tokenizer=_tokenizer(run.tokenizer), pack=run.pack)
     per_step = pipeline.micro_batches_per_step  # whoever runs them
     datasets = [TokenDataset(data, split, run.micro_batch_size, per_step, seed=pipeline.seed,
                              vocab_size=model.vocab_size) for split in ("train", "validation")]
     _check_dataset_seq_len(data, datasets[0].seq_len, run.seq_len, model.max_seq_len)
     _check_dataset_tokenizer(data, datasets[0].tokenizer_name, run.tokenizer)
+    check_dataset_packed(data, datasets[0].packed, run.pack)
     return data, datasets
 
 
@@ -168,15 +177,17 @@ def _resume(trainer: Any, dataset: Any, checkpoint_dir: str) -> int:
     return trainer.step_count
 
 
-def dataset_path(data: str | None, seq_len: int, tokenizer: str | None = None) -> str:
+def dataset_path(data: str | None, seq_len: int, tokenizer: str | None = None, pack: bool = False) -> str:
     """``data``, or where the default stdlib dataset of ``seq_len`` (and ``tokenizer``, a Hugging Face
-    tokenizer directory; None: bytes) lives: the user's cache, never a job's working directory (which
-    Ray may unpack anew, or remove, under the stages reading it)."""
+    tokenizer directory; None: bytes; ``pack``: packed documents) lives: the user's cache, never a job's
+    working directory (which Ray may unpack anew, or remove, under the stages reading it). A packed
+    dataset and an unpacked one never share a directory."""
     from raypipe.data.cache import default_dataset_dir
 
     if data is not None:
         return data
-    return str(default_dataset_dir(seq_len, tokenizer="byte" if tokenizer is None else f"hf:{tokenizer}"))
+    return str(default_dataset_dir(seq_len, tokenizer="byte" if tokenizer is None else f"hf:{tokenizer}",
+                                   pack=pack))
 
 
 def _model(run: RunConfig) -> tuple[list, Any, int]:
@@ -205,6 +216,17 @@ def _check_dataset_tokenizer(data: str, found: str, directory: str | None) -> No
     if directory is not None and not found.startswith("hf:"):
         raise ValueError(f"dataset {data} was prepared with tokenizer {found!r}, the run asks for {directory}: "
                          f"prepare it with `raypipe prepare --tokenizer {directory}`")
+
+
+def check_dataset_packed(data: str, packed: bool, pack: bool) -> None:
+    """The run trains on packed documents exactly when it asks to (``pack``): a dataset of the
+    other kind is refused, naming what to prepare, rather than trained on silently."""
+    if pack and not packed:
+        raise ValueError(f"dataset {data} is not packed, the run asks for pack=True (--pack): prepare it with "
+                         f"`raypipe prepare --pack`, or give the run another dataset")
+    if packed and not pack:
+        raise ValueError(f"dataset {data} is packed (prepared with --pack), the run asks for pack=False: set "
+                         f"pack: true (--pack) to train on it, or give the run an unpacked dataset")
 
 
 def _seq_len(requested: int | None, max_seq_len: int) -> int:

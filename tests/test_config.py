@@ -150,6 +150,47 @@ def test_schedule_from_yaml_and_the_jobs_flags(tmp_path):
             job["parse_args"]([*extra, "--schedule", "zbv"])
 
 
+def test_pack_from_yaml_and_the_jobs_flags(tmp_path):
+    from raypipe.run import dataset_path
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\npack: true\npipeline:\n  num_stages: 1\n")
+    assert RunConfig.from_dict(load_yaml(path)).pack is True
+    assert RunConfig().pack is False and load_yaml(REPO / "configs" / "tiny.yaml")["pack"] is False
+    path.write_text("model: tiny\npack: 'yes'\npipeline:\n  num_stages: 1\n")
+    with pytest.raises(ConfigError, match="invalid pack='yes': must be True or False"):
+        RunConfig.from_dict(load_yaml(path))
+    for name, extra in (("train_tiny", []), ("train_7b", ["--preset", "tiny"])):
+        job = load_job(name)
+        unpacked, packed = (job["run_config"](job["parse_args"](flags)) for flags in (extra, [*extra, "--pack"]))
+        assert (unpacked.pack, packed.pack) == (False, True)
+        given = job["run_config"](job["parse_args"]([*extra, "--pack", "--data", str(tmp_path / "d")]))
+        assert (given.pack, given.data) == (True, str(tmp_path / "d"))
+    # train_7b names its default dataset itself: the packed one lives apart from the unpacked one
+    job = load_job("train_7b")
+    unpacked, packed = (job["run_config"](job["parse_args"](["--preset", "tiny", *flags]))
+                        for flags in ([], ["--pack"]))
+    assert unpacked.data == dataset_path(None, 256) and packed.data == dataset_path(None, 256, pack=True)
+    assert packed.data != unpacked.data
+
+
+def test_a_packed_dataset_has_its_own_cache_directory_and_the_run_refuses_the_other_kind():
+    from raypipe.data.cache import default_dataset_dir
+    from raypipe.run import check_dataset_packed, dataset_path
+
+    # the unpacked default keeps the directory it was prepared in before packing existed
+    assert default_dataset_dir(256) == default_dataset_dir(256, pack=False)
+    assert default_dataset_dir(256, pack=True) != default_dataset_dir(256)
+    assert dataset_path(None, 256, "tok", pack=True) != dataset_path(None, 256, "tok")
+    assert dataset_path("s3://b/tokens", 256, pack=True) == "s3://b/tokens"  # a given dataset is used as given
+    check_dataset_packed("d", packed=True, pack=True)
+    check_dataset_packed("d", packed=False, pack=False)
+    with pytest.raises(ValueError, match=r"dataset d is not packed, the run asks for pack=True .*--pack"):
+        check_dataset_packed("d", packed=False, pack=True)
+    with pytest.raises(ValueError, match="dataset d is packed .* the run asks for pack=False"):
+        check_dataset_packed("d", packed=True, pack=False)
+
+
 def test_old_keys_in_a_yaml_run_config_name_their_new_name(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: tiny\npipeline:\n  num_stages: 2\n  checkpoint: always\n")

@@ -24,3 +24,18 @@ def test_an_elastic_run_reads_the_global_batch_of_its_most_replicas(tmp_path):
     for step in (0, 1):
         assert torch.equal(elastic.global_batch(step)[0], fixed.global_batch(step)[0])
         assert torch.equal(from_yaml.global_batch(step)[1], fixed.global_batch(step)[1])
+
+
+def test_a_run_trains_on_packed_documents_exactly_when_it_asks_to(tmp_path):
+    import pytest
+
+    model, pipeline = get_config("tiny"), PipelineConfig(num_stages=1, num_micro_batches=2)
+    for pack in (False, True):
+        prepare(tmp_path / str(pack), corpus=stdlib_slice(1), seq_len=16, pack=pack)
+    for pack in (False, True):
+        asked = RunConfig(data=str(tmp_path / str(pack)), pack=pack, prepare_if_missing=False, seq_len=16)
+        assert _datasets(asked, pipeline, model, 16)[1][0].packed is pack
+        other = RunConfig(data=str(tmp_path / str(not pack)), pack=pack, prepare_if_missing=False, seq_len=16)
+        with pytest.raises(ValueError, match="prepare it with `raypipe prepare --pack`" if pack
+                           else "set pack: true"):
+            _datasets(other, pipeline, model, 16)

@@ -22,7 +22,8 @@ def cache_root() -> Path:
     return Path(base).expanduser().resolve() / "raypipe"
 
 
-def default_dataset_dir(seq_len: int, corpus: str = STDLIB_CORPUS, tokenizer: str = "byte") -> Path:
+def default_dataset_dir(seq_len: int, corpus: str = STDLIB_CORPUS, tokenizer: str = "byte",
+                        pack: bool = False) -> Path:
     """The directory a job prepares its default corpus in: ``<cache>/data/<corpus>-<tokenizer>-<hash>``.
 
     A job's working directory is a copy that Ray's runtime environment unpacks,
@@ -30,9 +31,11 @@ def default_dataset_dir(seq_len: int, corpus: str = STDLIB_CORPUS, tokenizer: st
     under the stages reading it. ``tokenizer`` is the name a manifest records
     (``byte``, ``hf:DIRECTORY``). The hash covers everything that changes the
     tokens (sequence length; for the stdlib, the Python version that supplies
-    it), so different datasets never share a directory.
+    it; whether documents are packed), so different datasets never share a directory.
     """
     key = {"corpus": corpus, "tokenizer": tokenizer, "seq_len": seq_len}
+    if pack:  # only when packed: the unpacked datasets keep the directories they were prepared in
+        key["pack"] = True
     if corpus == STDLIB_CORPUS:
         key["python"] = platform.python_version()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]

@@ -292,6 +292,18 @@ def test_entrypoint_passes_the_schedule(chart) -> None:
     assert schema["properties"]["training"]["properties"]["schedule"]["enum"] == list(RUNNABLE_SCHEDULES)
 
 
+def test_entrypoint_passes_pack(chart) -> None:
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert "--pack" not in flags  # off by default, as in train_7b.py
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"pack": True}}), "RayJob"))
+    assert flags["--pack"] == []
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    assert schema["properties"]["training"]["properties"]["pack"]["type"] == "boolean"
+    assert yaml.safe_load((CHART_DIR / "values.yaml").read_text())["training"]["pack"] is False
+    report = helm_python.lint(CHART_DIR, {"training": {"pack": "yes"}}, strict=True, namespace=NAMESPACE)
+    assert any("/training/pack" in error for error in report["errors"]), report["errors"]
+
+
 def test_entrypoint_passes_the_balance(chart) -> None:
     _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
     assert "--balance" not in flags  # the default, "parameters", is train_7b.py's default too
