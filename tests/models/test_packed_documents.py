@@ -112,6 +112,16 @@ def test_one_document_per_row_is_the_unpacked_model_bitwise():
     assert torch.equal(net(packed), net(tokens))
 
 
+def test_rows_of_one_piece_take_plain_causal_attention_equal_to_the_mask(monkeypatch):
+    q, k, v = (torch.randn(2, 8, 4, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
+    one_piece = torch.tensor([[0] * 8, [3] * 8])
+    masked = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            attn_mask=document_causal_mask(one_piece)).transpose(1, 2)
+    monkeypatch.setattr("raypipe.models.document_mask.document_causal_mask",
+                        lambda ids: pytest.fail("rows of one piece need no mask"))
+    torch.testing.assert_close(document_attention(q, k, v, one_piece), masked, rtol=1e-5, atol=1e-6)
+
+
 def test_mask_and_boundaries_of_document_ids():
     ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
     mask = document_causal_mask(ids)[:, 0]
