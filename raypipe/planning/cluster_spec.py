@@ -2,7 +2,8 @@
 (``planning/clusters/*.json``) or a user's JSON file. Per device the peak flop rate of each
 precision, memory, memory bandwidth, host-copy bandwidth, and an ``achievable_fraction`` of
 peak that compute reaches; per GPU the link to a GPU on its node (NVLink) and to one on
-another node (its NIC); GPUs per node. No Ray, no torch."""
+another node (its NIC); GPUs per node; optionally the fixed overheads a calibration measured
+(``op_overhead_s`` per compute op, ``step_overhead_s`` per step; 0 in the presets). No Ray, no torch."""
 from __future__ import annotations
 
 import json
@@ -41,6 +42,12 @@ class Cluster:
     achievable_fraction: float  # of peak, for the layers' flops (the MFU ceiling of a busy GPU)
     source: str = ""
     description: str = ""
+    # Measured overheads the flops do not count (0 unless a calibration gives them): the time a
+    # worker spends around each compute op (F, B, I, W) outside the op's flops (dispatch,
+    # kernel launches, Python), and the fixed time of a step outside its pipeline (the driver's
+    # dispatch and commit). benchmarks/bench_predicted_step.py measures both on this machine.
+    op_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def peak(self, precision: str) -> float:
         """Peak flop/s of ``precision``'s compute (what MFU divides by)."""
@@ -94,7 +101,14 @@ class Cluster:
         if fraction > 1:
             raise ValueError(f"{origin}: achievable_fraction={fraction!r} must be in (0, 1]")
         known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "gpus_per_node",
-                 "intra_node", "inter_node", "host_copy_bytes_per_s", "achievable_fraction", "source"}
+                 "intra_node", "inter_node", "host_copy_bytes_per_s", "achievable_fraction", "source",
+                 "op_overhead_s", "step_overhead_s"}
+        overheads = {}
+        for name in ("op_overhead_s", "step_overhead_s"):
+            value = data.get(name, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{origin}: {name}={value!r} must be a number >= 0 (seconds)")
+            overheads[name] = float(value)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{origin}: unknown field(s) {unknown}; a cluster has {sorted(known)}")
@@ -107,7 +121,7 @@ class Cluster:
                    intra_node=link("intra_node"), inter_node=link("inter_node"),
                    host_copy_bytes_per_s=number(get("host_copy_bytes_per_s"), "host_copy_bytes_per_s"),
                    achievable_fraction=fraction, source=str(data.get("source", "")),
-                   description=str(data.get("description", "")))
+                   description=str(data.get("description", "")), **overheads)
 
 
 def load_cluster(name_or_path: str | Path) -> Cluster:

@@ -5,7 +5,7 @@ No Ray, no torch.
 
 **The search** (:func:`search_plans`): for every ``p`` dividing the GPU count up to the
 layer count, ``d = N / p``, micro-batches ``m`` in ``{p, 2p, 4p}`` (or what a fixed global
-batch leaves), micro-batch sizes 1 and 2, schedules gpipe and 1F1B, recompute never and
+batch leaves), micro-batch sizes 1 and 2, the runnable schedules (gpipe, 1F1B, zb_h1), recompute never and
 always, ZeRO-1 off and on (d > 1): the layers balanced by time (``--balance time``), or, where
 that split does not fit, the fastest split that does (the memory model's exact DP, printed
 as a list); a configuration that fits nowhere is dropped. Candidates are simulated in
@@ -20,7 +20,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from raypipe.core.ops import F
+from raypipe.core.ops import F, I, W
+from raypipe.core.schedule import RUNNABLE_SCHEDULES
 from raypipe.models.llama import LlamaConfig
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
@@ -30,7 +31,7 @@ from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, predict_split, schedule_ops,
                                       stage_bounds)
 
-SEARCH_SCHEDULES = ("gpipe", "1f1b")
+SEARCH_SCHEDULES = RUNNABLE_SCHEDULES  # gpipe, 1f1b, zb_h1: what the executors run
 SEARCH_RECOMPUTE = ("never", "always")
 SEARCH_MICRO_BATCH_SIZES = (1, 2)
 SEARCH_MICRO_BATCHES_PER_STAGE = (1, 2, 4)  # m = p, 2p, 4p: a bubble of at most (p-1)/(5p-1) ~ 20% at 4p
@@ -122,6 +123,10 @@ def _walk_peaks(schedule: str, num_stages: int, num_micro_batches: int, activati
                 activation_checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
             if op.kind == F:
                 graphs, inputs = (graphs, inputs + 1) if recompute else (graphs + 1, inputs)
+            elif op.kind == I:  # a split backward: a recomputed graph is rebuilt here and held until W
+                graphs, inputs = (graphs + 1, inputs - 1) if recompute else (graphs, inputs)
+            elif op.kind == W:  # frees the graph its I held
+                graphs -= 1
             else:
                 if recompute:  # its graph rebuilt, the input it holds already counted among the kept ones
                     points.add((graphs + 1, inputs - 1))

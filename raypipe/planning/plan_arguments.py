@@ -48,7 +48,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cluster = parser.add_argument_group(
         "predicted step time (--cluster)",
-        "search replicas x stages = --gpus, micro-batches, schedule (gpipe, 1f1b), recompute and ZeRO-1 for the "
+        "search replicas x stages = --gpus, micro-batches, schedule (gpipe, 1f1b, zb_h1), recompute and ZeRO-1 for the "
         "highest predicted tokens/s that fits; --stages, --replicas, --micro-batches, --schedule, "
         "--activation-checkpoint and --shard-optimizer are searched, not taken")
     cluster.add_argument("--cluster", metavar="h100|h200|FILE",

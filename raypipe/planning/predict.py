@@ -33,9 +33,15 @@ placement group (as few nodes as hold it), its bundles in stage order.
    warm-up bubble); the rest, for the slowest stage, is added once per ``snapshot_every``
    steps.
 
+5. *Fixed overheads* a calibration measured (the cluster's ``op_overhead_s`` and
+   ``step_overhead_s``, 0 in the presets): each compute op (F, B, I, W) takes ``op_overhead_s``
+   more, counted as the worker's idle time, not its compute (it is dispatch, launches, Python),
+   and each step ``step_overhead_s`` more (the driver's dispatch and commit).
+
 Not modelled: link contention (messages in flight never slow each other), kernel-launch
-and Python overheads, NCCL's protocol switch for small messages, stragglers; the
-``achievable_fraction`` stands for everything that makes compute slower than peak.
+and Python overheads unless the cluster gives them (5.), NCCL's protocol switch for small
+messages, stragglers; the ``achievable_fraction`` stands for everything that makes compute
+slower than peak.
 
 **MFU** = the model's flops of one step (forward and both backward halves of every layer,
 no recompute: the 6 N tokens of the matmuls plus attention and the cross entropy) / (step
@@ -52,7 +58,7 @@ from raypipe.config import CHECKPOINT_MODES
 from raypipe.core.lowering import lower
 from raypipe.core.ops import B, F, OPTIMIZER_STEP, REDUCE_GRAD, LoweredOp, Op
 from raypipe.core.partition import partition_by_cost
-from raypipe.core.schedule import gpipe_schedule, make_schedule, one_f_one_b_schedule
+from raypipe.core.schedule import gpipe_schedule, make_schedule, one_f_one_b_schedule, zb_h1_schedule
 from raypipe.core.timed_simulation import simulate_timed
 from raypipe.models.layers import LayerCost, LayerSpec
 from raypipe.models.llama_memory import static_bytes_per_parameter
@@ -193,6 +199,8 @@ def schedule_ops(name: str, num_stages: int, num_micro_batches: int) -> list[lis
         return gpipe_schedule(num_stages, num_micro_batches)
     if name == "1f1b":
         return one_f_one_b_schedule(num_stages, num_micro_batches)
+    if name == "zb_h1":
+        return zb_h1_schedule(num_stages, num_micro_batches)
     return make_schedule(name, num_stages, num_micro_batches)
 
 
@@ -236,16 +244,18 @@ def _recomputed(shape: StepShape, micro_batch: int | None) -> bool:
 def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int):
     """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``."""
 
+    overhead = cluster.op_overhead_s  # around every compute op (see the module's 5.)
+
     def op_seconds(stage: int, op: LoweredOp) -> float:
         if op.kind == F:
-            return times.forward[stage]
+            return times.forward[stage] + overhead
         recompute = times.recompute[stage] if _recomputed(shape, op.micro_batch) else 0.0
         if op.kind == B:
-            return times.backward[stage] + recompute
+            return times.backward[stage] + recompute + overhead
         if op.kind == "I":  # a split backward's input gradient (zero-bubble schedules), with any recompute
-            return times.backward_input[stage] + recompute
+            return times.backward_input[stage] + recompute + overhead
         if op.kind == "W":
-            return times.backward[stage] - times.backward_input[stage]
+            return times.backward[stage] - times.backward_input[stage] + overhead
         if op.kind in (REDUCE_GRAD, OPTIMIZER_STEP):
             return 0.0  # the reduction, decision and optimizer are added after the pipeline (see the module)
         raise ValueError(f"the predictor has no time for {op!r} (stage {stage}) of schedule {shape.schedule!r}")
@@ -332,10 +342,13 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
         hidden = [min(copy, start) for copy, start in zip(snapshot, first_compute)]
         exposed = max(copy - free for copy, free in zip(snapshot, hidden)) / shape.snapshot_every \
             if shape.snapshot_every else 0.0
-        total = decided + tail + exposed
+        total = decided + tail + exposed + cluster.step_overhead_s
         if total >= step:
             step, pipeline, reduction_exposed, snapshot_exposed = total, run.step_s, decided - run.step_s, exposed
-            pipeline_bubble = 1 - sum(run.busy_s) / (shape.num_stages * run.step_s) if run.step_s else 0.0
+            # busy: the ops' compute, not the per-op overhead the simulation put in their times
+            overheads = cluster.op_overhead_s * sum(timed.op.kind in (F, B, "I", "W") for timed in run.timeline)
+            pipeline_bubble = (1 - (sum(run.busy_s) - overheads) / (shape.num_stages * run.step_s)
+                               if run.step_s else 0.0)
     compute = [shape.num_micro_batches * (f + b) + sum(times.recompute[s] for mb in range(shape.num_micro_batches)
                                                         if _recomputed(shape, mb))
                for s, (f, b) in enumerate(zip(times.forward, times.backward))]
@@ -360,13 +373,20 @@ def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], paramete
     times = _stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
     _, optimizer, _ = _tail_seconds(parameters, shape, cluster)
     fastest = min(cluster.intra_node, cluster.inter_node, key=lambda link: link.latency_s)
+    ops = schedule_ops(shape.schedule, shape.num_stages, shape.num_micro_batches)
     best = 0.0
-    lead = 0.0  # F and B of the stages before, and the messages between them
+    lead = 0.0  # F and B (a split backward: I) of the stages before, and the messages between them
     for stage in range(shape.num_stages):
         compute = shape.num_micro_batches * (times.forward[stage] + times.backward[stage]) + sum(
             times.recompute[stage] for mb in range(shape.num_micro_batches) if _recomputed(shape, mb))
-        best = max(best, lead + compute)
+        kinds = [op.kind for op in ops[stage]]
+        split = "I" in kinds
+        # a split backward's W ops after the stage's last I may run while the last gradient goes back
+        weight = times.backward[stage] - times.backward_input[stage]
+        trailing = kinds[len(kinds) - kinds[::-1].index("I"):].count("W") if split else 0
+        best = max(best, lead + compute - trailing * weight)
         message = fastest.latency_s + times.message_bytes[stage] / max(
             cluster.intra_node.bandwidth_bytes_per_s, cluster.inter_node.bandwidth_bytes_per_s)
-        lead += times.forward[stage] + times.backward[stage] + 2 * message
-    return best + max(optimizer)
+        back = times.backward_input[stage] if split else times.backward[stage]
+        lead += times.forward[stage] + back + 2 * message
+    return best + max(optimizer) + cluster.step_overhead_s

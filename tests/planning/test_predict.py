@@ -15,7 +15,7 @@ from raypipe.planning.cluster_spec import Cluster, Link, load_cluster
 from raypipe.planning.configuration_search import LlamaStageBytes, candidate_shapes, search_plans
 from raypipe.planning.memory import estimate_stage
 from raypipe.planning.plan import main as plan_main
-from raypipe.planning.predict import StepShape, predict_step
+from raypipe.planning.predict import StepShape, optimistic_step_s, predict_split, predict_step, stage_bounds
 
 GB = 10**9
 
@@ -82,6 +82,41 @@ def test_messages_and_recompute_by_hand():
                               activation_checkpoint="always", seq_len=1, snapshot_every=0)
     assert recomputed.step_s == pytest.approx(19.0)
     assert recomputed.mfu == pytest.approx(12 / (19 * 2))  # recompute is not model flops
+
+
+@pytest.mark.parametrize("schedule, ops_per_micro_batch", [("gpipe", 2), ("zb_h1", 3)])
+def test_calibrated_overheads_by_hand(schedule, ops_per_micro_batch):
+    # op_overhead_s = 0.1 s around each compute op: GPipe's F = 2.1, B = 4.1 s, so the pipeline is
+    # (m + p - 1)(F + B) = 5 x 6.2 = 31 s; the overhead is idle time, not compute. step_overhead_s
+    # = 0.5 s once per step, after the optimizer (1 s, as above; one replica: no reduction).
+    base = predict_step([LAYER] * 4, unit_cluster(), num_stages=2, num_micro_batches=4, schedule=schedule,
+                        seq_len=100, snapshot_every=0)
+    calibrated = predict_step([LAYER] * 4, unit_cluster(op_overhead_s=0.1, step_overhead_s=0.5), num_stages=2,
+                              num_micro_batches=4, schedule=schedule, seq_len=100, snapshot_every=0)
+    if schedule == "gpipe":
+        assert base.step_s == pytest.approx(31.0)
+        assert calibrated.pipeline_s == pytest.approx(31.0)
+        assert calibrated.step_s == pytest.approx(32.5)
+    assert calibrated.step_s > base.step_s + 0.5
+    # each stage computes 4 x (2 + 4) = 24 s whatever the overheads: they only add bubble
+    busy = 2 * 24
+    assert calibrated.pipeline_bubble == pytest.approx(1 - busy / (2 * calibrated.pipeline_s))
+    assert calibrated.bubble_fraction == pytest.approx(1 - busy / (2 * calibrated.step_s))
+    # the overheads of the ops on the critical path: at least one stage's m x ops, at most all
+    added = calibrated.pipeline_s - base.pipeline_s
+    assert 0.1 * 4 * ops_per_micro_batch <= added + 1e-9 <= 0.1 * 2 * 4 * ops_per_micro_batch
+
+
+def test_cluster_file_overheads(tmp_path):
+    data = json.loads((load_cluster.__globals__["CLUSTERS_DIR"] / "h100.json").read_text())
+    assert (load_cluster("h100").op_overhead_s, load_cluster("h100").step_overhead_s) == (0.0, 0.0)
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps(data | {"op_overhead_s": 2e-4, "step_overhead_s": 0.01}))
+    cluster = load_cluster(str(path))
+    assert (cluster.op_overhead_s, cluster.step_overhead_s) == (2e-4, 0.01)
+    path.write_text(json.dumps(data | {"step_overhead_s": -1}))
+    with pytest.raises(ValueError, match="step_overhead_s=-1 must be a number >= 0"):
+        load_cluster(str(path))
 
 
 def test_mfu_of_one_busy_gpu_is_the_achievable_fraction():
@@ -199,3 +234,19 @@ def test_plan_without_cluster_is_unchanged(capsys):
     assert plan["settings"]["precision"] == "fp32" and "step_time_s" not in plan
     assert plan_main(["--model", "tiny", "--gpus", "8"]) == 2
     assert "need --cluster" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_no_predicted_step_undercuts_the_searchs_optimistic_bound(schedule):
+    # the search stops at the first bound that cannot beat its top: a bound above a step would lose the best
+    config = LlamaConfig(vocab_size=4000, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, ffn_dim=640, max_seq_len=512)
+    cluster = unit_cluster(gpus_per_node=2, inter_node=Link(1e9, 1e-4), intra_node=Link(1e10, 1e-5))
+    costs = llama_layer_costs(config, 512, "bf16")
+    for shape in candidate_shapes(8, config.n_layers + 2, seq_len=512, schedules=(schedule,)):
+        split = balance_by_time(costs, shape.num_stages, activation_checkpoint=shape.activation_checkpoint)
+        bytes_of = LlamaStageBytes(config, shape)
+        bounds = stage_bounds(split)
+        parameters = [bytes_of.parameters(start, end) for start, end in bounds]
+        memory = [bytes_of(stage, start, end) for stage, (start, end) in enumerate(bounds)]
+        predicted = predict_split(costs, split, parameters, memory, None, shape, cluster).step_s
+        assert optimistic_step_s(costs, split, parameters, shape, cluster) <= predicted * (1 + 1e-12), shape
