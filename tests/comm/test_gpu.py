@@ -27,7 +27,8 @@ def test_nccl_worker_sends_only_activations_and_gradients_by_nccl():
     executor = make_executor(config, raypipe.core.schedule.make_schedule("gpipe", 2, 1))
     assert isinstance(executor, PerOpExecutor) and isinstance(executor.transport, DirectTransport)
     routes = executor.actor_class().__ray_metadata__.method_meta.method_name_to_tensor_transport
-    assert routes == {"forward": "NCCL", "backward": "NCCL"}
+    # a split backward's I returns what B returns (the input gradient); W returns nothing
+    assert routes == {"forward": "NCCL", "backward": "NCCL", "backward_input": "NCCL"}
 
 
 def test_nccl_worker_computes_what_a_plain_stage_worker_computes():

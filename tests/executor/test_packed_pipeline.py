@@ -1,8 +1,12 @@
-"""Packed documents on two stages over Ray (the default p2p executor): the LLaMA's hidden
-states, positions and document ids cross the stage boundary as a tree, and training equals
-one process on the same packed rows (issue 44, item 1)."""
+"""Trees across stage boundaries over Ray (issue 44, item 1): packed documents on two stages
+(the default p2p executor; and two replicas), where the LLaMA's hidden states, positions and
+document ids cross the boundary as a tree, and a model passing dicts and tuples on the per-op
+executor and over Ray Direct Transport, each equal to one process. Every schedule and
+checkpointing mode runs in-process (tests/stage/test_tree_boundaries.py,
+tests/models/test_packed_documents.py)."""
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -11,7 +15,11 @@ from raypipe.core.packed import IGNORE_INDEX
 from raypipe.models.llama import llama_loss
 from raypipe.run import llama_count_tokens
 from tests.models.test_packed_documents import CONFIG, model, packed_batch
-from tests.reference import assert_parameters_match
+from tests.reference import adamw, assert_parameters_match, executor_options, random_batches, reference_step
+from tests.stage.test_tree_boundaries import BATCH as TREE_BATCH
+from tests.stage.test_tree_boundaries import CLIP as TREE_CLIP
+from tests.stage.test_tree_boundaries import MICRO_BATCHES as TREE_MICRO_BATCHES
+from tests.stage.test_tree_boundaries import tree_loss, tree_model
 
 MICRO_BATCHES = 2
 
@@ -22,8 +30,8 @@ def sgd(params) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def reference_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-                   targets: torch.Tensor) -> float:
+def reference_step_packed(net: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+                          targets: torch.Tensor) -> float:
     """One step in one process: the summed loss of every predicted token over their count."""
     logits = net(inputs)
     loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), targets.reshape(-1), ignore_index=IGNORE_INDEX,
@@ -45,6 +53,36 @@ def test_packed_rows_on_two_stages_train_as_one_process(ray_cluster):
             counts = [llama_count_tokens(part) for part in torch.tensor_split(targets, MICRO_BATCHES)]
             assert counts[0] != counts[1]  # the micro-batches weigh by predicted tokens, not rows
             result = trainer.step(inputs, targets)
-            loss = reference_step(reference, reference_optimizer, inputs, targets)
+            loss = reference_step_packed(reference, reference_optimizer, inputs, targets)
             torch.testing.assert_close(result.loss, loss, rtol=1e-5, atol=0)
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("transport", ["object_store", "gloo"])  # the per-op executor, and Ray Direct Transport
+def test_stages_passing_trees_train_as_one_process_on_the_other_executors(ray_cluster, transport):
+    # dicts and tuples (a float leaf with a gradient, an int leaf, a float mask, None, a constant) over 3 stages
+    config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=TREE_MICRO_BATCHES, schedule="1f1b",
+                                    clip_grad_norm=TREE_CLIP, **executor_options(transport))
+    net = tree_model()
+    reference = copy.deepcopy(net)
+    reference_optimizer = adamw(reference.parameters())
+    with raypipe.PipelineTrainer(net, tree_loss, adamw, config) as trainer:
+        for x, y in random_batches(TREE_BATCH, 2):
+            result = trainer.step(x, y)
+            loss, norm = reference_step(reference, reference_optimizer, tree_loss, x, y, TREE_MICRO_BATCHES,
+                                        TREE_CLIP)
+            assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+
+
+def test_packed_rows_on_two_replicas_of_two_stages_train_as_one_process(ray_cluster):
+    net = model()
+    reference = copy.deepcopy(net)
+    reference_optimizer = sgd(reference.parameters())
+    config = raypipe.PipelineConfig(num_stages=2, num_replicas=2, num_micro_batches=MICRO_BATCHES)
+    with raypipe.PipelineTrainer(net, llama_loss, sgd, config, loss_count_fn=llama_count_tokens) as trainer:
+        inputs, targets, _ = packed_batch(seed=30, rows=8)
+        result = trainer.step(inputs, targets)  # each replica's block weighs by its predicted tokens
+        loss = reference_step_packed(reference, reference_optimizer, inputs, targets)
+        torch.testing.assert_close(result.loss, loss, rtol=1e-5, atol=0)
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
