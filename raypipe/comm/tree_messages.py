@@ -101,8 +101,8 @@ def layout_of(tree: Any, stage: int, device: torch.device) -> TreeLayout:
             leaves.append(LeafLayout("tensor", DTYPES.index(leaf.dtype), tuple(leaf.shape), offset))
             offset += -(-leaves[-1].nbytes // ALIGNMENT) * ALIGNMENT
         else:
-            raise TreeLeafError(f"{where} is a {type(leaf).__name__}: a stage boundary carries tensors, None, "
-                                f"and bool/int/float/str constants, in tuples, lists and dicts")
+            raise TreeLeafError(f"{where} is an object of type {type(leaf).__name__}: a stage boundary carries "
+                                f"tensors, None, and bool/int/float/str constants, in tuples, lists and dicts")
     return TreeLayout(pytree.treespec_dumps(spec), tuple(leaves), offset)
 
 

@@ -214,7 +214,7 @@ def test_a_tree_of_tensors_crosses_the_boundary_and_its_float_leaves_get_gradien
 def test_a_leaf_that_cannot_cross_names_the_stage_and_its_path():
     from raypipe.comm.tree_messages import TreeLeafError, layout_of
 
-    with pytest.raises(TreeLeafError, match=r"^stage 1 output\[1\]\['bad'\] is a object: "):
+    with pytest.raises(TreeLeafError, match=r"^stage 1 output\[1\]\['bad'\] is an object of type object: "):
         layout_of((torch.ones(2), {"bad": object()}), 1, torch.device("cpu"))
     with pytest.raises(TreeLeafError, match=r"^stage 2 output\[0\] is a torch.complex64 tensor"):
         layout_of([torch.ones(2, dtype=torch.complex64)], 2, torch.device("cpu"))

@@ -126,7 +126,7 @@ def test_a_leaf_that_cannot_be_sent_names_the_stage_and_its_path():
     with pytest.raises(StageError) as raised:
         pipeline.workers[0].forward(0, x, step=0)
     assert isinstance(raised.value.original, TreeLeafError)
-    assert "stage 0 output['extra']['lengths'] is a object" in str(raised.value).splitlines()[0]
+    assert "stage 0 output['extra']['lengths'] is an object of type object" in str(raised.value).splitlines()[0]
 
 
 def test_a_split_backward_of_several_differentiable_outputs_into_a_differentiable_input_is_refused():
