@@ -58,3 +58,15 @@ def _ray_gpu_ids() -> list[int | str]:
     if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
         return []
     return list(ray.get_gpu_ids())
+
+
+def warm_up_spare_process() -> None:
+    """What a warm spare does before it is needed, so a heal does not: the CUDA context of the
+    GPU Ray gave it (if any), and the imports a first build makes lazily (torch's optimizers
+    import dynamo, and it sympy: ~2 s on a CPU box)."""
+    import importlib
+
+    device = stage_device(torch.cuda.is_available())
+    if device.type == "cuda":
+        torch.empty(1, device=device)
+    importlib.import_module("torch._dynamo")

@@ -24,13 +24,14 @@ class SavedTensorMeter:
         self.add(tensor)
         return tensor
 
-    def add(self, tensor: torch.Tensor) -> None:
-        """Count a tensor the stage keeps by other means (e.g. its graph's output)."""
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in self._seen and pointer not in self._parameter_storages:
-            self._seen.add(pointer)
-            self.bytes += storage.nbytes()
+    def add(self, *tensors: torch.Tensor) -> None:
+        """Count tensors the stage keeps by other means (e.g. its graph's outputs)."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer not in self._seen and pointer not in self._parameter_storages:
+                self._seen.add(pointer)
+                self.bytes += storage.nbytes()
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()

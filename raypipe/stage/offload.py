@@ -82,3 +82,14 @@ class Offloader:
             else:
                 still_copying.append(offloaded)
         self._copying = still_copying
+
+
+def check_offloadable(inputs: Any, stage: int) -> None:
+    """The offloader keeps one tensor per micro-batch off the device: a tree input is refused."""
+    from raypipe.stage import boundary
+
+    if boundary.is_tree(inputs):
+        raise ValueError(f"stage {stage}: offload_activations offloads a single-tensor stage input; this stage "
+                         f"receives a tree ({boundary.describe(inputs)})\n"
+                         "  set offload_activations=False (activation_checkpoint still recomputes from the kept "
+                         "input, on the device)")

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from raypipe.stage import boundary
+
 
 def _node_of(tensor: torch.Tensor) -> Node | None:
     """The autograd node a gradient for ``tensor`` flows into: its grad_fn, or for a
@@ -179,3 +181,32 @@ def _weight_groups(weights: Sequence[torch.Tensor], consumers: dict[Node, list[N
         for junction in group.junctions:
             group_of[junction] = group
     return groups
+
+
+def boundary_input_gradient(inputs: boundary.Boundary, outputs: boundary.Boundary, roots: list[torch.Tensor],
+                            seeds: list[torch.Tensor], weights: Sequence[torch.Tensor], input_takes_gradient: bool,
+                            stage: int, schedule: str) -> tuple[boundary.Boundary, PendingWeightGradient]:
+    """A stage's I on its boundary values (a tensor, or a tree of them): the input gradient (a
+    tree of the input's structure, ``None`` where no gradient flows; None when none does) and
+    what W needs. ``roots``/``seeds``: :func:`raypipe.stage.boundary.backward_roots`. A tree
+    output may have one tensor that requires grad (a LLaMA's hidden states beside positions
+    and document ids), or several where the input takes no gradient (the first stage)."""
+    if isinstance(inputs, torch.Tensor) and isinstance(outputs, torch.Tensor):  # the single-tensor path
+        differentiable = input_takes_gradient and inputs.requires_grad
+        return input_gradient(roots[0], seeds[0], inputs if differentiable else None, weights)
+    leaves = boundary.differentiable_leaves(inputs) if input_takes_gradient and inputs is not None else []
+    if not leaves:  # no input gradient: W runs the whole backward from every root
+        return None, PendingWeightGradient([], roots, seeds)
+    if len(roots) != 1:
+        raise ValueError(
+            f"stage {stage}: schedule {schedule!r} splits the backward of a stage whose output has one tensor "
+            f"that requires grad; this stage's output has {len(roots)} and its input takes a gradient\n"
+            f"  output: {boundary.describe(outputs)}\n  input: {boundary.describe(inputs)}\n"
+            "  use a schedule without the split backward (e.g. '1f1b'), or pass one floating-point tensor "
+            "that requires grad out of this stage")
+    gradients, pending = input_gradients(roots[0], seeds[0], [tensor for _, tensor in leaves], weights)
+    if gradients is None:
+        return None, pending
+    by_path = {path: gradient.contiguous() for (path, _), gradient in zip(leaves, gradients)
+               if gradient is not None}  # contiguous as in B (boundary.input_gradient)
+    return boundary.gradients_at(inputs, by_path), pending

@@ -6,7 +6,7 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
-import importlib
+import os
 from typing import Any
 
 import ray
@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from raypipe.core.result import OpEvent, StageReport
-from raypipe.core.seeding import derive_seed
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide
 from raypipe.core.topology import Topology
 from raypipe.errors import StageError, StepAborted
@@ -24,13 +23,14 @@ from raypipe.stage.activations import ActivationStore, Kept
 from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
-from raypipe.stage.device import stage_device
+from raypipe.stage.device import stage_device, warm_up_spare_process
 from raypipe.stage.gradients import clip_and_step, owned_grad_stats
+from raypipe.stage.layer_run import layer_seeds, run_layers
 from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers
-from raypipe.stage.offload import Offloader
+from raypipe.stage.offload import Offloader, check_offloadable
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.spec import WorkerSpec
-from raypipe.stage.split_backward import PendingWeightGradient, input_gradient, input_gradients
+from raypipe.stage.split_backward import boundary_input_gradient
 from raypipe.stage.stage_op import stage_op
 from raypipe.stage.step_stats import stage_stats
 from raypipe.stage.zero import Ownership
@@ -45,11 +45,7 @@ class StageWorker(StageCheckpointing):
         if spec is None:
             self.spec = None
             self.ops_done = 0  # answers heartbeat()
-            device = stage_device(torch.cuda.is_available())  # the GPU Ray gave it, if any
-            if device.type == "cuda":  # its CUDA context is made now, not in a heal
-                torch.empty(1, device=device)
-            # what a first build imports lazily (torch's optimizers import dynamo, and it sympy): ~2 s on a CPU box
-            importlib.import_module("torch._dynamo")
+            warm_up_spare_process()
             return
         config = spec.config
         torch.set_num_threads(config.cpus_per_stage)
@@ -135,10 +131,6 @@ class StageWorker(StageCheckpointing):
 
     def ready(self) -> dict[str, Any]:
         """Once the layers are built: parameter count, device, and where this worker runs."""
-        import os
-
-        import ray
-
         context = ray.get_runtime_context()
         cuda = self.device.type == "cuda"
         name = torch.cuda.get_device_name(self.device) if cuda else "cpu"
@@ -180,7 +172,8 @@ class StageWorker(StageCheckpointing):
             targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "train")
         recompute = self._recomputes(micro_batch)
         if recompute:
-            self._check_offloadable(inputs)
+            if self.config.offload_activations:
+                check_offloadable(inputs, self.stage_index)
             with torch.no_grad():
                 outputs = self._run(inputs, micro_batch, targets, loss_weight)
             self.store.keep_input(micro_batch, inputs, boundary.nbytes(inputs), extra=(targets, loss_weight))
@@ -188,8 +181,7 @@ class StageWorker(StageCheckpointing):
             leaf = self._as_leaf(inputs)
             with SavedTensorMeter(self._parameter_storages) as meter:
                 outputs = self._run(leaf, micro_batch, targets, loss_weight)
-            for output in boundary.tensors(outputs):
-                meter.add(output)  # the graph's roots stay alive until backward
+            meter.add(*boundary.tensors(outputs))  # the graph's roots stay alive until backward
             self.store.keep_graph(micro_batch, leaf, outputs, meter.bytes)
         if self.is_last:
             loss = float(outputs.detach())
@@ -216,39 +208,15 @@ class StageWorker(StageCheckpointing):
     @stage_op("I", in_step=True)
     def backward_input(self, micro_batch: int, grad_outputs: boundary.Boundary = None,
                        loss_scale: float = 1.0) -> boundary.Boundary:
-        """A split backward's input gradient (I) of one micro-batch (None on the first stage),
-        keeping what its :meth:`backward_weight` needs; loss scale and received gradient as in B.
-        A tree input's gradient is a tree of its structure, as in B. The output may be a tree
-        with one tensor that requires grad (a LLaMA's hidden states beside positions and
-        document ids), or with several on a stage whose input takes no gradient (the first)."""
+        """A split backward's input gradient (I) of one micro-batch (None on the first stage; a tree
+        input's as in B), keeping what its :meth:`backward_weight` needs; loss scale and received
+        gradient as in B (see :func:`~raypipe.stage.split_backward.boundary_input_gradient`)."""
         kept, inputs, outputs = self._materialized(micro_batch)
         roots, seeds = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs, loss_scale))
-        if isinstance(inputs, torch.Tensor) and isinstance(outputs, torch.Tensor):  # the single-tensor path
-            differentiable = not self.is_first and inputs.requires_grad
-            gradient, pending = input_gradient(roots[0], seeds[0], inputs if differentiable else None,
-                                               self._compute_weights)
-        else:
-            gradient, pending = self._split_tree_backward(inputs, outputs, roots, seeds)
+        gradient, pending = boundary_input_gradient(inputs, outputs, roots, seeds, self._compute_weights,
+                                                    not self.is_first, self.stage_index, self.config.schedule)
         self._pending_weight_gradients[micro_batch] = (kept, pending)  # kept bytes stay counted until W
         return gradient
-
-    def _split_tree_backward(self, inputs: boundary.Boundary, outputs: boundary.Boundary,
-                             roots: list[torch.Tensor], seeds: list[torch.Tensor]
-                             ) -> tuple[boundary.Boundary, PendingWeightGradient]:
-        """:meth:`backward_input`'s I where either end is a tree: the input gradient (a tree of
-        the input's structure, or None) and what W needs."""
-        leaves = [] if self.is_first or inputs is None else boundary.differentiable_leaves(inputs)
-        if not leaves:  # no input gradient: W runs the whole backward from every root
-            return None, PendingWeightGradient([], roots, seeds)
-        if len(roots) != 1:
-            raise ValueError(self._unsplittable(outputs, inputs, len(roots)))
-        gradients, pending = input_gradients(roots[0], seeds[0], [tensor for _, tensor in leaves],
-                                             self._compute_weights)
-        if gradients is None:
-            return None, pending
-        by_path = {path: gradient.contiguous() for (path, _), gradient in zip(leaves, gradients)
-                   if gradient is not None}  # contiguous as in B (boundary.input_gradient)
-        return boundary.gradients_at(inputs, by_path), pending
 
     @stage_op("W", in_step=True)
     def backward_weight(self, micro_batch: int) -> None:
@@ -257,23 +225,6 @@ class StageWorker(StageCheckpointing):
         pending.run()
         self.store.release(kept)
         self._backwards_done.add(micro_batch)
-
-    def _unsplittable(self, outputs: boundary.Boundary, inputs: boundary.Boundary, roots: int) -> str:
-        """Why a split backward cannot run on this stage's trees (its first line names the cause)."""
-        return (f"stage {self.stage_index}: schedule {self.config.schedule!r} splits the backward of a stage "
-                f"whose output has one tensor that requires grad; this stage's output has {roots} and its input "
-                f"takes a gradient\n"
-                f"  output: {boundary.describe(outputs)}\n  input: {boundary.describe(inputs)}\n"
-                "  use a schedule without the split backward (e.g. '1f1b'), or pass one floating-point tensor "
-                "that requires grad out of this stage")
-
-    def _check_offloadable(self, inputs: boundary.Boundary) -> None:
-        """Offload keeps one tensor per micro-batch off the device; a tree input is refused."""
-        if self.config.offload_activations and boundary.is_tree(inputs):
-            raise ValueError(f"stage {self.stage_index}: offload_activations offloads a single-tensor stage "
-                             f"input; this stage receives a tree ({boundary.describe(inputs)})\n"
-                             "  set offload_activations=False (activation_checkpoint still recomputes from the "
-                             "kept input, on the device)")
 
     def _materialized(self, micro_batch: int) -> tuple[Kept, boundary.Boundary, boundary.Boundary]:
         """A micro-batch's kept state, its stage input and its graph's output, the forward
@@ -287,8 +238,7 @@ class StageWorker(StageCheckpointing):
             # the kept input is still counted in the store until release()
             with SavedTensorMeter(self._parameter_storages, counted=tuple(boundary.tensors(inputs))) as meter:
                 outputs = self._run(inputs, micro_batch, targets, loss_weight)
-            for output in boundary.tensors(outputs):
-                meter.add(output)
+            meter.add(*boundary.tensors(outputs))
             self.store.note_transient(meter.bytes + kept.offloaded_bytes)  # + the fetched-back input
         return kept, inputs, outputs
 
@@ -435,33 +385,10 @@ class StageWorker(StageCheckpointing):
         return self.loss_fn(output, targets.to(self.device)) * loss_weight
 
     def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool) -> boundary.Boundary:
-        size = self.config.activation_checkpoint_segments
-        if not size or not training or not torch.is_grad_enabled():
-            for position in range(len(self.layers)):
-                hidden = self._run_layer(position, hidden, micro_batch)
-            return hidden
-        from torch.utils.checkpoint import checkpoint
-
-        for start in range(0, len(self.layers), size):
-            segment = range(start, min(start + size, len(self.layers)))
-            hidden = checkpoint(self._run_segment, segment, hidden, micro_batch, use_reentrant=False)
-        return hidden
-
-    def _run_segment(self, positions: range, hidden: boundary.Boundary, micro_batch: int) -> boundary.Boundary:
-        for position in positions:
-            hidden = self._run_layer(position, hidden, micro_batch)
-        return hidden
-
-    def _run_layer(self, position: int, hidden: boundary.Boundary, micro_batch: int) -> boundary.Boundary:
-        # Randomness from (seed, step, micro-batch, layer): a recompute replays the
-        # same dropout masks, whatever the partition or activation-checkpoint mode.
         # the step's global micro-batch index: the same masks whatever the number of replicas
-        global_micro_batch = self.block.start + micro_batch
-        seed = derive_seed(self.config.seed, self._step, global_micro_batch, self.layer_indices[position])
-        torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
-        if self.device.type == "cuda":
-            torch.cuda.default_generators[self.device.index].manual_seed(seed)
-        return self.weights.run(position, self.layers[position], hidden)
+        seeds = layer_seeds(self.config.seed, self._step, self.block.start + micro_batch, self.layer_indices)
+        segments = self.config.activation_checkpoint_segments if training and torch.is_grad_enabled() else None
+        return run_layers(self.layers, self.weights, hidden, seeds, self.device, segments)
 
     def _prefetch_next(self, micro_batch: int) -> None:
         """Start fetching the input of the backward that runs after this one."""

@@ -1,0 +1,39 @@
+"""A stage's layers run on one micro-batch: each layer seeded from (seed, step, micro-batch,
+layer), so a recompute replays the same dropout masks whatever the partition, the number of
+replicas or the activation-checkpoint mode; optionally in segments that
+``torch.utils.checkpoint`` recomputes in the backward."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from raypipe.core.seeding import derive_seed
+from raypipe.stage.boundary import Boundary
+
+
+def layer_seeds(seed: int, step: int, global_micro_batch: int, layer_indices: Sequence[int]) -> list[int]:
+    """Each layer's seed for one micro-batch (its index in the whole step, not in a replica's block)."""
+    return [derive_seed(seed, step, global_micro_batch, index) for index in layer_indices]
+
+
+def run_layers(layers: nn.ModuleList, weights: object, hidden: Boundary, seeds: Sequence[int],
+               device: torch.device, segment_size: int | None = None) -> Boundary:
+    """``layers`` on ``hidden`` through ``weights.run`` (see :mod:`raypipe.stage.precision`), layer i
+    seeded with ``seeds[i]``; with ``segment_size``, in checkpointed segments of that many layers."""
+    def run(positions: range, hidden: Boundary) -> Boundary:
+        for position in positions:
+            torch.default_generator.manual_seed(seeds[position])  # ~1 us; torch.manual_seed costs ~80 us
+            if device.type == "cuda":
+                torch.cuda.default_generators[device.index].manual_seed(seeds[position])
+            hidden = weights.run(position, layers[position], hidden)
+        return hidden
+
+    if not segment_size:
+        return run(range(len(layers)), hidden)
+    from torch.utils.checkpoint import checkpoint
+
+    for start in range(0, len(layers), segment_size):
+        hidden = checkpoint(run, range(start, min(start + segment_size, len(layers))), hidden, use_reentrant=False)
+    return hidden
