@@ -52,7 +52,6 @@ destroy, which waits for pending work): the step raises
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from datetime import timedelta
 from typing import Any
@@ -61,8 +60,8 @@ import torch
 import torch.distributed as dist
 
 from raypipe.comm import tree_messages
-from raypipe.comm.headers import (DTYPES, HEADER_LENGTH, MAX_DIMS, PAYLOAD_OF_TREE, TREE, Signature, decode,
-                                  empty_buffer, encode, signature_of, tree_signature)
+from raypipe.comm.headers import (HEADER_LENGTH, PAYLOAD_OF_TREE, TREE, Signature, decode, empty_buffer, encode,
+                                  signature_of, tree_signature)
 from raypipe.comm.matching import GRADIENT, HEADER, LAYOUT, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
 from raypipe.comm.tree_messages import TreeLayout
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
@@ -71,14 +70,6 @@ from raypipe.comm.replicas import StageReplicas
 from raypipe.core.ops import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, LoweredOp
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
-
-def rendezvous_address() -> tuple[str, int]:
-    """An address and free port on this node for the group's rendezvous."""
-    import ray
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
 
 class P2PChannel:
@@ -199,21 +190,17 @@ class P2PChannel:
         and post the receive of its gradient. A tree of tensors (not a single tensor)
         goes as one payload, its layout beside the header (:mod:`raypipe.comm.tree_messages`)."""
         peer = self.rank + 1
-        if tree_messages.is_tree(tensor):
-            layout = tree_messages.layout_of(tensor, self.stage, self.device)
-            payload = tree_messages.pack(tensor, layout, self.device)
-            described = torch.frombuffer(bytearray(layout.to_bytes()), dtype=torch.uint8).to(self._control_device)
+        payload, layout = tree_messages.outgoing(tensor, self.stage, self.device)
+        signature, predicted = signature_of(payload), self._sent.get(micro_batch)
+        if layout is None:
+            header = encode(signature, self._control_device)
+        else:
+            described = layout.to_tensor(self._control_device)
             header = encode(tree_signature(layout.nbytes, described.numel()), self._control_device)
-            self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
+        self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
+        if layout is not None:  # on the control channel, right after its header
             self._sends.append((self._control_op(dist.isend, described, peer, micro_batch, LAYOUT), described))
             self._sent_layouts[micro_batch] = layout
-        else:
-            if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-                raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
-            payload = tensor.detach().contiguous()
-            header = encode(signature_of(payload), self._control_device)
-            self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
-        signature, predicted = signature_of(payload), self._sent.get(micro_batch)
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
             self._send(empty_buffer(predicted, self.device), peer, PREDICTED, micro_batch)
         self._send(payload, peer, PREDICTED if predicted == signature else UNPREDICTED, micro_batch)
@@ -256,7 +243,7 @@ class P2PChannel:
         described = torch.empty(size, dtype=torch.uint8, device=self._control_device)
         work = self._control_op(dist.irecv, described, peer, micro_batch, LAYOUT)
         self._wait(work, peer, micro_batch, "activation")
-        return TreeLayout.from_bytes(described.cpu().numpy().tobytes())
+        return TreeLayout.from_tensor(described)
 
     def recv_gradient(self, micro_batch: int) -> Any:
         """The gradient of the activation sent for ``micro_batch`` (for a tree: a tree of

@@ -63,13 +63,16 @@ class TreeLayout:
     leaves: tuple[LeafLayout, ...]
     nbytes: int
 
-    def to_bytes(self) -> bytes:
+    def to_tensor(self, device: torch.device) -> torch.Tensor:
+        """The layout as uint8 (JSON), to send on the control channel."""
         leaves = [[leaf.kind, leaf.dtype, list(leaf.shape), leaf.offset, leaf.value] for leaf in self.leaves]
-        return json.dumps({"spec": self.spec, "leaves": leaves, "nbytes": self.nbytes}).encode()
+        data = json.dumps({"spec": self.spec, "leaves": leaves, "nbytes": self.nbytes}).encode()
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> TreeLayout:
-        fields = json.loads(data.decode())
+    def from_tensor(cls, described: torch.Tensor) -> TreeLayout:
+        """The layout :meth:`to_tensor` made."""
+        fields = json.loads(described.cpu().numpy().tobytes().decode())
         leaves = tuple(LeafLayout(kind, dtype, tuple(shape), offset, value)
                        for kind, dtype, shape, offset, value in fields["leaves"])
         return cls(fields["spec"], leaves, fields["nbytes"])
@@ -104,6 +107,17 @@ def layout_of(tree: Any, stage: int, device: torch.device) -> TreeLayout:
             raise TreeLeafError(f"{where} is an object of type {type(leaf).__name__}: a stage boundary carries "
                                 f"tensors, None, and bool/int/float/str constants, in tuples, lists and dicts")
     return TreeLayout(pytree.treespec_dumps(spec), tuple(leaves), offset)
+
+
+def outgoing(value: Any, stage: int, device: torch.device) -> tuple[torch.Tensor, TreeLayout | None]:
+    """The one tensor an activation travels as, and for a tree its layout (None for a single
+    tensor, which is checked against what a header can describe)."""
+    if is_tree(value):
+        layout = layout_of(value, stage, device)
+        return pack(value, layout, device), layout
+    if value.dim() > MAX_DIMS or value.dtype not in DTYPES:
+        raise ValueError(f"cannot send a {value.dtype} tensor of shape {tuple(value.shape)} between stages")
+    return value.detach().contiguous(), None
 
 
 def pack(tree: Any, layout: TreeLayout, device: torch.device) -> torch.Tensor:

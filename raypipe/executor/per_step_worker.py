@@ -24,7 +24,8 @@ import ray
 import torch
 
 from raypipe.comm.call_socket import AnswersCalls
-from raypipe.comm.p2p import P2PChannel, rendezvous_address
+from raypipe.comm.p2p import P2PChannel
+from raypipe.comm.rendezvous import rendezvous_address
 from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.schedule import PLACEMENT, make_schedule
