@@ -92,22 +92,16 @@ class Sequence:
         self.name, self.replicas, self.at, self.inject = name, replicas, at, inject
 
 
-def second_kill_during_restore(trainer, step_once):
-    survivor = trainer.workers[1].pid
-    with once_before(StateTransfer, "transfer_state", lambda: kill(survivor)):
-        start = time.monotonic()
-        kill(trainer.workers[0].pid)
-        step_once()
-        return time.monotonic() - start
-
-
-def second_kill_during_sibling_copy(trainer, step_once):
-    sibling = trainer.workers[1].pid  # replica 0 stage 1: the source of replica 1 stage 1's state
-    with once_before(StateTransfer, "transfer_state", lambda: kill(sibling)):
-        start = time.monotonic()
-        kill(trainer.workers[3].pid)
-        step_once()
-        return time.monotonic() - start
+def second_kill_while_healing(first: int, second: int) -> Callable:
+    """Kill worker ``first`` (rank), then worker ``second`` just before the heal gives state."""
+    def inject(trainer, step_once):
+        survivor = trainer.workers[second].pid
+        with once_before(StateTransfer, "transfer_state", lambda: kill(survivor)):
+            start = time.monotonic()
+            kill(trainer.workers[first].pid)
+            step_once()
+            return time.monotonic() - start
+    return inject
 
 
 def replacement_dies_while_it_starts(trainer, step_once):
@@ -172,8 +166,9 @@ def kill_during_snapshot_copy(trainer, step_once):
 
 
 SEQUENCES = [
-    Sequence("second-kill-during-restore", 1, 3, second_kill_during_restore),
-    Sequence("second-kill-during-sibling-copy", 2, 3, second_kill_during_sibling_copy),
+    Sequence("second-kill-during-restore", 1, 3, second_kill_while_healing(0, 1)),
+    # replica 0 stage 1 (rank 1) is the source of replica 1 stage 1's (rank 3) state
+    Sequence("second-kill-during-sibling-copy", 2, 3, second_kill_while_healing(3, 1)),
     Sequence("replacement-dies-while-it-starts", 1, 3, replacement_dies_while_it_starts),
     Sequence("kill-during-evaluate-and-its-heal", 1, 3, kill_during_evaluate_and_its_heal),
     Sequence("kill-during-background-checkpoint-write", 1, 3, kill_during_background_checkpoint_write),
