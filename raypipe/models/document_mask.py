@@ -9,7 +9,7 @@ back; ``document_ids`` (batch, T) numbers them per row. Two kernels:
   cumulative sequence lengths, so nothing is padded or masked;
 - otherwise PyTorch's ``scaled_dot_product_attention`` with a boolean block-diagonal
   causal mask ``(batch, 1, T, T)`` (O(T²) memory per sequence, as the math kernel is),
-  or, where every row holds one piece, its plain causal attention (no mask).
+  or on CPU, where every row holds one piece, its plain causal attention (no mask).
 
 Both have the determinism of their unpacked counterparts (the varlen backward runs
 its deterministic variant).
@@ -41,9 +41,9 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     before it with its own document id; k/v may have fewer heads (GQA)."""
     if _flash_attn_varlen_func is not None and attention.flash_unavailable_reason(q) is None:
         return _varlen_attention(q, k, v, document_ids)
-    if bool((document_ids == document_ids[:, :1]).all()):
+    if not document_ids.is_cuda and bool((document_ids == document_ids[:, :1]).all()):
         # one piece per row (most rows of long documents): plain causal attention, the fused kernel,
-        # no (B, T, T) mask
+        # no (B, T, T) mask; on CPU only, where asking costs no device-to-host sync in every block
         return attention.causal_attention(q, k, v)
     gqa = k.size(2) != q.size(2)
     if gqa and q.is_cuda and q.dtype == torch.float32:  # as attention.causal_attention: keep off the math kernel
