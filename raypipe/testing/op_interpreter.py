@@ -11,6 +11,12 @@ there; an EXCHANGE posts its sends first and completes once its receives arrive.
 So a schedule's numerics (which ops, in which order, on which tensors) can be
 checked against one process in seconds, for every schedule × activation
 checkpointing × precision, before anything runs on Ray.
+
+A worker may hold several model chunks (``virtual_stages``): each chunk is a
+:class:`~raypipe.stage.worker.StageWorker` of its virtual stage, and a tensor
+whose next virtual stage is on the same worker is handed to it directly, as the
+lowering has no message there. The interleaved schedules (``interleaved_1f1b``,
+``zbv``), which the executors do not run yet, are interpreted this way.
 """
 from __future__ import annotations
 
@@ -28,27 +34,32 @@ from raypipe.core.lowering import lower
 from raypipe.core.micro_batches import count_samples, loss_weights, replica_blocks, split_micro_batches
 from raypipe.core.partition import partition_by_cost, stage_layer_ranges
 from raypipe.core.result import StageReport
-from raypipe.core.schedule import PLACEMENT, make_schedule
+from raypipe.core.schedule import PLACEMENT, SCHEDULES, make_schedule
 from raypipe.core.step_decision import StageGradStats, StepDecision
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
 
 
+Key = tuple[int, int]  # (chunk, micro-batch)
+
+
 @dataclass
 class _StageState:
-    """One worker's tensors in flight during a step (as the per-step worker's)."""
+    """One worker's tensors in flight during a step (as the per-step worker's), by (chunk, micro-batch)."""
 
-    activations: dict[int, torch.Tensor] = field(default_factory=dict)  # received
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # to send
-    gradients: dict[int, torch.Tensor] = field(default_factory=dict)  # received
-    input_gradients: dict[int, torch.Tensor | None] = field(default_factory=dict)  # to send
+    activations: dict[Key, torch.Tensor] = field(default_factory=dict)  # received, or from its own chunk
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # to send
+    gradients: dict[Key, torch.Tensor] = field(default_factory=dict)  # received, or from its own chunk
+    input_gradients: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # to send
     position: int = 0
     exchange_posted: bool = False
 
 
 @dataclass
 class _Replica:
-    """One replica's pipeline: its workers, their lowered ops, and its block of the step's micro-batches."""
+    """One replica's pipeline: a worker per virtual stage (``workers[k]`` holds virtual stage k,
+    a chunk of worker ``worker_and_chunk(k)``), the lowered ops of each of the ``p`` workers, and
+    its block of the step's micro-batches."""
 
     workers: list[StageWorker]
     lowered: list[list[ops.LoweredOp]]
@@ -60,31 +71,44 @@ class OpInterpreter:
     replica (``config.num_replicas``, fixed; ZeRO-1 with ``shard_optimizer``), each running the
     lowered ``config.schedule`` on its block of the step: :meth:`step` is one training step.
     ``loss_count_fn`` counts each micro-batch's targets for the loss weights, as the trainer's does.
-    What passes between stages (a tensor or a tree of them) is handed over as it is."""
+    What passes between stages (a tensor or a tree of them) is handed over as it is.
+
+    ``schedule`` (one of :data:`~raypipe.core.schedule.SCHEDULES`) with ``virtual_stages``
+    chunks per worker runs instead of the config's: the layers are cut into
+    ``num_stages * virtual_stages`` virtual stages (evenly), placed as the schedule places them.
+    :attr:`workers` then has a worker per virtual stage and replica."""
 
     def __init__(self, layers: Sequence[Callable[[], nn.Module]] | Sequence[nn.Module], loss_fn: Callable,
                  optimizer_factory: Callable, config: PipelineConfig, loss_scale: float | None = None,
-                 loss_count_fn: Callable[[torch.Tensor], int] = count_samples) -> None:
+                 loss_count_fn: Callable[[torch.Tensor], int] = count_samples, *, schedule: str | None = None,
+                 virtual_stages: int = 1) -> None:
         config.validate(len(layers))
         if config.elastic:
             raise ValueError("the interpreter runs a fixed number of replicas")
+        self.schedule = config.schedule if schedule is None else schedule
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}: expected one of {SCHEDULES}")
         # what weights each micro-batch's mean loss, as the trainer's loss_count_fn (packed rows: predicted tokens)
         self.config, self.loss_scale, self.loss_count_fn = config, loss_scale, loss_count_fn
-        p, count = config.num_stages, config.max_replicas
-        balance = (config.balance if isinstance(config.balance, list)
-                   else partition_by_cost([1.0] * len(layers), p))
+        p, v, count = config.num_stages, virtual_stages, config.max_replicas
+        self.num_workers, self.placement = p, PLACEMENT[self.schedule]
+        if p * v > len(layers):
+            raise ValueError(f"{p} workers x {v} chunks need at least {p * v} layers, got {len(layers)}")
+        balance = (config.balance if isinstance(config.balance, list) and v == 1
+                   else partition_by_cost([1.0] * len(layers), p * v))
         self.replicas: list[_Replica] = []
         for replica, block in enumerate(replica_blocks(config.num_micro_batches * count, count)):
-            schedule = make_schedule(config.schedule, p, len(block))
-            if any(op.chunk for stage_ops in schedule for op in stage_ops):
-                raise NotImplementedError("the interpreter runs one model chunk per worker")
-            workers = [StageWorker(WorkerSpec(
-                stage, p, tuple(_layer(layers[i], count) for i in indices), tuple(indices), config,
-                ops=tuple(schedule[stage]), replica=replica, num_replicas=count, micro_batches=block,
-                optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == p - 1 else None,
-                loss_count_fn=loss_count_fn))
-                for stage, indices in enumerate(stage_layer_ranges(balance))]
-            self.replicas.append(_Replica(workers, lower(schedule, PLACEMENT[config.schedule]), block))
+            schedule_ops = make_schedule(self.schedule, p, len(block), v)
+            workers = []
+            for stage, indices in enumerate(stage_layer_ranges(balance)):
+                worker, chunk = ops.worker_and_chunk(stage, p, self.placement)
+                chunk_ops = tuple(op for op in schedule_ops[worker] if op.chunk == chunk)
+                workers.append(StageWorker(WorkerSpec(
+                    stage, p * v, tuple(_layer(layers[i], count) for i in indices), tuple(indices), config,
+                    ops=chunk_ops, replica=replica, num_replicas=count, micro_batches=block,
+                    optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == p * v - 1 else None,
+                    loss_count_fn=loss_count_fn)))
+            self.replicas.append(_Replica(workers, lower(schedule_ops, self.placement), block))
         self.workers = [worker for replica in self.replicas for worker in replica.workers]
         self.lowered = self.replicas[0].lowered
         self.reports: list[StageReport] = []  # every worker's, of the last step
@@ -102,14 +126,14 @@ class OpInterpreter:
 
     def _run_replica(self, replica: _Replica, step: int, inputs: list, targets: list, weights: list) -> None:
         """Run one replica's ops up to the step's collectives."""
-        states = [_StageState() for _ in replica.workers]
-        channels: dict[tuple[int, int], deque] = {}
         lowered = replica.lowered
+        states = [_StageState() for _ in lowered]
+        channels: dict[tuple[int, int], deque] = {}
         while True:
             progressed = False
-            for stage, worker in enumerate(replica.workers):
-                progressed |= self._advance(lowered[stage], stage, worker, states[stage], channels, step, inputs,
-                                            targets, weights)
+            for stage, stage_ops in enumerate(lowered):
+                progressed |= self._advance(stage_ops, stage, replica, states, channels, step, inputs, targets,
+                                            weights)
             if all(state.position < len(lowered[s]) and lowered[s][state.position].kind == ops.REDUCE_GRAD
                    for s, state in enumerate(states)):
                 break
@@ -121,9 +145,10 @@ class OpInterpreter:
         if leftovers:
             raise RuntimeError(f"stages {leftovers} ended the step with tensors never used")
 
-    def _advance(self, stage_ops: list[ops.LoweredOp], stage: int, worker: StageWorker, state: _StageState,
+    def _advance(self, stage_ops: list[ops.LoweredOp], stage: int, replica: _Replica, states: list[_StageState],
                  channels: dict, step: int, inputs: list, targets: list, weights: list) -> bool:
-        """Run ``stage``'s ops until one waits (a message not yet sent, or the collectives)."""
+        """Run worker ``stage``'s ops until one waits (a message not yet sent, or the collectives)."""
+        state = states[stage]
         progressed = False
         while state.position < len(stage_ops):
             op = stage_ops[state.position]
@@ -149,34 +174,51 @@ class OpInterpreter:
             elif op.kind in ops.SENDS:
                 self._send(stage, op, state, channels)
             else:
-                self._compute(worker, op, state, step, inputs, targets, weights)
+                self._compute(replica, stage, op, state, step, inputs, targets, weights)
             state.position += 1
             progressed = True
         return progressed
 
-    def _compute(self, worker: StageWorker, op: ops.LoweredOp, state: _StageState, step: int, inputs: list,
-                 targets: list, weights: list) -> None:
-        mb = op.micro_batch
+    def _neighbour(self, stage: int, chunk: int, kind: str) -> tuple[int, int]:
+        return ops.neighbour(stage, chunk, kind, self.num_workers, len(self.replicas[0].workers) // self.num_workers,
+                             self.placement)
+
+    def _compute(self, replica: _Replica, stage: int, op: ops.LoweredOp, state: _StageState, step: int,
+                 inputs: list, targets: list, weights: list) -> None:
+        mb, chunk = op.micro_batch, op.chunk
+        worker = replica.workers[ops.virtual_stage(stage, chunk, self.num_workers, self.placement)]
         scale = self.loss_scale if worker.is_last and self.loss_scale is not None else 1.0
         if op.kind == ops.F:
-            hidden = inputs[mb] if worker.is_first else state.activations.pop(mb)
+            hidden = inputs[mb] if worker.is_first else state.activations.pop((chunk, mb))
             output = worker.forward(mb, hidden, targets[mb], weights[mb], step)
             if not worker.is_last:
-                state.outputs[mb] = output
+                self._hand_on(stage, chunk, mb, ops.SEND_ACT, output, state)
         elif op.kind in (ops.B, ops.I):
             backward = worker.backward if op.kind == ops.B else worker.backward_input
-            gradient = backward(mb, state.gradients.pop(mb, None), scale)
+            gradient = backward(mb, None if worker.is_last else state.gradients.pop((chunk, mb)), scale)
             if not worker.is_first:  # the first stage has no input gradient to send
-                state.input_gradients[mb] = gradient
+                self._hand_on(stage, chunk, mb, ops.SEND_GRAD, gradient, state)
         elif op.kind == ops.W:
             worker.backward_weight(mb)
         else:
             raise ValueError(f"the interpreter has no handler for {op!r}")
 
-    @staticmethod
-    def _send(stage: int, op: ops.LoweredOp, state: _StageState, channels: dict) -> None:
+    def _hand_on(self, stage: int, chunk: int, mb: int, kind: str, tensor: torch.Tensor, state: _StageState) -> None:
+        """What a compute op made for the next (SEND_ACT) or previous (SEND_GRAD) virtual stage: to send,
+        or, where that stage is this worker's other chunk, straight to its input (the lowering has no message)."""
+        peer, peer_chunk = self._neighbour(stage, chunk, kind)
+        if peer == stage:
+            (state.activations if kind == ops.SEND_ACT else state.gradients)[(peer_chunk, mb)] = tensor
+        else:
+            (state.outputs if kind == ops.SEND_ACT else state.input_gradients)[(chunk, mb)] = tensor
+
+    def _send(self, stage: int, op: ops.LoweredOp, state: _StageState, channels: dict) -> None:
         source = state.outputs if op.kind == ops.SEND_ACT else state.input_gradients
-        channels.setdefault((stage, op.peer), deque()).append((op.kind, op.micro_batch, source.pop(op.micro_batch)))
+        peer, peer_chunk = self._neighbour(stage, op.chunk, op.kind)
+        if peer != op.peer:
+            raise RuntimeError(f"stage {stage}: {op!r} goes to worker {peer}, not {op.peer}")
+        channels.setdefault((stage, peer), deque()).append(
+            (op.kind, op.micro_batch, peer_chunk, source.pop((op.chunk, op.micro_batch))))
 
     @staticmethod
     def _arrived(stage: int, peer: int, channels: dict, count: int = 1) -> bool:
@@ -185,18 +227,19 @@ class OpInterpreter:
 
     @staticmethod
     def _receive(stage: int, op: ops.LoweredOp, state: _StageState, channels: dict) -> None:
-        kind, micro_batch, tensor = channels[(op.peer, stage)].popleft()
+        kind, micro_batch, chunk, tensor = channels[(op.peer, stage)].popleft()
         expected = ops.SEND_ACT if op.kind == ops.RECV_ACT else ops.SEND_GRAD
-        if (kind, micro_batch) != (expected, op.micro_batch):
-            raise RuntimeError(f"stage {stage}: {op!r} got {kind}{micro_batch} (messages mis-paired)")
-        (state.activations if op.kind == ops.RECV_ACT else state.gradients)[micro_batch] = tensor
+        if (kind, micro_batch, chunk) != (expected, op.micro_batch, op.chunk):
+            raise RuntimeError(f"stage {stage}: {op!r} got {kind}{micro_batch} for chunk {chunk} "
+                               f"(messages mis-paired)")
+        (state.activations if op.kind == ops.RECV_ACT else state.gradients)[(chunk, micro_batch)] = tensor
 
     def _end_step(self) -> StepDecision:
         """REDUCE_GRAD then OPTIMIZER_STEP on every worker, as the per-step executor ends a step:
         the replicas' gradients summed (onto each gradient's owner with ZeRO-1), every stage's
         statistics, one decision and commit everywhere, then ZeRO-1's gather of the new weights."""
         scale = 1.0 if self.loss_scale is None else self.loss_scale
-        columns = list(zip(*(replica.workers for replica in self.replicas)))  # per stage, its replicas
+        columns = list(zip(*(replica.workers for replica in self.replicas)))  # per virtual stage, its replicas
         for workers in columns:
             _sum_over_replicas([worker.gradients_to_reduce() for worker in workers])
         stats: list[StageGradStats] = []

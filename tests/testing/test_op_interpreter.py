@@ -67,3 +67,57 @@ def test_zb_h1_gives_bitwise_the_results_of_1f1b_in_low_precision(precision):
         results[schedule] = decisions, pipeline.state_dict()
     assert repr(results["zb_h1"][0]) == repr(results["1f1b"][0])  # an overflow's norm is NaN
     assert_bitwise_equal(results["1f1b"][1], results["zb_h1"][1])
+
+
+CHUNKED = [("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 2, 3, 4), ("interleaved_1f1b", 3, 2, 6),
+           ("zbv", 2, 2, 4), ("zbv", 3, 2, 4)]
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: "-".join(map(str, mode.values())))
+@pytest.mark.parametrize("schedule, num_stages, virtual_stages, micro_batches", CHUNKED,
+                         ids=lambda value: str(value))
+def test_interpreted_chunks_train_as_one_process(schedule, num_stages, virtual_stages, micro_batches, mode,
+                                                 num_replicas):
+    """Several model chunks per worker (the interleaved schedules, which only this interpreter runs so
+    far): every chunk's gradients in the one decision, equal to one process; two replicas with ZeRO-1."""
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, clip_grad_norm=CLIP,
+                                    num_replicas=num_replicas, shard_optimizer=num_replicas > 1, **mode)
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config, schedule=schedule,
+                             virtual_stages=virtual_stages)
+    assert len(pipeline.workers) == num_replicas * num_stages * virtual_stages
+    count = micro_batches * num_replicas
+    model = make_mlp()
+    optimizer = adamw(model.parameters())
+    for step, (x, y) in enumerate(random_batches(2 * count, STEPS)):
+        decision = pipeline.step(step, x, y)
+        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, count, CLIP)
+        assert not decision.skipped
+        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
+        assert norm > CLIP
+    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_chunked_schedules_give_bitwise_the_results_of_1f1b_on_their_virtual_stages(schedule, precision):
+    """v chunks on each of p workers cut the model as 1F1B on p * v stages does, and each chunk sums its
+    micro-batches' gradients in the same order: the same bits in low precision, an fp16 overflow's skip
+    included."""
+    results = {}
+    for name, num_stages, virtual_stages in ((schedule, 2, 2), ("1f1b", 4, 1)):
+        config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=MICRO_BATCHES,
+                                        precision=precision, clip_grad_norm=CLIP)
+        pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config,
+                                 loss_scale=1024.0 if precision == "fp16" else None, schedule=name,
+                                 virtual_stages=virtual_stages)
+        decisions = [pipeline.step(step, x, y) for step, (x, y) in enumerate(random_batches(BATCH, STEPS))]
+        if precision == "fp16":
+            pipeline.loss_scale = 2.0**120
+            decisions.append(pipeline.step(STEPS, *random_batches(BATCH, 1, seed=5)[0]))
+            assert decisions[-1].skip_reason == "overflow"
+        assert not any(decision.skipped for decision in decisions[:STEPS])
+        results[name] = decisions, pipeline.state_dict()
+    assert repr(results[schedule][0]) == repr(results["1f1b"][0])
+    assert_bitwise_equal(results["1f1b"][1], results[schedule][1])
