@@ -1,8 +1,9 @@
 """PipelineTrainer: the facade users see. It composes the
 :class:`~raypipe.control.controller.Controller` (the one owner of the running
 layout: workers, topology, partition, the config in force, snapshots), the
-checkpoint manager (:class:`~raypipe.checkpoint.trainer_state.TrainerState`) and
-the metrics, and keeps the step count and the loss scale."""
+:class:`~raypipe.control.steps.StepRunner` (a step from its batch to its result),
+the checkpoint manager (:class:`~raypipe.checkpoint.trainer_state.TrainerState`)
+and the metrics, and keeps the step count and the loss scale."""
 from __future__ import annotations
 
 import functools
@@ -17,15 +18,12 @@ from torch import nn
 from raypipe.checkpoint.trainer_state import TrainerState, TrainingProgress
 from raypipe.config import PipelineConfig
 from raypipe.control.controller import Controller, StageModel
+from raypipe.control.steps import Batch, StepRunner
 from raypipe.core.loss_scale import LossScaler
-from raypipe.core.micro_batches import MicroBatches, count_samples, loss_weights, split_micro_batches
+from raypipe.core.micro_batches import count_samples
 from raypipe.core.result import StepResult
-from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
-from raypipe.errors import NonFiniteError
-from raypipe.executor.snapshot import LoggedStep
 from raypipe.models.hf.export import describe_llama
 from raypipe.models.layers import LayerSpec, model_layers
-from raypipe.observability.step_report import build_step_result
 from raypipe.planning.balance import resolve_balance
 from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES
 from raypipe.runtime.group import WorkerInfo
@@ -34,7 +32,6 @@ from raypipe.stage.spec import WorkerSpec
 logger = logging.getLogger("raypipe")
 
 Model = nn.Sequential | Sequence[nn.Module] | Sequence[LayerSpec]
-Batch = torch.Tensor | Sequence[torch.Tensor]
 
 
 def _checkpoints_do(name: str) -> Callable:
@@ -80,6 +77,7 @@ class PipelineTrainer:
             metrics=self.metrics, settle_saves=lambda: self._checkpoints.settle_saves(),
             steps=lambda: self._progress.step_count)
         self._checkpoints = TrainerState(self._controller, self._progress, layer_names, describe_llama(layers))
+        self._steps = StepRunner(self._controller, self._progress, self._loss_count_fn, lambda: self.metrics)
         self._start()
 
     # -- lifecycle ------------------------------------------------------------
@@ -198,18 +196,19 @@ class PipelineTrainer:
         """
         start = time.time()
         self._executor.check_usable()
-        batch = self._split(inputs, targets)
+        batch = self._steps.split(inputs, targets)
         parts = targets if isinstance(targets, (list, tuple)) else [targets]
         num_samples = sum(part.shape[0] for part in parts)
         num_tokens = sum(part.numel() if part.dim() > 1 else part.shape[0] for part in parts)
-        return self._run_step(self.step_count, batch, start, num_samples, num_tokens)
+        return self._steps.run(self.step_count, batch, start, num_samples, num_tokens, self.num_parameters,
+                               self._peak_flops())
 
     def step_from_datasets(self, step: int, num_samples: int, num_tokens: int) -> StepResult:
         """One optimizer step whose micro-batches the first and last stages read
         themselves (``(step, micro_batch)`` of the datasets given to :meth:`attach_datasets`)."""
         start = time.time()
         self._executor.check_usable()
-        return self._run_step(step, None, start, num_samples, num_tokens)
+        return self._steps.run(step, None, start, num_samples, num_tokens, self.num_parameters, self._peak_flops())
 
     def attach_datasets(self, train: Any, validation: Any = None,
                         ship_data_limit_bytes: int = DEFAULT_SHIP_DATA_LIMIT_BYTES) -> None:
@@ -227,14 +226,14 @@ class PipelineTrainer:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
         self._executor.check_usable()
-        batch = self._split(inputs, targets)
-        return self._record_eval(self._controller.between_steps(
+        batch = self._steps.split(inputs, targets)
+        return self._steps.evaluated(self._controller.between_steps(
             lambda: self._executor.evaluate(self.step_count, batch), self.step_count, "during evaluate"))
 
     def evaluate_from_datasets(self, step: int) -> float:
         """Validation loss of the validation dataset's ``step``, read by the stages."""
         self._executor.check_usable()
-        return self._record_eval(self._controller.between_steps(lambda: self._executor.evaluate(step, None),
+        return self._steps.evaluated(self._controller.between_steps(lambda: self._executor.evaluate(step, None),
                                                               self.step_count, "during evaluate"))
 
     def fit(self, dataset: Any, steps: int, **options: Any) -> list[StepResult]:
@@ -242,57 +241,6 @@ class PipelineTrainer:
         from raypipe.fit import fit
 
         return fit(self, dataset, steps, **options)
-
-    # -- step internals -------------------------------------------------------
-    def _split(self, inputs: Batch, targets: Batch) -> MicroBatches:
-        """The step's :attr:`micro_batches_per_step` micro-batches (``torch.tensor_split``
-        sizes, or given as lists) and their loss weights over the whole step.
-
-        The executor ships them as task arguments (see :mod:`raypipe.comm.task_tensors`).
-        """
-        count = self.micro_batches_per_step
-        input_parts, target_parts = split_micro_batches(inputs, targets, count)
-        weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
-        return MicroBatches(input_parts, target_parts, weights)
-
-    def _run_step(self, data_step: int, batch: MicroBatches | None, start: float, num_samples: int,
-                  num_tokens: int) -> StepResult:
-        loss_scale = self.scaler.scale if self.scaler else None
-        failures_before = len(self._controller.recovery.failures)
-        outcome = self._controller.run_step(data_step, batch, loss_scale)
-        failures = self._controller.recovery.failures[failures_before:]
-        decision = outcome.decision
-        self._check_finite(decision)
-        if self.scaler:
-            self.scaler.update(decision.skip_reason == OVERFLOW)
-        result = build_step_result(
-            step=self.step_count, loss=decision.loss, grad_norm=decision.grad_norm,
-            max_norm=self.config.clip_grad_norm, skip_reason=decision.skip_reason, loss_scale=loss_scale,
-            step_time=time.time() - start, num_samples=num_samples, num_tokens=num_tokens,
-            reports=outcome.reports, num_parameters=self.num_parameters, peak_flops=self._peak_flops(),
-            num_devices=self.topology.world_size)
-        result.recovered, result.failures = bool(failures), failures
-        self.step_count += 1
-        self._controller.committed(self.step_count, LoggedStep(data_step, batch, loss_scale))
-        if self.metrics is not None:
-            self.metrics.record_step(result)
-        return result
-
-    def _check_finite(self, decision: StepDecision) -> None:
-        """``nonfinite="raise"``: a non-finite step (nothing was applied) raises. In fp16 an
-        overflow lowers the loss scale instead, unless the scale is already at its floor."""
-        if self.config.nonfinite != "raise" or not decision.skipped:
-            return
-        if decision.skip_reason == NONFINITE:
-            raise NonFiniteError(self.step_count, decision.first_nonfinite_stage, "the update was skipped")
-        if self.scaler.scale <= self.scaler.min_scale:
-            raise NonFiniteError(self.step_count, decision.first_nonfinite_stage,
-                                 f"gradients overflow at the minimum loss scale {self.scaler.min_scale:g}")
-
-    def _record_eval(self, loss: float) -> float:
-        if self.metrics is not None:
-            self.metrics.record_eval(loss)
-        return loss
 
     def _peak_flops(self) -> float | None:
         if self.config.peak_flops_per_second is not None:
