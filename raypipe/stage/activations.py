@@ -23,6 +23,8 @@ class Kept:
     held_bytes: int
     offloaded_bytes: int = 0
     extra: object = None  # e.g. the targets the last stage needs to recompute its loss
+    rebuilt_bytes: int = 0  # what its recompute rebuilt (the fetched-back input included)
+    retained_bytes: int = 0  # of those, what stays held until release (a split backward's, from I to W)
 
 
 class ActivationStore:
@@ -65,9 +67,16 @@ class ActivationStore:
         if kept is not None and isinstance(kept.inputs, OffloadedTensor):
             self._offloader.prefetch(micro_batch, kept.inputs)
 
+    def retain_rebuilt(self, kept: Kept) -> None:
+        """A split backward's I keeps its recomputed graph (retained for the weight gradient)
+        held until its W releases ``kept``."""
+        kept.retained_bytes = kept.rebuilt_bytes
+        self.held_bytes += kept.retained_bytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
     def release(self, kept: Kept) -> None:
         """Account for a taken micro-batch whose backward finished."""
-        self.held_bytes -= kept.held_bytes
+        self.held_bytes -= kept.held_bytes + kept.retained_bytes
         self.offloaded_bytes -= kept.offloaded_bytes
 
     def note_transient(self, nbytes: int) -> None:

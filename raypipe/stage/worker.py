@@ -215,6 +215,7 @@ class StageWorker(StageCheckpointing):
         roots, seeds = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs, loss_scale))
         gradient, pending = boundary_input_gradient(inputs, outputs, roots, seeds, self._compute_weights,
                                                     not self.is_first, self.stage_index, self.config.schedule)
+        self.store.retain_rebuilt(kept)  # a recomputed graph is retained for W: counted until W releases it
         self._pending_weight_gradients[micro_batch] = (kept, pending)  # kept bytes stay counted until W
         return gradient
 
@@ -239,7 +240,8 @@ class StageWorker(StageCheckpointing):
             with SavedTensorMeter(self._parameter_storages, counted=tuple(boundary.tensors(inputs))) as meter:
                 outputs = self._run(inputs, micro_batch, targets, loss_weight)
             meter.add(*boundary.tensors(outputs))
-            self.store.note_transient(meter.bytes + kept.offloaded_bytes)  # + the fetched-back input
+            kept.rebuilt_bytes = meter.bytes + kept.offloaded_bytes  # + the fetched-back input
+            self.store.note_transient(kept.rebuilt_bytes)
         return kept, inputs, outputs
 
     def _output_gradient(self, outputs: boundary.Boundary, grad_outputs: boundary.Boundary,

@@ -164,3 +164,29 @@ def test_plan_predicts_the_bytes_of_each_workers_snapshot(ray_cluster):
         predicted = snapshot_bytes(estimate_stage(TINY, list(layers), num_micro_batches=2, micro_batch_size=2,
                                                   seq_len=SEQ_LEN, precision="bf16", optimizer="adamw"))
         assert measured[stage] == pytest.approx(predicted, rel=0.10), (stage, measured[stage], predicted)
+
+
+@pytest.mark.parametrize("mode, segments", [("never", None), ("always", None), ("except_last", None),
+                                            ("always", 2)])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_interpreted_schedule_holds_what_the_model_predicts(schedule, mode, segments):
+    """Each worker's meter in a whole interpreted step (the lowered ops, no Ray) against the model's
+    walk of the schedule: a split backward keeps a micro-batch's graph (rebuilt, where it was
+    recomputed) from its I until its W."""
+    from raypipe.testing.op_interpreter import OpInterpreter
+
+    micro_batches, batch, seq_len = 4, 2, 24
+    config = PipelineConfig(num_stages=2, num_micro_batches=micro_batches, schedule=schedule,
+                            activation_checkpoint=mode, activation_checkpoint_segments=segments)
+    pipeline = OpInterpreter(llama_layers(TINY), llama_loss, lambda p: torch.optim.SGD(p, lr=0.1), config)
+    tokens = torch.randint(0, TINY.vocab_size, (micro_batches * batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    pipeline.step(0, tokens[:, :-1], tokens[:, 1:])
+    for stage, layers in enumerate(RANGES):
+        assert list(pipeline.workers[stage].layer_indices) == list(layers)
+        predicted = estimate_stage(TINY, list(layers), num_micro_batches=micro_batches, micro_batch_size=batch,
+                                   seq_len=seq_len, activation_checkpoint=mode,
+                                   activation_checkpoint_segments=segments, schedule=schedule,
+                                   stage_index=stage, num_stages=2, device="cpu")
+        measured = pipeline.reports[stage].stats.held_for_backward_bytes
+        assert measured == pytest.approx(predicted.held_for_backward_bytes, rel=0.10), (stage, measured, predicted)
