@@ -3,6 +3,7 @@ would kill every Ray process on the machine, other people's too."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -127,3 +128,13 @@ def wait_for_job(url: str, job_id: str, env: dict[str, str], timeout_s: float) -
     logs = subprocess.run([ray_cli(), "job", "logs", "--address", url, job_id], env=env, capture_output=True,
                           text=True, timeout=60).stdout
     return status, logs
+
+
+_WORKER_LINE = re.compile(r"^(\x1b\[\d+m)?\([^)]* pid=\d+")
+
+
+def job_failure(job_id: str, status: str, logs: str) -> str:
+    """A failed job's story for an assertion: the driver's own lines (its traceback), then the
+    tail of every line; a worker's crash report fills a plain tail and hides why the driver ended."""
+    driver = "\n".join(line for line in logs.splitlines() if not _WORKER_LINE.match(line))
+    return f"job {job_id} is {status}; the driver's lines:\n{driver[-5000:]}\nthe logs' tail:\n{logs[-2000:]}"

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.deployment.ray_head import (HEAD_PORTS, free_port, ray_cli, session_members, start_head, stop_session,
-                                       token_env, wait_for_dashboard, wait_for_job)
+from tests.deployment.ray_head import (HEAD_PORTS, free_port, job_failure, ray_cli, session_members, start_head,
+                                       stop_session, token_env, wait_for_dashboard, wait_for_job)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 420
@@ -52,7 +52,7 @@ def test_fake_multinode_recipe_trains_on_nodes_the_autoscaler_adds():
         done = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
         status, logs = wait_for_job(url, job_id, env, JOB_TIMEOUT_S)
-        assert status == "SUCCEEDED", f"job {job_id} is {status}; logs:\n{logs[-6000:]}"
+        assert status == "SUCCEEDED", job_failure(job_id, status, logs)
     finally:
         stop_session(head)
         assert session_members(head.pid) == []

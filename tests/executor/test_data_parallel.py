@@ -28,14 +28,14 @@ def reference_loss(model, x, y, count):
                    for xm, ym in zip(torch.tensor_split(x, count), torch.tensor_split(y, count)))
 
 
-# (replicas, stages, micro-batches per replica): a lone stage, pipelines with fewer micro-batches than
-# stages and more (BATCH split unevenly), three replicas; those with m != 2 clip. All of them with
-# ZeRO-1 (it shards and gathers on top of the replicated reduction); replicated, with and without clipping.
-CASES = [(2, 1, 2), (2, 2, 1), (2, 2, 3), (3, 2, 2)]
+# (replicas, stages, micro-batches per replica) on Ray: a lone stage, three replicas, more micro-batches than
+# stages (BATCH split unevenly, clipped); ZeRO-1 (it shards and gathers on top of the replicated reduction)
+# and replicated. Every case of this matrix (fewer micro-batches than stages too), each with ZeRO-1 and
+# replicated, runs the same stage workers' reductions in one process: tests/testing/test_op_interpreter.py.
+CASES = [(2, 1, 2, True), (3, 2, 2, True), (2, 2, 3, False)]
 
 
-@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer",
-                         [(*case, True) for case in CASES] + [(2, 2, 3, False), (3, 2, 2, False)],
+@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer", CASES,
                          ids=lambda value: {True: "zero1", False: "replicated"}.get(value) if isinstance(value, bool)
                          else None)
 def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replicas, num_stages, num_micro_batches,

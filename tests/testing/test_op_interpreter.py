@@ -1,5 +1,8 @@
 """The lowered ops of every runnable schedule, interpreted in one process (no Ray), train
 exactly as one plain PyTorch process does (issue 42, item 6)."""
+import copy
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -121,3 +124,89 @@ def test_chunked_schedules_give_bitwise_the_results_of_1f1b_on_their_virtual_sta
         results[name] = decisions, pipeline.state_dict()
     assert repr(results[schedule][0]) == repr(results["1f1b"][0])
     assert_bitwise_equal(results["1f1b"][1], results[schedule][1])
+
+
+# (stages, micro-batches): fewer micro-batches than stages, as many, more; one stage alone and with
+# accumulation; 3 and 4 split the batch of 10 unevenly; odd sums clip (tests/executor/test_equivalence.py
+# runs a subset on each executor)
+SIZES = [(1, 1), (1, 4), (2, 2), (2, 3), (3, 2), (3, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("num_stages, micro_batches", SIZES)
+def test_every_size_trains_as_one_process(num_stages, micro_batches, schedule):
+    clip = 0.05 if (num_stages + micro_batches) % 2 else None
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, schedule=schedule,
+                                    clip_grad_norm=clip)
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
+    model = make_mlp()
+    optimizer = adamw(model.parameters())
+    for step, (x, y) in enumerate(random_batches(10, 3)):
+        decision = pipeline.step(step, x, y)
+        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, micro_batches, clip)
+        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
+        assert clip is None or norm > clip
+    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+
+
+# (replicas, stages, micro-batches per replica): a lone stage, fewer micro-batches than stages and more
+# (the batch split unevenly), three replicas; m != 2 clips (tests/executor/test_data_parallel.py runs a
+# subset on Ray)
+REPLICA_CASES = [(2, 1, 2), (2, 2, 1), (2, 2, 3), (3, 2, 2)]
+
+
+@pytest.mark.parametrize("shard_optimizer", [True, False], ids=["zero1", "replicated"])
+@pytest.mark.parametrize("num_replicas, num_stages, micro_batches", REPLICA_CASES)
+def test_replicas_train_as_one_process_on_the_global_batch(num_replicas, num_stages, micro_batches,
+                                                           shard_optimizer):
+    clip = 0.05 if micro_batches != 2 else None
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, clip_grad_norm=clip,
+                                    num_replicas=num_replicas, shard_optimizer=shard_optimizer, schedule="1f1b")
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
+    count = num_replicas * micro_batches
+    model = make_mlp()
+    optimizer = adamw(model.parameters())
+    for step, (x, y) in enumerate(random_batches(12, 3)):
+        decision = pipeline.step(step, x, y)
+        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, count, clip)
+        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
+    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+    for replica in pipeline.replicas[1:]:  # every replica stepped alike
+        for ours, theirs in zip(pipeline.replicas[0].workers, replica.workers):
+            assert_bitwise_equal(ours.layers.state_dict(), theirs.layers.state_dict())
+
+
+def _worker_states(pipeline: OpInterpreter) -> list:
+    return [(copy.deepcopy(worker.layers.state_dict()), copy.deepcopy(worker.optimizer.state_dict()))
+            for worker in pipeline.workers]
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_nan_step_changes_nothing_in_any_precision(precision, clip):
+    """A NaN in one input row: every worker skips the step (parameters and optimizer state bitwise
+    as they were), and the next clean step is the uninterrupted run's (tests/executor/test_nonfinite.py
+    runs a subset on Ray, with the trainer's ``nonfinite="raise"``)."""
+    def run(poison: bool):
+        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, precision=precision,
+                                        clip_grad_norm=clip, schedule="1f1b")
+        pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config,
+                                 loss_scale=1024.0 if precision == "fp16" else None)
+        (x1, y1), (x2, y2) = random_batches(6, 2)
+        pipeline.step(0, x1, y1)  # the optimizer has state
+        if poison:
+            before = _worker_states(pipeline)
+            bad = x2.clone()
+            bad[2, 3] = math.nan  # a row of micro-batch 1
+            decision = pipeline.step(1, bad, y2)
+            assert (decision.skipped, decision.skip_reason) == (True, "nonfinite") and math.isnan(decision.loss)
+            for (weights, state), (weights_after, state_after) in zip(before, _worker_states(pipeline)):
+                assert_bitwise_equal(weights, weights_after)
+                assert repr(state) == repr(state_after)
+        return pipeline.step(2, x2, y2), pipeline.state_dict()
+
+    (clean, state), (expected, expected_state) = run(True), run(False)
+    assert not clean.skipped and clean.loss == expected.loss
+    assert_bitwise_equal(expected_state, state)
