@@ -57,9 +57,15 @@ DRIVER = textwrap.dedent("""
             print(">", "cpus", alive_cpus(), flush=True)
             continue
         elif command == "guards":  # alive RequestGuard actors on the cluster (the public state API)
+            # waits for the expected count: a guard starts (a worker process) and is reported dead only
+            # within Ray's state refresh, both seconds on a loaded machine
             from ray.util.state import list_actors
-            time.sleep(2)  # a guard killed a moment ago is reported dead within Ray's state refresh
-            guards = list_actors(filters=[("class_name", "=", "RequestGuard"), ("state", "=", "ALIVE")])
+            deadline = time.monotonic() + float(args[1])
+            while True:
+                guards = list_actors(filters=[("class_name", "=", "RequestGuard"), ("state", "=", "ALIVE")])
+                if len(guards) == int(args[0]) or time.monotonic() >= deadline:
+                    break
+                time.sleep(1)
             print(">", "guards", len(guards), flush=True)
             continue
         elif command == "raise":
@@ -190,9 +196,9 @@ def test_a_driver_killed_with_sigkill_has_its_request_withdrawn_by_its_guard(fak
     driver = fake_cluster.driver()
     try:
         assert tell(driver, "request 1") == "done request"
-        assert tell(driver, "guards") == "guards 1"
+        assert tell(driver, f"guards 1 {WAIT_S}") == "guards 1"
         assert tell(driver, "withdraw") == "done withdraw"
-        assert tell(driver, "guards") == "guards 0"
+        assert tell(driver, f"guards 0 {WAIT_S}") == "guards 0"
     finally:
         driver.kill()
         driver.wait()
