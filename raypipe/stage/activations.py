@@ -24,15 +24,18 @@ class Kept:
     offloaded_bytes: int = 0
     extra: object = None  # e.g. the targets the last stage needs to recompute its loss
     rebuilt_bytes: int = 0  # what its recompute rebuilt (the fetched-back input included)
-    retained_bytes: int = 0  # of those, what stays held until release (a split backward's, from I to W)
 
 
 class ActivationStore:
-    """Kept state per in-flight micro-batch, with current and peak byte counts."""
+    """Kept state per in-flight micro-batch, with current and peak byte counts.
+
+    ``backward_order`` is the stage's micro-batches in the order their backwards take
+    them: taking one starts fetching the next one's offloaded input."""
 
     def __init__(self, offloader: Offloader | None) -> None:
         self._offloader = offloader
         self._kept: dict[int, Kept] = {}
+        self.backward_order: list[int] = []
         self.held_bytes = 0
         self.offloaded_bytes = 0
         self.peak_held_bytes = 0
@@ -55,28 +58,34 @@ class ActivationStore:
             self._add(micro_batch, Kept(inputs, None, input_bytes, 0, extra))
 
     def take(self, micro_batch: int) -> Kept:
-        """Remove and return the kept state; offloaded inputs come back to the device."""
+        """Remove and return the kept state; offloaded inputs come back to the device, and the
+        next backward's starts coming."""
         kept = self._kept.pop(micro_batch)
         if isinstance(kept.inputs, OffloadedTensor):
             kept.inputs = self._offloader.get(micro_batch, kept.inputs)
+        if self._offloader is not None:
+            self._prefetch_after(micro_batch)
         return kept
 
-    def prefetch(self, micro_batch: int) -> None:
-        """Start fetching an offloaded input ahead of its backward."""
-        kept = self._kept.get(micro_batch)
-        if kept is not None and isinstance(kept.inputs, OffloadedTensor):
-            self._offloader.prefetch(micro_batch, kept.inputs)
+    def _prefetch_after(self, micro_batch: int) -> None:
+        """Start fetching the offloaded input of the backward that runs after ``micro_batch``'s."""
+        position = self.backward_order.index(micro_batch) + 1
+        if position < len(self.backward_order):
+            following = self.backward_order[position]
+            kept = self._kept.get(following)
+            if kept is not None and isinstance(kept.inputs, OffloadedTensor):
+                self._offloader.prefetch(following, kept.inputs)
 
     def retain_rebuilt(self, kept: Kept) -> None:
         """A split backward's I keeps its recomputed graph (retained for the weight gradient)
         held until its W releases ``kept``."""
-        kept.retained_bytes = kept.rebuilt_bytes
-        self.held_bytes += kept.retained_bytes
+        kept.held_bytes += kept.rebuilt_bytes
+        self.held_bytes += kept.rebuilt_bytes
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def release(self, kept: Kept) -> None:
         """Account for a taken micro-batch whose backward finished."""
-        self.held_bytes -= kept.held_bytes + kept.retained_bytes
+        self.held_bytes -= kept.held_bytes
         self.offloaded_bytes -= kept.offloaded_bytes
 
     def note_transient(self, nbytes: int) -> None:

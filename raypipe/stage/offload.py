@@ -15,6 +15,8 @@ from typing import Any
 import ray
 import torch
 
+from raypipe.stage import boundary
+
 
 @dataclass
 class OffloadedTensor:
@@ -84,10 +86,8 @@ class Offloader:
         self._copying = still_copying
 
 
-def check_offloadable(inputs: Any, stage: int) -> None:
+def check_offloadable(inputs: boundary.Boundary, stage: int) -> None:
     """The offloader keeps one tensor per micro-batch off the device: a tree input is refused."""
-    from raypipe.stage import boundary
-
     if boundary.is_tree(inputs):
         raise ValueError(f"stage {stage}: offload_activations offloads a single-tensor stage input; this stage "
                          f"receives a tree ({boundary.describe(inputs)})\n"

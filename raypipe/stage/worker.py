@@ -119,7 +119,7 @@ class StageWorker(StageCheckpointing):
         self.ownership = ownership
         self.data.take_block(spec.block)
         self._last_micro_batch = len(spec.block) - 1
-        self._backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind in ("B", "I")]
+        self.store.backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind in ("B", "I")]
 
     def become(self, spec: WorkerSpec) -> dict[str, Any]:
         """A warm spare takes a failed worker's place: builds ``spec`` as a replacement
@@ -231,7 +231,6 @@ class StageWorker(StageCheckpointing):
         """A micro-batch's kept state, its stage input and its graph's output, the forward
         replayed with the same seeds where only the input was kept (once per backward)."""
         kept = self.store.take(micro_batch)
-        self._prefetch_next(micro_batch)
         inputs, outputs = kept.inputs, kept.outputs
         if outputs is None:  # re-materialize: replay the forward with the same seeds
             inputs = self._as_leaf(inputs)
@@ -391,11 +390,3 @@ class StageWorker(StageCheckpointing):
         seeds = layer_seeds(self.config.seed, self._step, self.block.start + micro_batch, self.layer_indices)
         segments = self.config.activation_checkpoint_segments if training and torch.is_grad_enabled() else None
         return run_layers(self.layers, self.weights, hidden, seeds, self.device, segments)
-
-    def _prefetch_next(self, micro_batch: int) -> None:
-        """Start fetching the input of the backward that runs after this one."""
-        if not self.config.offload_activations:
-            return
-        position = self._backward_order.index(micro_batch)
-        if position + 1 < len(self._backward_order):
-            self.store.prefetch(self._backward_order[position + 1])
