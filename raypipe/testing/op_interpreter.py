@@ -91,7 +91,7 @@ class OpInterpreter:
         # what weights each micro-batch's mean loss, as the trainer's loss_count_fn (packed rows: predicted tokens)
         self.config, self.loss_scale, self.loss_count_fn = config, loss_scale, loss_count_fn
         p, v, count = config.num_stages, virtual_stages, config.max_replicas
-        self.num_workers, self.placement = p, PLACEMENT[self.schedule]
+        self.num_workers, self.num_chunks, self.placement = p, v, PLACEMENT[self.schedule]
         if p * v > len(layers):
             raise ValueError(f"{p} workers x {v} chunks need at least {p * v} layers, got {len(layers)}")
         balance = (config.balance if isinstance(config.balance, list) and v == 1
@@ -180,8 +180,7 @@ class OpInterpreter:
         return progressed
 
     def _neighbour(self, stage: int, chunk: int, kind: str) -> tuple[int, int]:
-        return ops.neighbour(stage, chunk, kind, self.num_workers, len(self.replicas[0].workers) // self.num_workers,
-                             self.placement)
+        return ops.neighbour(stage, chunk, kind, self.num_workers, self.num_chunks, self.placement)
 
     def _compute(self, replica: _Replica, stage: int, op: ops.LoweredOp, state: _StageState, step: int,
                  inputs: list, targets: list, weights: list) -> None:

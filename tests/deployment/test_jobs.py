@@ -23,7 +23,7 @@ import yaml
 
 from raypipe.checkpoint.store import latest_checkpoint, read_manifest
 from raypipe.data import prepare
-from tests.deployment.ray_head import ray_cli, wait_for_job
+from tests.deployment.ray_head import job_failure, ray_cli, wait_for_job
 
 REPO = Path(__file__).resolve().parents[2]
 UNIFORM_BYTE_LOSS = math.log(256)
@@ -79,7 +79,7 @@ def test_train_7b_tiny_preset_through_ray_job_submit(ray_head, dataset, tmp_path
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
 
     status, logs = wait_for_job(url, job_id, env, JOB_TIMEOUT_S)
-    assert status == "SUCCEEDED", f"job {job_id} is {status} after up to {JOB_TIMEOUT_S}s; logs:\n{logs[-6000:]}"
+    assert status == "SUCCEEDED", job_failure(job_id, f"{status} after up to {JOB_TIMEOUT_S}s", logs)
 
     # one line per step in the job's log (no terminal there, so no progress bar)
     steps = re.findall(r"^step (\d+)/3 loss (\S+) ", logs, flags=re.MULTILINE)

@@ -20,6 +20,21 @@ MODES = [{"activation_checkpoint": "never"}, {"activation_checkpoint": "always"}
          {"activation_checkpoint": "always", "activation_checkpoint_segments": 2}]
 
 
+def assert_trains_as_one_process(pipeline: OpInterpreter, batches: list, count: int, clip: float | None) -> None:
+    """Each step's decision against one process accumulating ``count`` micro-batches (loss and
+    grad norm to rtol 1e-5, the global clip biting where there is one), then every parameter."""
+    model = make_mlp()
+    optimizer = adamw(model.parameters())
+    for step, (x, y) in enumerate(batches):
+        decision = pipeline.step(step, x, y)
+        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, count, clip)
+        assert not decision.skipped
+        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
+        assert clip is None or norm > clip  # the global clip acted: the decision took every stage's gradients
+    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda mode: "-".join(map(str, mode.values())))
 @pytest.mark.parametrize("num_stages", [2, 3])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
@@ -27,16 +42,7 @@ def test_interpreted_schedule_trains_as_one_process(schedule, num_stages, mode):
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=MICRO_BATCHES, schedule=schedule,
                                     clip_grad_norm=CLIP, **mode)
     pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
-    model = make_mlp()
-    optimizer = adamw(model.parameters())
-    for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
-        decision = pipeline.step(step, x, y)
-        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, MICRO_BATCHES, CLIP)
-        assert not decision.skipped
-        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
-        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
-        assert norm > CLIP  # the global clip acted: the decision took every stage's gradients
-    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+    assert_trains_as_one_process(pipeline, random_batches(BATCH, STEPS), MICRO_BATCHES, CLIP)
 
 
 def test_split_backward_runs_i_and_w_ops():
@@ -90,16 +96,7 @@ def test_interpreted_chunks_train_as_one_process(schedule, num_stages, virtual_s
                              virtual_stages=virtual_stages)
     assert len(pipeline.workers) == num_replicas * num_stages * virtual_stages
     count = micro_batches * num_replicas
-    model = make_mlp()
-    optimizer = adamw(model.parameters())
-    for step, (x, y) in enumerate(random_batches(2 * count, STEPS)):
-        decision = pipeline.step(step, x, y)
-        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, count, CLIP)
-        assert not decision.skipped
-        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
-        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
-        assert norm > CLIP
-    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+    assert_trains_as_one_process(pipeline, random_batches(2 * count, STEPS), count, CLIP)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -139,15 +136,7 @@ def test_every_size_trains_as_one_process(num_stages, micro_batches, schedule):
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, schedule=schedule,
                                     clip_grad_norm=clip)
     pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
-    model = make_mlp()
-    optimizer = adamw(model.parameters())
-    for step, (x, y) in enumerate(random_batches(10, 3)):
-        decision = pipeline.step(step, x, y)
-        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, micro_batches, clip)
-        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
-        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
-        assert clip is None or norm > clip
-    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+    assert_trains_as_one_process(pipeline, random_batches(10, 3), micro_batches, clip)
 
 
 # (replicas, stages, micro-batches per replica): a lone stage, fewer micro-batches than stages and more
@@ -164,15 +153,7 @@ def test_replicas_train_as_one_process_on_the_global_batch(num_replicas, num_sta
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, clip_grad_norm=clip,
                                     num_replicas=num_replicas, shard_optimizer=shard_optimizer, schedule="1f1b")
     pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
-    count = num_replicas * micro_batches
-    model = make_mlp()
-    optimizer = adamw(model.parameters())
-    for step, (x, y) in enumerate(random_batches(12, 3)):
-        decision = pipeline.step(step, x, y)
-        loss, norm = reference_step(model, optimizer, nn.functional.mse_loss, x, y, count, clip)
-        torch.testing.assert_close(decision.loss, loss, rtol=1e-5, atol=0)
-        torch.testing.assert_close(decision.grad_norm, norm, rtol=1e-5, atol=0)
-    assert_parameters_match(pipeline.state_dict(), model.state_dict())
+    assert_trains_as_one_process(pipeline, random_batches(12, 3), num_replicas * micro_batches, clip)
     for replica in pipeline.replicas[1:]:  # every replica stepped alike
         for ours, theirs in zip(pipeline.replicas[0].workers, replica.workers):
             assert_bitwise_equal(ours.layers.state_dict(), theirs.layers.state_dict())
