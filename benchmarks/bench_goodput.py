@@ -19,6 +19,15 @@ nominal (1 / ``--mtbf-s``) or as realised (kills / seconds outside heals).
 
     python benchmarks/bench_goodput.py --seconds 240 --mtbf-s 20
     python benchmarks/bench_goodput.py --seconds 240 --mtbf-s 20 --spares
+
+``--every-steps K [K ...]`` measures instead the issue's goodput, side by side in one run: for
+each spare setting (none, ``spare_workers=1``), ``--steps`` steps uninterrupted, then for each K
+the same steps with one SIGKILL of a random live worker at a random moment in a random step of
+every block of K steps (seeded; the moment a uniform fraction of an uninterrupted step after the
+step starts). Goodput = the uninterrupted run's wall seconds / the faulted run's; every faulted
+run's final parameters are compared bitwise with the uninterrupted run's.
+
+    python benchmarks/bench_goodput.py --every-steps 20 50 --steps 200
 """
 from __future__ import annotations
 
@@ -51,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill times and victims (default 0)")
     parser.add_argument("--save", default=None, metavar="JSON", help="write the steps' and kills' times here")
     parser.add_argument("--spares", action="store_true", help="spare_workers=1 (a warm spare replaces a worker)")
+    parser.add_argument("--every-steps", type=int, nargs="+", default=None, metavar="K",
+                        help="one kill per K steps, each K against an uninterrupted run, with and without a spare")
+    parser.add_argument("--steps", type=int, default=200, help="steps per run with --every-steps (default 200)")
     return parser.parse_args()
 
 
@@ -84,22 +96,95 @@ class Killer(threading.Thread):
             next_at += self.rng.expovariate(1.0 / self.mtbf_s)
 
 
+def _trainer(spares: int) -> raypipe.PipelineTrainer:
+    """The subject, warmed up (its first steps build and compile), its spare up."""
+    config = get_config(MODEL)
+    subject = raypipe.PipelineTrainer(llama_layers(config), llama_loss, adamw, raypipe.PipelineConfig(
+        num_stages=2, num_micro_batches=4, clip_grad_norm=1.0, snapshot_every=1, max_failures=None,
+        spare_workers=spares))
+    batch = tokens(8, config.max_seq_len, config.vocab_size)
+    for _ in range(5):
+        subject.step(*batch)
+    if spares:
+        assert subject._group.spares.wait_until_up(300), "the spare did not come up"
+    return subject
+
+
+def _kill_a_live_worker(subject: raypipe.PipelineTrainer, rng: random.Random, kills: list[float]) -> None:
+    workers = subject.workers
+    if all(_alive(worker.pid) for worker in workers):  # mid-heal, the layout lists the dead worker: none now
+        os.kill(rng.choice(workers).pid, signal.SIGKILL)
+        kills.append(time.monotonic())
+
+
+def _run_steps(spares: int, steps: int, kill_at: dict[int, float]) -> dict:
+    """``steps`` steps; before step i in ``kill_at`` a timer kills a random live worker
+    ``kill_at[i]`` seconds later. Wall seconds, the final parameters, kills and failures."""
+    config = get_config(MODEL)
+    batch = tokens(8, config.max_seq_len, config.vocab_size)
+    subject, rng, kills, timers = _trainer(spares), random.Random(len(kill_at)), [], []
+    try:
+        start = time.monotonic()
+        for index in range(steps):
+            if index in kill_at:
+                timers.append(threading.Timer(kill_at[index], _kill_a_live_worker, (subject, rng, kills)))
+                timers[-1].start()
+            subject.step(*batch)
+        wall = time.monotonic() - start
+        for timer in timers:  # none may fire after the last step: its heal would not count in the wall
+            assert not timer.is_alive(), "a kill came after the last step"
+        return {"wall": wall, "state": subject.state_dict(), "kills": len(kills),
+                "failures": list(subject.failures), "recoveries": len(subject.recoveries)}
+    finally:
+        subject.shutdown()
+
+
+def every_steps(args: argparse.Namespace) -> None:
+    """Goodput with one kill per K steps against the uninterrupted run (see the docstring)."""
+    model = GoodputAssumptions()
+    rows = []
+    for spares in (0, 1):
+        reference = _run_steps(spares, args.steps, {})
+        step_s = reference["wall"] / args.steps
+        for every in args.every_steps:
+            rng = random.Random(args.seed * 1000 + every)
+            # a kill's step is never the last one, so a kill that comes after its step ended strikes the next
+            kill_at = {block + rng.randrange(min(every, args.steps - 1 - block)): rng.random() * step_s
+                       for block in range(0, args.steps - every + 1, every)}
+            run = _run_steps(spares, args.steps, kill_at)
+            equal = all(torch.equal(run["state"][name], value) for name, value in reference["state"].items())
+            replacement = model.replacement_with_spare_s if spares else model.replacement_without_spare_s
+            predicted = segment_goodput(step_s, step_s, model.detection_s + replacement, 1.0 / (every * step_s),
+                                        failures_during_recovery=False)
+            lost = (run["wall"] - reference["wall"]) / max(1, run["kills"])
+            rows.append([f"spare_workers={spares}", every, args.steps, run["kills"], run["recoveries"],
+                         f"{step_s * 1000:.0f} ms", f"{reference['wall']:.1f}", f"{run['wall']:.1f}",
+                         f"{lost:.2f}", f"**{reference['wall'] / run['wall']:.3f}**", f"{predicted:.3f}",
+                         "yes" if equal else "**NO**"])
+            print(rows[-1], f"failures: {run['failures']}", flush=True)
+    print()
+    print_table(["spares", "K", "steps", "kills", "heals", "uninterrupted step", "uninterrupted wall, s",
+                 "faulted wall, s", "s lost per kill", "goodput", "predicted (bench_recovery's R)",
+                 "final state bitwise equal"], rows)
+    print(command_line())
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     print(command_line())
     config = get_config(MODEL)
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    if args.every_steps:
+        try:
+            every_steps(args)
+        finally:
+            ray.shutdown()
+        return
     batch = tokens(8, config.max_seq_len, config.vocab_size)
     spares = 1 if args.spares else 0
-    subject = raypipe.PipelineTrainer(llama_layers(config), llama_loss, adamw, raypipe.PipelineConfig(
-        num_stages=2, num_micro_batches=4, clip_grad_norm=1.0, snapshot_every=1, max_failures=None,
-        spare_workers=spares))
+    subject = _trainer(spares)
     try:
-        for _ in range(5):  # warm-up: the first steps build and compile
-            subject.step(*batch)
-        if spares:
-            assert subject._group.spares.wait_until_up(300), "the spare did not come up"
         killer = Killer(subject, args.mtbf_s, args.seed)
         steps: list[tuple[float, float]] = []
         start = time.monotonic()

@@ -227,9 +227,11 @@ class Recovery:
         waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
         ray.wait(waited, num_returns=len(waited), fetch_local=False)
         launch()
+        # the last step's reports are of the stages that went: a worker lost from here on is healed (or
+        # the model re-partitioned) with the new partition's own figures, not theirs
+        self._last_reports = None
         self.on_replaced(list(range(len(self.executor.group.actors))))
         replay, source = self.state.restore(self.state.adopt_layers(), as_taken=True)
-        self._last_reports = None  # of the stages that went
         for logged in replay:
             self._run(logged.data_step, logged.batch, logged.loss_scale)
         return source

@@ -101,6 +101,10 @@ def load_snapshot(snapshot: Snapshot, keeper: Any, load: Callable[[list, list], 
     global layers each held. None when it loaded; else why not (lost with its worker or
     node, no copy kept). Which snapshot to try is the failure policy's choice."""
     lost = None
+    if as_taken and needed is not None and snapshot.layers:
+        # one replica of the layout that took it: a snapshot taken before a partition swap (the swap's
+        # own, when a worker is lost during it) has as many workers as the partition that went
+        needed = min(needed, len(set(snapshot.layers)))
     copies = ((snapshot.taken, snapshot.kept_copies(keeper, as_taken=True)) if as_taken
               else (snapshot.refs, snapshot.kept_copies(keeper)))
     layers = (snapshot.layers if as_taken or not snapshot.layers

@@ -114,6 +114,8 @@ def run_commands(model: str, candidate) -> dict:
         flags.append("--shard-optimizer")
     if shape.schedule != "gpipe":
         flags.append(f"--schedule {shape.schedule}")
+    if shape.snapshot_every != 1:  # the jobs' default is 1
+        flags.append(f"--snapshot-every {shape.snapshot_every}")
     extra = [f"--precision {shape.precision}"] if shape.precision != "bf16" else []
     if shape.activation_checkpoint != "always":
         extra.append(f"--activation-checkpoint {shape.activation_checkpoint}")
@@ -126,9 +128,16 @@ def run_commands(model: str, candidate) -> dict:
             "shardOptimizer": shape.shard_optimizer}
     if shape.schedule != "gpipe":
         helm["schedule"] = shape.schedule
+    if shape.snapshot_every != 1:
+        helm["snapshotEvery"] = shape.snapshot_every
     if extra:
         helm["extraArgs"] = [part for flag in extra for part in flag.split(" ", 1)]
     return {"job_command": "python jobs/train_7b.py " + " ".join(flags), "helm_values": {"training": helm}}
+
+
+def _cadence(snapshot_every: int) -> str:
+    return (f" a step: one snapshot every {snapshot_every} steps, so a heal redoes up to {snapshot_every - 1}; "
+            "every step would cost more than 3%")
 
 
 def render_cluster_plan(plan: dict) -> str:
@@ -147,7 +156,8 @@ def render_cluster_plan(plan: dict) -> str:
             f"zero1={'on' if item['shard_optimizer'] else 'off'}: step {item['step_time_s']:.3g} s, "
             f"{item['tokens_per_second']:,.0f} tokens/s, MFU {item['mfu']:.1%}, bubble {item['bubble_fraction']:.1%} "
             f"(pipeline {item['pipeline_s']:.3g} s + reduction {item['reduction_exposed_s']:.3g} s + optimizer "
-            f"{item['optimizer_s']:.3g} s + snapshot {item['snapshot_exposed_s']:.3g} s), "
+            f"{item['optimizer_s']:.3g} s + snapshot {item['snapshot_exposed_s']:.3g} s"
+            f"{'' if item['snapshot_every'] == 1 else _cadence(item['snapshot_every'])}), "
             f"{item['tokens_per_step']:,} tokens/step, largest stage {format_bytes(max(item['stage_bytes']))}")
         lines.append(f"     {item['job_command']}")
     best = plan["candidates"][0]

@@ -1,7 +1,8 @@
 """The cluster the step-time predictor runs on (:class:`Cluster`), and its loader: a preset
 (``planning/clusters/*.json``) or a user's JSON file. Per device the peak flop rate of each
-precision, memory, memory bandwidth, host-copy bandwidth, and an ``achievable_fraction`` of
-peak that compute reaches; per GPU the link to a GPU on its node (NVLink) and to one on
+precision, memory, memory bandwidth, host-copy bandwidth (device to host), the bandwidth of a
+copy into Ray's object store (``object_store_bytes_per_s``: optional, default
+:data:`OBJECT_STORE_BYTES_PER_S`), and an ``achievable_fraction`` of peak that compute reaches; per GPU the link to a GPU on its node (NVLink) and to one on
 another node (its NIC); GPUs per node; optionally the fixed overheads a calibration measured
 (``op_overhead_s`` per compute op, ``step_overhead_s`` per step; 0 in the presets). No Ray, no torch."""
 from __future__ import annotations
@@ -13,6 +14,10 @@ from pathlib import Path
 
 CLUSTERS_DIR = Path(__file__).resolve().parent / "clusters"
 PRESET_CLUSTERS = ("h100", "h200")
+OBJECT_STORE_BYTES_PER_S = 10e9
+"""A host memcpy into Ray's object store (a task result put by one thread), where a cluster file gives
+none: an assumption for a server CPU; the project's 2-core CPU measured ~4.3 GB/s (a 50 MB state put
+in 11.7 ms, benchmarks/RESULTS.md, 2026-12-01)."""
 _COMPUTE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}  # raypipe leaves TF32 off: fp32 is fp32
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Cluster:
     achievable_fraction: float  # of peak, for the layers' flops (the MFU ceiling of a busy GPU)
     source: str = ""
     description: str = ""
+    object_store_bytes_per_s: float = OBJECT_STORE_BYTES_PER_S  # a snapshot's put (see the module docstring)
     # Measured overheads the flops do not count (0 unless a calibration gives them): the time a
     # worker spends around each compute op (F, B, I, W) outside the op's flops (dispatch,
     # kernel launches, Python), and the fixed time of a step outside its pipeline (the driver's
@@ -102,7 +108,7 @@ class Cluster:
             raise ValueError(f"{origin}: achievable_fraction={fraction!r} must be in (0, 1]")
         known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "gpus_per_node",
                  "intra_node", "inter_node", "host_copy_bytes_per_s", "achievable_fraction", "source",
-                 "op_overhead_s", "step_overhead_s"}
+                 "op_overhead_s", "step_overhead_s", "object_store_bytes_per_s"}
         overheads = {}
         for name in ("op_overhead_s", "step_overhead_s"):
             value = data.get(name, 0.0)
@@ -120,6 +126,8 @@ class Cluster:
                    gpus_per_node=number(get("gpus_per_node"), "gpus_per_node", integer=True),
                    intra_node=link("intra_node"), inter_node=link("inter_node"),
                    host_copy_bytes_per_s=number(get("host_copy_bytes_per_s"), "host_copy_bytes_per_s"),
+                   object_store_bytes_per_s=number(data.get("object_store_bytes_per_s", OBJECT_STORE_BYTES_PER_S),
+                                                   "object_store_bytes_per_s"),
                    achievable_fraction=fraction, source=str(data.get("source", "")),
                    description=str(data.get("description", "")), **overheads)
 

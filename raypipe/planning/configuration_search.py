@@ -13,12 +13,18 @@ order of an optimistic step time (the busiest stage's compute, plus the F and B 
 stages before it and the messages between, plus the optimizer tail), which no simulated
 step undercuts, and the search stops when the next optimistic figure cannot beat the
 ``top``-th best found: the result is the exact best under the model.
+
+**Snapshots** (``snapshot_every=None``, the default): each simulated candidate snapshots every
+step unless its copy would be exposed by more than :data:`SNAPSHOT_OVERHEAD` of the step without
+it; then every ``k`` steps, the smallest of :data:`SNAPSHOT_CADENCES` within it (a heal then
+redoes up to ``k - 1`` steps), as the command line it prints says (``--snapshot-every k``). A big
+stage's state copied every step can cost more than the step (a 7B on 8 stages at m = 8: 2.4x).
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from raypipe.core.ops import F, I, W
 from raypipe.core.schedule import RUNNABLE_SCHEDULES
@@ -35,6 +41,8 @@ SEARCH_SCHEDULES = RUNNABLE_SCHEDULES  # gpipe, 1f1b, zb_h1: what the executors 
 SEARCH_RECOMPUTE = ("never", "always")
 SEARCH_MICRO_BATCH_SIZES = (1, 2)
 SEARCH_MICRO_BATCHES_PER_STAGE = (1, 2, 4)  # m = p, 2p, 4p: a bubble of at most (p-1)/(5p-1) ~ 20% at 4p
+SNAPSHOT_OVERHEAD = 0.03  # the most of a step an exposed snapshot copy may add (issue 40's 1.03)
+SNAPSHOT_CADENCES = (1, 2, 4, 8, 16, 32, 64)  # snapshot_every values the search picks from
 
 @dataclass(frozen=True)
 class Candidate:
@@ -50,7 +58,8 @@ class Candidate:
                 "num_micro_batches": shape.num_micro_batches, "micro_batch_size": shape.micro_batch_size,
                 "seq_len": shape.seq_len, "schedule": shape.schedule,
                 "activation_checkpoint": shape.activation_checkpoint, "shard_optimizer": shape.shard_optimizer,
-                "precision": shape.precision, "balance_mode": self.balance_mode, **self.prediction.to_dict()}
+                "precision": shape.precision, "snapshot_every": shape.snapshot_every,
+                "balance_mode": self.balance_mode, **self.prediction.to_dict()}
 
 
 @dataclass
@@ -166,9 +175,10 @@ def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision:
 
 def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_len: int | None = None,
                  precision: str = "bf16", gpu_memory_bytes: int | None = None, global_batch: int | None = None,
-                 top: int = 3, snapshot_every: int = 1, fused_attention: bool = True) -> SearchResult:
+                 top: int = 3, snapshot_every: int | None = None, fused_attention: bool = True) -> SearchResult:
     """The ``top`` configurations of ``config`` on ``num_gpus`` GPUs of ``cluster`` with the
-    highest predicted tokens/s that fit ``gpu_memory_bytes`` (default: the cluster's memory)."""
+    highest predicted tokens/s that fit ``gpu_memory_bytes`` (default: the cluster's memory).
+    ``snapshot_every``: fixed, or None to pick each candidate's (see the module docstring)."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise ValueError(f"--gpus {num_gpus!r} must be an int >= 1")
     seq_len = seq_len or config.max_seq_len
@@ -176,7 +186,8 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
     num_layers = config.n_layers + 2
     costs = llama_layer_costs(config, seq_len, precision, fused_attention)
     shapes = candidate_shapes(num_gpus, num_layers, seq_len=seq_len, precision=precision,
-                              global_batch=global_batch, snapshot_every=snapshot_every)
+                              global_batch=global_batch,
+                              snapshot_every=1 if snapshot_every is None else snapshot_every)
     if not shapes:
         return SearchResult([], 0, 0, reason=f"no (replicas, stages, micro-batches) gives a global batch of "
                                              f"{global_batch} sequences on {num_gpus} GPUs")
@@ -225,11 +236,23 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
             break  # nothing later can enter the top
         memory = [bytes_of(stage, start, end) for stage, (start, end) in enumerate(stage_bounds(split))]
         prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster)
+        if snapshot_every is None and prediction.snapshot_exposed_s > 0:
+            shape = replace(shape, snapshot_every=snapshot_cadence(prediction))
+            prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster)
         simulated += 1
         best.append(Candidate(shape, mode, prediction))
         best.sort(key=lambda c: -c.prediction.tokens_per_s)
         del best[top:]
     return SearchResult(best, len(shapes), simulated)
+
+
+def snapshot_cadence(every_step: Prediction) -> int:
+    """The smallest of :data:`SNAPSHOT_CADENCES` whose snapshot copy (exposed as ``every_step``
+    predicts it with a snapshot every step, amortized over the cadence) adds at most
+    :data:`SNAPSHOT_OVERHEAD` to the step without it; the largest where none does."""
+    without = every_step.step_s - every_step.snapshot_exposed_s
+    return next((k for k in SNAPSHOT_CADENCES if every_step.snapshot_exposed_s / k <= SNAPSHOT_OVERHEAD * without),
+                SNAPSHOT_CADENCES[-1])
 
 
 def _no_fit_reason(config: LlamaConfig, cluster: Cluster, num_gpus: int, limit: int, smallest: int | None) -> str:

@@ -31,8 +31,12 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
         return params * ((per.master + per.optimizer) / shards + per.weights * (1 - 1 / shards))
 
     full = per.master + per.optimizer if per.master else per.weights + per.optimizer
+    # the goodput model picks its own cadence from a snapshot's whole exposed copy (the prediction's is
+    # spread over the candidate's snapshot_every steps)
+    per_snapshot = prediction.snapshot_exposed_s * max(1, shape.snapshot_every)
     return RunShape(num_gpus=shape.num_gpus, num_replicas=shape.num_replicas, num_stages=shape.num_stages,
-                    step_s=prediction.step_s, snapshot_exposed_s=prediction.snapshot_exposed_s,
+                    step_s=prediction.step_s - prediction.snapshot_exposed_s + per_snapshot,
+                    snapshot_exposed_s=per_snapshot,
                     largest_worker_state_bytes=max(worker_state(params) for params in stage_params),
                     model_state_bytes=sum(stage_params) * full,
                     inter_node_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s,

@@ -27,11 +27,13 @@ placement group (as few nodes as hold it), its bundles in stage order.
    of the compute weights, ``(d-1)/d x bytes / bw``, follows.
 4. *The snapshot copy* (``snapshot_every`` > 0): each worker copies its state (weights,
    main weights, optimizer state: what :func:`raypipe.planning.stage_rows.snapshot_bytes` counts) to
-   host memory at the host-copy bandwidth. The copy runs on a side stream but the compute
-   stream waits for it before the next step's first op (``stage/checkpointing.py``), so it
-   hides only in the time the stage waits anyway for its first input (the pipeline's
-   warm-up bubble); the rest, for the slowest stage, is added once per ``snapshot_every``
-   steps.
+   host memory at the host-copy bandwidth (a side stream on a GPU) and then into Ray's object store
+   at ``object_store_bytes_per_s`` (the task result the keeper and a heal read), as the per-step
+   executor takes it: starting when the stage first waits for a neighbour in the next step
+   (``PerStepWorker.snapshot_at_first_wait``) while its compute goes on, and holding only that
+   step's commit, which may not change the state before the copy is out (``stage/step_gate.py``).
+   What the copy takes beyond the time from the stage's first wait to the step's decision is
+   exposed; the slowest stage's, once per ``snapshot_every`` steps.
 
 5. *Fixed overheads* a calibration measured (the cluster's ``op_overhead_s`` and
    ``step_overhead_s``, 0 in the presets): each compute op (F, B, I, W) takes ``op_overhead_s``
@@ -56,7 +58,7 @@ from dataclasses import dataclass
 
 from raypipe.config import CHECKPOINT_MODES
 from raypipe.core.lowering import lower
-from raypipe.core.ops import B, F, OPTIMIZER_STEP, REDUCE_GRAD, LoweredOp, Op
+from raypipe.core.ops import B, F, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, LoweredOp, Op
 from raypipe.core.partition import partition_by_cost
 from raypipe.core.schedule import gpipe_schedule, make_schedule, one_f_one_b_schedule, zb_h1_schedule
 from raypipe.core.timed_simulation import simulate_timed
@@ -86,7 +88,7 @@ class Prediction:
     pipeline_s: float  # the simulated pipeline, until every stage's last op
     reduction_exposed_s: float  # what the data-parallel reduction adds after the pipeline
     optimizer_s: float  # the optimizer step (and ZeRO-1's all-gather) of the slowest stage
-    snapshot_exposed_s: float  # per step: the snapshot copy not hidden in the warm-up bubble
+    snapshot_exposed_s: float  # per step: the snapshot copy not done by the decision (amortized)
     stage_compute_s: tuple[float, ...]
     stage_bytes: tuple[int, ...]
     fits: bool | None  # None: no memory limit given
@@ -316,7 +318,9 @@ def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
         # the snapshot: main weights and optimizer state it owns, compute weights of the rest
         owned = count * (per_param.master + per_param.optimizer) / shards
         others = count * per_param.weights * ((1 - 1 / shards) if per_param.master else 1.0)
-        snapshot.append((owned + others) / cluster.host_copy_bytes_per_s if shape.snapshot_every else 0.0)
+        copied = owned + others
+        snapshot.append(copied / cluster.host_copy_bytes_per_s + copied / cluster.object_store_bytes_per_s
+                        if shape.snapshot_every else 0.0)
     return reduce, optimizer, snapshot
 
 
@@ -332,15 +336,17 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
     for first_gpu in _replica_starts(shape, cluster):
         run = _simulate_pipeline(times, shape, cluster, first_gpu)
         last_compute = [0.0] * shape.num_stages
-        first_compute = [math.inf] * shape.num_stages
+        first_wait = [math.inf] * shape.num_stages  # when the stage first posts a receive (0 with none)
         for timed in run.timeline:
             if timed.op.kind in (F, B, "I", "W"):
                 last_compute[timed.stage] = max(last_compute[timed.stage], timed.end)
-                first_compute[timed.stage] = min(first_compute[timed.stage], timed.start)
+            if any(part.kind in RECEIVES for part in timed.op.unbatched()):
+                first_wait[timed.stage] = min(first_wait[timed.stage], timed.start)
         decided = max([run.step_s] + [end + seconds for end, seconds in zip(last_compute, reduce)])
         tail = max(optimizer)
-        hidden = [min(copy, start) for copy, start in zip(snapshot, first_compute)]
-        exposed = max(copy - free for copy, free in zip(snapshot, hidden)) / shape.snapshot_every \
+        # each stage's copy runs from its first wait; the commit after the decision waits for it
+        exposed = max(max(0.0, (0.0 if start == math.inf else start) + copy - decided)
+                      for copy, start in zip(snapshot, first_wait)) / shape.snapshot_every \
             if shape.snapshot_every else 0.0
         total = decided + tail + exposed + cluster.step_overhead_s
         if total >= step:

@@ -1,7 +1,7 @@
 """Warm spares: idle stage processes that take a failed worker's place.
 
 Replacing a worker from its spec starts a process, imports torch and builds the
-layers: about 3 s of a heal's 3.5 s on a CPU box, more with a CUDA context. A
+layers: about 5 s of a heal's 6 s on a CPU box, more with a CUDA context. A
 :class:`SparePool` keeps ``spare_workers`` processes of the workers' own actor
 class started and idle (torch imported, the device set up: the actor built with
 no spec), each in one worker bundle of a placement group of its own, spread over

@@ -233,6 +233,25 @@ def test_a_new_worker_lost_during_a_swap_in_place_is_healed(fake_ray, monkeypatc
     assert decided(fake_ray)[-2:] == ['ReplaceWorkers', 'RestoreSnapshot']  # the new workers adopt the snapshot again
 
 
+def test_a_new_worker_lost_during_a_swap_in_place_with_no_room_for_its_replacement_re_partitions_again(
+        fake_ray, monkeypatch) -> None:
+    """The real-process run's case on a loaded machine: the new stage 1 is lost as it adopts, and its
+    replacement finds no room. The policy re-partitions, from the new partition's figures (the last
+    step's reports are of the stage that went: reading them raised ValueError from zip)."""
+    controller = repartitioned(fake_ray)
+    monkeypatch.setattr(FakePlacement, "condition", lambda: controller.group is None)
+    monkeypatch.setattr(partition_return.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
+    arm(fake_ray, Fault("adopt", kill=[(0, 1)]))
+    FakeGroup.no_room = 1
+    run(controller, range(2, 5))
+    assert histories(controller) == {tuple(range(5))} and controller.executor.usable
+    # the lost node's heal, then the swap's: re-partitioned again from the swap's own snapshot (of the one
+    # stage that went, whose reports and worker count are not the configured pipeline's); then back
+    assert decided(fake_ray) == ['ReplaceWorkers', 'WaitForRoom', 'Repartition', 'RestoreSnapshot'] * 2
+    assert controller.recoveries[1].source == "snapshot of step 2, re-partitioned onto 1 stage(s)"
+    assert not controller.layout.repartitioned  # back on the configured stages by the end
+
+
 def test_a_new_worker_dying_at_start_during_a_swap_in_place_goes_on_with_fewer_stages(fake_ray, monkeypatch) -> None:
     controller = repartitioned(fake_ray)
     monkeypatch.setattr(FakePlacement, "condition", lambda: controller.group is None)

@@ -31,13 +31,20 @@ FAST_HEALTH_CHECKS = {"RAY_health_check_initial_delay_ms": "0", "RAY_health_chec
 
 
 def run_on_cluster(out: str, num_nodes: int, body: Callable[[Cluster], dict],
-                   node_cpus: list[int] | None = None) -> None:
+                   node_cpus: list[int] | None = None, fast_health_checks: bool = True) -> None:
     """``body(cluster)`` on a head with no CPUs (the driver's node) and ``num_nodes``
     worker nodes of ``node_cpus`` CPUs each (default 1); writes what it returns to
-    ``out`` as JSON."""
+    ``out`` as JSON. ``fast_health_checks``: :data:`FAST_HEALTH_CHECKS`; else Ray's
+    defaults, as a user's cluster has them (a lost node is declared dead after ~15-30 s),
+    with only the raylets' kill grace as deployed."""
     node_cpus = node_cpus or [1] * num_nodes
     assert len(node_cpus) == num_nodes, f"{num_nodes} nodes, CPUs given for {len(node_cpus)}"
-    os.environ.update(FAST_HEALTH_CHECKS)
+    if fast_health_checks:
+        os.environ.update(FAST_HEALTH_CHECKS)
+    else:
+        for name in FAST_HEALTH_CHECKS:
+            os.environ.pop(name, None)
+        os.environ["RAY_kill_worker_timeout_milliseconds"] = str(WORKER_KILL_GRACE_MS)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for num_cpus in node_cpus:
         cluster.add_node(num_cpus=num_cpus)

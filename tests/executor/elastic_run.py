@@ -25,7 +25,7 @@ import raypipe
 from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
 from tests.reference import adamw, make_mlp, random_batches
 
-LOST_AT, ADDED_AT, MAX_STEPS, GROW_DEADLINE_S = 2, 4, 40, 120
+LOST_AT, ADDED_AT, MAX_STEPS, GROW_DEADLINE_S = 2, 4, 300, 120  # the deadline ends a slow grow, not MAX_STEPS
 BATCH = 12  # 4 micro-batches a step: 2 per replica with 2 replicas, 4 with one
 
 

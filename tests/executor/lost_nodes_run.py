@@ -1,18 +1,16 @@
-"""Three runs that lose nodes, one after another in one multi-node Ray cluster
-(run by tests/executor/test_lost_nodes.py in a subprocess): ``python -m
-tests.executor.lost_nodes_run OUT.json``.
+"""Two runs that lose nodes, one after another in one multi-node Ray cluster with
+shortened health checks (run by tests/executor/test_lost_nodes.py in a subprocess):
+``python -m tests.executor.lost_nodes_run OUT.json``. (The third, node_loss_run.py,
+runs on a cluster of its own with Ray's default health checks.)
 
 One ``ray.cluster_utils.Cluster`` (a head with no CPUs and four 1-CPU worker
-nodes) serves all three, so the suite starts one cluster instead of three:
+nodes) serves both, so the suite starts one cluster instead of two:
 
 1. elastic_run.py: two replicas of two stages fill the four nodes; one node is
    lost with no room for a replacement (the run shrinks), then a node is added
    (it grows back). Four nodes are alive afterwards. Then the same with ZeRO-1.
-2. node_loss_run.py: two stages and spare nodes; stage 1's node is lost while
-   the keeper of snapshots lags, and the stage moves to a spare node (under
-   NCCL's emulation: the suite's node loss under it).
-3. repartition_run.py: one node of the three left is removed first, so an
-   elastic run's one replica of two stages fills the last two; stage 1's node
+2. repartition_run.py: two of the four nodes are removed first, so an elastic
+   run's one replica of two stages fills the last two; stage 1's node
    is then lost with no spare, and the model is re-partitioned onto the one
    stage that can be placed; one node is added and the run goes back to its
    two stages in place of the one, then two more and it grows to a second
@@ -28,7 +26,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from tests.executor import elastic_run, node_loss_run, repartition_run
+from tests.executor import elastic_run, repartition_run
 from tests.executor.cluster_run import remove_node, run_on_cluster
 
 
@@ -40,11 +38,9 @@ def lose_every_node(cluster: Cluster) -> dict:
     record = {"elastic": elastic_run.train(cluster)}
     record["elastic"]["alive_nodes"] = alive_nodes()
     record["elastic_zero1"] = elastic_run.train(cluster, shard_optimizer=True)
-    record["node_loss"] = {"uninterrupted": node_loss_run.train(None),  # on gloo; the loss under NCCL's emulation
-                           "lost": node_loss_run.train(cluster, emulate_nccl=True)}
-    record["node_loss"]["alive_nodes"] = alive_nodes()
-    workers = [node for node in record["node_loss"]["alive_nodes"] if node != cluster.head_node.node_id]
-    remove_node(cluster, workers[0])  # of the three worker nodes left: two stages on two, no spare
+    workers = [node for node in alive_nodes() if node != cluster.head_node.node_id]
+    for node in workers[:2]:  # of the four worker nodes: two stages on two, no spare
+        remove_node(cluster, node)
     record["repartition"] = repartition_run.train(cluster)
     return record
 

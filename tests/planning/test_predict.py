@@ -12,7 +12,9 @@ from raypipe.models.llama import LlamaConfig, get_config
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.planning.balance import balance_by_time, llama_stage_bytes
 from raypipe.planning.cluster_spec import Cluster, Link, load_cluster
-from raypipe.planning.configuration_search import LlamaStageBytes, candidate_shapes, search_plans
+from raypipe.planning.cluster_plan import run_commands
+from raypipe.planning.configuration_search import (LlamaStageBytes, candidate_shapes, search_plans,
+                                                   snapshot_cadence)
 from raypipe.planning.memory import estimate_stage
 from raypipe.planning.plan import main as plan_main
 from raypipe.planning.predict import StepShape, optimistic_step_s, predict_split, predict_step, stage_bounds
@@ -58,15 +60,43 @@ def test_zero1_and_snapshot_by_hand():
     zero = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
                         schedule="gpipe", shard_optimizer=True, seq_len=100, snapshot_every=0)
     assert zero.step_s == pytest.approx(31.25)
-    # snapshot of a stage without ZeRO-1: fp32 main weights and Adam moments (12 B/param, 24 GB) at 8 GB/s =
-    # 3 s; stage 0 computes from 0 s (none hidden), stage 1 waits 2 s for its first input (2 s hidden)
+    # snapshot of a stage without ZeRO-1: fp32 main weights and Adam moments (12 B/param, 24 GB), to the host
+    # and into the object store: at 8 + 10 GB/s, 5.4 s from the stage's first wait (stage 0: its first
+    # gradient, at 8 s; stage 1: its first input, at 0 s), done long before the decision at 31 s
     snap = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
                         schedule="gpipe", seq_len=100, snapshot_every=1)
-    assert snap.snapshot_exposed_s == pytest.approx(3.0)
-    assert snap.step_s == pytest.approx(35.0)
-    every_third = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
+    assert snap.snapshot_exposed_s == 0.0 and snap.step_s == pytest.approx(32.0)
+    # at 1 GB/s to the host and 24 GB/s into the store, 25 s: stage 0's runs from 8 to 33 s, 2 s past the
+    # decision, and its commit waits for it (stage 1's, 0 to 25 s, hides)
+    slow = unit_cluster(host_copy_bytes_per_s=1e9, object_store_bytes_per_s=24e9)
+    snap = predict_step([LAYER] * 4, slow, num_replicas=2, num_stages=2, num_micro_batches=4,
+                        schedule="gpipe", seq_len=100, snapshot_every=1)
+    assert snap.snapshot_exposed_s == pytest.approx(2.0)
+    assert snap.step_s == pytest.approx(34.0)
+    every_third = predict_step([LAYER] * 4, slow, num_replicas=2, num_stages=2, num_micro_batches=4,
                                schedule="gpipe", seq_len=100, snapshot_every=3)
-    assert every_third.step_s == pytest.approx(33.0)
+    assert every_third.step_s == pytest.approx(32.0 + 2.0 / 3)
+
+
+def test_the_search_snapshots_less_often_where_a_copy_every_step_would_cost_more_than_3_percent():
+    # LLaMA-7B on 8 H100 stages at m = 8: a stage's 10 GB copy (1.2 s) against a 0.6 s step
+    costs = llama_layer_costs(get_config("llama-7b"), 4096, "bf16")
+    shape = dict(num_stages=8, num_micro_batches=8, schedule="1f1b", precision="bf16", seq_len=4096)
+    every_step = predict_step(costs, load_cluster("h100"), snapshot_every=1, **shape)
+    without = predict_step(costs, load_cluster("h100"), snapshot_every=0, **shape)
+    assert every_step.step_s / without.step_s > 2
+    cadence = snapshot_cadence(every_step)
+    assert every_step.snapshot_exposed_s / cadence <= 0.03 * without.step_s
+    assert every_step.snapshot_exposed_s / (cadence // 2) > 0.03 * without.step_s
+    result = search_plans(get_config("llama-7b"), load_cluster("h100"), 8, top=5)
+    assert any(candidate.shape.snapshot_every > 1 for candidate in result.best)
+    for candidate in result.best:
+        command = run_commands("llama-7b", candidate)
+        k = candidate.shape.snapshot_every
+        assert (f"--snapshot-every {k}" in command["job_command"]) == (k > 1)
+        assert command["helm_values"]["training"].get("snapshotEvery", 1) == k
+    fixed = search_plans(get_config("llama-7b"), load_cluster("h100"), 8, top=5, snapshot_every=1)
+    assert all(candidate.shape.snapshot_every == 1 for candidate in fixed.best)
 
 
 def test_messages_and_recompute_by_hand():
