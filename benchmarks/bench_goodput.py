@@ -87,12 +87,8 @@ class Killer(threading.Thread):
     def run(self) -> None:
         next_at = time.monotonic() + self.rng.expovariate(1.0 / self.mtbf_s)
         while not self.stop.wait(max(0.0, next_at - time.monotonic())):
-            workers = self.subject.workers
-            if all(_alive(worker.pid) for worker in workers):
-                os.kill(self.rng.choice(workers).pid, signal.SIGKILL)
-                self.kills.append(time.monotonic())
-            else:  # mid-heal (the layout lists the dead worker until it is replaced): no failure now
-                self.missed += 1
+            if not _kill_a_live_worker(self.subject, self.rng, self.kills):
+                self.missed += 1  # mid-heal: no failure now
             next_at += self.rng.expovariate(1.0 / self.mtbf_s)
 
 
@@ -110,11 +106,15 @@ def _trainer(spares: int) -> raypipe.PipelineTrainer:
     return subject
 
 
-def _kill_a_live_worker(subject: raypipe.PipelineTrainer, rng: random.Random, kills: list[float]) -> None:
+def _kill_a_live_worker(subject: raypipe.PipelineTrainer, rng: random.Random, kills: list[float]) -> bool:
+    """SIGKILL a random worker and note when; False mid-heal (the layout lists the dead worker until it is
+    replaced), when no failure is injected."""
     workers = subject.workers
-    if all(_alive(worker.pid) for worker in workers):  # mid-heal, the layout lists the dead worker: none now
-        os.kill(rng.choice(workers).pid, signal.SIGKILL)
-        kills.append(time.monotonic())
+    if not all(_alive(worker.pid) for worker in workers):
+        return False
+    os.kill(rng.choice(workers).pid, signal.SIGKILL)
+    kills.append(time.monotonic())
+    return True
 
 
 def _run_steps(spares: int, steps: int, kill_at: dict[int, float]) -> dict:

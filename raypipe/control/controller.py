@@ -325,6 +325,7 @@ class Controller:
         """The running workers go; ``group`` (ready, of the partition in force), if any, runs the next steps."""
         if self.group is not None:
             self.group.shutdown()
+            self.recovery.forget_reports()  # of the workers that went
         self.group = group
         if group is not None:
             self.executor.connect(group)

@@ -157,8 +157,6 @@ class Partitioning:
         config, bundle = control.config, control.bundle
         costs = [layer_parameter_count(layer) for layer in control.model.layers]
         stats = [report.stats for report in reports[:config.num_stages]] if reports else None
-        if stats and len(stats) != len(control.balance):  # reports of a partition that went (a swap under way)
-            stats = None
         predicted = (layer_bytes(control.balance, [4 * cost for cost in costs], stats) if stats
                      else [8.0 * cost for cost in costs])
         capacity = cluster.worker_memory_bytes(control.device_memory)

@@ -50,8 +50,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
@@ -65,6 +64,7 @@ from raypipe.errors import PlacementError, RaypipeError, TooManyFailures, Worker
 from raypipe.executor.base import Executor, StepOutcome
 from raypipe.executor.compound import folded, lost_workers, replace_within
 from raypipe.executor.elastic import GROW, SHRINK, Resizer
+from raypipe.executor.layout_owner import LayoutOwner, Recovered
 from raypipe.executor.layout_view import layout_view
 from raypipe.executor.persisted import PersistedCheckpoints
 from raypipe.executor.siblings import survivors_that_ended
@@ -72,38 +72,6 @@ from raypipe.executor.snapshot import LoggedStep, Snapshot, whole_ones
 from raypipe.executor.state_transfer import StateTransfer
 
 logger = logging.getLogger("raypipe")
-
-
-@dataclass
-class Recovered:
-    """One healed failure event."""
-
-    reasons: list[str]
-    seconds: float
-    replayed_steps: int
-    source: str  # "replica R", "snapshot of step N"...; " (replaced by spare S, ...)" when spares took places
-
-
-class LayoutOwner(Protocol):
-    """What a :class:`Recovery` needs of the one owner of the layout (the
-    :class:`~raypipe.control.controller.Controller`): the config in force, its
-    resizer and keeper, the layout changes a heal asks for, and word of each heal."""
-
-    config: PipelineConfig
-    resizer: Resizer | None  # an elastic run's: shrinks when a replacement cannot be placed
-    keeper: Any  # a SnapshotKeeper when workers run off the driver's node
-
-    def settle_saves(self) -> None: ...  # finishes a background save in flight
-
-    # no whole pipeline can be placed: the model on as many fewer stages as the policy picks for the room
-    def repartition(self, reports: list | None, view: LayoutView) -> None: ...
-
-    # a re-partitioned run's: at a step boundary, back to the configured stages when their workers are ready
-    def restore_partition(self) -> bool: ...
-
-    def heal_started(self, failure: WorkersFailed) -> None: ...
-
-    def settled(self, reason: str) -> None: ...  # a layout change (a grow) is over
 
 
 class Recovery:
@@ -198,7 +166,6 @@ class Recovery:
                     elif self.resizer is not None:
                         self._grow()
                     elif self._owner.restore_partition():
-                        self._last_reports = None  # of the stages that went
                         self._snapshot_now()
                     self._take_due_snapshot()
                 return self._run(data_step, batch, loss_scale)
@@ -227,14 +194,16 @@ class Recovery:
         waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
         ray.wait(waited, num_returns=len(waited), fetch_local=False)
         launch()
-        # the last step's reports are of the stages that went: a worker lost from here on is healed (or
-        # the model re-partitioned) with the new partition's own figures, not theirs
-        self._last_reports = None
         self.on_replaced(list(range(len(self.executor.group.actors))))
         replay, source = self.state.restore(self.state.adopt_layers(), as_taken=True)
         for logged in replay:
             self._run(logged.data_step, logged.batch, logged.loss_scale)
         return source
+
+    def forget_reports(self) -> None:
+        """The running workers went (the owner swapped the group): their last step's reports
+        describe no worker now, and a re-partition must not size stages by them."""
+        self._last_reports = None
 
     def _snapshot_now(self) -> None:
         if self._snapshots:  # a fresh snapshot of the group as it is: the old ones cover other workers
