@@ -18,8 +18,13 @@ tasks), and their medians with the min-max spread. Target: p2p/object_store >= 1
 sequences per micro-batch, the same tokens per step) instead of the job's default,
 and adds p2p's tokens/s at each later shape over the first's.
 
+``--schedules 1f1b zbv interleaved_1f1b`` runs the default executor under each schedule instead
+(interleaved_1f1b and zbv with ``--virtual-stages 2``: the tiny LLaMA's 6 layers as 4 virtual
+stages) and prints each one's tokens/s over the first's (issue 42's main-job figure).
+
     python benchmarks/bench_job_throughput.py --rounds 4 --steps 40
     python benchmarks/bench_job_throughput.py --rounds 8 --steps 40 --executors p2p object_store --shapes 4x4 8x2
+    python benchmarks/bench_job_throughput.py --rounds 3 --steps 40 --schedules 1f1b zbv interleaved_1f1b
 """
 from __future__ import annotations
 
@@ -33,15 +38,21 @@ import tempfile
 from pathlib import Path
 
 from alternate import command_line, print_table, round_ratios, run_rounds, spread
+from raypipe.core.schedule import SCHEDULES, SINGLE_CHUNK_SCHEDULES
 
 REPO = Path(__file__).resolve().parent.parent
 # executor -> the job's flags: the default (p2p, direct calls), the per-op executor, and actor-task calls
 EXECUTORS = {"p2p": [], "object_store": ["--transport", "object_store"], "p2p-tasks": ["--step-calls", "tasks"]}
 
 
-def contenders(executors: list[str], shapes: list[str]) -> dict[str, list[str]]:
+def contenders(executors: list[str], shapes: list[str], schedules: list[str] = ()) -> dict[str, list[str]]:
     """Contender name -> the job's flags: each executor at each shape ("MxB": M
-    micro-batches of B sequences), or at the job's default shape when none is given."""
+    micro-batches of B sequences), or at the job's default shape when none is given; or with
+    ``schedules``, the default executor under each schedule."""
+    if schedules:
+        return {f"p2p {schedule}": ["--schedule", schedule, *(["--virtual-stages", "2"]
+                                                             if schedule not in SINGLE_CHUNK_SCHEDULES else [])]
+                for schedule in schedules}
     if not shapes:
         return {executor: EXECUTORS[executor] for executor in executors}
     flags = {}
@@ -92,6 +103,9 @@ def parse_args() -> argparse.Namespace:
                         help="contenders (default all; p2p is needed)")
     parser.add_argument("--shapes", nargs="*", default=[], metavar="MxB",
                         help="step shapes: M micro-batches of B sequences (default: the job's)")
+    parser.add_argument("--schedules", nargs="*", default=[], choices=SCHEDULES,
+                        help="the default executor under each schedule (2 chunks a worker for the chunked ones), "
+                             "each one's tokens/s over the first's")
     parser.add_argument("job_args", nargs="*", help="more flags for the job, after --")
     args = parser.parse_args()
     if "p2p" not in args.executors:
@@ -103,7 +117,7 @@ def main() -> None:
     args = parse_args()
     print(command_line())
     prepare_data(args.data)
-    flags = contenders(args.executors, args.shapes)
+    flags = contenders(args.executors, args.shapes, args.schedules)
     with tempfile.TemporaryDirectory(prefix="raypipe_job_bench_") as scratch:
         runs = {name: 0 for name in flags}
 
@@ -122,7 +136,9 @@ def main() -> None:
 
         results = run_rounds({name: contender(name) for name in flags}, args.rounds, 1, 0, on_round,
                              reverse_odd_rounds=True)
-    ratios = figures(results, args.shapes or [""])
+    ratios = (figures(results, args.shapes or [""]) if not args.schedules else
+              {f"{name}/{names[0]}": round_ratios(results[name], results[names[0]], 1)
+               for names in [list(flags)] for name in names[1:]})
     print()
     print_table(["round"] + [f"{n} tok/s" for n in flags] + list(ratios),
                 [[i + 1, *(f"{results[n][i]:,.0f}" for n in flags), *(f"{r[i]:.3f}" for r in ratios.values())]

@@ -47,6 +47,7 @@ from torch import nn
 from alternate import (add_round_arguments, command_line, print_round_ms, print_table, round_medians, round_ratios,
                        run_rounds, spread)
 from bench_vs_pippy import PippyRunner, RaypipeRunner, driver_overhead, make_optimizer, start_ray
+from raypipe.core.schedule import SCHEDULES, SINGLE_CHUNK_SCHEDULES
 
 # PiPPy schedule -> chunks (stages) per rank and their placement ("loop": r, r+p; "v": r, 2p-1-r)
 PIPPY_SCHEDULES = {
@@ -138,9 +139,11 @@ class TimedRaypipe(RaypipeRunner):
         # not super().__init__: the timed model takes another config (a schedule, no transport or clipping)
         import raypipe
 
+        # the chunked schedules hold 2 chunks of half a stage's layers per worker (as PiPPy's 2-chunk schedules)
+        chunks = 1 if schedule in SINGLE_CHUNK_SCHEDULES else 2
         config = raypipe.PipelineConfig(num_stages=args.stages, num_micro_batches=args.micro_batches,
-                                        balance=[args.layers_per_stage] * args.stages, schedule=schedule,
-                                        snapshot_every=args.snapshot_every)
+                                        balance=[args.layers_per_stage // chunks] * (args.stages * chunks),
+                                        schedule=schedule, virtual_stages=chunks, snapshot_every=args.snapshot_every)
         self.trainer = raypipe.PipelineTrainer(build_model(args), nn.MSELoss(), optimizer=make_optimizer("sgd"),
                                                config=config)
         self.inputs, self.targets = make_batch(args)
@@ -160,8 +163,9 @@ def parse_args() -> argparse.Namespace:
                         help="each layer's weight-gradient sleep (default 4)")
     parser.add_argument("--width", type=int, default=8, help="features per layer (default 8)")
     parser.add_argument("--rows-per-micro-batch", type=int, default=4, help="(default 4)")
-    parser.add_argument("--raypipe-schedules", nargs="*", default=["gpipe", "1f1b"],
-                        help="raypipe schedules (default: gpipe 1f1b)")
+    parser.add_argument("--raypipe-schedules", nargs="*", default=["gpipe", "1f1b"], choices=SCHEDULES,
+                        help="raypipe schedules (default: gpipe 1f1b); interleaved_1f1b and zbv hold 2 chunks of "
+                             "half a stage's layers per worker")
     parser.add_argument("--pippy-schedules", nargs="*", choices=sorted(PIPPY_SCHEDULES), default=list(PIPPY_SCHEDULES),
                         help="torch.distributed.pipelining schedules (default: all five)")
     parser.add_argument("--snapshot-every", type=int, default=None,
@@ -171,9 +175,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.stages < 2 or args.micro_batches < 1:
         parser.error("--stages must be >= 2 and --micro-batches >= 1")
-    if args.layers_per_stage < 1 or (args.layers_per_stage % 2 and any(
-            PIPPY_SCHEDULES[name][0] == 2 for name in args.pippy_schedules)):
-        parser.error("--layers-per-stage must be >= 1, and even for the 2-chunk PiPPy schedules")
+    if args.layers_per_stage < 1 or (args.layers_per_stage % 2 and (any(
+            PIPPY_SCHEDULES[name][0] == 2 for name in args.pippy_schedules) or any(
+            name not in SINGLE_CHUNK_SCHEDULES for name in args.raypipe_schedules))):
+        parser.error("--layers-per-stage must be >= 1, and even for the 2-chunk schedules")
     if args.snapshot_every is None:
         from raypipe import PipelineConfig
 
@@ -226,8 +231,35 @@ def main() -> None:
     report(args, times, {name: runner.results[-args.rounds * args.steps:] for name, runner in raypipe_runners.items()})
 
 
+def simulated(args: argparse.Namespace, schedule: str) -> tuple[float, float]:
+    """``simulate_timed`` on the schedule's lowered ops with the layers' sleeps as op times (no message
+    time): the step's compute window in ms and its bubble (1 - busy/window, mean over stages), as
+    :func:`raypipe.observability.step_report.measured_bubble` measures it."""
+    from raypipe.core.lowering import lower
+    from raypipe.core.ops import COMPUTE
+    from raypipe.core.schedule import PLACEMENT, make_schedule
+    from raypipe.core.simulator import simulate_timed
+
+    chunks = 1 if schedule in SINGLE_CHUNK_SCHEDULES else 2
+    layers = args.layers_per_stage / chunks
+    seconds = {"F": args.forward_ms, "B": args.input_grad_ms + args.weight_grad_ms, "I": args.input_grad_ms,
+               "W": args.weight_grad_ms}
+    run = simulate_timed(lower(make_schedule(schedule, args.stages, args.micro_batches, chunks), PLACEMENT[schedule]),
+                         lambda stage, op: layers * seconds.get(op.kind, 0.0) / 1e3, placement=PLACEMENT[schedule])
+    compute = [timed for timed in run.timeline if timed.op.kind in COMPUTE]
+    window = max(timed.end for timed in compute) - min(timed.start for timed in compute)
+    busy = [sum(t.end - t.start for t in compute if t.stage == stage) for stage in range(args.stages)]
+    return 1e3 * window, statistics.mean(1 - b / window for b in busy)
+
+
 def report(args: argparse.Namespace, times: dict, results: dict) -> None:
     one_f_one_b, floor = ideal_ms(args)
+    bubbles = []
+    for name, measured in results.items():
+        window_ms, bubble = simulated(args, name)
+        per_step = [statistics.mean(result.bubble_fraction) for result in measured]
+        bubbles.append([f"raypipe {name}", f"{window_ms:.0f}", f"{100 * bubble:.1f}",
+                        f"{100 * statistics.median(per_step):.1f} [{100 * min(per_step):.1f}-{100 * max(per_step):.1f}]"])
     rows = []
     for key, values in times.items():
         system, name = key
@@ -246,6 +278,10 @@ def report(args: argparse.Namespace, times: dict, results: dict) -> None:
                 rows)
     print(f"(1F1B ideal (m+p-1)(F+B) = {one_f_one_b:.0f} ms; no-bubble floor m(F+B) = {floor:.0f} ms; "
           f"driver overhead: step time minus the longest worker task, median)")
+    print()
+    print_table(["schedule", "simulated compute window ms", "simulated bubble %",
+                 "measured bubble %, median [min-max] over steps"], bubbles)
+    print("(bubble: 1 - busy / compute window (first F start to last backward end), mean over stages)")
     print(command_line())
 
 

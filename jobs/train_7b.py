@@ -59,9 +59,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from raypipe.config import (PipelineConfig, activation_arguments, add_activation_arguments,  # noqa: E402
-                            max_replicas, parse_balance, parse_replicas, replicas_for_config)
-from raypipe.core.schedule import RUNNABLE_SCHEDULES  # noqa: E402
+from raypipe.config import (activation_arguments, add_activation_arguments,  # noqa: E402
+                            add_schedule_arguments, max_replicas, parse_balance, parse_replicas,
+                            replicas_for_config, schedule_arguments)
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
 from raypipe.run import RunConfig, dataset_path, train  # noqa: E402
@@ -142,9 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
                              "extra replica (default: 0)")
-    parser.add_argument("--schedule", default=PipelineConfig.schedule, choices=RUNNABLE_SCHEDULES,
-                        help="pipeline schedule: gpipe, 1f1b, or zb_h1 (1F1B's memory, weight gradients deferred "
-                             "into the drain's bubble) (default: gpipe)")
+    add_schedule_arguments(parser)
     parser.add_argument("--micro-batches", type=int,
                         help="micro-batches per optimizer step and replica; elastic: per replica of MAX (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
@@ -244,7 +242,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         ship_data_limit_bytes=args.ship_data_limit_mb * 2**20,
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
-                  "schedule": args.schedule,
+                  **schedule_arguments(args),
                   "balance": args.balance, "precision": args.precision, **activation_arguments(args),
                   "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,

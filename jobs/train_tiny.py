@@ -25,9 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from raypipe.config import (STEP_CALLS, TRANSPORTS, PipelineConfig, activation_arguments,  # noqa: E402
-                            add_activation_arguments, parse_balance, parse_replicas,
-                            replicas_for_config)
-from raypipe.core.schedule import RUNNABLE_SCHEDULES  # noqa: E402
+                            add_activation_arguments, add_schedule_arguments, parse_balance, parse_replicas,
+                            replicas_for_config, schedule_arguments)
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -45,10 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "like 3,3,2 (default: parameters)")
     # 8 of 2 sequences, not 4 of 4: the same 16 a step, and GPipe's bubble on 2 stages, (p - 1) / (m + p - 1),
     # shrinks from 1/5 to 1/9 of the step (4.9% more tokens/s here: benchmarks/RESULTS.md, 2026-12-02, 12:45)
-    parser.add_argument("--schedule", default=PipelineConfig.schedule, choices=RUNNABLE_SCHEDULES,
-                        help="pipeline schedule: gpipe, 1f1b, or zb_h1 (1F1B's memory, the backward split into "
-                             "input and weight gradients, the weight gradients deferred into the drain's bubble) "
-                             "(default: gpipe)")
+    add_schedule_arguments(parser)
     parser.add_argument("--micro-batches", type=int, default=8,
                         help="micro-batches per step and replica (elastic: per replica of MAX)")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
@@ -94,7 +90,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
-                  "schedule": args.schedule,
+                  **schedule_arguments(args),
                   "balance": args.balance, **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port,
                   "spare_workers": args.spare_workers})

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raypipe.core.schedule import RUNNABLE_SCHEDULES
+from raypipe.core.ops import worker_and_chunk
+from raypipe.core.schedule import PLACEMENT, SCHEDULES, check_chunks
 from raypipe.core.validation import (check_bool, check_choice, check_int, check_number, check_positive_int,
                                      check_positive_number, check_renamed, from_mapping)
 from raypipe.errors import ConfigError
@@ -42,13 +43,16 @@ class PipelineConfig:
     num_replicas: int | tuple[int, int] = 1
     shard_optimizer: bool = False  # ZeRO-1: each replica of a stage keeps the optimizer state of its own parameters
     schedule: str = "gpipe"
+    # model chunks per worker (v): interleaved_1f1b takes v >= 2, zbv v = 2, gpipe, 1f1b and zb_h1 v = 1
+    virtual_stages: int = 1
     activation_checkpoint: str = "never"  # recompute activations in backward: "never" | "always" | "except_last"
     activation_checkpoint_segments: int | None = None  # keep every k-th layer input inside a stage
     offload_activations: bool = False  # kept stage inputs live in Ray's object store
     clip_grad_norm: float | None = None
     clip_grad_value: float | None = None
     precision: str = "fp32"
-    # layers per stage (a list), or how to choose them: "parameters" (None: the same) balances
+    # layers per stage (a list; per virtual stage, in model order, with virtual_stages > 1), or how to
+    # choose them: "parameters" (None: the same) balances
     # parameter counts, "time" the layers' costs (LayerSpec(..., cost=LayerCost(...)); llama_layers has them)
     balance: list[int] | str | None = None
     # "p2p": one call per worker per step, direct sends; "object_store", "gloo", "nccl": a task per op
@@ -86,7 +90,8 @@ class PipelineConfig:
         check_positive_int("num_micro_batches", self.num_micro_batches)
         check_replicas(self.num_replicas)
         check_bool("shard_optimizer", self.shard_optimizer)
-        check_choice("schedule", self.schedule, RUNNABLE_SCHEDULES)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        self._validate_chunks()
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("transport", self.transport, TRANSPORTS)
@@ -121,16 +126,62 @@ class PipelineConfig:
         if num_layers is not None:
             self._validate_against_layers(num_layers)
 
+    def _validate_chunks(self) -> None:
+        """``virtual_stages`` against the schedule, the transport and the micro-batches."""
+        check_positive_int("virtual_stages", self.virtual_stages)
+        try:
+            check_chunks(self.schedule, self.virtual_stages)
+        except ValueError as error:
+            raise ConfigError("virtual_stages", self.virtual_stages, str(error)) from None
+        if self.virtual_stages == 1:
+            return
+        check_chunks_off_nccl(self, bool(self.use_gpu))
+        if self.transport != "p2p":
+            raise ConfigError("transport", self.transport, f"schedule {self.schedule!r} (virtual_stages="
+                              f"{self.virtual_stages}) runs on the per-step executor only: use transport='p2p'")
+        if self.schedule == "interleaved_1f1b":
+            if self.num_micro_batches % self.num_stages:
+                raise ConfigError("num_micro_batches", self.num_micro_batches, "interleaved_1f1b needs a multiple "
+                                  f"of num_stages ({self.num_stages}) per replica: it runs micro-batches in whole "
+                                  "rounds of num_stages (Megatron's rule)")
+            if self.elastic:
+                raise ConfigError("num_replicas", self.num_replicas, "interleaved_1f1b runs a fixed number of "
+                                  "replicas: an elastic run splits the step unevenly, and each replica's share must "
+                                  "be a multiple of num_stages (use zbv, or a fixed num_replicas)")
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """The pieces the model is cut into: ``num_stages x virtual_stages`` (``balance`` has one entry each)."""
+        return self.num_stages * self.virtual_stages
+
+    @property
+    def placement(self) -> str:
+        """Where the schedule puts each worker's chunks (:data:`raypipe.core.schedule.PLACEMENT`)."""
+        return PLACEMENT[self.schedule]
+
+    @property
+    def loss_stage(self) -> int:
+        """The stage (worker) that holds the model's last virtual stage: it reads targets and
+        computes the loss (the last stage, or stage 0 under zbv's V)."""
+        return worker_and_chunk(self.num_virtual_stages - 1, self.num_stages, self.placement)[0]
+
     def _validate_against_layers(self, num_layers: int) -> None:
         if num_layers < 1:
             raise ConfigError("model", num_layers, "the model needs at least one layer")
-        if self.num_stages > num_layers:
-            raise ConfigError("num_stages", self.num_stages, f"must be <= the number of layers ({num_layers})")
+        if self.num_virtual_stages > num_layers:
+            if self.virtual_stages == 1:
+                raise ConfigError("num_stages", self.num_stages, f"must be <= the number of layers ({num_layers})")
+            raise ConfigError("virtual_stages", self.virtual_stages, f"num_stages x virtual_stages = "
+                              f"{self.num_virtual_stages} chunks need at least as many layers, the model has "
+                              f"{num_layers}")
         if self.balance is None or isinstance(self.balance, str):
             return
         balance = list(self.balance)
-        if len(balance) != self.num_stages:
-            raise ConfigError("balance", balance, f"needs one entry per stage (num_stages={self.num_stages})")
+        if len(balance) != self.num_virtual_stages:
+            if self.virtual_stages == 1:
+                raise ConfigError("balance", balance, f"needs one entry per stage (num_stages={self.num_stages})")
+            raise ConfigError("balance", balance, f"needs one entry per virtual stage, in model order "
+                              f"(num_stages x virtual_stages = {self.num_virtual_stages})")
         if any(not isinstance(size, int) or size < 1 for size in balance):
             raise ConfigError("balance", balance, "every stage needs at least one layer (positive ints)")
         if sum(balance) != num_layers:
@@ -177,6 +228,19 @@ def _init_rejecting_renamed(self: PipelineConfig, *args: Any, **kwargs: Any) -> 
 
 
 PipelineConfig.__init__ = _init_rejecting_renamed  # type: ignore[method-assign]
+
+
+def check_chunks_off_nccl(config: PipelineConfig, nccl: bool) -> None:
+    """Raise :class:`ConfigError` where a schedule of model chunks would run over NCCL (``nccl``: GPU
+    workers, or NCCL's emulation). Its lowered exchanges are checked under NCCL's rendezvous rule with
+    every part posted at once, but the channel posts an activation's payload only once its header
+    gave the shape, behind the batch's sends (:meth:`raypipe.comm.p2p.P2PChannel.exchange`): a ring
+    of workers sending on would wait forever. Until the lowering models the header, they run on gloo."""
+    if nccl and config.virtual_stages > 1:
+        raise ConfigError("schedule", config.schedule, f"a schedule of model chunks (virtual_stages="
+                          f"{config.virtual_stages}) runs on CPU workers over gloo only for now: over NCCL its "
+                          "exchanges would wait forever (an activation's payload is received behind the batch's "
+                          "sends); on GPUs use zb_h1, 1f1b or gpipe")
 
 
 def check_balance(balance: Any) -> None:
@@ -243,6 +307,24 @@ def add_activation_arguments(parser: argparse.ArgumentParser, default: str | Non
     for old in _RENAMED:
         parser.add_argument(f"--{old.replace('_', '-')}", dest=old, action=_RenamedFlag, default=argparse.SUPPRESS,
                             nargs=0 if old == "offload" else None, help=argparse.SUPPRESS)
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--schedule`` and ``--virtual-stages`` (the jobs' flags of ``schedule`` and ``virtual_stages``)."""
+    parser.add_argument("--schedule", default=PipelineConfig.schedule, choices=SCHEDULES,
+                        help="pipeline schedule: gpipe, 1f1b, zb_h1 (1F1B's memory, the backward split into "
+                             "input and weight gradients, the weight gradients deferred into the drain's bubble), "
+                             "interleaved_1f1b (--virtual-stages >= 2 model chunks per worker: 1/v of 1F1B's bubble; "
+                             "micro-batches a multiple of --stages) or zbv (two chunks per worker in a V, zero "
+                             "bubble with equal F, I and W); the last two on CPU workers for now (default: gpipe)")
+    parser.add_argument("--virtual-stages", type=int, default=PipelineConfig.virtual_stages, metavar="V",
+                        help="model chunks per worker (PipelineConfig.virtual_stages): >= 2 for interleaved_1f1b, "
+                             "exactly 2 for zbv, 1 for the others (default: 1)")
+
+
+def schedule_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The PipelineConfig fields of :func:`add_schedule_arguments`' flags."""
+    return {"schedule": args.schedule, "virtual_stages": args.virtual_stages}
 
 
 def activation_arguments(args: argparse.Namespace) -> dict[str, Any]:

@@ -94,7 +94,8 @@ class PipelineTrainer:
     config = property(lambda self: self._controller.config, doc="The config in force (fewer stages when "
                       "re-partitioned).")
     topology = property(lambda self: self._controller.topology, doc="The ranks of the layout in force.")
-    balance = property(lambda self: self._controller.balance, doc="Layers per stage in force.")
+    balance = property(lambda self: self._controller.balance,
+                       doc="Layers per stage in force (per virtual stage, in model order, with model chunks).")
     schedule = property(lambda self: self._controller.schedule, doc="The schedule in force.")
     recoveries = property(lambda self: self._controller.recoveries,
                           doc="Each healed failure event (a Recovered: how long, from where, steps replayed).")

@@ -11,7 +11,7 @@ from raypipe import ConfigError, PipelineConfig
 from raypipe.cli import main as raypipe_cli
 from raypipe.config import load_yaml, max_replicas, parse_replicas, replicas_for_config
 from raypipe.core.loss_scale import LossScaler
-from raypipe.core.schedule import RUNNABLE_SCHEDULES
+from raypipe.core.schedule import SCHEDULES
 from raypipe.models.llama import get_config
 from raypipe.planning.memory import estimate_pipeline, estimate_stage
 from raypipe.run import RunConfig
@@ -143,11 +143,40 @@ def test_schedule_from_yaml_and_the_jobs_flags(tmp_path):
     for name, extra in (("train_tiny", []), ("train_7b", ["--preset", "tiny"])):
         job = load_job(name)
         assert job["run_config"](job["parse_args"](extra)).pipeline["schedule"] == "gpipe"
-        for schedule in RUNNABLE_SCHEDULES:
-            args = job["parse_args"]([*extra, "--schedule", schedule])
-            assert PipelineConfig.from_dict(job["run_config"](args).pipeline).schedule == schedule
-        with pytest.raises(SystemExit):  # a schedule no executor runs yet is a usage error
-            job["parse_args"]([*extra, "--schedule", "zbv"])
+        for schedule in SCHEDULES:
+            chunks = {"interleaved_1f1b": ["--virtual-stages", "2", "--stages", "2"], "zbv": ["--virtual-stages", "2"]}
+            args = job["parse_args"]([*extra, "--schedule", schedule, *chunks.get(schedule, [])])
+            config = PipelineConfig.from_dict(job["run_config"](args).pipeline)
+            config.validate()
+            assert (config.schedule, config.virtual_stages) == (schedule, 2 if schedule in chunks else 1)
+        with pytest.raises(SystemExit):
+            job["parse_args"]([*extra, "--schedule", "zb_v"])
+        with pytest.raises(ConfigError, match="virtual_stages.*zbv holds exactly v=2"):
+            PipelineConfig.from_dict(job["run_config"](job["parse_args"]([*extra, "--schedule", "zbv"])).pipeline
+                                     ).validate()
+
+
+def test_virtual_stages_are_checked_against_the_schedule_transport_micro_batches_and_layers():
+    PipelineConfig(num_stages=2, num_micro_batches=4, schedule="interleaved_1f1b", virtual_stages=3).validate(6)
+    PipelineConfig(num_stages=2, num_micro_batches=3, schedule="zbv", virtual_stages=2).validate(4)
+    cases = [
+        (dict(schedule="interleaved_1f1b"), "virtual_stages", "needs v >= 2"),
+        (dict(schedule="zbv", virtual_stages=3), "virtual_stages", "exactly v=2"),
+        (dict(schedule="1f1b", virtual_stages=2), "virtual_stages", "one chunk per worker"),
+        (dict(schedule="zbv", virtual_stages=0), "virtual_stages", "int >= 1"),
+        (dict(schedule="zbv", virtual_stages=2, transport="gloo"), "transport", "per-step executor only"),
+        (dict(schedule="interleaved_1f1b", virtual_stages=2, num_micro_batches=3), "num_micro_batches",
+         "multiple of num_stages"),
+        (dict(schedule="interleaved_1f1b", virtual_stages=2, num_replicas=(1, 2)), "num_replicas", "fixed number"),
+        (dict(schedule="zbv", virtual_stages=2, balance=[1, 1]), "balance", "one entry per virtual stage"),
+    ]
+    for changes, field, why in cases:
+        config = PipelineConfig(**{"num_stages": 2, "num_micro_batches": 4, **changes})
+        with pytest.raises(ConfigError, match=why) as caught:
+            config.validate(8)
+        assert caught.value.field == field, (changes, caught.value)
+    with pytest.raises(ConfigError, match="4 chunks need at least as many layers, the model has 3"):
+        PipelineConfig(num_stages=2, schedule="zbv", virtual_stages=2).validate(3)
 
 
 def test_pack_from_yaml_and_the_jobs_flags(tmp_path):
@@ -324,11 +353,14 @@ def test_train_7b_prints_an_elastic_range_as_min_dash_max():
     assert load_job("train_7b")["replicas_text"](2) == "2"
 
 
-def test_a_schedule_the_executors_cannot_run_yet_is_refused_before_any_actor_starts():
-    # the chunked schedules exist as data (core/schedule.py), checked by the simulator, but no executor
-    # runs chunks yet; zb_h1 (one chunk, split backward) runs on every executor
+def test_a_schedule_of_model_chunks_runs_on_the_per_step_executor_and_zb_h1_everywhere():
+    # the chunked schedules run on the per-step executor (transport p2p) only; zb_h1 (one chunk, split
+    # backward) runs on every executor
     for name in ("zbv", "interleaved_1f1b"):
-        with pytest.raises(ConfigError, match=f"invalid schedule='{name}': must be one of"):
-            PipelineConfig(num_stages=2, num_micro_batches=4, schedule=name).validate()
+        PipelineConfig(num_stages=2, num_micro_batches=4, schedule=name, virtual_stages=2).validate()
+        for transport in ("object_store", "gloo", "nccl"):
+            with pytest.raises(ConfigError, match="invalid transport=.*runs on the per-step executor only"):
+                PipelineConfig(num_stages=2, num_micro_batches=4, schedule=name, virtual_stages=2,
+                               transport=transport).validate()
     for transport in ("p2p", "object_store", "gloo"):
         PipelineConfig(num_stages=2, num_micro_batches=4, schedule="zb_h1", transport=transport).validate()

@@ -16,7 +16,7 @@ import torch
 
 from raypipe.checkpoint.parts import add_sole_mains
 from raypipe.checkpoint.pending import PendingSave, SavedCheckpoint
-from raypipe.core.partition import stage_layer_ranges
+from raypipe.core.partition import worker_layers
 from raypipe.core.validation import check_int
 from raypipe.errors import CheckpointError, CheckpointMismatchError, RaypipeError
 from raypipe.models.layers import split_state_by_layer
@@ -85,7 +85,9 @@ class TrainerState:
         per_layer = split_state_by_layer(state_dict, self._layer_names)
         self._controller.heal_if_broken(self.step_count, "a state dict load")
         layout = self._controller.layout
-        ranges = stage_layer_ranges(layout.balance) * layout.topology.num_replicas  # every replica, in rank order
+        config = layout.config
+        # every replica's workers, in rank order
+        ranges = worker_layers(layout.balance, config.num_stages, config.placement) * layout.topology.num_replicas
         self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
                             for actor, indices in zip(layout.actors, ranges)])
         self._controller.recovery.persisted.forget()

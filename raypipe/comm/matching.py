@@ -3,7 +3,9 @@
 order on NCCL and its emulation (:class:`InOrder`: tags ignored, nothing posted
 ahead, operations started together in one batch). The tag of a message comes
 from its kind (:data:`HEADER`, :data:`PREDICTED`, :data:`UNPREDICTED`,
-:data:`GRADIENT`, a tree's :data:`LAYOUT`) and its micro-batch.
+:data:`GRADIENT`, a tree's :data:`LAYOUT`) and its message key
+(:func:`raypipe.core.ops.message_key`: the micro-batch and the chunk boundary it
+crosses), ``KINDS * key + kind + 1``: gloo's tags are 32-bit, and keys stay small.
 """
 from __future__ import annotations
 
@@ -29,11 +31,11 @@ class ByTag:
     predicts = True
 
     @staticmethod
-    def tag(kind: int, micro_batch: int) -> int:
-        return KINDS * micro_batch + kind + 1
+    def tag(kind: int, key: int) -> int:
+        return KINDS * key + kind + 1
 
-    def post(self, buffer: torch.Tensor, peer: int, kind: int, micro_batch: int) -> Any:
-        return dist.irecv(buffer, peer, tag=self.tag(kind, micro_batch))
+    def post(self, buffer: torch.Tensor, peer: int, kind: int, key: int) -> Any:
+        return dist.irecv(buffer, peer, tag=self.tag(kind, key))
 
     @staticmethod
     def start(operations: list[Operation]) -> list[Any]:
@@ -52,10 +54,10 @@ class InOrder:
         self.stream = stream
 
     @staticmethod
-    def tag(kind: int, micro_batch: int) -> int:
+    def tag(kind: int, key: int) -> int:
         return 0
 
-    def post(self, buffer: torch.Tensor, peer: int, kind: int, micro_batch: int) -> None:
+    def post(self, buffer: torch.Tensor, peer: int, kind: int, key: int) -> None:
         return None
 
     def start(self, operations: list[Operation]) -> list[Any]:

@@ -1,24 +1,37 @@
-"""Point-to-point sends between neighbouring stages over ``torch.distributed``
+"""Point-to-point sends between the stages of a pipeline over ``torch.distributed``
 (gloo on CPU, NCCL on GPU): the per-step executor's transport.
+
+Every message goes to, or comes from, a peer stage that the caller names (a lowered
+op's ``peer``, :mod:`raypipe.core.lowering`), not just the next or previous stage:
+with several model chunks per worker the looped placement sends from the last worker
+back to the first, and one pair of workers may carry activations both ways. A
+message is named by a key that the caller gives (:func:`raypipe.core.ops.message_key`:
+the micro-batch and the boundary between virtual stages it crosses), the same on both
+ends, so one micro-batch's activations across different chunk boundaries between the
+same two workers stay apart; an activation and the gradient sent back for it share
+their key. Peer stages become ranks through :meth:`~raypipe.core.topology.Topology.rank`.
 
 An activation travels as a fixed-size header (its dtype and shape,
 :mod:`raypipe.comm.headers`) and a payload, so micro-batches of any shape flow without
 a fixed-shape agreement; a tree of tensors travels as one payload with its layout
 beside the header (:mod:`raypipe.comm.tree_messages`). A gradient has the shape and
-dtype of the payload sent for the same micro-batch, so it needs no header.
+dtype of the payload sent under the same key, so it needs no header.
 
 Gloo hands a message over only once its receive is posted, so with gloo every
 receive is posted as early as the schedule allows
 (:class:`~raypipe.comm.matching.ByTag`): a stage's activation headers at the
-start of its step, each payload too when its shape is predicted (the shape this
-micro-batch had last step, which both sides remember the same way), and a
+start of its step, each payload too when its shape is predicted (the shape the
+message of this key had last step, which both sides remember the same way), and a
 gradient's receive as soon as its activation is sent. A payload whose shape
 changed goes under another tag, and the stale prediction is consumed by a filler
 of the predicted size, so no posted receive is ever left unmatched. NCCL matches
 point-to-point messages in stream order and ignores tags
 (:class:`~raypipe.comm.matching.InOrder`): there each payload and gradient is
 received when it is reached (headers are posted ahead all the same, on the
-control channel below).
+control channel below), and the messages between two ranks match in the order
+they are issued, whatever their keys: the lowering issues them alike on both
+ends. (With several chunks per worker, exchanges can wait forever on NCCL: the
+known limit in :meth:`P2PChannel.exchange`.)
 
 A send completes only once its receive is posted, so a stage that sends to a
 peer and then receives from it, while the peer does the same the other way,
@@ -53,6 +66,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -67,18 +81,24 @@ from raypipe.comm.tree_messages import TreeLayout
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
 from raypipe.comm.polled_wait import ABORTED, WaitedOnThread, poll
 from raypipe.comm.replicas import StageReplicas
-from raypipe.core.ops import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, LoweredOp
+from raypipe.core.ops import RECEIVES, RECV_ACT, SEND_ACT, SENDS, LoweredOp, micro_batch_of_key
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
 
 
 class P2PChannel:
-    """One worker's links to its neighbours in the run's process group, and to
-    the other replicas of its stage."""
+    """One worker's links to the other stages of its pipeline in the run's process
+    group, and to the other replicas of its stage.
 
-    def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device) -> None:
+    ``num_chunks``: the model chunks each worker holds, so ``topology.num_stages *
+    num_chunks`` virtual stages; only to name a failed message's micro-batch from its
+    key (:func:`raypipe.core.ops.micro_batch_of_key`)."""
+
+    def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device,
+                 num_chunks: int = 1) -> None:
         self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
         self.rank = topology.rank(replica, stage)
+        self.num_virtual_stages = topology.num_stages * num_chunks
         self.replicas = StageReplicas(topology, replica, stage,
                                       wait=lambda work, what: self._wait(self._collective(work), None, None, what))
         self._matching: ByTag | InOrder = InOrder() if self.backend == "nccl" else ByTag()
@@ -91,17 +111,18 @@ class P2PChannel:
         # takes no lock: NCCL's abort exists to release a call stuck in the communicator, and an
         # operation that fails because the group was just aborted ends the step all the same
         self._lock = threading.Lock()
-        # the running step's unfinished sends and posted receives, per micro-batch:
-        # a pending operation keeps the group's connections open, so leaving drops them all
+        # the running step's unfinished sends and posted receives, per message key (a key names
+        # one message of the step, whichever peer it is with): a pending operation keeps the
+        # group's connections open, so leaving drops them all
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self._headers: dict[int, tuple[Any, torch.Tensor]] = {}
         self._payloads: dict[int, tuple[Any, torch.Tensor]] = {}
         self._gradients: dict[int, tuple[Any, torch.Tensor]] = {}
-        # the shape each micro-batch had last step, as sent to the next stage and as
-        # received from the previous one: the same on both ends of a link
+        # the shape each key's activation had last step, as sent and as received: the same
+        # on both ends of a message, as its key is
         self._sent: dict[int, Signature] = {}
         self._received: dict[int, Signature] = {}
-        # the layouts of the running step's trees (tree_messages), per micro-batch: a sent one
+        # the layouts of the running step's trees (tree_messages), per key: a sent one
         # unpacks its gradient, a received one packs the gradient sent back
         self._sent_layouts: dict[int, TreeLayout] = {}
         self._received_layouts: dict[int, TreeLayout] = {}
@@ -173,141 +194,168 @@ class P2PChannel:
         """Whether :meth:`abort` was called since the group was last joined."""
         return self._aborted.is_set()
 
-    def expect_activations(self, micro_batches: list[int]) -> None:
-        """Post the receives of this step's activations from the previous stage
+    def expect_activations(self, expected: list[tuple[int, int]]) -> None:
+        """Post the receives of this step's activations, each a (key, peer stage) pair
         (headers, and payloads of predicted shape), before they are needed."""
-        peer = self.rank - 1
-        for micro_batch in micro_batches:
+        for key, peer in expected:
+            peer_rank = self._peer_rank(peer)
             header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._control_device)
-            self._headers[micro_batch] = self._control_op(dist.irecv, header, peer, micro_batch), header
-            predicted = self._received.get(micro_batch)
+            self._headers[key] = self._control_op(dist.irecv, header, peer_rank, key), header
+            predicted = self._received.get(key)
             if predicted is not None:
                 payload = empty_buffer(predicted, self.device)
-                self._payloads[micro_batch] = self._matching.post(payload, peer, PREDICTED, micro_batch), payload
+                self._payloads[key] = self._matching.post(payload, peer_rank, PREDICTED, key), payload
 
-    def send_activation(self, tensor: Any, micro_batch: int) -> None:
-        """Start sending an activation (header, then payload) to the next stage,
-        and post the receive of its gradient. A tree of tensors (not a single tensor)
-        goes as one payload, its layout beside the header (:mod:`raypipe.comm.tree_messages`)."""
-        peer = self.rank + 1
+    def send_activation(self, tensor: Any, key: int, peer: int) -> None:
+        """Start sending an activation (header, then payload) to stage ``peer`` under
+        ``key``, and post the receive of its gradient (which comes back under the same key).
+        A tree of tensors (not a single tensor) goes as one payload, its layout beside the
+        header (:mod:`raypipe.comm.tree_messages`)."""
+        peer_rank = self._peer_rank(peer)
         payload, layout = tree_messages.outgoing(tensor, self.stage, self.device)
-        signature, predicted = signature_of(payload), self._sent.get(micro_batch)
+        signature, predicted = signature_of(payload), self._sent.get(key)
         if layout is None:
             header = encode(signature, self._control_device)
         else:
             described = layout.to_tensor(self._control_device)
             header = encode(tree_signature(layout.nbytes, described.numel()), self._control_device)
-        self._sends.append((self._control_op(dist.isend, header, peer, micro_batch), header))
+        self._sends.append((self._control_op(dist.isend, header, peer_rank, key), header))
         if layout is not None:  # on the control channel, right after its header
-            self._sends.append((self._control_op(dist.isend, described, peer, micro_batch, LAYOUT), described))
-            self._sent_layouts[micro_batch] = layout
+            self._sends.append((self._control_op(dist.isend, described, peer_rank, key, LAYOUT), described))
+            self._sent_layouts[key] = layout
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
-            self._send(empty_buffer(predicted, self.device), peer, PREDICTED, micro_batch)
-        self._send(payload, peer, PREDICTED if predicted == signature else UNPREDICTED, micro_batch)
+            self._send(empty_buffer(predicted, self.device), peer_rank, PREDICTED, key)
+        self._send(payload, peer_rank, PREDICTED if predicted == signature else UNPREDICTED, key)
         if self._matching.predicts:
-            self._sent[micro_batch] = signature
+            self._sent[key] = signature
         gradient = torch.empty_like(payload)
-        self._gradients[micro_batch] = self._matching.post(gradient, peer, GRADIENT, micro_batch), gradient
+        self._gradients[key] = self._matching.post(gradient, peer_rank, GRADIENT, key), gradient
 
-    def recv_activation(self, micro_batch: int) -> Any:
-        """The activation of ``micro_batch`` from the previous stage, whatever its shape and
+    def recv_activation(self, key: int, peer: int) -> Any:
+        """The activation sent under ``key`` by stage ``peer``, whatever its shape and
         dtype: a tensor, or a tree of them as it was sent."""
-        peer = self.rank - 1
-        if micro_batch not in self._headers:
-            self.expect_activations([micro_batch])
-        work, header = self._headers.pop(micro_batch)
-        self._wait(work, peer, micro_batch, "activation")
+        peer_rank = self._peer_rank(peer)
+        if key not in self._headers:
+            self.expect_activations([(key, peer)])
+        work, header = self._headers.pop(key)
+        self._wait(work, peer_rank, self._micro_batch(key), "activation")
         signature = decode(header)
         layout = None
         if signature[0] == TREE:
-            layout = self._receive_layout(signature[1][1], peer, micro_batch)
+            layout = self._receive_layout(signature[1][1], peer_rank, key)
             signature = (PAYLOAD_OF_TREE, (signature[1][0],))
         if self._matching.predicts:
-            self._received[micro_batch] = signature
-        payload = self._receive_payload(signature, peer, micro_batch)
+            self._received[key] = signature
+        payload = self._receive_payload(signature, peer_rank, key)
         if layout is None:
             return payload
-        self._received_layouts[micro_batch] = layout
+        self._received_layouts[key] = layout
         return tree_messages.unpack(payload, layout)
 
-    def _receive_payload(self, signature: Signature, peer: int, micro_batch: int) -> torch.Tensor:
-        posted = self._payloads.pop(micro_batch, None)
+    def _receive_payload(self, signature: Signature, peer_rank: int, key: int) -> torch.Tensor:
+        """The payload of ``signature``: in the receive posted ahead on its predicted shape (gloo;
+        consumed even when stale), or else in one posted now."""
+        posted = self._payloads.pop(key, None)
         if posted is not None:
-            predicted = self._receive(posted, None, peer, PREDICTED, micro_batch)
+            predicted = self._receive(posted, None, peer_rank, PREDICTED, key)
             if signature_of(predicted) == signature:
                 return predicted
-        return self._receive(None, signature, peer, UNPREDICTED, micro_batch)
+        return self._receive(None, signature, peer_rank, UNPREDICTED, key)
 
-    def _receive_layout(self, size: int, peer: int, micro_batch: int) -> TreeLayout:
+    def _receive_layout(self, size: int, peer_rank: int, key: int) -> TreeLayout:
         """A tree's layout, sent right after its header on the control channel."""
         described = torch.empty(size, dtype=torch.uint8, device=self._control_device)
-        work = self._control_op(dist.irecv, described, peer, micro_batch, LAYOUT)
-        self._wait(work, peer, micro_batch, "activation")
+        work = self._control_op(dist.irecv, described, peer_rank, key, LAYOUT)
+        self._wait(work, peer_rank, self._micro_batch(key), "activation")
         return TreeLayout.from_tensor(described)
 
-    def recv_gradient(self, micro_batch: int) -> Any:
-        """The gradient of the activation sent for ``micro_batch`` (for a tree: a tree of
-        its structure, ``None`` where a leaf is not floating-point)."""
-        work, gradient = self._gradients.pop(micro_batch)
-        gradient = self._receive((work, gradient), None, self.rank + 1, GRADIENT, micro_batch)
-        layout = self._sent_layouts.pop(micro_batch, None)
+    def recv_gradient(self, key: int, peer: int) -> Any:
+        """The gradient, from stage ``peer``, of the activation sent to it under ``key``
+        (for a tree: a tree of its structure, ``None`` where a leaf is not floating-point)."""
+        peer_rank = self._peer_rank(peer)
+        work, gradient = self._gradients.pop(key)
+        gradient = self._receive((work, gradient), None, peer_rank, GRADIENT, key)
+        layout = self._sent_layouts.pop(key, None)
         return gradient if layout is None else tree_messages.unpack_gradient(gradient, layout)
 
-    def send_gradient(self, gradient: Any, micro_batch: int) -> None:
-        """Start sending the gradient of this stage's input to the previous stage (for a
-        received tree: a tree of its structure, ``None`` for a leaf with no gradient)."""
-        layout = self._received_layouts.pop(micro_batch, None)
+    def send_gradient(self, gradient: Any, key: int, peer: int) -> None:
+        """Start sending to stage ``peer`` the gradient of the activation it sent under
+        ``key`` (for a received tree: a tree of its structure, ``None`` for a leaf with no
+        gradient)."""
+        peer_rank = self._peer_rank(peer)
+        layout = self._received_layouts.pop(key, None)
         if layout is not None:
             gradient = tree_messages.pack_gradient(gradient, layout, self.device)
         if gradient is None:
             raise RuntimeError(f"stage {self.stage} has no gradient for its input of micro-batch "
-                               f"{micro_batch}: the stage does not use its input")
-        self._send(gradient.detach().contiguous(), self.rank - 1, GRADIENT, micro_batch)
+                               f"{self._micro_batch(key)}: the stage does not use its input")
+        self._send(gradient.detach().contiguous(), peer_rank, GRADIENT, key)
 
-    def exchange(self, sends: list[tuple[LoweredOp, torch.Tensor | None]],
-                 receives: list[LoweredOp]) -> list[torch.Tensor]:
+    def exchange(self, sends: list[tuple[LoweredOp, Any]], receives: list[LoweredOp],
+                 key_of: Callable[[LoweredOp], int]) -> list[Any]:
         """Run one EXCHANGE op (:func:`raypipe.core.ops.exchange`): start ``sends``
         (SEND_ACT or SEND_GRAD parts, each with its tensor) and post ``receives``
         (RECV_ACT or RECV_GRAD parts) together, then return what each receive got,
-        in order.
+        in order. Each part goes to or comes from its ``peer`` stage, under the key
+        ``key_of(part)`` (the caller's :func:`raypipe.core.ops.message_key` of it, the
+        same its peer computes for the other end).
 
         On NCCL all of them go in one ``dist.batch_isend_irecv``, so neither this
         stage's sends nor its peer's wait behind a receive posted after them; an
         activation's header comes over the control channel (posted ahead), and its
         payload follows alone, once the header gives its shape (the sender posted it
-        with the batch). On gloo every receive is posted ahead already: the sends
-        start, then the receives are waited for.
+        with the batch), and so does a gradient's receive that comes after it from the
+        same peer (a pair's messages match in issue order). On gloo every receive is
+        posted ahead already: the sends start, then the receives are waited for.
+
+        Known limit on NCCL (and its emulation): the lowering's dry-run posts every
+        part of an exchange at once, but here an activation's payload is posted after
+        the batch, behind its sends on the one stream. So a ring of exchanges, each
+        worker sending to one peer and receiving an activation from another (what
+        interleaved lowerings do), waits forever: each batch's send waits for a receive
+        its peer posts only once its own batch is done. Reading the headers before the
+        batch instead would hang ZBV's lowerings, where the peer sends that header only
+        after this batch's send reached it. Which receive may wait for its header depends
+        on the peer's ops. With one chunk per worker (gpipe, 1f1b, zb_h1) no such ring
+        or wait forms.
         """
-        for part in [op for op, _ in sends] + list(receives):
-            offset = {SEND_ACT: +1, RECV_GRAD: +1, SEND_GRAD: -1, RECV_ACT: -1}.get(part.kind)
-            if offset is None or part.peer != self.stage + offset:
-                raise ValueError(f"stage {self.stage} cannot exchange {part!r}: this channel sends activations to "
-                                 "the next stage and gradients to the previous one, and receives them from there")
+        # checked before anything starts: an exchange is posted whole or not at all
+        for parts, kinds, role in (([op for op, _ in sends], SENDS, "sends"), (receives, RECEIVES, "receives")):
+            for part in parts:
+                if part.kind not in kinds:
+                    raise ValueError(f"stage {self.stage} cannot exchange {part!r} among its {role}: "
+                                     f"expected one of {', '.join(kinds)}")
+                self._peer_rank(part.peer, part)
         self._batch = []
         try:
             for op, tensor in sends:
-                (self.send_activation if op.kind == SEND_ACT else self.send_gradient)(tensor, op.micro_batch)
+                (self.send_activation if op.kind == SEND_ACT else self.send_gradient)(tensor, key_of(op), op.peer)
             operations, self._batch = self._batch, None
             posted = []  # the receives this batch posts: where each is kept, its buffer, its operation
+            # NCCL matches a pair's messages in issue order: a gradient's receive behind an activation's
+            # from the same peer must follow that activation's payload (received after the batch)
+            behind_activation: set[int] = set()
             for op in receives:
+                key = key_of(op)
                 if op.kind == RECV_ACT:  # its header: posted ahead on the control channel
-                    if op.micro_batch not in self._headers:
-                        self.expect_activations([op.micro_batch])
+                    if key not in self._headers:
+                        self.expect_activations([(key, op.peer)])
+                    behind_activation.add(op.peer)
                     continue
-                work, buffer = self._gradients[op.micro_batch]
-                if work is None:  # NCCL: posted now, with the sends
-                    posted.append((self._gradients, op.micro_batch, buffer, len(operations)))
-                    operations.append((dist.irecv, buffer, self.rank + 1,
-                                       self._matching.tag(GRADIENT, op.micro_batch)))
+                work, buffer = self._gradients[key]
+                if work is None and op.peer not in behind_activation:  # NCCL: posted now, with the sends
+                    posted.append((self._gradients, key, buffer, len(operations)))
+                    operations.append((dist.irecv, buffer, self._peer_rank(op.peer),
+                                       self._matching.tag(GRADIENT, key)))
             works = self._started(operations) if operations else []
             for work, (function, tensor, _, _) in zip(works, operations):
                 if function is dist.isend:
                     self._sends.append((work, tensor))
-            for kept, micro_batch, buffer, index in posted:
-                kept[micro_batch] = works[index], buffer
+            for kept, key, buffer, index in posted:
+                kept[key] = works[index], buffer
         finally:
             self._batch = None
-        return [self.recv_activation(op.micro_batch) if op.kind == RECV_ACT else self.recv_gradient(op.micro_batch)
+        return [(self.recv_activation if op.kind == RECV_ACT else self.recv_gradient)(key_of(op), op.peer)
                 for op in receives]
 
     def finish_sends(self) -> None:
@@ -330,11 +378,25 @@ class P2PChannel:
         """Where the control channel's tensors live: the CPU when it is gloo beside NCCL."""
         return torch.device("cpu") if self.control is not None else self.device
 
-    def _control_op(self, function: Any, tensor: torch.Tensor, peer: int, micro_batch: int,
+    def _peer_rank(self, peer: int | None, op: LoweredOp | None = None) -> int:
+        """The rank of stage ``peer`` of this replica; a ValueError (naming ``op``, if given)
+        unless it is another stage of the pipeline."""
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.topology.num_stages \
+                or peer == self.stage:
+            what = f"{op!r}'s peer" if op is not None else "a peer"
+            raise ValueError(f"stage {self.stage} cannot message {what} {peer!r}: a peer is another stage of "
+                             f"the pipeline, one of 0..{self.topology.num_stages - 1} but {self.stage}")
+        return self.topology.rank(self.replica, peer)
+
+    def _micro_batch(self, key: int) -> int:
+        """The micro-batch of a message's key, for error messages."""
+        return micro_batch_of_key(key, self.num_virtual_stages)
+
+    def _control_op(self, function: Any, tensor: torch.Tensor, peer_rank: int, key: int,
                     kind: int = HEADER) -> Any:
         """Start a header's (or a tree's layout's) send or receive on the control channel (matched by tag)."""
         self._refuse_after_abort("activation")
-        work = function(tensor, peer, group=self.control, tag=ByTag.tag(kind, micro_batch))
+        work = function(tensor, peer_rank, group=self.control, tag=ByTag.tag(kind, key))
         # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
         return WaitedOnThread(work) if self._polls else work
 
@@ -351,8 +413,8 @@ class P2PChannel:
         if isinstance(self._matching, InOrder) and self._matching.stream is not None:
             self._matching.stream.stop()
 
-    def _send(self, tensor: torch.Tensor, peer: int, kind: int, micro_batch: int) -> None:
-        operation = (dist.isend, tensor, peer, self._matching.tag(kind, micro_batch))
+    def _send(self, tensor: torch.Tensor, peer_rank: int, kind: int, key: int) -> None:
+        operation = (dist.isend, tensor, peer_rank, self._matching.tag(kind, key))
         if self._batch is not None:  # an exchange's: started with its receives
             self._batch.append(operation)
         else:
@@ -364,31 +426,32 @@ class P2PChannel:
         works = self._matching.start(operations)
         return works if len(works) == len(operations) else [works[0]] * len(operations)
 
-    def _receive(self, posted: tuple[Any, torch.Tensor] | None, signature: Signature | None, peer: int,
-                 kind: int, micro_batch: int) -> torch.Tensor:
+    def _receive(self, posted: tuple[Any, torch.Tensor] | None, signature: Signature | None, peer_rank: int,
+                 kind: int, key: int) -> torch.Tensor:
         """Wait for a posted receive, or post one into a new buffer of ``signature`` and wait."""
         work, buffer = posted if posted is not None else (None, empty_buffer(signature, self.device))
         if work is None:
-            work = self._started([(dist.irecv, buffer, peer, self._matching.tag(kind, micro_batch))])[0]
-        self._wait(work, peer, micro_batch, "gradient" if kind == GRADIENT else "activation")
+            work = self._started([(dist.irecv, buffer, peer_rank, self._matching.tag(kind, key))])[0]
+        self._wait(work, peer_rank, self._micro_batch(key), "gradient" if kind == GRADIENT else "activation")
         return buffer
 
-    def _wait(self, work: Any, peer: int | None, micro_batch: int | None, what: str) -> None:
+    def _wait(self, work: Any, peer_rank: int | None, micro_batch: int | None, what: str) -> None:
         """Wait for ``work``: in gloo (which raises when a peer leaves), or under NCCL's
         rules by polling its completion against the abort flag and ``p2p_timeout_s``
         (NCCL's ``wait()`` neither blocks the host nor raises)."""
         if self._polls:
-            poll(work, self._aborted, self._timeout_s, lambda why: self._step_aborted(peer, micro_batch, what, why))
+            poll(work, self._aborted, self._timeout_s,
+                 lambda why: self._step_aborted(peer_rank, micro_batch, what, why))
         try:
             work.wait()  # completed when polled: returns at once, or raises the transport's error
         except RuntimeError as error:
-            source = "a worker" if peer is None else f"stage {self.topology.coordinates(peer).stage}"
-            raise self._step_aborted(peer, micro_batch, what,
+            source = "a worker" if peer_rank is None else f"stage {self.topology.coordinates(peer_rank).stage}"
+            raise self._step_aborted(peer_rank, micro_batch, what,
                                      f"{source} left the step before this {what} completed ({error})") from None
 
-    def _raise_aborted(self, peer: int | None, micro_batch: int | None, what: str) -> None:
-        raise self._step_aborted(peer, micro_batch, what, ABORTED)
+    def _raise_aborted(self, peer_rank: int | None, micro_batch: int | None, what: str) -> None:
+        raise self._step_aborted(peer_rank, micro_batch, what, ABORTED)
 
-    def _step_aborted(self, peer: int | None, micro_batch: int | None, what: str, why: str) -> StepAborted:
+    def _step_aborted(self, peer_rank: int | None, micro_batch: int | None, what: str, why: str) -> StepAborted:
         return StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch, why,
                            replica=self.replica if self.topology.num_replicas > 1 else None)

@@ -36,11 +36,12 @@ from typing import Any
 
 import ray
 
-from raypipe.config import PipelineConfig
+from raypipe.comm import nccl_emulation
+from raypipe.config import PipelineConfig, check_chunks_off_nccl
 from raypipe.control.partitioning import Partitioning
 from raypipe.control.view import LayoutView
 from raypipe.core.micro_batches import MicroBatches
-from raypipe.core.partition import stage_layer_ranges
+from raypipe.core.partition import worker_chunks
 from raypipe.core.schedule import make_schedule
 from raypipe.core.topology import Topology
 from raypipe.errors import WorkersFailed
@@ -123,7 +124,8 @@ class Controller:
         self.model, self._metrics, self.settle_saves = model, metrics, settle_saves
         self._steps = steps  # the trainer's committed steps: where a resize happened, the first snapshot's step
         self.topology = Topology(config.num_stages, config.max_replicas)  # until placed: an elastic run's may be fewer
-        self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches)
+        self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches,
+                                      config.virtual_stages)
         self.executor: Executor = make_executor(config, self.schedule)
         self.recovery = Recovery(self.executor, self, self.give_datasets, self._recovered)
         self.partitioning = Partitioning(self)
@@ -198,6 +200,7 @@ class Controller:
         config = self._config
         cluster.connect(config.ray_address, (self.topology.world_size + config.spare_workers) * config.cpus_per_stage)
         self.use_gpu = cluster.resolve_use_gpu(config)
+        check_chunks_off_nccl(config, self.use_gpu or nccl_emulation.requested())
         if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
             self.keeper = start_keeper()
         self.bundle = cluster.worker_bundle(config, self.use_gpu)
@@ -220,12 +223,17 @@ class Controller:
                     ) -> list[WorkerSpec]:
         """One spec per stage of the partition in force (else of ``config`` split by ``balance``), as replica 0's."""
         config, balance = config or self._config, balance or self._balance
-        model, last = self.model, config.num_stages - 1
-        return [WorkerSpec(stage=stage, num_stages=config.num_stages, layers=tuple(model.layers[i] for i in indices),
-                           layer_indices=tuple(indices), config=config, use_gpu=self.use_gpu,
-                           optimizer_factory=model.optimizer, loss_fn=model.loss_fn if stage == last else None,
-                           loss_count_fn=model.loss_count_fn, scheduler_factory=model.lr_scheduler)
-                for stage, indices in enumerate(stage_layer_ranges(balance))]
+        model, last = self.model, config.loss_stage
+        specs = []
+        for stage, chunks in enumerate(worker_chunks(balance, config.num_stages, config.placement)):
+            indices = [index for chunk in chunks for index in chunk]
+            specs.append(WorkerSpec(
+                stage=stage, num_stages=config.num_stages, layers=tuple(model.layers[i] for i in indices),
+                layer_indices=tuple(indices), config=config, use_gpu=self.use_gpu, optimizer_factory=model.optimizer,
+                loss_fn=model.loss_fn if stage == last else None, loss_count_fn=model.loss_count_fn,
+                scheduler_factory=model.lr_scheduler,
+                chunk_sizes=tuple(len(chunk) for chunk in chunks) if config.virtual_stages > 1 else ()))
+        return specs
 
     def launch(self, placed: list | None) -> list[dict[str, Any]]:
         """Start the workers of the partition and topology in force (in ``placed``
@@ -292,7 +300,7 @@ class Controller:
         checked where each runs (a replacement too, which may run on another node)."""
         if self._datasets is None:
             return
-        last = self.topology.num_stages - 1
+        last = self._config.loss_stage
         readers = [(where.replica, where.stage, self.group.actors[rank]) for rank, where in
                    ((rank, self.topology.coordinates(rank)) for rank in indices) if where.stage in (0, last)]
         own = datasets_for_readers(readers, self._datasets, self.executor.get, self._ship_limit, self._shipped)
@@ -317,8 +325,9 @@ class Controller:
 
     def use_partition(self, config: PipelineConfig, balance: list[int]) -> None:
         """From now on ``config``'s stages, split by ``balance``, run on one replica."""
-        self._config, self._balance, self.topology = config, list(balance), Topology(len(balance), 1)
-        self.schedule = make_schedule(config.schedule, len(balance), config.num_micro_batches)
+        self._config, self._balance, self.topology = config, list(balance), Topology(config.num_stages, 1)
+        self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches,
+                                      config.virtual_stages)
         self.executor.config, self.executor.schedule = config, self.schedule  # the executor's own copy
 
     def swap_group(self, group: StageGroup | None) -> None:

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 import ray
 
 from raypipe.control.policy import Raise, Repartition, ReturnToConfigured, WaitForRoom, decide_failure, decide_scaling
+from raypipe.config import PipelineConfig
 from raypipe.control.view import LayoutView, Room
+from raypipe.core.partition import worker_layers
 from raypipe.errors import PlacementError
 from raypipe.executor.elastic import layout
 from raypipe.executor.partition_return import PartitionReturn
@@ -60,12 +62,13 @@ class Partitioning:
             control.partition_return = None
         balance = self._fewer_stages(reports, view)
         control.swap_group(None)  # the survivors' room goes to the new partition; their state is in snapshots
-        control.use_partition(control.config.replace(num_stages=len(balance), balance=balance), balance)
+        config = fewer_stages_config(control.config, balance)
+        control.use_partition(config, balance)
         control.launch(None)
         control.partition_return = self._configured_return()
         control.record_resize("repartition")
-        logger.warning("raypipe: re-partitioned from %d to %d stage(s) (layers per stage %s): no room for a whole "
-                       "pipeline of %d", old_stages, len(balance), balance, old_stages)
+        logger.warning("raypipe: re-partitioned from %d to %d stage(s) (layers per stage %s, schedule %s): no room "
+                       "for a whole pipeline of %d", old_stages, len(balance), balance, config.schedule, old_stages)
 
     def restore_partition(self) -> bool:
         """At a step boundary of a re-partitioned run: once the configured pipeline's
@@ -157,7 +160,8 @@ class Partitioning:
         config, bundle = control.config, control.bundle
         costs = [layer_parameter_count(layer) for layer in control.model.layers]
         stats = [report.stats for report in reports[:config.num_stages]] if reports else None
-        predicted = (layer_bytes(control.balance, [4 * cost for cost in costs], stats) if stats
+        running = worker_layers(control.balance, config.num_stages, config.placement)
+        predicted = (layer_bytes(running, [4 * cost for cost in costs], stats) if stats
                      else [8.0 * cost for cost in costs])
         capacity = cluster.worker_memory_bytes(control.device_memory)
         balances = {}  # the memory model's answer: each count of fewer stages that fits, and its balance
@@ -180,3 +184,12 @@ class Partitioning:
                     f"{sum(predicted) / 2**30:.2f} GiB; waited {config.placement_timeout_s:g}s "
                     "(placement_timeout_s). Saved checkpoints are intact: load_checkpoint resumes from the newest")
             time.sleep(0.5)
+
+
+def fewer_stages_config(config: PipelineConfig, balance: list[int]) -> PipelineConfig:
+    """The config of a re-partition to ``balance`` (layers per stage, one chunk each): a schedule of
+    model chunks (interleaved_1f1b, zbv) becomes 1f1b, which runs on any number of stages with
+    any number of micro-batches and holds no more than they do; the others stay."""
+    chunked = config.virtual_stages > 1
+    return config.replace(num_stages=len(balance), balance=balance,
+                          **({"schedule": "1f1b", "virtual_stages": 1} if chunked else {}))

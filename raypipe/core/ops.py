@@ -12,7 +12,9 @@ the previous virtual stage waits for) and later a W (the weight gradient, which
 nobody waits for, so a schedule may defer it into a bubble); I followed at once by
 W is B. A worker may hold several model chunks (``v`` of them): its chunk ``c`` is
 one virtual stage of the ``p * v`` the model is cut into, placed by a
-:data:`PLACEMENTS` rule (:func:`virtual_stage`, :func:`worker_and_chunk`).
+:data:`PLACEMENTS` rule (:func:`virtual_stage`, :func:`worker_and_chunk`). A message
+between workers is named by the micro-batch and the boundary between virtual stages
+that it crosses (:func:`boundary_of`, :func:`message_key`), alike on both ends.
 """
 from __future__ import annotations
 
@@ -72,6 +74,43 @@ def neighbour(stage: int, chunk: int, kind: str, num_stages: int, num_chunks: in
     if not 0 <= other < num_stages * num_chunks:
         return None
     return worker_and_chunk(other, num_stages, placement)
+
+
+def boundary_of(stage: int, chunk: int, kind: str, num_stages: int, placement: str = LOOPED) -> int:
+    """The boundary a SEND/RECV of ``kind`` by ``chunk`` of worker ``stage`` crosses: the
+    virtual stage that receives the activation (an activation's sender and receiver name
+    the same boundary, and so do the gradient sent back for it and its receive). A
+    SEND_ACT or RECV_GRAD is of the activation this chunk sends on (its virtual stage
+    + 1); a RECV_ACT or SEND_GRAD of the one it takes in (its own virtual stage)."""
+    if kind not in PEER_OFFSET:
+        raise ValueError(f"{kind!r} crosses no boundary: expected one of {tuple(PEER_OFFSET)}")
+    leaves = kind in (SEND_ACT, RECV_GRAD)  # the activation leaves this chunk (else: it came in)
+    return virtual_stage(stage, chunk, num_stages, placement) + (1 if leaves else 0)
+
+
+def message_key(micro_batch: int, boundary: int, num_virtual_stages: int) -> int:
+    """The key that names, on both ends, the activation of ``micro_batch`` crossing
+    ``boundary`` (see :func:`boundary_of`: 1..num_virtual_stages - 1) and the gradient
+    sent back for it: ``micro_batch * num_virtual_stages + boundary``.
+
+    Unique in a step (a micro-batch crosses each boundary once) and the same on every
+    worker, it tells apart one micro-batch's messages between the same two workers at
+    different chunk boundaries (the looped placement's wrap from the last worker to
+    the first, the V's both ends on worker 0). It stays small, since gloo tags are
+    32-bit ints made from it (:mod:`raypipe.comm.matching`). With one chunk per worker
+    (``num_virtual_stages`` = p) the activation from stage s - 1 to s has key
+    ``micro_batch * p + s``. :func:`micro_batch_of_key` inverts it."""
+    if not 0 < boundary < num_virtual_stages:
+        raise ValueError(f"boundary {boundary} is outside 1..{num_virtual_stages - 1}: it names the virtual "
+                         f"stage that receives an activation, of {num_virtual_stages}")
+    if micro_batch < 0:
+        raise ValueError(f"micro-batch {micro_batch} is negative")
+    return micro_batch * num_virtual_stages + boundary
+
+
+def micro_batch_of_key(key: int, num_virtual_stages: int) -> int:
+    """The micro-batch of a :func:`message_key` (for error messages: they name micro-batches)."""
+    return key // num_virtual_stages
 
 
 def _chunk_suffix(chunk: int) -> str:

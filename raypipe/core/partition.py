@@ -1,7 +1,9 @@
-"""Split a list of layers into contiguous pipeline stages."""
+"""Split a list of layers into contiguous pipeline stages, and place them on workers."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from raypipe.core.ops import LOOPED, virtual_stage
 
 
 def partition_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
@@ -68,3 +70,20 @@ def stage_layer_ranges(balance: Sequence[int]) -> list[range]:
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def worker_chunks(balance: Sequence[int], num_workers: int, placement: str = LOOPED) -> list[list[range]]:
+    """Each worker's model chunks, as global layer indices in chunk order, from layers per
+    virtual stage (``balance``: ``num_workers x v`` entries in model order; one entry per worker
+    is the plain pipeline), placed by ``placement`` (see :data:`raypipe.core.ops.PLACEMENTS`)."""
+    ranges = stage_layer_ranges(balance)
+    num_chunks, rest = divmod(len(ranges), num_workers)
+    if rest or not num_chunks:
+        raise ValueError(f"{len(ranges)} virtual stages do not make {num_workers} workers' chunks")
+    return [[ranges[virtual_stage(worker, chunk, num_workers, placement)] for chunk in range(num_chunks)]
+            for worker in range(num_workers)]
+
+
+def worker_layers(balance: Sequence[int], num_workers: int, placement: str = LOOPED) -> list[list[int]]:
+    """Each worker's global layer indices, its chunks one after the other (:func:`worker_chunks`)."""
+    return [[index for chunk in chunks for index in chunk] for chunks in worker_chunks(balance, num_workers, placement)]

@@ -24,9 +24,8 @@ from raypipe.core.ops import LOOPED, V_SHAPED, B, F, I, LoweredOp, Op, W
 from raypipe.core.simulator import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
-# what every executor interprets today (zb_h1: I and W ops, raypipe/stage/split_backward.py); the chunked
-# schedules are data the simulator and the planner check, runnable (config, jobs, plan) once the executors run chunks
-RUNNABLE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+# one chunk per worker (virtual_stages=1); the others hold several (interleaved_1f1b v >= 2, zbv v = 2)
+SINGLE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 # Where each schedule puts its chunks (see raypipe.core.ops.PLACEMENTS); one chunk per worker is placed alike by both.
 PLACEMENT = {"gpipe": LOOPED, "1f1b": LOOPED, "interleaved_1f1b": LOOPED, "zb_h1": LOOPED, "zbv": V_SHAPED}
 
@@ -209,22 +208,32 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int, num_chunks
     Raises :class:`~raypipe.core.simulator.ScheduleError` when the lowered
     schedule would deadlock, mis-pair messages or run compute ops out of place.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: expected one of {SCHEDULES}")
+    check_chunks(name, num_chunks)
     if name == "interleaved_1f1b":
         schedule = interleaved_1f1b_schedule(num_stages, num_micro_batches, num_chunks)
     elif name == "zbv":
-        if num_chunks != 2:
-            raise ValueError(f"zbv holds exactly v=2 chunks per worker (a V), got v={num_chunks}")
         schedule = zbv_schedule(num_stages, num_micro_batches)
     else:
-        if num_chunks != 1:
-            raise ValueError(f"{name} holds one chunk per worker (v=1), got v={num_chunks}: "
-                             f"interleaved_1f1b (v >= 2) and zbv (v = 2) hold more")
         builder = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb_h1": zb_h1_schedule}[name]
         schedule = builder(num_stages, num_micro_batches)
     dry_run(schedule, PLACEMENT[name])
     return schedule
+
+
+def check_chunks(name: str, num_chunks: int) -> None:
+    """Raise ``ValueError`` unless schedule ``name`` holds ``num_chunks`` (v) chunks per worker:
+    v >= 2 for interleaved_1f1b, v = 2 for zbv, v = 1 for the others."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: expected one of {SCHEDULES}")
+    if name == "interleaved_1f1b":
+        if num_chunks < 2:
+            raise ValueError(f"interleaved_1f1b needs v >= 2 chunks per worker, got v={num_chunks}")
+    elif name == "zbv":
+        if num_chunks != 2:
+            raise ValueError(f"zbv holds exactly v=2 chunks per worker (a V), got v={num_chunks}")
+    elif num_chunks != 1:
+        raise ValueError(f"{name} holds one chunk per worker (v=1), got v={num_chunks}: "
+                         f"interleaved_1f1b (v >= 2) and zbv (v = 2) hold more")
 
 
 def dry_run(schedule: list[list[Op]], placement: str = LOOPED) -> tuple[tuple[int, LoweredOp], ...]:

@@ -32,7 +32,7 @@ import ray
 from raypipe.comm.task_tensors import as_task_argument
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
-from raypipe.core.ops import Op
+from raypipe.core.ops import Op, worker_and_chunk
 from raypipe.core.result import StageReport
 from raypipe.core.step_decision import StepDecision
 from raypipe.errors import RaypipeError, WorkersFailed
@@ -237,16 +237,18 @@ class Executor(ABC):
     def evaluate(self, step: int, batch: MicroBatches | None) -> float:
         """Mean loss of one batch, forward only, through the object store; every
         replica's pipeline takes its own block of micro-batches, as in a step."""
-        num_stages = self.config.num_stages
+        config = self.config
+        num_stages, last = config.num_stages, config.num_virtual_stages - 1
         losses = []
         for first in range(0, len(self.group.actors), num_stages):
             pipeline = self.group.actors[first:first + num_stages]
             for micro_batch, index in enumerate(self.group.spec(first).block):
                 hidden = None if batch is None else as_task_argument(batch.inputs[index])
-                for stage, actor in enumerate(pipeline):
-                    targets, weight = (None, None) if batch is None or stage < num_stages - 1 else (
+                for virtual_stage in range(last + 1):  # through every chunk, in model order
+                    stage, chunk = worker_and_chunk(virtual_stage, num_stages, config.placement)
+                    targets, weight = (None, None) if batch is None or virtual_stage < last else (
                         as_task_argument(batch.targets[index]), batch.weights[index])
-                    hidden = actor.evaluate.remote(micro_batch, hidden, targets, weight, step)
+                    hidden = pipeline[stage].evaluate.remote(micro_batch, hidden, targets, weight, step, chunk)
                 losses.append(hidden)
         return sum(self.gather(losses, step, "during evaluate"))
 

@@ -69,7 +69,7 @@ class PerStepExecutor(Executor):
         """Each worker's ``run_step`` arguments, in rank order: each replica runs its
         block of the step's micro-batches (see :attr:`~raypipe.stage.spec.WorkerSpec.block`),
         weighted by the whole step's count."""
-        last = self.config.num_stages - 1
+        last = self.config.loss_stage
         arguments = []
         for rank in range(len(self.group.actors)):
             spec = self.group.spec(rank)

@@ -1,5 +1,7 @@
 """The worker side of the per-step executor: a stage runs its whole lowered op
-list of one step in one Ray task, sending straight to its neighbours.
+list of one step in one Ray task, sending straight to its peers (each send and
+receive names its peer stage; its message key comes from
+:func:`raypipe.core.ops.message_key`).
 
 One task per stage per step instead of one per op, and no hop through the
 object store: the per-op overhead that shows with small micro-batches goes.
@@ -19,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 import torch
@@ -38,6 +41,8 @@ from raypipe.stage.worker import StageWorker
 
 logger = logging.getLogger("raypipe")
 
+Key = tuple[int, int]  # (model chunk, micro-batch): what a step's tensors are kept under
+
 
 @dataclass
 class _StepState:
@@ -51,10 +56,11 @@ class _StepState:
     started: float = field(default_factory=time.time)
     stats: list[StageGradStats] = field(default_factory=list)  # every stage's, after the reduction
     report: StageReport | None = None
-    activations: dict[int, torch.Tensor] = field(default_factory=dict)  # received, per micro-batch
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    gradients: dict[int, torch.Tensor] = field(default_factory=dict)  # received, per micro-batch
-    input_gradients: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # by (chunk, micro-batch): received, or handed on by this worker's own previous (next) chunk
+    activations: dict[Key, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # to send
+    gradients: dict[Key, torch.Tensor] = field(default_factory=dict)
+    input_gradients: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # to send
 
 
 class PerStepWorker(StageWorker, AnswersCalls):
@@ -68,6 +74,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         # with no connection no step comes, so nothing waits
         self._first_waits = StepGate()
         self._first_waits.open(math.inf)
+        # each handler takes the op (its micro-batch and chunk; a send's or receive's peer too)
         self._handlers = {ops.RECV_ACT: self._recv_activation, ops.F: self._forward,
                           ops.SEND_ACT: self._send_activation, ops.RECV_GRAD: self._recv_gradient,
                           ops.B: self._backward, ops.SEND_GRAD: self._send_gradient, ops.EXCHANGE: self._exchange,
@@ -79,14 +86,17 @@ class PerStepWorker(StageWorker, AnswersCalls):
         leaving the old group)."""
         super().take_layout(spec)
         self._ops = lowered_stage_ops(spec)
-        self._received_micro_batches = [op.micro_batch for op in ops.unbatch(self._ops) if op.kind == ops.RECV_ACT]
+        num_chunks = spec.num_chunks
+        self._message_key = message_keys(spec.stage, spec.num_stages, num_chunks, PLACEMENT[spec.config.schedule])
+        self._expected_activations = [(self._message_key(op), op.peer) for op in ops.unbatch(self._ops)
+                                      if op.kind == ops.RECV_ACT]
         # the first op that changes what a snapshot or checkpoint copies: the commit, or a forward
         # when the layers save buffers (a forward may update them, e.g. running statistics); a
         # buffer left out of the state dict (LLaMA's RoPE tables) is not copied, so it holds no step
         changes_state = ops.F if _saves_buffers(self.layers) else ops.OPTIMIZER_STEP
         self._gated_op = next(index for index, op in enumerate(self._ops) if op.kind == changes_state)
         self._first_wait_op = first_wait(self._ops, self._gated_op)
-        self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device)
+        self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device, num_chunks)
 
     def serve_calls(self, method: str, authkey: bytes, previous_end_s: float = 30.0, *,
                     on_end: Callable[[], None] = lambda: None) -> tuple[str, int]:
@@ -151,13 +161,13 @@ class PerStepWorker(StageWorker, AnswersCalls):
         none = [None] * len(self.block)
         state = _StepState(step, inputs or none, targets or none, weights or none, loss_scale)
         try:
-            self._channel.expect_activations(self._received_micro_batches)
+            self._channel.expect_activations(self._expected_activations)
             for index, op in enumerate(self._ops):
                 if index == self._first_wait_op and gate is not None:
                     self._first_waits.open(gate)
                 if index == self._gated_op and gate is not None:
                     self._pass_gate(gate)
-                self._handlers[op.kind](op.parts if op.kind == ops.EXCHANGE else op.micro_batch, state)
+                self._handlers[op.kind](op, state)
         except BaseException as error:
             aborted = self._channel.aborted
             self._leave_failed_step(error)
@@ -193,56 +203,77 @@ class PerStepWorker(StageWorker, AnswersCalls):
         if self._step_gate.wait(count, self.config.p2p_timeout_s):
             self._events.append(OpEvent(self.stage_index, "gate", None, start, time.time(), self.replica))
 
-    def _recv_activation(self, micro_batch: int, state: _StepState) -> None:
+    def _recv_activation(self, op: ops.LoweredOp, state: _StepState) -> None:
         start = time.time()
-        state.activations[micro_batch] = self._channel.recv_activation(micro_batch)
-        self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time(), self.replica))
+        state.activations[op.chunk, op.micro_batch] = self._channel.recv_activation(self._message_key(op), op.peer)
+        self._events.append(OpEvent(self.stage_index, "recv", op.micro_batch, start, time.time(), self.replica))
 
-    def _forward(self, micro_batch: int, state: _StepState) -> None:
-        hidden = state.inputs[micro_batch] if self.is_first else state.activations.pop(micro_batch)
+    def _forward(self, op: ops.LoweredOp, state: _StepState) -> None:
+        chunk, micro_batch = op.chunk, op.micro_batch
+        hidden = (state.inputs[micro_batch] if self._reads_inputs(chunk)
+                  else state.activations.pop((chunk, micro_batch)))
         output = self.forward(micro_batch, hidden, state.targets[micro_batch], state.weights[micro_batch],
-                              state.step)
-        if not self.is_last:
-            state.outputs[micro_batch] = output
+                              state.step, chunk)
+        if chunk != self._last_chunk:
+            self._hand_on(op, ops.SEND_ACT, output, state)
 
-    def _send_activation(self, micro_batch: int, state: _StepState) -> None:
-        self._channel.send_activation(state.outputs.pop(micro_batch), micro_batch)
+    def _send_activation(self, op: ops.LoweredOp, state: _StepState) -> None:
+        self._channel.send_activation(state.outputs.pop((op.chunk, op.micro_batch)), self._message_key(op), op.peer)
 
-    def _recv_gradient(self, micro_batch: int, state: _StepState) -> None:
+    def _recv_gradient(self, op: ops.LoweredOp, state: _StepState) -> None:
         start = time.time()
-        state.gradients[micro_batch] = self._channel.recv_gradient(micro_batch)
-        self._events.append(OpEvent(self.stage_index, "recv", micro_batch, start, time.time(), self.replica))
+        state.gradients[op.chunk, op.micro_batch] = self._channel.recv_gradient(self._message_key(op), op.peer)
+        self._events.append(OpEvent(self.stage_index, "recv", op.micro_batch, start, time.time(), self.replica))
 
-    def _backward(self, micro_batch: int, state: _StepState) -> None:
-        gradient = state.gradients.pop(micro_batch, None)
-        scale = state.loss_scale if self.is_last and state.loss_scale is not None else 1.0
-        state.input_gradients[micro_batch] = self.backward(micro_batch, gradient, scale)
+    def _backward(self, op: ops.LoweredOp, state: _StepState) -> None:
+        self._backpropagate(op, state, self.backward)
 
-    def _backward_input(self, micro_batch: int, state: _StepState) -> None:
-        gradient = state.gradients.pop(micro_batch, None)
-        scale = state.loss_scale if self.is_last and state.loss_scale is not None else 1.0
-        state.input_gradients[micro_batch] = self.backward_input(micro_batch, gradient, scale)
+    def _backward_input(self, op: ops.LoweredOp, state: _StepState) -> None:
+        self._backpropagate(op, state, self.backward_input)
 
-    def _backward_weight(self, micro_batch: int, _: _StepState) -> None:
-        self.backward_weight(micro_batch)
+    def _backpropagate(self, op: ops.LoweredOp, state: _StepState, backward: Callable) -> None:
+        """B or I of one micro-batch on one chunk: its input gradient goes to the previous virtual stage."""
+        chunk, micro_batch = op.chunk, op.micro_batch
+        gradient = state.gradients.pop((chunk, micro_batch), None)
+        scale = state.loss_scale if chunk == self._last_chunk and state.loss_scale is not None else 1.0
+        input_gradient = backward(micro_batch, gradient, scale, chunk)
+        if not self._reads_inputs(chunk):
+            self._hand_on(op, ops.SEND_GRAD, input_gradient, state)
 
-    def _send_gradient(self, micro_batch: int, state: _StepState) -> None:
-        self._channel.send_gradient(state.input_gradients.pop(micro_batch), micro_batch)
+    def _backward_weight(self, op: ops.LoweredOp, _: _StepState) -> None:
+        self.backward_weight(op.micro_batch, op.chunk)
 
-    def _exchange(self, parts: tuple[ops.LoweredOp, ...], state: _StepState) -> None:
+    def _hand_on(self, op: ops.LoweredOp, kind: str, tensor: Any, state: _StepState) -> None:
+        """What a compute op made for the next (SEND_ACT) or previous (SEND_GRAD) virtual stage: kept to
+        send, or, where that stage is this worker's own other chunk (the lowering has no message
+        there: zbv's turn on the last worker), handed straight to its input."""
+        config = self.config
+        peer, peer_chunk = ops.neighbour(self.stage_index, op.chunk, kind, self.num_stages, config.virtual_stages,
+                                         config.placement)
+        if peer == self.stage_index:
+            (state.activations if kind == ops.SEND_ACT else state.gradients)[peer_chunk, op.micro_batch] = tensor
+        else:
+            (state.outputs if kind == ops.SEND_ACT else state.input_gradients)[op.chunk, op.micro_batch] = tensor
+
+    def _send_gradient(self, op: ops.LoweredOp, state: _StepState) -> None:
+        self._channel.send_gradient(state.input_gradients.pop((op.chunk, op.micro_batch)), self._message_key(op),
+                                    op.peer)
+
+    def _exchange(self, op: ops.LoweredOp, state: _StepState) -> None:
         # sends and the receives behind them, posted together: one by one, NCCL's rendezvous would deadlock them
         start = time.time()
         outgoing = {ops.SEND_ACT: state.outputs, ops.SEND_GRAD: state.input_gradients}
         incoming = {ops.RECV_ACT: state.activations, ops.RECV_GRAD: state.gradients}
-        sends = [(part, outgoing[part.kind].pop(part.micro_batch)) for part in parts if part.kind in ops.SENDS]
-        receives = [part for part in parts if part.kind in ops.RECEIVES]
-        received = self._channel.exchange(sends, receives)
+        sends = [(part, outgoing[part.kind].pop((part.chunk, part.micro_batch)))
+                 for part in op.parts if part.kind in ops.SENDS]
+        receives = [part for part in op.parts if part.kind in ops.RECEIVES]
+        received = self._channel.exchange(sends, receives, self._message_key)
         end = time.time()
         for part, tensor in zip(receives, received):
-            incoming[part.kind][part.micro_batch] = tensor
+            incoming[part.kind][part.chunk, part.micro_batch] = tensor
             self._events.append(OpEvent(self.stage_index, "recv", part.micro_batch, start, end, self.replica))
 
-    def _reduce(self, _: None, state: _StepState) -> None:
+    def _reduce(self, _: ops.LoweredOp, state: _StepState) -> None:
         # the replicas' gradients are summed (the loss weights are global) while the last sends finish
         start = time.time()
         reduction = self._channel.replicas.start_gradient_reduction(*self.gradients_to_reduce())
@@ -251,12 +282,14 @@ class PerStepWorker(StageWorker, AnswersCalls):
         if reduction is not None:
             self._events.append(OpEvent(self.stage_index, "reduce", None, start, time.time(), self.replica))
         scale = 1.0 if state.loss_scale is None else state.loss_scale
-        own = self.grad_stats(1.0 / scale, self.config.clip_grad_value)
-        count, me = self.num_stages, self.stage_index
-        slots = [0.0] * (3 * count)  # every stage's squared norm, overflow flag and loss share, over all workers
-        if self.ownership.counts_in_norm():  # each owner's part, or one replica's whole (all hold the same)
-            slots[me] = own.squared_norm
-        slots[count + me], slots[2 * count + me] = float(own.found_inf), own.loss or 0.0
+        config = self.config
+        count = config.num_virtual_stages  # the decision is over virtual stages (one a worker without chunks)
+        slots = [0.0] * (3 * count)  # every one's squared norm, overflow flag and loss share, over all workers
+        for chunk, own in enumerate(self.chunk_grad_stats(1.0 / scale, config.clip_grad_value)):
+            me = ops.virtual_stage(self.stage_index, chunk, self.num_stages, config.placement)
+            if self.ownership.counts_in_norm():  # each owner's part, or one replica's whole (all hold the same)
+                slots[me] = own.squared_norm
+            slots[count + me], slots[2 * count + me] = float(own.found_inf), own.loss or 0.0
         reduced = self._channel.all_reduce_sum(slots)
         state.stats = [StageGradStats(reduced[s], reduced[count + s] > 0, reduced[2 * count + s] if s == count - 1
                                       else None) for s in range(count)]
@@ -264,7 +297,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
     def _share_updated_parameters(self) -> None:
         self._channel.replicas.gather_parameters(self._compute_weights, self.ownership.owners)
 
-    def _commit(self, _: None, state: _StepState) -> None:
+    def _commit(self, _: ops.LoweredOp, state: _StepState) -> None:
         state.report = self.commit(state.loss_scale is not None, *state.stats)
         # the driver's overhead is a step's wall time minus the longest of these
         state.report.stats.task_seconds = time.time() - state.started
@@ -287,13 +320,24 @@ def lowered_stage_ops(spec: WorkerSpec) -> list[ops.LoweredOp]:
     """Worker ``spec.stage``'s lowered ops of a step. A split backward (I, W) places each
     receive after its peer's send, so the whole schedule is lowered (alike on every worker)."""
     stage_ops = spec.stage_ops()
-    if not any(op.kind in (ops.I, ops.W) for op in stage_ops):
+    if spec.num_chunks == 1 and not any(op.kind in (ops.I, ops.W) for op in stage_ops):
         return lowering.lower_stage(spec.stage, stage_ops, spec.num_stages)
-    schedule = make_schedule(spec.config.schedule, spec.num_stages, len(spec.block))
+    schedule = make_schedule(spec.config.schedule, spec.num_stages, len(spec.block), spec.num_chunks)
     if tuple(schedule[spec.stage]) != tuple(stage_ops):
         raise ValueError(f"stage {spec.stage}: its ops are not those of schedule {spec.config.schedule!r}, "
                          "which the other workers lower")
     return lowering.lower(schedule, PLACEMENT[spec.config.schedule])[spec.stage]
+
+
+def message_keys(stage: int, num_stages: int, num_chunks: int,
+                 placement: str) -> Callable[[ops.LoweredOp], int]:
+    """The message key (:func:`raypipe.core.ops.message_key`) of each SEND/RECV op of worker
+    ``stage``: the one its peer computes for the other end of the message."""
+    def key_of(op: ops.LoweredOp) -> int:
+        boundary = ops.boundary_of(stage, op.chunk, op.kind, num_stages, placement)
+        return ops.message_key(op.micro_batch, boundary, num_stages * num_chunks)
+
+    return key_of
 
 
 def first_wait(stage_ops: list[ops.LoweredOp], gated_op: int) -> int:

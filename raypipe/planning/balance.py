@@ -103,8 +103,8 @@ def cost_stage_bytes(costs: Sequence[LayerCost], num_stages: int, *, num_micro_b
         output = 0 if end == len(costs) else costs[end - 1].output_bytes  # the graph's root until backward
         graph = micro_batch_size * (saved[end] - saved[start] + output)
         stage_input = micro_batch_size * (costs[start - 1].output_bytes if start else model_input_bytes)
-        held = _walk(schedules[stage], num_micro_batches, activation_checkpoint, offload_activations, graph,
-                     stage_input, 0)[0]
+        held = _walk(schedules[stage], num_micro_batches, activation_checkpoint, offload_activations, [graph],
+                     [stage_input], [0])[0]
         return static + held
 
     return stage_bytes
@@ -135,13 +135,14 @@ def layer_costs(layers: Sequence[object]) -> list[LayerCost]:
 
 
 def resolve_balance(config: PipelineConfig, layers: Sequence[object]) -> list[int]:
-    """Layers per stage of ``config.balance``: the list itself; "parameters" (or None) by
-    parameter count; "time" by the layers' costs (:func:`balance_by_time`, no memory limit)."""
+    """Layers per stage (per virtual stage, with ``virtual_stages`` > 1) of ``config.balance``: the
+    list itself; "parameters" (or None) by parameter count; "time" by the layers' costs
+    (:func:`balance_by_time`, no memory limit)."""
     balance = config.balance
     if balance is None or balance == "parameters":
-        return partition_by_cost([layer_parameter_count(layer) for layer in layers], config.num_stages)
+        return partition_by_cost([layer_parameter_count(layer) for layer in layers], config.num_virtual_stages)
     if balance == "time":
-        return balance_by_time(layer_costs(layers), config.num_stages,
+        return balance_by_time(layer_costs(layers), config.num_virtual_stages,
                                activation_checkpoint=config.activation_checkpoint,
                                num_micro_batches=config.num_micro_batches)
     return list(balance)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from raypipe.core.ops import F, I, W
-from raypipe.core.schedule import RUNNABLE_SCHEDULES
+from raypipe.core.schedule import SINGLE_CHUNK_SCHEDULES
 from raypipe.models.llama import LlamaConfig
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
@@ -37,7 +37,7 @@ from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, predict_split, schedule_ops,
                                       stage_bounds)
 
-SEARCH_SCHEDULES = RUNNABLE_SCHEDULES  # gpipe, 1f1b, zb_h1: what the executors run
+SEARCH_SCHEDULES = SINGLE_CHUNK_SCHEDULES  # gpipe, 1f1b, zb_h1: the predictor models one chunk per worker
 SEARCH_RECOMPUTE = ("never", "always")
 SEARCH_MICRO_BATCH_SIZES = (1, 2)
 SEARCH_MICRO_BATCHES_PER_STAGE = (1, 2, 4)  # m = p, 2p, 4p: a bubble of at most (p-1)/(5p-1) ~ 20% at 4p

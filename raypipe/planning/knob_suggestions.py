@@ -59,15 +59,21 @@ def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) 
 
 
 def _fitting_stages(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> int:
-    """Fewest stages (doubling) whose largest stage fits; at most one layer per stage."""
-    most = config.n_layers + 2
-    stages = settings.num_stages
+    """Fewest stages (doubling) whose largest stage fits; at most one layer per stage (per chunk, with
+    model chunks); only stage counts the schedule runs with (interleaved_1f1b: m a multiple of p)."""
+    most = (config.n_layers + 2) // settings.virtual_stages
+    stages = found = settings.num_stages
     while stages < most:
         stages = min(stages * 2, most)
         more = replace(settings, num_stages=stages)
-        if largest_stage_bytes(more.estimate(config, gpu_memory_bytes)) <= gpu_memory_bytes:
+        try:
+            largest = largest_stage_bytes(more.estimate(config, gpu_memory_bytes))
+        except ValueError:  # interleaved_1f1b: the micro-batches are not a multiple of this many stages
+            continue
+        found = stages
+        if largest <= gpu_memory_bytes:
             break
-    return stages
+    return found
 
 
 def _fitting_shards(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> int | None:

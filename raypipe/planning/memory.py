@@ -103,8 +103,11 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
                    offload_activations: bool = False, fused_attention: bool = True,
                    schedule: str = "gpipe", stage_index: int = 0, num_stages: int = 1,
                    gpu_memory_bytes: int | None = None, amp: str | None = None, device: str = "cuda",
-                   optimizer: str = "adam", optimizer_shards: int = 1) -> StageMemory:
-    """Memory of the stage holding global layers ``layer_indices`` (contiguous).
+                   optimizer: str = "adam", optimizer_shards: int = 1,
+                   chunk_sizes: Sequence[int] | None = None) -> StageMemory:
+    """Memory of the stage holding global layers ``layer_indices`` (contiguous), or with
+    ``chunk_sizes`` (a schedule of model chunks: ``interleaved_1f1b``, ``zbv``) the worker holding
+    them as chunks of that many layers each, in chunk order (each chunk contiguous).
 
     Walks the stage's ops in schedule order the way a stage keeps state:
     a forward keeps the graph (``activation_checkpoint`` "never", and the last
@@ -114,21 +117,28 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
     keeps only the input of every k layers
     (plus the loss), and a backward recomputes one segment at a time.
     ``optimizer_shards`` > 1 splits the optimizer state and the master weights
-    over data-parallel replicas (ZeRO-1, ``shard_optimizer``).
+    over data-parallel replicas (ZeRO-1, ``shard_optimizer``). Each op of a chunked schedule
+    keeps and frees its own chunk's graph or input (``graph_bytes`` and ``input_bytes`` are then
+    the largest chunk's).
     """
     layers = list(layer_indices)
-    _check_stage_args(layers, config.n_layers + 2, activation_checkpoint, activation_checkpoint_segments,
-                      offload_activations, num_micro_batches, optimizer_shards)
+    sizes = list(chunk_sizes) if chunk_sizes else [len(layers)]
+    if sum(sizes) != len(layers) or min(sizes) < 1:
+        raise ConfigError("chunk_sizes", sizes, f"must be >= 1 each and sum to the {len(layers)} layer indices")
+    chunks = [layers[sum(sizes[:chunk]):sum(sizes[:chunk + 1])] for chunk in range(len(sizes))]
+    for chunk in chunks:
+        _check_stage_args(chunk, config.n_layers + 2, activation_checkpoint, activation_checkpoint_segments,
+                          offload_activations, num_micro_batches, optimizer_shards)
     check_int("stage_index", stage_index, 0, num_stages - 1,
               f"must be an int in 0..{num_stages - 1} (num_stages={num_stages})")
     shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision, "amp": amp}
-    graph, segment_transient = _graph_bytes(config, layers, activation_checkpoint_segments, fused_attention, device,
-                                            **shape)
-    input_bytes = stage_input_bytes(config, layers[0], **shape)
-    ops = make_schedule(schedule, num_stages, num_micro_batches)[stage_index]
-    walk = (ops, num_micro_batches, activation_checkpoint, offload_activations, graph, input_bytes)
-    measured, offloaded, in_flight = _walk(*walk, 0)
-    held = _walk(*walk, segment_transient)[0]
+    graphs, segment_transients = zip(*(_graph_bytes(config, chunk, activation_checkpoint_segments, fused_attention,
+                                                    device, **shape) for chunk in chunks))
+    inputs = [stage_input_bytes(config, chunk[0], **shape) for chunk in chunks]
+    ops = make_schedule(schedule, num_stages, num_micro_batches, len(chunks))[stage_index]
+    walk = (ops, num_micro_batches, activation_checkpoint, offload_activations, graphs, inputs)
+    measured, offloaded, in_flight = _walk(*walk, [0] * len(chunks))
+    held = _walk(*walk, segment_transients)[0]
     count = sum(layer_parameter_counts(config)[i] for i in layers)
     # ZeRO-1 shards the master weights with the optimizer state (raypipe's bf16: each replica keeps the
     # fp32 main weights it owns, and bf16 compute weights of all); fp32 and fp16 have none apart
@@ -138,7 +148,7 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
                        static_bytes=sum(static.values()), activation_bytes=held, held_for_backward_bytes=measured,
                        offloaded_bytes=offloaded, total_bytes=total,
                        fits=None if gpu_memory_bytes is None else total <= gpu_memory_bytes,
-                       graph_bytes=graph, input_bytes=input_bytes, micro_batches_in_flight=in_flight)
+                       graph_bytes=max(graphs), input_bytes=max(inputs), micro_batches_in_flight=in_flight)
 
 
 def _graph_bytes(config: LlamaConfig, layers: list[int], segments: int | None, fused_attention: bool, device: str,
@@ -168,9 +178,10 @@ def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int) -> 
             "optimizer_bytes": -(-count * per_param.optimizer // optimizer_shards)}
 
 
-def _walk(ops, num_micro_batches: int, activation_checkpoint: str, offload: bool, graph: int, input_bytes: int,
-          segment_transient: int) -> tuple[int, int, int]:
-    """Peak held bytes, peak offloaded bytes and peak micro-batches in flight over one step.
+def _walk(ops, num_micro_batches: int, activation_checkpoint: str, offload: bool, graphs: Sequence[int],
+          inputs: Sequence[int], segment_transients: Sequence[int]) -> tuple[int, int, int]:
+    """Peak held bytes, peak offloaded bytes and peak (chunk, micro-batch)s in flight over one step;
+    ``graphs``, ``inputs`` and ``segment_transients`` per model chunk (one, without chunks).
 
     A backward split in two (the zero-bubble schedules) holds more than an unsplit one: the
     input-gradient op (I) runs with the graph retained, because the weight-gradient op (W)
@@ -179,6 +190,7 @@ def _walk(ops, num_micro_batches: int, activation_checkpoint: str, offload: bool
     """
     held = offloaded = peak_held = peak_offloaded = in_flight = peak_in_flight = 0
     for op in ops:
+        graph, input_bytes, segment_transient = graphs[op.chunk], inputs[op.chunk], segment_transients[op.chunk]
         recompute = activation_checkpoint == "always" or (
             activation_checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
         # a recompute rebuilds this micro-batch's graph while the others stay kept; its
@@ -226,27 +238,35 @@ def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: i
                       balance: Sequence[int] | None = None, gpu_memory_bytes: int | None = None, *,
                       activation_checkpoint_segments: int | None = None,
                       schedule: str = "gpipe", amp: str | None = None, device: str = "cuda",
-                      optimizer: str = "adam", optimizer_shards: int = 1) -> list[StageMemory]:
-    """:func:`estimate_stage` for every stage of ``llama_layers(config)`` split by ``balance``
-    (layers per stage; default: balanced by parameter count)."""
+                      optimizer: str = "adam", optimizer_shards: int = 1,
+                      virtual_stages: int = 1) -> list[StageMemory]:
+    """:func:`estimate_stage` for every stage (worker) of ``llama_layers(config)`` split by ``balance``
+    (layers per stage, or per virtual stage with ``virtual_stages`` > 1 model chunks per worker, placed
+    as the schedule places them; default: balanced by parameter count)."""
+    from raypipe.core.partition import worker_chunks
+    from raypipe.core.schedule import PLACEMENT
+
     num_layers = config.n_layers + 2
     check_positive_int("num_stages", num_stages)
-    if num_stages > num_layers:
+    check_positive_int("virtual_stages", virtual_stages)
+    pieces = num_stages * virtual_stages
+    if pieces > num_layers:
         raise ConfigError("num_stages", num_stages, f"the model has only {num_layers} layers "
-                          f"(embedding, {config.n_layers} blocks, head)")
-    balance = list(balance) if balance is not None else balanced_partition(config, num_stages)
-    if len(balance) != num_stages or any(size < 1 for size in balance) or sum(balance) != num_layers:
-        raise ConfigError("balance", balance, f"needs {num_stages} positive entries summing to {num_layers} layers")
-    stages, start = [], 0
-    for stage, size in enumerate(balance):
+                          f"(embedding, {config.n_layers} blocks, head)"
+                          + (f" for {virtual_stages} chunks a stage" if virtual_stages > 1 else ""))
+    balance = list(balance) if balance is not None else balanced_partition(config, pieces)
+    if len(balance) != pieces or any(size < 1 for size in balance) or sum(balance) != num_layers:
+        raise ConfigError("balance", balance, f"needs {pieces} positive entries summing to {num_layers} layers")
+    stages = []
+    for stage, chunks in enumerate(worker_chunks(balance, num_stages, PLACEMENT[schedule])):
         stages.append(estimate_stage(
-            config, range(start, start + size), num_micro_batches=num_micro_batches,
+            config, [index for chunk in chunks for index in chunk], num_micro_batches=num_micro_batches,
             micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
             activation_checkpoint=activation_checkpoint, activation_checkpoint_segments=activation_checkpoint_segments,
             offload_activations=offload_activations, fused_attention=fused_attention,
             schedule=schedule, stage_index=stage, num_stages=num_stages, gpu_memory_bytes=gpu_memory_bytes,
-            amp=amp, device=device, optimizer=optimizer, optimizer_shards=optimizer_shards))
-        start += size
+            amp=amp, device=device, optimizer=optimizer, optimizer_shards=optimizer_shards,
+            chunk_sizes=[len(chunk) for chunk in chunks] if virtual_stages > 1 else None))
     return stages
 
 

@@ -14,6 +14,8 @@ import sys
 
 from raypipe.config import activation_arguments, max_replicas
 from raypipe.core.micro_batches import replica_blocks
+from raypipe.core.schedule import check_chunks
+from raypipe.errors import ConfigError
 from raypipe.models.llama import get_config
 from raypipe.planning.cluster_plan import build_cluster_plan, render_cluster_plan
 from raypipe.planning.knob_suggestions import suggest
@@ -44,7 +46,11 @@ def build_plan(args: argparse.Namespace) -> dict:
         num_stages=args.stages, num_micro_batches=micro_batches, micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len or config.max_seq_len, precision=args.precision or "fp32", **activation_arguments(args),
         fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp,
-        optimizer_shards=fewest if args.shard_optimizer else 1)
+        optimizer_shards=fewest if args.shard_optimizer else 1, virtual_stages=args.virtual_stages)
+    try:
+        check_chunks(args.schedule, args.virtual_stages)
+    except ValueError as error:
+        raise ConfigError("virtual_stages", args.virtual_stages, str(error)) from None
     stages = settings.estimate(config, args.gpu_memory)
     amp = amp_style(settings.precision, settings.amp)
     per_parameter = static_bytes_per_parameter(settings.precision, amp)
@@ -63,7 +69,9 @@ def build_plan(args: argparse.Namespace) -> dict:
         "max_total_bytes": largest_stage_bytes(stages),
         "stages": rows,
         "suggestions": suggest(config, settings, args.gpu_memory) if fits is False else [],
-        "balances": compare_balances(config, settings, stages, args.gpu_memory),
+        # the balance by time is of one chunk per worker (contiguous stages)
+        "balances": compare_balances(config, settings, stages, args.gpu_memory) if settings.virtual_stages == 1
+        else None,
     }
 
 
@@ -119,7 +127,8 @@ def render_table(plan: dict) -> str:
         + (f" every {settings['activation_checkpoint_segments']} layers"
            if settings["activation_checkpoint_segments"] else "")
         + (", offload_activations" if settings["offload_activations"] else "")
-        + f", {'fused' if settings['fused_attention'] else 'unfused'} attention, {settings['schedule']}",
+        + f", {'fused' if settings['fused_attention'] else 'unfused'} attention, {settings['schedule']}"
+        + (f" ({settings['virtual_stages']} chunks a stage)" if settings["virtual_stages"] > 1 else ""),
     ]
     lines.append(describe_bytes_per_parameter(plan["bytes_per_parameter"], settings["amp"]))
     if plan["elastic"]:
@@ -143,7 +152,8 @@ def render_table(plan: dict) -> str:
     for cells in table:
         lines.append("  ".join(cell.rjust(width) if i != 1 else cell.ljust(width)
                                for i, (cell, width) in enumerate(zip(cells, widths))))
-    lines.extend(describe_balances(plan["balances"]))
+    if plan["balances"] is not None:
+        lines.extend(describe_balances(plan["balances"]))
     lines.append(describe_snapshots(plan))
     lines.append(describe_background_saves(plan))
     if plan["gpu_memory_bytes"] is not None:

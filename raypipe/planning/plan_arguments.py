@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from raypipe.config import add_activation_arguments, parse_replicas
-from raypipe.core.schedule import RUNNABLE_SCHEDULES
+from raypipe.core.schedule import SCHEDULES
 from raypipe.models.llama import CONFIGS
 from raypipe.planning.memory import AMP_STYLES, PRECISIONS, RAYPIPE_AMP
 from raypipe.units import parse_bytes
@@ -36,7 +36,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_activation_arguments(parser)
     parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
                         help="flash-style attention that saves no (s x s) probabilities (default: on)")
-    parser.add_argument("--schedule", default="gpipe", choices=RUNNABLE_SCHEDULES)
+    parser.add_argument("--schedule", default="gpipe", choices=SCHEDULES,
+                        help="(default gpipe); interleaved_1f1b and zbv hold --virtual-stages chunks a stage")
+    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                        help="model chunks per stage: >= 2 for interleaved_1f1b, 2 for zbv, 1 for the others "
+                             "(default 1); each stage row then sums its chunks")
     parser.add_argument("--amp", default=None, choices=AMP_STYLES,
                         help="bf16/fp16 style (default: what raypipe runs, "
                              + ", ".join(f"{p}: {s}" for p, s in RAYPIPE_AMP.items()) + "): "

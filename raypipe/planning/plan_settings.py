@@ -24,6 +24,7 @@ class PlanSettings:
     schedule: str
     amp: str | None  # None: the style raypipe runs for the precision
     optimizer_shards: int = 1
+    virtual_stages: int = 1  # model chunks per worker (interleaved_1f1b, zbv)
 
     def estimate(self, config: LlamaConfig, gpu_memory_bytes: int | None,
                  balance: list[int] | None = None) -> list[StageMemory]:
@@ -32,7 +33,8 @@ class PlanSettings:
             self.precision, self.activation_checkpoint, self.offload_activations, self.fused_attention,
             balance=balance, gpu_memory_bytes=gpu_memory_bytes,
             activation_checkpoint_segments=self.activation_checkpoint_segments,
-            schedule=self.schedule, amp=self.amp, optimizer_shards=self.optimizer_shards)
+            schedule=self.schedule, amp=self.amp, optimizer_shards=self.optimizer_shards,
+            virtual_stages=self.virtual_stages)
 
 
 def largest_stage_bytes(stages: list[StageMemory]) -> int:

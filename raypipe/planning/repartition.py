@@ -15,15 +15,18 @@ from raypipe.core.partition import partition_by_cost, stage_layer_ranges
 from raypipe.core.result import StageStats
 
 
-def layer_bytes(balance: Sequence[int], parameter_bytes: Sequence[int], stats: Sequence[StageStats]) -> list[float]:
+def layer_bytes(stage_layers: Sequence[Sequence[int]], parameter_bytes: Sequence[int],
+                stats: Sequence[StageStats]) -> list[float]:
     """Each layer's predicted bytes: 2 x its parameter bytes (weights and gradients),
-    plus its share of its stage's measured optimizer state and held activations."""
-    predicted: list[float] = []
-    for layers, stage in zip(stage_layer_ranges(balance), stats, strict=True):
+    plus its share of its stage's measured optimizer state and held activations.
+    ``stage_layers``: each stage's layer indices (a worker's chunks: not contiguous)."""
+    predicted = [0.0] * len(parameter_bytes)
+    for layers, stage in zip(stage_layers, stats, strict=True):
         own = [parameter_bytes[index] for index in layers]
         shared = (stage.optimizer_bytes or 0) + stage.held_for_backward_bytes
         total = sum(own)
-        predicted += [2 * size + (shared * size / total if total else shared / len(own)) for size in own]
+        for index, size in zip(layers, own):
+            predicted[index] = 2 * size + (shared * size / total if total else shared / len(own))
     return predicted
 
 

@@ -17,7 +17,18 @@ def snapshot_bytes(stage: StageMemory) -> int:
 
 
 def describe_layers(config: LlamaConfig, layers: list[int]) -> str:
-    """Global layer indices as "embedding + blocks 0-3" etc."""
+    """Global layer indices as "embedding + blocks 0-3" etc.; a worker's model chunks (runs of
+    consecutive layers) one after the other, joined by " | "."""
+    runs: list[list[int]] = []
+    for index in layers:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return " | ".join(_describe_run(config, run) for run in runs)
+
+
+def _describe_run(config: LlamaConfig, layers: list[int]) -> str:
     parts = []
     if layers[0] == 0:
         parts.append("embedding")

@@ -7,11 +7,16 @@ holds, for the memory measurement.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from raypipe.stage.offload import OffloadedTensor, Offloader
+
+
+# what a stage keeps state under: (model chunk, micro-batch) on a worker (any hashable in this store)
+Key = tuple[int, int]
 
 
 @dataclass
@@ -27,15 +32,16 @@ class Kept:
 
 
 class ActivationStore:
-    """Kept state per in-flight micro-batch, with current and peak byte counts.
+    """Kept state per in-flight micro-batch (under a key: the worker's is :data:`Key`), with current
+    and peak byte counts.
 
-    ``backward_order`` is the stage's micro-batches in the order their backwards take
+    ``backward_order`` is the stage's keys in the order their backwards take
     them: taking one starts fetching the next one's offloaded input."""
 
     def __init__(self, offloader: Offloader | None) -> None:
         self._offloader = offloader
-        self._kept: dict[int, Kept] = {}
-        self.backward_order: list[int] = []
+        self._kept: dict[Hashable, Kept] = {}
+        self.backward_order: list[Hashable] = []
         self.held_bytes = 0
         self.offloaded_bytes = 0
         self.peak_held_bytes = 0
@@ -45,11 +51,12 @@ class ActivationStore:
         self.peak_held_bytes = self.held_bytes
         self.peak_offloaded_bytes = self.offloaded_bytes
 
-    def keep_graph(self, micro_batch: int, inputs: torch.Tensor, outputs: torch.Tensor, saved_bytes: int) -> None:
+    def keep_graph(self, micro_batch: Hashable, inputs: torch.Tensor, outputs: torch.Tensor,
+                   saved_bytes: int) -> None:
         """Keep the whole autograd graph of this micro-batch."""
         self._add(micro_batch, Kept(inputs, outputs, saved_bytes))
 
-    def keep_input(self, micro_batch: int, inputs: torch.Tensor, input_bytes: int, extra: object = None) -> None:
+    def keep_input(self, micro_batch: Hashable, inputs: torch.Tensor, input_bytes: int, extra: object = None) -> None:
         """Keep only the stage input (offloaded when configured); backward recomputes."""
         if self._offloader is not None:
             offloaded = self._offloader.put(inputs)
@@ -57,7 +64,7 @@ class ActivationStore:
         else:
             self._add(micro_batch, Kept(inputs, None, input_bytes, 0, extra))
 
-    def take(self, micro_batch: int) -> Kept:
+    def take(self, micro_batch: Hashable) -> Kept:
         """Remove and return the kept state; offloaded inputs come back to the device, and the
         next backward's starts coming."""
         kept = self._kept.pop(micro_batch)
@@ -67,7 +74,7 @@ class ActivationStore:
             self._prefetch_after(micro_batch)
         return kept
 
-    def _prefetch_after(self, micro_batch: int) -> None:
+    def _prefetch_after(self, micro_batch: Hashable) -> None:
         """Start fetching the offloaded input of the backward that runs after ``micro_batch``'s."""
         position = self.backward_order.index(micro_batch) + 1
         if position < len(self.backward_order):
@@ -99,9 +106,11 @@ class ActivationStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def _add(self, micro_batch: int, kept: Kept) -> None:
+    def _add(self, micro_batch: Hashable, kept: Kept) -> None:
         if micro_batch in self._kept:
-            raise RuntimeError(f"micro-batch {micro_batch} already has a forward without backward")
+            chunk, number = micro_batch if isinstance(micro_batch, tuple) else (0, micro_batch)
+            what = f"micro-batch {number}" + (f" of chunk {chunk}" if chunk else "")
+            raise RuntimeError(f"{what} already has a forward without backward")
         self._kept[micro_batch] = kept
         self.held_bytes += kept.held_bytes
         self.offloaded_bytes += kept.offloaded_bytes

@@ -19,21 +19,25 @@ def layer_seeds(seed: int, step: int, global_micro_batch: int, layer_indices: Se
 
 
 def run_layers(layers: nn.ModuleList, weights: object, hidden: Boundary, seeds: Sequence[int],
-               device: torch.device, segment_size: int | None = None) -> Boundary:
-    """``layers`` on ``hidden`` through ``weights.run`` (see :mod:`raypipe.stage.precision`), layer i
-    seeded with ``seeds[i]``; with ``segment_size``, in checkpointed segments of that many layers."""
-    def run(positions: range, hidden: Boundary) -> Boundary:
-        for position in positions:
-            torch.default_generator.manual_seed(seeds[position])  # ~1 us; torch.manual_seed costs ~80 us
+               device: torch.device, segment_size: int | None = None, positions: range | None = None) -> Boundary:
+    """``layers`` (those at ``positions``, a model chunk's; None: all) on ``hidden`` through
+    ``weights.run`` (see :mod:`raypipe.stage.precision`), the i-th of them seeded with ``seeds[i]``;
+    with ``segment_size``, in checkpointed segments of that many layers."""
+    positions = range(len(layers)) if positions is None else positions
+
+    def run(run_positions: range, hidden: Boundary) -> Boundary:
+        for position in run_positions:
+            seed = seeds[position - positions.start]
+            torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
             if device.type == "cuda":
-                torch.cuda.default_generators[device.index].manual_seed(seeds[position])
+                torch.cuda.default_generators[device.index].manual_seed(seed)
             hidden = weights.run(position, layers[position], hidden)
         return hidden
 
     if not segment_size:
-        return run(range(len(layers)), hidden)
+        return run(positions, hidden)
     from torch.utils.checkpoint import checkpoint
 
-    for start in range(0, len(layers), segment_size):
-        hidden = checkpoint(run, range(start, min(start + segment_size, len(layers))), hidden, use_reentrant=False)
+    for start in range(positions.start, positions.stop, segment_size):
+        hidden = checkpoint(run, range(start, min(start + segment_size, positions.stop)), hidden, use_reentrant=False)
     return hidden

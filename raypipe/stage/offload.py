@@ -9,6 +9,7 @@ needs it.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class Offloader:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._copying: list[OffloadedTensor] = []
-        self._prefetched: dict[int, torch.Tensor] = {}
+        self._prefetched: dict[Hashable, torch.Tensor] = {}
 
     def put(self, tensor: torch.Tensor) -> OffloadedTensor:
         nbytes = tensor.numel() * tensor.element_size()
@@ -54,7 +55,7 @@ class Offloader:
         self._store_finished_copies()
         return offloaded
 
-    def prefetch(self, key: int, offloaded: OffloadedTensor) -> None:
+    def prefetch(self, key: Hashable, offloaded: OffloadedTensor) -> None:
         """Start bringing ``offloaded`` back to the device (CUDA: on the side stream)."""
         if key in self._prefetched:
             return
@@ -66,7 +67,7 @@ class Offloader:
         with torch.cuda.stream(self._stream):
             self._prefetched[key] = host.to(self.device, non_blocking=True)
 
-    def get(self, key: int, offloaded: OffloadedTensor) -> torch.Tensor:
+    def get(self, key: Hashable, offloaded: OffloadedTensor) -> torch.Tensor:
         """The tensor back on its device, waiting for a prefetch when one is running."""
         self.prefetch(key, offloaded)
         tensor = self._prefetched.pop(key)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from raypipe.config import PipelineConfig
-from raypipe.core.ops import Op
-from raypipe.core.schedule import make_schedule
+from raypipe.core.ops import Op, worker_and_chunk
+from raypipe.core.schedule import PLACEMENT, make_schedule
 from raypipe.models.layers import LayerSpec
 
 
@@ -18,7 +18,10 @@ class WorkerSpec:
     """One stage worker: its place, its layers and how it trains them.
 
     ``layers`` are modules or :class:`~raypipe.LayerSpec` (built inside the
-    worker); ``layer_indices`` their global indices; ``ops`` the stage's part
+    worker); ``layer_indices`` their global indices. A worker of a schedule with
+    ``config.virtual_stages`` (v) > 1 holds v model chunks (each one virtual stage,
+    placed as :data:`~raypipe.core.schedule.PLACEMENT` says): ``layers`` are its
+    chunks' layers one chunk after the other, ``chunk_sizes`` how many each has. ``ops`` the stage's part
     of the schedule the driver built and dry-ran (empty: the config's schedule). ``loss_fn`` is given to the
     last stage only. ``use_gpu`` is what the runtime resolved for this cluster
     (the config's ``use_gpu`` may say "decide for me").
@@ -38,6 +41,7 @@ class WorkerSpec:
     loss_fn: Callable | None = None
     loss_count_fn: Callable | None = None
     scheduler_factory: Callable | None = None
+    chunk_sizes: tuple[int, ...] = ()  # layers per chunk, in chunk order; empty: one chunk of every layer
 
     @property
     def block(self) -> range:
@@ -56,17 +60,41 @@ class WorkerSpec:
         """This stage's F/B ops, in the order it runs them."""
         if self.ops:
             return self.ops
-        return tuple(make_schedule(self.config.schedule, self.num_stages, len(self.block))[self.stage])
+        return self._schedule_ops(len(self.block))
 
     def for_layout(self, replica: int, num_replicas: int, micro_batches: range) -> WorkerSpec:
         """This stage as replica ``replica`` of ``num_replicas`` running ``micro_batches``."""
-        ops = tuple(make_schedule(self.config.schedule, self.num_stages, len(micro_batches))[self.stage])
-        return replace(self, replica=replica, num_replicas=num_replicas, micro_batches=micro_batches, ops=ops)
+        return replace(self, replica=replica, num_replicas=num_replicas, micro_batches=micro_batches,
+                       ops=self._schedule_ops(len(micro_batches)))
+
+    def _schedule_ops(self, num_micro_batches: int) -> tuple[Op, ...]:
+        config = self.config
+        return tuple(make_schedule(config.schedule, self.num_stages, num_micro_batches,
+                                   config.virtual_stages)[self.stage])
+
+    @property
+    def num_chunks(self) -> int:
+        """The model chunks this worker holds (v, ``config.virtual_stages``)."""
+        return self.config.virtual_stages
+
+    def chunk_positions(self, chunk: int) -> range:
+        """Where ``chunk``'s layers are in :attr:`layers`."""
+        sizes = self.chunk_sizes or (len(self.layers),)
+        return range(sum(sizes[:chunk]), sum(sizes[:chunk + 1]))
 
     @property
     def is_first(self) -> bool:
+        """Whether this worker holds the first virtual stage (its chunk 0, in every placement): it reads inputs."""
         return self.stage == 0
 
     @property
+    def last_chunk(self) -> int | None:
+        """This worker's chunk that holds the model's last virtual stage (it computes the loss), or None."""
+        worker, chunk = worker_and_chunk(self.num_stages * self.num_chunks - 1, self.num_stages,
+                                         PLACEMENT[self.config.schedule])
+        return chunk if worker == self.stage else None
+
+    @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        """Whether this worker holds the last virtual stage: it reads targets and computes the loss."""
+        return self.last_chunk is not None

@@ -19,7 +19,7 @@ from raypipe.core.topology import Topology
 from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
 from raypipe.stage import boundary
-from raypipe.stage.activations import ActivationStore, Kept
+from raypipe.stage.activations import ActivationStore, Key, Kept
 from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
@@ -53,7 +53,10 @@ class StageWorker(StageCheckpointing):
         self.stage_index, self.num_stages = spec.stage, spec.num_stages
         self.replica = spec.replica
         self.layer_indices = list(spec.layer_indices)
+        # whether this worker reads inputs (holds the first virtual stage) and targets (the last, its loss)
         self.is_first, self.is_last = spec.is_first, spec.is_last
+        self._last_chunk = spec.last_chunk
+        self._chunk_positions = [spec.chunk_positions(chunk) for chunk in range(spec.num_chunks)]
         self.device = stage_device(spec.use_gpu)  # on GPU: the one Ray assigned, made current
         self._build_model(spec)
         self.loss_fn = spec.loss_fn
@@ -62,8 +65,8 @@ class StageWorker(StageCheckpointing):
         self.store = ActivationStore(Offloader(self.device) if config.offload_activations else None)
         self._step = -1
         self._step_failure: StageError | None = None  # the first failed op of the running step
-        self._backwards_done: set[int] = set()  # micro-batches whose backward ran in the running step
-        self._pending_weight_gradients: dict = {}  # micro-batch -> what its W needs, from I to W
+        self._backwards_done: set[Key] = set()  # (chunk, micro-batch)s whose backward ran in the running step
+        self._pending_weight_gradients: dict = {}  # (chunk, micro-batch) -> what its W needs, from I to W
         self._step_loss = 0.0  # last stage: the running step's weighted loss sum
         self._events: list[OpEvent] = []
         self.ops_done = 0  # ops finished over this worker's life (its heartbeat)
@@ -83,12 +86,19 @@ class StageWorker(StageCheckpointing):
         self.ownership = self._ownership_in(spec)
         self._owned = self.ownership.owned(self._trainable)
         owned = set(map(id, self._owned))
+        # each chunk's owned parameters, in order: a chunk's statistics are those of a worker holding it alone
+        self._chunk_owned = [[p for position in positions for p in self.layers[position].parameters() if id(p) in owned]
+                             for positions in self._chunk_positions]
         self.weights = compute_weights(config.precision, self.layers, self.device,  # what the layers compute with
                                        (lambda parameter: id(parameter) in owned) if self.ownership.sharded else None)
         # parameters and compute weights: static memory, excluded from held bytes
         self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
         self._weights_bytes = storage_bytes([*self.layers.parameters(), *self.weights.copies()])
         self._compute_weights = [self.weights.compute_weight(p) for p in self._trainable]  # what ZeRO-1 shares
+        # each chunk's, for its split backward's weight gradient (a chunk's graph reaches only its own)
+        self._chunk_weights = [[self.weights.compute_weight(p) for position in positions
+                                for p in self.layers[position].parameters() if p.requires_grad]
+                               for positions in self._chunk_positions]
         self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
@@ -119,7 +129,7 @@ class StageWorker(StageCheckpointing):
         self.ownership = ownership
         self.data.take_block(spec.block)
         self._last_micro_batch = len(spec.block) - 1
-        self.store.backward_order = [op.micro_batch for op in spec.stage_ops() if op.kind in ("B", "I")]
+        self.store.backward_order = [(op.chunk, op.micro_batch) for op in spec.stage_ops() if op.kind in ("B", "I")]
 
     def become(self, spec: WorkerSpec) -> dict[str, Any]:
         """A warm spare takes a failed worker's place: builds ``spec`` as a replacement
@@ -158,8 +168,8 @@ class StageWorker(StageCheckpointing):
     # -- the ops of a step --------------------------------------------------
     @stage_op("F", in_step=True)
     def forward(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
-                loss_weight: float | None = None, step: int = 0) -> boundary.Boundary | float:
-        """Run this stage on one micro-batch; keep what backward needs.
+                loss_weight: float | None = None, step: int = 0, chunk: int = 0) -> boundary.Boundary | float:
+        """Run this stage (its model chunk ``chunk``) on one micro-batch; keep what backward needs.
 
         ``inputs``: a tensor or a tree of them (:mod:`raypipe.stage.boundary`); None on the
         first stage when it reads its own data. Returns the activation (tensor or tree) for
@@ -167,23 +177,25 @@ class StageWorker(StageCheckpointing):
         micro-batches gives the global mean.
         """
         self._begin_step(step)
+        last = chunk == self._last_chunk
         inputs = self._stage_input(micro_batch, inputs, step, "train")
-        if self.is_last:
+        if last:
             targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "train")
+        key = (chunk, micro_batch)
         recompute = self._recomputes(micro_batch)
         if recompute:
             if self.config.offload_activations:
                 check_offloadable(inputs, self.stage_index)
             with torch.no_grad():
-                outputs = self._run(inputs, micro_batch, targets, loss_weight)
-            self.store.keep_input(micro_batch, inputs, boundary.nbytes(inputs), extra=(targets, loss_weight))
+                outputs = self._run(inputs, micro_batch, targets, loss_weight, chunk=chunk)
+            self.store.keep_input(key, inputs, boundary.nbytes(inputs), extra=(targets, loss_weight))
         else:
-            leaf = self._as_leaf(inputs)
+            leaf = self._as_leaf(inputs, chunk)
             with SavedTensorMeter(self._parameter_storages) as meter:
-                outputs = self._run(leaf, micro_batch, targets, loss_weight)
+                outputs = self._run(leaf, micro_batch, targets, loss_weight, chunk=chunk)
             meter.add(*boundary.tensors(outputs))  # the graph's roots stay alive until backward
-            self.store.keep_graph(micro_batch, leaf, outputs, meter.bytes)
-        if self.is_last:
+            self.store.keep_graph(key, leaf, outputs, meter.bytes)
+        if last:
             loss = float(outputs.detach())
             self._step_loss += loss
             return loss
@@ -192,62 +204,64 @@ class StageWorker(StageCheckpointing):
 
     @stage_op("B", in_step=True)
     def backward(self, micro_batch: int, grad_outputs: boundary.Boundary = None,
-                 loss_scale: float = 1.0) -> boundary.Boundary:
-        """Backpropagate one micro-batch, accumulating into ``.grad``; return the input gradient
-        (for a tree input: a tree of its structure, ``None`` where a leaf has no gradient)."""
-        kept, inputs, outputs = self._materialized(micro_batch)
+                 loss_scale: float = 1.0, chunk: int = 0) -> boundary.Boundary:
+        """Backpropagate one micro-batch through chunk ``chunk``, accumulating into ``.grad``; return
+        the input gradient (for a tree input: a tree of its structure, ``None`` where a leaf has no gradient)."""
+        kept, inputs, outputs = self._materialized(micro_batch, chunk)
         roots, gradients = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs,
-                                                                                  loss_scale))
+                                                                                  loss_scale, chunk))
         torch.autograd.backward(roots, gradients)
         self.store.release(kept)
-        self._backwards_done.add(micro_batch)
-        if self.is_first or inputs is None:
+        self._backwards_done.add((chunk, micro_batch))
+        if self._reads_inputs(chunk) or inputs is None:
             return None
         return boundary.input_gradient(inputs)
 
     @stage_op("I", in_step=True)
     def backward_input(self, micro_batch: int, grad_outputs: boundary.Boundary = None,
-                       loss_scale: float = 1.0) -> boundary.Boundary:
+                       loss_scale: float = 1.0, chunk: int = 0) -> boundary.Boundary:
         """A split backward's input gradient (I) of one micro-batch (None on the first stage; a tree
         input's as in B), keeping what its :meth:`backward_weight` needs; loss scale and received
         gradient as in B (see :func:`~raypipe.stage.split_backward.boundary_input_gradient`)."""
-        kept, inputs, outputs = self._materialized(micro_batch)
-        roots, seeds = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs, loss_scale))
-        gradient, pending = boundary_input_gradient(inputs, outputs, roots, seeds, self._compute_weights,
-                                                    not self.is_first, self.stage_index, self.config.schedule)
+        kept, inputs, outputs = self._materialized(micro_batch, chunk)
+        roots, seeds = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs, loss_scale,
+                                                                              chunk))
+        gradient, pending = boundary_input_gradient(inputs, outputs, roots, seeds, self._chunk_weights[chunk],
+                                                    not self._reads_inputs(chunk), self.stage_index,
+                                                    self.config.schedule)
         self.store.retain_rebuilt(kept)  # a recomputed graph is retained for W: counted until W releases it
-        self._pending_weight_gradients[micro_batch] = (kept, pending)  # kept bytes stay counted until W
+        self._pending_weight_gradients[(chunk, micro_batch)] = (kept, pending)  # kept bytes stay counted until W
         return gradient
 
     @stage_op("W", in_step=True)
-    def backward_weight(self, micro_batch: int) -> None:
+    def backward_weight(self, micro_batch: int, chunk: int = 0) -> None:
         """A split backward's weight gradient (W): accumulate one micro-batch's into ``.grad``, after its I."""
-        kept, pending = self._pending_weight_gradients.pop(micro_batch)
+        kept, pending = self._pending_weight_gradients.pop((chunk, micro_batch))
         pending.run()
         self.store.release(kept)
-        self._backwards_done.add(micro_batch)
+        self._backwards_done.add((chunk, micro_batch))
 
-    def _materialized(self, micro_batch: int) -> tuple[Kept, boundary.Boundary, boundary.Boundary]:
+    def _materialized(self, micro_batch: int, chunk: int) -> tuple[Kept, boundary.Boundary, boundary.Boundary]:
         """A micro-batch's kept state, its stage input and its graph's output, the forward
         replayed with the same seeds where only the input was kept (once per backward)."""
-        kept = self.store.take(micro_batch)
+        kept = self.store.take((chunk, micro_batch))
         inputs, outputs = kept.inputs, kept.outputs
         if outputs is None:  # re-materialize: replay the forward with the same seeds
-            inputs = self._as_leaf(inputs)
+            inputs = self._as_leaf(inputs, chunk)
             targets, loss_weight = kept.extra
             # the kept input is still counted in the store until release()
             with SavedTensorMeter(self._parameter_storages, counted=tuple(boundary.tensors(inputs))) as meter:
-                outputs = self._run(inputs, micro_batch, targets, loss_weight)
+                outputs = self._run(inputs, micro_batch, targets, loss_weight, chunk=chunk)
             meter.add(*boundary.tensors(outputs))
             kept.rebuilt_bytes = meter.bytes + kept.offloaded_bytes  # + the fetched-back input
             self.store.note_transient(kept.rebuilt_bytes)
         return kept, inputs, outputs
 
     def _output_gradient(self, outputs: boundary.Boundary, grad_outputs: boundary.Boundary,
-                         loss_scale: float) -> boundary.Boundary:
+                         loss_scale: float, chunk: int) -> boundary.Boundary:
         """What the backward starts from: the loss scale on the last stage, else the received
         gradient (moved to each output's device and dtype by :func:`boundary.backward_roots`)."""
-        if self.is_last:
+        if chunk == self._last_chunk:
             return torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device)
         return grad_outputs
 
@@ -281,13 +295,23 @@ class StageWorker(StageCheckpointing):
         its weighted loss sum."""
         return owned_grad_stats(self._owned, self._step_loss if self.is_last else None, inv_scale, clip_value)
 
+    @stage_op("grad_stats", per_micro_batch=False)
+    def chunk_grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> list[StageGradStats]:
+        """:meth:`grad_stats` of each model chunk, in chunk order (the loss with the last virtual
+        stage's): the step decides over virtual stages, as over the stages of a plain pipeline."""
+        return [owned_grad_stats(owned, self._step_loss if chunk == self._last_chunk else None, inv_scale,
+                                 clip_value) for chunk, owned in enumerate(self._chunk_owned)]
+
     def _check_step_is_whole(self) -> None:
         if self._step_failure is not None:
             raise self._step_failure
-        missing = sorted(set(range(len(self.block))) - self._backwards_done)
+        missing = sorted({(chunk, micro_batch) for chunk in range(len(self._chunk_positions))
+                          for micro_batch in range(len(self.block))} - self._backwards_done)
         if missing:
-            raise StepAborted(self.stage_index, "B", missing[0],
-                              f"the backward of micro-batch(es) {missing} did not run: an op it depends on "
+            named = ([micro_batch for _, micro_batch in missing] if len(self._chunk_positions) == 1
+                     else [f"{micro_batch} (chunk {chunk})" for chunk, micro_batch in missing])
+            raise StepAborted(self.stage_index, "B", missing[0][1],
+                              f"the backward of micro-batch(es) {named} did not run: an op it depends on "
                               "failed on another stage", replica=self.named_replica)
 
     def commit(self, loss_scaled: bool, *stats: StageGradStats) -> StageReport:
@@ -337,14 +361,15 @@ class StageWorker(StageCheckpointing):
 
     @stage_op("eval", timed=False)
     def evaluate(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
-                 loss_weight: float | None = None, step: int = 0) -> boundary.Boundary | float:
-        """Forward only, keeping nothing: activation or weighted loss."""
+                 loss_weight: float | None = None, step: int = 0, chunk: int = 0) -> boundary.Boundary | float:
+        """Forward only through chunk ``chunk``, keeping nothing: activation or weighted loss."""
+        last = chunk == self._last_chunk
         inputs = self._stage_input(micro_batch, inputs, step, "validation")
-        if self.is_last:
+        if last:
             targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "validation")
         with torch.no_grad():
-            outputs = self._run(inputs, micro_batch, targets, loss_weight, training=False)
-        return float(outputs) if self.is_last else outputs
+            outputs = self._run(inputs, micro_batch, targets, loss_weight, training=False, chunk=chunk)
+        return float(outputs) if last else outputs
 
     # -- helpers -------------------------------------------------------------
     def _begin_step(self, step: int) -> None:
@@ -369,24 +394,31 @@ class StageWorker(StageCheckpointing):
             return self.data.targets_and_weight(step, micro_batch, split)
         return targets, 1.0 if loss_weight is None else loss_weight
 
-    def _as_leaf(self, inputs: boundary.Boundary) -> boundary.Boundary:
+    def _reads_inputs(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the model's first virtual stage (its input is data, with no gradient to send)."""
+        return self.is_first and chunk == 0
+
+    def _as_leaf(self, inputs: boundary.Boundary, chunk: int) -> boundary.Boundary:
         """The received input whose floating-point tensors are autograd leaves (the first stage's data is not)."""
-        return inputs if self.is_first else boundary.as_autograd_leaves(inputs)
+        return inputs if self._reads_inputs(chunk) else boundary.as_autograd_leaves(inputs)
 
     def _run(self, hidden: boundary.Boundary, micro_batch: int, targets: torch.Tensor | None,
-             loss_weight: float | None, training: bool = True) -> torch.Tensor:
-        """The stage's layers (and loss, on the last stage), seeded per layer. The loss takes
-        a single-tensor output in fp32, a tree output as it is."""
+             loss_weight: float | None, training: bool = True, chunk: int = 0) -> torch.Tensor:
+        """Chunk ``chunk``'s layers (and the loss, on the last virtual stage), seeded per layer. The
+        loss takes a single-tensor output in fp32, a tree output as it is."""
         self.layers.train(training)
         with autocast(self.config.precision, self.device.type):
-            hidden = self._run_layers(hidden, micro_batch, training)
-        if not self.is_last:
+            hidden = self._run_layers(hidden, micro_batch, training, chunk)
+        if chunk != self._last_chunk:
             return hidden
         output = hidden.float() if isinstance(hidden, torch.Tensor) else hidden
         return self.loss_fn(output, targets.to(self.device)) * loss_weight
 
-    def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool) -> boundary.Boundary:
+    def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool,
+                    chunk: int) -> boundary.Boundary:
+        positions = self._chunk_positions[chunk]
         # the step's global micro-batch index: the same masks whatever the number of replicas
-        seeds = layer_seeds(self.config.seed, self._step, self.block.start + micro_batch, self.layer_indices)
+        seeds = layer_seeds(self.config.seed, self._step, self.block.start + micro_batch,
+                            [self.layer_indices[position] for position in positions])
         segments = self.config.activation_checkpoint_segments if training and torch.is_grad_enabled() else None
-        return run_layers(self.layers, self.weights, hidden, seeds, self.device, segments)
+        return run_layers(self.layers, self.weights, hidden, seeds, self.device, segments, positions)

@@ -12,11 +12,10 @@ So a schedule's numerics (which ops, in which order, on which tensors) can be
 checked against one process in seconds, for every schedule × activation
 checkpointing × precision, before anything runs on Ray.
 
-A worker may hold several model chunks (``virtual_stages``): each chunk is a
-:class:`~raypipe.stage.worker.StageWorker` of its virtual stage, and a tensor
-whose next virtual stage is on the same worker is handed to it directly, as the
-lowering has no message there. The interleaved schedules (``interleaved_1f1b``,
-``zbv``), which the executors do not run yet, are interpreted this way.
+A worker may hold several model chunks (``virtual_stages``), as the executors' do:
+one :class:`~raypipe.stage.worker.StageWorker` holds them all, and a tensor whose
+next virtual stage is on the same worker is handed to it directly, as the lowering
+has no message there.
 """
 from __future__ import annotations
 
@@ -32,9 +31,9 @@ from raypipe.config import PipelineConfig
 from raypipe.core import ops
 from raypipe.core.lowering import lower
 from raypipe.core.micro_batches import count_samples, loss_weights, replica_blocks, split_micro_batches
-from raypipe.core.partition import partition_by_cost, stage_layer_ranges
+from raypipe.core.partition import partition_by_cost, worker_chunks
 from raypipe.core.result import StageReport
-from raypipe.core.schedule import PLACEMENT, SCHEDULES, make_schedule
+from raypipe.core.schedule import make_schedule
 from raypipe.core.step_decision import StageGradStats, StepDecision
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
@@ -57,9 +56,8 @@ class _StageState:
 
 @dataclass
 class _Replica:
-    """One replica's pipeline: a worker per virtual stage (``workers[k]`` holds virtual stage k,
-    a chunk of worker ``worker_and_chunk(k)``), the lowered ops of each of the ``p`` workers, and
-    its block of the step's micro-batches."""
+    """One replica's pipeline: its ``p`` workers (each holding its ``v`` chunks), the lowered
+    ops of each, and its block of the step's micro-batches."""
 
     workers: list[StageWorker]
     lowered: list[list[ops.LoweredOp]]
@@ -74,40 +72,40 @@ class OpInterpreter:
     What passes between stages (a tensor or a tree of them) is handed over as it is.
 
     ``schedule`` (one of :data:`~raypipe.core.schedule.SCHEDULES`) with ``virtual_stages``
-    chunks per worker runs instead of the config's: the layers are cut into
-    ``num_stages * virtual_stages`` virtual stages (evenly), placed as the schedule places them.
-    :attr:`workers` then has a worker per virtual stage and replica."""
+    chunks per worker runs instead of the config's; with v > 1 and no balance list the layers are
+    cut into ``num_stages * virtual_stages`` virtual stages evenly, placed as the schedule places
+    them. :attr:`workers` has every replica's workers, in rank order."""
 
     def __init__(self, layers: Sequence[Callable[[], nn.Module]] | Sequence[nn.Module], loss_fn: Callable,
                  optimizer_factory: Callable, config: PipelineConfig, loss_scale: float | None = None,
                  loss_count_fn: Callable[[torch.Tensor], int] = count_samples, *, schedule: str | None = None,
-                 virtual_stages: int = 1) -> None:
+                 virtual_stages: int | None = None) -> None:
+        if schedule is not None or virtual_stages is not None:
+            config = config.replace(schedule=config.schedule if schedule is None else schedule,
+                                    virtual_stages=virtual_stages or config.virtual_stages)
+            if config.virtual_stages > 1 and not isinstance(config.balance, list):
+                config = config.replace(balance=partition_by_cost([1.0] * len(layers), config.num_virtual_stages))
         config.validate(len(layers))
         if config.elastic:
             raise ValueError("the interpreter runs a fixed number of replicas")
-        self.schedule = config.schedule if schedule is None else schedule
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}: expected one of {SCHEDULES}")
+        self.schedule = config.schedule
         # what weights each micro-batch's mean loss, as the trainer's loss_count_fn (packed rows: predicted tokens)
         self.config, self.loss_scale, self.loss_count_fn = config, loss_scale, loss_count_fn
-        p, v, count = config.num_stages, virtual_stages, config.max_replicas
-        self.num_workers, self.num_chunks, self.placement = p, v, PLACEMENT[self.schedule]
-        if p * v > len(layers):
-            raise ValueError(f"{p} workers x {v} chunks need at least {p * v} layers, got {len(layers)}")
-        balance = (config.balance if isinstance(config.balance, list) and v == 1
+        p, v, count = config.num_stages, config.virtual_stages, config.max_replicas
+        self.num_workers, self.num_chunks, self.placement = p, v, config.placement
+        balance = (config.balance if isinstance(config.balance, list)
                    else partition_by_cost([1.0] * len(layers), p * v))
         self.replicas: list[_Replica] = []
         for replica, block in enumerate(replica_blocks(config.num_micro_batches * count, count)):
             schedule_ops = make_schedule(self.schedule, p, len(block), v)
             workers = []
-            for stage, indices in enumerate(stage_layer_ranges(balance)):
-                worker, chunk = ops.worker_and_chunk(stage, p, self.placement)
-                chunk_ops = tuple(op for op in schedule_ops[worker] if op.chunk == chunk)
+            for stage, chunks in enumerate(worker_chunks(balance, p, self.placement)):
+                indices = [index for chunk in chunks for index in chunk]
                 workers.append(StageWorker(WorkerSpec(
-                    stage, p * v, tuple(_layer(layers[i], count) for i in indices), tuple(indices), config,
-                    ops=chunk_ops, replica=replica, num_replicas=count, micro_batches=block,
-                    optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == p * v - 1 else None,
-                    loss_count_fn=loss_count_fn)))
+                    stage, p, tuple(_layer(layers[i], count) for i in indices), tuple(indices), config,
+                    ops=tuple(schedule_ops[stage]), replica=replica, num_replicas=count, micro_batches=block,
+                    optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == config.loss_stage else None,
+                    loss_count_fn=loss_count_fn, chunk_sizes=tuple(map(len, chunks)) if v > 1 else ())))
             self.replicas.append(_Replica(workers, lower(schedule_ops, self.placement), block))
         self.workers = [worker for replica in self.replicas for worker in replica.workers]
         self.lowered = self.replicas[0].lowered
@@ -185,20 +183,24 @@ class OpInterpreter:
     def _compute(self, replica: _Replica, stage: int, op: ops.LoweredOp, state: _StageState, step: int,
                  inputs: list, targets: list, weights: list) -> None:
         mb, chunk = op.micro_batch, op.chunk
-        worker = replica.workers[ops.virtual_stage(stage, chunk, self.num_workers, self.placement)]
-        scale = self.loss_scale if worker.is_last and self.loss_scale is not None else 1.0
+        worker = replica.workers[stage]
+        first = stage == 0 and chunk == 0  # the model's first virtual stage, then its last
+        last = (stage, chunk) == ops.worker_and_chunk(self.num_workers * self.num_chunks - 1, self.num_workers,
+                                                      self.placement)
+        scale = self.loss_scale if last and self.loss_scale is not None else 1.0
         if op.kind == ops.F:
-            hidden = inputs[mb] if worker.is_first else state.activations.pop((chunk, mb))
-            output = worker.forward(mb, hidden, targets[mb], weights[mb], step)
-            if not worker.is_last:
+            hidden = inputs[mb] if first else state.activations.pop((chunk, mb))
+            output = worker.forward(mb, hidden, targets[mb] if last else None, weights[mb] if last else None, step,
+                                    chunk)
+            if not last:
                 self._hand_on(stage, chunk, mb, ops.SEND_ACT, output, state)
         elif op.kind in (ops.B, ops.I):
             backward = worker.backward if op.kind == ops.B else worker.backward_input
-            gradient = backward(mb, None if worker.is_last else state.gradients.pop((chunk, mb)), scale)
-            if not worker.is_first:  # the first stage has no input gradient to send
+            gradient = backward(mb, None if last else state.gradients.pop((chunk, mb)), scale, chunk)
+            if not first:  # the first stage has no input gradient to send
                 self._hand_on(stage, chunk, mb, ops.SEND_GRAD, gradient, state)
         elif op.kind == ops.W:
-            worker.backward_weight(mb)
+            worker.backward_weight(mb, chunk)
         else:
             raise ValueError(f"the interpreter has no handler for {op!r}")
 
@@ -238,15 +240,18 @@ class OpInterpreter:
         the replicas' gradients summed (onto each gradient's owner with ZeRO-1), every stage's
         statistics, one decision and commit everywhere, then ZeRO-1's gather of the new weights."""
         scale = 1.0 if self.loss_scale is None else self.loss_scale
-        columns = list(zip(*(replica.workers for replica in self.replicas)))  # per virtual stage, its replicas
+        columns = list(zip(*(replica.workers for replica in self.replicas)))  # per stage, its replicas
         for workers in columns:
             _sum_over_replicas([worker.gradients_to_reduce() for worker in workers])
-        stats: list[StageGradStats] = []
-        for workers in columns:
-            own = [worker.grad_stats(1.0 / scale, self.config.clip_grad_value) for worker in workers]
-            norm = sum(part.squared_norm for worker, part in zip(workers, own) if worker.ownership.counts_in_norm())
-            loss = sum(part.loss for part in own) if workers[0].is_last else None
-            stats.append(StageGradStats(norm, any(part.found_inf for part in own), loss))
+        stats: list[StageGradStats | None] = [None] * (self.num_workers * self.num_chunks)  # per virtual stage
+        for stage, workers in enumerate(columns):
+            own = [worker.chunk_grad_stats(1.0 / scale, self.config.clip_grad_value) for worker in workers]
+            for chunk, parts in enumerate(zip(*own)):
+                norm = sum(part.squared_norm for worker, part in zip(workers, parts)
+                           if worker.ownership.counts_in_norm())
+                loss = sum(part.loss for part in parts) if parts[0].loss is not None else None
+                stats[ops.virtual_stage(stage, chunk, self.num_workers, self.placement)] = StageGradStats(
+                    norm, any(part.found_inf for part in parts), loss)
         self.reports = [worker.commit(self.loss_scale is not None, *stats) for worker in self.workers]
         for workers in columns:
             _gather_owned_weights(workers)

@@ -18,7 +18,7 @@ from raypipe.comm.nccl_emulation import EmulatedStream
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
-from tests.comm.test_p2p import free_port, run_exchanging_stage
+from tests.comm.test_p2p import free_port, key, run_exchanging_stage
 
 MESSAGE = 1000  # elements; the emulation treats every message as beyond NCCL's buffering
 
@@ -69,8 +69,8 @@ def run_pair(rank: int, port: int, killed: mp.Event, results: mp.Queue) -> None:
     channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
     channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=True)
     if rank == 1:
-        channel.expect_activations([0])
-        channel.recv_activation(0)
+        channel.expect_activations([(key(0), 0)])
+        channel.recv_activation(key(0), 0)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def abort_when_killed() -> None:
@@ -81,9 +81,9 @@ def run_pair(rank: int, port: int, killed: mp.Event, results: mp.Queue) -> None:
 
     released = threading.Event()
     threading.Thread(target=abort_when_killed, daemon=True).start()
-    channel.send_activation(torch.ones(MESSAGE), 0)
+    channel.send_activation(torch.ones(MESSAGE), key(0), 1)
     try:
-        channel.recv_gradient(0)
+        channel.recv_gradient(key(0), 1)
         results.put(("released by", "a gradient"))
     except StepAborted as error:
         released.set()

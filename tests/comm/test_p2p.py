@@ -1,15 +1,21 @@
-"""P2PChannel over gloo between two real processes: activations of changing
+"""P2PChannel over gloo between real processes: activations of changing
 shapes and dtypes arrive exactly, gradients come back, and from the second step
-on a payload of unchanged shape lands in a receive posted before it was needed."""
+on a payload of unchanged shape lands in a receive posted before it was needed;
+the lowered ops of interleaved (looped) and ZBV (V-shaped) schedules, whose
+messages go to peers other than the next and previous stage and carry one
+micro-batch across several chunk boundaries between the same two workers,
+deliver each message under its key (raypipe.core.ops.message_key)."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from raypipe.comm.p2p import P2PChannel
+from raypipe.core import ops
 from raypipe.core.topology import Topology
 
 # per step, the activations of micro-batches 0..2 (shape, dtype): step 2 repeats
@@ -29,6 +35,22 @@ def activation(step: int, micro_batch: int) -> torch.Tensor:
     return values.reshape(shape).to(dtype)
 
 
+def key(micro_batch: int) -> int:
+    """The message key of ``micro_batch``'s activation from stage 0 to stage 1 of a two-stage
+    pipeline of one chunk per worker (and of its gradient)."""
+    return ops.message_key(micro_batch, 1, 2)
+
+
+def keys_of(stage: int, num_stages: int, num_chunks: int = 1,
+            placement: str = ops.LOOPED) -> Callable[[ops.LoweredOp], int]:
+    """Each SEND/RECV op of worker ``stage``'s message key, as the per-step worker makes it."""
+    def key_of(op: ops.LoweredOp) -> int:
+        boundary = ops.boundary_of(stage, op.chunk, op.kind, num_stages, placement)
+        return ops.message_key(op.micro_batch, boundary, num_stages * num_chunks)
+
+    return key_of
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -44,20 +66,20 @@ def run_stage(rank: int, port: int, posted_ahead: mp.Queue) -> None:
             micro_batches = range(len(STEPS[step]))
             if rank == 0:
                 for micro_batch in micro_batches:
-                    channel.send_activation(activation(step, micro_batch), micro_batch)
+                    channel.send_activation(activation(step, micro_batch), key(micro_batch), 1)
                 for micro_batch in reversed(micro_batches):
-                    gradient = channel.recv_gradient(micro_batch)
+                    gradient = channel.recv_gradient(key(micro_batch), 1)
                     torch.testing.assert_close(gradient, -activation(step, micro_batch), rtol=0, atol=0)
             else:
-                channel.expect_activations(list(micro_batches))
-                posted = {mb: buffer for mb, (_, buffer) in channel._payloads.items()}
+                channel.expect_activations([(key(micro_batch), 0) for micro_batch in micro_batches])
+                posted = {message: buffer for message, (_, buffer) in channel._payloads.items()}
                 for micro_batch in micro_batches:
-                    received = channel.recv_activation(micro_batch)
+                    received = channel.recv_activation(key(micro_batch), 0)
                     torch.testing.assert_close(received, activation(step, micro_batch), rtol=0, atol=0)
-                    if received is posted.get(micro_batch):
+                    if received is posted.get(key(micro_batch)):
                         posted_ahead.put((step, micro_batch))
                 for micro_batch in reversed(micro_batches):
-                    channel.send_gradient(-activation(step, micro_batch), micro_batch)
+                    channel.send_gradient(-activation(step, micro_batch), key(micro_batch), 0)
             channel.finish_sends()
             assert channel.all_reduce_sum([float(rank), 1.0]) == [1.0, 2.0]
     finally:
@@ -85,10 +107,10 @@ def run_replicated_stage(rank: int, port: int) -> None:
     channel.join("127.0.0.1", port, timeout_s=60)
     try:
         if stage == 0:
-            channel.send_activation(torch.full((3,), float(rank)), 0)
+            channel.send_activation(torch.full((3,), float(rank)), key(0), 1)
         else:
-            channel.expect_activations([0])
-            torch.testing.assert_close(channel.recv_activation(0), torch.full((3,), float(rank - 1)))
+            channel.expect_activations([(key(0), 0)])
+            torch.testing.assert_close(channel.recv_activation(key(0), 0), torch.full((3,), float(rank - 1)))
         channel.finish_sends()
         # two dtypes and more than one bucket's worth of elements
         gradients = [torch.full((5, 2), 1.0 + rank), torch.arange(4, dtype=torch.float64) * (rank + 1),
@@ -113,7 +135,6 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
     receives, then over NCCL's path (every operation in a batch, matched in order).
     ``emulate_nccl``: every step under NCCL's emulation (raypipe.comm.nccl_emulation)."""
     from raypipe.comm.matching import InOrder
-    from raypipe.core import ops
     from raypipe.core.lowering import lower
     from raypipe.core.schedule import one_f_one_b_schedule
 
@@ -122,6 +143,7 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
     channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=emulate_nccl)
     stage_ops = lower(one_f_one_b_schedule(2, 3))[rank]
     assert sum(op.kind == ops.EXCHANGE for op in stage_ops) == 2
+    key_of = keys_of(rank, 2)
     try:
         for step in range(2 * len(STEPS)):  # shapes change from step to step: predictions go stale
             if step == len(STEPS) and not emulate_nccl:  # every message of gloo's steps is in: switch (NCCL predicts no shape)
@@ -131,21 +153,22 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
             shapes = step % len(STEPS)
             received = {}
             if rank == 1:
-                channel.expect_activations([op.micro_batch for op in ops.unbatch(stage_ops) if op.kind == ops.RECV_ACT])
+                channel.expect_activations([(key_of(op), op.peer) for op in ops.unbatch(stage_ops)
+                                            if op.kind == ops.RECV_ACT])
             for op in stage_ops:
                 if op.kind == ops.EXCHANGE:
                     sends = [(part, (1 if rank == 0 else -1) * activation(shapes, part.micro_batch))
                              for part in op.parts if part.kind in ops.SENDS]
                     receives = [part for part in op.parts if part.kind in ops.RECEIVES]
-                    received.update(zip(receives, channel.exchange(sends, receives)))
+                    received.update(zip(receives, channel.exchange(sends, receives, key_of)))
                 elif op.kind == ops.SEND_ACT:
-                    channel.send_activation(activation(shapes, op.micro_batch), op.micro_batch)
+                    channel.send_activation(activation(shapes, op.micro_batch), key_of(op), op.peer)
                 elif op.kind == ops.SEND_GRAD:
-                    channel.send_gradient(-activation(shapes, op.micro_batch), op.micro_batch)
+                    channel.send_gradient(-activation(shapes, op.micro_batch), key_of(op), op.peer)
                 elif op.kind == ops.RECV_ACT:
-                    received[op] = channel.recv_activation(op.micro_batch)
+                    received[op] = channel.recv_activation(key_of(op), op.peer)
                 elif op.kind == ops.RECV_GRAD:
-                    received[op] = channel.recv_gradient(op.micro_batch)
+                    received[op] = channel.recv_gradient(key_of(op), op.peer)
             for op, tensor in received.items():
                 sign = 1 if op.kind == ops.RECV_ACT else -1
                 torch.testing.assert_close(tensor, sign * activation(shapes, op.micro_batch), rtol=0, atol=0)
@@ -178,9 +201,9 @@ def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
             micro_batches = range(3)
             if rank == 0:
                 for micro_batch in micro_batches:
-                    channel.send_activation(tree_activation(step, micro_batch), micro_batch)
+                    channel.send_activation(tree_activation(step, micro_batch), key(micro_batch), 1)
                 for micro_batch in reversed(micro_batches):
-                    gradient = channel.recv_gradient(micro_batch)
+                    gradient = channel.recv_gradient(key(micro_batch), 1)
                     sent = tree_activation(step, micro_batch)
                     # gradients of the floating-point leaves; None for the others (they go forward only)
                     torch.testing.assert_close(gradient["hidden"], -sent["hidden"], rtol=0, atol=0)
@@ -188,9 +211,9 @@ def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
                     assert gradient["extras"][0] is None and gradient["extras"][1] == {"mask": None, "aux": None}
                     assert gradient["scale"] is None
             else:
-                channel.expect_activations(list(micro_batches))
+                channel.expect_activations([(key(micro_batch), 0) for micro_batch in micro_batches])
                 for micro_batch in micro_batches:
-                    received, sent = channel.recv_activation(micro_batch), tree_activation(step, micro_batch)
+                    received, sent = channel.recv_activation(key(micro_batch), 0), tree_activation(step, micro_batch)
                     assert received.keys() == sent.keys() and received["scale"] == 0.5
                     torch.testing.assert_close(received["hidden"], sent["hidden"], rtol=0, atol=0)
                     torch.testing.assert_close(received["bf16"], sent["bf16"], rtol=0, atol=0)
@@ -200,7 +223,8 @@ def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
                 for micro_batch in reversed(micro_batches):
                     sent = tree_activation(step, micro_batch)
                     channel.send_gradient({"hidden": -sent["hidden"], "bf16": 2 * sent["bf16"],
-                                           "extras": (None, {"mask": None, "aux": None}), "scale": None}, micro_batch)
+                                           "extras": (None, {"mask": None, "aux": None}), "scale": None},
+                                          key(micro_batch), 0)
             channel.finish_sends()
     finally:
         channel.leave()
@@ -218,3 +242,137 @@ def test_a_leaf_that_cannot_cross_names_the_stage_and_its_path():
         layout_of((torch.ones(2), {"bad": object()}), 1, torch.device("cpu"))
     with pytest.raises(TreeLeafError, match=r"^stage 2 output\[0\] is a torch.complex64 tensor"):
         layout_of([torch.ones(2, dtype=torch.complex64)], 2, torch.device("cpu"))
+
+
+# Interleaved (looped) and ZBV (V-shaped) schedules at p = 3, v = 2, run op by op from their lowering:
+# looped, worker 2 sends activations back to worker 0 (no neighbour) and one micro-batch crosses
+# boundaries 1 and 4 between workers 0 and 1; V-shaped, worker 0 sends activations to worker 1
+# and receives them from it (virtual stages 0 and 5 are both on worker 0)
+CHUNKED = [("interleaved_1f1b", ops.LOOPED), ("zbv", ops.V_SHAPED)]
+CHUNKED_P, CHUNKED_M, CHUNKED_V = 3, 3, 2  # micro-batches 0..2: one of them odd
+CHUNKED_STEPS = 4  # step 1 repeats step 0's shapes (all predicted), step 2 changes some, step 3 goes back
+CHUNKED_DEADLOCK_S = 2.0
+
+
+def chunked_activation(step: int, micro_batch: int, boundary: int) -> torch.Tensor:
+    """The activation of ``micro_batch`` across ``boundary``: values that name both, a shape of the
+    boundary's own, and at step 2 another shape for odd micro-batches and another dtype for micro-batch 2."""
+    shape = (2, 1 + boundary) + ((3,) if step == 2 and micro_batch % 2 else ())
+    dtype = torch.bfloat16 if step == 2 and micro_batch == 2 else torch.float32
+    values = torch.arange(torch.Size(shape).numel(), dtype=torch.float64) + 1000 * step + 100 * micro_batch
+    return (values + 10 * boundary).reshape(shape).to(dtype)
+
+
+def run_chunked_stage(rank: int, port: int, emulate_nccl: bool, schedules: list[str]) -> None:
+    """Worker ``rank``'s lowered ops of each of ``schedules`` (of CHUNKED), CHUNKED_STEPS steps each,
+    sending for every (micro-batch, boundary) its own tensor (and the negated one back as its
+    gradient), and checking that each receive got the tensor its sender sent for it. On gloo, then on
+    the in-order path (NCCL's: tags ignored, a pair's messages matched in issue order) without the
+    emulation; or all under NCCL's emulation, whose waits give up after CHUNKED_DEADLOCK_S. On gloo
+    an activation whose shape did not change since last step lands in the receive posted ahead for
+    its key."""
+    from raypipe.comm.matching import InOrder
+    from raypipe.core.lowering import lower
+    from raypipe.core.schedule import PLACEMENT, make_schedule
+
+    torch.set_num_threads(1)
+    channel = P2PChannel(Topology(num_stages=CHUNKED_P), 0, rank, torch.device("cpu"), num_chunks=CHUNKED_V)
+    channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=emulate_nccl)
+    if emulate_nccl:
+        channel._timeout_s = CHUNKED_DEADLOCK_S  # p2p_timeout_s of the polled waits: a hang fails soon
+    try:
+        for phase in ("gloo", "in order") if not emulate_nccl else ("emulation",):
+            if phase == "in order":  # every message of gloo's steps is in: switch (NCCL predicts no shape)
+                channel._matching = InOrder()
+                channel._sent.clear()
+                channel._received.clear()
+            for name, placement in CHUNKED:
+                if name not in schedules:
+                    continue
+                assert PLACEMENT[name] == placement
+                # another schedule gives keys other messages: forget the predictions, as joining afresh does
+                channel._sent.clear()
+                channel._received.clear()
+                stage_ops = lower(make_schedule(name, CHUNKED_P, CHUNKED_M, CHUNKED_V), placement)[rank]
+                key_of = keys_of(rank, CHUNKED_P, CHUNKED_V, placement)
+
+                def tensor(op: ops.LoweredOp, step: int) -> torch.Tensor:
+                    """What ``op`` sends or should receive: the activation across its boundary, or its gradient."""
+                    boundary = ops.boundary_of(rank, op.chunk, op.kind, CHUNKED_P, placement)
+                    sent = chunked_activation(step, op.micro_batch, boundary)
+                    return sent if op.kind in (ops.SEND_ACT, ops.RECV_ACT) else -sent
+
+                for step in range(CHUNKED_STEPS):
+                    expected = [(key_of(op), op.peer) for op in ops.unbatch(stage_ops) if op.kind == ops.RECV_ACT]
+                    channel.expect_activations(expected)
+                    posted = {message: buffer for message, (_, buffer) in channel._payloads.items()}
+                    received = {}
+                    for op in stage_ops:
+                        parts = op.unbatched()
+                        sends = [(part, tensor(part, step)) for part in parts if part.kind in ops.SENDS]
+                        receives = [part for part in parts if part.kind in ops.RECEIVES]
+                        if op.kind == ops.EXCHANGE:
+                            received.update(zip(receives, channel.exchange(sends, receives, key_of)))
+                        elif op.kind == ops.SEND_ACT:
+                            channel.send_activation(sends[0][1], key_of(op), op.peer)
+                        elif op.kind == ops.SEND_GRAD:
+                            channel.send_gradient(sends[0][1], key_of(op), op.peer)
+                        elif op.kind == ops.RECV_ACT:
+                            received[op] = channel.recv_activation(key_of(op), op.peer)
+                        elif op.kind == ops.RECV_GRAD:
+                            received[op] = channel.recv_gradient(key_of(op), op.peer)
+                    channel.finish_sends()
+                    assert len(received) == sum(part.kind in ops.RECEIVES for part in ops.unbatch(stage_ops)) > 0
+                    for op, got in received.items():
+                        want = tensor(op, step)
+                        assert got.dtype == want.dtype, (name, phase, step, op)
+                        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} {phase} {step} {op!r}")
+                    landed = {op.micro_batch for op in received
+                              if op.kind == ops.RECV_ACT and received[op] is posted.get(key_of(op))}
+                    # at step 2 micro-batch 1's shape and micro-batch 2's dtype change, at step 3 they change back
+                    changed = {1, 2} if step in (2, 3) else set()
+                    receiving = {op.micro_batch for op in ops.unbatch(stage_ops) if op.kind == ops.RECV_ACT}
+                    if phase == "gloo":  # predicted per key: step 0 has no prediction
+                        assert landed == (set() if step == 0 else receiving - changed), (name, step, landed)
+                    else:
+                        assert landed == set()
+    finally:
+        channel.leave()
+
+
+def test_chunked_lowerings_message_peers_beyond_the_neighbours_under_distinct_keys():
+    """What the chunked runs below rely on, from the lowering alone."""
+    from raypipe.core.lowering import lower
+    from raypipe.core.schedule import make_schedule
+
+    looped, v_shaped = (lower(make_schedule(name, CHUNKED_P, CHUNKED_M, CHUNKED_V), placement)
+                        for name, placement in CHUNKED)
+    last = CHUNKED_P - 1
+    assert any(op.kind == ops.SEND_ACT and op.peer == 0 for op in ops.unbatch(looped[last]))
+    # one micro-batch crosses two boundaries from worker 0 to worker 1, under two keys
+    crossing = [op for op in ops.unbatch(looped[0]) if op.kind == ops.SEND_ACT and op.micro_batch == 0]
+    assert [op.peer for op in crossing] == [1, 1]
+    assert len({keys_of(0, CHUNKED_P, CHUNKED_V)(op) for op in crossing}) == 2
+    # worker 0 is both ends of the V: it sends activations to worker 1 and receives them from it
+    first = ops.unbatch(v_shaped[0])
+    assert {op.peer for op in first if op.kind in (ops.SEND_ACT, ops.RECV_ACT)} == {1}
+    assert {op.kind for op in first if op.kind in (ops.SEND_ACT, ops.RECV_ACT)} == {ops.SEND_ACT, ops.RECV_ACT}
+
+
+def test_interleaved_and_zbv_lowerings_deliver_every_message_to_its_peer_under_its_key():
+    schedules = [name for name, _ in CHUNKED]
+    mp.start_processes(run_chunked_stage, args=(free_port(), False, schedules), nprocs=CHUNKED_P,
+                       start_method="spawn")
+
+
+def test_a_peer_must_be_another_stage_of_the_pipeline():
+    channel = P2PChannel(Topology(num_stages=3), 0, 1, torch.device("cpu"))
+    for peer in (1, 3, -1, None):
+        with pytest.raises(ValueError, match="stage 1 cannot message"):
+            channel.exchange([(ops.LoweredOp(ops.SEND_ACT, 0, 2), torch.ones(1))],
+                             [ops.LoweredOp(ops.RECV_GRAD, 0, peer)], keys_of(1, 3))
+    with pytest.raises(ValueError, match=r"stage 1 cannot exchange F0 among its sends"):
+        channel.exchange([(ops.LoweredOp(ops.F, 0), torch.ones(1))], [], keys_of(1, 3))
+    with pytest.raises(ValueError, match="stage 1 cannot message a peer 1"):
+        channel.send_activation(torch.ones(1), 0, 1)
+    assert not channel._sends and not channel._gradients  # nothing started

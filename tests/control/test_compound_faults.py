@@ -65,11 +65,11 @@ def decided(fake_ray: FakeRay) -> list[str]:
     return [kind for position, kind in enumerate(kinds) if position == 0 or kinds[position - 1] != kind]
 
 
-def controller_for(**options: Any) -> Controller:
+def controller_for(balance: tuple[int, ...] = (2, 2), **options: Any) -> Controller:
     config = PipelineConfig(**{"num_stages": 2, "num_micro_batches": 2, "snapshot_every": 1,
                                "max_failures": None, "hang_timeout_s": 1.0, **options})
     layers = tuple(nn.Linear(4, 4) for _ in range(4))
-    return Controller(config, [2, 2], StageModel(layers, None, nn.functional.mse_loss, None, len))
+    return Controller(config, list(balance), StageModel(layers, None, nn.functional.mse_loss, None, len))
 
 
 def run(controller: Controller, steps: range) -> None:
@@ -166,8 +166,10 @@ def test_replacements_dying_past_replace_timeout_go_to_the_policy(fake_ray) -> N
     assert decided(fake_ray) == ['ReplaceWorkers', 'WaitForRoom', 'Repartition', 'RestoreSnapshot']
 
 
-def test_a_worker_lost_during_a_shrink_is_the_same_heal(fake_ray) -> None:
-    controller = controller_for(num_replicas=(1, 2))
+@pytest.mark.parametrize("chunks", [{}, {"balance": (1, 1, 1, 1), "schedule": "zbv", "virtual_stages": 2}],
+                         ids=["one-chunk", "zbv"])
+def test_a_worker_lost_during_a_shrink_is_the_same_heal(fake_ray, chunks) -> None:
+    controller = controller_for(num_replicas=(1, 2), **chunks)
     controller.start()
     run(controller, range(1))
     FakeGroup.no_room = 1  # replica 1's replacement finds no room: shrink
@@ -197,9 +199,9 @@ def test_a_worker_lost_during_a_grows_admission_is_healed(fake_ray, monkeypatch,
     assert [direction for _, direction, _ in controller.resizes] == ["grow"]
 
 
-def repartitioned(fake_ray: FakeRay) -> Controller:
+def repartitioned(fake_ray: FakeRay, **options: Any) -> Controller:
     """A one-replica run re-partitioned onto 1 stage (no room to replace its stage 1)."""
-    controller = controller_for()
+    controller = controller_for(**options)
     controller.start()
     run(controller, range(1))
     FakeGroup.no_room = 1
@@ -220,6 +222,22 @@ def test_a_worker_lost_during_a_swap_beside_is_healed_and_the_swap_comes_again(f
     assert not controller.layout.repartitioned and controller.state is ControllerState.RUNNING
     assert fault.fired == 1
     assert_healed(controller, 6, recoveries=1 + heals)
+
+
+def test_a_run_of_model_chunks_re_partitions_onto_a_schedule_of_one_chunk_says_so_and_comes_back(
+        fake_ray, caplog) -> None:
+    """zbv (two chunks a worker, in a V) on 2 workers loses one with no room for its replacement: the one
+    stage left runs 1f1b (zbv's v=2 chunks of 4 layers would fit, but 1f1b runs on any stage count and m),
+    the log line names it; back on zbv's configured 2 x 2 chunks once there is room."""
+    caplog.set_level("INFO", logger="raypipe")
+    controller = repartitioned(fake_ray, balance=(1, 1, 1, 1), schedule="zbv", virtual_stages=2)
+    config = controller.config
+    assert (config.num_stages, config.schedule, config.virtual_stages, controller.balance) == (1, "1f1b", 1, [4])
+    assert "re-partitioned from 2 to 1 stage(s) (layers per stage [4], schedule 1f1b)" in caplog.text
+    assert [spec.layer_indices for spec in controller.stage_specs(*controller.configured)] == [(0, 3), (1, 2)]
+    run(controller, range(2, 6))
+    assert not controller.layout.repartitioned and controller.config.schedule == "zbv"
+    assert histories(controller) == {tuple(range(6))} and controller.executor.usable
 
 
 def test_a_new_worker_lost_during_a_swap_in_place_is_healed(fake_ray, monkeypatch) -> None:

@@ -369,3 +369,48 @@ def test_simulate_timed_times_i_and_w_of_every_chunk_by_kind():
     assert run.busy_s == pytest.approx((2 * 3 * 3.5,) * 2)
     with pytest.raises(ValueError, match="op_seconds gives no time for W0"):
         simulate_timed(lower(zb_h1_schedule(2, 2)), {F: 1.0, I: 1.0})
+
+
+def test_with_one_chunk_per_worker_a_message_key_is_its_micro_batch_and_receiving_stage():
+    from raypipe.core.ops import boundary_of, message_key, micro_batch_of_key
+
+    p, m = 4, 5
+    assert [boundary_of(s, 0, SEND_ACT, p) for s in range(p - 1)] == [1, 2, 3]
+    assert [boundary_of(s, 0, RECV_GRAD, p) for s in range(p - 1)] == [1, 2, 3]
+    assert [boundary_of(s, 0, RECV_ACT, p) for s in range(1, p)] == [1, 2, 3]
+    assert [boundary_of(s, 0, SEND_GRAD, p) for s in range(1, p)] == [1, 2, 3]
+    keys = [message_key(mb, s, p) for mb in range(m) for s in range(1, p)]
+    assert keys == [mb * p + s for mb in range(m) for s in range(1, p)] and len(set(keys)) == len(keys)
+    assert [micro_batch_of_key(key, p) for key in keys] == [mb for mb in range(m) for _ in range(1, p)]
+    for boundary in (0, p):
+        with pytest.raises(ValueError, match=f"boundary {boundary} is outside 1..{p - 1}"):
+            message_key(0, boundary, p)
+    with pytest.raises(ValueError, match="crosses no boundary"):
+        boundary_of(0, 0, F, p)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("interleaved_1f1b", 3, 6, 2), ("interleaved_1f1b", 2, 4, 3),
+                                        ("zbv", 3, 4, 2), ("zbv", 2, 3, 2), ("zb_h1", 3, 4, 1)])
+def test_both_ends_of_every_message_name_one_key_and_no_two_messages_share_one(name, p, m, v):
+    """The sender's and the receiver's keys of each message agree (a SEND and its RECV, from their
+    own chunks), the gradient's is its activation's, and the keys of one kind are all distinct,
+    even where one micro-batch crosses several boundaries between the same two workers."""
+    from raypipe.core.ops import boundary_of, message_key, micro_batch_of_key
+
+    placement = PLACEMENT[name]
+    sent, received = Counter(), Counter()
+    for worker, ops in enumerate(lower(make_schedule(name, p, m, v), placement)):
+        for op in unbatch(ops):
+            if op.kind in SENDS + RECEIVES:
+                key = message_key(op.micro_batch, boundary_of(worker, op.chunk, op.kind, p, placement), p * v)
+                assert micro_batch_of_key(key, p * v) == op.micro_batch
+                activation = op.kind in (SEND_ACT, RECV_ACT)
+                # (from, to, activation or gradient, key), as both ends see the message
+                message = (worker, op.peer, activation, key) if op.kind in SENDS else (op.peer, worker, activation, key)
+                (sent if op.kind in SENDS else received)[message] += 1
+    assert sent == received and set(sent.values()) == {1}
+    for activation in (True, False):
+        keys = [key for (_, _, kind, key) in sent if kind == activation]
+        assert len(set(keys)) == len(keys) == m * (p * v - 1) - (0 if name != "zbv" else m)
+    gradients = {(to, frm, key) for (frm, to, kind, key) in sent if not kind}
+    assert gradients == {(frm, to, key) for (frm, to, kind, key) in sent if kind}

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.deployment.ray_head import HEAD_PORTS, free_port, start_head, stop_session, token_env, wait_for_dashboard
+from tests.deployment.ray_head import head_ports, start_head, stop_session, token_env, wait_for_dashboard
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def ray_head():
     that it collides with no other Ray instance on the machine, with a token of its own."""
     temp_dir = tempfile.mkdtemp(prefix="rpj-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = token_env(PYTHONPATH=str(REPO))
-    ports = {name: free_port() for name in HEAD_PORTS}
+    ports = head_ports()
     head = start_head(temp_dir, env, ports, "--num-cpus=2", "--object-store-memory=300000000")
     url = f"http://127.0.0.1:{ports['dashboard-port']}"
     try:

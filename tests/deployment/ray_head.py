@@ -30,6 +30,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def head_ports() -> dict[str, int]:
+    """A free port for each of HEAD_PORTS, all different: every socket stays bound until all are
+    chosen (one free_port() after another may return a port twice, and ``ray start`` refuses that)."""
+    sockets = []
+    try:
+        for _ in HEAD_PORTS:
+            sock = socket.socket()
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+        return {name: sock.getsockname()[1] for name, sock in zip(HEAD_PORTS, sockets)}
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def ray_cli() -> str:
     beside_python = Path(sys.executable).with_name("ray")
     found = str(beside_python) if beside_python.exists() else shutil.which("ray")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deployment.ray_head import HEAD_PORTS, free_port, session_members, start_head, stop_session, token_env, \
+from tests.deployment.ray_head import head_ports, session_members, start_head, stop_session, token_env, \
     wait_for_dashboard
 from tests.reference import assert_mlp_run_matches_one_process
 from tests.runtime.test_autoscaling import FakeCluster
@@ -62,7 +62,7 @@ def tell(driver: subprocess.Popen, command: str) -> None:
 @pytest.fixture
 def fake_cluster():
     temp_dir = tempfile.mkdtemp(prefix="rpe-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ports = {name: free_port() for name in HEAD_PORTS}
+    ports = head_ports()
     config_path = Path(temp_dir) / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(fake_cluster_config(ports["port"])))
     env = token_env(RAY_FAKE_CLUSTER="1", PYTHONPATH=str(REPO))

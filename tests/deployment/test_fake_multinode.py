@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.deployment.ray_head import (HEAD_PORTS, free_port, job_failure, ray_cli, session_members, start_head,
+from tests.deployment.ray_head import (head_ports, job_failure, ray_cli, session_members, start_head,
                                        stop_session, token_env, wait_for_dashboard, wait_for_job)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ FAKE_WORKER_NODE_ID = re.compile(r"f{51}(?!00000)\d{5}")  # the fake provider nu
 
 def test_fake_multinode_recipe_trains_on_nodes_the_autoscaler_adds():
     temp_dir = tempfile.mkdtemp(prefix="rpf-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ports = {name: free_port() for name in HEAD_PORTS}
+    ports = head_ports()
     config = yaml.safe_load((REPO / "clusters" / "local-fake-multinode.yaml").read_text())
     config["provider"]["gcs_address"] = f"127.0.0.1:{ports['port']}"  # the provider assumes 6379 otherwise
     config_path = Path(temp_dir) / "cluster.yaml"

@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
-from raypipe.core.schedule import RUNNABLE_SCHEDULES
+from raypipe.core.schedule import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "helm" / "raypipe"
@@ -285,11 +285,15 @@ def test_entrypoint_passes_replicas_and_a_sharded_optimizer(chart) -> None:
 def test_entrypoint_passes_the_schedule(chart) -> None:
     _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
     assert "--schedule" not in flags  # the default, "gpipe", is train_7b.py's default too
+    assert "--virtual-stages" not in flags
     for schedule in ("1f1b", "zb_h1"):
         _command, flags = entrypoint_flags(only(render(chart, {"training": {"schedule": schedule}}), "RayJob"))
         assert flags["--schedule"] == [schedule]
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"schedule": "zbv", "virtualStages": 2}}),
+                                            "RayJob"))
+    assert flags["--schedule"] == ["zbv"] and flags["--virtual-stages"] == ["2"]
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
-    assert schema["properties"]["training"]["properties"]["schedule"]["enum"] == list(RUNNABLE_SCHEDULES)
+    assert schema["properties"]["training"]["properties"]["schedule"]["enum"] == list(SCHEDULES)
 
 
 def test_entrypoint_passes_pack(chart) -> None:

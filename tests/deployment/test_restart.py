@@ -35,7 +35,7 @@ from raypipe.checkpoint.store import MANIFEST, list_checkpoints, read_layer, rea
 from raypipe.data import prepare
 from raypipe.run import train
 from tests.deployment.conftest import SharedHead
-from tests.deployment.ray_head import HEAD_PORTS, free_port, session_members, start_head, token_env, wait_for_dashboard
+from tests.deployment.ray_head import head_ports, session_members, start_head, token_env, wait_for_dashboard
 from tests.reference import assert_bitwise_equal
 from tests.test_config import load_job
 
@@ -58,7 +58,7 @@ class Head:
     def __init__(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rpr-", dir="/tmp")  # short: socket paths must fit 107 bytes
         self.env = token_env(PYTHONPATH=str(REPO))
-        ports = {name: free_port() for name in HEAD_PORTS}
+        ports = head_ports()
         self.address = f"127.0.0.1:{ports['port']}"
         self.process = start_head(self.temp_dir, self.env, ports, "--num-cpus=2", "--object-store-memory=200000000")
         wait_for_dashboard(self.process, f"http://127.0.0.1:{ports['dashboard-port']}",

@@ -37,13 +37,15 @@ def test_an_elastic_run_starts_with_as_many_replicas_as_fit_and_splits_the_step_
     assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
 
 
-@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["replicated", "zero1"])
-def test_a_replica_joins_when_its_resources_appear_and_takes_the_runs_state(ray_cluster, shard_optimizer):
-    # replicated, the new replica copies a live one; with ZeRO-1 every worker adopts its new owners' parts
+@pytest.mark.parametrize("shard_optimizer,schedule", [(False, {}), (True, {"schedule": "zbv", "virtual_stages": 2})],
+                         ids=["replicated", "zero1-zbv"])
+def test_a_replica_joins_when_its_resources_appear_and_takes_the_runs_state(ray_cluster, shard_optimizer, schedule):
+    # replicated, the new replica copies a live one; with ZeRO-1 every worker adopts its new owners' parts (of
+    # both its model chunks, under zbv)
     blocker = placement_group([{"CPU": 1.0}] * 4)  # leaves room for one replica of two stages
     ray.get(blocker.ready(), timeout=60)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2),
-                                    shard_optimizer=shard_optimizer)
+                                    shard_optimizer=shard_optimizer, **schedule)
     batches, record, optimizer_bytes = random_batches(8, 40), [], []
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
         assert trainer.num_replicas == 1

@@ -143,3 +143,49 @@ def test_1f1b_with_global_clipping_matches_single_process_reference(ray_cluster,
         if transport.startswith("p2p"):
             backward = {"B"} if schedule == "1f1b" else {"I", "W"}
             assert {event.op for event in result.timeline} >= {"F", "recv"} | backward  # receives are measured too
+
+
+# Model chunks on Ray (v chunks on each worker, activations crossing back from the last worker to the first,
+# zbv's both ends on worker 0): a pairwise subset; the whole matrix (every chunked schedule x activation
+# checkpointing x replicas with ZeRO-1, bf16 and fp16) runs the same workers in-process in
+# tests/testing/test_op_interpreter.py. Over gloo only: see the next test.
+CHUNKED = [("interleaved_1f1b", 2, 2, 4, {}, 1),
+           ("interleaved_1f1b", 3, 2, 3, {"activation_checkpoint": "except_last"}, 1),
+           ("zbv", 2, 2, 3, {"activation_checkpoint": "always"}, 2),
+           ("zbv", 3, 2, 4, {"activation_checkpoint_segments": 1}, 1)]
+
+
+@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas", CHUNKED,
+                         ids=lambda value: str(value))
+def test_chunked_schedules_match_single_process_reference(ray_cluster, schedule, num_stages, virtual_stages,
+                                                          num_micro_batches, mode, num_replicas):
+    model = make_mlp()
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference.parameters())
+    count = num_micro_batches * num_replicas
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches, schedule=schedule,
+                                    virtual_stages=virtual_stages, num_replicas=num_replicas,
+                                    shard_optimizer=num_replicas > 1, clip_grad_norm=0.05, **mode)
+    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+        assert len(trainer.balance) == num_stages * virtual_stages
+        for x, y in batches():
+            result = trainer.step(x, y)
+            loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, count, 0.05)
+            assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
+        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+        x, y = batches(seed=7)[0]
+        with torch.no_grad():
+            expected = float(nn.functional.mse_loss(reference(x), y))
+        assert trainer.evaluate(x, y) == pytest.approx(expected, rel=1e-5)  # forward through every chunk in order
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_chunked_schedules_over_nccl_are_refused_before_any_worker_starts(ray_cluster, monkeypatch, schedule):
+    """On NCCL (here its emulation) an exchange receives an activation's payload behind its batch's
+    sends, so a chunked lowering would wait forever: a clear error first (raypipe.config.check_chunks_off_nccl)."""
+    monkeypatch.setenv("RAYPIPE_EMULATE_NCCL", "1")
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, schedule=schedule, virtual_stages=2)
+    with pytest.raises(raypipe.ConfigError, match="runs on CPU workers over gloo only for now"):
+        raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config)
+    with pytest.raises(raypipe.ConfigError, match="invalid schedule=.*over NCCL its exchanges would wait forever"):
+        config.replace(use_gpu=True).validate()

@@ -79,7 +79,7 @@ def uninterrupted(cfg, tmp_path) -> Run:
     """The run without failures. Snapshots and failure settings change no number, so
     layouts that differ only in them share one (fewer trainer starts in the suite)."""
     numerics = (cfg.num_stages, cfg.num_replicas, cfg.num_micro_batches, cfg.transport, cfg.shard_optimizer,
-                cfg.precision, cfg.schedule)
+                cfg.precision, cfg.schedule, cfg.virtual_stages)
     if numerics not in _UNINTERRUPTED:
         _UNINTERRUPTED[numerics] = train(cfg, tmp_path / "uninterrupted")
     return _UNINTERRUPTED[numerics]
@@ -87,8 +87,9 @@ def uninterrupted(cfg, tmp_path) -> Run:
 
 LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 11 kills in all
     "p2p-2-stages": (config(), (1, 3), "snapshot"),
-    # started by actor tasks, and the zero-bubble schedule (I and W ops, W deferred) healed too
-    "p2p-2-stages-tasks-zb_h1": (config(step_calls="tasks", schedule="zb_h1"), (2,), "snapshot"),
+    # started by actor tasks, and a zero-bubble schedule of model chunks (zbv: two chunks a worker in a V, I and
+    # W ops) healed too (zb_h1 on Ray: tests/executor/test_equivalence.py)
+    "p2p-2-stages-tasks-zbv": (config(step_calls="tasks", schedule="zbv", virtual_stages=2), (2,), "snapshot"),
     "p2p-3-stages": (config(num_stages=3), (1, 4), "snapshot"),
     "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3), "snapshot"),
     # inside a step with replicas: from the sibling, or from snapshots when survivors had ended it

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raypipe.core.schedule import RUNNABLE_SCHEDULES
+from raypipe.core.schedule import SINGLE_CHUNK_SCHEDULES
 from raypipe.core.packed import IGNORE_INDEX, make_packed
 from raypipe.models.document_mask import cumulative_lengths, document_attention, document_causal_mask
 from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
@@ -198,13 +198,12 @@ def test_stages_train_packed_rows_as_one_process_on_each_document(num_stages, nu
     batch: the step's loss is the per-token mean over every document alone, and the gradients
     theirs. Between stages the hidden states, positions and document ids travel as a tuple, and
     micro-batches are weighted by their predicted tokens (``loss_count_fn``). Every schedule of
-    :data:`~raypipe.core.schedule.SCHEDULES`: the chunked ones (two chunks a worker) interpreted
-    only, as the executors do not run chunks yet."""
+    :data:`~raypipe.core.schedule.SCHEDULES`, the chunked ones with two chunks a worker."""
     import raypipe
     from raypipe.testing.op_interpreter import OpInterpreter
 
     inputs, targets, pieces = packed_batch(seed=9, rows=4)
-    chunked = schedule not in RUNNABLE_SCHEDULES
+    chunked = schedule not in SINGLE_CHUNK_SCHEDULES
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches,
                                     schedule="1f1b" if chunked else schedule,
                                     activation_checkpoint=activation_checkpoint)

@@ -190,3 +190,29 @@ def test_interpreted_schedule_holds_what_the_model_predicts(schedule, mode, segm
                                    stage_index=stage, num_stages=2, device="cpu")
         measured = pipeline.reports[stage].stats.held_for_backward_bytes
         assert measured == pytest.approx(predicted.held_for_backward_bytes, rel=0.10), (stage, measured, predicted)
+
+
+@pytest.mark.parametrize("mode", ["never", "always", "except_last"])
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_interpreted_chunked_schedule_holds_what_the_model_predicts(schedule, mode):
+    """Two chunks a worker (the tiny LLaMA's 6 layers as 4 virtual stages, [2, 1, 1, 2]): each worker's
+    meter against the model's walk, every op keeping and freeing its own chunk's graph or input."""
+    from raypipe.core.partition import worker_chunks
+    from raypipe.testing.op_interpreter import OpInterpreter
+
+    micro_batches, batch, seq_len, balance = 4, 2, 24, [2, 1, 1, 2]
+    config = PipelineConfig(num_stages=2, num_micro_batches=micro_batches, schedule=schedule, virtual_stages=2,
+                            activation_checkpoint=mode, balance=balance)
+    pipeline = OpInterpreter(llama_layers(TINY), llama_loss, lambda p: torch.optim.SGD(p, lr=0.1), config)
+    tokens = torch.randint(0, TINY.vocab_size, (micro_batches * batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    pipeline.step(0, tokens[:, :-1], tokens[:, 1:])
+    for stage, chunks in enumerate(worker_chunks(balance, 2, config.placement)):
+        layers = [index for chunk in chunks for index in chunk]
+        assert list(pipeline.workers[stage].layer_indices) == layers
+        predicted = estimate_stage(TINY, layers, num_micro_batches=micro_batches, micro_batch_size=batch,
+                                   seq_len=seq_len, activation_checkpoint=mode, schedule=schedule,
+                                   stage_index=stage, num_stages=2, device="cpu",
+                                   chunk_sizes=[len(chunk) for chunk in chunks])
+        measured = pipeline.reports[stage].stats.held_for_backward_bytes
+        assert measured == pytest.approx(predicted.held_for_backward_bytes, rel=0.10), (stage, measured, predicted)

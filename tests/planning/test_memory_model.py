@@ -454,6 +454,26 @@ def test_plan_errors(capsys):
     assert "expected a number and a unit" in capsys.readouterr().err
 
 
+def test_plan_of_model_chunks_sums_each_workers_chunks(capsys):
+    """--schedule zbv --virtual-stages 2: each row is a worker, its two chunks (a V: worker 0 holds the
+    first and the last) described one after the other; the parameters are the model's, once."""
+    args = ["--model", "llama-7b", "--stages", "4", "--micro-batches", "8", "--precision", "bf16",
+            "--activation-checkpoint", "always", "--json"]
+    status, out = plan(*args, "--schedule", "zbv", "--virtual-stages", "2", capsys=capsys)
+    result = json.loads(out)
+    assert status == 0 and result["settings"]["virtual_stages"] == 2 and result["balances"] is None
+    stages = result["stages"]
+    assert sorted(i for s in stages for i in s["layers"]) == list(range(34))
+    assert stages[0]["layers"][0] == 0 and stages[0]["layers"][-1] == 33  # embedding and head on worker 0
+    assert stages[0]["description"].startswith("embedding + ") and " | " in stages[0]["description"]
+    one_chunk = json.loads(plan(*args, "--schedule", "1f1b", capsys=capsys)[1])
+    assert result["num_parameters"] == one_chunk["num_parameters"]
+    status, out = plan(*args[:-1], "--schedule", "interleaved_1f1b", "--virtual-stages", "2", capsys=capsys)
+    assert status == 0 and "interleaved_1f1b (2 chunks a stage)" in out
+    status, out = plan(*args[:-1], "--schedule", "zbv", capsys=capsys)
+    assert status == 2 and "zbv holds exactly v=2 chunks per worker" in out
+
+
 def test_parse_bytes_units():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80 GiB") == 80 * 2**30

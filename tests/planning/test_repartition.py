@@ -7,7 +7,7 @@ from raypipe.planning.repartition import fewer_stages, layer_bytes
 def test_merged_stages_add_up_what_their_layers_measured():
     stats = [StageStats(stage=0, optimizer_bytes=80, held_for_backward_bytes=20),
              StageStats(stage=1, optimizer_bytes=0, held_for_backward_bytes=30)]
-    predicted = layer_bytes([2, 2], [10, 30, 0, 0], stats)
+    predicted = layer_bytes([[0, 1], [2, 3]], [10, 30, 0, 0], stats)
     # stage 0: 2 x parameters + its 100 shared bytes by parameter share; stage 1 has no parameters: even shares
     assert predicted == [20 + 25, 60 + 75, 15, 15]
     assert sum(predicted) == 2 * 40 + 100 + 30

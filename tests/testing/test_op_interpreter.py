@@ -88,13 +88,16 @@ CHUNKED = [("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 2, 3, 4), ("inter
                          ids=lambda value: str(value))
 def test_interpreted_chunks_train_as_one_process(schedule, num_stages, virtual_stages, micro_batches, mode,
                                                  num_replicas):
-    """Several model chunks per worker (the interleaved schedules, which only this interpreter runs so
-    far): every chunk's gradients in the one decision, equal to one process; two replicas with ZeRO-1."""
+    """Several model chunks per worker (the interleaved schedules), each worker one StageWorker holding
+    its v chunks as the executors' do: every chunk's gradients in the one decision, equal to one
+    process; two replicas with ZeRO-1."""
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=micro_batches, clip_grad_norm=CLIP,
                                     num_replicas=num_replicas, shard_optimizer=num_replicas > 1, **mode)
     pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config, schedule=schedule,
                              virtual_stages=virtual_stages)
-    assert len(pipeline.workers) == num_replicas * num_stages * virtual_stages
+    assert len(pipeline.workers) == num_replicas * num_stages
+    assert sorted(index for worker in pipeline.workers[:num_stages] for index in worker.layer_indices) == list(
+        range(len(make_mlp())))
     count = micro_batches * num_replicas
     assert_trains_as_one_process(pipeline, random_batches(2 * count, STEPS), count, CLIP)
 
