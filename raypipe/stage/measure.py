@@ -22,7 +22,11 @@ class SavedTensorMeter:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.add(tensor)
-        return tensor
+        # detached (the same storage and version counter, no grad_fn): a saved output kept as itself
+        # would hold its own node, a cycle through autograd's C++ graph that the garbage collector
+        # never frees; a whole backward releases saved tensors and so breaks it, but a split backward
+        # retains the graph (I, then W), and every step's graphs stayed (~125 MB a step, tiny LLaMA)
+        return tensor.detach()
 
     def add(self, *tensors: torch.Tensor) -> None:
         """Count tensors the stage keeps by other means (e.g. its graph's outputs)."""

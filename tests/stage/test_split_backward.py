@@ -152,3 +152,34 @@ def test_input_gradient_runs_only_the_input_path_and_weight_gradient_only_the_we
     worker.backward_weight(0)
     # the first stage's whole backward: its first layer's input needs no gradient
     assert sorted(slept) == ([1.0, 2.0, 2.0] if stage == 0 else [2.0, 2.0])
+
+
+def test_a_split_backward_under_the_meter_leaves_no_graph_behind():
+    """I retains the graph and W runs on it; the stage's meter packs what autograd saves. A saved output
+    (tanh saves its result) packed as itself held its own node: a cycle through autograd's C++ graph that
+    the garbage collector never frees, so every micro-batch's graph stayed (~125 MB a step on the tiny
+    LLaMA). Packed detached, nothing is left once the micro-batch is done."""
+    import gc
+
+    from raypipe.stage.measure import SavedTensorMeter
+    from raypipe.stage.split_backward import input_gradient
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4), torch.nn.Tanh())
+    weights = list(net.parameters())
+
+    def micro_batch() -> None:
+        x = torch.randn(4, 8, requires_grad=True)
+        with SavedTensorMeter(set()):
+            out = net(x).sum()
+        _, pending = input_gradient(out, torch.ones(()), x, weights)
+        pending.run()
+
+    for _ in range(5):
+        micro_batch()
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(50):
+        micro_batch()
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50  # ~22 objects a micro-batch before
