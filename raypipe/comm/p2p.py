@@ -50,17 +50,9 @@ gradient statistics go over a control channel of CPU tensors on gloo
 (:attr:`P2PChannel.control`) even when the tensors go over NCCL, so decoding a
 header never waits on a GPU stream; on a gloo-only run it is the group itself.
 
-On gloo, a peer that leaves the group (:meth:`P2PChannel.leave`) makes every
-receive from it, and every collective with it, fail at once:
-:class:`~raypipe.errors.StepAborted`. NCCL's ``Work.wait()`` neither blocks the
-host nor raises, and a host sync on a transfer from a departed peer waits until
-NCCL's watchdog fires. So on NCCL (and under its emulation,
-:mod:`raypipe.comm.nccl_emulation`) every wait polls completion against an abort
-flag and a deadline of ``p2p_timeout_s`` (:mod:`raypipe.comm.polled_wait`), and
-:meth:`P2PChannel.abort`, called from another thread (the worker's health thread)
-while the step is blocked, sets the flag and aborts the communicators (never a
-destroy, which waits for pending work): the step raises
-:class:`~raypipe.errors.StepAborted` and the group is formed afresh.
+On gloo a peer that leaves the group fails every receive from it at once; on NCCL (and its
+emulation) waits poll against an abort flag and ``p2p_timeout_s``, and :meth:`P2PChannel.abort`
+releases a blocked step (:mod:`raypipe.comm.polled_wait`): :class:`~raypipe.errors.StepAborted`.
 """
 from __future__ import annotations
 
@@ -79,7 +71,8 @@ from raypipe.comm.headers import (HEADER_LENGTH, PAYLOAD_OF_TREE, TREE, Signatur
 from raypipe.comm.matching import GRADIENT, HEADER, LAYOUT, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
 from raypipe.comm.tree_messages import TreeLayout
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
-from raypipe.comm.polled_wait import ABORTED, WaitedOnThread, poll
+from raypipe.comm.polled_wait import StepWaits, WaitedOnThread
+from raypipe.comm.step_messages import StepMessages
 from raypipe.comm.replicas import StageReplicas
 from raypipe.core.ops import RECEIVES, RECV_ACT, SEND_ACT, SENDS, LoweredOp, micro_batch_of_key
 from raypipe.core.topology import Topology
@@ -99,33 +92,17 @@ class P2PChannel:
         self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
         self.rank = topology.rank(replica, stage)
         self.num_virtual_stages = topology.num_stages * num_chunks
+        waits = self._waits = StepWaits(topology, replica, stage)
         self.replicas = StageReplicas(topology, replica, stage,
-                                      wait=lambda work, what: self._wait(self._collective(work), None, None, what))
+                                      wait=lambda work, what: waits.wait(self._collective(work), None, None, what))
         self._matching: ByTag | InOrder = InOrder() if self.backend == "nccl" else ByTag()
         # the group of headers and the step's all-reduce (gloo, CPU tensors); None: the group itself
         self.control: Any = None
-        self._polls = False  # NCCL's rules: waits poll against the abort flag and the deadline
-        self._timeout_s = 300.0
-        self._aborted = threading.Event()
         # an abort (on another thread) against leaving: both tear the group down. Issuing an operation
         # takes no lock: NCCL's abort exists to release a call stuck in the communicator, and an
         # operation that fails because the group was just aborted ends the step all the same
         self._lock = threading.Lock()
-        # the running step's unfinished sends and posted receives, per message key (a key names
-        # one message of the step, whichever peer it is with): a pending operation keeps the
-        # group's connections open, so leaving drops them all
-        self._sends: list[tuple[Any, torch.Tensor]] = []
-        self._headers: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._payloads: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._gradients: dict[int, tuple[Any, torch.Tensor]] = {}
-        # the shape each key's activation had last step, as sent and as received: the same
-        # on both ends of a message, as its key is
-        self._sent: dict[int, Signature] = {}
-        self._received: dict[int, Signature] = {}
-        # the layouts of the running step's trees (tree_messages), per key: a sent one
-        # unpacks its gradient, a received one packs the gradient sent back
-        self._sent_layouts: dict[int, TreeLayout] = {}
-        self._received_layouts: dict[int, TreeLayout] = {}
+        self._messages = StepMessages()
         self._batch: list[Operation] | None = None  # while an exchange collects its sends
 
     @property
@@ -146,9 +123,9 @@ class P2PChannel:
         dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=topology.world_size, timeout=timedelta(seconds=timeout_s),
                                 device_id=self.device if nccl else None)
-        self._aborted.clear()
-        self._timeout_s, self._polls = timeout_s, nccl or emulate_nccl
-        if self._polls:  # every rank makes the control group first, then the replicas' subgroups
+        self._waits.aborted.clear()
+        self._waits.timeout_s, self._waits.polls = timeout_s, nccl or emulate_nccl
+        if self._waits.polls:  # every rank makes the control group first, then the replicas' subgroups
             self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             stream = EmulatedStream(dist.distributed_c10d._get_default_group()) if emulate_nccl else None
             self._matching = InOrder(stream)
@@ -162,15 +139,13 @@ class P2PChannel:
         On NCCL, with operations pending or after an abort, the communicators are
         aborted: a destroy would wait for the pending work."""
         with self._lock:
-            pending = any((self._sends, self._headers, self._payloads, self._gradients))
-            for kept in (self._sends, self._headers, self._payloads, self._gradients, self._sent, self._received,
-                         self._sent_layouts, self._received_layouts):
-                kept.clear()
+            pending = self._messages.pending
+            self._messages.clear()
             self._stop_stream()
             self.replicas.leave()
             self.control = None
             if dist.is_initialized():
-                if self.backend == "nccl" and (pending or self._aborted.is_set()):
+                if self.backend == "nccl" and (pending or self._waits.aborted.is_set()):
                     dist.distributed_c10d._abort_process_group()
                 else:
                     dist.destroy_process_group()
@@ -183,7 +158,7 @@ class P2PChannel:
         :class:`~raypipe.errors.StepAborted` and leaves; the group must be joined
         afresh. On gloo without the emulation a wait blocks in gloo, which releases
         it when a peer leaves; the flag then stops the step at its next operation."""
-        self._aborted.set()  # first: a polling wait sees it at once
+        self._waits.aborted.set()  # first: a polling wait sees it at once
         with self._lock:
             self._stop_stream()
             if self.backend == "nccl" and dist.is_initialized():
@@ -192,7 +167,7 @@ class P2PChannel:
     @property
     def aborted(self) -> bool:
         """Whether :meth:`abort` was called since the group was last joined."""
-        return self._aborted.is_set()
+        return self._waits.aborted.is_set()
 
     def expect_activations(self, expected: list[tuple[int, int]]) -> None:
         """Post the receives of this step's activations, each a (key, peer stage) pair
@@ -200,11 +175,11 @@ class P2PChannel:
         for key, peer in expected:
             peer_rank = self._peer_rank(peer)
             header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._control_device)
-            self._headers[key] = self._control_op(dist.irecv, header, peer_rank, key), header
-            predicted = self._received.get(key)
+            self._messages.headers[key] = self._control_op(dist.irecv, header, peer_rank, key), header
+            predicted = self._messages.received.get(key)
             if predicted is not None:
                 payload = empty_buffer(predicted, self.device)
-                self._payloads[key] = self._matching.post(payload, peer_rank, PREDICTED, key), payload
+                self._messages.payloads[key] = self._matching.post(payload, peer_rank, PREDICTED, key), payload
 
     def send_activation(self, tensor: Any, key: int, peer: int) -> None:
         """Start sending an activation (header, then payload) to stage ``peer`` under
@@ -213,49 +188,49 @@ class P2PChannel:
         header (:mod:`raypipe.comm.tree_messages`)."""
         peer_rank = self._peer_rank(peer)
         payload, layout = tree_messages.outgoing(tensor, self.stage, self.device)
-        signature, predicted = signature_of(payload), self._sent.get(key)
+        signature, predicted = signature_of(payload), self._messages.sent.get(key)
         if layout is None:
             header = encode(signature, self._control_device)
         else:
             described = layout.to_tensor(self._control_device)
             header = encode(tree_signature(layout.nbytes, described.numel()), self._control_device)
-        self._sends.append((self._control_op(dist.isend, header, peer_rank, key), header))
+        self._messages.sends.append((self._control_op(dist.isend, header, peer_rank, key), header))
         if layout is not None:  # on the control channel, right after its header
-            self._sends.append((self._control_op(dist.isend, described, peer_rank, key, LAYOUT), described))
-            self._sent_layouts[key] = layout
+            self._messages.sends.append((self._control_op(dist.isend, described, peer_rank, key, LAYOUT), described))
+            self._messages.sent_layouts[key] = layout
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
             self._send(empty_buffer(predicted, self.device), peer_rank, PREDICTED, key)
         self._send(payload, peer_rank, PREDICTED if predicted == signature else UNPREDICTED, key)
         if self._matching.predicts:
-            self._sent[key] = signature
+            self._messages.sent[key] = signature
         gradient = torch.empty_like(payload)
-        self._gradients[key] = self._matching.post(gradient, peer_rank, GRADIENT, key), gradient
+        self._messages.gradients[key] = self._matching.post(gradient, peer_rank, GRADIENT, key), gradient
 
     def recv_activation(self, key: int, peer: int) -> Any:
         """The activation sent under ``key`` by stage ``peer``, whatever its shape and
         dtype: a tensor, or a tree of them as it was sent."""
         peer_rank = self._peer_rank(peer)
-        if key not in self._headers:
+        if key not in self._messages.headers:
             self.expect_activations([(key, peer)])
-        work, header = self._headers.pop(key)
-        self._wait(work, peer_rank, self._micro_batch(key), "activation")
+        work, header = self._messages.headers.pop(key)
+        self._waits.wait(work, peer_rank, self._micro_batch(key), "activation")
         signature = decode(header)
         layout = None
         if signature[0] == TREE:
             layout = self._receive_layout(signature[1][1], peer_rank, key)
             signature = (PAYLOAD_OF_TREE, (signature[1][0],))
         if self._matching.predicts:
-            self._received[key] = signature
+            self._messages.received[key] = signature
         payload = self._receive_payload(signature, peer_rank, key)
         if layout is None:
             return payload
-        self._received_layouts[key] = layout
+        self._messages.received_layouts[key] = layout
         return tree_messages.unpack(payload, layout)
 
     def _receive_payload(self, signature: Signature, peer_rank: int, key: int) -> torch.Tensor:
         """The payload of ``signature``: in the receive posted ahead on its predicted shape (gloo;
         consumed even when stale), or else in one posted now."""
-        posted = self._payloads.pop(key, None)
+        posted = self._messages.payloads.pop(key, None)
         if posted is not None:
             predicted = self._receive(posted, None, peer_rank, PREDICTED, key)
             if signature_of(predicted) == signature:
@@ -266,16 +241,16 @@ class P2PChannel:
         """A tree's layout, sent right after its header on the control channel."""
         described = torch.empty(size, dtype=torch.uint8, device=self._control_device)
         work = self._control_op(dist.irecv, described, peer_rank, key, LAYOUT)
-        self._wait(work, peer_rank, self._micro_batch(key), "activation")
+        self._waits.wait(work, peer_rank, self._micro_batch(key), "activation")
         return TreeLayout.from_tensor(described)
 
     def recv_gradient(self, key: int, peer: int) -> Any:
         """The gradient, from stage ``peer``, of the activation sent to it under ``key``
         (for a tree: a tree of its structure, ``None`` where a leaf is not floating-point)."""
         peer_rank = self._peer_rank(peer)
-        work, gradient = self._gradients.pop(key)
+        work, gradient = self._messages.gradients.pop(key)
         gradient = self._receive((work, gradient), None, peer_rank, GRADIENT, key)
-        layout = self._sent_layouts.pop(key, None)
+        layout = self._messages.sent_layouts.pop(key, None)
         return gradient if layout is None else tree_messages.unpack_gradient(gradient, layout)
 
     def send_gradient(self, gradient: Any, key: int, peer: int) -> None:
@@ -283,7 +258,7 @@ class P2PChannel:
         ``key`` (for a received tree: a tree of its structure, ``None`` for a leaf with no
         gradient)."""
         peer_rank = self._peer_rank(peer)
-        layout = self._received_layouts.pop(key, None)
+        layout = self._messages.received_layouts.pop(key, None)
         if layout is not None:
             gradient = tree_messages.pack_gradient(gradient, layout, self.device)
         if gradient is None:
@@ -308,16 +283,9 @@ class P2PChannel:
         same peer (a pair's messages match in issue order). On gloo every receive is
         posted ahead already: the sends start, then the receives are waited for.
 
-        Known limit on NCCL (and its emulation): the lowering's dry-run posts every
-        part of an exchange at once, but here an activation's payload is posted after
-        the batch, behind its sends on the one stream. So a ring of exchanges, each
-        worker sending to one peer and receiving an activation from another (what
-        interleaved lowerings do), waits forever: each batch's send waits for a receive
-        its peer posts only once its own batch is done. Reading the headers before the
-        batch instead would hang ZBV's lowerings, where the peer sends that header only
-        after this batch's send reached it. Which receive may wait for its header depends
-        on the peer's ops. With one chunk per worker (gpipe, 1f1b, zb_h1) no such ring
-        or wait forms.
+        Known limit on NCCL (and its emulation): an activation's payload is posted after the
+        batch, behind its sends, which the lowering's dry-run does not model; a ring of chunked
+        workers would wait forever, so :func:`raypipe.config.check_chunks_off_nccl` refuses them.
         """
         # checked before anything starts: an exchange is posted whole or not at all
         for parts, kinds, role in (([op for op, _ in sends], SENDS, "sends"), (receives, RECEIVES, "receives")):
@@ -338,19 +306,19 @@ class P2PChannel:
             for op in receives:
                 key = key_of(op)
                 if op.kind == RECV_ACT:  # its header: posted ahead on the control channel
-                    if key not in self._headers:
+                    if key not in self._messages.headers:
                         self.expect_activations([(key, op.peer)])
                     behind_activation.add(op.peer)
                     continue
-                work, buffer = self._gradients[key]
+                work, buffer = self._messages.gradients[key]
                 if work is None and op.peer not in behind_activation:  # NCCL: posted now, with the sends
-                    posted.append((self._gradients, key, buffer, len(operations)))
+                    posted.append((self._messages.gradients, key, buffer, len(operations)))
                     operations.append((dist.irecv, buffer, self._peer_rank(op.peer),
                                        self._matching.tag(GRADIENT, key)))
             works = self._started(operations) if operations else []
             for work, (function, tensor, _, _) in zip(works, operations):
                 if function is dist.isend:
-                    self._sends.append((work, tensor))
+                    self._messages.sends.append((work, tensor))
             for kept, key, buffer, index in posted:
                 kept[key] = works[index], buffer
         finally:
@@ -360,17 +328,17 @@ class P2PChannel:
 
     def finish_sends(self) -> None:
         """Wait until every started send has completed (the buffers live until then)."""
-        for work, _buffer in self._sends:
-            self._wait(work, None, None, "send")
-        self._sends.clear()
+        for work, _buffer in self._messages.sends:
+            self._waits.wait(work, None, None, "send")
+        self._messages.sends.clear()
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum of ``values`` over every worker (float64: adding the
         zeros of the other workers' slots is exact, so every worker gets the same)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self._control_device)
-        self._refuse_after_abort("reduction")
+        self._waits.refuse_after_abort("reduction")
         work = dist.all_reduce(tensor, group=self.control, async_op=True)
-        self._wait(work, None, None, "reduction")
+        self._waits.wait(work, None, None, "reduction")
         return tensor.tolist()
 
     @property
@@ -395,19 +363,14 @@ class P2PChannel:
     def _control_op(self, function: Any, tensor: torch.Tensor, peer_rank: int, key: int,
                     kind: int = HEADER) -> Any:
         """Start a header's (or a tree's layout's) send or receive on the control channel (matched by tag)."""
-        self._refuse_after_abort("activation")
+        self._waits.refuse_after_abort("activation")
         work = function(tensor, peer_rank, group=self.control, tag=ByTag.tag(kind, key))
         # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
-        return WaitedOnThread(work) if self._polls else work
+        return WaitedOnThread(work) if self._waits.polls else work
 
     def _collective(self, work: Any) -> Any:
         """A data-group collective's Work, under NCCL's rules when they are emulated."""
         return SilentCollective(work) if isinstance(self._matching, InOrder) and self._matching.stream else work
-
-    def _refuse_after_abort(self, what: str) -> None:
-        """Issue nothing more once aborted (the step is ending)."""
-        if self._aborted.is_set():
-            self._raise_aborted(None, None, what)
 
     def _stop_stream(self) -> None:
         if isinstance(self._matching, InOrder) and self._matching.stream is not None:
@@ -418,11 +381,11 @@ class P2PChannel:
         if self._batch is not None:  # an exchange's: started with its receives
             self._batch.append(operation)
         else:
-            self._sends.append((self._started([operation])[0], tensor))
+            self._messages.sends.append((self._started([operation])[0], tensor))
 
     def _started(self, operations: list[Operation]) -> list[Any]:
         """Start ``operations``; the Work of each (NCCL's batch has one Work for all)."""
-        self._refuse_after_abort("operation")
+        self._waits.refuse_after_abort("operation")
         works = self._matching.start(operations)
         return works if len(works) == len(operations) else [works[0]] * len(operations)
 
@@ -432,26 +395,5 @@ class P2PChannel:
         work, buffer = posted if posted is not None else (None, empty_buffer(signature, self.device))
         if work is None:
             work = self._started([(dist.irecv, buffer, peer_rank, self._matching.tag(kind, key))])[0]
-        self._wait(work, peer_rank, self._micro_batch(key), "gradient" if kind == GRADIENT else "activation")
+        self._waits.wait(work, peer_rank, self._micro_batch(key), "gradient" if kind == GRADIENT else "activation")
         return buffer
-
-    def _wait(self, work: Any, peer_rank: int | None, micro_batch: int | None, what: str) -> None:
-        """Wait for ``work``: in gloo (which raises when a peer leaves), or under NCCL's
-        rules by polling its completion against the abort flag and ``p2p_timeout_s``
-        (NCCL's ``wait()`` neither blocks the host nor raises)."""
-        if self._polls:
-            poll(work, self._aborted, self._timeout_s,
-                 lambda why: self._step_aborted(peer_rank, micro_batch, what, why))
-        try:
-            work.wait()  # completed when polled: returns at once, or raises the transport's error
-        except RuntimeError as error:
-            source = "a worker" if peer_rank is None else f"stage {self.topology.coordinates(peer_rank).stage}"
-            raise self._step_aborted(peer_rank, micro_batch, what,
-                                     f"{source} left the step before this {what} completed ({error})") from None
-
-    def _raise_aborted(self, peer_rank: int | None, micro_batch: int | None, what: str) -> None:
-        raise self._step_aborted(peer_rank, micro_batch, what, ABORTED)
-
-    def _step_aborted(self, peer_rank: int | None, micro_batch: int | None, what: str, why: str) -> StepAborted:
-        return StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch, why,
-                           replica=self.replica if self.topology.num_replicas > 1 else None)

@@ -3,7 +3,17 @@ raises, so a wait polls the Work's completion against an abort flag (set from
 another thread by :meth:`raypipe.comm.p2p.P2PChannel.abort`) and a deadline
 (``p2p_timeout_s``) instead (:func:`poll`). A gloo point-to-point Work on the
 control channel says it completed only once waited for, so it is waited for on a
-thread of its own when polled (:class:`WaitedOnThread`).
+thread of its own when polled (:class:`WaitedOnThread`). A stage's channel waits through
+:class:`StepWaits`.
+
+On gloo, a peer that leaves the group makes every receive from it, and every collective
+with it, fail at once. NCCL's ``Work.wait()`` neither blocks the host nor raises, and a host
+sync on a transfer from a departed peer waits until NCCL's watchdog fires; so on NCCL (and
+under its emulation, :mod:`raypipe.comm.nccl_emulation`) every wait polls, and
+:meth:`~raypipe.comm.p2p.P2PChannel.abort`, called from the worker's health thread while
+the step is blocked, sets the flag and aborts the communicators (never a destroy, which
+waits for pending work): the step raises :class:`~raypipe.errors.StepAborted` and the group
+is formed afresh.
 """
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
 
 LONGEST_POLL_S = 0.005  # a polled wait sleeps at most this long between looks at its Work
@@ -58,3 +69,36 @@ class WaitedOnThread:
             self._work.wait()
         except RuntimeError as error:
             self._error = error
+
+
+class StepWaits:
+    """How one stage's channel waits for its operations, and the :class:`StepAborted` a wait that
+    fails raises: in gloo, which raises when a peer leaves, or under NCCL's rules (``polls``) by
+    :func:`poll` against ``aborted`` and ``timeout_s`` (``p2p_timeout_s``). ``aborted`` is set from
+    another thread (:meth:`raypipe.comm.p2p.P2PChannel.abort`) and cleared when a group is joined."""
+
+    def __init__(self, topology: Topology, replica: int, stage: int) -> None:
+        self.topology, self.replica, self.stage = topology, replica, stage
+        self.aborted = threading.Event()
+        self.polls = False
+        self.timeout_s = 300.0
+
+    def wait(self, work: Any, peer_rank: int | None, micro_batch: int | None, what: str) -> None:
+        """Wait for ``work`` (a transfer of ``what`` with ``peer_rank``, None: a collective or a send)."""
+        if self.polls:
+            poll(work, self.aborted, self.timeout_s, lambda why: self.step_aborted(peer_rank, micro_batch, what, why))
+        try:
+            work.wait()  # completed when polled: returns at once, or raises the transport's error
+        except RuntimeError as error:
+            source = "a worker" if peer_rank is None else f"stage {self.topology.coordinates(peer_rank).stage}"
+            raise self.step_aborted(peer_rank, micro_batch, what,
+                                    f"{source} left the step before this {what} completed ({error})") from None
+
+    def refuse_after_abort(self, what: str) -> None:
+        """Issue nothing more once aborted (the step is ending)."""
+        if self.aborted.is_set():
+            raise self.step_aborted(None, None, what, ABORTED)
+
+    def step_aborted(self, peer_rank: int | None, micro_batch: int | None, what: str, why: str) -> StepAborted:
+        return StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch, why,
+                           replica=self.replica if self.topology.num_replicas > 1 else None)

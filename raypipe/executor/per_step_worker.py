@@ -34,15 +34,13 @@ from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.schedule import PLACEMENT, make_schedule
 from raypipe.core.step_decision import StageGradStats
 from raypipe.errors import RaypipeError, StepAborted
+from raypipe.stage.chunks import Key
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.step_gate import StepGate
 from raypipe.stage.worker import StageWorker
 
 logger = logging.getLogger("raypipe")
-
-Key = tuple[int, int]  # (model chunk, micro-batch): what a step's tensors are kept under
-
 
 @dataclass
 class _StepState:
@@ -210,11 +208,11 @@ class PerStepWorker(StageWorker, AnswersCalls):
 
     def _forward(self, op: ops.LoweredOp, state: _StepState) -> None:
         chunk, micro_batch = op.chunk, op.micro_batch
-        hidden = (state.inputs[micro_batch] if self._reads_inputs(chunk)
+        hidden = (state.inputs[micro_batch] if self.chunks.is_first(chunk)
                   else state.activations.pop((chunk, micro_batch)))
         output = self.forward(micro_batch, hidden, state.targets[micro_batch], state.weights[micro_batch],
                               state.step, chunk)
-        if chunk != self._last_chunk:
+        if chunk != self.chunks.last:
             self._hand_on(op, ops.SEND_ACT, output, state)
 
     def _send_activation(self, op: ops.LoweredOp, state: _StepState) -> None:
@@ -235,9 +233,9 @@ class PerStepWorker(StageWorker, AnswersCalls):
         """B or I of one micro-batch on one chunk: its input gradient goes to the previous virtual stage."""
         chunk, micro_batch = op.chunk, op.micro_batch
         gradient = state.gradients.pop((chunk, micro_batch), None)
-        scale = state.loss_scale if chunk == self._last_chunk and state.loss_scale is not None else 1.0
+        scale = state.loss_scale if chunk == self.chunks.last and state.loss_scale is not None else 1.0
         input_gradient = backward(micro_batch, gradient, scale, chunk)
-        if not self._reads_inputs(chunk):
+        if not self.chunks.is_first(chunk):
             self._hand_on(op, ops.SEND_GRAD, input_gradient, state)
 
     def _backward_weight(self, op: ops.LoweredOp, _: _StepState) -> None:

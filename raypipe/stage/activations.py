@@ -15,10 +15,6 @@ import torch
 from raypipe.stage.offload import OffloadedTensor, Offloader
 
 
-# what a stage keeps state under: (model chunk, micro-batch) on a worker (any hashable in this store)
-Key = tuple[int, int]
-
-
 @dataclass
 class Kept:
     """One micro-batch's kept state."""
@@ -32,7 +28,7 @@ class Kept:
 
 
 class ActivationStore:
-    """Kept state per in-flight micro-batch (under a key: the worker's is :data:`Key`), with current
+    """Kept state per in-flight micro-batch (under a key: the worker's is :data:`raypipe.stage.chunks.Key`), with current
     and peak byte counts.
 
     ``backward_order`` is the stage's keys in the order their backwards take

@@ -61,12 +61,19 @@ class StageData:
         """Read ``block`` of each step's micro-batches from the next step on (an elastic resize)."""
         self.block = block
 
-    def inputs(self, step: int, micro_batch: int, split: str) -> torch.Tensor:
-        """The inputs of the block's ``micro_batch`` (counted from the block's start)."""
+    def inputs(self, step: int, micro_batch: int, split: str, given: Any = None) -> Any:
+        """The inputs of the block's ``micro_batch`` (counted from the block's start): ``given``
+        (what the driver passed), else read."""
+        if given is not None:
+            return given
         return self._step_read(split, step).inputs[self.block[micro_batch]]
 
-    def targets_and_weight(self, step: int, micro_batch: int, split: str) -> tuple[torch.Tensor, float]:
-        """The block's ``micro_batch``'s targets and its share of the whole step's loss count."""
+    def targets_and_weight(self, step: int, micro_batch: int, split: str, given: torch.Tensor | None = None,
+                           weight: float | None = None) -> tuple[torch.Tensor, float]:
+        """The block's ``micro_batch``'s targets and its share of the whole step's loss count:
+        ``given`` (and ``weight``, 1 when None) as the driver passed them, else read."""
+        if given is not None:
+            return given, 1.0 if weight is None else weight
         read = self._step_read(split, step)
         index = self.block[micro_batch]
         return read.targets[index], read.weights[index]

@@ -70,3 +70,14 @@ def warm_up_spare_process() -> None:
     if device.type == "cuda":
         torch.empty(1, device=device)
     importlib.import_module("torch._dynamo")
+
+
+def where_it_runs(device: torch.device) -> dict:
+    """The device a worker computes on (name, memory) and where it runs (node, process, actor)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    cuda = device.type == "cuda"
+    return {"device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+            "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}

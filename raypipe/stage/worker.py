@@ -6,7 +6,6 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import ray
@@ -19,11 +18,12 @@ from raypipe.core.topology import Topology
 from raypipe.errors import StageError, StepAborted
 from raypipe.models.layers import build_layer
 from raypipe.stage import boundary
-from raypipe.stage.activations import ActivationStore, Key, Kept
+from raypipe.stage.activations import ActivationStore, Kept
+from raypipe.stage.chunks import Chunks, Key
 from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
-from raypipe.stage.device import stage_device, warm_up_spare_process
+from raypipe.stage.device import stage_device, warm_up_spare_process, where_it_runs
 from raypipe.stage.gradients import clip_and_step, owned_grad_stats
 from raypipe.stage.layer_run import layer_seeds, run_layers
 from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers
@@ -55,8 +55,7 @@ class StageWorker(StageCheckpointing):
         self.layer_indices = list(spec.layer_indices)
         # whether this worker reads inputs (holds the first virtual stage) and targets (the last, its loss)
         self.is_first, self.is_last = spec.is_first, spec.is_last
-        self._last_chunk = spec.last_chunk
-        self._chunk_positions = [spec.chunk_positions(chunk) for chunk in range(spec.num_chunks)]
+        self.chunks = Chunks.of(spec)
         self.device = stage_device(spec.use_gpu)  # on GPU: the one Ray assigned, made current
         self._build_model(spec)
         self.loss_fn = spec.loss_fn
@@ -87,8 +86,7 @@ class StageWorker(StageCheckpointing):
         self._owned = self.ownership.owned(self._trainable)
         owned = set(map(id, self._owned))
         # each chunk's owned parameters, in order: a chunk's statistics are those of a worker holding it alone
-        self._chunk_owned = [[p for position in positions for p in self.layers[position].parameters() if id(p) in owned]
-                             for positions in self._chunk_positions]
+        self._chunk_owned = self.chunks.parameters(self.layers, lambda p: id(p) in owned)
         self.weights = compute_weights(config.precision, self.layers, self.device,  # what the layers compute with
                                        (lambda parameter: id(parameter) in owned) if self.ownership.sharded else None)
         # parameters and compute weights: static memory, excluded from held bytes
@@ -96,9 +94,8 @@ class StageWorker(StageCheckpointing):
         self._weights_bytes = storage_bytes([*self.layers.parameters(), *self.weights.copies()])
         self._compute_weights = [self.weights.compute_weight(p) for p in self._trainable]  # what ZeRO-1 shares
         # each chunk's, for its split backward's weight gradient (a chunk's graph reaches only its own)
-        self._chunk_weights = [[self.weights.compute_weight(p) for position in positions
-                                for p in self.layers[position].parameters() if p.requires_grad]
-                               for positions in self._chunk_positions]
+        self._chunk_weights = [list(map(self.weights.compute_weight, trainable))
+                               for trainable in self.chunks.parameters(self.layers, lambda p: p.requires_grad)]
         self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
@@ -120,6 +117,7 @@ class StageWorker(StageCheckpointing):
         if list(map(id, ownership.owned(self._trainable))) != list(map(id, self._owned)):
             # the old state is in the snapshots: free it before the new model takes its place in memory
             del self.optimizer, self.scheduler, self.weights, self._compute_weights, self._owned, self._trainable
+            del self._chunk_owned, self._chunk_weights
             del self.layers
             self._build_model(spec)
         self.spec, self.replica = spec, spec.replica
@@ -141,13 +139,7 @@ class StageWorker(StageCheckpointing):
 
     def ready(self) -> dict[str, Any]:
         """Once the layers are built: parameter count, device, and where this worker runs."""
-        context = ray.get_runtime_context()
-        cuda = self.device.type == "cuda"
-        name = torch.cuda.get_device_name(self.device) if cuda else "cpu"
-        memory = torch.cuda.get_device_properties(self.device).total_memory if cuda else None
-        return {"num_parameters": sum(p.numel() for p in self.layers.parameters()), "device_name": name,
-                "device_memory_bytes": memory,
-                "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
+        return {"num_parameters": sum(p.numel() for p in self.layers.parameters()), **where_it_runs(self.device)}
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def heartbeat(self) -> int:
@@ -177,10 +169,10 @@ class StageWorker(StageCheckpointing):
         micro-batches gives the global mean.
         """
         self._begin_step(step)
-        last = chunk == self._last_chunk
-        inputs = self._stage_input(micro_batch, inputs, step, "train")
+        last = chunk == self.chunks.last
+        inputs = boundary.to_device(self.data.inputs(step, micro_batch, "train", inputs), self.device)
         if last:
-            targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "train")
+            targets, loss_weight = self.data.targets_and_weight(step, micro_batch, "train", targets, loss_weight)
         key = (chunk, micro_batch)
         recompute = self._recomputes(micro_batch)
         if recompute:
@@ -213,7 +205,7 @@ class StageWorker(StageCheckpointing):
         torch.autograd.backward(roots, gradients)
         self.store.release(kept)
         self._backwards_done.add((chunk, micro_batch))
-        if self._reads_inputs(chunk) or inputs is None:
+        if self.chunks.is_first(chunk) or inputs is None:
             return None
         return boundary.input_gradient(inputs)
 
@@ -227,7 +219,7 @@ class StageWorker(StageCheckpointing):
         roots, seeds = boundary.backward_roots(outputs, self._output_gradient(outputs, grad_outputs, loss_scale,
                                                                               chunk))
         gradient, pending = boundary_input_gradient(inputs, outputs, roots, seeds, self._chunk_weights[chunk],
-                                                    not self._reads_inputs(chunk), self.stage_index,
+                                                    not self.chunks.is_first(chunk), self.stage_index,
                                                     self.config.schedule)
         self.store.retain_rebuilt(kept)  # a recomputed graph is retained for W: counted until W releases it
         self._pending_weight_gradients[(chunk, micro_batch)] = (kept, pending)  # kept bytes stay counted until W
@@ -261,7 +253,7 @@ class StageWorker(StageCheckpointing):
                          loss_scale: float, chunk: int) -> boundary.Boundary:
         """What the backward starts from: the loss scale on the last stage, else the received
         gradient (moved to each output's device and dtype by :func:`boundary.backward_roots`)."""
-        if chunk == self._last_chunk:
+        if chunk == self.chunks.last:
             return torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device)
         return grad_outputs
 
@@ -299,20 +291,17 @@ class StageWorker(StageCheckpointing):
     def chunk_grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> list[StageGradStats]:
         """:meth:`grad_stats` of each model chunk, in chunk order (the loss with the last virtual
         stage's): the step decides over virtual stages, as over the stages of a plain pipeline."""
-        return [owned_grad_stats(owned, self._step_loss if chunk == self._last_chunk else None, inv_scale,
+        return [owned_grad_stats(owned, self._step_loss if chunk == self.chunks.last else None, inv_scale,
                                  clip_value) for chunk, owned in enumerate(self._chunk_owned)]
 
     def _check_step_is_whole(self) -> None:
         if self._step_failure is not None:
             raise self._step_failure
-        missing = sorted({(chunk, micro_batch) for chunk in range(len(self._chunk_positions))
-                          for micro_batch in range(len(self.block))} - self._backwards_done)
+        missing = self.chunks.missing_backwards(self._backwards_done, len(self.block))
         if missing:
-            named = ([micro_batch for _, micro_batch in missing] if len(self._chunk_positions) == 1
-                     else [f"{micro_batch} (chunk {chunk})" for chunk, micro_batch in missing])
             raise StepAborted(self.stage_index, "B", missing[0][1],
-                              f"the backward of micro-batch(es) {named} did not run: an op it depends on "
-                              "failed on another stage", replica=self.named_replica)
+                              f"the backward of micro-batch(es) {self.chunks.describe(missing)} did not run: an op "
+                              "it depends on failed on another stage", replica=self.named_replica)
 
     def commit(self, loss_scaled: bool, *stats: StageGradStats) -> StageReport:
         """End the step as every stage does: from every stage's statistics (the same
@@ -363,10 +352,10 @@ class StageWorker(StageCheckpointing):
     def evaluate(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
                  loss_weight: float | None = None, step: int = 0, chunk: int = 0) -> boundary.Boundary | float:
         """Forward only through chunk ``chunk``, keeping nothing: activation or weighted loss."""
-        last = chunk == self._last_chunk
-        inputs = self._stage_input(micro_batch, inputs, step, "validation")
+        last = chunk == self.chunks.last
+        inputs = boundary.to_device(self.data.inputs(step, micro_batch, "validation", inputs), self.device)
         if last:
-            targets, loss_weight = self._targets(micro_batch, targets, loss_weight, step, "validation")
+            targets, loss_weight = self.data.targets_and_weight(step, micro_batch, "validation", targets, loss_weight)
         with torch.no_grad():
             outputs = self._run(inputs, micro_batch, targets, loss_weight, training=False, chunk=chunk)
         return float(outputs) if last else outputs
@@ -383,24 +372,9 @@ class StageWorker(StageCheckpointing):
         mode = self.config.activation_checkpoint
         return mode == "always" or (mode == "except_last" and micro_batch != self._last_micro_batch)
 
-    def _stage_input(self, micro_batch: int, inputs: boundary.Boundary, step: int,
-                     split: str) -> boundary.Boundary:
-        if inputs is None:
-            inputs = self.data.inputs(step, micro_batch, split)
-        return boundary.to_device(inputs, self.device)
-
-    def _targets(self, micro_batch, targets, loss_weight, step, split):
-        if targets is None:
-            return self.data.targets_and_weight(step, micro_batch, split)
-        return targets, 1.0 if loss_weight is None else loss_weight
-
-    def _reads_inputs(self, chunk: int) -> bool:
-        """Whether ``chunk`` is the model's first virtual stage (its input is data, with no gradient to send)."""
-        return self.is_first and chunk == 0
-
     def _as_leaf(self, inputs: boundary.Boundary, chunk: int) -> boundary.Boundary:
         """The received input whose floating-point tensors are autograd leaves (the first stage's data is not)."""
-        return inputs if self._reads_inputs(chunk) else boundary.as_autograd_leaves(inputs)
+        return inputs if self.chunks.is_first(chunk) else boundary.as_autograd_leaves(inputs)
 
     def _run(self, hidden: boundary.Boundary, micro_batch: int, targets: torch.Tensor | None,
              loss_weight: float | None, training: bool = True, chunk: int = 0) -> torch.Tensor:
@@ -409,14 +383,14 @@ class StageWorker(StageCheckpointing):
         self.layers.train(training)
         with autocast(self.config.precision, self.device.type):
             hidden = self._run_layers(hidden, micro_batch, training, chunk)
-        if chunk != self._last_chunk:
+        if chunk != self.chunks.last:
             return hidden
         output = hidden.float() if isinstance(hidden, torch.Tensor) else hidden
         return self.loss_fn(output, targets.to(self.device)) * loss_weight
 
     def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool,
                     chunk: int) -> boundary.Boundary:
-        positions = self._chunk_positions[chunk]
+        positions = self.chunks.positions[chunk]
         # the step's global micro-batch index: the same masks whatever the number of replicas
         seeds = layer_seeds(self.config.seed, self._step, self.block.start + micro_batch,
                             [self.layer_indices[position] for position in positions])

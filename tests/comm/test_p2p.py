@@ -72,7 +72,7 @@ def run_stage(rank: int, port: int, posted_ahead: mp.Queue) -> None:
                     torch.testing.assert_close(gradient, -activation(step, micro_batch), rtol=0, atol=0)
             else:
                 channel.expect_activations([(key(micro_batch), 0) for micro_batch in micro_batches])
-                posted = {message: buffer for message, (_, buffer) in channel._payloads.items()}
+                posted = {message: buffer for message, (_, buffer) in channel._messages.payloads.items()}
                 for micro_batch in micro_batches:
                     received = channel.recv_activation(key(micro_batch), 0)
                     torch.testing.assert_close(received, activation(step, micro_batch), rtol=0, atol=0)
@@ -148,8 +148,8 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
         for step in range(2 * len(STEPS)):  # shapes change from step to step: predictions go stale
             if step == len(STEPS) and not emulate_nccl:  # every message of gloo's steps is in: switch (NCCL predicts no shape)
                 channel._matching = InOrder()
-                channel._sent.clear()
-                channel._received.clear()
+                channel._messages.sent.clear()
+                channel._messages.received.clear()
             shapes = step % len(STEPS)
             received = {}
             if rank == 1:
@@ -251,7 +251,6 @@ def test_a_leaf_that_cannot_cross_names_the_stage_and_its_path():
 CHUNKED = [("interleaved_1f1b", ops.LOOPED), ("zbv", ops.V_SHAPED)]
 CHUNKED_P, CHUNKED_M, CHUNKED_V = 3, 3, 2  # micro-batches 0..2: one of them odd
 CHUNKED_STEPS = 4  # step 1 repeats step 0's shapes (all predicted), step 2 changes some, step 3 goes back
-CHUNKED_DEADLOCK_S = 2.0
 
 
 def chunked_activation(step: int, micro_batch: int, boundary: int) -> torch.Tensor:
@@ -263,12 +262,12 @@ def chunked_activation(step: int, micro_batch: int, boundary: int) -> torch.Tens
     return (values + 10 * boundary).reshape(shape).to(dtype)
 
 
-def run_chunked_stage(rank: int, port: int, emulate_nccl: bool, schedules: list[str]) -> None:
-    """Worker ``rank``'s lowered ops of each of ``schedules`` (of CHUNKED), CHUNKED_STEPS steps each,
-    sending for every (micro-batch, boundary) its own tensor (and the negated one back as its
-    gradient), and checking that each receive got the tensor its sender sent for it. On gloo, then on
-    the in-order path (NCCL's: tags ignored, a pair's messages matched in issue order) without the
-    emulation; or all under NCCL's emulation, whose waits give up after CHUNKED_DEADLOCK_S. On gloo
+def run_chunked_stage(rank: int, port: int) -> None:
+    """Worker ``rank``'s lowered ops of each of CHUNKED, CHUNKED_STEPS steps each, sending for every
+    (micro-batch, boundary) its own tensor (and the negated one back as its gradient), and checking
+    that each receive got the tensor its sender sent for it. On gloo, then on the in-order path
+    (NCCL's: tags ignored, a pair's messages matched in issue order) without the emulation (under
+    it, chunked lowerings wait forever: raypipe.config.check_chunks_off_nccl refuses them). On gloo
     an activation whose shape did not change since last step lands in the receive posted ahead for
     its key."""
     from raypipe.comm.matching import InOrder
@@ -277,22 +276,18 @@ def run_chunked_stage(rank: int, port: int, emulate_nccl: bool, schedules: list[
 
     torch.set_num_threads(1)
     channel = P2PChannel(Topology(num_stages=CHUNKED_P), 0, rank, torch.device("cpu"), num_chunks=CHUNKED_V)
-    channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=emulate_nccl)
-    if emulate_nccl:
-        channel._timeout_s = CHUNKED_DEADLOCK_S  # p2p_timeout_s of the polled waits: a hang fails soon
+    channel.join("127.0.0.1", port, timeout_s=60)
     try:
-        for phase in ("gloo", "in order") if not emulate_nccl else ("emulation",):
+        for phase in ("gloo", "in order"):
             if phase == "in order":  # every message of gloo's steps is in: switch (NCCL predicts no shape)
                 channel._matching = InOrder()
-                channel._sent.clear()
-                channel._received.clear()
+                channel._messages.sent.clear()
+                channel._messages.received.clear()
             for name, placement in CHUNKED:
-                if name not in schedules:
-                    continue
                 assert PLACEMENT[name] == placement
                 # another schedule gives keys other messages: forget the predictions, as joining afresh does
-                channel._sent.clear()
-                channel._received.clear()
+                channel._messages.sent.clear()
+                channel._messages.received.clear()
                 stage_ops = lower(make_schedule(name, CHUNKED_P, CHUNKED_M, CHUNKED_V), placement)[rank]
                 key_of = keys_of(rank, CHUNKED_P, CHUNKED_V, placement)
 
@@ -305,7 +300,7 @@ def run_chunked_stage(rank: int, port: int, emulate_nccl: bool, schedules: list[
                 for step in range(CHUNKED_STEPS):
                     expected = [(key_of(op), op.peer) for op in ops.unbatch(stage_ops) if op.kind == ops.RECV_ACT]
                     channel.expect_activations(expected)
-                    posted = {message: buffer for message, (_, buffer) in channel._payloads.items()}
+                    posted = {message: buffer for message, (_, buffer) in channel._messages.payloads.items()}
                     received = {}
                     for op in stage_ops:
                         parts = op.unbatched()
@@ -360,9 +355,7 @@ def test_chunked_lowerings_message_peers_beyond_the_neighbours_under_distinct_ke
 
 
 def test_interleaved_and_zbv_lowerings_deliver_every_message_to_its_peer_under_its_key():
-    schedules = [name for name, _ in CHUNKED]
-    mp.start_processes(run_chunked_stage, args=(free_port(), False, schedules), nprocs=CHUNKED_P,
-                       start_method="spawn")
+    mp.start_processes(run_chunked_stage, args=(free_port(),), nprocs=CHUNKED_P, start_method="spawn")
 
 
 def test_a_peer_must_be_another_stage_of_the_pipeline():
@@ -375,4 +368,4 @@ def test_a_peer_must_be_another_stage_of_the_pipeline():
         channel.exchange([(ops.LoweredOp(ops.F, 0), torch.ones(1))], [], keys_of(1, 3))
     with pytest.raises(ValueError, match="stage 1 cannot message a peer 1"):
         channel.send_activation(torch.ones(1), 0, 1)
-    assert not channel._sends and not channel._gradients  # nothing started
+    assert not channel._messages.sends and not channel._messages.gradients  # nothing started

@@ -1,0 +1,42 @@
+"""What one stage's channel has in flight during a step, and remembers of each message key
+between steps (:class:`~raypipe.comm.p2p.P2PChannel`'s bookkeeping)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from raypipe.comm.headers import Signature
+from raypipe.comm.tree_messages import TreeLayout
+
+
+@dataclass
+class StepMessages:
+    """Per message key (a key names one message of the step, whichever peer it is with).
+
+    ``sends``, ``headers``, ``payloads`` and ``gradients``: the running step's unfinished sends and
+    posted receives (Work and buffer); a pending operation keeps the group's connections open, so
+    leaving drops them all. ``sent`` and ``received``: the shape each key's activation had last step,
+    as sent and as received, the same on both ends of a message, as its key is. ``sent_layouts`` and
+    ``received_layouts``: the running step's trees (:mod:`raypipe.comm.tree_messages`): a sent one
+    unpacks its gradient, a received one packs the gradient sent back."""
+
+    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    headers: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    payloads: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    gradients: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    sent: dict[int, Signature] = field(default_factory=dict)
+    received: dict[int, Signature] = field(default_factory=dict)
+    sent_layouts: dict[int, TreeLayout] = field(default_factory=dict)
+    received_layouts: dict[int, TreeLayout] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> bool:
+        """Whether an operation was started and not finished."""
+        return any((self.sends, self.headers, self.payloads, self.gradients))
+
+    def clear(self) -> None:
+        """Forget everything (leaving the group: every member leaves before a group re-forms)."""
+        for kept in fields(self):
+            getattr(self, kept.name).clear()
