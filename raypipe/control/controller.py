@@ -232,7 +232,7 @@ class Controller:
                 layer_indices=tuple(indices), config=config, use_gpu=self.use_gpu, optimizer_factory=model.optimizer,
                 loss_fn=model.loss_fn if stage == last else None, loss_count_fn=model.loss_count_fn,
                 scheduler_factory=model.lr_scheduler,
-                chunk_sizes=tuple(len(chunk) for chunk in chunks) if config.virtual_stages > 1 else ()))
+                chunk_sizes=tuple(map(len, chunks))))
         return specs
 
     def launch(self, placed: list | None) -> list[dict[str, Any]]:

@@ -266,7 +266,7 @@ def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: i
             offload_activations=offload_activations, fused_attention=fused_attention,
             schedule=schedule, stage_index=stage, num_stages=num_stages, gpu_memory_bytes=gpu_memory_bytes,
             amp=amp, device=device, optimizer=optimizer, optimizer_shards=optimizer_shards,
-            chunk_sizes=[len(chunk) for chunk in chunks] if virtual_stages > 1 else None))
+            chunk_sizes=[len(chunk) for chunk in chunks]))
     return stages
 
 

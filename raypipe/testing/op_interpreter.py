@@ -105,7 +105,7 @@ class OpInterpreter:
                     stage, p, tuple(_layer(layers[i], count) for i in indices), tuple(indices), config,
                     ops=tuple(schedule_ops[stage]), replica=replica, num_replicas=count, micro_batches=block,
                     optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == config.loss_stage else None,
-                    loss_count_fn=loss_count_fn, chunk_sizes=tuple(map(len, chunks)) if v > 1 else ())))
+                    loss_count_fn=loss_count_fn, chunk_sizes=tuple(map(len, chunks)))))
             self.replicas.append(_Replica(workers, lower(schedule_ops, self.placement), block))
         self.workers = [worker for replica in self.replicas for worker in replica.workers]
         self.lowered = self.replicas[0].lowered
@@ -184,9 +184,7 @@ class OpInterpreter:
                  inputs: list, targets: list, weights: list) -> None:
         mb, chunk = op.micro_batch, op.chunk
         worker = replica.workers[stage]
-        first = stage == 0 and chunk == 0  # the model's first virtual stage, then its last
-        last = (stage, chunk) == ops.worker_and_chunk(self.num_workers * self.num_chunks - 1, self.num_workers,
-                                                      self.placement)
+        first, last = worker.chunks.is_first(chunk), chunk == worker.chunks.last  # the model's first and last
         scale = self.loss_scale if last and self.loss_scale is not None else 1.0
         if op.kind == ops.F:
             hidden = inputs[mb] if first else state.activations.pop((chunk, mb))
