@@ -13,11 +13,12 @@ class OpEvent:
     """One timed op on one stage (wall-clock seconds from ``time.time()``)."""
 
     stage: int
-    op: str  # "F", "B", "recv", "reduce", "gate" (waiting for a snapshot or checkpoint copy), "optimizer"
+    op: str  # "F", "B", "I", "W", "recv", "reduce", "gate" (waiting for a snapshot or checkpoint copy), "optimizer"
     micro_batch: int | None  # the replica's own index (0..num_micro_batches-1)
     start: float
     end: float
     replica: int = 0
+    chunk: int = 0  # which of the worker's model chunks the op ran on or received for (0 with one chunk)
 
 
 @dataclass

@@ -204,7 +204,8 @@ class PerStepWorker(StageWorker, AnswersCalls):
     def _recv_activation(self, op: ops.LoweredOp, state: _StepState) -> None:
         start = time.time()
         state.activations[op.chunk, op.micro_batch] = self._channel.recv_activation(self._message_key(op), op.peer)
-        self._events.append(OpEvent(self.stage_index, "recv", op.micro_batch, start, time.time(), self.replica))
+        self._events.append(OpEvent(self.stage_index, "recv", op.micro_batch, start, time.time(), self.replica,
+                                    op.chunk))
 
     def _forward(self, op: ops.LoweredOp, state: _StepState) -> None:
         chunk, micro_batch = op.chunk, op.micro_batch
@@ -221,7 +222,8 @@ class PerStepWorker(StageWorker, AnswersCalls):
     def _recv_gradient(self, op: ops.LoweredOp, state: _StepState) -> None:
         start = time.time()
         state.gradients[op.chunk, op.micro_batch] = self._channel.recv_gradient(self._message_key(op), op.peer)
-        self._events.append(OpEvent(self.stage_index, "recv", op.micro_batch, start, time.time(), self.replica))
+        self._events.append(OpEvent(self.stage_index, "recv", op.micro_batch, start, time.time(), self.replica,
+                                    op.chunk))
 
     def _backward(self, op: ops.LoweredOp, state: _StepState) -> None:
         self._backpropagate(op, state, self.backward)
@@ -269,7 +271,8 @@ class PerStepWorker(StageWorker, AnswersCalls):
         end = time.time()
         for part, tensor in zip(receives, received):
             incoming[part.kind][part.chunk, part.micro_batch] = tensor
-            self._events.append(OpEvent(self.stage_index, "recv", part.micro_batch, start, end, self.replica))
+            self._events.append(OpEvent(self.stage_index, "recv", part.micro_batch, start, end, self.replica,
+                                        part.chunk))
 
     def _reduce(self, _: ops.LoweredOp, state: _StepState) -> None:
         # the replicas' gradients are summed (the loss weights are global) while the last sends finish

@@ -25,6 +25,9 @@ OP_LABELS = {"F": "forward (F)", "B": "backward (B)", "I": "input gradient (I)",
 # with a cause rather than as work.
 WAIT_OPS = frozenset({"recv", "gate"})
 WAIT_STYLE = {"facecolor": "white", "edgecolor": "#B0B0B0", "hatch": "////", "linewidth": 0.5}
+# With several model chunks a worker (interleaved_1f1b, zbv), a chunk's ops are drawn the
+# paler the later the chunk, so that which half of a V, or which loop, an op belongs to shows.
+CHUNK_ALPHAS = (1.0, 0.55, 0.35, 0.25)
 
 
 def _check_events(events: Sequence[OpEvent]) -> None:
@@ -45,8 +48,19 @@ def _rows(events: Sequence[OpEvent]) -> dict[tuple[int, int], tuple[int, str]]:
             for row, worker in enumerate(workers)}
 
 
-def _event_name(event: OpEvent) -> str:
-    return event.op if event.micro_batch is None else f"{event.op}{event.micro_batch}"
+def _chunked(events: Sequence[OpEvent]) -> bool:
+    """Whether the timeline is of a schedule with several model chunks a worker."""
+    return any(event.chunk for event in events)
+
+
+def _event_name(event: OpEvent, chunked: bool = False) -> str:
+    if event.micro_batch is None:
+        return event.op
+    return f"{event.op}{event.micro_batch}" + (f" chunk {event.chunk}" if chunked else "")
+
+
+def _chunk_alpha(chunk: int) -> float:
+    return CHUNK_ALPHAS[min(chunk, len(CHUNK_ALPHAS) - 1)]
 
 
 def chrome_trace(events: Sequence[OpEvent]) -> dict:
@@ -55,10 +69,12 @@ def chrome_trace(events: Sequence[OpEvent]) -> dict:
     Each op is a complete ("X") event; ``pid`` is the worker's row (named
     "stage N", or "replica R, stage N" with several replicas), ``ts``/``dur``
     are microseconds since the first event's start, and ``args`` holds the
-    micro-batch. Events keep the order they are given in.
+    micro-batch (and, with several model chunks a worker, the chunk, also in the
+    name: "F3 chunk 1"). Events keep the order they are given in.
     """
     _check_events(events)
     rows = _rows(events)
+    chunked = _chunked(events)
     trace_events: list[dict] = []
     for row, name in rows.values():
         trace_events.append({"name": "process_name", "ph": "M", "pid": row, "tid": 0, "args": {"name": name}})
@@ -70,14 +86,14 @@ def chrome_trace(events: Sequence[OpEvent]) -> dict:
     for event in events:
         trace_events.append(
             {
-                "name": _event_name(event),
+                "name": _event_name(event, chunked),
                 "cat": event.op,
                 "ph": "X",
                 "pid": rows[event.replica, event.stage][0],
                 "tid": 0,
                 "ts": (event.start - origin) * 1e6,
                 "dur": (event.end - event.start) * 1e6,
-                "args": {"micro_batch": event.micro_batch},
+                "args": {"micro_batch": event.micro_batch, **({"chunk": event.chunk} if chunked else {})},
             }
         )
     return {"traceEvents": trace_events, "displayTimeUnit": "ms"}
@@ -94,8 +110,9 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
     replica and stage), time in ms.
 
     F, B, I and W ops are coloured (labelled with their micro-batch where wide
-    enough); a receive is drawn hatched, as the stage waiting for its neighbour;
-    other ops are grey; white space in a row is that stage idling.
+    enough), a later model chunk's paler (:data:`CHUNK_ALPHAS`); a receive is drawn
+    hatched, as the stage waiting for its neighbour; other ops are grey; white space
+    in a row is that stage idling.
     """
     # The object-oriented API with an Agg canvas: no pyplot global state, no
     # display needed, safe to call from any thread.
@@ -122,11 +139,13 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
                              linewidth=WAIT_STYLE["linewidth"])
             continue
         colour = OP_COLOURS.get(event.op, OTHER_COLOUR)
-        axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.5)
+        axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.5,
+                         alpha=_chunk_alpha(event.chunk))
         # Label F/B/I/W bars with their micro-batch where the digits fit (~1.2% of the axis each).
         label = str(event.micro_batch)
         if event.op in OP_COLOURS and event.micro_batch is not None and width_ms > 0.012 * span_ms * len(label):
-            axes.text(start_ms + width_ms / 2, row, label, ha="center", va="center", fontsize=8, color="white")
+            axes.text(start_ms + width_ms / 2, row, label, ha="center", va="center", fontsize=8,
+                      color="white" if event.chunk == 0 else "black")
 
     axes.set_yticks(range(len(rows)), [name for _, name in rows.values()])
     axes.set_ylim(len(rows) - 0.5, -0.5)  # stage 0 on top, as a pipeline is usually drawn
@@ -138,6 +157,8 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
     # the legend names only the op kinds this timeline has (no I/W entries for a 1F1B step)
     handles = [Patch(facecolor=colour, label=OP_LABELS[op]) for op, colour in OP_COLOURS.items()
                if op in drawn or op == "F"]
+    for chunk in sorted({event.chunk for event in events if event.op in OP_COLOURS} - {0}):
+        handles.append(Patch(facecolor=OP_COLOURS["F"], alpha=_chunk_alpha(chunk), label=f"chunk {chunk} (paler)"))
     if drawn & WAIT_OPS:
         handles.append(Patch(label="waiting for a neighbour (recv)", **WAIT_STYLE))
     if drawn - OP_COLOURS.keys() - WAIT_OPS:

@@ -11,6 +11,7 @@ wait on the last event (:class:`DeviceTimer`).
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
     """
 
     def decorate(method: Callable) -> Callable:
+        chunk_of = _chunk_argument(method)
+
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             micro_batch = None
@@ -58,7 +61,8 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
             finally:
                 self.ops_done += 1
                 if timed:
-                    event = OpEvent(self.stage_index, op, micro_batch, start, time.time(), self.replica)
+                    event = OpEvent(self.stage_index, op, micro_batch, start, time.time(), self.replica,
+                                    chunk_of(args, kwargs))
                     self._events.append(event)
                     if timer is not None and device_start is not None:
                         try:
@@ -71,6 +75,24 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
         return wrapper
 
     return decorate
+
+
+def _chunk_argument(method: Callable) -> Callable[[tuple, dict], int]:
+    """How to read the model chunk a call of ``method`` names (its ``chunk`` argument, given by
+    position or keyword, else its default); 0 for a method without one. Found once, at decoration:
+    binding every call's arguments would cost each op microseconds for one number."""
+    parameters = list(inspect.signature(method).parameters.values())[1:]  # after self
+    names = [parameter.name for parameter in parameters]
+    if "chunk" not in names:
+        return lambda args, kwargs: 0
+    position, default = names.index("chunk"), parameters[names.index("chunk")].default
+
+    def chunk_of(args: tuple, kwargs: dict) -> int:
+        if len(args) > position:
+            return args[position]
+        return kwargs.get("chunk", 0 if default is inspect.Parameter.empty else default)
+
+    return chunk_of
 
 
 def device_timer(worker: Any) -> DeviceTimer | None:

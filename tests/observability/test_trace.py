@@ -128,6 +128,30 @@ def test_gantt_draws_split_backwards_and_receive_waits_as_what_they_are(tmp_path
     assert counts[OP_COLOURS["B"].lower()] < bar / 20  # no unsplit backward, nor its legend entry
 
 
+def test_a_chunked_timeline_names_and_draws_each_ops_chunk(tmp_path):
+    """With several model chunks a worker the trace names each op's chunk ("F0 chunk 1", and in its
+    args) and the chart draws a later chunk's ops paler, with a legend entry; one-chunk names stay."""
+    from raypipe.observability.trace import CHUNK_ALPHAS, OP_COLOURS
+
+    timeline = [OpEvent(0, "F", 0, T0, T0 + 0.02), OpEvent(0, "F", 0, T0 + 0.02, T0 + 0.04, chunk=1),
+                OpEvent(0, "recv", 0, T0 + 0.04, T0 + 0.05, chunk=1), OpEvent(0, "optimizer", None, T0 + 0.05, T0 + 0.06)]
+    trace = chrome_trace(timeline)["traceEvents"]
+    ops = [(event["name"], event["args"]) for event in trace if event["ph"] == "X"]
+    assert ops == [("F0 chunk 0", {"micro_batch": 0, "chunk": 0}), ("F0 chunk 1", {"micro_batch": 0, "chunk": 1}),
+                   ("recv0 chunk 1", {"micro_batch": 0, "chunk": 1}), ("optimizer", {"micro_batch": None, "chunk": 0})]
+    assert [event["name"] for event in chrome_trace(timeline[:1])["traceEvents"] if event["ph"] == "X"] == ["F0"]
+    plot_gantt(timeline, tmp_path / "chunks.png")
+    counts = pixels_of_colour(tmp_path / "chunks.png")
+    paler = [255 - CHUNK_ALPHAS[1] * (255 - int(OP_COLOURS["F"][i:i + 2], 16)) for i in (1, 3, 5)]
+
+    def near_paler(colour: str) -> bool:  # blending over white rounds each channel one way or the other
+        return all(abs(int(colour[i:i + 2], 16) - channel) <= 2 for i, channel in zip((1, 3, 5), paler))
+
+    # both halves drawn, each as a bar (20 ms of a 60 ms span), chunk 1's paler over the white axes
+    assert counts[OP_COLOURS["F"].lower()] > 1000
+    assert sum(count for colour, count in counts.items() if near_paler(colour)) > 1000, counts.most_common(8)
+
+
 def test_gantt_of_nothing_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no events"):
         plot_gantt([], tmp_path / "empty.png")

@@ -56,6 +56,19 @@ def test_split_backward_runs_i_and_w_ops():
         assert all(timeline.index(("I", mb)) < timeline.index(("W", mb)) for mb in range(MICRO_BATCHES))
 
 
+def test_a_chunked_steps_timeline_names_each_ops_chunk():
+    """Under zbv (two chunks a worker, in a V) every F, I and W event names the chunk it ran on,
+    one of each per micro-batch and chunk, so the timeline can tell a V's halves apart."""
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES)
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config, schedule="zbv",
+                             virtual_stages=2)
+    pipeline.step(0, *random_batches(BATCH, 1)[0])
+    for report in pipeline.reports:
+        computed = sorted((event.op, event.chunk, event.micro_batch) for event in report.events
+                          if event.op in ("F", "I", "W"))
+        assert computed == sorted((op, chunk, mb) for op in "FIW" for chunk in (0, 1) for mb in range(MICRO_BATCHES))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_zb_h1_gives_bitwise_the_results_of_1f1b_in_low_precision(precision):
     """zb_h1 is 1F1B with each B split into I and W, and every stage's W ops in 1F1B's B order:
