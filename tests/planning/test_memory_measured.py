@@ -15,11 +15,10 @@ from raypipe.stage.worker import StageWorker
 
 TINY = get_config("tiny")
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN = 4, 2, 64
-# (activation_checkpoint, offload_activations, precision): measured by the stage worker in a trainer
-# (offload needs Ray's object store); checkpointing without offload is also measured without Ray below,
-# for each mode in fp32 and bf16
-MODES = [("never", False, "fp32"), ("always", False, "fp32"), ("always", True, "fp32"), ("except_last", True, "fp32"),
-         ("always", True, "bf16")]
+# (activation_checkpoint, offload_activations, precision): measured by the stage worker in a trainer,
+# for offload (it needs Ray's object store) and one mode without it; checkpointing without offload is
+# measured without Ray below, for each mode in fp32 and bf16
+MODES = [("never", False, "fp32"), ("always", True, "fp32"), ("except_last", True, "fp32"), ("always", True, "bf16")]
 
 
 def mode_id(mode):
@@ -27,14 +26,18 @@ def mode_id(mode):
 
 
 def measure(activation_checkpoint, offload_activations, precision):
+    """One step's result, the balance, and the tensor bytes of each worker's snapshot after it."""
+    import ray
+
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES,
                                     activation_checkpoint=activation_checkpoint,
                                     offload_activations=offload_activations, precision=precision)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, TINY.vocab_size, (MICRO_BATCHES * MICRO_BATCH_SIZE, SEQ_LEN + 1), generator=generator)
     with raypipe.PipelineTrainer(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p), config) as trainer:
-        result = trainer.step(tokens[:, :-1], tokens[:, 1:])
-        return result, trainer.balance
+        result = trainer.step(tokens[:, :-1], tokens[:, 1:])  # the optimizer state exists from the first step
+        snapshots = [_tensor_bytes(ray.get(actor.snapshot.remote())) for actor in trainer._group.actors]
+        return result, trainer.balance, snapshots
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def predict(layers, stage, activation_checkpoint="never", offload_activations=Fa
 
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_predicted_held_bytes_match_measurement(measurements, mode):
-    result, balance = measurements[mode]
+    result, balance, _ = measurements[mode]
     for stage, layers in enumerate(stage_layer_ranges(balance)):
         predicted = predict(layers, stage, *mode)
         measured = result.stages[stage]
@@ -61,18 +64,20 @@ def test_predicted_held_bytes_match_measurement(measurements, mode):
 
 
 def test_checkpointing_holds_inputs_plus_one_micro_batch(measurements):
-    never, _ = measurements[("never", False, "fp32")]
-    always, balance = measurements[("always", False, "fp32")]
-    offloaded, _ = measurements[("always", True, "fp32")]
-    for stage, layers in enumerate(stage_layer_ranges(balance)):
+    """never: m graphs; always: m kept inputs + one micro-batch rebuilt (both measured by the stage's
+    meter without Ray, GPipe as the trainer's default); offload: about one micro-batch (in a trainer)."""
+    never = run_stages(MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN, activation_checkpoint="never")
+    always = run_stages(MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN, activation_checkpoint="always")
+    for stage, layers in enumerate(RANGES):
         memory = predict(layers, stage)
         one_graph, one_input = memory.graph_bytes, memory.input_bytes
-        # never: m graphs; always: m kept inputs + one micro-batch rebuilt; offload: about one micro-batch
-        assert never.stages[stage].held_for_backward_bytes == pytest.approx(MICRO_BATCHES * one_graph, rel=0.10)
-        assert always.stages[stage].held_for_backward_bytes == pytest.approx(
-            MICRO_BATCHES * one_input + one_graph - one_input, rel=0.10)
-        assert offloaded.stages[stage].held_for_backward_bytes == pytest.approx(one_graph, rel=0.10)
-        assert offloaded.stages[stage].offloaded_bytes == MICRO_BATCHES * one_input
+        assert never[stage] == pytest.approx(MICRO_BATCHES * one_graph, rel=0.10)
+        assert always[stage] == pytest.approx(MICRO_BATCHES * one_input + one_graph - one_input, rel=0.10)
+    offloaded, balance, _ = measurements[("always", True, "fp32")]
+    for stage, layers in enumerate(stage_layer_ranges(balance)):
+        memory = predict(layers, stage)
+        assert offloaded.stages[stage].held_for_backward_bytes == pytest.approx(memory.graph_bytes, rel=0.10)
+        assert offloaded.stages[stage].offloaded_bytes == MICRO_BATCHES * memory.input_bytes
 
 
 # -- the stage's own meter, no Ray -----------------------------------------------------------
@@ -147,22 +152,16 @@ def _tensor_bytes(value) -> int:
     return 0
 
 
-def test_plan_predicts_the_bytes_of_each_workers_snapshot(ray_cluster):
+def test_plan_predicts_the_bytes_of_each_workers_snapshot(measurements):
     """`raypipe plan`'s snapshot line: the tensors a worker's in-memory snapshot holds (bf16: fp32
     main weights and Adam moments) against the model, within 10%."""
-    import ray
-
     from raypipe.planning.stage_rows import snapshot_bytes
 
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, precision="bf16")
-    tokens = torch.randint(0, TINY.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
-    with raypipe.PipelineTrainer(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p), config) as trainer:
-        trainer.step(tokens[:, :-1], tokens[:, 1:])  # the optimizer state exists from the first step
-        measured = [_tensor_bytes(ray.get(actor.snapshot.remote())) for actor in trainer._group.actors]
-        ranges = stage_layer_ranges(trainer.balance)
-    for stage, layers in enumerate(ranges):
-        predicted = snapshot_bytes(estimate_stage(TINY, list(layers), num_micro_batches=2, micro_batch_size=2,
-                                                  seq_len=SEQ_LEN, precision="bf16", optimizer="adamw"))
+    _, balance, measured = measurements[("always", True, "bf16")]
+    for stage, layers in enumerate(stage_layer_ranges(balance)):
+        predicted = snapshot_bytes(estimate_stage(TINY, list(layers), num_micro_batches=MICRO_BATCHES,
+                                                  micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
+                                                  precision="bf16", optimizer="adamw"))
         assert measured[stage] == pytest.approx(predicted, rel=0.10), (stage, measured[stage], predicted)
 
 
