@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
-                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, exchange, neighbour)
+                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, exchange, neighbour,
+                              with_header_first)
 
 # Per compute kind: the receive of its input and the send of its output (W needs and makes
 # nothing another worker has: it only adds to this worker's weight gradients).
@@ -76,9 +77,44 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     return _defer_waiting_sends(alone, placement, num_chunks)
 
 
-def _closed(alone: list[list[LoweredOp]]) -> list[list[LoweredOp]]:
-    return [_batch_exchanges(ops, every_run=True) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
-            for ops in alone]
+def _closed(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:
+    """``alone`` with every run of messages one EXCHANGE, each activation's payload received in or
+    after its exchange's batch as :func:`_await_headers` chooses, and the collectives at the end."""
+    lowered = [_batch_exchanges(ops, every_run=True) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
+               for ops in alone]
+    return _await_headers(lowered, placement, num_chunks)
+
+
+def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:
+    """``lowered`` with, in each EXCHANGE, the RECV_ACT parts whose headers must be awaited
+    before the batch (:attr:`~raypipe.core.ops.LoweredOp.header_first`) so that the dry-run
+    completes.
+
+    An activation's payload can be received only once its header (sent over a control
+    channel as the sender reaches the op that sends it) gave its shape. Received after the
+    batch (the default, and all that one chunk per worker needs), it waits until the batch
+    completed: where the batch waits on a peer whose send waits on that payload (a ring of
+    workers each sending on and receiving behind its batch), all wait forever. Awaited
+    first, it goes in the batch; but the batch then waits for the header, which waits
+    forever where the sender gets to that send only after something this batch sends.
+    So, starting from every payload after its batch, each payload the dry-run finds
+    behind a stuck batch with its header in (its sender got to the send, which may wait on
+    it) is received in the batch instead, with the earlier activations from that peer in
+    the exchange (a pair's messages are issued in order); in the same dry-run where its
+    header was in as the batch was posted (nothing before changes), else in a new one from
+    the start; until the dry-run completes or finds none. Deterministic; each new dry-run
+    moves at least one payload."""
+    from raypipe.core.simulator import await_stuck_payloads  # the dry-run's rule, run on the draft
+
+    while True:
+        lowered, stuck = await_stuck_payloads(lowered, placement, num_chunks)
+        if not stuck:
+            return lowered
+        for stage, index, receive in stuck:
+            op = lowered[stage][index]
+            earlier = op.parts[:op.parts.index(receive) + 1]
+            awaited = [part for part in earlier if part.kind == RECV_ACT and part.peer == receive.peer]
+            lowered[stage][index] = with_header_first(op, op.header_first + tuple(awaited))
 
 
 def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:
@@ -98,7 +134,7 @@ def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunk
 
     alone = [list(ops) for ops in alone]
     while True:
-        lowered = _closed(alone)
+        lowered = _closed(alone, placement, num_chunks)
         waiting = stuck_sends(lowered, placement, num_chunks)
         moved = False
         for stage in sorted({stage for stage, _ in waiting}):
