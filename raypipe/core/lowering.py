@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
-                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, exchange, neighbour,
-                              with_header_first)
+                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, awaiting_header, exchange,
+                              neighbour)
 
 # Per compute kind: the receive of its input and the send of its output (W needs and makes
 # nothing another worker has: it only adds to this worker's weight gradients).
@@ -111,10 +111,7 @@ def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: i
         if not stuck:
             return lowered
         for stage, index, receive in stuck:
-            op = lowered[stage][index]
-            earlier = op.parts[:op.parts.index(receive) + 1]
-            awaited = [part for part in earlier if part.kind == RECV_ACT and part.peer == receive.peer]
-            lowered[stage][index] = with_header_first(op, op.header_first + tuple(awaited))
+            lowered[stage][index] = awaiting_header(lowered[stage][index], receive)
 
 
 def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:

@@ -191,6 +191,15 @@ def with_header_first(op: LoweredOp, header_first: Iterable[LoweredOp]) -> Lower
     return exchange(*op.parts, header_first=header_first)
 
 
+def awaiting_header(op: LoweredOp, receive: LoweredOp) -> LoweredOp:
+    """The EXCHANGE ``op`` receiving in its batch also the payload of ``receive`` (one of its RECV_ACT
+    parts) and of every earlier RECV_ACT part from the same peer: a pair's messages are issued in
+    part order, so a payload in the batch cannot follow one received after it."""
+    earlier = op.parts[:op.parts.index(receive) + 1]
+    return with_header_first(op, op.header_first + tuple(
+        part for part in earlier if part.kind == RECV_ACT and part.peer == receive.peer))
+
+
 def unbatch(stage_ops: Iterable[LoweredOp]) -> list[LoweredOp]:
     """``stage_ops`` with every EXCHANGE replaced by its parts."""
     return [part for op in stage_ops for part in op.unbatched()]

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from raypipe.core.ops import (COMPUTE, EXCHANGE, LOOPED, OPTIMIZER_STEP, PEER_OFFSET, RECEIVES, RECV_ACT, RECV_GRAD,
-                              REDUCE_GRAD, SEND_ACT, SEND_GRAD, SENDS, B, F, I, LoweredOp, W, neighbour, unbatch,
-                              with_header_first)
+                              REDUCE_GRAD, SEND_ACT, SEND_GRAD, SENDS, B, F, I, LoweredOp, W, awaiting_header,
+                              neighbour, unbatch)
 
 _COLLECTIVES = (REDUCE_GRAD, OPTIMIZER_STEP)
 _SEND_MATCHING = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
@@ -502,10 +502,7 @@ class _Run:
         as if it always had: the batch's new receives are posted now, after those posted with it from
         the same peer, as they come in part order (see :func:`postings`)."""
         index = self.position[stage]
-        op = self.lowered[stage][index]
-        earlier = op.parts[:op.parts.index(receive) + 1]
-        awaited = op.header_first + tuple(part for part in earlier if part.kind == RECV_ACT and part.peer == receive.peer)
-        changed = with_header_first(op, awaited)
+        changed = awaiting_header(self.lowered[stage][index], receive)
         self.lowered[stage][index] = changed
         self.postings[stage][index] = postings(changed)
         posted = self.posted[stage]
