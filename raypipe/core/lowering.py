@@ -16,8 +16,11 @@ state: ``SEND_ACT a1`` then ``RECV_GRAD g0`` on one side, ``SEND_GRAD g0`` then
 ``RECV_ACT a1`` on the other), issuing them one by one leaves both sends
 waiting forever. The lowering posts such a run of sends and receives as one
 EXCHANGE instead (as Megatron-Core's ``send_forward_recv_backward`` does with
-``batch_isend_irecv``): everything in it is posted at once, so neither side's
-send waits behind its own receive.
+``batch_isend_irecv``): its sends are posted at once with its receives, so neither
+side's send waits behind its own receive. An activation's payload is the exception:
+it can be received only once its header gave its shape, so an EXCHANGE receives it
+after the batch unless the lowering awaits its header first (``header_first``),
+which a ring of chunked workers needs (:func:`_await_headers`).
 """
 from __future__ import annotations
 
@@ -64,7 +67,10 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
        Megatron's ``send_forward_recv_forward`` posts a send to the next worker with
        a receive from the previous one);
     3. a send that the dry-run still finds waiting forever is moved after its
-       worker's next compute op (:func:`_defer_waiting_sends`).
+       worker's next compute op (:func:`_defer_waiting_sends`);
+    4. each activation an EXCHANGE receives has its payload received after the batch,
+       or in it, its header awaited first, where the dry-run finds the batch stuck
+       without it (:func:`_await_headers`: a ring of workers each sending on).
 
         After the last op of every worker: REDUCE_GRAD, then OPTIMIZER_STEP.
     """
