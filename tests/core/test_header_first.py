@@ -15,7 +15,7 @@ from raypipe.core.lowering import lower
 from raypipe.core.ops import (EXCHANGE, RECV_ACT, RECV_GRAD, SEND_ACT, LoweredOp, exchange, unbatch,
                               with_header_first)
 from raypipe.core.schedule import PLACEMENT, make_schedule
-from raypipe.core.simulator import ScheduleError, simulate, simulate_timed
+from raypipe.core.simulator import Posting, ScheduleError, postings, simulate, simulate_timed
 from tests.core.test_simulator import assert_valid_order
 
 CHUNKED = ([("interleaved_1f1b", p, v, m) for p in (2, 3, 4) for v in (2, 3) for m in (p, 2 * p)]
@@ -110,3 +110,13 @@ def test_the_timed_run_posts_a_batch_once_its_headers_are_in_and_a_later_payload
     with pytest.raises(ScheduleError, match="^deadlock: "):
         simulate_timed(every_payload(lowered, after_batch=True), {"F": 1.0, "B": 2.0},
                        placement=PLACEMENT["interleaved_1f1b"])
+
+
+def test_a_receive_behind_an_activation_received_after_the_batch_from_the_same_peer_follows_it():
+    send = LoweredOp(SEND_ACT, 2, 1)
+    activation, gradient, other = LoweredOp(RECV_ACT, 1, 1), LoweredOp(RECV_GRAD, 0, 1), LoweredOp(RECV_GRAD, 0, 2)
+    after = postings(exchange(send, activation, gradient, other))
+    # the batch; then the activation, its header awaited; then the gradient behind it (a pair's issue order)
+    assert after == (Posting((), (send, other)), Posting((activation,), (activation,)), Posting((), (gradient,)))
+    first = postings(exchange(send, activation, gradient, other, header_first=[activation]))
+    assert first == (Posting((activation,), (send, activation, gradient, other)),)
