@@ -192,6 +192,15 @@ def tree_activation(step: int, micro_batch: int) -> dict:
             "scale": 0.5, "bf16": hidden[:, :, 0].to(torch.bfloat16)}
 
 
+def receive_tree(channel: P2PChannel, micro_batch: int) -> dict:
+    """Micro-batch ``micro_batch``'s tree from stage 0: the last one in an exchange that awaits its header
+    first (on NCCL's path its payload goes in the exchange's batch, its layout read beforehand)."""
+    if micro_batch < 2:
+        return channel.recv_activation(key(micro_batch), 0)
+    receive = ops.LoweredOp(ops.RECV_ACT, micro_batch, 0)
+    return channel.exchange([], [receive], lambda op: key(op.micro_batch), header_first=[receive])[0]
+
+
 def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
     torch.set_num_threads(1)
     channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
@@ -213,7 +222,7 @@ def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
             else:
                 channel.expect_activations([(key(micro_batch), 0) for micro_batch in micro_batches])
                 for micro_batch in micro_batches:
-                    received, sent = channel.recv_activation(key(micro_batch), 0), tree_activation(step, micro_batch)
+                    received, sent = receive_tree(channel, micro_batch), tree_activation(step, micro_batch)
                     assert received.keys() == sent.keys() and received["scale"] == 0.5
                     torch.testing.assert_close(received["hidden"], sent["hidden"], rtol=0, atol=0)
                     torch.testing.assert_close(received["bf16"], sent["bf16"], rtol=0, atol=0)
