@@ -25,10 +25,14 @@ which a ring of chunked workers needs (:func:`_await_headers`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
                               SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, awaiting_header, exchange,
                               neighbour)
+
+if TYPE_CHECKING:  # the simulator runs the lowering's drafts, and is loaded when it first does
+    from raypipe.core.simulator import DraftRun
 
 # Per compute kind: the receive of its input and the send of its output (W needs and makes
 # nothing another worker has: it only adds to this worker's weight gradients).
@@ -83,15 +87,16 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     return _defer_waiting_sends(alone, placement, num_chunks)
 
 
-def _closed(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:
+def _closed(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> DraftRun:
     """``alone`` with every run of messages one EXCHANGE, each activation's payload received in or
-    after its exchange's batch as :func:`_await_headers` chooses, and the collectives at the end."""
+    after its exchange's batch as :func:`_await_headers` chooses, and the collectives at the end;
+    with the sends its dry-run finds waiting."""
     lowered = [_batch_exchanges(ops, every_run=True) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
                for ops in alone]
     return _await_headers(lowered, placement, num_chunks)
 
 
-def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:
+def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: int) -> DraftRun:
     """``lowered`` with, in each EXCHANGE, the RECV_ACT parts whose headers must be awaited
     before the batch (:attr:`~raypipe.core.ops.LoweredOp.header_first`) so that the dry-run
     completes.
@@ -109,14 +114,15 @@ def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: i
     the exchange (a pair's messages are issued in order); in the same dry-run where its
     header was in as the batch was posted (nothing before changes), else in a new one from
     the start; until the dry-run completes or finds none. Deterministic; each new dry-run
-    moves at least one payload."""
-    from raypipe.core.simulator import await_stuck_payloads  # the dry-run's rule, run on the draft
+    moves at least one payload. With the sends the last dry-run finds waiting."""
+    from raypipe.core.simulator import run_draft  # the dry-run's rule, run on the draft
 
     while True:
-        lowered, stuck = await_stuck_payloads(lowered, placement, num_chunks)
-        if not stuck:
-            return lowered
-        for stage, index, receive in stuck:
+        draft = run_draft(lowered, placement, num_chunks)
+        if not draft.late_payloads:
+            return draft
+        lowered = draft.lowered
+        for stage, index, receive in draft.late_payloads:
             lowered[stage][index] = awaiting_header(lowered[stage][index], receive)
 
 
@@ -133,12 +139,9 @@ def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunk
     worker waiting on a receive instead). A moved send leaves later: the cost, which
     :func:`~raypipe.core.simulator.simulate_timed` counts. Sends that cannot move on
     are left for the dry-run to report."""
-    from raypipe.core.simulator import stuck_sends  # the dry-run's rule, run on the draft
-
     alone = [list(ops) for ops in alone]
     while True:
-        lowered = _closed(alone, placement, num_chunks)
-        waiting = stuck_sends(lowered, placement, num_chunks)
+        lowered, _, waiting = _closed(alone, placement, num_chunks)
         moved = False
         for stage in sorted({stage for stage, _ in waiting}):
             ops = alone[stage]

@@ -93,30 +93,24 @@ def _finished_run(lowered: list[list[LoweredOp]], placement: str, num_chunks: in
     return run
 
 
-def stuck_sends(lowered: list[list[LoweredOp]], placement: str = LOOPED,
-                num_chunks: int = 1) -> list[tuple[int, LoweredOp]]:
-    """Where a dry-run of ``lowered`` gets stuck: each ``(stage, send)`` of a send (alone
-    or in an EXCHANGE) that waits for a receive not posted; empty if the dry-run
-    finishes. For the lowering, which moves such sends (no checks are run)."""
-    run = _Run(lowered, placement, num_chunks)
-    while not run.finished():
-        if not run.sweep():
-            return [(stage, part) for stage in range(len(lowered))
-                    if (op := run.next_op(stage)) is not None and op.kind not in _COLLECTIVES
-                    for part in run._unmatched(stage) if part.kind in SENDS]
-    return []
+class DraftRun(NamedTuple):
+    """A dry-run of a draft lowering, for the lowering (see :func:`run_draft`)."""
+
+    lowered: list[list[LoweredOp]]  # the draft, with the payloads awaited first that changed nothing before
+    late_payloads: list[tuple[int, int, LoweredOp]]  # payloads behind stuck batches, headers in too late
+    stuck_sends: list[tuple[int, LoweredOp]]  # sends waiting for a receive never posted
 
 
-def await_stuck_payloads(lowered: list[list[LoweredOp]], placement: str = LOOPED,
-                         num_chunks: int = 1) -> tuple[list[list[LoweredOp]], list[tuple[int, int, LoweredOp]]]:
+def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1) -> DraftRun:
     """Dry-run ``lowered`` (no checks), receiving in its exchange's batch each activation's
     payload found behind a stuck batch, where that changes nothing that happened before:
     its header was in when the batch was posted, so awaiting it first (``header_first``)
-    would have posted the batch at the same point. Returns ``lowered`` with those
-    payloads awaited first, and, where the run still gets stuck, each ``(stage, index of
-    its EXCHANGE, RECV_ACT part)`` of a payload behind a stuck batch whose header came
-    in only after the batch was posted (awaiting it first changes what ran before: a
-    dry-run from the start must judge); none if the run completes. For the lowering."""
+    would have posted the batch at the same point. Where the run still gets stuck, says
+    each ``(stage, index of its EXCHANGE, RECV_ACT part)`` of a payload behind a stuck
+    batch whose header came in only after the batch was posted (awaiting it first changes
+    what ran before: a dry-run from the start must judge), and each ``(stage, send)`` of a
+    send (alone or in an EXCHANGE) that waits for a receive not posted; neither if the
+    run completes."""
     run = _Run([list(ops) for ops in lowered], placement, num_chunks)
     while not run.finished():
         if run.sweep():
@@ -124,10 +118,13 @@ def await_stuck_payloads(lowered: list[list[LoweredOp]], placement: str = LOOPED
         stuck = run.payloads_behind_stuck_batches()
         in_time = [(stage, index, part) for stage, index, part in stuck if part in run.headers_in_at_batch[stage]]
         if not in_time:
-            return run.lowered, stuck
+            sends = [(stage, part) for stage in range(len(lowered))
+                     if (op := run.next_op(stage)) is not None and op.kind not in _COLLECTIVES
+                     for part in run._unmatched(stage) if part.kind in SENDS]
+            return DraftRun(run.lowered, stuck, sends)
         for stage, _, part in in_time:
             run.await_in_batch(stage, part)
-    return run.lowered, []
+    return DraftRun(run.lowered, [], [])
 
 
 def _check_stages(lowered: list[list[LoweredOp]], placement: str) -> int:
