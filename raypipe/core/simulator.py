@@ -352,6 +352,7 @@ class _Run:
         # side's list, which holds its match once longer than that place), None until posted
         self.posted: list[list[tuple[int, list[LoweredOp], LoweredOp]] | None] = [None] * len(lowered)
         # where each SEND_ACT is: its header goes out once its stage reaches that op
+        self.header_sources: dict[tuple[int, LoweredOp], tuple[int, int] | None] = {}  # see header_source
         self.sent_at = {(stage, part): index for stage, ops in enumerate(lowered)
                         for index, op in enumerate(ops) for part in op.unbatched() if part.kind == SEND_ACT}
         # per stage, the RECV_ACT parts received after its current batch whose headers were in as it posted it
@@ -393,12 +394,12 @@ class _Run:
         while self.posting[stage] < len(steps):
             step = steps[self.posting[stage]]
             if self.posted[stage] is None:
-                sources = [self.header_source(stage, part) for part in step.headers]
+                sources = tuple(self.header_source(stage, part) for part in step.headers)
                 if not all(source is not None and self._has_reached(*source) for source in sources):
                     return progressed
                 self._post(stage, step.parts)
-                self.events.append(Event(POSTED, stage, index, self.posting[stage], tuple(sources)))
-                if self.posting[stage] == 0:
+                self.events.append(Event(POSTED, stage, index, self.posting[stage], sources))
+                if self.posting[stage] == 0 and len(steps) > 1:
                     self.headers_in_at_batch[stage] = {
                         part for later in steps[1:] for part in later.headers
                         if (source := self.header_source(stage, part)) is not None and self._has_reached(*source)}
@@ -414,6 +415,11 @@ class _Run:
     def header_source(self, stage: int, receive: LoweredOp) -> tuple[int, int] | None:
         """The (stage, index) of the op that sends the activation ``receive`` (a RECV_ACT of
         ``stage``) receives, whose reaching sends its header; None if no stage sends it."""
+        if (stage, receive) not in self.header_sources:
+            self.header_sources[(stage, receive)] = self._find_header_source(stage, receive)
+        return self.header_sources[(stage, receive)]
+
+    def _find_header_source(self, stage: int, receive: LoweredOp) -> tuple[int, int] | None:
         other = neighbour(stage, receive.chunk, RECV_ACT, len(self.lowered), self.num_chunks, self.placement)
         if other is None:
             return None
