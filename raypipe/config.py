@@ -135,7 +135,6 @@ class PipelineConfig:
             raise ConfigError("virtual_stages", self.virtual_stages, str(error)) from None
         if self.virtual_stages == 1:
             return
-        check_chunks_off_nccl(self, bool(self.use_gpu))
         if self.transport != "p2p":
             raise ConfigError("transport", self.transport, f"schedule {self.schedule!r} (virtual_stages="
                               f"{self.virtual_stages}) runs on the per-step executor only: use transport='p2p'")
@@ -228,19 +227,6 @@ def _init_rejecting_renamed(self: PipelineConfig, *args: Any, **kwargs: Any) -> 
 
 
 PipelineConfig.__init__ = _init_rejecting_renamed  # type: ignore[method-assign]
-
-
-def check_chunks_off_nccl(config: PipelineConfig, nccl: bool) -> None:
-    """Raise :class:`ConfigError` where a schedule of model chunks would run over NCCL (``nccl``: GPU
-    workers, or NCCL's emulation). Its lowered exchanges are checked under NCCL's rendezvous rule with
-    every part posted at once, but the channel posts an activation's payload only once its header
-    gave the shape, behind the batch's sends (:meth:`raypipe.comm.p2p.P2PChannel.exchange`): a ring
-    of workers sending on would wait forever. Until the lowering models the header, they run on gloo."""
-    if nccl and config.virtual_stages > 1:
-        raise ConfigError("schedule", config.schedule, f"a schedule of model chunks (virtual_stages="
-                          f"{config.virtual_stages}) runs on CPU workers over gloo only for now: over NCCL its "
-                          "exchanges would wait forever (an activation's payload is received behind the batch's "
-                          "sends); on GPUs use zb_h1, 1f1b or gpipe")
 
 
 def check_balance(balance: Any) -> None:

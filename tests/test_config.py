@@ -159,6 +159,7 @@ def test_schedule_from_yaml_and_the_jobs_flags(tmp_path):
 def test_virtual_stages_are_checked_against_the_schedule_transport_micro_batches_and_layers():
     PipelineConfig(num_stages=2, num_micro_batches=4, schedule="interleaved_1f1b", virtual_stages=3).validate(6)
     PipelineConfig(num_stages=2, num_micro_batches=3, schedule="zbv", virtual_stages=2).validate(4)
+    PipelineConfig(num_stages=2, num_micro_batches=3, schedule="zbv", virtual_stages=2, use_gpu=True).validate(4)
     cases = [
         (dict(schedule="interleaved_1f1b"), "virtual_stages", "needs v >= 2"),
         (dict(schedule="zbv", virtual_stages=3), "virtual_stages", "exactly v=2"),

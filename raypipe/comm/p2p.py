@@ -30,8 +30,9 @@ point-to-point messages in stream order and ignores tags
 received when it is reached (headers are posted ahead all the same, on the
 control channel below), and the messages between two ranks match in the order
 they are issued, whatever their keys: the lowering issues them alike on both
-ends. (With several chunks per worker, exchanges can wait forever on NCCL: the
-known limit in :meth:`P2PChannel.exchange`.)
+ends. An exchange receives an activation's payload after its batch, or, where the
+lowering says so (a ring of chunked workers, each sending on before it receives),
+in the batch, its header awaited first (:meth:`P2PChannel.exchange`).
 
 A send completes only once its receive is posted, so a stage that sends to a
 peer and then receives from it, while the peer does the same the other way,
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -209,6 +210,13 @@ class P2PChannel:
     def recv_activation(self, key: int, peer: int) -> Any:
         """The activation sent under ``key`` by stage ``peer``, whatever its shape and
         dtype: a tensor, or a tree of them as it was sent."""
+        signature, layout = self._await_header(key, peer)
+        payload = self._receive_payload(signature, self._peer_rank(peer), key)
+        return self._activation(payload, layout, key)
+
+    def _await_header(self, key: int, peer: int) -> tuple[Signature, TreeLayout | None]:
+        """The payload's signature of the activation sent under ``key`` by stage ``peer``, and the
+        layout of a tree (None for a tensor), once its header (and layout) came in."""
         peer_rank = self._peer_rank(peer)
         if key not in self._messages.headers:
             self.expect_activations([(key, peer)])
@@ -221,7 +229,10 @@ class P2PChannel:
             signature = (PAYLOAD_OF_TREE, (signature[1][0],))
         if self._matching.predicts:
             self._messages.received[key] = signature
-        payload = self._receive_payload(signature, peer_rank, key)
+        return signature, layout
+
+    def _activation(self, payload: torch.Tensor, layout: TreeLayout | None, key: int) -> Any:
+        """A received payload as what was sent: the tensor, or the tree ``layout`` describes."""
         if layout is None:
             return payload
         self._messages.received_layouts[key] = layout
@@ -267,25 +278,26 @@ class P2PChannel:
         self._send(gradient.detach().contiguous(), peer_rank, GRADIENT, key)
 
     def exchange(self, sends: list[tuple[LoweredOp, Any]], receives: list[LoweredOp],
-                 key_of: Callable[[LoweredOp], int]) -> list[Any]:
+                 key_of: Callable[[LoweredOp], int], header_first: Collection[LoweredOp] = ()) -> list[Any]:
         """Run one EXCHANGE op (:func:`raypipe.core.ops.exchange`): start ``sends``
         (SEND_ACT or SEND_GRAD parts, each with its tensor) and post ``receives``
         (RECV_ACT or RECV_GRAD parts) together, then return what each receive got,
         in order. Each part goes to or comes from its ``peer`` stage, under the key
         ``key_of(part)`` (the caller's :func:`raypipe.core.ops.message_key` of it, the
-        same its peer computes for the other end).
+        same its peer computes for the other end). ``header_first``: the RECV_ACT parts
+        of ``receives`` whose payloads go in the batch (the op's
+        :attr:`~raypipe.core.ops.LoweredOp.header_first`, chosen by the lowering).
 
         On NCCL all of them go in one ``dist.batch_isend_irecv``, so neither this
-        stage's sends nor its peer's wait behind a receive posted after them; an
-        activation's header comes over the control channel (posted ahead), and its
-        payload follows alone, once the header gives its shape (the sender posted it
-        with the batch), and so does a gradient's receive that comes after it from the
-        same peer (a pair's messages match in issue order). On gloo every receive is
-        posted ahead already: the sends start, then the receives are waited for.
-
-        Known limit on NCCL (and its emulation): an activation's payload is posted after the
-        batch, behind its sends, which the lowering's dry-run does not model; a ring of chunked
-        workers would wait forever, so :func:`raypipe.config.check_chunks_off_nccl` refuses them.
+        stage's sends nor its peer's wait behind a receive posted after them. The sends'
+        headers go out first, over the control channel. An activation's payload can be
+        posted only once its header (posted ahead on the control channel) gave its shape:
+        for one in ``header_first`` the header is awaited before the batch and the payload
+        goes in it; every other one is received after the batch, once its header is in,
+        and so is a gradient that comes after it from the same peer (a pair's messages
+        match in issue order, the order of ``receives``, as the dry-run checks:
+        :func:`raypipe.core.simulator.postings`). On gloo every receive is posted ahead
+        already: the sends start, then the receives are waited for.
         """
         # checked before anything starts: an exchange is posted whole or not at all
         for parts, kinds, role in (([op for op, _ in sends], SENDS, "sends"), (receives, RECEIVES, "receives")):
@@ -294,27 +306,35 @@ class P2PChannel:
                     raise ValueError(f"stage {self.stage} cannot exchange {part!r} among its {role}: "
                                      f"expected one of {', '.join(kinds)}")
                 self._peer_rank(part.peer, part)
+        for part in header_first:
+            if part.kind != RECV_ACT or part not in receives:
+                raise ValueError(f"stage {self.stage} cannot await the header of {part!r} first: it is not one of "
+                                 f"the exchange's activation receives")
         self._batch = []
+        layouts: dict[int, TreeLayout | None] = {}  # per key of a payload received in the batch: a tree's layout
         try:
-            for op, tensor in sends:
+            for op, tensor in sends:  # the headers go out now, the payloads with the batch
                 (self.send_activation if op.kind == SEND_ACT else self.send_gradient)(tensor, key_of(op), op.peer)
             operations, self._batch = self._batch, None
-            posted = []  # the receives this batch posts: where each is kept, its buffer, its operation
-            # NCCL matches a pair's messages in issue order: a gradient's receive behind an activation's
-            # from the same peer must follow that activation's payload (received after the batch)
-            behind_activation: set[int] = set()
+            posted = []  # the receives this batch posts: where each is kept, its key, its buffer, its operation
+            received_after: set[int] = set()  # peers with an activation received after the batch
             for op in receives:
-                key = key_of(op)
-                if op.kind == RECV_ACT:  # its header: posted ahead on the control channel
-                    if key not in self._messages.headers:
+                key, peer_rank = key_of(op), self._peer_rank(op.peer)
+                if op.kind == RECV_ACT:
+                    if key not in self._messages.headers:  # its header: posted ahead on the control channel
                         self.expect_activations([(key, op.peer)])
-                    behind_activation.add(op.peer)
-                    continue
-                work, buffer = self._messages.gradients[key]
-                if work is None and op.peer not in behind_activation:  # NCCL: posted now, with the sends
-                    posted.append((self._messages.gradients, key, buffer, len(operations)))
-                    operations.append((dist.irecv, buffer, self._peer_rank(op.peer),
-                                       self._matching.tag(GRADIENT, key)))
+                    if not self._in_order or op not in header_first or op.peer in received_after:
+                        received_after.add(op.peer)
+                        continue
+                    signature, layouts[key] = self._await_header(key, op.peer)
+                    buffer, kept, tag = empty_buffer(signature, self.device), self._messages.payloads, UNPREDICTED
+                else:
+                    work, buffer = self._messages.gradients[key]
+                    if work is not None or op.peer in received_after:  # gloo: posted ahead; NCCL: behind
+                        continue
+                    kept, tag = self._messages.gradients, GRADIENT
+                posted.append((kept, key, buffer, len(operations)))  # NCCL: posted now, with the sends
+                operations.append((dist.irecv, buffer, peer_rank, self._matching.tag(tag, key)))
             works = self._started(operations) if operations else []
             for work, (function, tensor, _, _) in zip(works, operations):
                 if function is dist.isend:
@@ -323,8 +343,25 @@ class P2PChannel:
                 kept[key] = works[index], buffer
         finally:
             self._batch = None
-        return [(self.recv_activation if op.kind == RECV_ACT else self.recv_gradient)(key_of(op), op.peer)
-                for op in receives]
+        received = []
+        for op in receives:
+            key = key_of(op)
+            if key in layouts:
+                received.append(self._received_in_batch(key, op.peer, layouts[key]))
+            else:
+                received.append((self.recv_activation if op.kind == RECV_ACT else self.recv_gradient)(key, op.peer))
+        return received
+
+    def _received_in_batch(self, key: int, peer: int, layout: TreeLayout | None) -> Any:
+        """The activation whose payload an exchange received in its batch, its header awaited first."""
+        work, payload = self._messages.payloads.pop(key)
+        self._waits.wait(work, self._peer_rank(peer), self._micro_batch(key), "activation")
+        return self._activation(payload, layout, key)
+
+    @property
+    def _in_order(self) -> bool:
+        """Whether messages match in issue order (NCCL, and its emulation), not by tag (gloo)."""
+        return isinstance(self._matching, InOrder)
 
     def finish_sends(self) -> None:
         """Wait until every started send has completed (the buffers live until then)."""
@@ -370,10 +407,10 @@ class P2PChannel:
 
     def _collective(self, work: Any) -> Any:
         """A data-group collective's Work, under NCCL's rules when they are emulated."""
-        return SilentCollective(work) if isinstance(self._matching, InOrder) and self._matching.stream else work
+        return SilentCollective(work) if self._in_order and self._matching.stream else work
 
     def _stop_stream(self) -> None:
-        if isinstance(self._matching, InOrder) and self._matching.stream is not None:
+        if self._in_order and self._matching.stream is not None:
             self._matching.stream.stop()
 
     def _send(self, tensor: torch.Tensor, peer_rank: int, kind: int, key: int) -> None:

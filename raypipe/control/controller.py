@@ -36,8 +36,7 @@ from typing import Any
 
 import ray
 
-from raypipe.comm import nccl_emulation
-from raypipe.config import PipelineConfig, check_chunks_off_nccl
+from raypipe.config import PipelineConfig
 from raypipe.control.partitioning import Partitioning
 from raypipe.control.view import LayoutView
 from raypipe.core.micro_batches import MicroBatches
@@ -200,7 +199,6 @@ class Controller:
         config = self._config
         cluster.connect(config.ray_address, (self.topology.world_size + config.spare_workers) * config.cpus_per_stage)
         self.use_gpu = cluster.resolve_use_gpu(config)
-        check_chunks_off_nccl(config, self.use_gpu or nccl_emulation.requested())
         if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
             self.keeper = start_keeper()
         self.bundle = cluster.worker_bundle(config, self.use_gpu)

@@ -16,15 +16,23 @@ state: ``SEND_ACT a1`` then ``RECV_GRAD g0`` on one side, ``SEND_GRAD g0`` then
 ``RECV_ACT a1`` on the other), issuing them one by one leaves both sends
 waiting forever. The lowering posts such a run of sends and receives as one
 EXCHANGE instead (as Megatron-Core's ``send_forward_recv_backward`` does with
-``batch_isend_irecv``): everything in it is posted at once, so neither side's
-send waits behind its own receive.
+``batch_isend_irecv``): its sends are posted at once with its receives, so neither
+side's send waits behind its own receive. An activation's payload is the exception:
+it can be received only once its header gave its shape, so an EXCHANGE receives it
+after the batch unless the lowering awaits its header first (``header_first``),
+which a ring of chunked workers needs (:func:`_await_headers`).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
-                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, exchange, neighbour)
+                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, awaiting_header, exchange,
+                              neighbour)
+
+if TYPE_CHECKING:  # the simulator runs the lowering's drafts, and is loaded when it first does
+    from raypipe.core.simulator import DraftRun
 
 # Per compute kind: the receive of its input and the send of its output (W needs and makes
 # nothing another worker has: it only adds to this worker's weight gradients).
@@ -63,7 +71,10 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
        Megatron's ``send_forward_recv_forward`` posts a send to the next worker with
        a receive from the previous one);
     3. a send that the dry-run still finds waiting forever is moved after its
-       worker's next compute op (:func:`_defer_waiting_sends`).
+       worker's next compute op (:func:`_defer_waiting_sends`);
+    4. each activation an EXCHANGE receives has its payload received after the batch,
+       or in it, its header awaited first, where the dry-run finds the batch stuck
+       without it (:func:`_await_headers`: a ring of workers each sending on).
 
         After the last op of every worker: REDUCE_GRAD, then OPTIMIZER_STEP.
     """
@@ -76,9 +87,43 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     return _defer_waiting_sends(alone, placement, num_chunks)
 
 
-def _closed(alone: list[list[LoweredOp]]) -> list[list[LoweredOp]]:
-    return [_batch_exchanges(ops, every_run=True) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
-            for ops in alone]
+def _closed(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> DraftRun:
+    """``alone`` with every run of messages one EXCHANGE, each activation's payload received in or
+    after its exchange's batch as :func:`_await_headers` chooses, and the collectives at the end;
+    with the sends its dry-run finds waiting."""
+    lowered = [_batch_exchanges(ops, every_run=True) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)]
+               for ops in alone]
+    return _await_headers(lowered, placement, num_chunks)
+
+
+def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: int) -> DraftRun:
+    """``lowered`` with, in each EXCHANGE, the RECV_ACT parts whose headers must be awaited
+    before the batch (:attr:`~raypipe.core.ops.LoweredOp.header_first`) so that the dry-run
+    completes.
+
+    An activation's payload can be received only once its header (sent over a control
+    channel as the sender reaches the op that sends it) gave its shape. Received after the
+    batch (the default, and all that one chunk per worker needs), it waits until the batch
+    completed: where the batch waits on a peer whose send waits on that payload (a ring of
+    workers each sending on and receiving behind its batch), all wait forever. Awaited
+    first, it goes in the batch; but the batch then waits for the header, which waits
+    forever where the sender gets to that send only after something this batch sends.
+    So, starting from every payload after its batch, each payload the dry-run finds
+    behind a stuck batch with its header in (its sender got to the send, which may wait on
+    it) is received in the batch instead, with the earlier activations from that peer in
+    the exchange (a pair's messages are issued in order); in the same dry-run where its
+    header was in as the batch was posted (nothing before changes), else in a new one from
+    the start; until the dry-run completes or finds none. Deterministic; each new dry-run
+    moves at least one payload. With the sends the last dry-run finds waiting."""
+    from raypipe.core.simulator import run_draft  # the dry-run's rule, run on the draft
+
+    while True:
+        draft = run_draft(lowered, placement, num_chunks)
+        if not draft.late_payloads:
+            return draft
+        lowered = draft.lowered
+        for stage, index, receive in draft.late_payloads:
+            lowered[stage][index] = awaiting_header(lowered[stage][index], receive)
 
 
 def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> list[list[LoweredOp]]:
@@ -94,12 +139,9 @@ def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunk
     worker waiting on a receive instead). A moved send leaves later: the cost, which
     :func:`~raypipe.core.simulator.simulate_timed` counts. Sends that cannot move on
     are left for the dry-run to report."""
-    from raypipe.core.simulator import stuck_sends  # the dry-run's rule, run on the draft
-
     alone = [list(ops) for ops in alone]
     while True:
-        lowered = _closed(alone)
-        waiting = stuck_sends(lowered, placement, num_chunks)
+        lowered, _, waiting = _closed(alone, placement, num_chunks)
         moved = False
         for stage in sorted({stage for stage, _ in waiting}):
             ops = alone[stage]

@@ -15,6 +15,13 @@ one virtual stage of the ``p * v`` the model is cut into, placed by a
 :data:`PLACEMENTS` rule (:func:`virtual_stage`, :func:`worker_and_chunk`). A message
 between workers is named by the micro-batch and the boundary between virtual stages
 that it crosses (:func:`boundary_of`, :func:`message_key`), alike on both ends.
+
+An activation travels as a header (its dtype and shape, over a control channel whose
+receives are posted ahead, so it never waits) and then its payload, whose receive can
+be posted only once the header is in. In an EXCHANGE each RECV_ACT part's payload is
+either received after the batch of sends (the default) or, where the lowering says so
+(:attr:`LoweredOp.header_first`), in the batch, its header awaited before the batch
+is posted: printed ``RECV_ACT3c1<=2`` instead of ``RECV_ACT3c1<-2``.
 """
 from __future__ import annotations
 
@@ -140,6 +147,12 @@ class LoweredOp(NamedTuple):
     the model chunk of this worker whose compute op it is, or whose output a SEND
     sends or whose input a RECV receives (0 for the collectives and an EXCHANGE);
     it prints after the micro-batch when it is not 0 (``F3c1``, ``SEND_ACT3c1->0``).
+
+    ``header_first`` (an EXCHANGE's only) holds the RECV_ACT parts whose headers are
+    awaited before the batch is posted, so that their payloads are received in the
+    batch, beside its sends; every other RECV_ACT part's payload is received after the
+    batch completed. They print with ``<=`` (``SEND_ACT1->1+RECV_ACT0c1<=1``). The
+    parts themselves stay plain ops, equal to the same message sent or received alone.
     """
 
     kind: str
@@ -147,10 +160,12 @@ class LoweredOp(NamedTuple):
     peer: int | None = None
     parts: tuple[LoweredOp, ...] = ()
     chunk: int = 0
+    header_first: tuple[LoweredOp, ...] = ()
 
     def __repr__(self) -> str:
         if self.kind == EXCHANGE:
-            return "+".join(repr(part) for part in self.parts)
+            return "+".join(repr(part).replace("<-", "<=") if part in self.header_first else repr(part)
+                            for part in self.parts)
         if self.micro_batch is None:
             return self.kind
         if self.peer is None:
@@ -163,9 +178,26 @@ class LoweredOp(NamedTuple):
         return self.parts if self.kind == EXCHANGE else (self,)
 
 
-def exchange(*parts: LoweredOp) -> LoweredOp:
-    """One EXCHANGE of the sends and receives ``parts`` (printed ``SEND_ACT1->1+RECV_GRAD0<-1``)."""
-    return LoweredOp(EXCHANGE, parts=tuple(parts))
+def exchange(*parts: LoweredOp, header_first: Iterable[LoweredOp] = ()) -> LoweredOp:
+    """One EXCHANGE of the sends and receives ``parts`` (printed ``SEND_ACT1->1+RECV_GRAD0<-1``);
+    ``header_first``: those of its RECV_ACT parts whose payloads are received in the batch
+    (see :class:`LoweredOp`), kept in part order."""
+    chosen = set(header_first)
+    return LoweredOp(EXCHANGE, parts=tuple(parts), header_first=tuple(part for part in parts if part in chosen))
+
+
+def with_header_first(op: LoweredOp, header_first: Iterable[LoweredOp]) -> LoweredOp:
+    """The EXCHANGE ``op`` with ``header_first`` as the RECV_ACT parts whose payloads it receives in its batch."""
+    return exchange(*op.parts, header_first=header_first)
+
+
+def awaiting_header(op: LoweredOp, receive: LoweredOp) -> LoweredOp:
+    """The EXCHANGE ``op`` receiving in its batch also the payload of ``receive`` (one of its RECV_ACT
+    parts) and of every earlier RECV_ACT part from the same peer: a pair's messages are issued in
+    part order, so a payload in the batch cannot follow one received after it."""
+    earlier = op.parts[:op.parts.index(receive) + 1]
+    return with_header_first(op, op.header_first + tuple(
+        part for part in earlier if part.kind == RECV_ACT and part.peer == receive.peer))
 
 
 def unbatch(stage_ops: Iterable[LoweredOp]) -> list[LoweredOp]:

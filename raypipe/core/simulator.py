@@ -11,13 +11,21 @@ object store block less, so a lowering that completes here completes there):
   ignores tags): the k-th send from a to b meets b's k-th receive from a, and
   both must name the same kind and micro-batch, and the receiver's chunk must
   hold the virtual stage next to the sender's (each end names its own chunk);
-- an EXCHANGE posts all its sends and receives at once, as
-  ``dist.batch_isend_irecv`` does, and completes once every one is matched;
+- an EXCHANGE posts a batch, as ``dist.batch_isend_irecv`` does, which completes
+  once every one of its messages is matched: its sends, its gradient receives and
+  the payload receives of its ``header_first`` activations, whose headers it
+  awaits before posting the batch (a header is in once its sender has reached the
+  op that sends it: headers go over a control channel with receives posted ahead);
+  then, one at a time, each other activation's payload receive (and any receive
+  behind one from the same peer), its header awaited: one stream per worker runs
+  its batches one after another (:func:`postings`);
 - a collective completes only once every stage has reached it.
 
 So a stage that sends to a peer and then receives from it, while the peer sends
 first too, deadlocks here although it runs on gloo: the lowering
-(:mod:`raypipe.core.lowering`) posts such pairs as one EXCHANGE.
+(:mod:`raypipe.core.lowering`) posts such pairs as one EXCHANGE. And a ring of
+workers whose exchanges each send on and receive the activation behind the
+batch deadlocks too: the lowering awaits such headers first.
 
 :func:`simulate_timed` (from :mod:`raypipe.core.timed_simulation`, re-exported
 here) runs the same rule with time: the step's length and each stage's bubble.
@@ -26,9 +34,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from raypipe.core.ops import (COMPUTE, EXCHANGE, LOOPED, OPTIMIZER_STEP, PEER_OFFSET, RECEIVES, RECV_ACT, RECV_GRAD,
-                              REDUCE_GRAD, SEND_ACT, SEND_GRAD, SENDS, B, F, I, LoweredOp, W, neighbour, unbatch)
+                              REDUCE_GRAD, SEND_ACT, SEND_GRAD, SENDS, B, F, I, LoweredOp, W, awaiting_header,
+                              neighbour, unbatch)
 
 _COLLECTIVES = (REDUCE_GRAD, OPTIMIZER_STEP)
 _SEND_MATCHING = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
@@ -40,14 +50,15 @@ class ScheduleError(ValueError):
 
 def simulate(lowered: list[list[LoweredOp]], placement: str = LOOPED) -> list[tuple[int, LoweredOp]]:
     """Dry-run ``lowered`` (``lowered[stage]`` = that stage's ops, in order), whose
-    chunks are placed on the workers by ``placement`` (see :mod:`raypipe.core.ops`).
+    chunks are placed on the workers by ``placement`` (see :mod:`raypipe.core.ops`), under the
+    rule in this module's docstring.
 
     Returns every ``(stage, op)`` in the order it completed, a topological order
     the executor can submit in: each stage's order is kept and every receive
     (alone or in an EXCHANGE) comes after the op that made the tensor it
     receives. The order is round-robin: in each sweep, stages 0..p-1 in turn
-    post their next op if they have not yet and complete it if every message
-    in it is matched; then, if every stage waits on the same collective, it runs
+    take their next op as far as it goes (post what it posts once its headers are
+    in, and complete it once every message in it is matched); then, if every stage waits on the same collective, it runs
     on all stages, in stage order.
 
     Every worker must run, for each of its chunks and each micro-batch, F once
@@ -63,25 +74,57 @@ def simulate(lowered: list[list[LoweredOp]], placement: str = LOOPED) -> list[tu
     """
     num_chunks = _check_stages(lowered, placement)
     _check_message_counts(lowered)
+    return _finished_run(lowered, placement, num_chunks).order
+
+
+def simulate_events(lowered: list[list[LoweredOp]], placement: str = LOOPED) -> list[Event]:
+    """What :func:`simulate` does, step by step (see :class:`Event`), for the timed run; the
+    same checks and errors."""
+    num_chunks = _check_stages(lowered, placement)
+    _check_message_counts(lowered)
+    return _finished_run(lowered, placement, num_chunks).events
+
+
+def _finished_run(lowered: list[list[LoweredOp]], placement: str, num_chunks: int) -> _Run:
     run = _Run(lowered, placement, num_chunks)
     while not run.finished():
         if not run.sweep():
             raise ScheduleError(run.deadlock_message())
-    return run.order
+    return run
 
 
-def stuck_sends(lowered: list[list[LoweredOp]], placement: str = LOOPED,
-                num_chunks: int = 1) -> list[tuple[int, LoweredOp]]:
-    """Where a dry-run of ``lowered`` gets stuck: each ``(stage, send)`` of a send (alone
-    or in an EXCHANGE) that waits for a receive not posted; empty if the dry-run
-    finishes. For the lowering, which moves such sends (no checks are run)."""
-    run = _Run(lowered, placement, num_chunks)
+class DraftRun(NamedTuple):
+    """A dry-run of a draft lowering, for the lowering (see :func:`run_draft`)."""
+
+    lowered: list[list[LoweredOp]]  # the draft, with the payloads awaited first that changed nothing before
+    late_payloads: list[tuple[int, int, LoweredOp]]  # payloads behind stuck batches, headers in too late
+    stuck_sends: list[tuple[int, LoweredOp]]  # sends waiting for a receive never posted
+
+
+def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1) -> DraftRun:
+    """Dry-run ``lowered`` (no checks), receiving in its exchange's batch each activation's
+    payload found behind a stuck batch, where that changes nothing that happened before:
+    its header was in when the batch was posted, so awaiting it first (``header_first``)
+    would have posted the batch at the same point. Where the run still gets stuck, says
+    each ``(stage, index of its EXCHANGE, RECV_ACT part)`` of a payload behind a stuck
+    batch whose header came in only after the batch was posted (awaiting it first changes
+    what ran before: a dry-run from the start must judge), and each ``(stage, send)`` of a
+    send (alone or in an EXCHANGE) that waits for a receive not posted; neither if the
+    run completes."""
+    run = _Run([list(ops) for ops in lowered], placement, num_chunks)
     while not run.finished():
-        if not run.sweep():
-            return [(stage, part) for stage in range(len(lowered))
-                    if (op := run.next_op(stage)) is not None and op.kind not in _COLLECTIVES
-                    for part in run._unmatched(stage) if part.kind in SENDS]
-    return []
+        if run.sweep():
+            continue
+        stuck = run.payloads_behind_stuck_batches()
+        in_time = [(stage, index, part) for stage, index, part in stuck if part in run.headers_in_at_batch[stage]]
+        if not in_time:
+            sends = [(stage, part) for stage in range(len(lowered))
+                     if (op := run.next_op(stage)) is not None and op.kind not in _COLLECTIVES
+                     for part in run._unmatched(stage) if part.kind in SENDS]
+            return DraftRun(run.lowered, stuck, sends)
+        for stage, _, part in in_time:
+            run.await_in_batch(stage, part)
+    return DraftRun(run.lowered, [], [])
 
 
 def _check_stages(lowered: list[list[LoweredOp]], placement: str) -> int:
@@ -164,8 +207,26 @@ def _check_op(stage: int, op: LoweredOp, shape: _Shape) -> None:
                                 f"not {list(op.parts)!r}")
         for part in op.parts:
             _check_op(stage, part, shape)
+        _check_header_first(stage, op)
     elif op.kind not in _COLLECTIVES:
         raise ScheduleError(f"stage {stage}: unknown op kind {op.kind!r} in {op!r}")
+
+
+def _check_header_first(stage: int, op: LoweredOp) -> None:
+    """An EXCHANGE awaits headers of its own RECV_ACT parts only, and none behind a payload it
+    receives after the batch from the same peer (it would be issued after that one all the same)."""
+    for part in op.header_first:
+        if part.kind != RECV_ACT or part not in op.parts:
+            raise ScheduleError(f"stage {stage}: {op!r} awaits the header of {part!r}, which is not one of its "
+                                f"RECV_ACT parts")
+    received_after_from: set[int] = set()  # peers of the RECV_ACT parts received after the batch, so far
+    for part in op.parts:
+        if part in op.header_first and part.peer in received_after_from:
+            raise ScheduleError(f"stage {stage}: {op!r} awaits the header of {part!r} but receives an earlier "
+                                f"activation from stage {part.peer} after its batch (a pair's messages are issued "
+                                f"in order): await that one's header too")
+        if part.kind == RECV_ACT and part not in op.header_first:
+            received_after_from.add(part.peer)
 
 
 def _inputs(stage: int, op: LoweredOp, shape: _Shape) -> list[tuple[LoweredOp, ...]]:
@@ -224,6 +285,58 @@ class _Channel:
     receives: list[LoweredOp] = field(default_factory=list)
 
 
+class Posting(NamedTuple):
+    """Messages a stage posts together (one ``batch_isend_irecv``), once the headers of
+    ``headers`` (RECV_ACT parts) are in; the posting completes once every one of ``parts`` is matched."""
+
+    headers: tuple[LoweredOp, ...]
+    parts: tuple[LoweredOp, ...]
+
+
+def postings(op: LoweredOp) -> tuple[Posting, ...]:
+    """What ``op`` posts, one posting after another (each once the one before completed):
+    none for a compute op or a collective, its one message for a SEND or RECV, and for an
+    EXCHANGE its batch and then, one at a time, each receive the channel makes after it.
+
+    The batch holds every send, each RECV_ACT part in ``header_first`` (its header awaited
+    before the batch is posted) and each RECV_GRAD part; a receive behind a RECV_ACT part
+    from the same peer that is received after the batch comes after it too (a pair's
+    messages are issued in part order on both ends). A lone RECV_ACT awaits its header
+    too, but that changes nothing here: its payload's send is posted with the header."""
+    if op.kind in SENDS + RECEIVES:
+        return (Posting((), (op,)),)
+    if op.kind != EXCHANGE:
+        return ()
+    batch, after, behind = [], [], set()
+    for part in op.parts:
+        received_after = part.kind in RECEIVES and (
+            part.peer in behind or (part.kind == RECV_ACT and part not in op.header_first))
+        if received_after:
+            behind.add(part.peer)
+            after.append(Posting((part,) if part.kind == RECV_ACT else (), (part,)))
+        else:
+            batch.append(part)
+    return (Posting(op.header_first, tuple(batch)),) + tuple(after)
+
+
+# What the dry-run records, in order: a stage reached an op (its SEND_ACT headers go out), posted
+# one of its postings, saw one complete, or completed the op.
+REACHED, POSTED, DONE, COMPLETED = "reached", "posted", "done", "completed"
+
+
+class Event(NamedTuple):
+    """One step of a dry-run: ``kind`` (:data:`REACHED`, :data:`POSTED`, :data:`DONE` or
+    :data:`COMPLETED`) of op ``index`` of ``stage``; ``posting`` is the place of the posting
+    in :func:`postings` (POSTED, DONE); ``headers_from`` the (stage, index) of each op whose
+    reaching made this posting's headers available (POSTED)."""
+
+    kind: str
+    stage: int
+    index: int
+    posting: int = 0
+    headers_from: tuple[tuple[int, int], ...] = ()
+
+
 class _Run:
     """The state of a dry-run: where each stage is and what it has posted."""
 
@@ -231,11 +344,21 @@ class _Run:
         self.lowered = lowered
         self.placement, self.num_chunks = placement, num_chunks
         self.position = [0] * len(lowered)
+        self.reached = [False] * len(lowered)  # whether each stage has reached its next op
+        self.postings = [[postings(op) for op in ops] for ops in lowered]
+        self.posting = [0] * len(lowered)  # per stage, the place of its current posting in its op's
         self.channels: defaultdict[tuple[int, int], _Channel] = defaultdict(_Channel)  # (sender, receiver)
-        # per stage, the messages its current op posted: (its place in the channel's list, the other
+        # per stage, the messages its current posting posted: (its place in the channel's list, the other
         # side's list, which holds its match once longer than that place), None until posted
         self.posted: list[list[tuple[int, list[LoweredOp], LoweredOp]] | None] = [None] * len(lowered)
+        # where each SEND_ACT is: its header goes out once its stage reaches that op
+        self.header_sources: dict[tuple[int, LoweredOp], tuple[int, int] | None] = {}  # see header_source
+        self.sent_at = {(stage, part): index for stage, ops in enumerate(lowered)
+                        for index, op in enumerate(ops) for part in op.unbatched() if part.kind == SEND_ACT}
+        # per stage, the RECV_ACT parts received after its current batch whose headers were in as it posted it
+        self.headers_in_at_batch: list[set[LoweredOp]] = [set() for _ in lowered]
         self.order: list[tuple[int, LoweredOp]] = []
+        self.events: list[Event] = []
         self.total = sum(len(ops) for ops in lowered)
 
     def next_op(self, stage: int) -> LoweredOp | None:
@@ -252,17 +375,60 @@ class _Run:
             op = self.next_op(stage)
             if op is None or op.kind in _COLLECTIVES:
                 continue
-            if self.posted[stage] is None:
-                self._post(stage, op)
-                progressed = True
-            if not self._unmatched(stage):
-                self._complete(stage, op)
-                progressed = True
+            progressed = self._advance(stage, op) or progressed
         if self._collective_ready():
             for stage in range(len(self.lowered)):
                 self._complete(stage, self.next_op(stage))
             progressed = True
         return progressed
+
+    def _advance(self, stage: int, op: LoweredOp) -> bool:
+        """Take ``op`` of ``stage`` as far as it goes: post its postings one after another, each
+        once its headers are in and the one before completed; complete it after the last."""
+        index = self.position[stage]
+        progressed = not self.reached[stage]
+        if progressed:
+            self.reached[stage] = True
+            self.events.append(Event(REACHED, stage, index))
+        steps = self.postings[stage][index]
+        while self.posting[stage] < len(steps):
+            step = steps[self.posting[stage]]
+            if self.posted[stage] is None:
+                sources = tuple(self.header_source(stage, part) for part in step.headers)
+                if not all(source is not None and self._has_reached(*source) for source in sources):
+                    return progressed
+                self._post(stage, step.parts)
+                self.events.append(Event(POSTED, stage, index, self.posting[stage], sources))
+                if self.posting[stage] == 0 and len(steps) > 1:
+                    self.headers_in_at_batch[stage] = {
+                        part for later in steps[1:] for part in later.headers
+                        if (source := self.header_source(stage, part)) is not None and self._has_reached(*source)}
+                progressed = True
+            if self._unmatched(stage):
+                return progressed
+            self.events.append(Event(DONE, stage, index, self.posting[stage]))
+            self.posting[stage] += 1
+            self.posted[stage] = None
+        self._complete(stage, op)
+        return True
+
+    def header_source(self, stage: int, receive: LoweredOp) -> tuple[int, int] | None:
+        """The (stage, index) of the op that sends the activation ``receive`` (a RECV_ACT of
+        ``stage``) receives, whose reaching sends its header; None if no stage sends it."""
+        if (stage, receive) not in self.header_sources:
+            self.header_sources[(stage, receive)] = self._find_header_source(stage, receive)
+        return self.header_sources[(stage, receive)]
+
+    def _find_header_source(self, stage: int, receive: LoweredOp) -> tuple[int, int] | None:
+        other = neighbour(stage, receive.chunk, RECV_ACT, len(self.lowered), self.num_chunks, self.placement)
+        if other is None:
+            return None
+        send = LoweredOp(SEND_ACT, receive.micro_batch, stage, chunk=other[1])
+        index = self.sent_at.get((receive.peer, send))
+        return None if index is None else (receive.peer, index)
+
+    def _has_reached(self, stage: int, index: int) -> bool:
+        return self.position[stage] > index or (self.position[stage] == index and self.reached[stage])
 
     def _collective_ready(self) -> bool:
         # Collectives of a kind always run on all stages together, so reaching
@@ -273,17 +439,14 @@ class _Run:
         others = (self.next_op(stage) for stage in range(1, len(self.lowered)))
         return all(op is not None and op.kind == first.kind for op in others)
 
-    def _post(self, stage: int, op: LoweredOp) -> None:
-        """Post the sends and receives of ``op`` (none for a compute op), checking each
-        message that now has both ends."""
+    def _post(self, stage: int, parts: tuple[LoweredOp, ...]) -> None:
+        """Post the sends and receives ``parts``, checking each message that now has both ends."""
         posted = []
-        for part in op.unbatched():
+        for part in parts:
             if part.kind in SENDS:
                 sender, receiver = stage, part.peer
-            elif part.kind in RECEIVES:
-                sender, receiver = part.peer, stage
             else:
-                continue
+                sender, receiver = part.peer, stage
             channel = self.channels[(sender, receiver)]
             own, other = (channel.sends, channel.receives) if part.kind in SENDS else (channel.receives, channel.sends)
             own.append(part)
@@ -314,23 +477,80 @@ class _Run:
 
     def _complete(self, stage: int, op: LoweredOp) -> None:
         self.order.append((stage, op))
+        self.events.append(Event(COMPLETED, stage, self.position[stage]))
         self.position[stage] += 1
-        self.posted[stage] = None
+        self.reached[stage], self.posting[stage], self.posted[stage] = False, 0, None
+
+    def waiting_on(self, stage: int) -> str:
+        """What ``stage``, stuck on its next op (not a collective), waits for, as a deadlock message says it."""
+        op = self.next_op(stage)
+        steps = self.postings[stage][self.position[stage]]
+        if op.kind != EXCHANGE:
+            return ""
+        step, after_batch = steps[self.posting[stage]], self.posting[stage] > 0
+        if self.posted[stage] is None:
+            when = "received after its batch" if after_batch else "before its batch"
+            return f" (on the header of {'+'.join(map(repr, step.headers))}, {when})"
+        waiting = "+".join(map(repr, self._unmatched(stage)))
+        later = [part for step in steps[self.posting[stage] + 1:] for part in step.parts]
+        if after_batch:
+            return f" (on {waiting}, received after its batch)"
+        if later:
+            return f" (on {waiting}, then {'+'.join(map(repr, later))} after its batch)"
+        return f" (on {waiting})" if len(self._unmatched(stage)) < len(op.parts) else ""
+
+    def await_in_batch(self, stage: int, receive: LoweredOp) -> None:
+        """Make ``stage``'s current EXCHANGE, whose batch is posted, await the header of its RECV_ACT
+        part ``receive`` (and of the earlier ones from that peer) and receive the payloads in its batch,
+        as if it always had: the batch's new receives are posted now, after those posted with it from
+        the same peer, as they come in part order (see :func:`postings`)."""
+        index = self.position[stage]
+        changed = awaiting_header(self.lowered[stage][index], receive)
+        self.lowered[stage][index] = changed
+        self.postings[stage][index] = postings(changed)
+        posted = self.posted[stage]
+        already = [part for _, _, part in posted]
+        self._post(stage, tuple(part for part in self.postings[stage][index][0].parts if part not in already))
+        self.posted[stage] = posted + self.posted[stage]
+
+    def payloads_behind_stuck_batches(self) -> list[tuple[int, int, LoweredOp]]:
+        """Of a run that cannot go on: each ``(stage, index of its EXCHANGE, RECV_ACT part)`` of an
+        activation that exchange receives after its batch, which waits on messages not matched,
+        while the activation's header is in (its sender reached the op that sends it, which may
+        wait on this payload)."""
+        found = []
+        for stage in range(len(self.lowered)):
+            op = self.next_op(stage)
+            if op is None or op.kind != EXCHANGE or self.posting[stage] > 0 or self.posted[stage] is None:
+                continue
+            for step in self.postings[stage][self.position[stage]][1:]:
+                for part in step.headers:
+                    source = self.header_source(stage, part)
+                    if source is not None and self._has_reached(*source):
+                        found.append((stage, self.position[stage], part))
+        return found
 
     def deadlock_message(self) -> str:
-        states, sends_wait = [], False
+        states, sends_wait, after_batch = [], False, False
         for stage in range(len(self.lowered)):
             op = self.next_op(stage)
             if op is None:
                 states.append(f"stage {stage} has finished")
                 continue
-            unmatched = self._unmatched(stage) if op.kind not in _COLLECTIVES else []
-            sends_wait = sends_wait or any(part.kind in SENDS for part in unmatched)
-            partly = op.kind == EXCHANGE and len(unmatched) < len(op.parts)
-            states.append(f"stage {stage} waits on {op!r}" + (f" (on {'+'.join(map(repr, unmatched))})"
-                                                                 if partly else ""))
-        hint = (" (a send completes only once its receive is posted: a stage that sends to a peer and then "
-                "receives from it must post both in one EXCHANGE when the peer sends first too)") if sends_wait else ""
+            if op.kind not in _COLLECTIVES:
+                sends_wait = sends_wait or any(part.kind in SENDS for part in self._unmatched(stage))
+                after_batch = after_batch or any(len(step.parts) < len(op.parts) for step in
+                                                 self.postings[stage][self.position[stage]][:1])
+            states.append(f"stage {stage} waits on {op!r}" + (self.waiting_on(stage)
+                                                                 if op.kind not in _COLLECTIVES else ""))
+        hint = ""
+        if sends_wait:
+            hint = (" (a send completes only once its receive is posted: a stage that sends to a peer and then "
+                    "receives from it must post both in one EXCHANGE when the peer sends first too")
+            if after_batch:
+                hint += ("; an activation's payload received after its exchange's batch is posted only once the "
+                         "batch completed: await its header first (<=) to receive it in the batch")
+            hint += ")"
         return "deadlock: " + "; ".join(states) + hint
 
 

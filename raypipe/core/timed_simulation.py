@@ -10,6 +10,10 @@ The rule is the dry-run's (:mod:`raypipe.core.simulator`), with time added:
   start plus the message's time (``message_seconds``); a SEND, RECV or
   EXCHANGE blocks its worker until every message in it has completed, and the
   worker is not busy while it waits;
+- an EXCHANGE posts its batch once the headers it awaits first are in (a header
+  is in when its sender reached the op that sends it: headers take no time), and
+  then each receive it makes after the batch once the one before completed
+  (:func:`~raypipe.core.simulator.postings`);
 - a collective starts once every worker has reached it, and then takes its
   time on each worker (none by default).
 
@@ -23,12 +27,14 @@ worker, and its message arrives its time later, when the receive (alone or in
 an EXCHANGE) can complete. Which ops can run is still decided by the
 rendezvous rule, the stricter one.
 
-Nothing in this rule lets one op's times depend on an op that completes after
-it in the dry-run's order (an op waits only on its own worker's earlier ops and
-on the posting of the ops it exchanges messages with, which the dry-run
-completes first), so the run evaluates each op once, in that order: the same
-times an event-driven run gives, and the same ops that can run, with the same
-:class:`~raypipe.core.simulator.ScheduleError` where none can.
+Nothing in this rule lets a time depend on a step that comes after it in the
+dry-run's steps (:func:`~raypipe.core.simulator.simulate_events`: a worker reaching
+an op, posting messages, seeing them complete): a posting waits only on its own
+worker's earlier steps and on its senders reaching the ops whose headers it awaits,
+and a posting completes only once the other end of each of its messages was posted,
+all of which the dry-run does first. So the run evaluates each step once, in that
+order: the same times an event-driven run gives, and the same ops that can run,
+with the same :class:`~raypipe.core.simulator.ScheduleError` where none can.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Union
 
 from raypipe.core.ops import EXCHANGE, LOOPED, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, SENDS, LoweredOp
-from raypipe.core.simulator import simulate
+from raypipe.core.simulator import DONE, POSTED, REACHED, postings, simulate_events
 
 # The time of a compute op or a collective on a worker: ``(stage, op) -> seconds``, or a mapping
 # from an op kind ("F", "B", ...) to seconds, where a ``(stage, kind)`` key overrides the kind's
@@ -96,76 +102,72 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
     """
     op_time = _op_time(op_seconds)
     message_time = _message_time(message_seconds)
-    partners = _partners(lowered)
     num_stages = len(lowered)
-    position = [0] * num_stages
-    free_at = [0.0] * num_stages  # when each worker completed its last op: when it posts the next
-    posted_at: dict[tuple[int, int], float] = {}  # (stage, index of the op in its stage) -> when posted
+    free_at = [0.0] * num_stages  # when each worker completed its last op: when it reaches the next
+    now = [0.0] * num_stages  # when each worker's current op last moved on (reached, or a posting completed)
+    reached_at: dict[tuple[int, int], float] = {}  # (stage, index of the op in its stage) -> when reached
+    # per (sender, receiver): each end as posted, in issue order (sends, receives): (when, its part)
+    channels: defaultdict[tuple[int, int], tuple[list, list]] = defaultdict(lambda: ([], []))
+    in_flight: dict[int, list[tuple[LoweredOp, int, int, float]]] = {}  # per stage: its posting's messages
     busy = [0.0] * num_stages
     timeline: list[TimedOp] = []
     collectives = [0] * num_stages  # per worker, how many collectives it has run
     collective_starts: list[float] = []  # when the n-th collective started (on every worker)
-    for stage, op in simulate(lowered, placement):
-        index = position[stage]
-        position[stage] += 1
-        start = free_at[stage]
-        posted_at[(stage, index)] = start
-        if op.kind in _COLLECTIVES:
-            # the dry-run completes a collective on every stage in a row, once all reached it:
-            # when the first completes, every worker's free time is when it reached it
-            collectives[stage] += 1
-            if len(collective_starts) < collectives[stage]:
-                collective_starts.append(max(free_at))
-            end = collective_starts[collectives[stage] - 1] + op_time(stage, op)
-        elif op.kind in SENDS + RECEIVES or op.kind == EXCHANGE:
-            end = start
-            for part, (peer, peer_index, peer_place) in zip(op.unbatched(), partners[(stage, index)]):
-                # the dry-run completes an op only once the ops it exchanges messages with were
-                # posted: the peer's op is this one, one it completed, or the one it goes to next
-                assert peer_index <= position[peer], (stage, op, peer, peer_index)
-                other_posted = posted_at.get((peer, peer_index), free_at[peer])
-                if part.kind in SENDS:
-                    if not buffered_sends:  # a buffered send holds nobody
-                        end = max(end, max(start, other_posted) + message_time(stage, peer, part))
-                    continue
-                send = lowered[peer][peer_index].unbatched()[peer_place]
-                transfer_start = other_posted if buffered_sends else max(start, other_posted)
-                end = max(end, transfer_start + message_time(peer, stage, send))
+    for event in simulate_events(lowered, placement):
+        stage, index = event.stage, event.index
+        if event.kind == REACHED:
+            reached_at[(stage, index)] = now[stage] = free_at[stage]
+        elif event.kind == POSTED:
+            posted = max([now[stage]] + [reached_at[source] for source in event.headers_from])
+            messages = []
+            for part in postings(lowered[stage][index])[event.posting].parts:
+                peer, is_send = part.peer, part.kind in SENDS
+                own = channels[(stage, peer) if is_send else (peer, stage)][0 if is_send else 1]
+                own.append((posted, part))
+                messages.append((part, peer, len(own) - 1, posted))
+            in_flight[stage] = messages
+        elif event.kind == DONE:
+            now[stage] = _posting_end(stage, in_flight.pop(stage), channels, message_time, buffered_sends)
         else:
-            seconds = op_time(stage, op)
-            end = start + seconds
-            busy[stage] += seconds
-        free_at[stage] = end
-        timeline.append(TimedOp(stage, op, start, end))
+            op = lowered[stage][index]
+            start = reached_at.get((stage, index), free_at[stage])
+            if op.kind in _COLLECTIVES:
+                # the dry-run completes a collective on every stage in a row, once all reached it:
+                # when the first completes, every worker's free time is when it reached it
+                collectives[stage] += 1
+                if len(collective_starts) < collectives[stage]:
+                    collective_starts.append(max(free_at))
+                end = collective_starts[collectives[stage] - 1] + op_time(stage, op)
+            elif op.kind in SENDS + RECEIVES or op.kind == EXCHANGE:
+                end = now[stage]
+            else:
+                seconds = op_time(stage, op)
+                end = start + seconds
+                busy[stage] += seconds
+            free_at[stage] = end
+            timeline.append(TimedOp(stage, op, start, end))
     step = max(free_at, default=0.0)
     return TimedRun(step_s=step, busy_s=tuple(busy),
                     bubble_fraction=tuple((step - time) / step if step > 0 else 0.0 for time in busy),
                     timeline=tuple(timeline))
 
 
-def _partners(lowered: list[list[LoweredOp]]) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
-    """Per (stage, index of a SEND/RECV/EXCHANGE in its stage): for each of its
-    messages, in order, the other end: (stage, index of its op, place in the op). Two
-    stages' messages match in issue order (the dry-run has checked they do)."""
-    # per (sender, receiver): each end as (stage, index of its op, place of the message in the op)
-    sends: defaultdict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
-    receives: defaultdict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
-    partners: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for stage, ops in enumerate(lowered):
-        for index, op in enumerate(ops):
-            parts = op.unbatched()
-            if op.kind == EXCHANGE or op.kind in SENDS + RECEIVES:
-                partners[(stage, index)] = [(-1, -1, -1)] * len(parts)
-            for place, part in enumerate(parts):
-                if part.kind in SENDS:
-                    sends[(stage, part.peer)].append((stage, index, place))
-                elif part.kind in RECEIVES:
-                    receives[(part.peer, stage)].append((stage, index, place))
-    for channel, sent in sends.items():
-        for (s_stage, s_index, s_place), (r_stage, r_index, r_place) in zip(sent, receives[channel]):
-            partners[(s_stage, s_index)][s_place] = (r_stage, r_index, r_place)
-            partners[(r_stage, r_index)][r_place] = (s_stage, s_index, s_place)
-    return partners
+def _posting_end(stage: int, messages: list[tuple[LoweredOp, int, int, float]],
+                 channels: defaultdict[tuple[int, int], tuple[list, list]], message_time: Callable,
+                 buffered_sends: bool) -> float:
+    """When a posting of ``stage`` completes: every one of its ``messages`` (part, peer, place in
+    its channel, when posted) has its other end posted (the dry-run completes it only then)."""
+    end = max(posted for _, _, _, posted in messages)
+    for part, peer, place, posted in messages:
+        if part.kind in SENDS:
+            if not buffered_sends:  # a buffered send holds nobody
+                other_posted, _ = channels[(stage, peer)][1][place]
+                end = max(end, max(posted, other_posted) + message_time(stage, peer, part))
+            continue
+        other_posted, send = channels[(peer, stage)][0][place]
+        transfer_start = other_posted if buffered_sends else max(posted, other_posted)
+        end = max(end, transfer_start + message_time(peer, stage, send))
+    return end
 
 
 def _op_time(op_seconds: OpSeconds) -> Callable[[int, LoweredOp], float]:

@@ -267,7 +267,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         sends = [(part, outgoing[part.kind].pop((part.chunk, part.micro_batch)))
                  for part in op.parts if part.kind in ops.SENDS]
         receives = [part for part in op.parts if part.kind in ops.RECEIVES]
-        received = self._channel.exchange(sends, receives, self._message_key)
+        received = self._channel.exchange(sends, receives, self._message_key, op.header_first)
         end = time.time()
         for part, tensor in zip(receives, received):
             incoming[part.kind][part.chunk, part.micro_batch] = tensor

@@ -102,6 +102,31 @@ def test_1f1b_at_two_stages_moves_64_mb_activations_over_nccl(ray_cluster):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpus2
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_chunked_schedules_move_64_mb_activations_over_nccl(ray_cluster, schedule):
+    # Two chunks on each GPU, activations far beyond NCCL's buffering: interleaved sends from the last
+    # worker back to the first, zbv has both ends on worker 0, so each worker's exchanges send on before
+    # they receive. The payloads whose headers the lowering awaits first are received in the exchange's
+    # batch; received after it, the ring would wait forever (a short p2p timeout makes that a failure).
+    # Against one chunk per worker on the object store: the same sums (two micro-batches add alike in
+    # any order), so the same run within rounding.
+    width, rows = 4096, 4096  # one micro-batch's activation: 4096 x 4096 fp32 = 64 MiB
+    generator = torch.Generator().manual_seed(1)
+    batch = (torch.randn(2 * rows, width, generator=generator), torch.randn(2 * rows, 8, generator=generator))
+
+    def layers():
+        return [nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Linear(width, 8)]
+
+    reference = _train(raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, schedule="1f1b", use_gpu=True,
+                                              snapshot_every=0, balance=[2, 2], transport="object_store"),
+                       steps=2, make_layers=layers, batch=batch)
+    chunked = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, schedule=schedule, virtual_stages=2,
+                                     use_gpu=True, snapshot_every=0, balance=[1, 1, 1, 1], p2p_timeout_s=60.0)
+    _assert_same_run(_train(chunked, steps=2, make_layers=layers, batch=batch), reference, rel=1e-5)
+
+
+@pytest.mark.gpu
 def test_pinned_memory_offload_matches_no_offload_on_gpu(ray_cluster):
     base = raypipe.PipelineConfig(num_stages=1, num_micro_batches=4, use_gpu=True, activation_checkpoint="always")
     plain = _train(base)

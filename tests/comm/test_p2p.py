@@ -192,6 +192,15 @@ def tree_activation(step: int, micro_batch: int) -> dict:
             "scale": 0.5, "bf16": hidden[:, :, 0].to(torch.bfloat16)}
 
 
+def receive_tree(channel: P2PChannel, micro_batch: int) -> dict:
+    """Micro-batch ``micro_batch``'s tree from stage 0: the last one in an exchange that awaits its header
+    first (on NCCL's path its payload goes in the exchange's batch, its layout read beforehand)."""
+    if micro_batch < 2:
+        return channel.recv_activation(key(micro_batch), 0)
+    receive = ops.LoweredOp(ops.RECV_ACT, micro_batch, 0)
+    return channel.exchange([], [receive], lambda op: key(op.micro_batch), header_first=[receive])[0]
+
+
 def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
     torch.set_num_threads(1)
     channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
@@ -213,7 +222,7 @@ def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
             else:
                 channel.expect_activations([(key(micro_batch), 0) for micro_batch in micro_batches])
                 for micro_batch in micro_batches:
-                    received, sent = channel.recv_activation(key(micro_batch), 0), tree_activation(step, micro_batch)
+                    received, sent = receive_tree(channel, micro_batch), tree_activation(step, micro_batch)
                     assert received.keys() == sent.keys() and received["scale"] == 0.5
                     torch.testing.assert_close(received["hidden"], sent["hidden"], rtol=0, atol=0)
                     torch.testing.assert_close(received["bf16"], sent["bf16"], rtol=0, atol=0)
@@ -262,14 +271,15 @@ def chunked_activation(step: int, micro_batch: int, boundary: int) -> torch.Tens
     return (values + 10 * boundary).reshape(shape).to(dtype)
 
 
-def run_chunked_stage(rank: int, port: int) -> None:
+def run_chunked_stage(rank: int, port: int, emulated_port: int) -> None:
     """Worker ``rank``'s lowered ops of each of CHUNKED, CHUNKED_STEPS steps each, sending for every
     (micro-batch, boundary) its own tensor (and the negated one back as its gradient), and checking
     that each receive got the tensor its sender sent for it. On gloo, then on the in-order path
-    (NCCL's: tags ignored, a pair's messages matched in issue order) without the emulation (under
-    it, chunked lowerings wait forever: raypipe.config.check_chunks_off_nccl refuses them). On gloo
-    an activation whose shape did not change since last step lands in the receive posted ahead for
-    its key."""
+    (NCCL's: tags ignored, a pair's messages matched in issue order, the payloads the lowering
+    awaits headers for received in the exchange's batch), then in a group joined afresh under NCCL's
+    emulation (rendezvous sends, one stream per rank: with every payload received after its batch, the
+    ring of workers waited forever there). On gloo an activation whose shape did not change since last
+    step lands in the receive posted ahead for its key."""
     from raypipe.comm.matching import InOrder
     from raypipe.core.lowering import lower
     from raypipe.core.schedule import PLACEMENT, make_schedule
@@ -278,11 +288,14 @@ def run_chunked_stage(rank: int, port: int) -> None:
     channel = P2PChannel(Topology(num_stages=CHUNKED_P), 0, rank, torch.device("cpu"), num_chunks=CHUNKED_V)
     channel.join("127.0.0.1", port, timeout_s=60)
     try:
-        for phase in ("gloo", "in order"):
+        for phase in ("gloo", "in order", "emulated"):
             if phase == "in order":  # every message of gloo's steps is in: switch (NCCL predicts no shape)
                 channel._matching = InOrder()
                 channel._messages.sent.clear()
                 channel._messages.received.clear()
+            if phase == "emulated":
+                channel.leave()
+                channel.join("127.0.0.1", emulated_port, timeout_s=60, emulate_nccl=True)
             for name, placement in CHUNKED:
                 assert PLACEMENT[name] == placement
                 # another schedule gives keys other messages: forget the predictions, as joining afresh does
@@ -307,7 +320,8 @@ def run_chunked_stage(rank: int, port: int) -> None:
                         sends = [(part, tensor(part, step)) for part in parts if part.kind in ops.SENDS]
                         receives = [part for part in parts if part.kind in ops.RECEIVES]
                         if op.kind == ops.EXCHANGE:
-                            received.update(zip(receives, channel.exchange(sends, receives, key_of)))
+                            received.update(zip(receives, channel.exchange(sends, receives, key_of,
+                                                                           op.header_first)))
                         elif op.kind == ops.SEND_ACT:
                             channel.send_activation(sends[0][1], key_of(op), op.peer)
                         elif op.kind == ops.SEND_GRAD:
@@ -352,10 +366,13 @@ def test_chunked_lowerings_message_peers_beyond_the_neighbours_under_distinct_ke
     first = ops.unbatch(v_shaped[0])
     assert {op.peer for op in first if op.kind in (ops.SEND_ACT, ops.RECV_ACT)} == {1}
     assert {op.kind for op in first if op.kind in (ops.SEND_ACT, ops.RECV_ACT)} == {ops.SEND_ACT, ops.RECV_ACT}
+    # both await some headers first: the in-order runs below receive those payloads in the exchange's batch
+    assert all(any(op.header_first for ops_of_worker in lowered for op in ops_of_worker)
+               for lowered in (looped, v_shaped))
 
 
 def test_interleaved_and_zbv_lowerings_deliver_every_message_to_its_peer_under_its_key():
-    mp.start_processes(run_chunked_stage, args=(free_port(),), nprocs=CHUNKED_P, start_method="spawn")
+    mp.start_processes(run_chunked_stage, args=(free_port(), free_port()), nprocs=CHUNKED_P, start_method="spawn")
 
 
 def test_a_peer_must_be_another_stage_of_the_pipeline():

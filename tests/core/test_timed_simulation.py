@@ -136,29 +136,47 @@ def test_busy_time_is_the_sum_of_the_compute_ops_and_the_run_keeps_the_rendezvou
 def _assert_the_timed_rule(lowered, run, op_seconds, message_times):
     """The rule checked op by op from the timeline alone: each worker runs its ops back to
     back from 0; a compute op takes its time; a SEND/RECV/EXCHANGE ends when its last
-    message does, a message starting when both its ends are posted; a collective starts
-    when every worker has reached it."""
+    message does, a message starting when both its ends are posted, an exchange's
+    activation receive (one chunk per worker: at most one, last) posted only once the rest
+    of the exchange (its batch) completed; a collective starts when every worker has reached it."""
     spans = {stage: [(timed.start, timed.end) for timed in run.timeline if timed.stage == stage]
              for stage in range(len(lowered))}
     for stage, ops in enumerate(lowered):
         assert [timed.op for timed in run.timeline if timed.stage == stage] == ops
         ends = [0.0] + [end for _, end in spans[stage]]
         assert [start for start, _ in spans[stage]] == ends[:-1]
-    ends_of_parts = {}  # (stage, op index) -> when each of its messages completes
-    sent, received = {}, {}
+    sent, received = {}, {}  # per channel, each end as (stage, op index, place in the op), in issue order
     for stage, ops in enumerate(lowered):
         for index, op in enumerate(ops):
-            for part in (op.parts if op.kind == EXCHANGE else (op,)):
+            parts = op.parts if op.kind == EXCHANGE else (op,)
+            assert [part.kind for part in parts].count(RECV_ACT) <= 1 and not op.header_first
+            for place, part in enumerate(parts):
                 if part.kind in SENDS:
-                    sent.setdefault((stage, part.peer), []).append((index, part))
+                    sent.setdefault((stage, part.peer), []).append((stage, index, place))
                 elif part.kind in RECEIVES:
-                    received.setdefault((part.peer, stage), []).append(index)
-    for (sender, receiver), sends in sent.items():
-        for (send_index, send), receive_index in zip(sends, received[(sender, receiver)]):
-            begins = max(spans[sender][send_index][0], spans[receiver][receive_index][0])
-            end = begins + message_times[(sender, receiver, send)]
-            ends_of_parts.setdefault((sender, send_index), []).append(end)
-            ends_of_parts.setdefault((receiver, receive_index), []).append(end)
+                    received.setdefault((part.peer, stage), []).append((stage, index, place))
+    other_end, time_of = {}, {}
+    for channel, sends in sent.items():
+        for send_end, receive_end in zip(sends, received[channel]):
+            other_end[send_end], other_end[receive_end] = receive_end, send_end
+            send = lowered[send_end[0]][send_end[1]]
+            time_of[send_end] = time_of[receive_end] = message_times[
+                (*channel, send.parts[send_end[2]] if send.kind == EXCHANGE else send)]
+    posted = {end: spans[end[0]][end[1]][0] for end in other_end}  # raised to the batch's end where received after
+    ends_of_parts, settled = {}, None
+    while settled != posted:  # to the fixed point: each round settles at least one more posting
+        settled = dict(posted)
+        for end in posted:
+            ends_of_parts[end] = max(posted[end], posted[other_end[end]]) + time_of[end]
+        batch_ends = {}
+        for (stage, index, place), end in ends_of_parts.items():
+            op = lowered[stage][index]
+            if op.kind == EXCHANGE and op.parts[place].kind != RECV_ACT:
+                batch_ends[(stage, index)] = max(end, batch_ends.get((stage, index), spans[stage][index][0]))
+        for (stage, index, place) in posted:
+            op = lowered[stage][index]
+            if op.kind == EXCHANGE and op.parts[place].kind == RECV_ACT:
+                posted[(stage, index, place)] = batch_ends.get((stage, index), spans[stage][index][0])
     for stage, ops in enumerate(lowered):
         for index, op in enumerate(ops):
             start, end = spans[stage][index]
@@ -168,7 +186,7 @@ def _assert_the_timed_rule(lowered, run, op_seconds, message_times):
                 from_the_end = index - len(ops)  # the collectives close every stage
                 assert end == max(spans[other][from_the_end][0] for other in spans)
             else:
-                assert end == max(ends_of_parts[(stage, index)])
+                assert end == max(ends_of_parts[(stage, index, place)] for place in range(len(op.unbatched())))
 
 
 @pytest.mark.parametrize("name", SCHEDULE_BUILDERS)

@@ -148,17 +148,15 @@ def test_1f1b_with_global_clipping_matches_single_process_reference(ray_cluster,
 # Model chunks on Ray (v chunks on each worker, activations crossing back from the last worker to the first,
 # zbv's both ends on worker 0): a pairwise subset; the whole matrix (every chunked schedule x activation
 # checkpointing x replicas with ZeRO-1, bf16 and fp16) runs the same workers in-process in
-# tests/testing/test_op_interpreter.py. Over gloo only: see the next test.
+# tests/testing/test_op_interpreter.py. Over gloo here; two of them under NCCL's emulation below.
 CHUNKED = [("interleaved_1f1b", 2, 2, 4, {}, 1),
            ("interleaved_1f1b", 3, 2, 3, {"activation_checkpoint": "except_last"}, 1),
            ("zbv", 2, 2, 3, {"activation_checkpoint": "always"}, 2),
            ("zbv", 3, 2, 4, {"activation_checkpoint_segments": 1}, 1)]
 
 
-@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas", CHUNKED,
-                         ids=lambda value: str(value))
-def test_chunked_schedules_match_single_process_reference(ray_cluster, schedule, num_stages, virtual_stages,
-                                                          num_micro_batches, mode, num_replicas):
+def assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,
+                                                        mode, num_replicas):
     model = make_mlp()
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
@@ -179,13 +177,22 @@ def test_chunked_schedules_match_single_process_reference(ray_cluster, schedule,
         assert trainer.evaluate(x, y) == pytest.approx(expected, rel=1e-5)  # forward through every chunk in order
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
-def test_chunked_schedules_over_nccl_are_refused_before_any_worker_starts(ray_cluster, monkeypatch, schedule):
-    """On NCCL (here its emulation) an exchange receives an activation's payload behind its batch's
-    sends, so a chunked lowering would wait forever: a clear error first (raypipe.config.check_chunks_off_nccl)."""
+@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas", CHUNKED,
+                         ids=lambda value: str(value))
+def test_chunked_schedules_match_single_process_reference(ray_cluster, schedule, num_stages, virtual_stages,
+                                                          num_micro_batches, mode, num_replicas):
+    assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,
+                                                        mode, num_replicas)
+
+
+@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas",
+                         [CHUNKED[1], CHUNKED[3]], ids=lambda value: str(value))
+def test_chunked_schedules_under_nccls_emulation_match_single_process_reference(
+        ray_cluster, monkeypatch, schedule, num_stages, virtual_stages, num_micro_batches, mode, num_replicas):
+    """Under NCCL's emulation (RAYPIPE_EMULATE_NCCL=1: rendezvous sends, one stream per rank, a pair's
+    messages matched in issue order) a ring of three chunked workers each sending on before it receives
+    completes: its exchanges receive the payloads the lowering awaits headers for in their batches (with
+    every payload after its batch, as before, it waited forever)."""
     monkeypatch.setenv("RAYPIPE_EMULATE_NCCL", "1")
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, schedule=schedule, virtual_stages=2)
-    with pytest.raises(raypipe.ConfigError, match="runs on CPU workers over gloo only for now"):
-        raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config)
-    with pytest.raises(raypipe.ConfigError, match="invalid schedule=.*over NCCL its exchanges would wait forever"):
-        config.replace(use_gpu=True).validate()
+    assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,
+                                                        mode, num_replicas)
