@@ -14,7 +14,8 @@ placement group (as few nodes as hold it), its bundles in stage order.
    recomputed micro-batch's forward; a message takes its link's latency plus the stage
    output's bytes (``output_bytes`` x b) over its bandwidth. Sends are buffered, as the
    executors post them (``buffered_sends=True``). Each distinct placement pattern of the
-   replicas is simulated; the slowest sets the pace.
+   replicas is simulated; the slowest sets the pace. (The figures are ``simulate_timed``'s,
+   evaluated by :mod:`raypipe.planning.pipeline_timing` without the dry-run's checks and order.)
 2. *Data-parallel reduction*, per stage, started when the stage's last backward ends (the
    executor starts it then, overlapping the other stages' remaining work): a ring all-reduce
    of the stage's gradients, ``2 (d-1)/d x bytes / bw + 2 (d-1) x latency``, or with ZeRO-1 a
@@ -58,14 +59,14 @@ from dataclasses import dataclass
 
 from raypipe.config import CHECKPOINT_MODES
 from raypipe.core.lowering import lower
-from raypipe.core.ops import B, F, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, LoweredOp, Op
+from raypipe.core.ops import B, F, OPTIMIZER_STEP, REDUCE_GRAD, LoweredOp, Op
 from raypipe.core.partition import partition_by_cost
 from raypipe.core.schedule import gpipe_schedule, make_schedule, one_f_one_b_schedule, zb_h1_schedule
-from raypipe.core.timed_simulation import simulate_timed
 from raypipe.models.layers import LayerCost, LayerSpec
 from raypipe.models.llama_memory import static_bytes_per_parameter
 from raypipe.planning.balance import balance_by_time, cost_stage_bytes
 from raypipe.planning.cluster_spec import Cluster, Link
+from raypipe.planning.pipeline_timing import PipelineTiming, time_buffered_pipeline
 
 
 # -- one step -----------------------------------------------------------------------
@@ -264,8 +265,10 @@ def _recomputed(shape: StepShape, micro_batch: int | None) -> bool:
     return shape.activation_checkpoint == "except_last" and micro_batch != shape.num_micro_batches - 1
 
 
-def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int):
-    """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``."""
+def _pipeline_timers(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int
+                     ) -> tuple[Callable[[int, LoweredOp], float], Callable[[int, int, LoweredOp], float]]:
+    """The op and message times of the replica whose stage 0 is on GPU ``first_gpu``, as the
+    timed simulation takes them (``op_seconds``, ``message_seconds``)."""
 
     overhead = cluster.op_overhead_s  # around every compute op (see the module's 5.)
 
@@ -287,8 +290,16 @@ def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, f
         boundary = min(sender, receiver)  # activations of stage s -> s+1, and their gradients back
         return cluster.link(first_gpu + sender, first_gpu + receiver).seconds(times.message_bytes[boundary])
 
-    lowered = [list(ops) for ops in _lowered(shape.schedule, shape.num_stages, shape.num_micro_batches)]
-    return simulate_timed(lowered, op_seconds, message_seconds, buffered_sends=True)
+    return op_seconds, message_seconds
+
+
+def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int) -> PipelineTiming:
+    """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``: the timed
+    simulation's figures (``simulate_timed(..., buffered_sends=True)``), evaluated without its
+    dry-run (:mod:`raypipe.planning.pipeline_timing` says why, and why the figures are the same)."""
+    op_seconds, message_seconds = _pipeline_timers(times, shape, cluster, first_gpu)
+    return time_buffered_pipeline(_lowered(shape.schedule, shape.num_stages, shape.num_micro_batches),
+                                  op_seconds, message_seconds)
 
 
 def _replica_starts(shape: StepShape, cluster: Cluster) -> list[int]:
@@ -347,15 +358,10 @@ def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
 
 @dataclass(frozen=True)
 class PipelineRun:
-    """What a prediction reads of one replica's timed pipeline (per stage: the end of its last
-    compute op, when it first posts a receive, inf with none, and its busy seconds)."""
+    """One replica placement's timed pipeline, as a prediction reads it."""
 
     first_gpu: int
-    step_s: float
-    busy_s: tuple[float, ...]
-    last_compute: tuple[float, ...]
-    first_wait: tuple[float, ...]
-    compute_ops: int  # F, B, I and W ops, each of which carries the cluster's op_overhead_s
+    timing: PipelineTiming
 
 
 def pipeline_runs(costs: Sequence[LayerCost], split: Sequence[int], shape: StepShape,
@@ -364,21 +370,8 @@ def pipeline_runs(costs: Sequence[LayerCost], split: Sequence[int], shape: StepS
     :func:`predict_split` reads it. It does not depend on ``shape.snapshot_every``: a prediction
     of the same split at another snapshot cadence can reuse it."""
     times = _stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
-    runs = []
-    for first_gpu in _replica_starts(shape, cluster):
-        run = _simulate_pipeline(times, shape, cluster, first_gpu)
-        last_compute = [0.0] * shape.num_stages
-        first_wait = [math.inf] * shape.num_stages  # when the stage first posts a receive (0 with none)
-        compute_ops = 0
-        for timed in run.timeline:
-            if timed.op.kind in (F, B, "I", "W"):
-                last_compute[timed.stage] = max(last_compute[timed.stage], timed.end)
-                compute_ops += 1
-            if any(part.kind in RECEIVES for part in timed.op.unbatched()):
-                first_wait[timed.stage] = min(first_wait[timed.stage], timed.start)
-        runs.append(PipelineRun(first_gpu, run.step_s, run.busy_s, tuple(last_compute), tuple(first_wait),
-                                compute_ops))
-    return tuple(runs)
+    return tuple(PipelineRun(first_gpu, _simulate_pipeline(times, shape, cluster, first_gpu))
+                 for first_gpu in _replica_starts(shape, cluster))
 
 
 def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: Sequence[int],
@@ -392,7 +385,8 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
     reduce, optimizer, snapshot = _tail_seconds(parameters, shape, cluster)
     step = pipeline = reduction_exposed = snapshot_exposed = 0.0
     pipeline_bubble = 0.0
-    for run in pipeline_runs(costs, split, shape, cluster) if runs is None else runs:
+    for placement in pipeline_runs(costs, split, shape, cluster) if runs is None else runs:
+        run = placement.timing
         decided = max([run.step_s] + [end + seconds for end, seconds in zip(run.last_compute, reduce)])
         tail = max(optimizer)
         # each stage's copy runs from its first wait; the commit after the decision waits for it
