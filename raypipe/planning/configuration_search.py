@@ -22,6 +22,7 @@ stage's state copied every step can cost more than the step (a 7B on 8 stages at
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -104,18 +105,42 @@ class LlamaStageBytes:
         self._peaks = _walk_peaks(shape.schedule, shape.num_stages, shape.num_micro_batches,
                                   shape.activation_checkpoint)
         self.num_layers = len(kinds)
+        # a one-layer stage's bytes depend on the layer only through these three (all integers):
+        # per distinct triple, the layers that have it, in order (a LLaMA: its blocks share one)
+        alike: dict[tuple[int, int, int], list[int]] = {}
+        for layer in range(self.num_layers):
+            alike.setdefault(self._one_layer_terms(layer), []).append(layer)
+        self._alike_layers = list(alike.values())
 
     def parameters(self, start: int, end: int) -> int:
         return self._params[end] - self._params[start]
 
     def __call__(self, stage: int, start: int, end: int) -> int:
-        count = self.parameters(start, end)
+        count = self._params[end] - self._params[start]
         master, optimizer, shards = self._per_param_sharded
         static = count * self._per_param_unsharded + -(-count * master // shards) + -(-count * optimizer // shards)
         holds_loss = end == self.num_layers
         graph = self._saved[end] - self._saved[start] + (self._loss if holds_loss else self._input[end])
         kept_input = self._input[start]
-        return static + max(graphs * graph + inputs * kept_input for graphs, inputs in self._peaks[stage])
+        return static + max([graphs * graph + inputs * kept_input for graphs, inputs in self._peaks[stage]])
+
+    def _one_layer_terms(self, layer: int) -> tuple[int, int, int]:
+        """What ``self(stage, layer, layer + 1)`` reads of the layer: its parameters, its graph
+        (with the output it keeps, or the loss) and its input."""
+        end = layer + 1
+        graph = self._saved[end] - self._saved[layer] + (self._loss if end == self.num_layers else self._input[end])
+        return self.parameters(layer, end), graph, self._input[layer]
+
+    def least_one_layer(self, stage: int, first: int, end: int) -> int:
+        """The least bytes ``stage`` needs holding one of the layers ``first .. end - 1``:
+        ``min(self(stage, layer, layer + 1) ...)``, asked once per kind of layer alike in
+        parameters, graph and input instead of once per layer."""
+        firsts = []  # the first layer in range of each kind
+        for layers in self._alike_layers:
+            at = bisect.bisect_left(layers, first)
+            if at < len(layers) and layers[at] < end:
+                firsts.append(layers[at])
+        return min(self(stage, layer, layer + 1) for layer in firsts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -124,12 +149,12 @@ def _walk_peaks(schedule: str, num_stages: int, num_micro_batches: int, activati
     """Per stage, every (kept graphs, kept inputs) the memory model's walk
     (:func:`raypipe.planning.memory._walk`, no offload) may peak at."""
     out = []
+    always, except_last = activation_checkpoint == "always", activation_checkpoint == "except_last"
     for ops in shared_schedule_ops(schedule, num_stages, num_micro_batches):
         graphs = inputs = 0
         points = {(0, 0)}
         for op in ops:
-            recompute = activation_checkpoint == "always" or (
-                activation_checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
+            recompute = always or (except_last and op.micro_batch != num_micro_batches - 1)
             if op.kind == F:
                 graphs, inputs = (graphs, inputs + 1) if recompute else (graphs + 1, inputs)
             elif op.kind == I:  # a split backward: a recomputed graph is rebuilt here and held until W
@@ -214,8 +239,7 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
         worst = max(bytes_of(stage, start, end) for stage, (start, end) in enumerate(bounds))
         if worst > limit:
             # a stage holds at least one layer: where even its cheapest layer does not fit, nothing does
-            least = max(min(bytes_of(stage, layer, layer + 1)
-                            for layer in range(stage, num_layers - (shape.num_stages - 1 - stage)))
+            least = max(bytes_of.least_one_layer(stage, stage, num_layers - (shape.num_stages - 1 - stage))
                         for stage in range(shape.num_stages))
             smallest = least if smallest is None else min(smallest, least)
             if least > limit:
