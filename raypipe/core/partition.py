@@ -36,23 +36,35 @@ def min_max_partition(times: Sequence[float], num_stages: int,
     cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for stages in range(1, num_stages + 1):
-        # the layers after ``end`` must leave one for each later stage
-        for end in range(stages, num_layers - (num_stages - stages) + 1):
-            pairs = ((max(best[stages - 1][start], prefix[end] - prefix[start]), start)
-                     for start in range(stages - 1, end))
-            if fits is None:  # the smallest bottleneck, then the smallest start
-                best[stages][end], cut[stages][end] = min(pairs)
+        previous = best[stages - 1]
+        # only starts the earlier stages can reach: any other gives an infinite bottleneck, which
+        # never wins (the search is over once only those are left), so it is not looked at
+        reachable = [start for start in range(stages - 1, num_layers) if previous[start] != inf]
+        # the layers after ``end`` must leave one for each later stage; the last stage ends at the
+        # last layer (no other end of it is read back)
+        first_end = num_layers if stages == num_stages else stages
+        for end in range(first_end, num_layers - (num_stages - stages) + 1):
+            pairs = [(max(previous[start], prefix[end] - prefix[start]), start)
+                     for start in reachable if start < end]
+            if not pairs:
                 continue
-            # the best start among those that fit, tried in that order, so a stage's memory is
-            # asked about only until one fits
-            candidates = sorted((max(best[stages - 1][start], prefix[end] - prefix[start]), start)
-                                for start in range(stages - 1, end))
-            for candidate, start in candidates:
-                if candidate == inf:
-                    break
-                if fits is None or fits(stages - 1, start, end):
-                    best[stages][end], cut[stages][end] = candidate, start
-                    break
+            # the smallest bottleneck, then the smallest start; with ``fits``, the first of that
+            # order which fits, a stage's memory asked only until one does. The smallest pair is
+            # the first in that order: most often it fits, and the rest need not be sorted
+            chosen = min(pairs)
+            if chosen[0] == inf:  # no finite bottleneck: the cell stays unreachable
+                continue
+            if fits is not None and not fits(stages - 1, chosen[1], end):
+                chosen = None
+                for pair in sorted(pairs)[1:]:
+                    if pair[0] == inf:
+                        break
+                    if fits(stages - 1, pair[1], end):
+                        chosen = pair
+                        break
+                if chosen is None:
+                    continue
+            best[stages][end], cut[stages][end] = chosen
     if best[num_stages][num_layers] == inf:
         raise ValueError(f"no contiguous split of {num_layers} layers into {num_stages} stages fits")
     sizes, end = [], num_layers

@@ -58,9 +58,28 @@ def balance_by_time(costs: Sequence[LayerCost], num_stages: int, *, activation_c
 
     Raises :class:`ConfigError` naming the limit when no split fits it.
     """
-    times = [layer_step_flops(cost, activation_checkpoint, num_micro_batches) for cost in costs]
     if memory_limit_bytes is None:
+        times = [layer_step_flops(cost, activation_checkpoint, num_micro_batches) for cost in costs]
         return min_max_partition(times, num_stages)
+    split = fastest_split_within(costs, num_stages, stage_bytes, memory_limit_bytes,
+                                 activation_checkpoint=activation_checkpoint, num_micro_batches=num_micro_batches)
+    if split is None:
+        smallest = min(stage_bytes(stage, layer, layer + 1) for stage in range(num_stages)
+                       for layer in range(stage, len(costs) - (num_stages - 1 - stage)))
+        raise ConfigError("memory_limit_bytes", memory_limit_bytes,
+                          f"no split of {len(costs)} layers into {num_stages} stages keeps every stage within "
+                          f"{format_bytes(memory_limit_bytes)} (a single layer's stage needs at least "
+                          f"{format_bytes(smallest)}): raise the limit, add stages, or recompute activations")
+    return split
+
+
+def fastest_split_within(costs: Sequence[LayerCost], num_stages: int, stage_bytes: StageBytes | None,
+                         memory_limit_bytes: int, *, activation_checkpoint: str = "never",
+                         num_micro_batches: int = 1) -> list[int] | None:
+    """:func:`balance_by_time`'s split within ``memory_limit_bytes``, or None where no split fits
+    (where :func:`balance_by_time` raises, after a scan of every stage's smallest layer for its
+    message, which a caller that only drops such a configuration, as the search does, need not pay)."""
+    times = [layer_step_flops(cost, activation_checkpoint, num_micro_batches) for cost in costs]
     if stage_bytes is None:
         raise ValueError("a memory limit needs stage_bytes (e.g. cost_stage_bytes or llama_stage_bytes)")
     check_positive_int("memory_limit_bytes", memory_limit_bytes)
@@ -68,13 +87,7 @@ def balance_by_time(costs: Sequence[LayerCost], num_stages: int, *, activation_c
         return min_max_partition(times, num_stages,
                                  lambda stage, start, end: stage_bytes(stage, start, end) <= memory_limit_bytes)
     except ValueError:
-        smallest = min(stage_bytes(stage, layer, layer + 1) for stage in range(num_stages)
-                       for layer in range(stage, len(costs) - (num_stages - 1 - stage)))
-        raise ConfigError("memory_limit_bytes", memory_limit_bytes,
-                          f"no split of {len(costs)} layers into {num_stages} stages keeps every stage within "
-                          f"{format_bytes(memory_limit_bytes)} (a single layer's stage needs at least "
-                          f"{format_bytes(smallest)}): raise the limit, add stages, or recompute activations"
-                          ) from None
+        return None
 
 
 def cost_stage_bytes(costs: Sequence[LayerCost], num_stages: int, *, num_micro_batches: int = 1,

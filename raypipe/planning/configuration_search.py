@@ -22,6 +22,7 @@ stage's state copied every step can cost more than the step (a 7B on 8 stages at
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -32,10 +33,10 @@ from raypipe.models.llama import LlamaConfig
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
                                          stage_input_bytes, static_bytes_per_parameter)
-from raypipe.planning.balance import balance_by_time, layer_step_flops, min_max_partition
+from raypipe.planning.balance import fastest_split_within, layer_step_flops, min_max_partition
 from raypipe.planning.cluster_spec import Cluster
-from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, predict_split, schedule_ops,
-                                      stage_bounds)
+from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, pipeline_runs, predict_split,
+                                      shared_schedule_ops, stage_bounds)
 
 SEARCH_SCHEDULES = SINGLE_CHUNK_SCHEDULES  # gpipe, 1f1b, zb_h1: the predictor models one chunk per worker
 SEARCH_RECOMPUTE = ("never", "always")
@@ -104,18 +105,42 @@ class LlamaStageBytes:
         self._peaks = _walk_peaks(shape.schedule, shape.num_stages, shape.num_micro_batches,
                                   shape.activation_checkpoint)
         self.num_layers = len(kinds)
+        # a one-layer stage's bytes depend on the layer only through these three (all integers):
+        # per distinct triple, the layers that have it, in order (a LLaMA: its blocks share one)
+        alike: dict[tuple[int, int, int], list[int]] = {}
+        for layer in range(self.num_layers):
+            alike.setdefault(self._one_layer_terms(layer), []).append(layer)
+        self._alike_layers = list(alike.values())
 
     def parameters(self, start: int, end: int) -> int:
         return self._params[end] - self._params[start]
 
     def __call__(self, stage: int, start: int, end: int) -> int:
-        count = self.parameters(start, end)
+        count = self._params[end] - self._params[start]
         master, optimizer, shards = self._per_param_sharded
         static = count * self._per_param_unsharded + -(-count * master // shards) + -(-count * optimizer // shards)
         holds_loss = end == self.num_layers
         graph = self._saved[end] - self._saved[start] + (self._loss if holds_loss else self._input[end])
         kept_input = self._input[start]
-        return static + max(graphs * graph + inputs * kept_input for graphs, inputs in self._peaks[stage])
+        return static + max([graphs * graph + inputs * kept_input for graphs, inputs in self._peaks[stage]])
+
+    def _one_layer_terms(self, layer: int) -> tuple[int, int, int]:
+        """What ``self(stage, layer, layer + 1)`` reads of the layer: its parameters, its graph
+        (with the output it keeps, or the loss) and its input."""
+        end = layer + 1
+        graph = self._saved[end] - self._saved[layer] + (self._loss if end == self.num_layers else self._input[end])
+        return self.parameters(layer, end), graph, self._input[layer]
+
+    def least_one_layer(self, stage: int, first: int, end: int) -> int:
+        """The least bytes ``stage`` needs holding one of the layers ``first .. end - 1``:
+        ``min(self(stage, layer, layer + 1) ...)``, asked once per kind of layer alike in
+        parameters, graph and input instead of once per layer."""
+        firsts = []  # the first layer in range of each kind
+        for layers in self._alike_layers:
+            at = bisect.bisect_left(layers, first)
+            if at < len(layers) and layers[at] < end:
+                firsts.append(layers[at])
+        return min(self(stage, layer, layer + 1) for layer in firsts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -124,12 +149,12 @@ def _walk_peaks(schedule: str, num_stages: int, num_micro_batches: int, activati
     """Per stage, every (kept graphs, kept inputs) the memory model's walk
     (:func:`raypipe.planning.memory._walk`, no offload) may peak at."""
     out = []
-    for ops in schedule_ops(schedule, num_stages, num_micro_batches):
+    always, except_last = activation_checkpoint == "always", activation_checkpoint == "except_last"
+    for ops in shared_schedule_ops(schedule, num_stages, num_micro_batches):
         graphs = inputs = 0
         points = {(0, 0)}
         for op in ops:
-            recompute = activation_checkpoint == "always" or (
-                activation_checkpoint == "except_last" and op.micro_batch != num_micro_batches - 1)
+            recompute = always or (except_last and op.micro_batch != num_micro_batches - 1)
             if op.kind == F:
                 graphs, inputs = (graphs, inputs + 1) if recompute else (graphs + 1, inputs)
             elif op.kind == I:  # a split backward: a recomputed graph is rebuilt here and held until W
@@ -141,11 +166,20 @@ def _walk_peaks(schedule: str, num_stages: int, num_micro_batches: int, activati
                     points.add((graphs + 1, inputs - 1))
                 graphs, inputs = (graphs, inputs - 1) if recompute else (graphs - 1, inputs)
             points.add((graphs, inputs))
-        # only the points no other one exceeds in both counts can be the peak (bytes are >= 0)
-        out.append(tuple(point for point in points
-                         if not any(other != point and other[0] >= point[0] and other[1] >= point[1]
-                                    for other in points)))
+        out.append(_undominated(points))
     return tuple(out)
+
+
+def _undominated(points: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The points no other one is at least in both counts: only they can be the peak (bytes are
+    >= 0). Most graphs first: a point is kept when it has more inputs than every point before it
+    (those have more graphs, or as many and more inputs), one pass instead of all pairs."""
+    kept, most_inputs = [], None
+    for graphs, inputs in sorted(points, reverse=True):
+        if most_inputs is None or inputs > most_inputs:
+            kept.append((graphs, inputs))
+            most_inputs = inputs
+    return tuple(kept)
 
 
 def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision: str = "bf16",
@@ -205,17 +239,18 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
         worst = max(bytes_of(stage, start, end) for stage, (start, end) in enumerate(bounds))
         if worst > limit:
             # a stage holds at least one layer: where even its cheapest layer does not fit, nothing does
-            least = max(min(bytes_of(stage, layer, layer + 1)
-                            for layer in range(stage, num_layers - (shape.num_stages - 1 - stage)))
+            least = max(bytes_of.least_one_layer(stage, stage, num_layers - (shape.num_stages - 1 - stage))
                         for stage in range(shape.num_stages))
             smallest = least if smallest is None else min(smallest, least)
             if least > limit:
                 continue
-            try:
-                split = balance_by_time(costs, shape.num_stages, activation_checkpoint=shape.activation_checkpoint,
-                                        num_micro_batches=shape.num_micro_batches, stage_bytes=bytes_of,
-                                        memory_limit_bytes=limit)
+            try:  # balance_by_time's split within the limit (it raises where the limit is not an int >= 1)
+                split = fastest_split_within(costs, shape.num_stages, bytes_of, limit,
+                                             activation_checkpoint=shape.activation_checkpoint,
+                                             num_micro_batches=shape.num_micro_batches)
             except ValueError:
+                continue
+            if split is None:
                 continue
             mode = "memory"
         fitting.append((0.0, index, shape, mode, split, bytes_of))
@@ -235,10 +270,12 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
         if len(best) >= top and ceiling <= best[-1].prediction.tokens_per_s:
             break  # nothing later can enter the top
         memory = [bytes_of(stage, start, end) for stage, (start, end) in enumerate(stage_bounds(split))]
-        prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster)
+        runs = pipeline_runs(costs, split, shape, cluster)
+        prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, runs)
         if snapshot_every is None and prediction.snapshot_exposed_s > 0:
+            # another cadence changes only what follows the pipeline: its simulation is reused
             shape = replace(shape, snapshot_every=snapshot_cadence(prediction))
-            prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster)
+            prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, runs)
         simulated += 1
         best.append(Candidate(shape, mode, prediction))
         best.sort(key=lambda c: -c.prediction.tokens_per_s)

@@ -14,7 +14,8 @@ placement group (as few nodes as hold it), its bundles in stage order.
    recomputed micro-batch's forward; a message takes its link's latency plus the stage
    output's bytes (``output_bytes`` x b) over its bandwidth. Sends are buffered, as the
    executors post them (``buffered_sends=True``). Each distinct placement pattern of the
-   replicas is simulated; the slowest sets the pace.
+   replicas is simulated; the slowest sets the pace. (The figures are ``simulate_timed``'s,
+   evaluated by :mod:`raypipe.planning.pipeline_timing` without the dry-run's checks and order.)
 2. *Data-parallel reduction*, per stage, started when the stage's last backward ends (the
    executor starts it then, overlapping the other stages' remaining work): a ring all-reduce
    of the stage's gradients, ``2 (d-1)/d x bytes / bw + 2 (d-1) x latency``, or with ZeRO-1 a
@@ -58,14 +59,14 @@ from dataclasses import dataclass
 
 from raypipe.config import CHECKPOINT_MODES
 from raypipe.core.lowering import lower
-from raypipe.core.ops import B, F, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, LoweredOp, Op
+from raypipe.core.ops import B, F, OPTIMIZER_STEP, REDUCE_GRAD, LoweredOp, Op
 from raypipe.core.partition import partition_by_cost
 from raypipe.core.schedule import gpipe_schedule, make_schedule, one_f_one_b_schedule, zb_h1_schedule
-from raypipe.core.timed_simulation import simulate_timed
 from raypipe.models.layers import LayerCost, LayerSpec
 from raypipe.models.llama_memory import static_bytes_per_parameter
 from raypipe.planning.balance import balance_by_time, cost_stage_bytes
 from raypipe.planning.cluster_spec import Cluster, Link
+from raypipe.planning.pipeline_timing import PipelineTiming, time_buffered_pipeline
 
 
 # -- one step -----------------------------------------------------------------------
@@ -206,10 +207,31 @@ def schedule_ops(name: str, num_stages: int, num_micro_batches: int) -> list[lis
     return make_schedule(name, num_stages, num_micro_batches)
 
 
+@functools.lru_cache(maxsize=2)
+def shared_schedule_ops(name: str, num_stages: int, num_micro_batches: int) -> tuple[tuple[Op, ...], ...]:
+    """:func:`schedule_ops`, read-only and kept for the last two shapes asked: the search walks a
+    shape's memory once per recompute mode and then lowers it, one shape after another (a large
+    shape's ops are ~100 MB, so only the shapes in use are kept)."""
+    return tuple(tuple(ops) for ops in schedule_ops(name, num_stages, num_micro_batches))
+
+
 @functools.lru_cache(maxsize=64)
 def _lowered(schedule: str, num_stages: int, num_micro_batches: int) -> tuple[tuple[LoweredOp, ...], ...]:
     # once per shape: the search simulates many configurations of one schedule shape
-    return tuple(tuple(ops) for ops in lower(schedule_ops(schedule, num_stages, num_micro_batches)))
+    ops = shared_schedule_ops(schedule, num_stages, num_micro_batches)
+    return tuple(tuple(lowered) for lowered in lower([list(stage_ops) for stage_ops in ops]))
+
+
+@functools.lru_cache(maxsize=256)
+def _split_backward_tails(schedule: str, num_stages: int, num_micro_batches: int) -> tuple[tuple[bool, int], ...]:
+    """Per stage of the schedule: whether it splits the backward into I and W, and how many W
+    ops come after its last I (once per shape: :func:`optimistic_step_s` bounds every candidate)."""
+    out = []
+    for ops in shared_schedule_ops(schedule, num_stages, num_micro_batches):
+        kinds = [op.kind for op in ops]
+        split = "I" in kinds
+        out.append((split, kinds[len(kinds) - kinds[::-1].index("I"):].count("W") if split else 0))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -243,8 +265,10 @@ def _recomputed(shape: StepShape, micro_batch: int | None) -> bool:
     return shape.activation_checkpoint == "except_last" and micro_batch != shape.num_micro_batches - 1
 
 
-def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int):
-    """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``."""
+def _pipeline_timers(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int
+                     ) -> tuple[Callable[[int, LoweredOp], float], Callable[[int, int, LoweredOp], float]]:
+    """The op and message times of the replica whose stage 0 is on GPU ``first_gpu``, as the
+    timed simulation takes them (``op_seconds``, ``message_seconds``)."""
 
     overhead = cluster.op_overhead_s  # around every compute op (see the module's 5.)
 
@@ -266,8 +290,16 @@ def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, f
         boundary = min(sender, receiver)  # activations of stage s -> s+1, and their gradients back
         return cluster.link(first_gpu + sender, first_gpu + receiver).seconds(times.message_bytes[boundary])
 
-    lowered = [list(ops) for ops in _lowered(shape.schedule, shape.num_stages, shape.num_micro_batches)]
-    return simulate_timed(lowered, op_seconds, message_seconds, buffered_sends=True)
+    return op_seconds, message_seconds
+
+
+def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int) -> PipelineTiming:
+    """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``: the timed
+    simulation's figures (``simulate_timed(..., buffered_sends=True)``), evaluated without its
+    dry-run (:mod:`raypipe.planning.pipeline_timing` says why, and why the figures are the same)."""
+    op_seconds, message_seconds = _pipeline_timers(times, shape, cluster, first_gpu)
+    return time_buffered_pipeline(_lowered(shape.schedule, shape.num_stages, shape.num_micro_batches),
+                                  op_seconds, message_seconds)
 
 
 def _replica_starts(shape: StepShape, cluster: Cluster) -> list[int]:
@@ -324,35 +356,48 @@ def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
     return reduce, optimizer, snapshot
 
 
+@dataclass(frozen=True)
+class PipelineRun:
+    """One replica placement's timed pipeline, as a prediction reads it."""
+
+    first_gpu: int
+    timing: PipelineTiming
+
+
+def pipeline_runs(costs: Sequence[LayerCost], split: Sequence[int], shape: StepShape,
+                  cluster: Cluster) -> tuple[PipelineRun, ...]:
+    """The timed pipeline of each distinct placement of a replica (see the module's 1.), as
+    :func:`predict_split` reads it. It does not depend on ``shape.snapshot_every``: a prediction
+    of the same split at another snapshot cadence can reuse it."""
+    times = _stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
+    return tuple(PipelineRun(first_gpu, _simulate_pipeline(times, shape, cluster, first_gpu))
+                 for first_gpu in _replica_starts(shape, cluster))
+
+
 def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: Sequence[int],
-                  memory: Sequence[int], limit: int | None, shape: StepShape, cluster: Cluster) -> Prediction:
+                  memory: Sequence[int], limit: int | None, shape: StepShape, cluster: Cluster,
+                  runs: Sequence[PipelineRun] | None = None) -> Prediction:
     """The predicted step of ``costs`` split into stages of ``split`` layers (``parameters`` and
-    ``memory`` per stage; ``limit`` the memory per device, None for none)."""
+    ``memory`` per stage; ``limit`` the memory per device, None for none). ``runs``: this split's
+    :func:`pipeline_runs` where already simulated (at any snapshot cadence), else they are."""
     rate = cluster.flops_per_s(shape.precision)
     times = _stage_times(costs, split, shape, rate)
     reduce, optimizer, snapshot = _tail_seconds(parameters, shape, cluster)
     step = pipeline = reduction_exposed = snapshot_exposed = 0.0
     pipeline_bubble = 0.0
-    for first_gpu in _replica_starts(shape, cluster):
-        run = _simulate_pipeline(times, shape, cluster, first_gpu)
-        last_compute = [0.0] * shape.num_stages
-        first_wait = [math.inf] * shape.num_stages  # when the stage first posts a receive (0 with none)
-        for timed in run.timeline:
-            if timed.op.kind in (F, B, "I", "W"):
-                last_compute[timed.stage] = max(last_compute[timed.stage], timed.end)
-            if any(part.kind in RECEIVES for part in timed.op.unbatched()):
-                first_wait[timed.stage] = min(first_wait[timed.stage], timed.start)
-        decided = max([run.step_s] + [end + seconds for end, seconds in zip(last_compute, reduce)])
+    for placement in pipeline_runs(costs, split, shape, cluster) if runs is None else runs:
+        run = placement.timing
+        decided = max([run.step_s] + [end + seconds for end, seconds in zip(run.last_compute, reduce)])
         tail = max(optimizer)
         # each stage's copy runs from its first wait; the commit after the decision waits for it
         exposed = max(max(0.0, (0.0 if start == math.inf else start) + copy - decided)
-                      for copy, start in zip(snapshot, first_wait)) / shape.snapshot_every \
+                      for copy, start in zip(snapshot, run.first_wait)) / shape.snapshot_every \
             if shape.snapshot_every else 0.0
         total = decided + tail + exposed + cluster.step_overhead_s
         if total >= step:
             step, pipeline, reduction_exposed, snapshot_exposed = total, run.step_s, decided - run.step_s, exposed
             # busy: the ops' compute, not the per-op overhead the simulation put in their times
-            overheads = cluster.op_overhead_s * sum(timed.op.kind in (F, B, "I", "W") for timed in run.timeline)
+            overheads = cluster.op_overhead_s * run.compute_ops
             pipeline_bubble = (1 - (sum(run.busy_s) - overheads) / (shape.num_stages * run.step_s)
                                if run.step_s else 0.0)
     compute = [shape.num_micro_batches * (f + b) + sum(times.recompute[s] for mb in range(shape.num_micro_batches)
@@ -379,17 +424,15 @@ def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], paramete
     times = _stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
     _, optimizer, _ = _tail_seconds(parameters, shape, cluster)
     fastest = min(cluster.intra_node, cluster.inter_node, key=lambda link: link.latency_s)
-    ops = schedule_ops(shape.schedule, shape.num_stages, shape.num_micro_batches)
+    tails = _split_backward_tails(shape.schedule, shape.num_stages, shape.num_micro_batches)
     best = 0.0
     lead = 0.0  # F and B (a split backward: I) of the stages before, and the messages between them
     for stage in range(shape.num_stages):
         compute = shape.num_micro_batches * (times.forward[stage] + times.backward[stage]) + sum(
             times.recompute[stage] for mb in range(shape.num_micro_batches) if _recomputed(shape, mb))
-        kinds = [op.kind for op in ops[stage]]
-        split = "I" in kinds
         # a split backward's W ops after the stage's last I may run while the last gradient goes back
+        split, trailing = tails[stage]
         weight = times.backward[stage] - times.backward_input[stage]
-        trailing = kinds[len(kinds) - kinds[::-1].index("I"):].count("W") if split else 0
         best = max(best, lead + compute - trailing * weight)
         message = fastest.latency_s + times.message_bytes[stage] / max(
             cluster.intra_node.bandwidth_bytes_per_s, cluster.inter_node.bandwidth_bytes_per_s)
