@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
 from raypipe.core.ops import EXCHANGE, LOOPED, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, SENDS, LoweredOp
-from raypipe.core.simulator import DONE, POSTED, REACHED, postings, simulate_events
+from raypipe.core.simulator import DONE, POSTED, REACHED, Event, postings, simulate_events
 
 # The time of a compute op or a collective on a worker: ``(stage, op) -> seconds``, or a mapping
 # from an op kind ("F", "B", ...) to seconds, where a ``(stage, kind)`` key overrides the kind's
@@ -84,7 +84,7 @@ class TimedRun:
 
 def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
                    message_seconds: MessageSeconds = 0.0, *, buffered_sends: bool = False,
-                   placement: str = LOOPED) -> TimedRun:
+                   placement: str = LOOPED, events: Sequence[Event] | None = None) -> TimedRun:
     """Run ``lowered`` (``lowered[stage]`` = that stage's ops, in order) with time.
 
     ``op_seconds`` times each compute op and collective (see :data:`OpSeconds`);
@@ -94,6 +94,10 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
     module's docstring) instead of by the rendezvous rule. ``placement`` is where
     the schedule puts its chunks (:data:`raypipe.core.schedule.PLACEMENT`); compute
     ops of any kind (F, B, I, W) on any chunk are timed by their kind.
+    ``events``: ``simulate_events(lowered, placement)``, where the caller already has them
+    (they depend on the ops alone, not on the times: a caller timing one schedule under many
+    times, as the step predictor's search does, runs the dry-run once); not checked against
+    ``lowered``.
 
     Raises :class:`~raypipe.core.simulator.ScheduleError` exactly where
     :func:`~raypipe.core.simulator.simulate` does, and ``ValueError`` for a
@@ -113,7 +117,7 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
     timeline: list[TimedOp] = []
     collectives = [0] * num_stages  # per worker, how many collectives it has run
     collective_starts: list[float] = []  # when the n-th collective started (on every worker)
-    for event in simulate_events(lowered, placement):
+    for event in simulate_events(lowered, placement) if events is None else events:
         stage, index = event.stage, event.index
         if event.kind == REACHED:
             reached_at[(stage, index)] = now[stage] = free_at[stage]

@@ -123,6 +123,43 @@ def cost_stage_bytes(costs: Sequence[LayerCost], num_stages: int, *, num_micro_b
     return stage_bytes
 
 
+# worker_bytes(worker, chunk_bounds): bytes the worker holding chunks of layers first..end-1 (in chunk order) needs
+WorkerBytes = Callable[[int, Sequence[tuple[int, int]]], int]
+
+
+def cost_worker_bytes(costs: Sequence[LayerCost], num_stages: int, virtual_stages: int, *,
+                      num_micro_batches: int = 1, micro_batch_size: int = 1, schedule: str = "interleaved_1f1b",
+                      activation_checkpoint: str = "never", offload_activations: bool = False,
+                      precision: str = "fp32", amp: str | None = None, optimizer: str = "adam",
+                      optimizer_shards: int = 1, model_input_bytes: int = 0) -> WorkerBytes:
+    """:func:`cost_stage_bytes` for a schedule of ``virtual_stages`` model chunks per worker: a
+    worker's bytes from the layers of its chunks (``chunk_bounds``: (first, end) per chunk, in
+    chunk order), its ops keeping and freeing each chunk's graph or input as the memory model's
+    walk does (:func:`raypipe.planning.memory._walk` with per-chunk lists)."""
+    from raypipe.planning.memory import _static_bytes, _walk
+
+    per_param = static_bytes_per_parameter(precision, amp, optimizer)
+    schedules = make_schedule(schedule, num_stages, num_micro_batches, virtual_stages)
+    saved, params = [0], [0]
+    for cost in costs:
+        saved.append(saved[-1] + cost.saved_bytes)
+        params.append(params[-1] + cost.param_bytes)
+
+    def worker_bytes(worker: int, chunk_bounds: Sequence[tuple[int, int]]) -> int:
+        count = round(sum(params[end] - params[start] for start, end in chunk_bounds) / per_param.weights)
+        static = sum(_static_bytes(count, per_param, optimizer_shards).values())
+        graphs, inputs = [], []
+        for start, end in chunk_bounds:
+            output = 0 if end == len(costs) else costs[end - 1].output_bytes
+            graphs.append(micro_batch_size * (saved[end] - saved[start] + output))
+            inputs.append(micro_batch_size * (costs[start - 1].output_bytes if start else model_input_bytes))
+        held = _walk(schedules[worker], num_micro_batches, activation_checkpoint, offload_activations, graphs,
+                     inputs, [0] * len(chunk_bounds))[0]
+        return static + held
+
+    return worker_bytes
+
+
 def llama_stage_bytes(config: LlamaConfig, num_stages: int, **shape: object) -> StageBytes:
     """A LLaMA stage's total bytes from :func:`raypipe.planning.memory.estimate_stage` (``shape``:
     its keywords: num_micro_batches, micro_batch_size, seq_len, precision, schedule, ...)."""

@@ -11,6 +11,7 @@ from raypipe.planning.balance import layer_step_flops, stage_times
 from raypipe.planning.memory import amp_style, balanced_partition, static_bytes_per_parameter
 from raypipe.planning.plan_balances import describe_balances
 from raypipe.planning.plan_settings import PlanSettings, largest_stage_bytes
+from raypipe.planning.predict import worker_sums
 from raypipe.planning.stage_rows import stage_rows
 from raypipe.units import format_bytes
 
@@ -65,7 +66,7 @@ def chosen_plan_fields(config: LlamaConfig, model: str, candidate, gpu_memory_by
                        fused_attention: bool = True) -> dict:
     """Today's ``raypipe plan`` fields (settings, stages, balances, ...) for the configuration
     the search chose, its stages split as it chose."""
-    from raypipe.planning.configuration_search import LlamaStageBytes
+    from raypipe.planning.configuration_search import LlamaStageBytes, worker_bytes
 
     shape = candidate.shape
     settings = PlanSettings(
@@ -73,7 +74,7 @@ def chosen_plan_fields(config: LlamaConfig, model: str, candidate, gpu_memory_by
         micro_batch_size=shape.micro_batch_size, seq_len=shape.seq_len, precision=shape.precision,
         activation_checkpoint=shape.activation_checkpoint, activation_checkpoint_segments=None,
         offload_activations=False, fused_attention=fused_attention, schedule=shape.schedule, amp=None,
-        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1)
+        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1, virtual_stages=shape.virtual_stages)
     chosen = list(candidate.prediction.balance)
     stages = settings.estimate(config, gpu_memory_bytes, balance=chosen)
     amp = amp_style(settings.precision, settings.amp)
@@ -86,12 +87,10 @@ def chosen_plan_fields(config: LlamaConfig, model: str, candidate, gpu_memory_by
                                                           settings.num_micro_batches) for cost in costs]
     bytes_of = LlamaStageBytes(config, shape, fused_attention)
     balances = {}
-    for name, split in (("parameters", balanced_partition(config, settings.num_stages)), ("time", chosen)):
-        flops = stage_times(times, split)
-        totals, start = [], 0
-        for index, size in enumerate(split):
-            totals.append(bytes_of(index, start, start + size))
-            start += size
+    # per worker (its chunks together, with several); the splits are per virtual stage
+    for name, split in (("parameters", balanced_partition(config, shape.num_virtual_stages)), ("time", chosen)):
+        flops = worker_sums(stage_times(times, split), shape)
+        totals = worker_bytes(bytes_of, shape, split)
         balances[name] = {"balance": split, "stage_flops": flops, "max_stage_flops": max(flops),
                           "stage_total_bytes": totals, "max_total_bytes": max(totals),
                           "fits": max(totals) <= gpu_memory_bytes}
@@ -114,6 +113,8 @@ def run_commands(model: str, candidate) -> dict:
         flags.append("--shard-optimizer")
     if shape.schedule != "gpipe":
         flags.append(f"--schedule {shape.schedule}")
+    if shape.virtual_stages != 1:  # model chunks per worker (interleaved_1f1b, zbv); the jobs' default is 1
+        flags.append(f"--virtual-stages {shape.virtual_stages}")
     if shape.snapshot_every != 1:  # the jobs' default is 1
         flags.append(f"--snapshot-every {shape.snapshot_every}")
     extra = [f"--precision {shape.precision}"] if shape.precision != "bf16" else []
@@ -128,6 +129,8 @@ def run_commands(model: str, candidate) -> dict:
             "shardOptimizer": shape.shard_optimizer}
     if shape.schedule != "gpipe":
         helm["schedule"] = shape.schedule
+    if shape.virtual_stages != 1:
+        helm["virtualStages"] = shape.virtual_stages
     if shape.snapshot_every != 1:
         helm["snapshotEvery"] = shape.snapshot_every
     if extra:
@@ -152,7 +155,8 @@ def render_cluster_plan(plan: dict) -> str:
     for rank, item in enumerate(plan["candidates"], 1):
         lines.append(
             f"  {rank}. d={item['num_replicas']} p={item['num_stages']} m={item['num_micro_batches']} "
-            f"b={item['micro_batch_size']} {item['schedule']} recompute={item['activation_checkpoint']} "
+            f"b={item['micro_batch_size']} {item['schedule']}"
+            f"{'' if item['virtual_stages'] == 1 else ' v=' + str(item['virtual_stages'])} recompute={item['activation_checkpoint']} "
             f"zero1={'on' if item['shard_optimizer'] else 'off'}: step {item['step_time_s']:.3g} s, "
             f"{item['tokens_per_second']:,.0f} tokens/s, MFU {item['mfu']:.1%}, bubble {item['bubble_fraction']:.1%} "
             f"(pipeline {item['pipeline_s']:.3g} s + reduction {item['reduction_exposed_s']:.3g} s + optimizer "

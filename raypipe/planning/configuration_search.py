@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from raypipe.core.ops import F, I, W
-from raypipe.core.schedule import SINGLE_CHUNK_SCHEDULES
+from raypipe.core.partition import worker_chunks
+from raypipe.core.schedule import PLACEMENT, SINGLE_CHUNK_SCHEDULES
 from raypipe.models.llama import LlamaConfig
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
@@ -36,9 +37,12 @@ from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_
 from raypipe.planning.balance import fastest_split_within, layer_step_flops, min_max_partition
 from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, pipeline_runs, predict_split,
-                                      shared_schedule_ops, stage_bounds)
+                                      shared_schedule_ops, stage_bounds, worker_sums)
 
-SEARCH_SCHEDULES = SINGLE_CHUNK_SCHEDULES  # gpipe, 1f1b, zb_h1: the predictor models one chunk per worker
+# the chunked schedules at v = 2: zbv holds exactly 2; interleaving's bubble shrinks as 1/v for v times the
+# messages, and v = 2 takes most of the gain (1/2 of 1F1B's bubble) at the least traffic and fewest shapes to time
+SEARCH_VIRTUAL_STAGES = {"interleaved_1f1b": 2, "zbv": 2}
+SEARCH_SCHEDULES = (*SINGLE_CHUNK_SCHEDULES, *SEARCH_VIRTUAL_STAGES)
 SEARCH_RECOMPUTE = ("never", "always")
 SEARCH_MICRO_BATCH_SIZES = (1, 2)
 SEARCH_MICRO_BATCHES_PER_STAGE = (1, 2, 4)  # m = p, 2p, 4p: a bubble of at most (p-1)/(5p-1) ~ 20% at 4p
@@ -60,6 +64,7 @@ class Candidate:
                 "seq_len": shape.seq_len, "schedule": shape.schedule,
                 "activation_checkpoint": shape.activation_checkpoint, "shard_optimizer": shape.shard_optimizer,
                 "precision": shape.precision, "snapshot_every": shape.snapshot_every,
+                "virtual_stages": shape.virtual_stages,
                 "balance_mode": self.balance_mode, **self.prediction.to_dict()}
 
 
@@ -103,7 +108,7 @@ class LlamaStageBytes:
         self._per_param_unsharded = per_param.weights + per_param.gradients
         self._per_param_sharded = (per_param.master, per_param.optimizer, shards)
         self._peaks = _walk_peaks(shape.schedule, shape.num_stages, shape.num_micro_batches,
-                                  shape.activation_checkpoint)
+                                  shape.activation_checkpoint, shape.virtual_stages)
         self.num_layers = len(kinds)
         # a one-layer stage's bytes depend on the layer only through these three (all integers):
         # per distinct triple, the layers that have it, in order (a LLaMA: its blocks share one)
@@ -123,6 +128,19 @@ class LlamaStageBytes:
         graph = self._saved[end] - self._saved[start] + (self._loss if holds_loss else self._input[end])
         kept_input = self._input[start]
         return static + max([graphs * graph + inputs * kept_input for graphs, inputs in self._peaks[stage]])
+
+    def worker(self, worker: int, chunk_bounds: Sequence[tuple[int, int]]) -> int:
+        """The total memory of ``worker`` holding, with several chunks (v > 1), the layers
+        (first, end) of each chunk in ``chunk_bounds``, in chunk order (``self(...)`` with one)."""
+        count = sum(self._params[end] - self._params[start] for start, end in chunk_bounds)
+        master, optimizer, shards = self._per_param_sharded
+        static = count * self._per_param_unsharded + -(-count * master // shards) + -(-count * optimizer // shards)
+        terms = []  # per chunk: its graph, its kept input
+        for start, end in chunk_bounds:
+            holds_loss = end == self.num_layers
+            terms += [self._saved[end] - self._saved[start] + (self._loss if holds_loss else self._input[end]),
+                      self._input[start]]
+        return static + max(sum(count * term for count, term in zip(point, terms)) for point in self._peaks[worker])
 
     def _one_layer_terms(self, layer: int) -> tuple[int, int, int]:
         """What ``self(stage, layer, layer + 1)`` reads of the layer: its parameters, its graph
@@ -144,30 +162,48 @@ class LlamaStageBytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _walk_peaks(schedule: str, num_stages: int, num_micro_batches: int, activation_checkpoint: str
-                ) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per stage, every (kept graphs, kept inputs) the memory model's walk
-    (:func:`raypipe.planning.memory._walk`, no offload) may peak at."""
+def _walk_peaks(schedule: str, num_stages: int, num_micro_batches: int, activation_checkpoint: str,
+                virtual_stages: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per worker, every (kept graphs, kept inputs) the memory model's walk
+    (:func:`raypipe.planning.memory._walk`, no offload) may peak at; with several chunks, the
+    pair of each chunk in turn (g0, i0, g1, i1, ...): an op keeps and frees its own chunk's."""
     out = []
     always, except_last = activation_checkpoint == "always", activation_checkpoint == "except_last"
-    for ops in shared_schedule_ops(schedule, num_stages, num_micro_batches):
-        graphs = inputs = 0
-        points = {(0, 0)}
+    for ops in shared_schedule_ops(schedule, num_stages, num_micro_batches, virtual_stages):
+        counts = [0] * (2 * virtual_stages)
+        points = {tuple(counts)}
         for op in ops:
             recompute = always or (except_last and op.micro_batch != num_micro_batches - 1)
+            graphs, inputs = 2 * op.chunk, 2 * op.chunk + 1
             if op.kind == F:
-                graphs, inputs = (graphs, inputs + 1) if recompute else (graphs + 1, inputs)
+                counts[inputs if recompute else graphs] += 1
             elif op.kind == I:  # a split backward: a recomputed graph is rebuilt here and held until W
-                graphs, inputs = (graphs + 1, inputs - 1) if recompute else (graphs, inputs)
+                if recompute:
+                    counts[graphs] += 1
+                    counts[inputs] -= 1
             elif op.kind == W:  # frees the graph its I held
-                graphs -= 1
+                counts[graphs] -= 1
             else:
                 if recompute:  # its graph rebuilt, the input it holds already counted among the kept ones
-                    points.add((graphs + 1, inputs - 1))
-                graphs, inputs = (graphs, inputs - 1) if recompute else (graphs - 1, inputs)
-            points.add((graphs, inputs))
-        out.append(_undominated(points))
+                    rebuilt = list(counts)
+                    rebuilt[graphs] += 1
+                    rebuilt[inputs] -= 1
+                    points.add(tuple(rebuilt))
+                counts[inputs if recompute else graphs] -= 1
+            points.add(tuple(counts))
+        out.append(_undominated(points) if virtual_stages == 1 else _undominated_many(points))
     return tuple(out)
+
+
+def _undominated_many(points: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """:func:`_undominated` in any number of counts: the points no other one is at least in every
+    count (pairwise, over the few distinct points of a chunked walk)."""
+    ordered = sorted(points, key=sum, reverse=True)  # a dominating point has the larger sum: it comes first
+    kept: list[tuple[int, ...]] = []
+    for point in ordered:
+        if not any(all(a >= b for a, b in zip(other, point)) for other in kept):
+            kept.append(point)
+    return tuple(kept)
 
 
 def _undominated(points: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -200,10 +236,13 @@ def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision:
                 micro_batches = []
             for m in micro_batches:
                 for schedule in schedules:
+                    chunks = SEARCH_VIRTUAL_STAGES.get(schedule, 1)
+                    if stages * chunks > num_layers or (schedule == "interleaved_1f1b" and m % stages):
+                        continue  # a virtual stage holds at least one layer; interleaving needs whole rounds
                     for recompute in SEARCH_RECOMPUTE:
                         for sharded in ((False, True) if replicas > 1 else (False,)):
                             shapes.append(StepShape(replicas, stages, m, schedule, recompute, precision, sharded,
-                                                    size, seq_len, None, snapshot_every))
+                                                    size, seq_len, None, snapshot_every, chunks))
     return shapes
 
 
@@ -230,11 +269,17 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
     smallest = None
     for index, shape in enumerate(shapes):
         bytes_of = LlamaStageBytes(config, shape, fused_attention)
-        key = (shape.num_stages, shape.activation_checkpoint)
+        key = (shape.num_virtual_stages, shape.activation_checkpoint)
         if key not in time_splits:  # "never"/"always" weigh the layers alike for every m
             times = [layer_step_flops(cost, shape.activation_checkpoint) for cost in costs]
-            time_splits[key] = min_max_partition(times, shape.num_stages)
+            time_splits[key] = min_max_partition(times, shape.num_virtual_stages)
         split, mode = time_splits[key], "time"
+        if shape.virtual_stages > 1:
+            # the split by time, or none: the memory-limited DP bounds one contiguous stage at a time, and a
+            # worker's chunks are not contiguous (a worker's memory sums pieces far apart in the model)
+            if max(worker_bytes(bytes_of, shape, split)) <= limit:
+                fitting.append((0.0, index, shape, mode, split, bytes_of))
+            continue
         bounds = stage_bounds(split)
         worst = max(bytes_of(stage, start, end) for stage, (start, end) in enumerate(bounds))
         if worst > limit:
@@ -259,7 +304,7 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
             config, cluster, num_gpus, limit, smallest))
     ranked = []
     for _, index, shape, mode, split, bytes_of in fitting:
-        parameters = [bytes_of.parameters(start, end) for start, end in stage_bounds(split)]
+        parameters = worker_sums([bytes_of.parameters(start, end) for start, end in stage_bounds(split)], shape)
         bound = optimistic_step_s(costs, split, parameters, shape, cluster)
         tokens = shape.num_replicas * shape.num_micro_batches * shape.micro_batch_size * seq_len
         ranked.append((tokens / bound, index, shape, mode, split, parameters, bytes_of))
@@ -269,7 +314,7 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
     for ceiling, _, shape, mode, split, parameters, bytes_of in ranked:
         if len(best) >= top and ceiling <= best[-1].prediction.tokens_per_s:
             break  # nothing later can enter the top
-        memory = [bytes_of(stage, start, end) for stage, (start, end) in enumerate(stage_bounds(split))]
+        memory = worker_bytes(bytes_of, shape, split)
         runs = pipeline_runs(costs, split, shape, cluster)
         prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, runs)
         if snapshot_every is None and prediction.snapshot_exposed_s > 0:
@@ -281,6 +326,15 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
         best.sort(key=lambda c: -c.prediction.tokens_per_s)
         del best[top:]
     return SearchResult(best, len(shapes), simulated)
+
+
+def worker_bytes(bytes_of: LlamaStageBytes, shape: StepShape, split: Sequence[int]) -> list[int]:
+    """Each worker's total memory under ``split`` (layers per virtual stage), its chunks placed as
+    ``shape``'s schedule places them."""
+    if shape.virtual_stages == 1:
+        return [bytes_of(stage, start, end) for stage, (start, end) in enumerate(stage_bounds(split))]
+    return [bytes_of.worker(worker, [(chunk.start, chunk.stop) for chunk in chunks])
+            for worker, chunks in enumerate(worker_chunks(split, shape.num_stages, PLACEMENT[shape.schedule]))]
 
 
 def snapshot_cadence(every_step: Prediction) -> int:

@@ -59,12 +59,16 @@ from dataclasses import dataclass
 
 from raypipe.config import CHECKPOINT_MODES
 from raypipe.core.lowering import lower
-from raypipe.core.ops import B, F, OPTIMIZER_STEP, REDUCE_GRAD, LoweredOp, Op
+from raypipe.core.ops import B, COMPUTE, F, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, LoweredOp, Op, boundary_of, \
+    virtual_stage
 from raypipe.core.partition import partition_by_cost
-from raypipe.core.schedule import gpipe_schedule, make_schedule, one_f_one_b_schedule, zb_h1_schedule
+from raypipe.core.schedule import (PLACEMENT, SCHEDULES, check_chunks, gpipe_schedule, interleaved_1f1b_schedule,
+                                   one_f_one_b_schedule, zb_h1_schedule, zbv_schedule)
+from raypipe.core.simulator import Event, simulate_events
+from raypipe.core.timed_simulation import TimedRun, simulate_timed
 from raypipe.models.layers import LayerCost, LayerSpec
 from raypipe.models.llama_memory import static_bytes_per_parameter
-from raypipe.planning.balance import balance_by_time, cost_stage_bytes
+from raypipe.planning.balance import balance_by_time, cost_stage_bytes, cost_worker_bytes
 from raypipe.planning.cluster_spec import Cluster, Link
 from raypipe.planning.pipeline_timing import PipelineTiming, time_buffered_pipeline
 
@@ -122,10 +126,22 @@ class StepShape:
     seq_len: int = 1
     amp: str | None = None
     snapshot_every: int = 1
+    virtual_stages: int = 1  # model chunks per worker (v): >= 2 for interleaved_1f1b, 2 for zbv
 
     @property
     def num_gpus(self) -> int:
         return self.num_replicas * self.num_stages
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """The pieces the model is cut into: ``p * v``."""
+        return self.num_stages * self.virtual_stages
+
+    def worker_virtual_stages(self) -> list[list[int]]:
+        """Per worker, the virtual stage each of its chunks holds, in chunk order (the schedule's placement)."""
+        placement = PLACEMENT[self.schedule]
+        return [[virtual_stage(worker, chunk, self.num_stages, placement) for chunk in range(self.virtual_stages)]
+                for worker in range(self.num_stages)]
 
 
 def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, num_replicas: int = 1,
@@ -133,53 +149,88 @@ def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, n
                  activation_checkpoint: str = "never", precision: str = "bf16", shard_optimizer: bool = False,
                  micro_batch_size: int = 1, seq_len: int = 1, balance: str | Sequence[int] = "time",
                  amp: str | None = None, snapshot_every: int = 1,
-                 stage_bytes: Callable[[int, int, int], int] | None = None,
-                 gpu_memory_bytes: int | None = None) -> Prediction:
+                 stage_bytes: Callable[..., int] | None = None,
+                 gpu_memory_bytes: int | None = None, virtual_stages: int = 1) -> Prediction:
     """The predicted step of ``layers`` (their :class:`LayerCost`, per sequence of ``seq_len``
     tokens) on ``cluster`` (see the module docstring for the model).
 
+    ``virtual_stages`` (v): model chunks per worker, >= 2 for interleaved_1f1b, 2 for zbv; the
+    model is then cut into ``num_stages * v`` virtual stages, placed as the schedule places them.
     ``balance``: "time" (:func:`~raypipe.planning.balance.balance_by_time`, as
-    ``PipelineConfig(balance="time")``), "parameters" or layers per stage.
+    ``PipelineConfig(balance="time")``), "parameters" or layers per (virtual) stage.
     ``stage_bytes(stage, first, end)`` gives a stage's memory (default: from the costs,
-    :func:`~raypipe.planning.balance.cost_stage_bytes`); ``fits`` compares it with
-    ``gpu_memory_bytes`` (default: the cluster's memory).
+    :func:`~raypipe.planning.balance.cost_stage_bytes`); with v > 1 it is
+    ``stage_bytes(worker, chunk_bounds)``, the (first, end) layers of each of the worker's chunks
+    in chunk order (default :func:`~raypipe.planning.balance.cost_worker_bytes`). ``fits``
+    compares it with ``gpu_memory_bytes`` (default: the cluster's memory).
     """
     costs = [layer.cost if isinstance(layer, LayerSpec) else layer for layer in layers]
     if any(not isinstance(cost, LayerCost) for cost in costs):
         raise ValueError("predict_step needs every layer's LayerCost (LayerSpec(..., cost=...) or LayerCost)")
     shape = StepShape(num_replicas, num_stages, num_micro_batches, schedule, activation_checkpoint, precision,
-                      shard_optimizer, micro_batch_size, seq_len, amp, snapshot_every)
+                      shard_optimizer, micro_batch_size, seq_len, amp, snapshot_every, virtual_stages)
     _check_shape(shape, len(costs))
+    pieces = shape.num_virtual_stages
     if balance == "time":
-        split = balance_by_time(costs, num_stages, activation_checkpoint=activation_checkpoint,
+        split = balance_by_time(costs, pieces, activation_checkpoint=activation_checkpoint,
                                 num_micro_batches=num_micro_batches)
     elif balance == "parameters":
-        split = partition_by_cost([cost.param_bytes for cost in costs], num_stages)
+        split = partition_by_cost([cost.param_bytes for cost in costs], pieces)
     else:
         split = list(balance)
-        if len(split) != num_stages or any(size < 1 for size in split) or sum(split) != len(costs):
-            raise ValueError(f"balance {split} needs {num_stages} positive entries summing to {len(costs)} layers")
-    if stage_bytes is None:
-        stage_bytes = cost_stage_bytes(costs, num_stages, num_micro_batches=num_micro_batches,
-                                       micro_batch_size=micro_batch_size, schedule=schedule,
-                                       activation_checkpoint=activation_checkpoint, precision=precision, amp=amp,
-                                       optimizer_shards=num_replicas if shard_optimizer else 1)
+        if len(split) != pieces or any(size < 1 for size in split) or sum(split) != len(costs):
+            raise ValueError(f"balance {split} needs {pieces} positive entries summing to {len(costs)} layers"
+                             + (f" ({num_stages} stages x {virtual_stages} chunks)" if virtual_stages > 1 else ""))
     bounds = stage_bounds(split)
-    memory = tuple(stage_bytes(stage, start, end) for stage, (start, end) in enumerate(bounds))
+    optimizer_shards = num_replicas if shard_optimizer else 1
+    if virtual_stages == 1:
+        if stage_bytes is None:
+            stage_bytes = cost_stage_bytes(costs, num_stages, num_micro_batches=num_micro_batches,
+                                           micro_batch_size=micro_batch_size, schedule=schedule,
+                                           activation_checkpoint=activation_checkpoint, precision=precision,
+                                           amp=amp, optimizer_shards=optimizer_shards)
+        memory = tuple(stage_bytes(stage, start, end) for stage, (start, end) in enumerate(bounds))
+    else:
+        if stage_bytes is None:
+            stage_bytes = cost_worker_bytes(costs, num_stages, virtual_stages, num_micro_batches=num_micro_batches,
+                                            micro_batch_size=micro_batch_size, schedule=schedule,
+                                            activation_checkpoint=activation_checkpoint, precision=precision,
+                                            amp=amp, optimizer_shards=optimizer_shards)
+        memory = tuple(stage_bytes(worker, [bounds[piece] for piece in pieces_of])
+                       for worker, pieces_of in enumerate(shape.worker_virtual_stages()))
     limit = cluster.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes
     per_param = static_bytes_per_parameter(precision, amp)
-    parameters = [round(sum(cost.param_bytes for cost in costs[start:end]) / per_param.weights)
-                  for start, end in bounds]
+    piece_parameters = [round(sum(cost.param_bytes for cost in costs[start:end]) / per_param.weights)
+                        for start, end in bounds]
+    parameters = worker_sums(piece_parameters, shape)
     return predict_split(costs, split, parameters, memory, limit, shape, cluster)
 
 
+def worker_sums(per_virtual_stage: Sequence[float], shape: StepShape) -> list:
+    """Per worker, the sum of ``per_virtual_stage`` over its chunks (the entry itself with one chunk)."""
+    if shape.virtual_stages == 1:
+        return list(per_virtual_stage)
+    return [sum(per_virtual_stage[piece] for piece in pieces) for pieces in shape.worker_virtual_stages()]
+
+
 def _check_shape(shape: StepShape, num_layers: int) -> None:
-    for name in ("num_replicas", "num_stages", "num_micro_batches", "micro_batch_size", "seq_len"):
+    for name in ("num_replicas", "num_stages", "num_micro_batches", "micro_batch_size", "seq_len",
+                 "virtual_stages"):
         value = getattr(shape, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
-    if shape.num_stages > num_layers:
-        raise ValueError(f"num_stages={shape.num_stages}: only {num_layers} layers to split")
+    if shape.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={shape.schedule!r} must be one of {SCHEDULES}")
+    try:
+        check_chunks(shape.schedule, shape.virtual_stages)  # the schedule's own rule on v
+    except ValueError as error:
+        raise ValueError(f"virtual_stages={shape.virtual_stages!r}: {error}") from None
+    if shape.schedule == "interleaved_1f1b" and shape.num_micro_batches % shape.num_stages:
+        raise ValueError(f"num_micro_batches={shape.num_micro_batches}: interleaved_1f1b needs a multiple of "
+                         f"num_stages={shape.num_stages} (Megatron's rule)")
+    if shape.num_virtual_stages > num_layers:
+        chunks = f" x {shape.virtual_stages} chunks" if shape.virtual_stages > 1 else ""
+        raise ValueError(f"num_stages={shape.num_stages}{chunks}: only {num_layers} layers to split")
     if shape.activation_checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"activation_checkpoint={shape.activation_checkpoint!r} must be one of {CHECKPOINT_MODES}")
     if isinstance(shape.snapshot_every, bool) or not isinstance(shape.snapshot_every, int) or shape.snapshot_every < 0:
@@ -194,32 +245,45 @@ def stage_bounds(split: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def schedule_ops(name: str, num_stages: int, num_micro_batches: int) -> list[list[Op]]:
-    """The schedule called ``name``. GPipe's and 1F1B's are built directly: make_schedule's
-    dry-run of them (checked for every shape in the schedule tests) costs the search more
-    than everything else at 128 stages; other schedules go through make_schedule."""
-    if name == "gpipe":
-        return gpipe_schedule(num_stages, num_micro_batches)
-    if name == "1f1b":
-        return one_f_one_b_schedule(num_stages, num_micro_batches)
-    if name == "zb_h1":
-        return zb_h1_schedule(num_stages, num_micro_batches)
-    return make_schedule(name, num_stages, num_micro_batches)
+def schedule_ops(name: str, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> list[list[Op]]:
+    """The schedule called ``name`` with ``num_chunks`` chunks per worker, built directly:
+    make_schedule's dry-run (checked for every shape in the schedule tests) costs the search more
+    than everything else at 128 stages (a chunked one at 64 stages: ~3 s a shape, for each
+    shape's memory walk). A chunked schedule the search simulates is still dry-run there: the
+    timed simulation runs the dry-run's rule, and raises where it would."""
+    check_chunks(name, num_chunks)
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b_schedule(num_stages, num_micro_batches, num_chunks)
+    if name == "zbv":
+        return zbv_schedule(num_stages, num_micro_batches)
+    builder = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb_h1": zb_h1_schedule}[name]
+    return builder(num_stages, num_micro_batches)
 
 
 @functools.lru_cache(maxsize=2)
-def shared_schedule_ops(name: str, num_stages: int, num_micro_batches: int) -> tuple[tuple[Op, ...], ...]:
+def shared_schedule_ops(name: str, num_stages: int, num_micro_batches: int,
+                        num_chunks: int = 1) -> tuple[tuple[Op, ...], ...]:
     """:func:`schedule_ops`, read-only and kept for the last two shapes asked: the search walks a
     shape's memory once per recompute mode and then lowers it, one shape after another (a large
     shape's ops are ~100 MB, so only the shapes in use are kept)."""
-    return tuple(tuple(ops) for ops in schedule_ops(name, num_stages, num_micro_batches))
+    return tuple(tuple(ops) for ops in schedule_ops(name, num_stages, num_micro_batches, num_chunks))
 
 
 @functools.lru_cache(maxsize=64)
-def _lowered(schedule: str, num_stages: int, num_micro_batches: int) -> tuple[tuple[LoweredOp, ...], ...]:
+def _lowered(schedule: str, num_stages: int, num_micro_batches: int,
+             num_chunks: int = 1) -> tuple[tuple[LoweredOp, ...], ...]:
     # once per shape: the search simulates many configurations of one schedule shape
-    ops = shared_schedule_ops(schedule, num_stages, num_micro_batches)
-    return tuple(tuple(lowered) for lowered in lower([list(stage_ops) for stage_ops in ops]))
+    ops = shared_schedule_ops(schedule, num_stages, num_micro_batches, num_chunks)
+    return tuple(tuple(lowered) for lowered in lower([list(stage_ops) for stage_ops in ops], PLACEMENT[schedule]))
+
+
+@functools.lru_cache(maxsize=8)
+def _dry_run_events(schedule: str, num_stages: int, num_micro_batches: int, num_chunks: int) -> tuple[Event, ...]:
+    # the timed simulation's order of steps depends on the ops alone: the search times each chunked
+    # shape under several configurations (micro-batch size, recompute, ZeRO-1), and the dry-run is
+    # most of a timing's cost (a 64-stage shape's events are tens of MB: only the last few are kept)
+    lowered = _lowered(schedule, num_stages, num_micro_batches, num_chunks)
+    return tuple(simulate_events([list(ops) for ops in lowered], PLACEMENT[schedule]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -267,12 +331,17 @@ def _recomputed(shape: StepShape, micro_batch: int | None) -> bool:
 
 def _pipeline_timers(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int
                      ) -> tuple[Callable[[int, LoweredOp], float], Callable[[int, int, LoweredOp], float]]:
-    """The op and message times of the replica whose stage 0 is on GPU ``first_gpu``, as the
-    timed simulation takes them (``op_seconds``, ``message_seconds``)."""
+    """The op and message times of the replica whose worker 0 is on GPU ``first_gpu``, as the
+    timed simulation takes them (``op_seconds``, ``message_seconds``). ``times`` is per virtual
+    stage: an op of chunk c on worker w takes the times of the virtual stage that chunk holds."""
 
     overhead = cluster.op_overhead_s  # around every compute op (see the module's 5.)
+    p, placement = shape.num_stages, PLACEMENT[shape.schedule]
+    chunked = shape.virtual_stages > 1
 
     def op_seconds(stage: int, op: LoweredOp) -> float:
+        if chunked:
+            stage = virtual_stage(stage, op.chunk, p, placement)
         if op.kind == F:
             return times.forward[stage] + overhead
         recompute = times.recompute[stage] if _recomputed(shape, op.micro_batch) else 0.0
@@ -287,19 +356,48 @@ def _pipeline_timers(times: _StageTimes, shape: StepShape, cluster: Cluster, fir
         raise ValueError(f"the predictor has no time for {op!r} (stage {stage}) of schedule {shape.schedule!r}")
 
     def message_seconds(sender: int, receiver: int, op: LoweredOp) -> float:
-        boundary = min(sender, receiver)  # activations of stage s -> s+1, and their gradients back
-        return cluster.link(first_gpu + sender, first_gpu + receiver).seconds(times.message_bytes[boundary])
+        # the output of the virtual stage before the boundary the message crosses: an activation of
+        # virtual stage s -> s+1, or its gradient back (one chunk: the boundary of stages s and s+1)
+        if chunked:
+            before = boundary_of(sender, op.chunk, op.kind, p, placement) - 1
+        else:
+            before = min(sender, receiver)
+        return cluster.link(first_gpu + sender, first_gpu + receiver).seconds(times.message_bytes[before])
 
     return op_seconds, message_seconds
 
 
 def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int) -> PipelineTiming:
     """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``: the timed
-    simulation's figures (``simulate_timed(..., buffered_sends=True)``), evaluated without its
-    dry-run (:mod:`raypipe.planning.pipeline_timing` says why, and why the figures are the same)."""
+    simulation's figures (``simulate_timed(..., buffered_sends=True)``). One chunk per worker:
+    evaluated without its dry-run (:mod:`raypipe.planning.pipeline_timing` says why, and why the
+    figures are the same). Several chunks: ``simulate_timed`` itself, whose rule also holds an
+    EXCHANGE's batch until the activation headers it awaits are in (``LoweredOp.header_first``,
+    which chunked lowerings use and ``pipeline_timing`` does not model)."""
     op_seconds, message_seconds = _pipeline_timers(times, shape, cluster, first_gpu)
-    return time_buffered_pipeline(_lowered(shape.schedule, shape.num_stages, shape.num_micro_batches),
-                                  op_seconds, message_seconds)
+    lowered = _lowered(shape.schedule, shape.num_stages, shape.num_micro_batches, shape.virtual_stages)
+    if shape.virtual_stages == 1:
+        return time_buffered_pipeline(lowered, op_seconds, message_seconds)
+    run = simulate_timed([list(ops) for ops in lowered], op_seconds, message_seconds, buffered_sends=True,
+                         placement=PLACEMENT[shape.schedule],
+                         events=_dry_run_events(shape.schedule, shape.num_stages, shape.num_micro_batches,
+                                                shape.virtual_stages))
+    return timing_of(run, shape.num_stages)
+
+
+def timing_of(run: TimedRun, num_workers: int) -> PipelineTiming:
+    """What a prediction reads of a :func:`simulate_timed` run, as :class:`PipelineTiming` holds it: per
+    worker its last compute op's end and when it first posted a receive, and the compute ops counted."""
+    last_compute, first_wait = [0.0] * num_workers, [math.inf] * num_workers
+    compute_ops = 0
+    for timed in run.timeline:
+        if timed.op.kind in COMPUTE:
+            last_compute[timed.stage] = max(last_compute[timed.stage], timed.end)
+            compute_ops += 1
+        elif any(part.kind in RECEIVES for part in timed.op.unbatched()):
+            first_wait[timed.stage] = min(first_wait[timed.stage], timed.start)
+    return PipelineTiming(step_s=run.step_s, busy_s=run.busy_s, last_compute=tuple(last_compute),
+                          first_wait=tuple(first_wait), compute_ops=compute_ops)
 
 
 def _replica_starts(shape: StepShape, cluster: Cluster) -> list[int]:
@@ -377,9 +475,11 @@ def pipeline_runs(costs: Sequence[LayerCost], split: Sequence[int], shape: StepS
 def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: Sequence[int],
                   memory: Sequence[int], limit: int | None, shape: StepShape, cluster: Cluster,
                   runs: Sequence[PipelineRun] | None = None) -> Prediction:
-    """The predicted step of ``costs`` split into stages of ``split`` layers (``parameters`` and
-    ``memory`` per stage; ``limit`` the memory per device, None for none). ``runs``: this split's
-    :func:`pipeline_runs` where already simulated (at any snapshot cadence), else they are."""
+    """The predicted step of ``costs`` split into stages of ``split`` layers (per virtual stage:
+    ``shape.num_virtual_stages`` entries; ``parameters`` and ``memory`` per worker, its chunks
+    together; ``limit`` the memory per device, None for none). ``runs``: this split's
+    :func:`pipeline_runs` where already simulated (at any snapshot cadence), else they are.
+    ``stage_compute_s`` is per worker, its chunks' compute together."""
     rate = cluster.flops_per_s(shape.precision)
     times = _stage_times(costs, split, shape, rate)
     reduce, optimizer, snapshot = _tail_seconds(parameters, shape, cluster)
@@ -400,9 +500,10 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
             overheads = cluster.op_overhead_s * run.compute_ops
             pipeline_bubble = (1 - (sum(run.busy_s) - overheads) / (shape.num_stages * run.step_s)
                                if run.step_s else 0.0)
-    compute = [shape.num_micro_batches * (f + b) + sum(times.recompute[s] for mb in range(shape.num_micro_batches)
-                                                        if _recomputed(shape, mb))
-               for s, (f, b) in enumerate(zip(times.forward, times.backward))]
+    compute = worker_sums([shape.num_micro_batches * (f + b) + sum(times.recompute[s]
+                                                                   for mb in range(shape.num_micro_batches)
+                                                                   if _recomputed(shape, mb))
+                           for s, (f, b) in enumerate(zip(times.forward, times.backward))], shape)
     tokens = shape.num_replicas * shape.num_micro_batches * shape.micro_batch_size * shape.seq_len
     model_flops = (shape.num_replicas * shape.num_micro_batches * shape.micro_batch_size
                    * sum(cost.train_flops for cost in costs))
@@ -420,9 +521,13 @@ def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], paramete
                       shape: StepShape, cluster: Cluster) -> float:
     """A step time no simulated step of this configuration undercuts: for each stage, the
     first micro-batch's forwards and messages through the stages before it, the stage's
-    whole compute, and the last gradient's way back; plus the slowest optimizer tail."""
+    whole compute, and the last gradient's way back; plus the slowest optimizer tail.
+    ``split`` and ``parameters`` as :func:`predict_split` takes them; several chunks per worker
+    are bounded as :func:`_chunked_pipeline_bound` says."""
     times = _stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
     _, optimizer, _ = _tail_seconds(parameters, shape, cluster)
+    if shape.virtual_stages > 1:
+        return _chunked_pipeline_bound(times, shape, cluster) + max(optimizer) + cluster.step_overhead_s
     fastest = min(cluster.intra_node, cluster.inter_node, key=lambda link: link.latency_s)
     tails = _split_backward_tails(shape.schedule, shape.num_stages, shape.num_micro_batches)
     best = 0.0
@@ -439,3 +544,37 @@ def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], paramete
         back = times.backward_input[stage] if split else times.backward[stage]
         lead += times.forward[stage] + back + 2 * message
     return best + max(optimizer) + cluster.step_overhead_s
+
+
+def _chunked_pipeline_bound(times: _StageTimes, shape: StepShape, cluster: Cluster) -> float:
+    """A pipeline time no simulated run of a chunked schedule undercuts: per worker, its whole
+    compute (a worker runs one op at a time), after the chain its first op waits for (the forwards
+    of that micro-batch through the virtual stages before its chunk, and the messages between
+    them) and before the chain its last op starts, where that is a whole backward (B): the
+    gradient's way back through the virtual stages before it. A chain that passes through the
+    worker itself is left out (its ops are already in the worker's compute); a split backward's
+    last op (a W) starts no chain. Messages at the fastest latency and bandwidth of the cluster.
+    Looser than the one-chunk bound (nothing of the fill beyond the first op's wait): the search
+    simulates more chunked candidates for it, never drops one that could enter its top."""
+    p, placement = shape.num_stages, PLACEMENT[shape.schedule]
+    bandwidth = max(cluster.intra_node.bandwidth_bytes_per_s, cluster.inter_node.bandwidth_bytes_per_s)
+    latency = min(cluster.intra_node.latency_s, cluster.inter_node.latency_s)
+    owner = {piece: worker for worker, pieces in enumerate(shape.worker_virtual_stages()) for piece in pieces}
+
+    def chain(worker: int, before: int, seconds: Sequence[float]) -> float:
+        # the ops of virtual stages 0 .. before - 1 of one micro-batch and the messages between them
+        if any(owner[piece] == worker for piece in range(before)):
+            return 0.0
+        return sum(seconds[piece] + (latency + times.message_bytes[piece] / bandwidth
+                                     if owner[piece] != owner[piece + 1] else 0.0) for piece in range(before))
+
+    ops = shared_schedule_ops(shape.schedule, p, shape.num_micro_batches, shape.virtual_stages)
+    compute = worker_sums([shape.num_micro_batches * (f + b) for f, b in zip(times.forward, times.backward)], shape)
+    best = 0.0
+    for worker, worker_ops in enumerate(ops):
+        first, last = worker_ops[0], worker_ops[-1]
+        lead = chain(worker, virtual_stage(worker, first.chunk, p, placement), times.forward)
+        trail = chain(worker, virtual_stage(worker, last.chunk, p, placement), times.backward) \
+            if last.kind == B else 0.0
+        best = max(best, lead + compute[worker] + trail)
+    return best
