@@ -156,7 +156,8 @@ def render_cluster_plan(plan: dict) -> str:
         lines.append(
             f"  {rank}. d={item['num_replicas']} p={item['num_stages']} m={item['num_micro_batches']} "
             f"b={item['micro_batch_size']} {item['schedule']}"
-            f"{'' if item['virtual_stages'] == 1 else ' v=' + str(item['virtual_stages'])} recompute={item['activation_checkpoint']} "
+            f"{'' if item['virtual_stages'] == 1 else ' v=' + str(item['virtual_stages'])} "
+            f"recompute={item['activation_checkpoint']} "
             f"zero1={'on' if item['shard_optimizer'] else 'off'}: step {item['step_time_s']:.3g} s, "
             f"{item['tokens_per_second']:,.0f} tokens/s, MFU {item['mfu']:.1%}, bubble {item['bubble_fraction']:.1%} "
             f"(pipeline {item['pipeline_s']:.3g} s + reduction {item['reduction_exposed_s']:.3g} s + optimizer "

@@ -6,7 +6,7 @@ from raypipe.models.llama import LlamaConfig
 from raypipe.models.llama_memory import layer_parameter_counts, static_bytes_per_parameter
 from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.goodput import (METHODS, GoodputAssumptions, RunShape, goodput_by_method, job_mttf_hours)
-from raypipe.planning.predict import stage_bounds
+from raypipe.planning.predict import stage_bounds, worker_sums
 
 METHOD_LABELS = {
     "raypipe_warm_spare": "raypipe, warm spares (stage replaced, step redone)",
@@ -23,7 +23,8 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
     counts = layer_parameter_counts(config)
     per = static_bytes_per_parameter(shape.precision, shape.amp)
     shards = shape.num_replicas if shape.shard_optimizer else 1
-    stage_params = [sum(counts[start:end]) for start, end in stage_bounds(prediction.balance)]
+    # per worker: its chunks' parameters together (the balance is per virtual stage with several)
+    stage_params = worker_sums([sum(counts[start:end]) for start, end in stage_bounds(prediction.balance)], shape)
 
     def worker_state(params: int) -> float:  # what a snapshot of the worker holds (stage_rows.snapshot_bytes)
         if not per.master:
