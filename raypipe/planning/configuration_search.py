@@ -5,14 +5,22 @@ No Ray, no torch.
 
 **The search** (:func:`search_plans`): for every ``p`` dividing the GPU count up to the
 layer count, ``d = N / p``, micro-batches ``m`` in ``{p, 2p, 4p}`` (or what a fixed global
-batch leaves), micro-batch sizes 1 and 2, the runnable schedules (gpipe, 1F1B, zb_h1), recompute never and
-always, ZeRO-1 off and on (d > 1): the layers balanced by time (``--balance time``), or, where
-that split does not fit, the fastest split that does (the memory model's exact DP, printed
-as a list); a configuration that fits nowhere is dropped. Candidates are simulated in
+batch leaves), micro-batch sizes 1 and 2, the runnable schedules (gpipe, 1F1B, zb_h1, and at
+v = 2 chunks per worker interleaved_1f1b where p divides m and zbv, both where the layers make 2p
+virtual stages),
+recompute never and always, ZeRO-1 off and on (d > 1): the layers balanced by time (``--balance
+time``), or, where that split does not fit, the fastest split that does (the memory model's exact
+DP, printed as a list; a chunked schedule only by time: the DP bounds contiguous stages, and a
+worker's chunks are not); a configuration that fits nowhere is dropped. Candidates are simulated in
 order of an optimistic step time (the busiest stage's compute, plus the F and B of the
-stages before it and the messages between, plus the optimizer tail), which no simulated
-step undercuts, and the search stops when the next optimistic figure cannot beat the
-``top``-th best found: the result is the exact best under the model.
+stages before it and the messages between, plus the optimizer tail; a chunked schedule's:
+:func:`raypipe.planning.predict._chunked_pipeline_bound`), which no simulated step undercuts,
+and the search stops when the next optimistic figure cannot beat the ``top``-th best found:
+the result is the exact best under the model. Chunked candidates are pruned by the same rule, not
+by a heuristic: their bound is near their simulated step (interleaving's is its ideal fill and
+drain), so only those that could enter the top are timed, and the timed simulation's dry-run is
+run once per chunked shape (``simulate_timed(events=)``): the 405B search on 16384 GPUs simulates
+2 of them.
 
 **Snapshots** (``snapshot_every=None``, the default): each simulated candidate snapshots every
 step unless its copy would be exposed by more than :data:`SNAPSHOT_OVERHEAD` of the step without

@@ -6,6 +6,19 @@ runs over configurations is in :mod:`raypipe.planning.configuration_search`. No 
 ``k``: a replica's stages on consecutive GPUs, as raypipe places each replica in its own PACK
 placement group (as few nodes as hold it), its bundles in stage order.
 
+**Model chunks** (``virtual_stages`` v > 1: ``interleaved_1f1b``, ``zbv``): the layers are split
+into ``p * v`` virtual stages in model order (``balance`` has ``p * v`` entries), and worker ``w``'s
+chunk ``c`` holds virtual stage ``virtual_stage(w, c, p, PLACEMENT[schedule])`` (looped, or the V).
+An op of chunk c on worker w takes that virtual stage's F/B/I/W time; a message (an activation or
+its gradient) carries the output of the virtual stage before the boundary it crosses
+(:func:`~raypipe.core.ops.boundary_of`) over the link between the two *workers'* GPUs, so
+interleaving's wrap from worker p - 1 to worker 0 crosses the replica's span, and zbv's turn on
+worker p - 1 sends nothing. A worker's memory is the memory model's for its chunks together
+(``chunk_sizes``), its parameters (the reduction, optimizer and snapshot below) its chunks' sum.
+The pipeline is timed by ``simulate_timed`` itself: a chunked lowering awaits some activations'
+headers before posting a batch (``LoweredOp.header_first``), which delays that batch's sends, and
+:mod:`raypipe.planning.pipeline_timing` does not model it.
+
 **One step** (:func:`predict_step`):
 
 1. *The pipeline*: :func:`~raypipe.core.simulator.simulate_timed` runs the lowered schedule
