@@ -280,3 +280,20 @@ def test_the_timed_run_needs_neither_ray_nor_torch_and_imports_in_any_order():
                 "assert simulate_timed(lower(gpipe_schedule(2, 2)), {'F': 1, 'B': 1}).step_s == 6; "
                 "assert 'torch' not in sys.modules and 'ray' not in sys.modules")
         subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name, chunks", [("interleaved_1f1b", 2), ("zbv", 2), ("1f1b", 1)])
+def test_given_events_time_the_run_as_its_own_dry_run_does(name, chunks):
+    # the dry-run's events depend on the ops alone: a caller timing one schedule under many times
+    # (the step predictor's search) passes them once computed, and gets the same run
+    from raypipe.core.schedule import PLACEMENT, make_schedule
+    from raypipe.core.simulator import simulate_events
+
+    placement = PLACEMENT[name]
+    lowered = lower(make_schedule(name, 4, 8, chunks), placement)
+    events = simulate_events(lowered, placement)
+    for seconds in ({"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}, {"F": 0.5, "B": 1.5, "I": 0.625, "W": 0.875}):
+        for message in (0.0, 0.25):
+            alone = simulate_timed(lowered, seconds, message, buffered_sends=True, placement=placement)
+            given = simulate_timed(lowered, seconds, message, buffered_sends=True, placement=placement, events=events)
+            assert given == alone
