@@ -95,7 +95,9 @@ class Prediction:
     ``bubble_fraction`` is the share of the GPUs' step time not spent computing (the
     pipeline's bubble, the exposed reduction, optimizer and snapshot); ``pipeline_bubble``
     that of the simulated pipeline alone. ``stage_compute_s`` is each stage's F and B
-    time in one step; ``stage_bytes`` each stage's memory (the memory model's total).
+    time in one step; ``stage_bytes`` each stage's memory (the memory model's total); with
+    several chunks per worker both are per worker (its chunks together) and ``balance`` is
+    layers per virtual stage, in model order.
     """
 
     step_s: float
