@@ -292,11 +292,12 @@ def _lowered(schedule: str, num_stages: int, num_micro_batches: int,
     return tuple(tuple(lowered) for lowered in lower([list(stage_ops) for stage_ops in ops], PLACEMENT[schedule]))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def _dry_run_events(schedule: str, num_stages: int, num_micro_batches: int, num_chunks: int) -> tuple[Event, ...]:
     # the timed simulation's order of steps depends on the ops alone: the search times each chunked
     # shape under several configurations (micro-batch size, recompute, ZeRO-1), and the dry-run is
-    # most of a timing's cost (a 64-stage shape's events are tens of MB: only the last few are kept)
+    # most of a timing's cost (a zbv shape of 64 stages x 256 micro-batches: ~600k events, ~100 MB, so only
+    # the last four shapes are kept)
     lowered = _lowered(schedule, num_stages, num_micro_batches, num_chunks)
     return tuple(simulate_events([list(ops) for ops in lowered], PLACEMENT[schedule]))
 
