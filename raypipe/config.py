@@ -302,7 +302,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                              "input and weight gradients, the weight gradients deferred into the drain's bubble), "
                              "interleaved_1f1b (--virtual-stages >= 2 model chunks per worker: 1/v of 1F1B's bubble; "
                              "micro-batches a multiple of --stages) or zbv (two chunks per worker in a V, zero "
-                             "bubble with equal F, I and W); the last two on CPU workers for now (default: gpipe)")
+                             "bubble with equal F, I and W) (default: gpipe)")
     parser.add_argument("--virtual-stages", type=int, default=PipelineConfig.virtual_stages, metavar="V",
                         help="model chunks per worker (PipelineConfig.virtual_stages): >= 2 for interleaved_1f1b, "
                              "exactly 2 for zbv, 1 for the others (default: 1)")
