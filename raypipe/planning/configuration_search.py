@@ -44,8 +44,9 @@ from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_
                                          stage_input_bytes, static_bytes_per_parameter)
 from raypipe.planning.balance import fastest_split_within, layer_step_flops, min_max_partition
 from raypipe.planning.cluster_spec import Cluster
+from raypipe.planning.pipeline_prediction import shared_schedule_ops
 from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, pipeline_runs, predict_split,
-                                      shared_schedule_ops, stage_bounds, worker_sums)
+                                      stage_bounds, worker_sums)
 
 # the chunked schedules at v = 2: zbv holds exactly 2; interleaving's bubble shrinks as 1/v for v times the
 # messages, and v = 2 takes most of the gain (1/2 of 1F1B's bubble) at the least traffic and fewest shapes to time

@@ -65,25 +65,24 @@ time x GPUs x the precision's peak).
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from raypipe.config import CHECKPOINT_MODES
-from raypipe.core.lowering import lower
-from raypipe.core.ops import B, COMPUTE, F, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, LoweredOp, Op, boundary_of, \
-    virtual_stage
+from raypipe.core.ops import B, virtual_stage
 from raypipe.core.partition import partition_by_cost
-from raypipe.core.schedule import (PLACEMENT, SCHEDULES, check_chunks, gpipe_schedule, interleaved_1f1b_schedule,
-                                   one_f_one_b_schedule, zb_h1_schedule, zbv_schedule)
-from raypipe.core.simulator import Event, simulate_events
-from raypipe.core.timed_simulation import TimedRun, simulate_timed
+from raypipe.core.schedule import PLACEMENT
 from raypipe.models.layers import LayerCost, LayerSpec
 from raypipe.models.llama_memory import static_bytes_per_parameter
 from raypipe.planning.balance import balance_by_time, cost_stage_bytes, cost_worker_bytes
 from raypipe.planning.cluster_spec import Cluster, Link
-from raypipe.planning.pipeline_timing import PipelineTiming, time_buffered_pipeline
+from raypipe.planning.pipeline_prediction import (StageTimes, recomputed, replica_starts, shared_schedule_ops,
+                                                  simulate_pipeline, split_backward_tails, stage_times)
+from raypipe.planning.pipeline_timing import PipelineTiming
+from raypipe.planning.step_shape import StepShape, check_shape, stage_bounds, worker_sums
+
+__all__ = ["Prediction", "StepShape", "PipelineRun", "predict_step", "predict_split", "pipeline_runs",
+           "optimistic_step_s", "stage_bounds", "worker_sums"]
 
 
 # -- one step -----------------------------------------------------------------------
@@ -126,38 +125,6 @@ class Prediction:
                 "model_flops_per_step": self.model_flops_per_step}
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """Everything of a configuration but the layers and the cluster."""
-
-    num_replicas: int = 1
-    num_stages: int = 1
-    num_micro_batches: int = 1
-    schedule: str = "1f1b"
-    activation_checkpoint: str = "never"
-    precision: str = "bf16"
-    shard_optimizer: bool = False
-    micro_batch_size: int = 1
-    seq_len: int = 1
-    amp: str | None = None
-    snapshot_every: int = 1
-    virtual_stages: int = 1  # model chunks per worker (v): >= 2 for interleaved_1f1b, 2 for zbv
-
-    @property
-    def num_gpus(self) -> int:
-        return self.num_replicas * self.num_stages
-
-    @property
-    def num_virtual_stages(self) -> int:
-        """The pieces the model is cut into: ``p * v``."""
-        return self.num_stages * self.virtual_stages
-
-    def worker_virtual_stages(self) -> list[list[int]]:
-        """Per worker, the virtual stage each of its chunks holds, in chunk order (the schedule's placement)."""
-        placement = PLACEMENT[self.schedule]
-        return [[virtual_stage(worker, chunk, self.num_stages, placement) for chunk in range(self.virtual_stages)]
-                for worker in range(self.num_stages)]
-
 
 def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, num_replicas: int = 1,
                  num_stages: int = 1, num_micro_batches: int = 1, schedule: str = "1f1b",
@@ -184,7 +151,7 @@ def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, n
         raise ValueError("predict_step needs every layer's LayerCost (LayerSpec(..., cost=...) or LayerCost)")
     shape = StepShape(num_replicas, num_stages, num_micro_batches, schedule, activation_checkpoint, precision,
                       shard_optimizer, micro_batch_size, seq_len, amp, snapshot_every, virtual_stages)
-    _check_shape(shape, len(costs))
+    check_shape(shape, len(costs))
     pieces = shape.num_virtual_stages
     if balance == "time":
         split = balance_by_time(costs, pieces, activation_checkpoint=activation_checkpoint,
@@ -219,214 +186,6 @@ def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, n
                         for start, end in bounds]
     parameters = worker_sums(piece_parameters, shape)
     return predict_split(costs, split, parameters, memory, limit, shape, cluster)
-
-
-def worker_sums(per_virtual_stage: Sequence[float], shape: StepShape) -> list:
-    """Per worker, the sum of ``per_virtual_stage`` over its chunks (the entry itself with one chunk)."""
-    if shape.virtual_stages == 1:
-        return list(per_virtual_stage)
-    return [sum(per_virtual_stage[piece] for piece in pieces) for pieces in shape.worker_virtual_stages()]
-
-
-def _check_shape(shape: StepShape, num_layers: int) -> None:
-    for name in ("num_replicas", "num_stages", "num_micro_batches", "micro_batch_size", "seq_len",
-                 "virtual_stages"):
-        value = getattr(shape, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
-    if shape.schedule not in SCHEDULES:
-        raise ValueError(f"schedule={shape.schedule!r} must be one of {SCHEDULES}")
-    try:
-        check_chunks(shape.schedule, shape.virtual_stages)  # the schedule's own rule on v
-    except ValueError as error:
-        raise ValueError(f"virtual_stages={shape.virtual_stages!r}: {error}") from None
-    if shape.schedule == "interleaved_1f1b" and shape.num_micro_batches % shape.num_stages:
-        raise ValueError(f"num_micro_batches={shape.num_micro_batches}: interleaved_1f1b needs a multiple of "
-                         f"num_stages={shape.num_stages} (Megatron's rule)")
-    if shape.num_virtual_stages > num_layers:
-        chunks = f" x {shape.virtual_stages} chunks" if shape.virtual_stages > 1 else ""
-        raise ValueError(f"num_stages={shape.num_stages}{chunks}: only {num_layers} layers to split")
-    if shape.activation_checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"activation_checkpoint={shape.activation_checkpoint!r} must be one of {CHECKPOINT_MODES}")
-    if isinstance(shape.snapshot_every, bool) or not isinstance(shape.snapshot_every, int) or shape.snapshot_every < 0:
-        raise ValueError(f"snapshot_every={shape.snapshot_every!r} must be an int >= 0")
-
-
-def stage_bounds(split: Sequence[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for size in split:
-        out.append((start, start + size))
-        start += size
-    return out
-
-
-def schedule_ops(name: str, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> list[list[Op]]:
-    """The schedule called ``name`` with ``num_chunks`` chunks per worker, built directly:
-    make_schedule's dry-run (checked for every shape in the schedule tests) costs the search more
-    than everything else at 128 stages (a chunked one at 64 stages: ~3 s a shape, for each
-    shape's memory walk). A chunked schedule the search simulates is still dry-run there: the
-    timed simulation runs the dry-run's rule, and raises where it would."""
-    check_chunks(name, num_chunks)
-    if name == "interleaved_1f1b":
-        return interleaved_1f1b_schedule(num_stages, num_micro_batches, num_chunks)
-    if name == "zbv":
-        return zbv_schedule(num_stages, num_micro_batches)
-    builder = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb_h1": zb_h1_schedule}[name]
-    return builder(num_stages, num_micro_batches)
-
-
-@functools.lru_cache(maxsize=2)
-def shared_schedule_ops(name: str, num_stages: int, num_micro_batches: int,
-                        num_chunks: int = 1) -> tuple[tuple[Op, ...], ...]:
-    """:func:`schedule_ops`, read-only and kept for the last two shapes asked: the search walks a
-    shape's memory once per recompute mode and then lowers it, one shape after another (a large
-    shape's ops are ~100 MB, so only the shapes in use are kept)."""
-    return tuple(tuple(ops) for ops in schedule_ops(name, num_stages, num_micro_batches, num_chunks))
-
-
-@functools.lru_cache(maxsize=64)
-def _lowered(schedule: str, num_stages: int, num_micro_batches: int,
-             num_chunks: int = 1) -> tuple[tuple[LoweredOp, ...], ...]:
-    # once per shape: the search simulates many configurations of one schedule shape
-    ops = shared_schedule_ops(schedule, num_stages, num_micro_batches, num_chunks)
-    return tuple(tuple(lowered) for lowered in lower([list(stage_ops) for stage_ops in ops], PLACEMENT[schedule]))
-
-
-@functools.lru_cache(maxsize=4)
-def _dry_run_events(schedule: str, num_stages: int, num_micro_batches: int, num_chunks: int) -> tuple[Event, ...]:
-    # the timed simulation's order of steps depends on the ops alone: the search times each chunked
-    # shape under several configurations (micro-batch size, recompute, ZeRO-1), and the dry-run is
-    # most of a timing's cost (a zbv shape of 64 stages x 256 micro-batches: ~600k events, ~100 MB, so only
-    # the last four shapes are kept)
-    lowered = _lowered(schedule, num_stages, num_micro_batches, num_chunks)
-    return tuple(simulate_events([list(ops) for ops in lowered], PLACEMENT[schedule]))
-
-
-@functools.lru_cache(maxsize=256)
-def _split_backward_tails(schedule: str, num_stages: int, num_micro_batches: int) -> tuple[tuple[bool, int], ...]:
-    """Per stage of the schedule: whether it splits the backward into I and W, and how many W
-    ops come after its last I (once per shape: :func:`optimistic_step_s` bounds every candidate)."""
-    out = []
-    for ops in shared_schedule_ops(schedule, num_stages, num_micro_batches):
-        kinds = [op.kind for op in ops]
-        split = "I" in kinds
-        out.append((split, kinds[len(kinds) - kinds[::-1].index("I"):].count("W") if split else 0))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class _StageTimes:
-    """Per stage: one micro-batch's F, its B, the forward a recompute adds, and the
-    message to the next stage (bytes)."""
-
-    forward: tuple[float, ...]
-    backward: tuple[float, ...]
-    recompute: tuple[float, ...]
-    message_bytes: tuple[float, ...]
-    backward_input: tuple[float, ...]  # the part of backward a split schedule runs as I (the rest as W)
-
-
-def _stage_times(costs: Sequence[LayerCost], split: Sequence[int], shape: StepShape, rate: float) -> _StageTimes:
-    forward, backward, message, backward_input = [], [], [], []
-    for start, end in stage_bounds(split):
-        part = costs[start:end]
-        backward_input.append(shape.micro_batch_size * sum(cost.bwd_input_flops for cost in part) / rate)
-        forward.append(shape.micro_batch_size * sum(cost.fwd_flops for cost in part) / rate)
-        backward.append(shape.micro_batch_size * sum(cost.bwd_input_flops + cost.bwd_weight_flops
-                                                     for cost in part) / rate)
-        message.append(shape.micro_batch_size * costs[end - 1].output_bytes)
-    recompute = forward if shape.activation_checkpoint != "never" else [0.0] * len(forward)
-    return _StageTimes(tuple(forward), tuple(backward), tuple(recompute), tuple(message), tuple(backward_input))
-
-
-def _recomputed(shape: StepShape, micro_batch: int | None) -> bool:
-    if shape.activation_checkpoint == "always":
-        return True
-    return shape.activation_checkpoint == "except_last" and micro_batch != shape.num_micro_batches - 1
-
-
-def _pipeline_timers(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int
-                     ) -> tuple[Callable[[int, LoweredOp], float], Callable[[int, int, LoweredOp], float]]:
-    """The op and message times of the replica whose worker 0 is on GPU ``first_gpu``, as the
-    timed simulation takes them (``op_seconds``, ``message_seconds``). ``times`` is per virtual
-    stage: an op of chunk c on worker w takes the times of the virtual stage that chunk holds."""
-
-    overhead = cluster.op_overhead_s  # around every compute op (see the module's 5.)
-    p, placement = shape.num_stages, PLACEMENT[shape.schedule]
-    chunked = shape.virtual_stages > 1
-
-    def op_seconds(stage: int, op: LoweredOp) -> float:
-        if chunked:
-            stage = virtual_stage(stage, op.chunk, p, placement)
-        if op.kind == F:
-            return times.forward[stage] + overhead
-        recompute = times.recompute[stage] if _recomputed(shape, op.micro_batch) else 0.0
-        if op.kind == B:
-            return times.backward[stage] + recompute + overhead
-        if op.kind == "I":  # a split backward's input gradient (zero-bubble schedules), with any recompute
-            return times.backward_input[stage] + recompute + overhead
-        if op.kind == "W":
-            return times.backward[stage] - times.backward_input[stage] + overhead
-        if op.kind in (REDUCE_GRAD, OPTIMIZER_STEP):
-            return 0.0  # the reduction, decision and optimizer are added after the pipeline (see the module)
-        raise ValueError(f"the predictor has no time for {op!r} (stage {stage}) of schedule {shape.schedule!r}")
-
-    def message_seconds(sender: int, receiver: int, op: LoweredOp) -> float:
-        # the output of the virtual stage before the boundary the message crosses: an activation of
-        # virtual stage s -> s+1, or its gradient back (one chunk: the boundary of stages s and s+1)
-        if chunked:
-            before = boundary_of(sender, op.chunk, op.kind, p, placement) - 1
-        else:
-            before = min(sender, receiver)
-        return cluster.link(first_gpu + sender, first_gpu + receiver).seconds(times.message_bytes[before])
-
-    return op_seconds, message_seconds
-
-
-def _simulate_pipeline(times: _StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int) -> PipelineTiming:
-    """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``: the timed
-    simulation's figures (``simulate_timed(..., buffered_sends=True)``). One chunk per worker:
-    evaluated without its dry-run (:mod:`raypipe.planning.pipeline_timing` says why, and why the
-    figures are the same). Several chunks: ``simulate_timed`` itself, whose rule also holds an
-    EXCHANGE's batch until the activation headers it awaits are in (``LoweredOp.header_first``,
-    which chunked lowerings use and ``pipeline_timing`` does not model)."""
-    op_seconds, message_seconds = _pipeline_timers(times, shape, cluster, first_gpu)
-    lowered = _lowered(shape.schedule, shape.num_stages, shape.num_micro_batches, shape.virtual_stages)
-    if shape.virtual_stages == 1:
-        return time_buffered_pipeline(lowered, op_seconds, message_seconds)
-    run = simulate_timed([list(ops) for ops in lowered], op_seconds, message_seconds, buffered_sends=True,
-                         placement=PLACEMENT[shape.schedule],
-                         events=_dry_run_events(shape.schedule, shape.num_stages, shape.num_micro_batches,
-                                                shape.virtual_stages))
-    return timing_of(run, shape.num_stages)
-
-
-def timing_of(run: TimedRun, num_workers: int) -> PipelineTiming:
-    """What a prediction reads of a :func:`simulate_timed` run, as :class:`PipelineTiming` holds it: per
-    worker its last compute op's end and when it first posted a receive, and the compute ops counted."""
-    last_compute, first_wait = [0.0] * num_workers, [math.inf] * num_workers
-    compute_ops = 0
-    for timed in run.timeline:
-        if timed.op.kind in COMPUTE:
-            last_compute[timed.stage] = max(last_compute[timed.stage], timed.end)
-            compute_ops += 1
-        elif any(part.kind in RECEIVES for part in timed.op.unbatched()):
-            first_wait[timed.stage] = min(first_wait[timed.stage], timed.start)
-    return PipelineTiming(step_s=run.step_s, busy_s=run.busy_s, last_compute=tuple(last_compute),
-                          first_wait=tuple(first_wait), compute_ops=compute_ops)
-
-
-def _replica_starts(shape: StepShape, cluster: Cluster) -> list[int]:
-    """One first GPU per distinct placement of a replica's stages on nodes (it depends only on
-    the replica's first GPU modulo the node size, so the first ``gpus_per_node`` replicas have them all)."""
-    seen, starts = set(), []
-    for replica in range(min(shape.num_replicas, cluster.gpus_per_node)):
-        first = replica * shape.num_stages
-        pattern = tuple(cluster.node(first + s) - cluster.node(first) for s in range(shape.num_stages))
-        if pattern not in seen:
-            seen.add(pattern)
-            starts.append(first)
-    return starts
 
 
 def _collective_link(shape: StepShape, cluster: Cluster, stage: int) -> Link:
@@ -483,9 +242,9 @@ def pipeline_runs(costs: Sequence[LayerCost], split: Sequence[int], shape: StepS
     """The timed pipeline of each distinct placement of a replica (see the module's 1.), as
     :func:`predict_split` reads it. It does not depend on ``shape.snapshot_every``: a prediction
     of the same split at another snapshot cadence can reuse it."""
-    times = _stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
-    return tuple(PipelineRun(first_gpu, _simulate_pipeline(times, shape, cluster, first_gpu))
-                 for first_gpu in _replica_starts(shape, cluster))
+    times = stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
+    return tuple(PipelineRun(first_gpu, simulate_pipeline(times, shape, cluster, first_gpu))
+                 for first_gpu in replica_starts(shape, cluster))
 
 
 def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: Sequence[int],
@@ -497,7 +256,7 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
     :func:`pipeline_runs` where already simulated (at any snapshot cadence), else they are.
     ``stage_compute_s`` is per worker, its chunks' compute together."""
     rate = cluster.flops_per_s(shape.precision)
-    times = _stage_times(costs, split, shape, rate)
+    times = stage_times(costs, split, shape, rate)
     reduce, optimizer, snapshot = _tail_seconds(parameters, shape, cluster)
     step = pipeline = reduction_exposed = snapshot_exposed = 0.0
     pipeline_bubble = 0.0
@@ -518,7 +277,7 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
                                if run.step_s else 0.0)
     compute = worker_sums([shape.num_micro_batches * (f + b) + sum(times.recompute[s]
                                                                    for mb in range(shape.num_micro_batches)
-                                                                   if _recomputed(shape, mb))
+                                                                   if recomputed(shape, mb))
                            for s, (f, b) in enumerate(zip(times.forward, times.backward))], shape)
     tokens = shape.num_replicas * shape.num_micro_batches * shape.micro_batch_size * shape.seq_len
     model_flops = (shape.num_replicas * shape.num_micro_batches * shape.micro_batch_size
@@ -540,17 +299,17 @@ def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], paramete
     whole compute, and the last gradient's way back; plus the slowest optimizer tail.
     ``split`` and ``parameters`` as :func:`predict_split` takes them; several chunks per worker
     are bounded as :func:`_chunked_pipeline_bound` says."""
-    times = _stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
+    times = stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
     _, optimizer, _ = _tail_seconds(parameters, shape, cluster)
     if shape.virtual_stages > 1:
         return _chunked_pipeline_bound(times, shape, cluster) + max(optimizer) + cluster.step_overhead_s
     fastest = min(cluster.intra_node, cluster.inter_node, key=lambda link: link.latency_s)
-    tails = _split_backward_tails(shape.schedule, shape.num_stages, shape.num_micro_batches)
+    tails = split_backward_tails(shape.schedule, shape.num_stages, shape.num_micro_batches)
     best = 0.0
     lead = 0.0  # F and B (a split backward: I) of the stages before, and the messages between them
     for stage in range(shape.num_stages):
         compute = shape.num_micro_batches * (times.forward[stage] + times.backward[stage]) + sum(
-            times.recompute[stage] for mb in range(shape.num_micro_batches) if _recomputed(shape, mb))
+            times.recompute[stage] for mb in range(shape.num_micro_batches) if recomputed(shape, mb))
         # a split backward's W ops after the stage's last I may run while the last gradient goes back
         split, trailing = tails[stage]
         weight = times.backward[stage] - times.backward_input[stage]
@@ -562,7 +321,7 @@ def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], paramete
     return best + max(optimizer) + cluster.step_overhead_s
 
 
-def _chunked_pipeline_bound(times: _StageTimes, shape: StepShape, cluster: Cluster) -> float:
+def _chunked_pipeline_bound(times: StageTimes, shape: StepShape, cluster: Cluster) -> float:
     """A pipeline time no simulated run of a chunked schedule undercuts: per worker, its whole
     compute (a worker runs one op at a time), after the chain its first op waits for (the forwards
     of that micro-batch through the virtual stages before its chunk, and the messages between

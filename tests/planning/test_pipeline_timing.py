@@ -10,8 +10,9 @@ from raypipe.core.lowering import lower
 from raypipe.core.simulator import ScheduleError
 from raypipe.core.timed_simulation import simulate_timed
 from raypipe.planning.cluster_spec import Cluster, Link
+from raypipe.planning.pipeline_prediction import StageTimes, pipeline_timers, schedule_ops
 from raypipe.planning.pipeline_timing import time_buffered_pipeline
-from raypipe.planning.predict import StepShape, _pipeline_timers, _StageTimes, schedule_ops
+from raypipe.planning.predict import StepShape
 
 
 def unit_cluster(**changes) -> Cluster:
@@ -46,14 +47,14 @@ def test_the_same_figures_as_simulate_timed(schedule, num_stages, num_micro_batc
     for recompute in ("never", "always", "except_last"):
         forward, backward_input = stage_values(), stage_values()
         backward = tuple(i + rng.random() for i in backward_input)
-        times = _StageTimes(forward, backward, forward if recompute != "never" else (0.0,) * num_stages,
+        times = StageTimes(forward, backward, forward if recompute != "never" else (0.0,) * num_stages,
                             tuple(rng.choice([0, 1e6, 3e8]) for _ in range(num_stages)), backward_input)
         shape = StepShape(num_stages=num_stages, num_micro_batches=num_micro_batches, schedule=schedule,
                           activation_checkpoint=recompute)
         for cluster in (unit_cluster(gpus_per_node=2, inter_node=Link(1e9, 1e-4), intra_node=Link(3e10, 1e-6)),
                         unit_cluster(gpus_per_node=3, op_overhead_s=2e-4)):
             for first_gpu in (0, 1):
-                op_seconds, message_seconds = _pipeline_timers(times, shape, cluster, first_gpu)
+                op_seconds, message_seconds = pipeline_timers(times, shape, cluster, first_gpu)
                 fast = time_buffered_pipeline(lowered, op_seconds, message_seconds)
                 expected = _figures_of_simulate_timed(lowered, op_seconds, message_seconds)
                 assert (fast.step_s, fast.busy_s, fast.last_compute, fast.first_wait, fast.compute_ops) == expected
