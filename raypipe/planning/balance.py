@@ -99,28 +99,13 @@ def cost_stage_bytes(costs: Sequence[LayerCost], num_stages: int, *, num_micro_b
     ``precision``) plus the schedule's peak of kept graphs (``saved_bytes``, and the stage's
     output) or kept inputs (the previous layer's ``output_bytes``; ``model_input_bytes`` on
     the first stage) with a recompute in progress."""
-    from raypipe.planning.memory import _static_bytes, _walk  # what the memory model counts, and its walk
-
-    per_param = static_bytes_per_parameter(precision, amp, optimizer)
-    schedules = make_schedule(schedule, num_stages, num_micro_batches)
-    saved = [0]
-    for cost in costs:
-        saved.append(saved[-1] + cost.saved_bytes)
-    params = [0]
-    for cost in costs:
-        params.append(params[-1] + cost.param_bytes)
-
-    def stage_bytes(stage: int, start: int, end: int) -> int:
-        count = round((params[end] - params[start]) / per_param.weights)  # param_bytes hold the weights
-        static = sum(_static_bytes(count, per_param, optimizer_shards).values())
-        output = 0 if end == len(costs) else costs[end - 1].output_bytes  # the graph's root until backward
-        graph = micro_batch_size * (saved[end] - saved[start] + output)
-        stage_input = micro_batch_size * (costs[start - 1].output_bytes if start else model_input_bytes)
-        held = _walk(schedules[stage], num_micro_batches, activation_checkpoint, offload_activations, [graph],
-                     [stage_input], [0])[0]
-        return static + held
-
-    return stage_bytes
+    worker_bytes = cost_worker_bytes(costs, num_stages, 1, num_micro_batches=num_micro_batches,
+                                     micro_batch_size=micro_batch_size, schedule=schedule,
+                                     activation_checkpoint=activation_checkpoint,
+                                     offload_activations=offload_activations, precision=precision, amp=amp,
+                                     optimizer=optimizer, optimizer_shards=optimizer_shards,
+                                     model_input_bytes=model_input_bytes)
+    return lambda stage, start, end: worker_bytes(stage, [(start, end)])  # a stage is a worker of one chunk
 
 
 # worker_bytes(worker, chunk_bounds): bytes the worker holding chunks of layers first..end-1 (in chunk order) needs
@@ -136,7 +121,7 @@ def cost_worker_bytes(costs: Sequence[LayerCost], num_stages: int, virtual_stage
     worker's bytes from the layers of its chunks (``chunk_bounds``: (first, end) per chunk, in
     chunk order), its ops keeping and freeing each chunk's graph or input as the memory model's
     walk does (:func:`raypipe.planning.memory._walk` with per-chunk lists)."""
-    from raypipe.planning.memory import _static_bytes, _walk
+    from raypipe.planning.memory import _static_bytes, _walk  # what the memory model counts, and its walk
 
     per_param = static_bytes_per_parameter(precision, amp, optimizer)
     schedules = make_schedule(schedule, num_stages, num_micro_batches, virtual_stages)
@@ -146,11 +131,12 @@ def cost_worker_bytes(costs: Sequence[LayerCost], num_stages: int, virtual_stage
         params.append(params[-1] + cost.param_bytes)
 
     def worker_bytes(worker: int, chunk_bounds: Sequence[tuple[int, int]]) -> int:
+        # param_bytes hold the weights
         count = round(sum(params[end] - params[start] for start, end in chunk_bounds) / per_param.weights)
         static = sum(_static_bytes(count, per_param, optimizer_shards).values())
         graphs, inputs = [], []
         for start, end in chunk_bounds:
-            output = 0 if end == len(costs) else costs[end - 1].output_bytes
+            output = 0 if end == len(costs) else costs[end - 1].output_bytes  # the graph's root until backward
             graphs.append(micro_batch_size * (saved[end] - saved[start] + output))
             inputs.append(micro_batch_size * (costs[start - 1].output_bytes if start else model_input_bytes))
         held = _walk(schedules[worker], num_micro_batches, activation_checkpoint, offload_activations, graphs,
