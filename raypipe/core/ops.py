@@ -36,6 +36,7 @@ SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SEND_ACT", "RECV_ACT", "SEND_GRAD", 
 # sends and receives posted together, completing once every one is matched (``dist.batch_isend_irecv``)
 EXCHANGE = "EXCHANGE"
 REDUCE_GRAD, OPTIMIZER_STEP = "REDUCE_GRAD", "OPTIMIZER_STEP"
+COLLECTIVES = (REDUCE_GRAD, OPTIMIZER_STEP)  # run on every stage together
 
 SENDS, RECEIVES = (SEND_ACT, SEND_GRAD), (RECV_ACT, RECV_GRAD)
 # Activations flow to the next virtual stage, gradients back to the previous one.
