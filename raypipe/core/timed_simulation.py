@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
-from raypipe.core.ops import EXCHANGE, LOOPED, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, SENDS, LoweredOp
+from raypipe.core.ops import COLLECTIVES, EXCHANGE, LOOPED, RECEIVES, SENDS, LoweredOp
 from raypipe.core.simulator import DONE, POSTED, REACHED, Event, postings, simulate_events
 
 # The time of a compute op or a collective on a worker: ``(stage, op) -> seconds``, or a mapping
@@ -54,7 +54,6 @@ OpSeconds = Union[Callable[[int, LoweredOp], float], Mapping[Union[str, tuple[in
 # The time of one message: ``(sender, receiver, send op) -> seconds``, or the same for every message.
 MessageSeconds = Union[Callable[[int, int, LoweredOp], float], float]
 
-_COLLECTIVES = (REDUCE_GRAD, OPTIMIZER_STEP)
 
 
 class TimedOp(NamedTuple):
@@ -135,7 +134,7 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
         else:
             op = lowered[stage][index]
             start = reached_at.get((stage, index), free_at[stage])
-            if op.kind in _COLLECTIVES:
+            if op.kind in COLLECTIVES:
                 # the dry-run completes a collective on every stage in a row, once all reached it:
                 # when the first completes, every worker's free time is when it reached it
                 collectives[stage] += 1
@@ -185,7 +184,7 @@ def _op_time(op_seconds: OpSeconds) -> Callable[[int, LoweredOp], float]:
             for key in ((stage, op.kind), op.kind):
                 if key in by_key:
                     return by_key[key]
-            if op.kind in _COLLECTIVES:
+            if op.kind in COLLECTIVES:
                 return 0.0
             raise ValueError(f"op_seconds gives no time for {op!r} on stage {stage}: add {op.kind!r} "
                              f"or ({stage}, {op.kind!r}) to it")

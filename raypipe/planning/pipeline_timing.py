@@ -24,10 +24,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from raypipe.core.ops import EXCHANGE, OPTIMIZER_STEP, RECEIVES, REDUCE_GRAD, SENDS, B, F, I, LoweredOp, W
+from raypipe.core.ops import COLLECTIVES, EXCHANGE, RECEIVES, SENDS, B, F, I, LoweredOp, W
 from raypipe.core.simulator import ScheduleError
 
-_COLLECTIVES = (REDUCE_GRAD, OPTIMIZER_STEP)
 _MESSAGES = (*SENDS, *RECEIVES, EXCHANGE)
 _COMPUTE = (F, B, I, W)
 
@@ -72,7 +71,7 @@ def time_buffered_pipeline(lowered: Sequence[Sequence[LoweredOp]], op_seconds: C
             while position[stage] < len(ops):
                 op = ops[position[stage]]
                 start = free_at[stage]
-                if op.kind in _COLLECTIVES:
+                if op.kind in COLLECTIVES:
                     break  # run below, once every worker has reached it
                 if op.kind in _MESSAGES:
                     parts = op.unbatched()
@@ -103,7 +102,7 @@ def time_buffered_pipeline(lowered: Sequence[Sequence[LoweredOp]], op_seconds: C
                 remaining -= 1
                 progressed = True
         waiting = [ops[position[stage]] if position[stage] < len(ops) else None for stage, ops in enumerate(lowered)]
-        if all(op is not None and op.kind in _COLLECTIVES for op in waiting):
+        if all(op is not None and op.kind in COLLECTIVES for op in waiting):
             # a collective starts once every worker has reached it, and then takes its time on each
             collective_start = max(free_at)
             for stage, op in enumerate(waiting):
