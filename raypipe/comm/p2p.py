@@ -43,24 +43,13 @@ batch too (of one): torch gives a batch the group's communicator, but a lone
 send or receive a two-rank one of its own when the group was made lazily, and
 messages on two communicators are not ordered against each other.
 
-With data parallelism the group holds every replica's stages (rank =
-:meth:`~raypipe.core.topology.Topology.rank`, replica-major); the workers of one
-stage across replicas also form a subgroup, :attr:`P2PChannel.replicas`
-(:mod:`raypipe.comm.replicas`). Headers, layouts and the step's all-reduce of
-gradient statistics go over a control channel of CPU tensors on gloo
-(:attr:`P2PChannel.control`) even when the tensors go over NCCL, so decoding a
-header never waits on a GPU stream; on a gloo-only run it is the group itself.
-
-On gloo a peer that leaves the group fails every receive from it at once; on NCCL (and its
-emulation) waits poll against an abort flag and ``p2p_timeout_s``, and :meth:`P2PChannel.abort`
-releases a blocked step (:mod:`raypipe.comm.polled_wait`): :class:`~raypipe.errors.StepAborted`.
+The worker's place in the group (joining and leaving it, its control channel of CPU
+tensors on gloo beside NCCL, the replicas' subgroup, and :meth:`P2PChannel.abort`, which
+releases a blocked step) is :mod:`raypipe.comm.membership`.
 """
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Collection
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,14 +59,12 @@ from raypipe.comm import tree_messages
 from raypipe.comm.headers import (HEADER_LENGTH, PAYLOAD_OF_TREE, TREE, Signature, decode, empty_buffer, encode,
                                   signature_of, tree_signature)
 from raypipe.comm.matching import GRADIENT, HEADER, LAYOUT, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
+from raypipe.comm.membership import GroupMembership
 from raypipe.comm.tree_messages import TreeLayout
-from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
-from raypipe.comm.polled_wait import StepWaits, WaitedOnThread
+from raypipe.comm.polled_wait import WaitedOnThread
 from raypipe.comm.step_messages import StepMessages
-from raypipe.comm.replicas import StageReplicas
 from raypipe.core.ops import RECEIVES, RECV_ACT, SEND_ACT, SENDS, LoweredOp, micro_batch_of_key
 from raypipe.core.topology import Topology
-from raypipe.errors import StepAborted
 
 
 class P2PChannel:
@@ -93,63 +80,40 @@ class P2PChannel:
         self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
         self.rank = topology.rank(replica, stage)
         self.num_virtual_stages = topology.num_stages * num_chunks
-        waits = self._waits = StepWaits(topology, replica, stage)
-        self.replicas = StageReplicas(topology, replica, stage,
-                                      wait=lambda work, what: waits.wait(self._collective(work), None, None, what))
-        self._matching: ByTag | InOrder = InOrder() if self.backend == "nccl" else ByTag()
-        # the group of headers and the step's all-reduce (gloo, CPU tensors); None: the group itself
-        self.control: Any = None
-        # an abort (on another thread) against leaving: both tear the group down. Issuing an operation
-        # takes no lock: NCCL's abort exists to release a call stuck in the communicator, and an
-        # operation that fails because the group was just aborted ends the step all the same
-        self._lock = threading.Lock()
+        self._group = GroupMembership(topology, replica, stage, device)
+        self._waits, self.replicas = self._group.waits, self._group.replicas
         self._messages = StepMessages()
         self._batch: list[Operation] | None = None  # while an exchange collects its sends
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        return self._group.backend
+
+    @property
+    def control(self) -> Any:
+        """The group of headers and the step's all-reduce (gloo, CPU tensors); None: the group itself."""
+        return self._group.control
+
+    @property
+    def _matching(self) -> ByTag | InOrder:
+        return self._group.matching
+
+    @_matching.setter
+    def _matching(self, matching: ByTag | InOrder) -> None:
+        self._group.matching = matching
 
     def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False) -> None:
         """Join the group at ``address:port``, its control channel, and this stage's
         replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
         (:mod:`raypipe.comm.nccl_emulation`)."""
-        topology, nccl = self.topology, self.backend == "nccl"
-        if emulate_nccl and nccl:
-            raise ValueError("cannot emulate NCCL on a CUDA device: NCCL itself runs there")
-        if nccl:  # a failed peer's operations are ours to abort (abort()): NCCL's watchdog must not end the process
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-        # on NCCL, device_id makes the group's communicator now, with every rank: a batch of sends and
-        # receives between two ranks may not be the first use of a group (``dist.batch_isend_irecv``)
-        dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s),
-                                device_id=self.device if nccl else None)
-        self._waits.aborted.clear()
-        self._waits.timeout_s, self._waits.polls = timeout_s, nccl or emulate_nccl
-        if self._waits.polls:  # every rank makes the control group first, then the replicas' subgroups
-            self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            stream = EmulatedStream(dist.distributed_c10d._get_default_group()) if emulate_nccl else None
-            self._matching = InOrder(stream)
-        else:
-            self.control, self._matching = None, ByTag()
-        self.replicas.join()
+        self._group.join(address, port, timeout_s, emulate_nccl)
 
     def leave(self) -> None:
         """Drop pending operations and leave the group, closing its connections;
         forget the predicted shapes (every member leaves before a group re-forms).
         On NCCL, with operations pending or after an abort, the communicators are
         aborted: a destroy would wait for the pending work."""
-        with self._lock:
-            pending = self._messages.pending
-            self._messages.clear()
-            self._stop_stream()
-            self.replicas.leave()
-            self.control = None
-            if dist.is_initialized():
-                if self.backend == "nccl" and (pending or self._waits.aborted.is_set()):
-                    dist.distributed_c10d._abort_process_group()
-                else:
-                    dist.destroy_process_group()
+        self._group.leave(self._messages)
 
     def abort(self) -> None:
         """Release a step blocked on this channel; callable from any thread (the
@@ -159,16 +123,12 @@ class P2PChannel:
         :class:`~raypipe.errors.StepAborted` and leaves; the group must be joined
         afresh. On gloo without the emulation a wait blocks in gloo, which releases
         it when a peer leaves; the flag then stops the step at its next operation."""
-        self._waits.aborted.set()  # first: a polling wait sees it at once
-        with self._lock:
-            self._stop_stream()
-            if self.backend == "nccl" and dist.is_initialized():
-                dist.distributed_c10d._abort_process_group()
+        self._group.abort()
 
     @property
     def aborted(self) -> bool:
         """Whether :meth:`abort` was called since the group was last joined."""
-        return self._waits.aborted.is_set()
+        return self._group.aborted
 
     def expect_activations(self, expected: list[tuple[int, int]]) -> None:
         """Post the receives of this step's activations, each a (key, peer stage) pair
@@ -323,7 +283,7 @@ class P2PChannel:
                 if op.kind == RECV_ACT:
                     if key not in self._messages.headers:  # its header: posted ahead on the control channel
                         self.expect_activations([(key, op.peer)])
-                    if not self._in_order or op not in header_first or op.peer in received_after:
+                    if not self._group.in_order or op not in header_first or op.peer in received_after:
                         received_after.add(op.peer)
                         continue
                     signature, layouts[key] = self._await_header(key, op.peer)
@@ -357,11 +317,6 @@ class P2PChannel:
         work, payload = self._messages.payloads.pop(key)
         self._waits.wait(work, self._peer_rank(peer), self._micro_batch(key), "activation")
         return self._activation(payload, layout, key)
-
-    @property
-    def _in_order(self) -> bool:
-        """Whether messages match in issue order (NCCL, and its emulation), not by tag (gloo)."""
-        return isinstance(self._matching, InOrder)
 
     def finish_sends(self) -> None:
         """Wait until every started send has completed (the buffers live until then)."""
@@ -404,14 +359,6 @@ class P2PChannel:
         work = function(tensor, peer_rank, group=self.control, tag=ByTag.tag(kind, key))
         # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
         return WaitedOnThread(work) if self._waits.polls else work
-
-    def _collective(self, work: Any) -> Any:
-        """A data-group collective's Work, under NCCL's rules when they are emulated."""
-        return SilentCollective(work) if self._in_order and self._matching.stream else work
-
-    def _stop_stream(self) -> None:
-        if self._in_order and self._matching.stream is not None:
-            self._matching.stream.stop()
 
     def _send(self, tensor: torch.Tensor, peer_rank: int, kind: int, key: int) -> None:
         operation = (dist.isend, tensor, peer_rank, self._matching.tag(kind, key))

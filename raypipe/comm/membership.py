@@ -1,0 +1,125 @@
+"""A worker's membership of the run's process group (:mod:`raypipe.comm.p2p`'s
+:class:`~raypipe.comm.p2p.P2PChannel` holds one): joining it, leaving it, and
+aborting it from another thread.
+
+With data parallelism the group holds every replica's stages (rank =
+:meth:`~raypipe.core.topology.Topology.rank`, replica-major); the workers of one
+stage across replicas also form a subgroup, :attr:`GroupMembership.replicas`
+(:mod:`raypipe.comm.replicas`). Headers, layouts and the step's all-reduce of
+gradient statistics go over a control channel of CPU tensors on gloo
+(:attr:`GroupMembership.control`) even when the tensors go over NCCL, so decoding a
+header never waits on a GPU stream; on a gloo-only run it is the group itself.
+
+On gloo a peer that leaves the group fails every receive from it at once; on NCCL (and its
+emulation) waits poll against an abort flag and ``p2p_timeout_s``, and :meth:`GroupMembership.abort`
+releases a blocked step (:mod:`raypipe.comm.polled_wait`): :class:`~raypipe.errors.StepAborted`.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raypipe.comm.matching import ByTag, InOrder
+from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
+from raypipe.comm.polled_wait import StepWaits
+from raypipe.comm.replicas import StageReplicas
+from raypipe.comm.step_messages import StepMessages
+from raypipe.core.topology import Topology
+
+
+class GroupMembership:
+    """One worker's place in the run's process group: its rank, the group's control
+    channel, this stage's replica subgroup, how messages match (by tag on gloo, in
+    issue order on NCCL and its emulation) and the step's waits with their abort flag."""
+
+    def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device) -> None:
+        self.topology, self.device = topology, device
+        self.rank = topology.rank(replica, stage)
+        waits = self.waits = StepWaits(topology, replica, stage)
+        self.replicas = StageReplicas(topology, replica, stage,
+                                      wait=lambda work, what: waits.wait(self.collective(work), None, None, what))
+        self.matching: ByTag | InOrder = InOrder() if self.backend == "nccl" else ByTag()
+        # the group of headers and the step's all-reduce (gloo, CPU tensors); None: the group itself
+        self.control: Any = None
+        # an abort (on another thread) against leaving: both tear the group down. Issuing an operation
+        # takes no lock: NCCL's abort exists to release a call stuck in the communicator, and an
+        # operation that fails because the group was just aborted ends the step all the same
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False) -> None:
+        """Join the group at ``address:port``, its control channel, and this stage's
+        replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
+        (:mod:`raypipe.comm.nccl_emulation`)."""
+        topology, nccl = self.topology, self.backend == "nccl"
+        if emulate_nccl and nccl:
+            raise ValueError("cannot emulate NCCL on a CUDA device: NCCL itself runs there")
+        if nccl:  # a failed peer's operations are ours to abort (abort()): NCCL's watchdog must not end the process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        # on NCCL, device_id makes the group's communicator now, with every rank: a batch of sends and
+        # receives between two ranks may not be the first use of a group (``dist.batch_isend_irecv``)
+        dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s),
+                                device_id=self.device if nccl else None)
+        self.waits.aborted.clear()
+        self.waits.timeout_s, self.waits.polls = timeout_s, nccl or emulate_nccl
+        if self.waits.polls:  # every rank makes the control group first, then the replicas' subgroups
+            self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            stream = EmulatedStream(dist.distributed_c10d._get_default_group()) if emulate_nccl else None
+            self.matching = InOrder(stream)
+        else:
+            self.control, self.matching = None, ByTag()
+        self.replicas.join()
+
+    def leave(self, messages: StepMessages) -> None:
+        """Drop ``messages``' pending operations and leave the group, closing its connections;
+        forget the predicted shapes (every member leaves before a group re-forms).
+        On NCCL, with operations pending or after an abort, the communicators are
+        aborted: a destroy would wait for the pending work."""
+        with self._lock:
+            pending = messages.pending
+            messages.clear()
+            self.stop_stream()
+            self.replicas.leave()
+            self.control = None
+            if dist.is_initialized():
+                if self.backend == "nccl" and (pending or self.waits.aborted.is_set()):
+                    dist.distributed_c10d._abort_process_group()
+                else:
+                    dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Release a step blocked on the group; callable from any thread. Sets the abort
+        flag, which every polled wait checks, and on NCCL aborts every communicator of the
+        group (never a destroy: it would wait for the blocked work)."""
+        self.waits.aborted.set()  # first: a polling wait sees it at once
+        with self._lock:
+            self.stop_stream()
+            if self.backend == "nccl" and dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called since the group was last joined."""
+        return self.waits.aborted.is_set()
+
+    @property
+    def in_order(self) -> bool:
+        """Whether messages match in issue order (NCCL, and its emulation), not by tag (gloo)."""
+        return isinstance(self.matching, InOrder)
+
+    def collective(self, work: Any) -> Any:
+        """A data-group collective's Work, under NCCL's rules when they are emulated."""
+        return SilentCollective(work) if self.in_order and self.matching.stream else work
+
+    def stop_stream(self) -> None:
+        if self.in_order and self.matching.stream is not None:
+            self.matching.stream.stop()
