@@ -21,10 +21,21 @@ side's send waits behind its own receive. An activation's payload is the excepti
 it can be received only once its header gave its shape, so an EXCHANGE receives it
 after the batch unless the lowering awaits its header first (``header_first``),
 which a ring of chunked workers needs (:func:`_await_headers`).
+
+Completing is not enough: a send that waits for its receive holds its worker too.
+Interleaved 1F1B's workers alternate F and B; where one hands an activation on or
+takes a gradient in between the two, its neighbour, in the middle of its own F or B,
+has not posted the other end, and one of them waits (placed as for a split backward
+below, at p = 8, m = 16, v = 2 the step took 19% longer than the schedule's, longer
+than 1F1B's). So, as Megatron-Core's ``send_forward_backward_recv_forward_backward``,
+such a worker receives the inputs of an F and of the B after it before the F and
+sends both outputs after the B (:func:`_forward_backward_pairs`): neighbours then
+post at the same instants and, with messages that take no time, the step is the
+schedule's own, what buffered sends would give.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
@@ -64,9 +75,16 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     activations and gradients both ways, messages match in issue order whatever they
     are (NCCL ignores tags), and interleaving sends round a ring of workers; so:
 
-    1. each receive is posted where a run of even-cost ops (F = I = W, B = 2) would
-       have its message, at the latest right before the op that needs it, and in its
-       sender's order (:func:`_receives_in_send_order`), so it rarely waits;
+    1. with a split backward (zb_h1, zbv), each receive is posted where a run of
+       even-cost ops (F = I = W, B = 2) would have its message, at the latest right
+       before the op that needs it, and in its sender's order
+       (:func:`_receives_in_send_order`), so it rarely waits; with whole backwards
+       and chunks (interleaved_1f1b), each receive right before its op and each send
+       right after it, but for an F and the B right after it that run as one pair
+       (Megatron's steady state, :func:`_forward_backward_pairs`): both receives
+       before the F, both sends after the B (there every worker runs its forwards,
+       and its backwards, in one order of micro-batches and chunks, so receives come
+       in their senders' order too, as the dry-run checks);
     2. every run of two or more messages between compute ops is one EXCHANGE (as
        Megatron's ``send_forward_recv_forward`` posts a send to the next worker with
        a receive from the previous one);
@@ -80,10 +98,17 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     """
     num_stages = len(schedule)
     num_chunks = _num_chunks(op for ops in schedule for op in ops)
-    alone = [_communicating(stage, ops, num_stages, placement, num_chunks) for stage, ops in enumerate(schedule)]
-    if num_chunks == 1 and not any(op.kind in (I, W) for ops in schedule for op in ops):
-        return [_batch_exchanges(ops) + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)] for ops in alone]
-    alone = _receives_in_send_order(alone, num_stages, num_chunks, placement)
+    split_backward = any(op.kind in (I, W) for ops in schedule for op in ops)
+    if num_chunks == 1 and not split_backward:
+        return [_batch_exchanges(_communicating(stage, ops, num_stages, placement, num_chunks))
+                + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)] for stage, ops in enumerate(schedule)]
+    if split_backward:
+        alone = [_communicating(stage, ops, num_stages, placement, num_chunks) for stage, ops in enumerate(schedule)]
+        alone = _receives_in_send_order(alone, num_stages, num_chunks, placement)
+    else:
+        pairs = _forward_backward_pairs(schedule, num_stages, num_chunks, placement)
+        alone = [_communicating(stage, ops, num_stages, placement, num_chunks, pairs[stage])
+                 for stage, ops in enumerate(schedule)]
     return _defer_waiting_sends(alone, placement, num_chunks)
 
 
@@ -173,24 +198,92 @@ def _num_chunks(ops) -> int:
 
 
 def _communicating(stage: int, ops: Sequence[Op], num_stages: int, placement: str = LOOPED,
-                   num_chunks: int | None = None) -> list[LoweredOp]:
+                   num_chunks: int | None = None, paired: Collection[int] = ()) -> list[LoweredOp]:
     """``ops`` with a receive before and a send after each, where another worker is
-    involved, each sent and received alone (what :func:`lower` did before it paired them)."""
+    involved, each sent and received alone (:func:`lower` batches them later).
+    ``paired``: the indexes of the F ops run with the B after them as one pair
+    (:func:`_forward_backward_pairs`), whose receives both come before the F and whose
+    sends both come after the B."""
     if num_chunks is None:
         num_chunks = _num_chunks(ops)
-    lowered = []
     for op in ops:
         if op.kind not in COMPUTE:
             raise ValueError(f"stage {stage}: unknown op kind {op.kind!r} in {op!r}")
         if not 0 <= op.chunk < num_chunks:
             raise ValueError(f"stage {stage}: {op!r} names chunk {op.chunk}, outside 0..{num_chunks - 1}")
-        recv, send = _COMMUNICATION.get(op.kind, (None, None))
-        if recv is not None:
-            lowered.extend(_message(stage, op, recv, num_stages, num_chunks, placement))
-        lowered.append(LoweredOp(op.kind, op.micro_batch, chunk=op.chunk))
-        if send is not None:
-            lowered.extend(_message(stage, op, send, num_stages, num_chunks, placement))
+    lowered = []
+    index = 0
+    while index < len(ops):
+        segment = ops[index:index + 2] if index in paired else ops[index:index + 1]
+        for op in segment:
+            recv, _ = _COMMUNICATION.get(op.kind, (None, None))
+            if recv is not None:
+                lowered.extend(_message(stage, op, recv, num_stages, num_chunks, placement))
+        lowered.extend(LoweredOp(op.kind, op.micro_batch, chunk=op.chunk) for op in segment)
+        for op in segment:
+            _, send = _COMMUNICATION.get(op.kind, (None, None))
+            if send is not None:
+                lowered.extend(_message(stage, op, send, num_stages, num_chunks, placement))
+        index += len(segment)
     return lowered
+
+
+def _forward_backward_pairs(schedule: list[list[Op]], num_stages: int, num_chunks: int,
+                            placement: str) -> list[set[int]]:
+    """Per worker, the indexes of the F ops that it runs with the B right after them as one
+    pair: Megatron's steady state, ``send_forward_backward_recv_forward_backward``.
+
+    A pair receives the B's gradient with the F's input, before the F, and sends the F's
+    activation with the B's gradient, after the B. Lowered one by one instead, a worker
+    that alternates F and B hands an activation on and takes a gradient in between the
+    two, while its neighbour, in the middle of its own F or B, has not posted the other
+    ends: under the rendezvous rule one of them waits, every time. Pairs post once per
+    F and B on every worker, and neighbours' pairs end together.
+
+    The gradient comes from, and the activation goes to, the worker of the next virtual
+    stage, which makes the gradient (op P) before the pair can start and takes the
+    activation (op C) only once the pair ended: it waits for the pair unless it has at
+    least the pair's work to run between P and C. So an F and the B after it pair only
+    where that worker runs ops of at least F + B (at even cost) between the two, as it
+    does in the steady state; not where a worker that runs all its forwards and then all
+    its backwards (interleaving with m = p) is next to one that alternates, which needs
+    the activation right after it made the gradient. Nor can a pair deadlock then: P
+    comes before C on their worker, so P cannot wait on this F, whose only message goes
+    to C. Where either message is missing (the last virtual stage makes no activation to
+    send and takes no gradient), the F and the B pair."""
+    where = [{op: index for index, op in enumerate(ops)} for ops in schedule]
+    # per worker, the even cost of its ops before each index (its ops' costs, summed)
+    cost_before = [[0.0] for _ in schedule]
+    for worker, ops in enumerate(schedule):
+        for op in ops:
+            cost_before[worker].append(cost_before[worker][-1] + _EVEN_COST[op.kind])
+
+    def other_end(stage: int, op: Op, kind: str) -> tuple[int, int] | None:
+        # the (worker, index) of the op on another worker that makes or takes the message ``kind`` of ``op``
+        other = neighbour(stage, op.chunk, kind, num_stages, num_chunks, placement)
+        if other is None or other[0] == stage:
+            return None
+        index = where[other[0]].get(Op(op.kind, op.micro_batch, other[1]))
+        return None if index is None else (other[0], index)
+
+    pairs = []
+    for stage, ops in enumerate(schedule):
+        paired: set[int] = set()
+        index = 0
+        while index + 1 < len(ops):
+            forward, backward = ops[index], ops[index + 1]
+            if forward.kind == F and backward.kind == B:
+                maker = other_end(stage, backward, RECV_GRAD)  # P, which makes the B's gradient
+                taker = other_end(stage, forward, SEND_ACT)  # C, which takes the F's activation
+                if maker is None or taker is None or (maker[0] == taker[0] and (
+                        cost_before[maker[0]][taker[1]] - cost_before[maker[0]][maker[1] + 1]  # between P and C
+                        >= _EVEN_COST[F] + _EVEN_COST[B])):
+                    paired.add(index)
+                    index += 2
+                    continue
+            index += 1
+        pairs.append(paired)
+    return pairs
 
 
 def _message(stage: int, op: Op, kind: str, num_stages: int, num_chunks: int, placement: str) -> list[LoweredOp]:

@@ -69,12 +69,18 @@ def interleaved_1f1b_schedule(num_stages: int, num_micro_batches: int, num_chunk
     chunk 1, ...); its backwards run in the same order with the chunks reversed.
     Worker s warms up with 2(p - 1 - s) + (v - 1)p forwards (at most all m*v), then
     alternates one forward and one backward, then drains the backwards. Each
-    boundary between virtual stages costs 1/v of a stage, so the bubble is about
-    (p - 1)/(v*m + p - 1) of the step, 1/v of 1F1B's, for v times the messages.
+    boundary between virtual stages costs 1/v of a stage, so with equal stage times
+    the bubble is (p - 1)/(v*m + p - 1) of the step (its idle time 1/v of 1F1B's), for
+    v times the messages. That holds under NCCL's rendezvous rule too, with messages
+    taking no time: the lowering posts each F's and the following B's messages
+    together, as Megatron does (:func:`raypipe.core.lowering.lower`).
 
     Memory: worker s holds at most 2(p - 1 - s) + (v - 1)p + 1 chunk-activations
-    (each 1/v of its layers): worker 0 holds (p(v + 1) - 1)/v stages' worth, against
-    1F1B's p, so a little more (at v = 2, about 1.5p).
+    (each 1/v of its layers; at most all m*v): worker 0 holds (p(v + 1) - 1)/v stages'
+    worth, against 1F1B's p, so a little more (at v = 2, about 1.5p). Posting an F's
+    and the following B's messages together also holds, across the other op, the F's
+    output until it is sent after the B and the B's incoming gradient from before the
+    F: two boundary tensors (one layer's input each), as in Megatron.
 
     Raises ``ValueError`` unless v >= 2 and m is a multiple of p: as Megatron, the
     rounds are whole (a round of fewer than p micro-batches would stall the wrap

@@ -342,8 +342,11 @@ def test_interleaving_improves_the_bubble_with_every_chunk_more(p, m):
 def test_with_blocking_sends_the_new_schedules_still_beat_1f1b(p, m):
     # the rendezvous rule's slowest timing (a send holds its worker until its receive is posted)
     ours = {name: predicted_bubble(name, p, m, chunks_of(name)[0], buffered_sends=False)[0]
-            for name in ("1f1b", "zb_h1", "zbv")}
+            for name in ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")}
     assert ours["zb_h1"] < ours["1f1b"] and ours["zbv"] < ours["zb_h1"]
+    # interleaved exchanges once per F and the B after it, as Megatron does: its closed form still holds
+    assert ours["interleaved_1f1b"] == pytest.approx((p - 1) / (2 * m + p - 1))
+    assert ours["interleaved_1f1b"] < ours["1f1b"]
 
 
 @pytest.mark.parametrize("p,m", [(1, 4), (2, 3), (4, 8), (4, 16), (8, 8), (8, 16)])
