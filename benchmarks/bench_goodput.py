@@ -13,9 +13,11 @@ run's wall seconds, where the useful seconds are the durations of the steps no k
 for each struck step, the mean of those (what it would have taken). Predicted: the segment
 model of :mod:`raypipe.planning.goodput` (``E[wall of a step] = (exp(l S) - 1)(1/l + R)``) with
 the measured step ``S`` and recovery ``R`` (detection + replacement) either from
-``bench_recovery``'s figures (the model's defaults) or from this run's kills (the struck steps'
-time beyond a plain step, per kill, less the half step lost on average); the failure rate ``l``
-nominal (1 / ``--mtbf-s``) or as realised (kills / seconds outside heals).
+``bench_recovery``'s figures (the model's defaults; with ``--spares``, their mix for the share of
+kills that find the spare back, :func:`~raypipe.planning.goodput.spare_ready_fraction`) or from
+this run's kills (the struck steps' time beyond a plain step, per kill, less the half step lost on
+average); the failure rate ``l`` nominal (1 / ``--mtbf-s``) or as realised (kills / seconds
+outside heals).
 
     python benchmarks/bench_goodput.py --seconds 240 --mtbf-s 20
     python benchmarks/bench_goodput.py --seconds 240 --mtbf-s 20 --spares
@@ -25,7 +27,11 @@ each spare setting (none, ``spare_workers=1``), ``--steps`` steps uninterrupted,
 the same steps with one SIGKILL of a random live worker at a random moment in a random step of
 every block of K steps (seeded; the moment a uniform fraction of an uninterrupted step after the
 step starts). Goodput = the uninterrupted run's wall seconds / the faulted run's; every faulted
-run's final parameters are compared bitwise with the uninterrupted run's.
+run's final parameters are compared bitwise with the uninterrupted run's. With a spare, the
+prediction takes the share of kills that find one up from the model's replenishment time and this
+kill process (kills a triangular interval apart: :func:`~raypipe.planning.goodput.block_failures_within`);
+the run reports the share that did (heals naming a spare) and each replenishment it saw (from a
+spare taken to the next one up, polled every 0.1 s).
 
     python benchmarks/bench_goodput.py --every-steps 20 50 --steps 200
 """
@@ -48,7 +54,9 @@ import raypipe
 from alternate import command_line, print_table
 from bench_data_parallel import adamw, tokens
 from raypipe.models.llama import get_config, llama_layers, llama_loss
-from raypipe.planning.goodput import GoodputAssumptions, segment_goodput, simulate_segments
+from raypipe.planning.goodput import (GoodputAssumptions, block_failures_within, poisson_spare_ready_fraction,
+                                      segment_goodput, simulate_segments, spare_mixed_recovery_s,
+                                      spare_ready_fraction)
 
 MODEL = "tiny"
 
@@ -92,6 +100,28 @@ class Killer(threading.Thread):
             next_at += self.rng.expovariate(1.0 / self.mtbf_s)
 
 
+class SpareWatch(threading.Thread):
+    """Polls a trainer's spare pool every 0.1 s for the seconds from a heal taking its spare (none
+    up) to the next one up: the replenishment the goodput model assumes (``spare_replenish_s``),
+    from the take rather than the heal's end (a spare's heal goes on ~0.1-0.3 s after it)."""
+
+    def __init__(self, subject: raypipe.PipelineTrainer) -> None:
+        super().__init__(daemon=True)
+        self.pool = subject._group.spares
+        self.seconds: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        taken_at = None
+        while not self.stop.wait(0.1):
+            up = any(self.pool._is_up(spare) for spare in self.pool.spares)
+            if not up and taken_at is None:
+                taken_at = time.monotonic()
+            elif up and taken_at is not None:
+                self.seconds.append(time.monotonic() - taken_at)
+                taken_at = None
+
+
 def _trainer(spares: int) -> raypipe.PipelineTrainer:
     """The subject, warmed up (its first steps build and compile), its spare up."""
     config = get_config(MODEL)
@@ -123,7 +153,10 @@ def _run_steps(spares: int, steps: int, kill_at: dict[int, float]) -> dict:
     config = get_config(MODEL)
     batch = tokens(8, config.max_seq_len, config.vocab_size)
     subject, rng, kills, timers = _trainer(spares), random.Random(len(kill_at)), [], []
+    watch = SpareWatch(subject) if spares and kill_at else None
     try:
+        if watch:
+            watch.start()
         start = time.monotonic()
         for index in range(steps):
             if index in kill_at:
@@ -134,8 +167,13 @@ def _run_steps(spares: int, steps: int, kill_at: dict[int, float]) -> dict:
         for timer in timers:  # none may fire after the last step: its heal would not count in the wall
             assert not timer.is_alive(), "a kill came after the last step"
         return {"wall": wall, "state": subject.state_dict(), "kills": len(kills),
-                "failures": list(subject.failures), "recoveries": len(subject.recoveries)}
+                "failures": list(subject.failures), "recoveries": len(subject.recoveries),
+                "spare_heals": sum("replaced by spare" in heal.source for heal in subject.recoveries),
+                "replenish_s": list(watch.seconds) if watch else []}
     finally:
+        if watch:
+            watch.stop.set()
+            watch.join()
         subject.shutdown()
 
 
@@ -153,19 +191,30 @@ def every_steps(args: argparse.Namespace) -> None:
                        for block in range(0, args.steps - every + 1, every)}
             run = _run_steps(spares, args.steps, kill_at)
             equal = all(torch.equal(run["state"][name], value) for name, value in reference["state"].items())
-            replacement = model.replacement_with_spare_s if spares else model.replacement_without_spare_s
-            predicted = segment_goodput(step_s, step_s, model.detection_s + replacement, 1.0 / (every * step_s),
+            without_spare = model.detection_s + model.replacement_without_spare_s
+            with_spare = model.detection_s + model.replacement_with_spare_s
+            # one kill per block of K steps: a kill finds a spare if the one that used the last came
+            # the replenishment before (the failure clock stopped in heals, the refill going on)
+            ready = spare_ready_fraction(model.spare_replenish_s, block_failures_within(every * step_s),
+                                         without_spare) if spares else 0.0
+            recovery = spare_mixed_recovery_s(ready, with_spare, without_spare)
+            predicted = segment_goodput(step_s, step_s, recovery, 1.0 / (every * step_s),
                                         failures_during_recovery=False)
             lost = (run["wall"] - reference["wall"]) / max(1, run["kills"])
+            replenish = (f"{statistics.median(run['replenish_s']):.1f} [{min(run['replenish_s']):.1f}-"
+                         f"{max(run['replenish_s']):.1f}]") if run["replenish_s"] else ""
             rows.append([f"spare_workers={spares}", every, args.steps, run["kills"], run["recoveries"],
                          f"{step_s * 1000:.0f} ms", f"{reference['wall']:.1f}", f"{run['wall']:.1f}",
                          f"{lost:.2f}", f"**{reference['wall'] / run['wall']:.3f}**", f"{predicted:.3f}",
-                         "yes" if equal else "**NO**"])
-            print(rows[-1], f"failures: {run['failures']}", flush=True)
+                         f"{run['spare_heals']} / {ready * run['kills']:.1f}" if spares else "",
+                         replenish, "yes" if equal else "**NO**"])
+            print(rows[-1], f"failures: {run['failures']}, replenishments: "
+                            f"{[round(x, 2) for x in run['replenish_s']]}", flush=True)
     print()
     print_table(["spares", "K", "steps", "kills", "heals", "uninterrupted step", "uninterrupted wall, s",
                  "faulted wall, s", "s lost per kill", "goodput", "predicted (bench_recovery's R)",
-                 "final state bitwise equal"], rows)
+                 "kills finding a spare: measured / predicted",
+                 f"spare taken to up, s (model {model.spare_replenish_s:g})", "final state bitwise equal"], rows)
     print(command_line())
 
 
@@ -213,8 +262,8 @@ def main() -> None:
     lost = sum(steps[index][1] - steps[index][0] - step_s for index in hit)
     recovery_run = max(0.0, lost / len(kills) - step_s / 2) if kills else 0.0
     model = GoodputAssumptions()
-    replacement = model.replacement_with_spare_s if spares else model.replacement_without_spare_s
-    recovery_bench = model.detection_s + replacement
+    with_spare = model.detection_s + model.replacement_with_spare_s
+    without_spare = model.detection_s + model.replacement_without_spare_s
     up = wall - len(kills) * recovery_run  # the failure clock runs outside heals
     nominal, realised = 1.0 / args.mtbf_s, len(kills) / up
     print(f"torch {torch.__version__}, ray {ray.__version__}; tiny LLaMA, 2 stages, m=4 x 2 x {config.max_seq_len} "
@@ -227,14 +276,24 @@ def main() -> None:
         with open(args.save, "w") as out:
             json.dump({"steps": steps, "kills": kills, "start": start, "missed": killer.missed}, out)
     rows = [["measured: (steps not struck + one step per struck step) / wall", f"{measured:.1%}", "", ""]]
-    for label, recovery in (("bench_recovery's figures (the model's defaults)", recovery_bench),
-                            ("this run's kills", recovery_run)):
+    for label, from_run in (("bench_recovery's figures (the model's defaults)", False), ("this run's kills", True)):
         for rate_label, rate in (("nominal", nominal), ("realised", realised)):
+            if from_run:  # the measured R already holds the kills that found no spare
+                recovery, spare_kwargs = recovery_run, {}
+            elif spares:  # a share of the kills finds the spare still coming back
+                ready = poisson_spare_ready_fraction(rate, model.spare_replenish_s, with_spare, without_spare,
+                                                     failures_during_recovery=False)
+                recovery = spare_mixed_recovery_s(ready, with_spare, without_spare)
+                spare_kwargs = {"recovery_without_spare_s": without_spare,
+                                "spare_replenish_s": model.spare_replenish_s}
+            else:
+                recovery, spare_kwargs = without_spare, {}
             closed = segment_goodput(step_s, step_s, recovery, rate, failures_during_recovery=False)
-            simulated, _ = simulate_segments(step_s, step_s, recovery, rate, 2000 / rate, random.Random(args.seed),
-                                             failures_during_recovery=False)
+            simulated, _ = simulate_segments(step_s, step_s, with_spare if spare_kwargs else recovery, rate,
+                                             2000 / rate, random.Random(args.seed), failures_during_recovery=False,
+                                             **spare_kwargs)
             check = " (a consistency check: R and the rate come from the lost time itself)" \
-                if recovery is recovery_run and rate is realised else ""
+                if from_run and rate is realised else ""
             rows.append([f"predicted, R from {label}, rate {rate_label}{check}", f"{closed:.1%}",
                          f"{simulated:.1%}", f"R={recovery:.2f} s, 1/rate={1 / rate:.1f} s, "
                          f"{closed - measured:+.1%} vs measured"])

@@ -41,12 +41,28 @@ partial step plus the wait for a boundary average one step exactly), so to first
     goodput = 1 - l detection - l k (S + replacement + transfer) / d
 
 (the Monte Carlo counts a replica failing again while already out once). Needs d >= 2.
+
+**Warm spares** (``raypipe_warm_spare``): one failure's worth of spares (a node's workers when a
+node fails); a failure that uses it has its replacement's refill come up ``T_replenish`` seconds
+after that heal (``raypipe/runtime/spares.py``: a new spare starts ``REFILL_DELAY_S`` after the
+heal, then its process starts). A failure finds a spare only if the last failure that used one was
+that long ago; one that finds none recovers as without spares (``raypipe``) and leaves the refill
+going. Per use of the spare, ``m`` failures find none on average (the failures within the refill),
+so a share ``1 / (1 + m)`` of failures finds one (renewal-reward), and the segment model takes
+the mean recovery of that mix (:func:`spare_ready_fraction`, :func:`spare_mixed_recovery_s`). For
+Poisson failures with the clock running in recoveries, ``m = l (R_spare + T_replenish)`` exactly
+(Erlang's loss formula for one server; more spare sets would be Erlang B, not modelled). The mean
+recovery is exact in the form where the clock stops in recoveries; where it runs, failures during a
+recovery find the spare gone or back, which the mean in ``exp(l R)`` does not see, so it is right to
+first order in ``l R`` (the Monte Carlo, which draws each failure's spare, reads 0.4 point higher at
+a failure every 20 s, 3 points at one every 6 s; the same at real rates). At real rates (hours
+between failures) the spare is back for all but ~1e-4 of failures; at one every few seconds it is not.
 """
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 HOUR_S = 3600.0
@@ -69,6 +85,17 @@ BENCH_RECOVERY_WITHOUT_SPARE_S = 6.15
 BENCH_STEP_S = 0.254
 """That benchmark's tiny-LLaMA step (the step redone inside the two figures above):
 benchmarks/RESULTS.md, 2026-12-02 16:34 ("254 ms a step without")."""
+BENCH_SPARE_REFILL_DELAY_S = 3.0
+"""``REFILL_DELAY_S`` of ``raypipe/runtime/spares.py``: a new spare starts this long after the heal
+that used the last one (so that its start does not slow the step redone). Not imported from there:
+this module stays free of Ray."""
+BENCH_SPARE_START_S = 4.0
+"""A new spare's start to up (a process, torch and ``torch._dynamo`` imported) on that 2-core CPU
+while the trainer steps. Not measured on its own (``bench_goodput.py --every-steps`` now reports the
+take-to-up seconds): benchmarks/RESULTS.md, 2026-12-03 13:33, reads 3-5 s; 4 s is its middle and a
+stage actor's start in CPU seconds (RESULTS.md, 2026-12-03 22:12: 3.9-4.1 s)."""
+BENCH_SPARE_REPLENISH_S = BENCH_SPARE_REFILL_DELAY_S + BENCH_SPARE_START_S
+"""From a heal that used the warm spare to a new spare up: 7 s, the delay plus the start above."""
 BENCH_DETECTION_S = 0.5
 """Detection of a killed worker: "well under a second" (its peers fail at once, Ray sees the
 process gone): benchmarks/RESULTS.md, 2026-11-30."""
@@ -90,13 +117,17 @@ class GoodputAssumptions:
     replacement_with_spare_s: float = BENCH_RECOVERY_WITH_SPARE_S - BENCH_DETECTION_S - BENCH_STEP_S
     """A warm spare taking a failed worker's place and the group re-formed, without the state
     transfer. Default ~0 s = 0.76 s measured - detection - the step redone (CPU; on a GPU a spare
-    also holds its CUDA context already). One spare per failure: the model takes it as back before
-    the next failure (a new spare starts ~3 s after a heal and takes ~3-5 s on CPU), true at real
-    failure rates, not at one failure every few seconds."""
+    also holds its CUDA context already). Only for the failures that find a spare up: see
+    ``spare_replenish_s``."""
     replacement_without_spare_s: float = BENCH_RECOVERY_WITHOUT_SPARE_S - BENCH_DETECTION_S - BENCH_STEP_S
     """A replacement process started from the worker's spec (Python, torch, the stage built), without
     the transfer. Default 5.4 s = 6.15 s measured - detection - the step redone (CPU; a GPU adds its
     CUDA context and communicator set-up, seconds)."""
+    spare_replenish_s: float = BENCH_SPARE_REPLENISH_S
+    """From a heal that used the warm spare to its replacement spare up; a failure within it finds
+    none and recovers as without spares. One failure's worth of spares is assumed. Default 7 s: the
+    pool's 3 s refill delay plus ~4 s to start a spare on the CPU (not measured on its own; a GPU
+    adds the spare's CUDA context). At real failure rates it moves goodput by ~1e-5."""
     job_relaunch_s: float = 300.0
     """A full restart's relaunch: the scheduler requeues the job, every node starts its processes,
     the communicators form. Default 5 min, an assumption (minutes at scale), not measured here."""
@@ -121,7 +152,8 @@ class GoodputAssumptions:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
-        for name in ("detection_s", "replacement_with_spare_s", "replacement_without_spare_s", "job_relaunch_s"):
+        for name in ("detection_s", "replacement_with_spare_s", "replacement_without_spare_s", "spare_replenish_s",
+                     "job_relaunch_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
                 raise ValueError(f"{name}={value!r} must be a finite number >= 0")
@@ -168,12 +200,28 @@ def segment_goodput(work_s: float, segment_s: float, recovery_s: float, failure_
 
 
 def simulate_segments(work_s: float, segment_s: float, recovery_s: float, failure_rate: float,
-                      useful_s: float, rng: random.Random, failures_during_recovery: bool = True
+                      useful_s: float, rng: random.Random, failures_during_recovery: bool = True,
+                      recovery_without_spare_s: float | None = None, spare_replenish_s: float = 0.0
                       ) -> tuple[float, int]:
     """Monte Carlo of :func:`segment_goodput`: run until ``useful_s`` seconds of work are done, one
-    draw per failure; returns (goodput, failures)."""
+    draw per failure; returns (goodput, failures). With ``recovery_without_spare_s``, ``recovery_s``
+    is a warm spare's recovery: one spare, up at the start, whose replacement is up
+    ``spare_replenish_s`` wall seconds after the heal that used it; a failure before then recovers
+    in ``recovery_without_spare_s`` (the refill goes on meanwhile). The closed form with the mean
+    recovery of :func:`spare_ready_fraction` is its long-run figure."""
     wall = done = 0.0
     failures = 0
+    spare_back_at = 0.0  # wall time from which a spare is up
+
+    def recovery_of_failure_at(moment: float) -> float:
+        nonlocal spare_back_at
+        if recovery_without_spare_s is None:
+            return recovery_s
+        if moment < spare_back_at:
+            return recovery_without_spare_s
+        spare_back_at = moment + recovery_s + spare_replenish_s  # its refill counts from the heal's end
+        return recovery_s
+
     while True:
         gap = rng.expovariate(failure_rate)  # from a segment boundary (after a recovery) to the next failure
         whole = math.floor(gap / segment_s)
@@ -183,13 +231,100 @@ def simulate_segments(work_s: float, segment_s: float, recovery_s: float, failur
         done += whole * work_s
         wall += gap  # the whole segments, then the lost part of the next
         failures += 1
+        recovery = recovery_of_failure_at(wall)  # what is left of the recovery
         while True:  # the recovery, restarted when a failure strikes during it
             gap = rng.expovariate(failure_rate) if failures_during_recovery else math.inf
-            if gap >= recovery_s:
-                wall += recovery_s
+            if gap >= recovery:
+                wall += recovery
                 break
             wall += gap
             failures += 1
+            # another worker lost: its replacement (a spare only if one is up) and the one under way
+            # both have to be done, so a spare's short recovery does not cut a started process's
+            recovery = max(recovery - gap, recovery_of_failure_at(wall))
+
+
+# -- warm spares: is one up when a failure comes? --------------------------------------------------
+
+FailuresWithin = Callable[[int, float], float]
+"""``(k, t)`` -> the chance that the ``k``-th failure after one that used the spare comes within
+``t`` seconds of failure clock after that failure's recovery."""
+
+
+def poisson_failures_within(failure_rate: float) -> FailuresWithin:
+    """Poisson failures: the ``k``-th within ``t`` is Poisson(``l t``) >= k (a gamma's CDF)."""
+    def within(k: int, t: float) -> float:
+        mean = failure_rate * t
+        if mean <= 0:
+            return 0.0
+        # 1 - P(fewer than k in t), the terms summed in log space so a large mean does not underflow
+        fewer = sum(math.exp(-mean + j * math.log(mean) - math.lgamma(j + 1)) for j in range(k))
+        return max(0.0, 1.0 - fewer)
+    return within
+
+
+def block_failures_within(block_s: float) -> FailuresWithin:
+    """One failure per block of ``block_s`` seconds at a uniform moment in it (bench_goodput's
+    ``--every-steps``): failure ``i`` at ``(i + U_i) block_s``, so ``k`` failures on, the gap is
+    ``(k + U_k - U_0) block_s``, the difference of two uniforms being triangular on [-1, 1]. For
+    k = 1 the interval is triangular on [0, 2 block_s] with mode ``block_s``: its chance to exceed
+    ``t`` is ``1 - t^2 / (2 a^2)`` for ``t <= a`` and ``(2a - t)^2 / (2 a^2)`` above (``a = block_s``).
+    Treats the failure that used the spare as any failure (its phase ``U_0`` uniform), whereas one
+    that found a spare followed a longer interval, so tends to sit late in its block and the next
+    interval to be short: that biases the ready share up, by 2.6 points at bench_goodput's K = 20
+    with a 7 s refill (0.622 against 0.596 in a long simulation of that kill process; a 200-step
+    run, whose first kill always finds the spare, reads 0.620)."""
+    def within(k: int, t: float) -> float:
+        x = t / block_s - k  # where t falls in the triangular spread of U_k - U_0
+        if x <= -1:
+            return 0.0
+        if x <= 0:
+            return (1 + x) ** 2 / 2
+        if x <= 1:
+            return 1 - (1 - x) ** 2 / 2
+        return 1.0
+    return within
+
+
+def spare_ready_fraction(replenish_s: float, failures_within: FailuresWithin,
+                         recovery_without_spare_s: float = 0.0) -> float:
+    """The long-run share of failures that find a warm spare up, with one spare (one failure's
+    worth) whose replacement is up ``replenish_s`` after the heal that used it (see the module
+    docstring). Between two uses, the failures that find none are the ``k``-th after the use for
+    every ``k`` that comes before the refill is up: each such failure's recovery (without a spare,
+    ``recovery_without_spare_s``) lets the refill go on while the failure clock stops, so the
+    ``k``-th misses if it comes within ``replenish_s - (k - 1) recovery_without_spare_s`` of clock.
+    With ``m`` such misses per use on average, the share is ``1 / (1 + m)`` (renewal-reward; exact
+    for Poisson failures). Where the failure clock runs in recoveries, pass 0 for
+    ``recovery_without_spare_s`` and the spare's own recovery added to ``replenish_s``:
+    ``m = l (R_spare + T_replenish)``."""
+    if replenish_s <= 0:
+        return 1.0
+    misses, k = 0.0, 1
+    while k <= 1_000_000:
+        window = replenish_s - (k - 1) * recovery_without_spare_s
+        chance = failures_within(k, window) if window > 0 else 0.0
+        if chance < 1e-12:  # later failures come later still, and their windows only shrink
+            break
+        misses += chance
+        k += 1
+    return 1.0 / (1.0 + misses)
+
+
+def poisson_spare_ready_fraction(failure_rate: float, replenish_s: float, recovery_with_spare_s: float,
+                                 recovery_without_spare_s: float, failures_during_recovery: bool = True) -> float:
+    """:func:`spare_ready_fraction` for Poisson failures at ``failure_rate``. With the failure clock
+    running in recoveries (the scale model's), ``1 / (1 + l (R_spare + T_replenish))``; stopped
+    (bench_goodput's kills), the refill goes on through the recoveries without a spare."""
+    if failures_during_recovery:
+        return 1.0 / (1.0 + failure_rate * (recovery_with_spare_s + replenish_s))
+    return spare_ready_fraction(replenish_s, poisson_failures_within(failure_rate), recovery_without_spare_s)
+
+
+def spare_mixed_recovery_s(ready_fraction: float, recovery_with_spare_s: float,
+                           recovery_without_spare_s: float) -> float:
+    """A failure's mean recovery when a share ``ready_fraction`` of failures finds a spare up."""
+    return ready_fraction * recovery_with_spare_s + (1.0 - ready_fraction) * recovery_without_spare_s
 
 
 # -- replica drop (c) --------------------------------------------------------------------------
@@ -269,7 +404,7 @@ class MethodGoodput:
     method: str
     goodput: float | None  # simulated; None where the method does not apply
     closed_form: float | None
-    downtime_per_failure_s: float | None  # the recovery R, or for replica_drop a replica's rejoin
+    downtime_per_failure_s: float | None  # the recovery R (a warm spare's: its mean), replica_drop: a rejoin
     failures_simulated: int
     save_interval_s: float | None = None  # work between saves: snapshots (raypipe) or checkpoints
     note: str = ""
@@ -315,16 +450,21 @@ def goodput_by_method(shape: RunShape, assumptions: GoodputAssumptions) -> dict[
         work, segment = plain_step, plain_step + shape.snapshot_exposed_s / every
     else:  # the steps since the snapshot are redone
         work, segment = every * plain_step, every * plain_step + shape.snapshot_exposed_s
-    for method, replacement in (("raypipe_warm_spare", assumptions.replacement_with_spare_s),
-                                ("raypipe", assumptions.replacement_without_spare_s)):
-        recovery = assumptions.detection_s + replacement + transfer_s
+    with_spare = assumptions.detection_s + assumptions.replacement_with_spare_s + transfer_s
+    without_spare = assumptions.detection_s + assumptions.replacement_without_spare_s + transfer_s
+    ready = poisson_spare_ready_fraction(rate, assumptions.spare_replenish_s, with_spare, without_spare)
+    for method, recovery, spare in (("raypipe_warm_spare", with_spare, True), ("raypipe", without_spare, False)):
         # the same failure stream for both (common random numbers): they differ only by the recovery
         rng = random.Random(f"{assumptions.seed}:raypipe")
-        simulated, failures = simulate_segments(work, segment, recovery, rate, useful_s, rng)
-        out[method] = MethodGoodput(method, simulated, segment_goodput(work, segment, recovery, rate),
-                                    recovery, failures, work,
+        simulated, failures = simulate_segments(
+            work, segment, recovery, rate, useful_s, rng,
+            recovery_without_spare_s=without_spare if spare else None, spare_replenish_s=assumptions.spare_replenish_s)
+        mean_recovery = spare_mixed_recovery_s(ready, with_spare, without_spare) if spare else recovery
+        out[method] = MethodGoodput(method, simulated, segment_goodput(work, segment, mean_recovery, rate),
+                                    mean_recovery, failures, work,
                                     f"{'from a sibling, ' if from_sibling else ''}snapshot_every={every}, "
-                                    f"transfer {transfer_s:.3g} s")
+                                    f"transfer {transfer_s:.3g} s"
+                                    + (f", a spare up for {ready:.4%} of failures" if spare else ""))
     write = checkpoint_write_s(shape, assumptions)
     load = write  # read back at the same bandwidth
     tau = max(young_interval_s(write, mttf_s), plain_step)

@@ -1,18 +1,23 @@
 """The goodput model (no Ray): the paper's MTTF from a per-node rate, the Monte Carlo against the
-closed forms, the methods' order on realistic figures, and ``raypipe plan --node-mtbf-hours``."""
+closed forms, a warm spare's refill, the methods' order on realistic figures, and ``raypipe plan
+--node-mtbf-hours``."""
 from __future__ import annotations
 
 import json
 import math
 import random
+import re
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
 
-from raypipe.planning.goodput import (PAPER_NODE_MTBF_HOURS, GoodputAssumptions, RunShape, goodput_by_method,
-                                      job_mttf_hours, node_mtbf_from_job_mttf, replica_drop_goodput,
-                                      replicas_per_node, segment_goodput, simulate_replica_drop,
-                                      simulate_segments, young_interval_s)
+from raypipe.planning.goodput import (BENCH_SPARE_REFILL_DELAY_S, PAPER_NODE_MTBF_HOURS, GoodputAssumptions,
+                                      RunShape, block_failures_within, goodput_by_method, job_mttf_hours,
+                                      node_mtbf_from_job_mttf, poisson_failures_within,
+                                      poisson_spare_ready_fraction, replica_drop_goodput, replicas_per_node,
+                                      segment_goodput, simulate_replica_drop, simulate_segments,
+                                      spare_mixed_recovery_s, spare_ready_fraction, young_interval_s)
 from raypipe.planning.plan import main as plan_main
 
 
@@ -129,3 +134,101 @@ def test_raypipe_heals_from_a_sibling_or_redoes_the_steps_since_its_snapshot():
     sharded = goodput_by_method(replace(shape, shard_optimizer=True), assumptions)["raypipe_warm_spare"]
     first_order = 1 - (77.3 / 2 + recovery) / mttf - 0.3 / 77
     assert sharded.closed_form == pytest.approx(first_order, abs=2e-4)
+
+
+# bench_goodput's tiny LLaMA: a spare's recovery and a started process's (detection + replacement)
+WITH_SPARE, WITHOUT_SPARE = 0.506, 5.896
+
+
+def test_a_spare_is_always_up_without_a_refill_and_never_with_an_endless_one():
+    for within in (poisson_failures_within(1 / 6.0), block_failures_within(6.0)):  # a failure every 6 s
+        assert spare_ready_fraction(0.0, within, WITHOUT_SPARE) == 1.0
+        # a refill far longer than the failures' interval: the failures within it (each 6 s of clock
+        # and a recovery without a spare apart) find none, all but one in 1 + T / (6 + R)
+        for replenish in (600.0, 3000.0):
+            ready = spare_ready_fraction(replenish, within, WITHOUT_SPARE)
+            assert ready == pytest.approx(1 / (1 + replenish / (6.0 + WITHOUT_SPARE)), rel=0.03)
+        assert spare_ready_fraction(600.0, within) == pytest.approx(1 / (1 + 600 / 6.0), rel=0.03)
+    endless = spare_ready_fraction(1e5, block_failures_within(6.0), WITHOUT_SPARE)
+    assert spare_mixed_recovery_s(endless, WITH_SPARE, WITHOUT_SPARE) == pytest.approx(WITHOUT_SPARE, rel=1e-3)
+    # the scale model: no refill time is the old model (the same closed form, and the same Monte Carlo
+    # where no failure strikes a recovery); an endless one is raypipe's without spares
+    shape = _shape_70b_1024()
+    results = goodput_by_method(shape, GoodputAssumptions(spare_replenish_s=0.0))
+    assumptions = GoodputAssumptions()
+    recovery = assumptions.detection_s + assumptions.replacement_with_spare_s + 20e9 / 50e9
+    assert results["raypipe_warm_spare"].downtime_per_failure_s == pytest.approx(recovery, rel=1e-3)
+    assert simulate_segments(1.0, 1.0, 0.5, 0.2, 500.0, random.Random(3), False, 6.0, 0.0) == \
+        simulate_segments(1.0, 1.0, 0.5, 0.2, 500.0, random.Random(3), False)
+    endless = goodput_by_method(shape, GoodputAssumptions(spare_replenish_s=1e9))
+    assert endless["raypipe_warm_spare"].closed_form == pytest.approx(endless["raypipe"].closed_form, abs=1e-7)
+    assert endless["raypipe_warm_spare"].goodput == pytest.approx(endless["raypipe"].goodput, abs=1e-7)
+
+
+def test_poisson_ready_share_is_erlangs_loss_formula():
+    # one spare refilled T after each use: a failure finds it with chance 1 / (1 + l T), not exp(-l T)
+    # (a failure that finds none does not restart the refill)
+    for rate, replenish in ((1 / 20, 7.0), (1 / 6.28, 7.0), (2.0, 30.0)):
+        erlang = 1 / (1 + rate * replenish)
+        assert spare_ready_fraction(replenish, poisson_failures_within(rate)) == pytest.approx(erlang)
+        erlang = 1 / (1 + rate * (replenish + 0.5))  # the clock running: the spare's own recovery too
+        assert poisson_spare_ready_fraction(rate, replenish, 0.5, 6.0) == pytest.approx(erlang)
+    # the failure clock stopped in recoveries: a miss's recovery (6 s) lets the refill go on, so fewer misses
+    stopped = poisson_spare_ready_fraction(1 / 6.28, 7.0, WITH_SPARE, WITHOUT_SPARE, failures_during_recovery=False)
+    assert 1 / (1 + 7.0 / 6.28) < stopped < 1 / (2 - math.exp(-7.0 / 6.28))
+    # at real rates (a job MTTF of 7.9 h) the spare is back for all but ~3e-4 of failures
+    mttf = 7.9 * 3600
+    assert poisson_spare_ready_fraction(1 / mttf, 7.0, 1.0, 6.0) == pytest.approx(1 - 8.0 / mttf, abs=1e-7)
+
+
+def test_spare_refill_closed_form_against_the_monte_carlo():
+    step = 0.314
+    for rate, replenish in ((1 / 6.28, 7.0), (1 / 20, 7.0), (1 / 5, 3.0)):
+        # the failure clock stopped in recoveries (bench_goodput's kills): the mean recovery is exact
+        ready = poisson_spare_ready_fraction(rate, replenish, WITH_SPARE, WITHOUT_SPARE, failures_during_recovery=False)
+        closed = segment_goodput(step, step, spare_mixed_recovery_s(ready, WITH_SPARE, WITHOUT_SPARE), rate,
+                                 failures_during_recovery=False)
+        simulated, failures = simulate_segments(step, step, WITH_SPARE, rate, 20000 / rate, random.Random(0), False,
+                                                WITHOUT_SPARE, replenish)
+        assert failures > 15000
+        assert simulated == pytest.approx(closed, abs=0.003)
+    for rate, replenish, tolerance in ((1 / 20, 7.0, 0.006), (1 / 100, 7.0, 0.002)):
+        # the clock running in recoveries: failures during one find the spare gone or back, which the
+        # mean recovery in exp(l R) does not see, so they agree to first order in l R (not at l R ~ 1)
+        ready = poisson_spare_ready_fraction(rate, replenish, WITH_SPARE, WITHOUT_SPARE)
+        closed = segment_goodput(step, step, spare_mixed_recovery_s(ready, WITH_SPARE, WITHOUT_SPARE), rate)
+        simulated, _ = simulate_segments(step, step, WITH_SPARE, rate, 20000 / rate, random.Random(0),
+                                         recovery_without_spare_s=WITHOUT_SPARE, spare_replenish_s=replenish)
+        assert simulated == pytest.approx(closed, abs=tolerance)
+    # at real rates the two agree as closely as without spares
+    for result in goodput_by_method(_shape_70b_1024(), GoodputAssumptions(node_mtbf_hours=20.0)).values():
+        assert result.goodput == pytest.approx(result.closed_form, abs=0.01)
+
+
+def test_bench_kills_triangular_interval_against_sampling():
+    # bench_goodput --every-steps: one kill per block at a uniform moment; the interval between kills
+    # is triangular on [0, 2a], P(X >= t) = 1 - t^2/(2a^2) below a, (2a - t)^2/(2a^2) above
+    block = 6.28
+    within = block_failures_within(block)
+    for t in (0.0, 1.0, 3.0, 6.28, 7.0, 10.0, 12.56, 13.0):
+        exceeds = 1 - t ** 2 / (2 * block ** 2) if t <= block else max(0.0, 2 * block - t) ** 2 / (2 * block ** 2)
+        assert 1 - within(1, t) == pytest.approx(exceeds)
+    rng = random.Random(7)
+    moments = [(block_index + rng.random()) * block for block_index in range(100_001)]
+    for k in (1, 2):
+        gaps = [later - earlier for earlier, later in zip(moments, moments[k:])]
+        for t in (3.0, 7.0, 11.0, 15.0):
+            sampled = sum(gap < t for gap in gaps) / len(gaps)
+            assert sampled == pytest.approx(within(k, t), abs=0.006)
+    # bench_goodput's K = 20 (314 ms steps) with a 7 s refill: 62% of kills find a spare (a simulation of
+    # its own kill schedule reads 60-62%), and the prediction moves from 0.902 to 0.694 (measured 0.723)
+    ready = spare_ready_fraction(7.0, within, WITHOUT_SPARE)
+    assert ready == pytest.approx(0.622, abs=0.001)
+    assert segment_goodput(0.314, 0.314, spare_mixed_recovery_s(ready, WITH_SPARE, WITHOUT_SPARE), 1 / block,
+                           failures_during_recovery=False) == pytest.approx(0.694, abs=0.001)
+
+
+def test_spare_refill_delay_is_the_pools():
+    # the goodput model stays free of Ray, so it keeps its own copy of spares.py's REFILL_DELAY_S
+    source = (Path(__file__).parents[2] / "raypipe" / "runtime" / "spares.py").read_text()
+    assert float(re.search(r"^REFILL_DELAY_S = ([0-9.]+)", source, re.M).group(1)) == BENCH_SPARE_REFILL_DELAY_S
