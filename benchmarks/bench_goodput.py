@@ -26,8 +26,11 @@ outside heals).
 each spare setting (none, ``spare_workers=1``), ``--steps`` steps uninterrupted, then for each K
 the same steps with one SIGKILL of a random live worker at a random moment in a random step of
 every block of K steps (seeded; the moment a uniform fraction of an uninterrupted step after the
-step starts). Goodput = the uninterrupted run's wall seconds / the faulted run's; every faulted
-run's final parameters are compared bitwise with the uninterrupted run's. With a spare, the
+step starts). Goodput = the uninterrupted runs' wall seconds / the faulted run's, the uninterrupted
+run made before the faulted ones and again after (their mean; the range against each: on 2 shared
+cores one run's steps can be ~10% slower than the next's, as much as the kills cost); every faulted
+run's final parameters are compared bitwise with the first uninterrupted run's. Predicted with
+``bench_recovery``'s R (the model's default) and with the R of this run's own kills without a spare. With a spare, the
 prediction takes the share of kills that find one up from the model's replenishment time and this
 kill process (kills a triangular interval apart: :func:`~raypipe.planning.goodput.block_failures_within`);
 the run reports the share that did (heals naming a spare) and each replenishment it saw (from a
@@ -180,39 +183,55 @@ def _run_steps(spares: int, steps: int, kill_at: dict[int, float]) -> dict:
 def every_steps(args: argparse.Namespace) -> None:
     """Goodput with one kill per K steps against the uninterrupted run (see the docstring)."""
     model = GoodputAssumptions()
-    rows = []
+    rows, measured_recovery = [], None
     for spares in (0, 1):
-        reference = _run_steps(spares, args.steps, {})
-        step_s = reference["wall"] / args.steps
+        # uninterrupted before and after the faulted runs: on 2 shared cores a run's steps drift by
+        # ~10% from one run to the next, as much as a few kills cost, so the goodput is given against
+        # both (their mean, and [min-max])
+        before = _run_steps(spares, args.steps, {})
+        faulted = []
         for every in args.every_steps:
+            step_s = before["wall"] / args.steps
             rng = random.Random(args.seed * 1000 + every)
             # a kill's step is never the last one, so a kill that comes after its step ended strikes the next
             kill_at = {block + rng.randrange(min(every, args.steps - 1 - block)): rng.random() * step_s
                        for block in range(0, args.steps - every + 1, every)}
-            run = _run_steps(spares, args.steps, kill_at)
-            equal = all(torch.equal(run["state"][name], value) for name, value in reference["state"].items())
-            without_spare = model.detection_s + model.replacement_without_spare_s
-            with_spare = model.detection_s + model.replacement_with_spare_s
-            # one kill per block of K steps: a kill finds a spare if the one that used the last came
-            # the replenishment before (the failure clock stopped in heals, the refill going on)
-            ready = spare_ready_fraction(model.spare_replenish_s, block_failures_within(every * step_s),
-                                         without_spare) if spares else 0.0
-            recovery = spare_mixed_recovery_s(ready, with_spare, without_spare)
-            predicted = segment_goodput(step_s, step_s, recovery, 1.0 / (every * step_s),
-                                        failures_during_recovery=False)
-            lost = (run["wall"] - reference["wall"]) / max(1, run["kills"])
+            faulted.append((every, _run_steps(spares, args.steps, kill_at)))
+        after = _run_steps(spares, args.steps, {})
+        reference_wall = (before["wall"] + after["wall"]) / 2
+        step_s = reference_wall / args.steps
+        for every, run in faulted:
+            equal = all(torch.equal(run["state"][name], value) for name, value in before["state"].items())
+            lost = (run["wall"] - reference_wall) / max(1, run["kills"])
+            if not spares and measured_recovery is None:
+                measured_recovery = max(0.0, lost - step_s / 2)  # R of this run: a kill's loss less half a step
+            predicted = []
+            for without_spare in (model.detection_s + model.replacement_without_spare_s, measured_recovery):
+                with_spare = model.detection_s + model.replacement_with_spare_s
+                # one kill per block of K steps: a kill finds a spare if the one that used the last came
+                # the replenishment before (the failure clock stopped in heals, the refill going on)
+                ready = spare_ready_fraction(model.spare_replenish_s, block_failures_within(every * step_s),
+                                             without_spare) if spares else 0.0
+                recovery = spare_mixed_recovery_s(ready, with_spare, without_spare)
+                predicted.append(segment_goodput(step_s, step_s, recovery, 1.0 / (every * step_s),
+                                                 failures_during_recovery=False))
+            goodputs = [reference["wall"] / run["wall"] for reference in (before, after)]
             replenish = (f"{statistics.median(run['replenish_s']):.1f} [{min(run['replenish_s']):.1f}-"
                          f"{max(run['replenish_s']):.1f}]") if run["replenish_s"] else ""
             rows.append([f"spare_workers={spares}", every, args.steps, run["kills"], run["recoveries"],
-                         f"{step_s * 1000:.0f} ms", f"{reference['wall']:.1f}", f"{run['wall']:.1f}",
-                         f"{lost:.2f}", f"**{reference['wall'] / run['wall']:.3f}**", f"{predicted:.3f}",
+                         f"{step_s * 1000:.0f} ms", f"{before['wall']:.1f} / {after['wall']:.1f}",
+                         f"{run['wall']:.1f}", f"{lost:.2f}",
+                         f"**{reference_wall / run['wall']:.3f}** [{min(goodputs):.3f}-{max(goodputs):.3f}]",
+                         f"{predicted[0]:.3f}", f"{predicted[1]:.3f}",
                          f"{run['spare_heals']} / {ready * run['kills']:.1f}" if spares else "",
                          replenish, "yes" if equal else "**NO**"])
             print(rows[-1], f"failures: {run['failures']}, replenishments: "
                             f"{[round(x, 2) for x in run['replenish_s']]}", flush=True)
     print()
-    print_table(["spares", "K", "steps", "kills", "heals", "uninterrupted step", "uninterrupted wall, s",
-                 "faulted wall, s", "s lost per kill", "goodput", "predicted (bench_recovery's R)",
+    print_table(["spares", "K", "steps", "kills", "heals", "uninterrupted step",
+                 "uninterrupted wall before / after, s", "faulted wall, s", "s lost per kill",
+                 "goodput [against before, after]", "predicted (bench_recovery's R)",
+                 f"predicted (this run's R, {measured_recovery:.2f} s)",
                  "kills finding a spare: measured / predicted",
                  f"spare taken to up, s (model {model.spare_replenish_s:g})", "final state bitwise equal"], rows)
     print(command_line())

@@ -75,13 +75,14 @@ Research Clusters"): the job mean time to failure projected at 1,024 GPUs."""
 PAPER_NODE_MTBF_HOURS = PAPER_JOB_MTTF_HOURS_AT_1024_GPUS * 1024 / 8
 """The per-node MTBF that gives that job MTTF on 128 nodes of 8 GPUs (~1011 h)."""
 
-BENCH_RECOVERY_WITH_SPARE_S = 0.76
-"""Seconds from SIGKILL to the hit step done with a warm spare (``spare_workers=1``), median of 7,
-tiny LLaMA on 2 CPU stages, quiet: benchmarks/RESULTS.md, 2026-12-03 14:14 (``bench_recovery.py
---spares --kills 8``)."""
-BENCH_RECOVERY_WITHOUT_SPARE_S = 6.15
-"""The same without a spare (a replacement process started), median of 8, same run (6.3 s on
-2026-11-30; the 3.5 s of 2026-12-01, n=3, was the low outlier)."""
+BENCH_RECOVERY_WITH_SPARE_S = 0.36
+"""Seconds from SIGKILL to the hit step done with a warm spare (``spare_workers=1``), median of 8,
+tiny LLaMA on 2 CPU stages, quiet: benchmarks/RESULTS.md, 2026-12-04 09:35 (``bench_recovery.py
+--spares --kills 8``; 0.76 s on 2026-12-03 14:14)."""
+BENCH_RECOVERY_WITHOUT_SPARE_S = 3.14
+"""The same without a spare (a replacement process started), median of 8, same run (6.15 s on
+2026-12-03 14:14 and 6.3 s on 2026-11-30, 3.5 s on 2026-12-01; ``bench_goodput.py``'s kills of
+2026-12-04 08:17 cost 3.0 s each, this figure's)."""
 BENCH_STEP_S = 0.254
 """That benchmark's tiny-LLaMA step (the step redone inside the two figures above):
 benchmarks/RESULTS.md, 2026-12-02 16:34 ("254 ms a step without")."""
@@ -91,9 +92,9 @@ that used the last one (so that its start does not slow the step redone). Not im
 this module stays free of Ray."""
 BENCH_SPARE_START_S = 4.0
 """A new spare's start to up (a process, torch and ``torch._dynamo`` imported) on that 2-core CPU
-while the trainer steps. Not measured on its own (``bench_goodput.py --every-steps`` now reports the
-take-to-up seconds): benchmarks/RESULTS.md, 2026-12-03 13:33, reads 3-5 s; 4 s is its middle and a
-stage actor's start in CPU seconds (RESULTS.md, 2026-12-03 22:12: 3.9-4.1 s)."""
+while the trainer steps: a stage actor's start in CPU seconds (RESULTS.md, 2026-12-03 22:12:
+3.9-4.1 s). ``bench_goodput.py --every-steps`` measured take-to-up 6.6 and 7.1 s, medians of 5 and 4
+(RESULTS.md, 2026-12-04 08:17), the 7 s of :data:`BENCH_SPARE_REPLENISH_S`."""
 BENCH_SPARE_REPLENISH_S = BENCH_SPARE_REFILL_DELAY_S + BENCH_SPARE_START_S
 """From a heal that used the warm spare to a new spare up: 7 s, the delay plus the start above."""
 BENCH_DETECTION_S = 0.5
@@ -114,19 +115,19 @@ class GoodputAssumptions:
     detection_s: float = BENCH_DETECTION_S
     """From a failure to raypipe (or a replica-dropping trainer) acting on it. Default 0.5 s: a
     killed process as measured; a hang waits for the watchdog's timeout instead."""
-    replacement_with_spare_s: float = BENCH_RECOVERY_WITH_SPARE_S - BENCH_DETECTION_S - BENCH_STEP_S
+    replacement_with_spare_s: float = max(0.0, BENCH_RECOVERY_WITH_SPARE_S - BENCH_DETECTION_S - BENCH_STEP_S)
     """A warm spare taking a failed worker's place and the group re-formed, without the state
-    transfer. Default ~0 s = 0.76 s measured - detection - the step redone (CPU; on a GPU a spare
+    transfer. Default 0 s: 0.36 s measured is less than detection and the step redone (CPU; on a GPU a spare
     also holds its CUDA context already). Only for the failures that find a spare up: see
     ``spare_replenish_s``."""
     replacement_without_spare_s: float = BENCH_RECOVERY_WITHOUT_SPARE_S - BENCH_DETECTION_S - BENCH_STEP_S
     """A replacement process started from the worker's spec (Python, torch, the stage built), without
-    the transfer. Default 5.4 s = 6.15 s measured - detection - the step redone (CPU; a GPU adds its
+    the transfer. Default 2.4 s = 3.14 s measured - detection - the step redone (CPU; a GPU adds its
     CUDA context and communicator set-up, seconds)."""
     spare_replenish_s: float = BENCH_SPARE_REPLENISH_S
     """From a heal that used the warm spare to its replacement spare up; a failure within it finds
     none and recovers as without spares. One failure's worth of spares is assumed. Default 7 s: the
-    pool's 3 s refill delay plus ~4 s to start a spare on the CPU (not measured on its own; a GPU
+    pool's 3 s refill delay plus ~4 s to start a spare on the CPU (6.6-7.1 s measured in all; a GPU
     adds the spare's CUDA context). At real failure rates it moves goodput by ~1e-5."""
     job_relaunch_s: float = 300.0
     """A full restart's relaunch: the scheduler requeues the job, every node starts its processes,
