@@ -27,6 +27,7 @@ import time
 
 import psutil
 import torch
+from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 from torch import nn
 
@@ -62,7 +63,7 @@ def _train(cluster: Cluster | None) -> dict:
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
         nodes_before = [worker.node_id for worker in trainer.workers]
         losses, seconds = [], None
-        keeper = None if cluster is None else the_keeper()
+        keeper = None if cluster is None else the_keeper(cluster)
         for step, (x, y) in enumerate(random_batches(8, STEPS)):
             if keeper is not None and step == 0:
                 keeper.send_signal(signal.SIGSTOP)
@@ -90,10 +91,15 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def the_keeper() -> psutil.Process:
-    """The process of the trainer's snapshot keeper (Ray titles an actor's process by its class)."""
-    keepers = [process for process in psutil.process_iter(["cmdline"])
-               if (process.info["cmdline"] or [""])[0].startswith("ray::SnapshotKeeper")]
+def the_keeper(cluster: Cluster) -> psutil.Process:
+    """The process of the trainer's snapshot keeper (Ray titles an actor's process by its class):
+    a child of one of this cluster's raylets, so that a trainer of another Ray instance on the machine
+    (a benchmark, a second pytest run) is not taken for it."""
+    raylets = {node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+               for node in [cluster.head_node, *cluster.worker_nodes]}
+    keepers = [process for process in psutil.process_iter(["cmdline", "ppid"])
+               if (process.info["cmdline"] or [""])[0].startswith("ray::SnapshotKeeper")
+               and process.info["ppid"] in raylets]
     assert len(keepers) == 1, keepers
     return keepers[0]
 
