@@ -79,14 +79,18 @@ class SparePool:
         """The idle spares, started or starting."""
         return list(self._spares)
 
+    def up_count(self) -> int:
+        """How many idle spares are started and alive now (a heal could take one)."""
+        with self._lock:
+            spares = list(self._spares)
+        return sum(self._is_up(spare) is True for spare in spares)
+
     def wait_until_up(self, timeout_s: float) -> bool:
         """Wait until every one of the ``count`` spares is started and up (a delayed refill
         included); whether they are within ``timeout_s``. For tests and benchmarks."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self._lock:
-                spares = list(self._spares)
-            if len(spares) >= self.count and all(self._is_up(spare) for spare in spares):
+            if self.up_count() >= self.count:
                 return True
             time.sleep(0.1)
         return False

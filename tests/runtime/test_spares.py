@@ -52,8 +52,9 @@ def test_spares_start_one_per_bundle_of_their_own_spread_group():
 
 def test_only_a_spare_that_is_up_is_taken_and_a_new_one_starts_in_the_freed_bundle():
     pool = FakePool(2)
-    assert pool.take() is None  # none up yet: the heal starts a process as without spares
+    assert pool.take() is None and pool.up_count() == 0  # none up yet: the heal starts a process as without spares
     pool.up[1] = True
+    assert pool.up_count() == 1
     taken = pool.take()
     assert (taken.name, taken.location) == ("spare 1", ("group 0", 1))
     assert [spare.number for spare in pool.spares] == [0]  # not refilled until a bundle is freed
