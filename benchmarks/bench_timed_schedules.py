@@ -20,9 +20,12 @@ from other users of the machine hits all alike):
 * torch.distributed.pipelining on gloo, p processes started with
   ``torch.multiprocessing``, per ``--pippy-schedules`` entry: ``ScheduleGPipe`` and
   ``Schedule1F1B`` with one stage of ``layers_per_stage`` layers per rank;
-  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (loop placement:
-  rank r holds stages r and r+p) and ``ScheduleZBVZeroBubble`` (V placement: rank r
-  holds stages r and 2p-1-r) with 2 chunks of ``layers_per_stage / 2`` layers per rank.
+  ``ScheduleInterleavedZeroBubble`` with one stage per rank too (its ZB1P order with one
+  stage a rank: zb_h1's counterpart, as issue 42 names it; with two a rank it would be an
+  interleaved zero-bubble schedule raypipe does not run);
+  ``ScheduleInterleaved1F1B`` (loop placement: rank r holds stages r and r+p) and
+  ``ScheduleZBVZeroBubble`` (V placement: rank r holds stages r and 2p-1-r) with 2
+  chunks of ``layers_per_stage / 2`` layers per rank.
 
 Same weights and data everywhere (the first step's loss is printed for each), MSE
 loss, SGD. A raypipe step is ``trainer.step()`` wall time on the driver (the commit
@@ -54,7 +57,7 @@ PIPPY_SCHEDULES = {
     "ScheduleGPipe": (1, "loop"),
     "Schedule1F1B": (1, "loop"),
     "ScheduleInterleaved1F1B": (2, "loop"),
-    "ScheduleInterleavedZeroBubble": (2, "loop"),
+    "ScheduleInterleavedZeroBubble": (1, "loop"),  # one stage per rank: zb_h1's counterpart
     "ScheduleZBVZeroBubble": (2, "v"),
 }
 # raypipe schedule -> its PiPPy counterpart, for the ratio column
@@ -105,8 +108,11 @@ def timed_pippy_worker(rank: int, port: int, args: argparse.Namespace, commands:
             stages = [pipelining.PipelineStage(nn.Sequential(*layers[i * per_chunk:(i + 1) * per_chunk]), i,
                                                num_stages, torch.device("cpu")) for i in indices]
             parameters = [p for stage in stages for p in stage.submod.parameters()]
-            schedule = getattr(pipelining, name)(stages if chunks > 1 else stages[0],
-                                                 n_microbatches=args.micro_batches, loss_fn=nn.functional.mse_loss)
+            cls = getattr(pipelining, name)
+            # a multi-stage schedule takes a list of stages, one stage per rank included
+            multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
+            schedule = cls(stages if multi else stages[0], n_microbatches=args.micro_batches,
+                           loss_fn=nn.functional.mse_loss)
             runs[name] = (schedule, parameters, make_optimizer("sgd")(parameters), 0 in indices,
                           num_stages - 1 in indices)
         while (command := commands[rank].get()) is not None:
