@@ -1,7 +1,8 @@
 """Predicted against measured step time and bubble on timed layers (issue 43's validation targets).
 
-For each configuration (stages p, micro-batches m, schedule, replicas d, and optionally a
-:class:`raypipe.testing.TimedBoundary` standing for a slower link between two stages), this runs a
+For each configuration (stages p, micro-batches m, schedule, model chunks per worker v,
+replicas d, and optionally a :class:`raypipe.testing.TimedBoundary` standing for a slower link
+between two stages), this runs a
 raypipe ``PipelineTrainer`` on :class:`raypipe.testing.TimedLayer` layers (forward, input-gradient
 and weight-gradient each sleep a fixed time, no core used, so p x d stage processes on 2 cores
 behave as p x d devices) and sets beside its measured step the predictions made before it runs:
@@ -23,7 +24,8 @@ behave as p x d devices) and sets beside its measured step the predictions made 
   reduction, the decision, the optimizer and the snapshot copy), added once per step as
   a + b x workers, a line through that figure on the p=2 trainer and on a third calibration
   trainer (p=4, m=4, GPipe): on 2 cores every worker's per-step CPU work (its snapshot copy,
-  optimizer, report) queues for the same cores;
+  optimizer, report) queues for the same cores. A chunked configuration's chunk of n of a
+  stage's L layers takes n / L of the stage's measured op times (:func:`chunk_seconds`);
 * **planning**: :func:`raypipe.planning.predict.predict_step`, the issue's predictor, on the
   same calibrated times given as ``LayerCost`` (seconds x 1e9 "flops" on a cluster of 1e9
   flop/s, achievable fraction 1, links of the calibrated message time, the gap and the
@@ -77,6 +79,11 @@ class Config:
     replicas: int = 1
     boundary_ms: float = 0.0  # a TimedBoundary after this stage's layers: BOUNDARY_STAGE -> +1
     boundary_stage: int = 1
+    chunks: int = 1  # model chunks per worker (virtual_stages), layers_per_stage / chunks layers each
+
+    def __post_init__(self) -> None:
+        if self.chunks > 1 and self.boundary_ms:
+            raise ValueError(f"{self.name}: a TimedBoundary is placed on one-chunk stages only")
 
 
 CONFIGS = [
@@ -92,6 +99,9 @@ CONFIGS = [
     Config("d2-p4-m4-gpipe", 4, 4, "gpipe", replicas=2),
     Config("p8-m8-1f1b", 8, 8, "1f1b"),
     Config("p8-m16-zb_h1", 8, 16, "zb_h1"),
+    Config("p4-m8-interleaved_1f1b", 4, 8, "interleaved_1f1b", chunks=2),
+    Config("p4-m8-zbv", 4, 8, "zbv", chunks=2),
+    Config("p4-m16-zbv", 4, 16, "zbv", chunks=2),
 ]
 # measured in every round beside the configuration: F, B, messages, the per-op gap and the
 # per-step cost from the first; I and W from the second; how the per-step cost grows with the
@@ -109,6 +119,11 @@ def build_model(args: argparse.Namespace, config: Config, seed: int = 0) -> tupl
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     balance = []
+    if config.chunks > 1:  # p x v virtual stages of layers_per_stage / v layers, in virtual-stage order
+        per_chunk = args.layers_per_stage // config.chunks
+        layers = [TimedLayer(args.forward_ms / 1e3, args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3, args.width)
+                  for _ in range(per_chunk * config.stages * config.chunks)]
+        return nn.Sequential(*layers), [per_chunk] * (config.stages * config.chunks)
     for stage in range(config.stages):
         layers += [TimedLayer(args.forward_ms / 1e3, args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3, args.width)
                    for k in range(args.layers_per_stage)]
@@ -142,6 +157,7 @@ class OpTimes:
     per_step: float = 0.0  # fixed cost of a step beyond the pipeline's compute window
     per_worker: float = 0.0  # what that cost grows by per worker (stage process)
     gap: float = 0.0  # a worker's idle time around each compute op (posting sends, Python), not busy
+    layers: int = 2  # the timed layers of the stage ``first`` and ``rest`` are for
 
 
 def nominal_times(args: argparse.Namespace) -> OpTimes:
@@ -149,11 +165,15 @@ def nominal_times(args: argparse.Namespace) -> OpTimes:
     layers, f, i, w = args.layers_per_stage, args.forward_ms / 1e3, args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3
     first_backward = (layers - 1) * i + layers * w
     return OpTimes(first={"F": layers * f, "B": first_backward, "I": 0.0, "W": first_backward},
-                   rest={"F": layers * f, "B": layers * (i + w), "I": layers * i, "W": layers * w})
+                   rest={"F": layers * f, "B": layers * (i + w), "I": layers * i, "W": layers * w}, layers=layers)
 
 
 def stage_seconds(config: Config, times: OpTimes) -> list[dict[str, float]]:
-    """Per stage, the time of its F, B, I and W for one micro-batch, the gap included."""
+    """Per virtual stage (with one chunk a worker, per stage), the time of its F, B, I and W for
+    one micro-batch, the gap included."""
+    if config.chunks > 1:
+        return [{kind: value + times.gap for kind, value in seconds.items()}
+                for seconds in chunk_seconds(config, times)]
     out = []
     for stage in range(config.stages):
         seconds = dict(times.first if stage == 0 else times.rest)
@@ -164,11 +184,26 @@ def stage_seconds(config: Config, times: OpTimes) -> list[dict[str, float]]:
     return out
 
 
+def chunk_seconds(config: Config, times: OpTimes) -> list[dict[str, float]]:
+    """Per virtual stage of a chunked config, its ops' times without the gap. ``times`` are of a
+    whole stage's ``times.layers`` layers (the calibration trainers hold one chunk), so a chunk
+    of ``n`` of them takes ``n / layers`` of each: what an op costs beyond its sleeps scales with
+    its layers as the sleeps do (on timed layers of 20 ms: ~1.2 ms beyond a 2-layer op's sleeps,
+    ~0.6 ms beyond a 1-layer op's). Virtual stage 0 alone has no input gradient for its first
+    layer, and raypipe's split backward runs its whole backward as W (see OpTimes)."""
+    share = 1.0 / config.chunks
+    rest = {kind: value * share for kind, value in times.rest.items()}
+    first_backward = rest["B"] - times.rest["I"] / times.layers  # its first layer's input gradient never runs
+    first = dict(rest, B=first_backward, I=times.first["I"], W=first_backward)
+    return [first] + [rest] * (config.stages * config.chunks - 1)
+
+
 def lowered_ops(config: Config) -> list[list]:
     from raypipe.core.lowering import lower
     from raypipe.core.schedule import PLACEMENT, make_schedule
 
-    return lower(make_schedule(config.schedule, config.stages, config.micro_batches), PLACEMENT[config.schedule])
+    return lower(make_schedule(config.schedule, config.stages, config.micro_batches, config.chunks),
+                 PLACEMENT[config.schedule])
 
 
 def compute_window_bubble(timeline, num_stages: int) -> float:
@@ -184,11 +219,15 @@ def compute_window_bubble(timeline, num_stages: int) -> float:
 
 def simulate(args: argparse.Namespace, config: Config, times: OpTimes) -> tuple[float, float]:
     """(step seconds, bubble) of ``config`` simulated with ``times``, plus the fixed per-step cost."""
+    from raypipe.core.ops import virtual_stage
+    from raypipe.core.schedule import PLACEMENT
     from raypipe.core.simulator import simulate_timed
 
-    per_stage = stage_seconds(config, times)
-    run = simulate_timed(lowered_ops(config), lambda stage, op: per_stage[stage].get(op.kind, 0.0),
-                         times.message, buffered_sends=True)
+    per_stage, placement = stage_seconds(config, times), PLACEMENT[config.schedule]
+    run = simulate_timed(lowered_ops(config),
+                         lambda stage, op: per_stage[virtual_stage(stage, op.chunk, config.stages,
+                                                                   placement)].get(op.kind, 0.0),
+                         times.message, buffered_sends=True, placement=placement)
     # the gap is in each compute op's time (the critical path pays it) but not busy
     bubble = compute_window_bubble([(t.stage, t.op.kind, t.start, t.end - (times.gap if t.op.kind in "FBIW" else 0))
                                     for t in run.timeline], config.stages)
@@ -222,12 +261,13 @@ def planning_prediction(args: argparse.Namespace, config: Config, times: OpTimes
     # others free: the predictor sums a stage's layers; B = bwd_input + bwd_weight, I = bwd_input
     costs, balance = [], []
     # the gap and the per-step cost as the cluster's op_overhead_s and step_overhead_s
-    for stage, seconds in enumerate(stage_seconds(config, replace(times, gap=0.0))):
-        if config.schedule == "zb_h1":
+    for stage, seconds in enumerate(stage_seconds(config, replace(times, gap=0.0))):  # per virtual stage
+        if config.schedule in ("zb_h1", "zbv"):
             input_grad, weight_grad = seconds["I"], seconds["W"]
         else:
             input_grad, weight_grad = seconds["B"], 0.0
-        size = args.layers_per_stage + (1 if config.boundary_ms and stage == config.boundary_stage else 0)
+        size = (args.layers_per_stage // config.chunks
+                + (1 if config.boundary_ms and stage == config.boundary_stage else 0))
         output = 4 * args.width * args.rows_per_micro_batch
         costs.append(LayerCost(seconds["F"] * 1e9, input_grad * 1e9, weight_grad * 1e9, param_bytes=8 * args.width,
                                output_bytes=output))
@@ -236,7 +276,8 @@ def planning_prediction(args: argparse.Namespace, config: Config, times: OpTimes
     cluster = timed_cluster(times.message, op_overhead_s=times.gap, step_overhead_s=step_overhead(config, times))
     prediction = predict_step(costs, cluster, num_replicas=config.replicas,
                               num_stages=config.stages, num_micro_batches=config.micro_batches,
-                              schedule=config.schedule, precision="fp32", balance=balance, snapshot_every=0)
+                              schedule=config.schedule, precision="fp32", balance=balance, snapshot_every=0,
+                              virtual_stages=config.chunks)
     return prediction.step_s, prediction.pipeline_bubble
 
 
@@ -271,29 +312,35 @@ class Measured:
     op_ms: dict  # per op kind, the mean time of one stage's op (all its layers): (first stage, others)
 
 
-def message_latencies(timeline) -> tuple[list[float], dict]:
+def message_latencies(timeline, config: Config) -> tuple[list[float], dict]:
     """Per message whose receive was posted before its producer's op ended: from that op's
     end to the receive's end (one clock: every process is on this machine). A receive of
-    micro-batch k on stage s that ends before s's F of k is the activation from s-1's F of k;
-    a later one is the gradient from s+1's backward (B or I) of k.
+    micro-batch k on virtual stage s (a worker's chunk) that ends before s's F of k is the
+    activation from s-1's F of k; a later one is the gradient from s+1's backward (B or I) of k.
 
     Also, per (replica, stage), the receiving time no simulated wait explains: of a receive
     posted after its message could have arrived (its producer's end plus the mean latency),
     all of it (unpickling, copying: a cost of the receiving worker, like the per-op gap)."""
+    from raypipe.core.ops import virtual_stage
+    from raypipe.core.schedule import PLACEMENT
+
+    def held_by(e) -> int:
+        return virtual_stage(e.stage, e.chunk, config.stages, PLACEMENT[config.schedule])
+
     compute = {}
     for e in timeline:
         if e.op in ("F", "B", "I"):
             kind = "F" if e.op == "F" else "back"
-            compute[(e.replica, e.stage, kind, e.micro_batch)] = e
+            compute[(e.replica, held_by(e), kind, e.micro_batch)] = e
     matched = []
     for e in timeline:
         if e.op != "recv" or e.micro_batch is None:
             continue
-        own_forward = compute.get((e.replica, e.stage, "F", e.micro_batch))
+        own_forward = compute.get((e.replica, held_by(e), "F", e.micro_batch))
         if own_forward is not None and e.end <= own_forward.start + 1e-6:
-            producer = compute.get((e.replica, e.stage - 1, "F", e.micro_batch))
+            producer = compute.get((e.replica, held_by(e) - 1, "F", e.micro_batch))
         else:
-            producer = compute.get((e.replica, e.stage + 1, "back", e.micro_batch))
+            producer = compute.get((e.replica, held_by(e) + 1, "back", e.micro_batch))
         if producer is not None:
             matched.append((e, producer))
     latencies = [e.end - producer.end for e, producer in matched if e.start < producer.end <= e.end]
@@ -318,7 +365,7 @@ class Runner:
         model, balance = build_model(args, config)
         pipeline = raypipe.PipelineConfig(num_stages=config.stages, num_micro_batches=config.micro_batches,
                                           num_replicas=config.replicas, balance=balance, schedule=config.schedule,
-                                          snapshot_every=args.snapshot_every)
+                                          virtual_stages=config.chunks, snapshot_every=args.snapshot_every)
         self.trainer = raypipe.PipelineTrainer(model, nn.MSELoss(), optimizer=make_optimizer("sgd"), config=pipeline)
         self.inputs, self.targets = make_batch(args, config)
 
@@ -335,7 +382,7 @@ class Runner:
 
 
 def summarize(config: Config, results: list, times: list[float]) -> Measured:
-    matched = [message_latencies(r.timeline) for r in results]
+    matched = [message_latencies(r.timeline, config) for r in results]
     latencies = [1e3 * latency for found, _ in matched for latency in found]
     ops = {}  # kind -> (mean on the first stage, mean on the others), ms
     for kind in ("F", "B", "I", "W"):
@@ -370,7 +417,8 @@ def format_ops(op_ms: dict) -> str:
     return " / ".join(f"{kind} " + ", ".join(f"{ms:.1f}" for ms in values) for kind, values in op_ms.items()) + " ms"
 
 
-def calibrated_times(gpipe: Measured, split: Measured, wider: Measured, boundary_extra: float) -> OpTimes:
+def calibrated_times(gpipe: Measured, split: Measured, wider: Measured, boundary_extra: float,
+                     layers: int) -> OpTimes:
     """Op times, the message time, the per-op gap and the fixed per-step cost from one round of
     the CALIBRATIONS trainers (see the module docstring): measured, not fitted to any configuration.
     The per-step cost is a + b x workers through the p=2 and p=4 GPipe trainers' figures."""
@@ -381,7 +429,7 @@ def calibrated_times(gpipe: Measured, split: Measured, wider: Measured, boundary
                          "I": split.op_ms["I"][1] / 1e3, "W": split.op_ms["W"][1] / 1e3},
                    boundary_extra=boundary_extra, message=gpipe.message_ms / 1e3,
                    per_step=(2 * gpipe.outside_ms - wider.outside_ms) / 1e3 if growth > 0 else gpipe.outside_ms / 1e3,
-                   per_worker=max(0.0, growth) / 1e3, gap=(gpipe.gap_ms + split.gap_ms) / 2e3)
+                   per_worker=max(0.0, growth) / 1e3, gap=(gpipe.gap_ms + split.gap_ms) / 2e3, layers=layers)
 
 
 def describe(times: OpTimes) -> str:
@@ -570,7 +618,7 @@ def main() -> None:
                 for index in range(args.rounds):
                     gpipe, split, wider = (c.run(args.steps) for c in calibration)
                     measured = runner.run(args.steps)
-                    latest = calibrated_times(gpipe, split, wider, boundary_extra)
+                    latest = calibrated_times(gpipe, split, wider, boundary_extra, args.layers_per_stage)
                     rounds.append((measured, latest, simulate(args, config, latest),
                                    planning_prediction(args, config, latest)[0]))
                     print(f"  {config.name} round {index + 1}: measured {measured.step_ms:.0f} ms, calibrated "
