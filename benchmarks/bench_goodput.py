@@ -1,5 +1,5 @@
 """Measured goodput under injected failures, beside the goodput model's prediction
-(``raypipe/planning/goodput.py``) for the same fault rate, step time and recovery.
+(``raypipe/planning/segment_model.py``) for the same fault rate, step time and recovery.
 
 The tiny LLaMA on 2 stages (p2p executor, AdamW, clip 1.0, m=4, ``snapshot_every=1``) on a
 local Ray instance trains for ``--seconds`` while a thread SIGKILLs a random live worker at
@@ -11,10 +11,10 @@ kill per ~20 s they differ by points, and a survivor killed mid-heal on 2 CPU co
 event (both workers replaced, 20-30 s under load). Measured goodput = useful step seconds / the
 run's wall seconds, where the useful seconds are the durations of the steps no kill struck plus,
 for each struck step, the mean of those (what it would have taken). Predicted: the segment
-model of :mod:`raypipe.planning.goodput` (``E[wall of a step] = (exp(l S) - 1)(1/l + R)``) with
+model of :mod:`raypipe.planning.segment_model` (``E[wall of a step] = (exp(l S) - 1)(1/l + R)``) with
 the measured step ``S`` and recovery ``R`` (detection + replacement) either from
 ``bench_recovery``'s figures (the model's defaults; with ``--spares``, their mix for the share of
-kills that find the spare back, :func:`~raypipe.planning.goodput.spare_ready_fraction`) or from
+kills that find the spare back, :func:`~raypipe.planning.spare_availability.spare_ready_fraction`) or from
 this run's kills (the struck steps' time beyond a plain step, per kill, less the half step lost on
 average); the failure rate ``l`` nominal (1 / ``--mtbf-s``) or as realised (kills / seconds
 outside heals).
@@ -32,7 +32,7 @@ cores one run's steps can be ~10% slower than the next's, as much as the kills c
 run's final parameters are compared bitwise with the first uninterrupted run's. Predicted with
 ``bench_recovery``'s R (the model's default) and with the R of this run's own kills without a spare. With a spare, the
 prediction takes the share of kills that find one up from the model's replenishment time and this
-kill process (kills a triangular interval apart: :func:`~raypipe.planning.goodput.block_failures_within`);
+kill process (kills a triangular interval apart: :func:`~raypipe.planning.spare_availability.block_failures_within`);
 the run reports the share that did (heals naming a spare) and each replenishment it saw (from a
 spare taken to the next one up, polled every 0.1 s).
 
@@ -57,9 +57,10 @@ import raypipe
 from alternate import command_line, print_table
 from bench_data_parallel import adamw, tokens
 from raypipe.models.llama import get_config, llama_layers, llama_loss
-from raypipe.planning.goodput import (GoodputAssumptions, block_failures_within, poisson_spare_ready_fraction,
-                                      segment_goodput, simulate_segments, spare_mixed_recovery_s,
-                                      spare_ready_fraction)
+from raypipe.planning.goodput import GoodputAssumptions
+from raypipe.planning.segment_model import segment_goodput, simulate_segments
+from raypipe.planning.spare_availability import (block_failures_within, poisson_spare_ready_fraction,
+                                                 spare_mixed_recovery_s, spare_ready_fraction)
 
 MODEL = "tiny"
 

@@ -8,13 +8,8 @@ al., Meta, HPCA 2025) reports a job MTTF of 7.9 h at 1,024 GPUs (128 nodes of 8)
 during a recovery too.
 
 **Segments** (methods a and b): work is done in segments of ``T`` wall seconds that a failure
-throws away whole (what was done since the segment began is lost), each failure followed by a
-recovery of ``R`` seconds (restarted if a failure strikes during it). For a failure rate
-``l``, the expected wall time of one segment is, exactly (Daly 2006, eq. 11)::
-
-    E[X] = (exp(l T) - 1) exp(l R) / l
-
-and goodput = useful seconds of the segment / E[X].
+throws away whole, each failure followed by a recovery of ``R`` seconds; goodput = useful
+seconds of the segment / its expected wall time (Daly 2006: :mod:`raypipe.planning.segment_model`).
 
 (a) **raypipe** (``raypipe`` / ``raypipe_warm_spare``): every ``k = snapshot_every`` steps end
 with an in-memory snapshot, so a segment is ``k`` steps plus the snapshot copy's exposed part
@@ -43,27 +38,21 @@ partial step plus the wait for a boundary average one step exactly), so to first
 (the Monte Carlo counts a replica failing again while already out once). Needs d >= 2.
 
 **Warm spares** (``raypipe_warm_spare``): one failure's worth of spares (a node's workers when a
-node fails); a failure that uses it has its replacement's refill come up ``T_replenish`` seconds
-after that heal (``raypipe/runtime/spares.py``: a new spare starts ``REFILL_DELAY_S`` after the
-heal, then its process starts). A failure finds a spare only if the last failure that used one was
-that long ago; one that finds none recovers as without spares (``raypipe``) and leaves the refill
-going. Per use of the spare, ``m`` failures find none on average (the failures within the refill),
-so a share ``1 / (1 + m)`` of failures finds one (renewal-reward), and the segment model takes
-the mean recovery of that mix (:func:`spare_ready_fraction`, :func:`spare_mixed_recovery_s`). For
-Poisson failures with the clock running in recoveries, ``m = l (R_spare + T_replenish)`` exactly
-(Erlang's loss formula for one server; more spare sets would be Erlang B, not modelled). The mean
-recovery is exact in the form where the clock stops in recoveries; where it runs, failures during a
-recovery find the spare gone or back, which the mean in ``exp(l R)`` does not see, so it is right to
-first order in ``l R`` (the Monte Carlo, which draws each failure's spare, reads 0.4 point higher at
-a failure every 20 s, 3 points at one every 6 s; the same at real rates). At real rates (hours
-between failures) the spare is back for all but ~1e-4 of failures; at one every few seconds it is not.
+node fails), whose refill comes up ``spare_replenish_s`` after the heal that used it; a failure
+within that finds none and recovers as without spares. The share that finds one, and the mean
+recovery of the mix the segment model takes: :mod:`raypipe.planning.spare_availability`. At real
+rates (hours between failures) the spare is back for all but ~1e-4 of failures; at one every few
+seconds it is not.
 """
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+
+from raypipe.planning.segment_model import segment_goodput, simulate_segments
+from raypipe.planning.spare_availability import poisson_spare_ready_fraction, spare_mixed_recovery_s
 
 HOUR_S = 3600.0
 
@@ -181,151 +170,6 @@ def node_mtbf_from_job_mttf(job_mttf: float, num_gpus: int, gpus_per_node: int =
 def young_interval_s(checkpoint_write_s: float, mttf_s: float) -> float:
     """Young's optimal work between checkpoints: ``sqrt(2 C M)``."""
     return math.sqrt(2.0 * checkpoint_write_s * mttf_s)
-
-
-# -- segments (a, b) ----------------------------------------------------------------------------
-
-def segment_goodput(work_s: float, segment_s: float, recovery_s: float, failure_rate: float,
-                    failures_during_recovery: bool = True) -> float:
-    """Closed form: ``work_s`` useful seconds per segment of ``segment_s`` wall seconds, a failure
-    losing the segment and costing ``recovery_s`` (rate per second). A failure during a recovery
-    restarts it; with ``failures_during_recovery=False`` none strikes one (the failure clock stops),
-    ``E[X] = (exp(l T) - 1)(1/l + R)`` (the two agree to first order in ``l R``)."""
-    if failure_rate == 0:
-        return work_s / segment_s
-    if failures_during_recovery:
-        expected = math.expm1(failure_rate * segment_s) * math.exp(failure_rate * recovery_s) / failure_rate
-    else:
-        expected = math.expm1(failure_rate * segment_s) * (1.0 / failure_rate + recovery_s)
-    return work_s / expected
-
-
-def simulate_segments(work_s: float, segment_s: float, recovery_s: float, failure_rate: float,
-                      useful_s: float, rng: random.Random, failures_during_recovery: bool = True,
-                      recovery_without_spare_s: float | None = None, spare_replenish_s: float = 0.0
-                      ) -> tuple[float, int]:
-    """Monte Carlo of :func:`segment_goodput`: run until ``useful_s`` seconds of work are done, one
-    draw per failure; returns (goodput, failures). With ``recovery_without_spare_s``, ``recovery_s``
-    is a warm spare's recovery: one spare, up at the start, whose replacement is up
-    ``spare_replenish_s`` wall seconds after the heal that used it; a failure before then recovers
-    in ``recovery_without_spare_s`` (the refill goes on meanwhile). The closed form with the mean
-    recovery of :func:`spare_ready_fraction` is its long-run figure."""
-    wall = done = 0.0
-    failures = 0
-    spare_back_at = 0.0  # wall time from which a spare is up
-
-    def recovery_of_failure_at(moment: float) -> float:
-        nonlocal spare_back_at
-        if recovery_without_spare_s is None:
-            return recovery_s
-        if moment < spare_back_at:
-            return recovery_without_spare_s
-        spare_back_at = moment + recovery_s + spare_replenish_s  # its refill counts from the heal's end
-        return recovery_s
-
-    while True:
-        gap = rng.expovariate(failure_rate)  # from a segment boundary (after a recovery) to the next failure
-        whole = math.floor(gap / segment_s)
-        if done + whole * work_s >= useful_s:
-            needed = math.ceil((useful_s - done) / work_s - 1e-9)
-            return (done + needed * work_s) / (wall + needed * segment_s), failures
-        done += whole * work_s
-        wall += gap  # the whole segments, then the lost part of the next
-        failures += 1
-        recovery = recovery_of_failure_at(wall)  # what is left of the recovery
-        while True:  # the recovery, restarted when a failure strikes during it
-            gap = rng.expovariate(failure_rate) if failures_during_recovery else math.inf
-            if gap >= recovery:
-                wall += recovery
-                break
-            wall += gap
-            failures += 1
-            # another worker lost: its replacement (a spare only if one is up) and the one under way
-            # both have to be done, so a spare's short recovery does not cut a started process's
-            recovery = max(recovery - gap, recovery_of_failure_at(wall))
-
-
-# -- warm spares: is one up when a failure comes? --------------------------------------------------
-
-FailuresWithin = Callable[[int, float], float]
-"""``(k, t)`` -> the chance that the ``k``-th failure after one that used the spare comes within
-``t`` seconds of failure clock after that failure's recovery."""
-
-
-def poisson_failures_within(failure_rate: float) -> FailuresWithin:
-    """Poisson failures: the ``k``-th within ``t`` is Poisson(``l t``) >= k (a gamma's CDF)."""
-    def within(k: int, t: float) -> float:
-        mean = failure_rate * t
-        if mean <= 0:
-            return 0.0
-        # 1 - P(fewer than k in t), the terms summed in log space so a large mean does not underflow
-        fewer = sum(math.exp(-mean + j * math.log(mean) - math.lgamma(j + 1)) for j in range(k))
-        return max(0.0, 1.0 - fewer)
-    return within
-
-
-def block_failures_within(block_s: float) -> FailuresWithin:
-    """One failure per block of ``block_s`` seconds at a uniform moment in it (bench_goodput's
-    ``--every-steps``): failure ``i`` at ``(i + U_i) block_s``, so ``k`` failures on, the gap is
-    ``(k + U_k - U_0) block_s``, the difference of two uniforms being triangular on [-1, 1]. For
-    k = 1 the interval is triangular on [0, 2 block_s] with mode ``block_s``: its chance to exceed
-    ``t`` is ``1 - t^2 / (2 a^2)`` for ``t <= a`` and ``(2a - t)^2 / (2 a^2)`` above (``a = block_s``).
-    Treats the failure that used the spare as any failure (its phase ``U_0`` uniform), whereas one
-    that found a spare followed a longer interval, so tends to sit late in its block and the next
-    interval to be short: that biases the ready share up, by 2.6 points at bench_goodput's K = 20
-    with a 7 s refill (0.622 against 0.596 in a long simulation of that kill process; a 200-step
-    run, whose first kill always finds the spare, reads 0.620)."""
-    def within(k: int, t: float) -> float:
-        x = t / block_s - k  # where t falls in the triangular spread of U_k - U_0
-        if x <= -1:
-            return 0.0
-        if x <= 0:
-            return (1 + x) ** 2 / 2
-        if x <= 1:
-            return 1 - (1 - x) ** 2 / 2
-        return 1.0
-    return within
-
-
-def spare_ready_fraction(replenish_s: float, failures_within: FailuresWithin,
-                         recovery_without_spare_s: float = 0.0) -> float:
-    """The long-run share of failures that find a warm spare up, with one spare (one failure's
-    worth) whose replacement is up ``replenish_s`` after the heal that used it (see the module
-    docstring). Between two uses, the failures that find none are the ``k``-th after the use for
-    every ``k`` that comes before the refill is up: each such failure's recovery (without a spare,
-    ``recovery_without_spare_s``) lets the refill go on while the failure clock stops, so the
-    ``k``-th misses if it comes within ``replenish_s - (k - 1) recovery_without_spare_s`` of clock.
-    With ``m`` such misses per use on average, the share is ``1 / (1 + m)`` (renewal-reward; exact
-    for Poisson failures). Where the failure clock runs in recoveries, pass 0 for
-    ``recovery_without_spare_s`` and the spare's own recovery added to ``replenish_s``:
-    ``m = l (R_spare + T_replenish)``."""
-    if replenish_s <= 0:
-        return 1.0
-    misses, k = 0.0, 1
-    while k <= 1_000_000:
-        window = replenish_s - (k - 1) * recovery_without_spare_s
-        chance = failures_within(k, window) if window > 0 else 0.0
-        if chance < 1e-12:  # later failures come later still, and their windows only shrink
-            break
-        misses += chance
-        k += 1
-    return 1.0 / (1.0 + misses)
-
-
-def poisson_spare_ready_fraction(failure_rate: float, replenish_s: float, recovery_with_spare_s: float,
-                                 recovery_without_spare_s: float, failures_during_recovery: bool = True) -> float:
-    """:func:`spare_ready_fraction` for Poisson failures at ``failure_rate``. With the failure clock
-    running in recoveries (the scale model's), ``1 / (1 + l (R_spare + T_replenish))``; stopped
-    (bench_goodput's kills), the refill goes on through the recoveries without a spare."""
-    if failures_during_recovery:
-        return 1.0 / (1.0 + failure_rate * (recovery_with_spare_s + replenish_s))
-    return spare_ready_fraction(replenish_s, poisson_failures_within(failure_rate), recovery_without_spare_s)
-
-
-def spare_mixed_recovery_s(ready_fraction: float, recovery_with_spare_s: float,
-                           recovery_without_spare_s: float) -> float:
-    """A failure's mean recovery when a share ``ready_fraction`` of failures finds a spare up."""
-    return ready_fraction * recovery_with_spare_s + (1.0 - ready_fraction) * recovery_without_spare_s
 
 
 # -- replica drop (c) --------------------------------------------------------------------------

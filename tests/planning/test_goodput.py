@@ -13,11 +13,13 @@ from dataclasses import replace
 import pytest
 
 from raypipe.planning.goodput import (BENCH_SPARE_REFILL_DELAY_S, PAPER_NODE_MTBF_HOURS, GoodputAssumptions,
-                                      RunShape, block_failures_within, goodput_by_method, job_mttf_hours,
-                                      node_mtbf_from_job_mttf, poisson_failures_within,
-                                      poisson_spare_ready_fraction, replica_drop_goodput, replicas_per_node,
-                                      segment_goodput, simulate_replica_drop, simulate_segments,
-                                      spare_mixed_recovery_s, spare_ready_fraction, young_interval_s)
+                                      RunShape, goodput_by_method, job_mttf_hours, node_mtbf_from_job_mttf,
+                                      replica_drop_goodput, replicas_per_node, simulate_replica_drop,
+                                      young_interval_s)
+from raypipe.planning.segment_model import segment_goodput, simulate_segments
+from raypipe.planning.spare_availability import (block_failures_within, poisson_failures_within,
+                                                 poisson_spare_ready_fraction, spare_mixed_recovery_s,
+                                                 spare_ready_fraction)
 from raypipe.planning.plan import main as plan_main
 
 
