@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
                               SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, awaiting_header, exchange,
                               neighbour)
+from raypipe.core.receive_order import EVEN_COST, receives_in_send_order
 
 if TYPE_CHECKING:  # the simulator runs the lowering's drafts, and is loaded when it first does
     from raypipe.core.simulator import DraftRun
@@ -48,7 +49,6 @@ if TYPE_CHECKING:  # the simulator runs the lowering's drafts, and is loaded whe
 # Per compute kind: the receive of its input and the send of its output (W needs and makes
 # nothing another worker has: it only adds to this worker's weight gradients).
 _COMMUNICATION = {F: (RECV_ACT, SEND_ACT), B: (RECV_GRAD, SEND_GRAD), I: (RECV_GRAD, SEND_GRAD)}
-_RECEIVE_OF = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
 
 
 def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[LoweredOp]]:
@@ -78,7 +78,7 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     1. with a split backward (zb_h1, zbv), each receive is posted where a run of
        even-cost ops (F = I = W, B = 2) would have its message, at the latest right
        before the op that needs it, and in its sender's order
-       (:func:`_receives_in_send_order`), so it rarely waits; with whole backwards
+       (:func:`~raypipe.core.receive_order.receives_in_send_order`), so it rarely waits; with whole backwards
        and chunks (interleaved_1f1b), each receive right before its op and each send
        right after it, but for an F and the B right after it that run as one pair
        (Megatron's steady state, :func:`_forward_backward_pairs`): both receives
@@ -104,7 +104,7 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
                 + [LoweredOp(REDUCE_GRAD), LoweredOp(OPTIMIZER_STEP)] for stage, ops in enumerate(schedule)]
     if split_backward:
         alone = [_communicating(stage, ops, num_stages, placement, num_chunks) for stage, ops in enumerate(schedule)]
-        alone = _receives_in_send_order(alone, num_stages, num_chunks, placement)
+        alone = receives_in_send_order(alone, num_stages, num_chunks, placement)
     else:
         pairs = _forward_backward_pairs(schedule, num_stages, num_chunks, placement)
         alone = [_communicating(stage, ops, num_stages, placement, num_chunks, pairs[stage])
@@ -256,7 +256,7 @@ def _forward_backward_pairs(schedule: list[list[Op]], num_stages: int, num_chunk
     cost_before = [[0.0] for _ in schedule]
     for worker, ops in enumerate(schedule):
         for op in ops:
-            cost_before[worker].append(cost_before[worker][-1] + _EVEN_COST[op.kind])
+            cost_before[worker].append(cost_before[worker][-1] + EVEN_COST[op.kind])
 
     def other_end(stage: int, op: Op, kind: str) -> tuple[int, int] | None:
         # the (worker, index) of the op on another worker that makes or takes the message ``kind`` of ``op``
@@ -277,7 +277,7 @@ def _forward_backward_pairs(schedule: list[list[Op]], num_stages: int, num_chunk
                 taker = other_end(stage, forward, SEND_ACT)  # C, which takes the F's activation
                 if maker is None or taker is None or (maker[0] == taker[0] and (
                         cost_before[maker[0]][taker[1]] - cost_before[maker[0]][maker[1] + 1]  # between P and C
-                        >= _EVEN_COST[F] + _EVEN_COST[B])):
+                        >= EVEN_COST[F] + EVEN_COST[B])):
                     paired.add(index)
                     index += 2
                     continue
@@ -293,105 +293,6 @@ def _message(stage: int, op: Op, kind: str, num_stages: int, num_chunks: int, pl
     if other is None or other[0] == stage:
         return []
     return [LoweredOp(kind, op.micro_batch, other[0], chunk=op.chunk)]
-
-
-def _receives_in_send_order(lowered: list[list[LoweredOp]], num_stages: int, num_chunks: int,
-                            placement: str) -> list[list[LoweredOp]]:
-    """``lowered`` (messages alone, each receive right before its compute op) with each
-    worker's receives from each peer moved so that they come in that peer's send order.
-
-    A receive is posted where a run of even-cost ops (:func:`_even_cost_send_times`)
-    would have its message: after the first compute op of the receiver that ends once
-    the message is sent, and at the latest right before the compute op that needs it;
-    then the k-th receive of a channel goes no later than the (k+1)-th. So a receive
-    rarely waits, and the two ends of a pair rarely wait on each other's sends."""
-    sent_at = _even_cost_send_times(lowered, num_stages, num_chunks, placement)
-    # per channel (sender, receiver): each message as the receiver names it, in send order
-    send_order: dict[tuple[int, int], list[LoweredOp]] = {}
-    for sender, ops in enumerate(lowered):
-        for op in ops:
-            if op.kind in SENDS:
-                other = neighbour(sender, op.chunk, op.kind, num_stages, num_chunks, placement)
-                received_as = LoweredOp(_RECEIVE_OF[op.kind], op.micro_batch, sender, chunk=other[1])
-                send_order.setdefault((sender, op.peer), []).append(received_as)
-    result = []
-    for receiver, ops in enumerate(lowered):
-        computes = [op for op in ops if op.kind not in SENDS + RECEIVES]
-        need: dict[LoweredOp, int] = {}  # a receive -> the index (among computes) of the op it precedes
-        sends_after: list[list[LoweredOp]] = [[] for _ in computes]
-        count = 0
-        for op in ops:
-            if op.kind in RECEIVES:
-                need[op] = count
-            elif op.kind in SENDS:
-                sends_after[count - 1].append(op)
-            else:
-                count += 1
-        if sent_at is not None:
-            ends = sent_at[("ends", receiver)]
-            for message, needed_by in need.items():
-                sent = sent_at[_message_key(receiver, message, num_stages, num_chunks, placement)]
-                need[message] = min(needed_by, next((i + 1 for i, end in enumerate(ends) if end >= sent), needed_by))
-        posted_before: list[list[tuple[int, int, LoweredOp]]] = [[] for _ in computes]
-        for (sender, target), messages in send_order.items():
-            if target != receiver:
-                continue
-            latest = len(computes)
-            for place, message in reversed(list(enumerate(messages))):
-                # a receive the receiver never runs stays for the simulator to report
-                latest = min(latest, need.get(message, latest))
-                posted_before[min(latest, len(computes) - 1)].append((sender, place, message))
-        stage_ops: list[LoweredOp] = []
-        for index, compute in enumerate(computes):
-            stage_ops += [message for _, _, message in sorted(posted_before[index])]
-            stage_ops += [compute] + sends_after[index]
-        result.append(stage_ops)
-    return result
-
-
-# The times of a run of even-cost ops: one unit per F, I or W, two per B (whose work is I's and W's).
-_EVEN_COST = {F: 1.0, I: 1.0, W: 1.0, B: 2.0}
-
-
-def _message_key(receiver: int, receive: LoweredOp, num_stages: int, num_chunks: int,
-                 placement: str) -> tuple[int, int, str, int, int]:
-    """A message as (sender, receiver, send kind, micro-batch, sender's chunk), from its receive."""
-    sender_chunk = neighbour(receiver, receive.chunk, receive.kind, num_stages, num_chunks, placement)[1]
-    send_kind = SEND_ACT if receive.kind == RECV_ACT else SEND_GRAD
-    return receive.peer, receiver, send_kind, receive.micro_batch, sender_chunk
-
-
-def _even_cost_send_times(lowered: list[list[LoweredOp]], num_stages: int, num_chunks: int,
-                          placement: str) -> dict | None:
-    """When each message is sent and each compute op ends, were compute ops of even cost
-    run as soon as their inputs are there (messages take no time and never wait): a
-    dict from :func:`_message_key`'s key to the send time, and from ``("ends", worker)``
-    to its compute ops' end times, in order. None if the compute ops cannot all run."""
-    times: dict = {}
-    position, free = [0] * len(lowered), [0.0] * len(lowered)
-    ends: list[list[float]] = [[] for _ in lowered]
-    progressed = True
-    while progressed:
-        progressed = False
-        for stage, ops in enumerate(lowered):
-            while position[stage] < len(ops):
-                op, start = ops[position[stage]], free[stage]
-                if op.kind in RECEIVES:
-                    key = _message_key(stage, op, num_stages, num_chunks, placement)
-                    if key not in times:
-                        break
-                    free[stage] = max(start, times[key])
-                elif op.kind in SENDS:
-                    times[(stage, op.peer, op.kind, op.micro_batch, op.chunk)] = start
-                else:
-                    free[stage] = start + _EVEN_COST[op.kind]
-                    ends[stage].append(free[stage])
-                position[stage] += 1
-                progressed = True
-    if any(place < len(ops) for place, ops in zip(position, lowered)):
-        return None
-    times.update({("ends", stage): stage_ends for stage, stage_ends in enumerate(ends)})
-    return times
 
 
 def _batch_exchanges(lowered: list[LoweredOp], every_run: bool = False) -> list[LoweredOp]:
