@@ -118,7 +118,7 @@ class SpareWatch(threading.Thread):
     def run(self) -> None:
         taken_at = None
         while not self.stop.wait(0.1):
-            up = any(self.pool._is_up(spare) for spare in self.pool.spares)
+            up = self.pool.up_count() > 0
             if not up and taken_at is None:
                 taken_at = time.monotonic()
             elif up and taken_at is not None:
@@ -181,6 +181,19 @@ def _run_steps(spares: int, steps: int, kill_at: dict[int, float]) -> dict:
         subject.shutdown()
 
 
+def _predicted_goodput(model: GoodputAssumptions, step_s: float, every: int, spares: int,
+                       recovery_without_spare_s: float) -> tuple[float, float]:
+    """The segment model's goodput for one kill per block of ``every`` steps (the failure clock
+    stopped in heals), and the share of kills predicted to find a spare (0 without spares): a kill
+    finds one if the kill that used the last came the replenishment before, the refill going on
+    through the heals without one."""
+    ready = spare_ready_fraction(model.spare_replenish_s, block_failures_within(every * step_s),
+                                 recovery_without_spare_s) if spares else 0.0
+    recovery = spare_mixed_recovery_s(ready, model.detection_s + model.replacement_with_spare_s,
+                                      recovery_without_spare_s)
+    return segment_goodput(step_s, step_s, recovery, 1.0 / (every * step_s), failures_during_recovery=False), ready
+
+
 def every_steps(args: argparse.Namespace) -> None:
     """Goodput with one kill per K steps against the uninterrupted run (see the docstring)."""
     model = GoodputAssumptions()
@@ -206,16 +219,10 @@ def every_steps(args: argparse.Namespace) -> None:
             lost = (run["wall"] - reference_wall) / max(1, run["kills"])
             if not spares and measured_recovery is None:
                 measured_recovery = max(0.0, lost - step_s / 2)  # R of this run: a kill's loss less half a step
-            predicted = []
-            for without_spare in (model.detection_s + model.replacement_without_spare_s, measured_recovery):
-                with_spare = model.detection_s + model.replacement_with_spare_s
-                # one kill per block of K steps: a kill finds a spare if the one that used the last came
-                # the replenishment before (the failure clock stopped in heals, the refill going on)
-                ready = spare_ready_fraction(model.spare_replenish_s, block_failures_within(every * step_s),
-                                             without_spare) if spares else 0.0
-                recovery = spare_mixed_recovery_s(ready, with_spare, without_spare)
-                predicted.append(segment_goodput(step_s, step_s, recovery, 1.0 / (every * step_s),
-                                                 failures_during_recovery=False))
+            predicted = [_predicted_goodput(model, step_s, every, spares, without_spare)
+                         for without_spare in (model.detection_s + model.replacement_without_spare_s,
+                                               measured_recovery)]
+            ready = predicted[1][1]  # the share of kills finding a spare, with this run's R
             goodputs = [reference["wall"] / run["wall"] for reference in (before, after)]
             replenish = (f"{statistics.median(run['replenish_s']):.1f} [{min(run['replenish_s']):.1f}-"
                          f"{max(run['replenish_s']):.1f}]") if run["replenish_s"] else ""
@@ -223,7 +230,7 @@ def every_steps(args: argparse.Namespace) -> None:
                          f"{step_s * 1000:.0f} ms", f"{before['wall']:.1f} / {after['wall']:.1f}",
                          f"{run['wall']:.1f}", f"{lost:.2f}",
                          f"**{reference_wall / run['wall']:.3f}** [{min(goodputs):.3f}-{max(goodputs):.3f}]",
-                         f"{predicted[0]:.3f}", f"{predicted[1]:.3f}",
+                         f"{predicted[0][0]:.3f}", f"{predicted[1][0]:.3f}",
                          f"{run['spare_heals']} / {ready * run['kills']:.1f}" if spares else "",
                          replenish, "yes" if equal else "**NO**"])
             print(rows[-1], f"failures: {run['failures']}, replenishments: "
@@ -298,20 +305,21 @@ def main() -> None:
     rows = [["measured: (steps not struck + one step per struck step) / wall", f"{measured:.1%}", "", ""]]
     for label, from_run in (("bench_recovery's figures (the model's defaults)", False), ("this run's kills", True)):
         for rate_label, rate in (("nominal", nominal), ("realised", realised)):
-            if from_run:  # the measured R already holds the kills that found no spare
-                recovery, spare_kwargs = recovery_run, {}
+            spared = spares and not from_run  # the measured R already holds the kills that found no spare
+            if from_run:
+                recovery = recovery_run
             elif spares:  # a share of the kills finds the spare still coming back
                 ready = poisson_spare_ready_fraction(rate, model.spare_replenish_s, with_spare, without_spare,
                                                      failures_during_recovery=False)
                 recovery = spare_mixed_recovery_s(ready, with_spare, without_spare)
-                spare_kwargs = {"recovery_without_spare_s": without_spare,
-                                "spare_replenish_s": model.spare_replenish_s}
             else:
-                recovery, spare_kwargs = without_spare, {}
+                recovery = without_spare
             closed = segment_goodput(step_s, step_s, recovery, rate, failures_during_recovery=False)
-            simulated, _ = simulate_segments(step_s, step_s, with_spare if spare_kwargs else recovery, rate,
-                                             2000 / rate, random.Random(args.seed), failures_during_recovery=False,
-                                             **spare_kwargs)
+            # the Monte Carlo draws each kill's spare: up (a spare's recovery) or still refilling
+            simulated, _ = simulate_segments(step_s, step_s, with_spare if spared else recovery, rate, 2000 / rate,
+                                             random.Random(args.seed), failures_during_recovery=False,
+                                             recovery_without_spare_s=without_spare if spared else None,
+                                             spare_replenish_s=model.spare_replenish_s)
             check = " (a consistency check: R and the rate come from the lost time itself)" \
                 if from_run and rate is realised else ""
             rows.append([f"predicted, R from {label}, rate {rate_label}{check}", f"{closed:.1%}",
