@@ -1,4 +1,5 @@
-"""raypipe: elastic GPipe pipeline-parallel training on Ray and PyTorch."""
+"""raypipe: elastic pipeline-parallel training on Ray and PyTorch, with GPipe, 1F1B,
+interleaved 1F1B and zero-bubble schedules."""
 from raypipe.config import PipelineConfig
 from raypipe.errors import (CheckpointError, ConfigError, NonFiniteError, PlacementError, RaypipeError, StageError,
                             StepAborted)
