@@ -114,16 +114,16 @@ CALIBRATIONS = (Config("calibration-p2-m8-gpipe", 2, 8, "gpipe"), Config("calibr
 def build_model(args: argparse.Namespace, config: Config, seed: int = 0) -> tuple[nn.Sequential, list[int]]:
     """p x layers_per_stage timed layers (a TimedBoundary after stage ``boundary_stage``'s if
     ``boundary_ms``), and the balance that puts the boundary on that stage, last."""
-    from raypipe.testing import TimedBoundary, TimedLayer
+    from raypipe.testing import TimedBoundary, TimedLayer, timed_model
 
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     balance = []
     if config.chunks > 1:  # p x v virtual stages of layers_per_stage / v layers, in virtual-stage order
         per_chunk = args.layers_per_stage // config.chunks
-        layers = [TimedLayer(args.forward_ms / 1e3, args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3, args.width)
-                  for _ in range(per_chunk * config.stages * config.chunks)]
-        return nn.Sequential(*layers), [per_chunk] * (config.stages * config.chunks)
+        model = timed_model(per_chunk * config.stages * config.chunks, args.forward_ms / 1e3,
+                            args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3, args.width)
+        return model, [per_chunk] * (config.stages * config.chunks)
     for stage in range(config.stages):
         layers += [TimedLayer(args.forward_ms / 1e3, args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3, args.width)
                    for k in range(args.layers_per_stage)]
@@ -261,8 +261,9 @@ def planning_prediction(args: argparse.Namespace, config: Config, times: OpTimes
     # others free: the predictor sums a stage's layers; B = bwd_input + bwd_weight, I = bwd_input
     costs, balance = [], []
     # the gap and the per-step cost as the cluster's op_overhead_s and step_overhead_s
+    split = any(op.kind == "I" for ops in lowered_ops(config) for op in ops)
     for stage, seconds in enumerate(stage_seconds(config, replace(times, gap=0.0))):  # per virtual stage
-        if config.schedule in ("zb_h1", "zbv"):
+        if split:
             input_grad, weight_grad = seconds["I"], seconds["W"]
         else:
             input_grad, weight_grad = seconds["B"], 0.0
