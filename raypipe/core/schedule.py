@@ -19,6 +19,7 @@ import functools
 
 from collections import deque
 
+from raypipe.core.list_scheduling import list_scheduled_zbv
 from raypipe.core.lowering import lower
 from raypipe.core.ops import LOOPED, V_SHAPED, B, F, I, LoweredOp, Op, W
 from raypipe.core.simulator import simulate
@@ -150,20 +151,37 @@ def zbv_schedule(num_stages: int, num_micro_batches: int) -> list[list[Op]]:
     Chunk 0 of worker s is virtual stage s and chunk 1 is 2p - 1 - s: the forward goes
     down the workers on chunk 0, turns on worker p - 1 (its chunk 0 feeds its chunk 1
     with no message) and comes back up on chunk 1 to the loss on worker 0, and the
-    backward retraces it. With F = I = W the bubble is small once m >= 2p - 1, where
-    every worker's W ops fill what the fill and the drain leave: 0.059 of the step at
-    p = 4, m = 8 and 0.030 at m = 16, 0.068 at p = 8, m = 16 (1F1B: 0.273, 0.158,
-    0.304); with fewer micro-batches the V does not fill (0.226 at p = 8, m = 8).
+    backward retraces it.
 
-    Shape, worker s (the paper's figure 6): 2(p - s) - 1 forwards of chunk 0; s pairs
-    (F chunk 1, F chunk 0); p - s rounds (F, I, W of chunk 1); then rounds
-    (F, I, W of chunk 0, then F, I, W of chunk 1) until every forward ran; then s pairs
-    (I chunk 0, I chunk 1) and p - s pairs (I, W of chunk 0); then the pending Ws of
-    chunk 1, then of chunk 0. With m < 2p - 1 the shape is built for 2p - 1
-    micro-batches and the ops of the missing ones left out, which keeps it valid.
+    With F = I = W (one unit a chunk op) no order can beat the work bound, a step of
+    6m + p - 1 units (:mod:`raypipe.core.list_scheduling`): a bubble of (p - 1)/(6m + p - 1),
+    0.059 at p = 4, m = 8, 0.030 at m = 16 and 0.068 at p = 8, m = 16 (1F1B: 0.273, 0.158,
+    0.304). The paper's V (:func:`v_shaped_zbv`) reaches it once 2m >= 3p - 1. With fewer
+    micro-batches its step is 4(m + p) - 2 units, and the order is list-scheduled instead
+    wherever that is shorter (:func:`~raypipe.core.list_scheduling.list_scheduled_zbv`): at
+    p = 8, m = 8 a step of 55 units, the work bound, against the V's 62 (a bubble of 0.127
+    against 0.226).
 
     Memory: worker s holds at most 2p chunk-activations (chunk-F to W; each 1/2 of its
-    layers): p stages' worth, as 1F1B's stage 0, on every worker.
+    layers): p stages' worth, as 1F1B's stage 0, on every worker, in either order.
+    """
+    _check_sizes(num_stages, num_micro_batches)
+    if 2 * num_micro_batches < 3 * num_stages - 1:  # below this the V idles beyond the work bound
+        listed, step = list_scheduled_zbv(num_stages, num_micro_batches)
+        if step < 4 * (num_micro_batches + num_stages) - 2:
+            return listed
+    return v_shaped_zbv(num_stages, num_micro_batches)
+
+
+def v_shaped_zbv(num_stages: int, num_micro_batches: int) -> list[list[Op]]:
+    """ZB-V in the paper's fixed shape (its figure 6, torch's ``ScheduleZBVZeroBubble`` op for op).
+
+    Shape, worker s: 2(p - s) - 1 forwards of chunk 0; s pairs (F chunk 1, F chunk 0);
+    p - s rounds (F, I, W of chunk 1); then rounds (F, I, W of chunk 0, then F, I, W of
+    chunk 1) until every forward ran; then s pairs (I chunk 0, I chunk 1) and p - s pairs
+    (I, W of chunk 0); then the pending Ws of chunk 1, then of chunk 0. With m < 2p - 1 the
+    shape is built for 2p - 1 micro-batches and the ops of the missing ones left out, which
+    keeps it valid. Its step at F = I = W is max(6m + p - 1, 4(m + p) - 2) units.
     """
     _check_sizes(num_stages, num_micro_batches)
     p = num_stages

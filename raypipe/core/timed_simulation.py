@@ -111,7 +111,8 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
     reached_at: dict[tuple[int, int], float] = {}  # (stage, index of the op in its stage) -> when reached
     # per (sender, receiver): each end as posted, in issue order (sends, receives): (when, its part)
     channels: defaultdict[tuple[int, int], tuple[list, list]] = defaultdict(lambda: ([], []))
-    in_flight: dict[int, list[tuple[LoweredOp, int, int, float]]] = {}  # per stage: its posting's messages
+    # per stage: when its posting was posted, and its messages
+    in_flight: dict[int, tuple[float, list[tuple[LoweredOp, int, int, float]]]] = {}
     busy = [0.0] * num_stages
     timeline: list[TimedOp] = []
     collectives = [0] * num_stages  # per worker, how many collectives it has run
@@ -128,9 +129,9 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
                 own = channels[(stage, peer) if is_send else (peer, stage)][0 if is_send else 1]
                 own.append((posted, part))
                 messages.append((part, peer, len(own) - 1, posted))
-            in_flight[stage] = messages
+            in_flight[stage] = posted, messages
         elif event.kind == DONE:
-            now[stage] = _posting_end(stage, in_flight.pop(stage), channels, message_time, buffered_sends)
+            now[stage] = _posting_end(stage, *in_flight.pop(stage), channels, message_time, buffered_sends)
         else:
             op = lowered[stage][index]
             start = reached_at.get((stage, index), free_at[stage])
@@ -155,12 +156,14 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
                     timeline=tuple(timeline))
 
 
-def _posting_end(stage: int, messages: list[tuple[LoweredOp, int, int, float]],
+def _posting_end(stage: int, posted_at: float, messages: list[tuple[LoweredOp, int, int, float]],
                  channels: defaultdict[tuple[int, int], tuple[list, list]], message_time: Callable,
                  buffered_sends: bool) -> float:
-    """When a posting of ``stage`` completes: every one of its ``messages`` (part, peer, place in
-    its channel, when posted) has its other end posted (the dry-run completes it only then)."""
-    end = max(posted for _, _, _, posted in messages)
+    """When a posting of ``stage``, posted at ``posted_at``, completes: every one of its ``messages``
+    (part, peer, place in its channel, when posted) has its other end posted (the dry-run completes
+    it only then). A posting of no messages (an EXCHANGE's batch when every part of it is received
+    after the batch) completes as it is posted."""
+    end = posted_at
     for part, peer, place, posted in messages:
         if part.kind in SENDS:
             if not buffered_sends:  # a buffered send holds nobody

@@ -148,11 +148,12 @@ def test_1f1b_with_global_clipping_matches_single_process_reference(ray_cluster,
 # Model chunks on Ray (v chunks on each worker, activations crossing back from the last worker to the first,
 # zbv's both ends on worker 0): a pairwise subset; the whole matrix (every chunked schedule x activation
 # checkpointing x replicas with ZeRO-1, bf16 and fp16) runs the same workers in-process in
-# tests/testing/test_op_interpreter.py. Over gloo here; two of them under NCCL's emulation below.
+# tests/testing/test_op_interpreter.py. Over gloo here; two of them under NCCL's emulation below. zbv at p = 3,
+# m = 3 runs its list-scheduled order (raypipe.core.list_scheduling), at p = 2, m = 3 the paper's V.
 CHUNKED = [("interleaved_1f1b", 2, 2, 4, {}, 1),
            ("interleaved_1f1b", 3, 2, 3, {"activation_checkpoint": "except_last"}, 1),
            ("zbv", 2, 2, 3, {"activation_checkpoint": "always"}, 2),
-           ("zbv", 3, 2, 4, {"activation_checkpoint_segments": 1}, 1)]
+           ("zbv", 3, 2, 3, {"activation_checkpoint_segments": 1}, 1)]
 
 
 def assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,

@@ -92,7 +92,7 @@ def test_zb_h1_gives_bitwise_the_results_of_1f1b_in_low_precision(precision):
 
 
 CHUNKED = [("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 2, 3, 4), ("interleaved_1f1b", 3, 2, 6),
-           ("zbv", 2, 2, 4), ("zbv", 3, 2, 4)]
+           ("zbv", 2, 2, 4), ("zbv", 3, 2, 4), ("zbv", 3, 2, 3)]  # zbv p=3, m=3: its list-scheduled order
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2])
