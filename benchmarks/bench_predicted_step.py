@@ -24,8 +24,11 @@ behave as p x d devices) and sets beside its measured step the predictions made 
   reduction, the decision, the optimizer and the snapshot copy), added once per step as
   a + b x workers, a line through that figure on the p=2 trainer and on a third calibration
   trainer (p=4, m=4, GPipe): on 2 cores every worker's per-step CPU work (its snapshot copy,
-  optimizer, report) queues for the same cores. A chunked configuration's chunk of n of a
-  stage's L layers takes n / L of the stage's measured op times (:func:`chunk_seconds`);
+  optimizer, report) queues for the same cores. A chunked configuration's ops are timed
+  between a one-chunk stage's and a fourth calibration trainer's chunk ops (p=2, m=8, zbv:
+  chunks of L / 2 layers), an op's time a constant plus a cost per layer, each kind's line
+  through the two (:func:`chunk_seconds`): part of what an op costs beyond its sleeps is per
+  op, not per layer;
 * **planning**: :func:`raypipe.planning.predict.predict_step`, the issue's predictor, on the
   same calibrated times given as ``LayerCost`` (seconds x 1e9 "flops" on a cluster of 1e9
   flop/s, achievable fraction 1, links of the calibrated message time, the gap and the
@@ -42,7 +45,7 @@ same figure on the simulated timeline. Targets (issue 43): within 10% on step ti
 within 2 points.
 
 Configurations run one after another on one private Ray instance (``address="local"``), each
-trainer shut down before the next starts (the three calibration trainers, 8 processes, live
+trainer shut down before the next starts (the four calibration trainers, 10 processes, live
 throughout); p = 8 runs 8 more processes, so keep rounds short (the default run takes ~13
 minutes on 2 cores). ``--only`` picks configurations by
 name (``--list`` prints them). ``--llama`` adds the tiny LLaMA on 2 real CPU stages, predicted
@@ -102,12 +105,14 @@ CONFIGS = [
     Config("p4-m8-interleaved_1f1b", 4, 8, "interleaved_1f1b", chunks=2),
     Config("p4-m8-zbv", 4, 8, "zbv", chunks=2),
     Config("p4-m16-zbv", 4, 16, "zbv", chunks=2),
+    Config("p8-m8-zbv", 8, 8, "zbv", chunks=2),  # below 2m = 3p - 1: zbv's list-scheduled order
 ]
 # measured in every round beside the configuration: F, B, messages, the per-op gap and the
 # per-step cost from the first; I and W from the second; how the per-step cost grows with the
-# workers from the first and the third
+# workers from the first and the third; F, I and W of a chunk of half a stage's layers from the fourth
 CALIBRATIONS = (Config("calibration-p2-m8-gpipe", 2, 8, "gpipe"), Config("calibration-p2-m8-zb_h1", 2, 8, "zb_h1"),
-                Config("calibration-p4-m4-gpipe", 4, 4, "gpipe"))
+                Config("calibration-p4-m4-gpipe", 4, 4, "gpipe"),
+                Config("calibration-p2-m8-zbv", 2, 8, "zbv", chunks=2))
 
 
 # -- the model ----------------------------------------------------------------------
@@ -158,6 +163,10 @@ class OpTimes:
     per_worker: float = 0.0  # what that cost grows by per worker (stage process)
     gap: float = 0.0  # a worker's idle time around each compute op (posting sends, Python), not busy
     layers: int = 2  # the timed layers of the stage ``first`` and ``rest`` are for
+    # F, I and W of a chunk of ``chunk_layers`` layers, on virtual stage 0 and on any other (None: not measured)
+    chunk_first: dict | None = None
+    chunk_rest: dict | None = None
+    chunk_layers: int = 1
 
 
 def nominal_times(args: argparse.Namespace) -> OpTimes:
@@ -185,16 +194,36 @@ def stage_seconds(config: Config, times: OpTimes) -> list[dict[str, float]]:
 
 
 def chunk_seconds(config: Config, times: OpTimes) -> list[dict[str, float]]:
-    """Per virtual stage of a chunked config, its ops' times without the gap. ``times`` are of a
-    whole stage's ``times.layers`` layers (the calibration trainers hold one chunk), so a chunk
-    of ``n`` of them takes ``n / layers`` of each: what an op costs beyond its sleeps scales with
-    its layers as the sleeps do (on timed layers of 20 ms: ~1.2 ms beyond a 2-layer op's sleeps,
-    ~0.6 ms beyond a 1-layer op's). Virtual stage 0 alone has no input gradient for its first
-    layer, and raypipe's split backward runs its whole backward as W (see OpTimes)."""
-    share = 1.0 / config.chunks
-    rest = {kind: value * share for kind, value in times.rest.items()}
-    first_backward = rest["B"] - times.rest["I"] / times.layers  # its first layer's input gradient never runs
-    first = dict(rest, B=first_backward, I=times.first["I"], W=first_backward)
+    """Per virtual stage of a chunked config, its ops' times without the gap, for chunks of
+    ``n = times.layers / config.chunks`` layers.
+
+    Measured (``times.chunk_rest``): each kind's time is a constant plus a cost per layer, the
+    line through the one-chunk stage's ``times.layers`` layers and the chunk calibration's
+    ``times.chunk_layers`` (on timed layers of 20 ms an op costs ~1.2 ms beyond a 2-layer op's
+    sleeps and ~0.7 ms beyond a 1-layer op's: not in proportion to its layers). B, which the
+    chunk calibration (split) does not run, is the stage's B scaled as I + W scale from the
+    stage's layers to the chunk's (one call costs less than I and W apart: 17.2 ms against 18.1
+    on 4 ms layers). Not measured (nominal times, sleeps only): n / layers of each.
+    Virtual stage 0 alone has no input gradient for its first layer, and raypipe's split backward
+    runs its whole backward as W (see OpTimes)."""
+    n = times.layers // config.chunks
+    if times.chunk_rest is None:
+        share = n / times.layers
+        rest = {kind: value * share for kind, value in times.rest.items()}
+        first_backward = rest["B"] - times.rest["I"] / times.layers  # its first layer's input gradient never runs
+        first = dict(rest, B=first_backward, I=times.first["I"], W=first_backward)
+        return [first] + [rest] * (config.stages * config.chunks - 1)
+    per_layer = {kind: (times.rest[kind] - times.chunk_rest[kind]) / (times.layers - times.chunk_layers)
+                 for kind in ("F", "I", "W")}
+
+    backward_per_layer = per_layer["I"] + per_layer["W"]
+    more = n - times.chunk_layers  # layers beyond the chunk calibration's
+    rest = {kind: times.chunk_rest[kind] + more * per_layer[kind] for kind in ("F", "I", "W")}
+    # B as one call costs less than its I and W apart (one op's overheads, not two): it scales as they do
+    rest["B"] = times.rest["B"] * (rest["I"] + rest["W"]) / (times.rest["I"] + times.rest["W"])
+    # its whole backward is its W; its I replays nothing
+    whole = times.chunk_first["W"] + more * backward_per_layer
+    first = {"F": times.chunk_first["F"] + more * per_layer["F"], "I": times.chunk_first["I"], "W": whole, "B": whole}
     return [first] + [rest] * (config.stages * config.chunks - 1)
 
 
@@ -386,9 +415,11 @@ def summarize(config: Config, results: list, times: list[float]) -> Measured:
     matched = [message_latencies(r.timeline, config) for r in results]
     latencies = [1e3 * latency for found, _ in matched for latency in found]
     ops = {}  # kind -> (mean on the first stage, mean on the others), ms
-    for kind in ("F", "B", "I", "W"):
-        first = [1e3 * (e.end - e.start) for r in results for e in r.timeline if e.op == kind and e.stage == 0]
-        rest = [1e3 * (e.end - e.start) for r in results for e in r.timeline if e.op == kind and e.stage > 0]
+    for kind in ("F", "B", "I", "W"):  # first: virtual stage 0, chunk 0 of stage 0 in every placement
+        first = [1e3 * (e.end - e.start) for r in results for e in r.timeline
+                 if e.op == kind and (e.stage, e.chunk) == (0, 0)]
+        rest = [1e3 * (e.end - e.start) for r in results for e in r.timeline
+                if e.op == kind and (e.stage, e.chunk) != (0, 0)]
         if first and rest:
             ops[kind] = (statistics.mean(first), statistics.mean(rest))
     windows, gaps = [], []
@@ -418,11 +449,12 @@ def format_ops(op_ms: dict) -> str:
     return " / ".join(f"{kind} " + ", ".join(f"{ms:.1f}" for ms in values) for kind, values in op_ms.items()) + " ms"
 
 
-def calibrated_times(gpipe: Measured, split: Measured, wider: Measured, boundary_extra: float,
+def calibrated_times(gpipe: Measured, split: Measured, wider: Measured, chunked: Measured, boundary_extra: float,
                      layers: int) -> OpTimes:
     """Op times, the message time, the per-op gap and the fixed per-step cost from one round of
     the CALIBRATIONS trainers (see the module docstring): measured, not fitted to any configuration.
     The per-step cost is a + b x workers through the p=2 and p=4 GPipe trainers' figures."""
+    chunk_kinds = ("F", "I", "W")
     growth = (wider.outside_ms - gpipe.outside_ms) / 2  # per worker, ms
     return OpTimes(first={"F": gpipe.op_ms["F"][0] / 1e3, "B": gpipe.op_ms["B"][0] / 1e3,
                           "I": split.op_ms["I"][0] / 1e3, "W": split.op_ms["W"][0] / 1e3},
@@ -430,7 +462,10 @@ def calibrated_times(gpipe: Measured, split: Measured, wider: Measured, boundary
                          "I": split.op_ms["I"][1] / 1e3, "W": split.op_ms["W"][1] / 1e3},
                    boundary_extra=boundary_extra, message=gpipe.message_ms / 1e3,
                    per_step=(2 * gpipe.outside_ms - wider.outside_ms) / 1e3 if growth > 0 else gpipe.outside_ms / 1e3,
-                   per_worker=max(0.0, growth) / 1e3, gap=(gpipe.gap_ms + split.gap_ms) / 2e3, layers=layers)
+                   per_worker=max(0.0, growth) / 1e3, gap=(gpipe.gap_ms + split.gap_ms) / 2e3, layers=layers,
+                   chunk_first={kind: chunked.op_ms[kind][0] / 1e3 for kind in chunk_kinds},
+                   chunk_rest={kind: chunked.op_ms[kind][1] / 1e3 for kind in chunk_kinds},
+                   chunk_layers=layers // 2)
 
 
 def describe(times: OpTimes) -> str:
@@ -577,6 +612,9 @@ def parse_args() -> argparse.Namespace:
         for config in CONFIGS:
             print(config)
         raise SystemExit(0)
+    if args.layers_per_stage < 2 or args.layers_per_stage % 2:
+        parser.error(f"--layers-per-stage must be even and >= 2 (got {args.layers_per_stage}): the chunk "
+                     f"calibration and the chunked configurations cut a stage into 2 chunks")
     names = {config.name for config in CONFIGS}
     if args.only is not None and set(args.only) - names:
         parser.error(f"unknown configurations {sorted(set(args.only) - names)}; known: {sorted(names)}")
@@ -617,9 +655,9 @@ def main() -> None:
                 runner.run(args.warmup)
                 rounds = []  # (measured, calibrated times, calibrated sim (step, bubble), planning step)
                 for index in range(args.rounds):
-                    gpipe, split, wider = (c.run(args.steps) for c in calibration)
+                    gpipe, split, wider, chunked = (c.run(args.steps) for c in calibration)
                     measured = runner.run(args.steps)
-                    latest = calibrated_times(gpipe, split, wider, boundary_extra, args.layers_per_stage)
+                    latest = calibrated_times(gpipe, split, wider, chunked, boundary_extra, args.layers_per_stage)
                     rounds.append((measured, latest, simulate(args, config, latest),
                                    planning_prediction(args, config, latest)[0]))
                     print(f"  {config.name} round {index + 1}: measured {measured.step_ms:.0f} ms, calibrated "
