@@ -25,7 +25,9 @@ from other users of the machine hits all alike):
   interleaved zero-bubble schedule raypipe does not run);
   ``ScheduleInterleaved1F1B`` (loop placement: rank r holds stages r and r+p) and
   ``ScheduleZBVZeroBubble`` (V placement: rank r holds stages r and 2p-1-r) with 2
-  chunks of ``layers_per_stage / 2`` layers per rank.
+  chunks of ``layers_per_stage / 2`` layers per rank. Its order is the paper's V, as
+  raypipe's zbv is from 2m >= 3p - 1 on; with fewer micro-batches raypipe's zbv runs a
+  shorter, list-scheduled order (``raypipe.core.list_scheduling``).
 
 Same weights and data everywhere (the first step's loss is printed for each), MSE
 loss, SGD. A raypipe step is ``trainer.step()`` wall time on the driver (the commit
