@@ -163,18 +163,26 @@ class OpTimes:
     per_worker: float = 0.0  # what that cost grows by per worker (stage process)
     gap: float = 0.0  # a worker's idle time around each compute op (posting sends, Python), not busy
     layers: int = 2  # the timed layers of the stage ``first`` and ``rest`` are for
-    # F, I and W of a chunk of ``chunk_layers`` layers, on virtual stage 0 and on any other (None: not measured)
+    # the same of a chunk of ``chunk_layers`` layers, on virtual stage 0 and on any other (for chunked configs)
     chunk_first: dict | None = None
     chunk_rest: dict | None = None
     chunk_layers: int = 1
 
 
 def nominal_times(args: argparse.Namespace) -> OpTimes:
-    """The layers' sleeps, nothing else (see OpTimes for the first stage)."""
-    layers, f, i, w = args.layers_per_stage, args.forward_ms / 1e3, args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3
-    first_backward = (layers - 1) * i + layers * w
-    return OpTimes(first={"F": layers * f, "B": first_backward, "I": 0.0, "W": first_backward},
-                   rest={"F": layers * f, "B": layers * (i + w), "I": layers * i, "W": layers * w}, layers=layers)
+    """The layers' sleeps, nothing else (see OpTimes for the first stage), for a stage and for a
+    chunk of half its layers."""
+    f, i, w = args.forward_ms / 1e3, args.input_grad_ms / 1e3, args.weight_grad_ms / 1e3
+
+    def sleeps(layers: int) -> tuple[dict, dict]:  # (first, rest)
+        first_backward = (layers - 1) * i + layers * w
+        return ({"F": layers * f, "B": first_backward, "I": 0.0, "W": first_backward},
+                {"F": layers * f, "B": layers * (i + w), "I": layers * i, "W": layers * w})
+
+    layers = args.layers_per_stage
+    (first, rest), (chunk_first, chunk_rest) = sleeps(layers), sleeps(layers // 2)
+    return OpTimes(first=first, rest=rest, layers=layers, chunk_first=chunk_first, chunk_rest=chunk_rest,
+                   chunk_layers=layers // 2)
 
 
 def stage_seconds(config: Config, times: OpTimes) -> list[dict[str, float]]:
@@ -197,22 +205,15 @@ def chunk_seconds(config: Config, times: OpTimes) -> list[dict[str, float]]:
     """Per virtual stage of a chunked config, its ops' times without the gap, for chunks of
     ``n = times.layers / config.chunks`` layers.
 
-    Measured (``times.chunk_rest``): each kind's time is a constant plus a cost per layer, the
-    line through the one-chunk stage's ``times.layers`` layers and the chunk calibration's
-    ``times.chunk_layers`` (on timed layers of 20 ms an op costs ~1.2 ms beyond a 2-layer op's
-    sleeps and ~0.7 ms beyond a 1-layer op's: not in proportion to its layers). B, which the
-    chunk calibration (split) does not run, is the stage's B scaled as I + W scale from the
-    stage's layers to the chunk's (one call costs less than I and W apart: 17.2 ms against 18.1
-    on 4 ms layers). Not measured (nominal times, sleeps only): n / layers of each.
-    Virtual stage 0 alone has no input gradient for its first layer, and raypipe's split backward
-    runs its whole backward as W (see OpTimes)."""
+    Each kind's time is a constant plus a cost per layer, the line through the one-chunk
+    stage's ``times.layers`` layers and the chunk's ``times.chunk_layers`` (measured: on timed
+    layers of 20 ms an op costs ~1.2 ms beyond a 2-layer op's sleeps and ~0.7 ms beyond a 1-layer
+    op's, not in proportion to its layers; nominal, the sleeps alone: n / layers of each). B,
+    which the chunk calibration (split) does not run, is the stage's B scaled as I + W scale from
+    the stage's layers to the chunk's (one call costs less than I and W apart: 17.2 ms against
+    18.1 on 4 ms layers). Virtual stage 0 alone has no input gradient for its first layer, and
+    raypipe's split backward runs its whole backward as W (see OpTimes)."""
     n = times.layers // config.chunks
-    if times.chunk_rest is None:
-        share = n / times.layers
-        rest = {kind: value * share for kind, value in times.rest.items()}
-        first_backward = rest["B"] - times.rest["I"] / times.layers  # its first layer's input gradient never runs
-        first = dict(rest, B=first_backward, I=times.first["I"], W=first_backward)
-        return [first] + [rest] * (config.stages * config.chunks - 1)
     per_layer = {kind: (times.rest[kind] - times.chunk_rest[kind]) / (times.layers - times.chunk_layers)
                  for kind in ("F", "I", "W")}
 

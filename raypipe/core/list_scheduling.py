@@ -3,8 +3,8 @@
 With F = I = W (each chunk op one unit) a ZB-V step can be no shorter than the work bound
 6m + p - 1 units: every worker runs 6m chunk ops, and the last worker cannot start before the
 first micro-batch's forward has crossed the p - 1 workers ahead of it. The paper's V
-(:func:`raypipe.core.schedule.zbv_schedule`, torch's ``ScheduleZBVZeroBubble`` op for op)
-reaches that bound once 2m >= 3p - 1. Below it the V's fixed warm-up leaves its step at
+(:func:`raypipe.core.schedule.v_shaped_zbv`, torch's ``ScheduleZBVZeroBubble`` op for op)
+reaches that bound once 2m >= 3p - 1 (:func:`raypipe.core.schedule.zbv_schedule` picks between the two). Below it the V's fixed warm-up leaves its step at
 4(m + p) - 2 units: 62 against the bound's 55 at p = 8, m = 8.
 
 :func:`list_scheduled_zbv` builds an order for those shapes by running the V's ops in unit
