@@ -3,8 +3,10 @@
 Measures, on one GPU in bf16 (flash-attn when it imports, else SDPA):
 
 - a LLaMA 1B's per-layer times for one micro-batch: the forward (F), the gradient of
-  the layer's input (I, with the graph retained, as a split backward runs it) and of its
-  weights (W), for the embedding, one block and the head with the cross entropy;
+  the layer's input (I) and of its weights (W), each as a worker's split backward runs it
+  (:mod:`raypipe.stage.split_backward`), for the embedding, one block and the head with
+  the cross entropy; and the host's time to issue the forward (when it is near F's, the
+  layer is launch-bound: the device waits for the host);
 - the whole model's forward and backward on one GPU, as MFU (the model's flops of one
   training pass / time / the precision's peak);
 - host <-> device copy bandwidth with pinned host memory (what a snapshot's copy runs at);
@@ -15,6 +17,7 @@ flops at ``peak x achievable_fraction``, the host copy at ``host_copy_bytes_per_
 The ratio measured / predicted is the correction a plan on that card needs.
 
     python scripts/gpu_calibrate.py [--cluster h100|h200] [--out FILE]
+    python scripts/gpu_calibrate.py --model llama3-8b --seq-len 8192   # another shape (default: a LLaMA 1B at 2048)
     python scripts/gpu_calibrate.py --cpu   # the CPU path: a tiny LLaMA in fp32 (a dry run)
 
 ``scripts/gpu_check.sh --calibrate`` runs it (at most ~4 minutes on an H100/H200).
@@ -35,9 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 
 from raypipe.models.llama import get_config, llama_layers, llama_loss  # noqa: E402
-from raypipe.models.llama_costs import llama_layer_cost  # noqa: E402
+from raypipe.models.llama_costs import llama_layer_cost, llama_layer_costs  # noqa: E402
 from raypipe.models.layers import build_layer  # noqa: E402
 from raypipe.planning.cluster_spec import load_cluster  # noqa: E402
+from raypipe.stage.split_backward import input_gradient  # noqa: E402
 
 GPU_SHAPE = {"model": "llama-1b", "micro_batch_size": 1, "seq_len": 2048, "precision": "bf16"}
 CPU_SHAPE = {"model": "tiny", "micro_batch_size": 2, "seq_len": 64, "precision": "fp32"}
@@ -54,36 +58,52 @@ class Clock:
         self.repeats, self.warmups = (REPEATS, WARMUPS) if self.cuda else (CPU_REPEATS, CPU_WARMUPS)
 
     def seconds(self, work: Callable[[], Any]) -> tuple[float, Any]:
+        return self.timed(work)[::2]
+
+    def timed(self, work: Callable[[], Any]) -> tuple[float, float, Any]:
+        """(seconds, the host's seconds to issue the work, result). On a GPU the two agree when the
+        host issues kernels no faster than the device runs them: the work is launch-bound."""
         if not self.cuda:
             start = time.perf_counter()
             result = work()
-            return time.perf_counter() - start, result
+            elapsed = time.perf_counter() - start
+            return elapsed, elapsed, result
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
+        issued = time.perf_counter()
         result = work()
+        issued = time.perf_counter() - issued
         end.record()
         end.synchronize()
-        return begin.elapsed_time(end) / 1e3, result
+        return begin.elapsed_time(end) / 1e3, issued, result
 
 
 def _layer_times(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor], loss_of: Callable | None,
                  clock: Clock) -> dict[str, float]:
-    """Median F, I and W seconds of ``layer`` (I is 0 for an integer input: nothing flows back)."""
+    """Median F, I and W seconds of ``layer`` (I is 0 for an integer input: nothing flows back),
+    and F_host: the host's seconds to issue the forward."""
     params = [p for p in layer.parameters() if p.requires_grad]
-    times: dict[str, list[float]] = {"F": [], "I": [], "W": []}
+    times: dict[str, list[float]] = {"F": [], "I": [], "W": [], "F_host": []}
     for repeat in range(clock.warmups + clock.repeats):
         inputs = make_input()
         differentiable = inputs.is_floating_point()
         if differentiable:
             inputs.requires_grad_(True)
-        forward_s, output = clock.seconds(lambda: layer(inputs) if loss_of is None else loss_of(layer(inputs)))
-        gradient = None if output.dim() == 0 else torch.randn_like(output)
-        input_s = 0.0
-        if differentiable:
-            input_s, _ = clock.seconds(lambda: torch.autograd.grad(output, inputs, gradient, retain_graph=True))
-        weight_s, _ = clock.seconds(lambda: torch.autograd.grad(output, params, gradient))
+        forward_s, forward_host_s, output = clock.timed(
+            lambda: layer(inputs) if loss_of is None else loss_of(layer(inputs)))
+        seed = torch.ones_like(output) if output.dim() == 0 else torch.randn_like(output)
+        # I and W as a worker runs them under a split backward (raypipe.stage.split_backward): W
+        # restarts from the gradients I noted where the weights' branches leave the input path,
+        # so it does not run I's path again (autograd.grad(output, params) would)
+        input_s, (_, pending) = clock.seconds(
+            lambda: input_gradient(output, seed, inputs if differentiable else None, params))
+        if not differentiable:  # nothing flows back: W runs the whole backward, and there is no I
+            input_s = 0.0
+        weight_s, _ = clock.seconds(pending.run)
+        for param in params:
+            param.grad = None
         if repeat >= clock.warmups:
-            for key, value in (("F", forward_s), ("I", input_s), ("W", weight_s)):
+            for key, value in (("F", forward_s), ("I", input_s), ("W", weight_s), ("F_host", forward_host_s)):
                 times[key].append(value)
     return {key: statistics.median(values) for key, values in times.items()}
 
@@ -109,9 +129,12 @@ def _copy_bandwidth(device: torch.device, clock: Clock, size_bytes: int) -> dict
     return {key: statistics.median(values) for key, values in rates.items()}
 
 
-def calibrate(cpu: bool, cluster_name: str | None = None) -> dict[str, Any]:
-    """Every measurement beside its prediction; see the module's docstring."""
-    shape = CPU_SHAPE if cpu else GPU_SHAPE
+def calibrate(cpu: bool, cluster_name: str | None = None, shape: dict[str, Any] | None = None,
+              whole_model: bool = True) -> dict[str, Any]:
+    """Every measurement beside its prediction; see the module's docstring. ``shape``: the
+    model, micro-batch size, sequence length and precision (default: the path's own);
+    ``whole_model=False`` times the layers alone (a model too large for one device)."""
+    shape = {**(CPU_SHAPE if cpu else GPU_SHAPE), **(shape or {})}
     device = torch.device("cpu" if cpu else "cuda")
     dtype = torch.float32 if shape["precision"] == "fp32" else torch.bfloat16
     card = "cpu" if cpu else torch.cuda.get_device_name(device)
@@ -123,8 +146,9 @@ def calibrate(cpu: bool, cluster_name: str | None = None) -> dict[str, Any]:
     clock = Clock(device)
     torch.manual_seed(0)
     specs = llama_layers(config)
-    built = {"embedding": build_layer(specs[0], 0, 0), "block": build_layer(specs[1], 1, 0),
-             "head": build_layer(specs[-1], len(specs) - 1, 0)}
+    with device:  # initialised where they run: a 70B block's weights take minutes to draw on a host's cores
+        built = {"embedding": build_layer(specs[0], 0, 0), "block": build_layer(specs[1], 1, 0),
+                 "head": build_layer(specs[-1], len(specs) - 1, 0)}
     tokens = lambda: torch.randint(0, config.vocab_size, (batch, seq_len), device=device)  # noqa: E731
     hidden = lambda: torch.randn(batch, seq_len, config.dim, device=device, dtype=dtype)  # noqa: E731
     targets = tokens()
@@ -138,11 +162,13 @@ def calibrate(cpu: bool, cluster_name: str | None = None) -> dict[str, Any]:
         layers[kind] = {op: {"measured_s": measured[op], "predicted_s": predicted[op],
                              "measured_over_predicted": measured[op] / predicted[op] if predicted[op] else None}
                         for op in ("F", "I", "W")}
+        layers[kind]["F"]["host_issue_s"] = measured["F_host"]
         built[kind] = None  # free it before the whole model
         del layer
     results: dict[str, Any] = {"card": card, "cluster": cluster_name, "shape": shape, "layers": layers,
                                "achievable_fraction": cluster.achievable_fraction}
-    results["whole_model"] = _whole_model(config, specs, shape, device, dtype, clock, cluster)
+    if whole_model:
+        results["whole_model"] = _whole_model(config, specs, shape, device, dtype, clock, cluster)
     size = (16 if cpu else 1024) * 2**20
     bandwidth = _copy_bandwidth(device, clock, size)
     results["host_copy"] = {**{f"{key}_bytes_per_s": value for key, value in bandwidth.items()},
@@ -154,8 +180,9 @@ def _whole_model(config, specs, shape: dict, device: torch.device, dtype: torch.
                  cluster) -> dict[str, float]:
     """Forward and backward of every layer on this one device: measured MFU against the
     predictor's (its ``achievable_fraction`` is the MFU it assumes of a busy GPU)."""
-    model = torch.nn.Sequential(*[build_layer(spec, index, 0) for index, spec in enumerate(specs)]).to(
-        device=device, dtype=dtype)
+    with device:
+        model = torch.nn.Sequential(*[build_layer(spec, index, 0) for index, spec in enumerate(specs)]).to(
+            device=device, dtype=dtype)
     batch, seq_len = shape["micro_batch_size"], shape["seq_len"]
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1), device=device)
 
@@ -168,7 +195,8 @@ def _whole_model(config, specs, shape: dict, device: torch.device, dtype: torch.
         if repeat >= clock.warmups:
             seconds.append(elapsed)
     step_s = statistics.median(seconds)
-    flops = batch * sum(spec.cost.train_flops for spec in specs)
+    # the shape's sequence length: the specs' own costs are at the model's max_seq_len
+    flops = batch * sum(cost.train_flops for cost in llama_layer_costs(config, seq_len, shape["precision"]))
     peak = cluster.peak(shape["precision"])
     predicted_s = flops / cluster.flops_per_s(shape["precision"])
     return {"train_pass_s": step_s, "predicted_s": predicted_s, "mfu": flops / step_s / peak,
@@ -178,16 +206,20 @@ def _whole_model(config, specs, shape: dict, device: torch.device, dtype: torch.
 def print_table(results: dict[str, Any]) -> None:
     print(f"card {results['card']}; predictor: cluster preset {results['cluster']!r}, "
           f"achievable_fraction {results['achievable_fraction']}; shape {results['shape']}")
-    print(f"{'layer':<10} {'op':<3} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}")
+    print(f"{'layer':<10} {'op':<3} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}  host issue ms")
     for kind, ops in results["layers"].items():
         for op, row in ops.items():
             ratio = row["measured_over_predicted"]
+            issue = f"{row['host_issue_s'] * 1e3:>14.3f}" if "host_issue_s" in row else ""
             print(f"{kind:<10} {op:<3} {row['measured_s'] * 1e3:>12.3f} {row['predicted_s'] * 1e3:>13.3f} "
-                  f"{'-' if ratio is None else f'{ratio:.2f}':>7}")
-    whole = results["whole_model"]
-    print(f"whole model, one train pass: {whole['train_pass_s'] * 1e3:.1f} ms measured, "
-          f"{whole['predicted_s'] * 1e3:.1f} ms predicted; MFU {whole['mfu']:.3f} measured, "
-          f"{whole['predicted_mfu']:.3f} predicted")
+                  f"{'-' if ratio is None else f'{ratio:.2f}':>7}{issue}")
+    whole = results.get("whole_model")
+    if whole is None:
+        print("whole model: not run (--layers-only)")
+    else:
+        print(f"whole model, one train pass: {whole['train_pass_s'] * 1e3:.1f} ms measured, "
+              f"{whole['predicted_s'] * 1e3:.1f} ms predicted; MFU {whole['mfu']:.3f} measured, "
+              f"{whole['predicted_mfu']:.3f} predicted")
     copy = results["host_copy"]
     print(f"host copy (pinned): H2D {copy['host_to_device_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"D2H {copy['device_to_host_bytes_per_s'] / 1e9:.1f} GB/s; predicted {copy['predicted_bytes_per_s'] / 1e9:.1f} GB/s")
@@ -198,11 +230,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the CPU path: a tiny LLaMA in fp32 (no CUDA needed)")
     parser.add_argument("--cluster", help="the preset to compare with (default: h200 on an H200, else h100)")
     parser.add_argument("--out", help="also write the results here as JSON")
+    parser.add_argument("--model", help=f"the model whose layers are timed (default: {GPU_SHAPE['model']}; "
+                                        f"{CPU_SHAPE['model']} on --cpu)")
+    parser.add_argument("--seq-len", type=int, help="tokens of a sequence (default: "
+                                                    f"{GPU_SHAPE['seq_len']}; {CPU_SHAPE['seq_len']} on --cpu)")
+    parser.add_argument("--micro-batch-size", type=int, help="sequences of a micro-batch (default: 1; 2 on --cpu)")
+    parser.add_argument("--layers-only", action="store_true",
+                        help="time the layers alone, not the whole model (one too large for the device)")
     args = parser.parse_args(argv)
+    shape = {key: value for key, value in (("model", args.model), ("seq_len", args.seq_len),
+                                           ("micro_batch_size", args.micro_batch_size)) if value is not None}
+    if "model" in shape:
+        try:
+            get_config(shape["model"])
+        except ValueError as error:
+            parser.error(str(error))
+    for key in ("seq_len", "micro_batch_size"):
+        if key in shape and shape[key] < 1:
+            parser.error(f"--{key.replace('_', '-')} must be at least 1, got {shape[key]}")
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_calibrate: CUDA is not available here; use --cpu for the CPU path", file=sys.stderr)
         return 2
-    results = calibrate(args.cpu, args.cluster)
+    results = calibrate(args.cpu, args.cluster, shape, whole_model=not args.layers_only)
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh --calibrate  # also the predictor's calibration (at most ~4 minutes more)
 #
 # Steps: 1. versions (torch, CUDA, NCCL, flash-attn, Ray; a missing one is reported and skipped)
-#        2. every single-GPU test: python -m pytest -q -m "gpu and not gpus2" tests
+#        2. every single-GPU test: python -m pytest -q -m "gpu and not gpus2" over the files that mark one
 #        3. one-process probes (scripts/gpu_probes.py): NCCL world size 1 join/all-reduce/abort/rejoin;
 #           a bf16 LLaMA stage with recompute and offload under set_sync_debug_mode("warn");
 #           flash-attn vs SDPA at 7B shapes, each backward run twice and compared bitwise;
@@ -92,17 +92,22 @@ EOF
   fi
 }
 
-list_gpu_tests() {  # collects only the files that mark a test gpu: the whole suite's collection is slow
-  local files
-  files=$(grep -rlE 'mark\.gpu' tests --include='test_*.py' | sort)
-  RAYPIPE_LIST_GPU_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only -m "gpu and not gpus2" $files \
-    | grep -E '::|collected|deselected'
+# Only the files that mark a test gpu are collected: the whole suite's collection is slow, and
+# some of its modules import packages a GPU image need not have (helm-python-sdk, say), whose
+# collection error would stop every GPU test from running.
+gpu_test_files() {
+  grep -rlE 'mark\.gpu' tests --include='test_*.py' | sort
+}
+
+list_gpu_tests() {
+  RAYPIPE_LIST_GPU_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only -m "gpu and not gpus2" \
+    $(gpu_test_files) | grep -E '::|collected|deselected'
 }
 
 step versions versions
 if [ "$DRY_RUN" -eq 1 ]; then
   echo "== dry run: no CUDA needed; the GPU run would execute:"
-  echo "   timeout $TESTS_TIMEOUT_S $PYTHON -m pytest -q -m \"gpu and not gpus2\" tests"
+  echo "   timeout $TESTS_TIMEOUT_S $PYTHON -m pytest -q -m \"gpu and not gpus2\" <the test files that mark a test gpu>"
   echo "   timeout $PROBES_TIMEOUT_S $PYTHON scripts/gpu_probes.py --out $OUT/probes.json"
   step "list single-GPU tests" list_gpu_tests
   if [ "$FULL" -eq 1 ]; then
@@ -122,7 +127,7 @@ else
     exit 1
   fi
   step "single-GPU tests" timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -q -p no:cacheprovider -m "gpu and not gpus2" \
-    --junitxml "$OUT/tests.xml" tests
+    --durations=0 --junitxml "$OUT/tests.xml" $(gpu_test_files)
   step probes timeout "$PROBES_TIMEOUT_S" "$PYTHON" scripts/gpu_probes.py --out "$OUT/probes.json"
   if [ "$CALIBRATE" -eq 1 ]; then
     step calibration timeout "$CALIBRATE_TIMEOUT_S" "$PYTHON" scripts/gpu_calibrate.py --out "$OUT/calibrate.json"

@@ -17,6 +17,7 @@ Probes:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -119,8 +120,17 @@ def probe_bf16_stage(cpu: bool) -> dict[str, Any]:
             return report, time.perf_counter() - start
 
         step(0)  # warm-up: allocator, kernels, flash-attn's first call
-        with warnings.catch_warnings(record=True) as caught:
+        syncs: list[str] = []
+        sites: collections.Counter[str] = collections.Counter()
+
+        def record_sync(message, category, filename, lineno, file=None, line=None) -> None:
+            if "synchroniz" in str(message).lower():  # the warning is raised in the frame that called torch
+                syncs.append(str(message).splitlines()[0])
+                sites[_raypipe_site(traceback.extract_stack()[:-1])] += 1
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record_sync  # restored on leaving the block
             if not cpu:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -128,17 +138,27 @@ def probe_bf16_stage(cpu: bool) -> dict[str, Any]:
             finally:
                 if not cpu:
                     torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
         if report.decision.skipped or not math.isfinite(report.decision.loss):
             raise AssertionError(f"the bf16 step did not step: {report.decision}")
         stats = report.stats
         return {"loss": round(report.decision.loss, 4), "step_seconds": round(seconds, 4),
                 "busy_seconds": round(stats.busy_seconds, 4), "offloaded_bytes": stats.offloaded_bytes,
                 "device_peak_bytes": stats.device_peak_bytes,
-                "host_syncs_warned": len(syncs), "host_sync_kinds": sorted(set(syncs))[:5]}
+                "host_syncs_warned": len(syncs), "host_sync_kinds": sorted(set(syncs))[:5],
+                "host_sync_sites": dict(sites.most_common())}
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _raypipe_site(stack: traceback.StackSummary) -> str:
+    """Where in raypipe a host sync was asked for: the innermost raypipe frame and the
+    raypipe frame that called it (the probe's own frames when raypipe has none)."""
+    ours = [frame for frame in stack if f"{os.sep}raypipe{os.sep}" in frame.filename] or \
+        [frame for frame in stack if frame.filename.endswith("gpu_probes.py")]
+    described = [f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+                 for frame in ours[-2:]]
+    return " <- ".join(reversed(described)) or "outside raypipe"
 
 
 def _attention_gradients(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor):

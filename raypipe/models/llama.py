@@ -234,7 +234,8 @@ class LlamaEmbedding(nn.Module):
         if token_ids.size(1) > self.max_seq_len:
             raise ValueError(f"sequence length {token_ids.size(1)} exceeds the model's max_seq_len={self.max_seq_len}")
         if token_ids.numel():
-            low, high = int(token_ids.min()), int(token_ids.max())
+            # both bounds in one read: on a GPU each read waits for the device's queue (a host sync)
+            low, high = torch.stack(torch.aminmax(token_ids)).tolist()
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")

@@ -3,6 +3,7 @@ elementwise if asked, squared L2 norm in fp32, whether any is inf/NaN), and the
 optimizer step a step's decision allows (clipped by the global norm first)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,12 +22,12 @@ def owned_grad_stats(owned: list[torch.nn.Parameter], loss: float | None, inv_sc
         return StageGradStats(0.0, False, loss)
     if inv_scale != 1.0:
         torch._foreach_mul_(grads, inv_scale)
-    norm = get_total_norm([g.float() for g in grads])
-    found_inf = not bool(torch.isfinite(norm))
+    norm = float(get_total_norm([g.float() for g in grads]))  # the step's one host sync on a GPU
+    found_inf = not math.isfinite(norm)
     if clip_value is not None and not found_inf:
         torch.nn.utils.clip_grad_value_(owned, clip_value)
-        norm = get_total_norm([g.float() for g in grads])
-    return StageGradStats(float(norm.to(torch.float32)) ** 2, found_inf, loss)
+        norm = float(get_total_norm([g.float() for g in grads]))
+    return StageGradStats(norm ** 2, found_inf, loss)
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: Any, owned: list[torch.nn.Parameter],
@@ -34,7 +35,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: Any, owned: list[
     """A step that is not skipped: clip ``owned``'s gradients by the global ``grad_norm``
     (when ``clip_grad_norm`` is set), step the optimizer, then the schedule."""
     if clip_grad_norm is not None:
-        clip_grads_with_norm_(owned, clip_grad_norm, torch.tensor(grad_norm))
+        # the norm filled on the gradients' device: a host tensor would be copied to it, a host sync
+        device = next((p.grad.device for p in owned if p.grad is not None), torch.device("cpu"))
+        clip_grads_with_norm_(owned, clip_grad_norm, torch.full((), grad_norm, dtype=torch.float32, device=device))
     optimizer.step()
     if scheduler is not None:  # a skipped step does not advance the schedule
         scheduler.step()

@@ -253,8 +253,8 @@ class StageWorker(StageCheckpointing):
                          loss_scale: float, chunk: int) -> boundary.Boundary:
         """What the backward starts from: the loss scale on the last stage, else the received
         gradient (moved to each output's device and dtype by :func:`boundary.backward_roots`)."""
-        if chunk == self.chunks.last:
-            return torch.tensor(loss_scale, dtype=outputs.dtype, device=outputs.device)
+        if chunk == self.chunks.last:  # filled on the device: torch.tensor would copy from the host, a sync
+            return torch.full((), loss_scale, dtype=outputs.dtype, device=outputs.device)
         return grad_outputs
 
     def finish_backward(self, inv_scale: float = 1.0, clip_value: float | None = None) -> StageGradStats:
@@ -386,7 +386,9 @@ class StageWorker(StageCheckpointing):
         if chunk != self.chunks.last:
             return hidden
         output = hidden.float() if isinstance(hidden, torch.Tensor) else hidden
-        return self.loss_fn(output, targets.to(self.device)) * loss_weight
+        # non-blocking, as the inputs are (boundary.to_device): a blocking copy from pageable host
+        # memory would wait for the device's queue, a host sync per micro-batch on a GPU
+        return self.loss_fn(output, targets.to(self.device, non_blocking=True)) * loss_weight
 
     def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool,
                     chunk: int) -> boundary.Boundary:

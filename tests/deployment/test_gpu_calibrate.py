@@ -38,3 +38,33 @@ def test_the_cpu_path_measures_every_op_beside_its_prediction(capsys):
     calibrate.print_table(results)
     out = capsys.readouterr().out
     assert "block      I" in out and "MFU" in out and "H2D" in out
+
+
+def test_another_shape_is_predicted_at_its_own_sequence_length_and_layers_can_run_alone(capsys):
+    """--seq-len below the model's max_seq_len: the whole model's flops are the shape's (they
+    were once the specs' own, at max_seq_len: an 8B at 4096 tokens read an MFU of 1.18)."""
+    from raypipe.models.llama_costs import llama_layer_costs
+
+    calibrate = load_script()
+    results = calibrate.calibrate(cpu=True, cluster_name="h200", shape={"seq_len": 16})
+    assert results["shape"] == {"model": "tiny", "micro_batch_size": 2, "seq_len": 16, "precision": "fp32"}
+    flops = 2 * sum(cost.train_flops for cost in llama_layer_costs(get_config("tiny"), 16, "fp32"))
+    assert math.isclose(results["whole_model"]["predicted_s"], flops / load_cluster("h200").flops_per_s("fp32"))
+    assert results["layers"]["block"]["F"]["host_issue_s"] > 0  # the host's time to issue the forward
+    alone = calibrate.calibrate(cpu=True, cluster_name="h200", shape={"seq_len": 16}, whole_model=False)
+    assert "whole_model" not in alone and alone["layers"]["block"]["W"]["measured_s"] > 0
+    calibrate.print_table(alone)
+    assert "whole model: not run (--layers-only)" in capsys.readouterr().out
+
+
+def test_a_bad_shape_is_named_before_anything_runs(capsys):
+    calibrate = load_script()
+    for argv, named in ((["--cpu", "--model", "llama-9b"], "unknown model 'llama-9b'"),
+                        (["--cpu", "--seq-len", "0"], "--seq-len must be at least 1, got 0")):
+        try:
+            calibrate.main(argv)
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert named in capsys.readouterr().err
