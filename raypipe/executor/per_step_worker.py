@@ -212,7 +212,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         hidden = (state.inputs[micro_batch] if self.chunks.is_first(chunk)
                   else state.activations.pop((chunk, micro_batch)))
         output = self.forward(micro_batch, hidden, state.targets[micro_batch], state.weights[micro_batch],
-                              state.step, chunk)
+                              state.step, chunk, read_loss=False)  # the loss is read once, with the norm
         if chunk != self.chunks.last:
             self._hand_on(op, ops.SEND_ACT, output, state)
 

@@ -12,17 +12,22 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from raypipe.core.step_decision import StageGradStats
 
 
-def owned_grad_stats(owned: list[torch.nn.Parameter], loss: float | None, inv_scale: float = 1.0,
+def owned_grad_stats(owned: list[torch.nn.Parameter], loss: float | torch.Tensor | None, inv_scale: float = 1.0,
                      clip_value: float | None = None) -> StageGradStats:
     """Unscale the gradients of ``owned`` (ZeRO-1: only owned sums are whole), clamp them
     elementwise if asked, and report their squared L2 norm (fp32), whether any is inf/NaN,
-    and ``loss`` (the last stage's weighted loss sum, else None)."""
+    and ``loss`` (the last stage's weighted loss sum, a float or a 0-d tensor, else None).
+    The norm and a tensor loss are read in one go: on a GPU, the step's one host sync."""
     grads = [p.grad for p in owned if p.grad is not None]
     if not grads:
-        return StageGradStats(0.0, False, loss)
+        return StageGradStats(0.0, False, None if loss is None else float(loss))
     if inv_scale != 1.0:
         torch._foreach_mul_(grads, inv_scale)
-    norm = float(get_total_norm([g.float() for g in grads]))  # the step's one host sync on a GPU
+    total = get_total_norm([g.float() for g in grads])
+    if isinstance(loss, torch.Tensor):
+        norm, loss = torch.stack([total.double(), loss.to(total.device, torch.float64)]).tolist()
+    else:
+        norm = float(total)
     found_inf = not math.isfinite(norm)
     if clip_value is not None and not found_inf:
         torch.nn.utils.clip_grad_value_(owned, clip_value)

@@ -66,7 +66,7 @@ class StageWorker(StageCheckpointing):
         self._step_failure: StageError | None = None  # the first failed op of the running step
         self._backwards_done: set[Key] = set()  # (chunk, micro-batch)s whose backward ran in the running step
         self._pending_weight_gradients: dict = {}  # (chunk, micro-batch) -> what its W needs, from I to W
-        self._step_loss = 0.0  # last stage: the running step's weighted loss sum
+        self._step_loss: float | torch.Tensor = 0.0  # last stage: the step's weighted loss sum, on its device
         self._events: list[OpEvent] = []
         self.ops_done = 0  # ops finished over this worker's life (its heartbeat)
         self.commits = 0  # steps this state has ended (stepped or skipped): a heal asks who ended the failed one
@@ -160,13 +160,17 @@ class StageWorker(StageCheckpointing):
     # -- the ops of a step --------------------------------------------------
     @stage_op("F", in_step=True)
     def forward(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
-                loss_weight: float | None = None, step: int = 0, chunk: int = 0) -> boundary.Boundary | float:
+                loss_weight: float | None = None, step: int = 0, chunk: int = 0,
+                read_loss: bool = True) -> boundary.Boundary | float | None:
         """Run this stage (its model chunk ``chunk``) on one micro-batch; keep what backward needs.
 
         ``inputs``: a tensor or a tree of them (:mod:`raypipe.stage.boundary`); None on the
         first stage when it reads its own data. Returns the activation (tensor or tree) for
         the next stage, or on the last stage the loss weighted so that summing over
-        micro-batches gives the global mean.
+        micro-batches gives the global mean. The step's loss is summed where it is computed
+        (in fp64, as a sum of Python floats would be) and read once, with the gradients' norm
+        (:meth:`grad_stats`); ``read_loss=False`` returns None rather than this micro-batch's
+        loss, which on a GPU would wait for the device (a host sync per micro-batch).
         """
         self._begin_step(step)
         last = chunk == self.chunks.last
@@ -188,9 +192,9 @@ class StageWorker(StageCheckpointing):
             meter.add(*boundary.tensors(outputs))  # the graph's roots stay alive until backward
             self.store.keep_graph(key, leaf, outputs, meter.bytes)
         if last:
-            loss = float(outputs.detach())
-            self._step_loss += loss
-            return loss
+            loss = outputs.detach().double().reshape(())
+            self._step_loss = self._step_loss + loss
+            return float(loss) if read_loss else None
         boundary.check_sendable(outputs, self.stage_index, self.device)
         return boundary.detached(outputs)
 

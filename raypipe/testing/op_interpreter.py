@@ -189,7 +189,7 @@ class OpInterpreter:
         if op.kind == ops.F:
             hidden = inputs[mb] if first else state.activations.pop((chunk, mb))
             output = worker.forward(mb, hidden, targets[mb] if last else None, weights[mb] if last else None, step,
-                                    chunk)
+                                    chunk, read_loss=False)  # as the per-step loop runs it
             if not last:
                 self._hand_on(stage, chunk, mb, ops.SEND_ACT, output, state)
         elif op.kind in (ops.B, ops.I):

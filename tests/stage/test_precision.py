@@ -105,6 +105,31 @@ def test_grad_stats_accumulate_the_norm_in_fp32():
     assert stage.grad_stats(inv_scale=1.0).found_inf
 
 
+def test_the_step_loss_read_once_with_the_norm_is_the_sum_of_the_micro_batch_losses():
+    """The per-step loop does not read each micro-batch's loss (on a GPU, a host sync each):
+    the last stage sums them in fp64 where they are computed and reads the sum with the
+    gradients' norm. Bitwise what summing each micro-batch's float gives."""
+    def run(read_loss: bool):
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 1)
+        stage = StageWorker(WorkerSpec(0, 1, (layer,), (0,), PipelineConfig(num_micro_batches=3),
+                                       loss_fn=nn.functional.mse_loss))
+        generator = torch.Generator().manual_seed(1)
+        returned = []
+        for micro_batch in range(3):
+            inputs, targets = torch.randn(5, 4, generator=generator), torch.randn(5, 1, generator=generator)
+            returned.append(stage.forward(micro_batch, inputs, targets, 1 / 3, 0, read_loss=read_loss))
+        for micro_batch in range(3):
+            stage.backward(micro_batch, None, 1.0)
+        return returned, stage.grad_stats(inv_scale=1.0)
+
+    floats, read_each = run(read_loss=True)
+    nones, read_once = run(read_loss=False)
+    assert nones == [None, None, None] and all(isinstance(loss, float) for loss in floats)
+    assert read_once.loss == read_each.loss == sum(floats) and isinstance(read_once.loss, float)
+    assert read_once.squared_norm == read_each.squared_norm and not read_once.found_inf
+
+
 # -- an overflow in one stage: nobody steps ----------------------------------------
 
 MARKER = 1.0  # last input column: 1.0 in a row poisons the micro-batch's gradient in PoisonOnMarker
