@@ -49,14 +49,14 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
                 return method(self, *args, **kwargs)
             except StageError as error:
                 if in_step:
-                    self._step_failure = self._step_failure or error
+                    self._running.note_failure(error)
                 raise
             except Exception as error:  # noqa: BLE001 - every failure gets the stage's name
                 stage_error = StageError(self.stage_index, op, micro_batch, f"{type(error).__name__}: {error}",
                                          replica=self.named_replica,
                                          remote_traceback=traceback.format_exc(), original=error)
                 if in_step:
-                    self._step_failure = self._step_failure or stage_error
+                    self._running.note_failure(stage_error)
                 raise stage_error from error
             finally:
                 self.ops_done += 1

@@ -15,11 +15,11 @@ from torch import nn
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide
 from raypipe.core.topology import Topology
-from raypipe.errors import StageError, StepAborted
+from raypipe.errors import StepAborted
 from raypipe.models.layers import build_layer
 from raypipe.stage import boundary
 from raypipe.stage.activations import ActivationStore, Kept
-from raypipe.stage.chunks import Chunks, Key
+from raypipe.stage.chunks import Chunks
 from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
@@ -29,6 +29,7 @@ from raypipe.stage.layer_run import layer_seeds, run_layers
 from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers
 from raypipe.stage.offload import Offloader, check_offloadable
 from raypipe.stage.precision import autocast, compute_weights
+from raypipe.stage.running_step import RunningStep
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.split_backward import boundary_input_gradient
 from raypipe.stage.stage_op import stage_op
@@ -62,11 +63,7 @@ class StageWorker(StageCheckpointing):
         self.data = StageData(spec.loss_count_fn, spec.block, reads_inputs=self.is_first,
                               reads_targets=self.is_last)
         self.store = ActivationStore(Offloader(self.device) if config.offload_activations else None)
-        self._step = -1
-        self._step_failure: StageError | None = None  # the first failed op of the running step
-        self._backwards_done: set[Key] = set()  # (chunk, micro-batch)s whose backward ran in the running step
-        self._pending_weight_gradients: dict = {}  # (chunk, micro-batch) -> what its W needs, from I to W
-        self._step_loss: float | torch.Tensor = 0.0  # last stage: the step's weighted loss sum, on its device
+        self._running = RunningStep()
         self._events: list[OpEvent] = []
         self.ops_done = 0  # ops finished over this worker's life (its heartbeat)
         self.commits = 0  # steps this state has ended (stepped or skipped): a heal asks who ended the failed one
@@ -167,10 +164,8 @@ class StageWorker(StageCheckpointing):
         ``inputs``: a tensor or a tree of them (:mod:`raypipe.stage.boundary`); None on the
         first stage when it reads its own data. Returns the activation (tensor or tree) for
         the next stage, or on the last stage the loss weighted so that summing over
-        micro-batches gives the global mean. The step's loss is summed where it is computed
-        (in fp64, as a sum of Python floats would be) and read once, with the gradients' norm
-        (:meth:`grad_stats`); ``read_loss=False`` returns None rather than this micro-batch's
-        loss, which on a GPU would wait for the device (a host sync per micro-batch).
+        micro-batches gives the global mean; ``read_loss=False``: None instead, so that the
+        loss is read only with the step's sum (:meth:`RunningStep.add_loss`).
         """
         self._begin_step(step)
         last = chunk == self.chunks.last
@@ -192,9 +187,8 @@ class StageWorker(StageCheckpointing):
             meter.add(*boundary.tensors(outputs))  # the graph's roots stay alive until backward
             self.store.keep_graph(key, leaf, outputs, meter.bytes)
         if last:
-            loss = outputs.detach().double().reshape(())
-            self._step_loss = self._step_loss + loss
-            return float(loss) if read_loss else None
+            self._running.add_loss(outputs)
+            return float(outputs) if read_loss else None
         boundary.check_sendable(outputs, self.stage_index, self.device)
         return boundary.detached(outputs)
 
@@ -208,7 +202,7 @@ class StageWorker(StageCheckpointing):
                                                                                   loss_scale, chunk))
         torch.autograd.backward(roots, gradients)
         self.store.release(kept)
-        self._backwards_done.add((chunk, micro_batch))
+        self._running.backwards_done.add((chunk, micro_batch))
         if self.chunks.is_first(chunk) or inputs is None:
             return None
         return boundary.input_gradient(inputs)
@@ -226,16 +220,16 @@ class StageWorker(StageCheckpointing):
                                                     not self.chunks.is_first(chunk), self.stage_index,
                                                     self.config.schedule)
         self.store.retain_rebuilt(kept)  # a recomputed graph is retained for W: counted until W releases it
-        self._pending_weight_gradients[(chunk, micro_batch)] = (kept, pending)  # kept bytes stay counted until W
+        self._running.pending_weight_gradients[(chunk, micro_batch)] = (kept, pending)  # kept bytes stay counted until W
         return gradient
 
     @stage_op("W", in_step=True)
     def backward_weight(self, micro_batch: int, chunk: int = 0) -> None:
         """A split backward's weight gradient (W): accumulate one micro-batch's into ``.grad``, after its I."""
-        kept, pending = self._pending_weight_gradients.pop((chunk, micro_batch))
+        kept, pending = self._running.pending_weight_gradients.pop((chunk, micro_batch))
         pending.run()
         self.store.release(kept)
-        self._backwards_done.add((chunk, micro_batch))
+        self._running.backwards_done.add((chunk, micro_batch))
 
     def _materialized(self, micro_batch: int, chunk: int) -> tuple[Kept, boundary.Boundary, boundary.Boundary]:
         """A micro-batch's kept state, its stage input and its graph's output, the forward
@@ -289,19 +283,19 @@ class StageWorker(StageCheckpointing):
         """Unscale gradients, clamp them elementwise if asked, and report this stage's
         squared L2 norm (fp32), whether any gradient is inf/NaN, and (last stage)
         its weighted loss sum."""
-        return owned_grad_stats(self._owned, self._step_loss if self.is_last else None, inv_scale, clip_value)
+        return owned_grad_stats(self._owned, self._running.loss if self.is_last else None, inv_scale, clip_value)
 
     @stage_op("grad_stats", per_micro_batch=False)
     def chunk_grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> list[StageGradStats]:
         """:meth:`grad_stats` of each model chunk, in chunk order (the loss with the last virtual
         stage's): the step decides over virtual stages, as over the stages of a plain pipeline."""
-        return [owned_grad_stats(owned, self._step_loss if chunk == self.chunks.last else None, inv_scale,
+        return [owned_grad_stats(owned, self._running.loss if chunk == self.chunks.last else None, inv_scale,
                                  clip_value) for chunk, owned in enumerate(self._chunk_owned)]
 
     def _check_step_is_whole(self) -> None:
-        if self._step_failure is not None:
-            raise self._step_failure
-        missing = self.chunks.missing_backwards(self._backwards_done, len(self.block))
+        if self._running.failure is not None:
+            raise self._running.failure
+        missing = self.chunks.missing_backwards(self._running.backwards_done, len(self.block))
         if missing:
             raise StepAborted(self.stage_index, "B", missing[0][1],
                               f"the backward of micro-batch(es) {self.chunks.describe(missing)} did not run: an op "
@@ -347,10 +341,7 @@ class StageWorker(StageCheckpointing):
             parameter.grad = None
         self.weights.drop_gradients()
         self.store.clear()
-        self._step_failure = None
-        self._backwards_done.clear()
-        self._pending_weight_gradients.clear()
-        self._step_loss = 0.0
+        self._running.end()
 
     @stage_op("eval", timed=False)
     def evaluate(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
@@ -366,8 +357,7 @@ class StageWorker(StageCheckpointing):
 
     # -- helpers -------------------------------------------------------------
     def _begin_step(self, step: int) -> None:
-        if step != self._step:
-            self._step = step
+        if self._running.begin(step):
             self.store.reset_peaks()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -398,7 +388,7 @@ class StageWorker(StageCheckpointing):
                     chunk: int) -> boundary.Boundary:
         positions = self.chunks.positions[chunk]
         # the step's global micro-batch index: the same masks whatever the number of replicas
-        seeds = layer_seeds(self.config.seed, self._step, self.block.start + micro_batch,
+        seeds = layer_seeds(self.config.seed, self._running.number, self.block.start + micro_batch,
                             [self.layer_indices[position] for position in positions])
         segments = self.config.activation_checkpoint_segments if training and torch.is_grad_enabled() else None
         return run_layers(self.layers, self.weights, hidden, seeds, self.device, segments, positions)
