@@ -58,7 +58,8 @@ class Clock:
         self.repeats, self.warmups = (REPEATS, WARMUPS) if self.cuda else (CPU_REPEATS, CPU_WARMUPS)
 
     def seconds(self, work: Callable[[], Any]) -> tuple[float, Any]:
-        return self.timed(work)[::2]
+        elapsed, _, result = self.timed(work)
+        return elapsed, result
 
     def timed(self, work: Callable[[], Any]) -> tuple[float, float, Any]:
         """(seconds, the host's seconds to issue the work, result). On a GPU the two agree when the

@@ -48,7 +48,8 @@ def describe(value: Boundary) -> str:
 
 
 def to_device(value: Boundary, device: torch.device) -> Boundary:
-    """The boundary value with its tensors on ``device``."""
+    """The boundary value with its tensors on ``device``, copied without blocking: a blocking copy
+    from pageable host memory would wait for the device's queue (a host sync on a GPU)."""
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
     return pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to(device, non_blocking=True), value)

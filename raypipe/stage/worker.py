@@ -170,8 +170,9 @@ class StageWorker(StageCheckpointing):
         self._begin_step(step)
         last = chunk == self.chunks.last
         inputs = boundary.to_device(self.data.inputs(step, micro_batch, "train", inputs), self.device)
-        if last:
+        if last:  # moved as the inputs are, once: a recompute reuses them
             targets, loss_weight = self.data.targets_and_weight(step, micro_batch, "train", targets, loss_weight)
+            targets = boundary.to_device(targets, self.device)
         key = (chunk, micro_batch)
         recompute = self._recomputes(micro_batch)
         if recompute:
@@ -351,6 +352,7 @@ class StageWorker(StageCheckpointing):
         inputs = boundary.to_device(self.data.inputs(step, micro_batch, "validation", inputs), self.device)
         if last:
             targets, loss_weight = self.data.targets_and_weight(step, micro_batch, "validation", targets, loss_weight)
+            targets = boundary.to_device(targets, self.device)
         with torch.no_grad():
             outputs = self._run(inputs, micro_batch, targets, loss_weight, training=False, chunk=chunk)
         return float(outputs) if last else outputs
@@ -380,9 +382,7 @@ class StageWorker(StageCheckpointing):
         if chunk != self.chunks.last:
             return hidden
         output = hidden.float() if isinstance(hidden, torch.Tensor) else hidden
-        # non-blocking, as the inputs are (boundary.to_device): a blocking copy from pageable host
-        # memory would wait for the device's queue, a host sync per micro-batch on a GPU
-        return self.loss_fn(output, targets.to(self.device, non_blocking=True)) * loss_weight
+        return self.loss_fn(output, targets) * loss_weight
 
     def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool,
                     chunk: int) -> boundary.Boundary:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +39,14 @@ def _spin_cycles(seconds: float) -> int:
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         mhz = 2000.0  # Hopper's ~1980 MHz: an unknown card's spin may be shorter or longer
     return int(seconds * mhz * 1e6)
+
+
+def reported(run: Callable, processes: int, reports: int) -> dict[str, Any]:
+    """What ``run`` (rank, queue, port, rejoin port) put on its queue, as (what, value) pairs, once
+    ``processes`` of it (one a GPU) have ended."""
+    results = mp.get_context("spawn").Queue()
+    mp.start_processes(run, args=(results, free_port(), free_port()), nprocs=processes, start_method="spawn")
+    return dict(results.get(timeout=10) for _ in range(reports))
 
 
 def run_abort_of_pending_work(rank: int, results: mp.Queue, port: int, rejoin_port: int) -> None:
@@ -77,10 +87,7 @@ def run_abort_of_pending_work(rank: int, results: mp.Queue, port: int, rejoin_po
 
 @pytest.mark.gpu
 def test_a_wait_on_pending_nccl_work_is_released_by_abort_and_the_channel_joins_again():
-    results = mp.get_context("spawn").Queue()
-    mp.start_processes(run_abort_of_pending_work, args=(results, free_port(), free_port()), nprocs=1,
-                       start_method="spawn")
-    seen = dict(results.get(timeout=10) for _ in range(8))
+    seen = reported(run_abort_of_pending_work, processes=1, reports=8)
     assert seen["control on gloo"] == "gloo" and seen["data on nccl"] == "nccl"
     assert seen["sum"] == [1.0, 2.0]
     assert seen["pending before the abort"], "the all-reduce completed before the abort: the test tested nothing"
@@ -128,10 +135,7 @@ def run_never_sent_gradient(rank: int, results: mp.Queue, port: int, rejoin_port
 @pytest.mark.gpu
 @pytest.mark.gpus2
 def test_a_receive_that_no_peer_sends_is_released_by_abort_and_both_stages_join_again():
-    results = mp.get_context("spawn").Queue()
-    mp.start_processes(run_never_sent_gradient, args=(results, free_port(), free_port()), nprocs=2,
-                       start_method="spawn")
-    seen = dict(results.get(timeout=10) for _ in range(4))
+    seen = reported(run_never_sent_gradient, processes=2, reports=4)
     assert "aborted" in seen["released by"]
     assert seen["seconds"] < 10
     assert seen["sum after rejoining"] == [3.0]
