@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 import raypipe
-from raypipe.executor.recovery import Recovery
-from raypipe.executor.state_transfer import StateTransfer
+from raypipe.control.snapshots import Snapshots
+from raypipe.control.state_transfer import StateTransfer
 from raypipe.runtime.group import StageGroup
 
 WIDTH, LAYERS, BATCH = 32, 4, 8
@@ -155,13 +155,13 @@ def kill_during_snapshot_copy(trainer, step_once):
             kill(trainer.workers[1].pid)
         return result
 
-    original, heals = Recovery.snapshot, len(trainer.recoveries)
-    Recovery.snapshot = killing_after
+    original, heals = Snapshots.take, len(trainer.recoveries)
+    Snapshots.take = killing_after
     try:
         while len(trainer.recoveries) == heals:  # the kill lands as the snapshot is copied; a step heals it
             step_once()
     finally:
-        Recovery.snapshot = original
+        Snapshots.take = original
     return time.monotonic() - start[0]
 
 

@@ -9,7 +9,7 @@ worker, Ray scheduling and argument transfer, returning the reports, building
 the StepResult.
 
 Trainers, alternating round by round on one local Ray instance, each model
-once per ``--step-calls``: ``direct`` (the default: the step's arguments go over
+once per ``--step-calls``: ``connections`` (the default: the step's arguments go over
 a connection from the driver to each worker) and ``tasks`` (one actor task per
 worker per step):
 
@@ -21,12 +21,12 @@ worker per step):
   ``run_step`` gets for that trainer's batch (its micro-batches, shipped the same
   way), returning at once. Its "overhead" is that round trip's whole wall time,
   so ``overhead - floor`` is what ``tasks`` adds to Ray's task round trip
-  (``direct`` needs no task per step, so it can go below it).
+  (``connections`` needs no task per step, so it can go below it).
 
 Printed per trainer: the median overhead in ms and its median share of the step
 time, each with the min-max spread of the per-round medians. With the default
 ``snapshot_every=1`` every step also submits each worker's snapshot (and, for
-``direct``, its gate call); ``--snapshot-every 0`` leaves them out.
+``connections``, its gate call); ``--snapshot-every 0`` leaves them out.
 
     python benchmarks/bench_driver_overhead.py --rounds 8 --steps 5
 """
@@ -107,7 +107,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--small-batch", type=int, default=64, help="rows per step of the small model (default 64)")
     parser.add_argument("--only", choices=("small", "pippy"), default=None, help="one of the two trainers")
     parser.add_argument("--no-floor", action="store_true", help="without the bare Ray round trip")
-    parser.add_argument("--step-calls", choices=STEP_CALLS, nargs="+", default=["direct", "tasks"],
+    parser.add_argument("--step-calls", choices=STEP_CALLS, nargs="+", default=["connections", "tasks"],
                         help="a trainer per model for each of these step_calls (default: both)")
     parser.add_argument("--snapshot-every", type=int, default=raypipe.PipelineConfig.snapshot_every,
                         help="the trainers' snapshot_every (default: PipelineConfig's, "

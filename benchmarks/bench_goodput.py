@@ -111,7 +111,7 @@ class SpareWatch(threading.Thread):
 
     def __init__(self, subject: raypipe.PipelineTrainer) -> None:
         super().__init__(daemon=True)
-        self.pool = subject._group.spares
+        self.pool = subject.spares
         self.seconds: list[float] = []
         self.stop = threading.Event()
 
@@ -136,7 +136,7 @@ def _trainer(spares: int) -> raypipe.PipelineTrainer:
     for _ in range(5):
         subject.step(*batch)
     if spares:
-        assert subject._group.spares.wait_until_up(300), "the spare did not come up"
+        assert subject.spares.wait_until_up(300), "the spare did not come up"
     return subject
 
 

@@ -18,7 +18,7 @@ from raypipe.models.llama import CONFIGS, get_config
 from raypipe.planning.cluster_spec import load_cluster
 from raypipe.planning.configuration_search import search_plans
 from raypipe.planning.goodput import METHODS, PAPER_NODE_MTBF_HOURS, job_mttf_hours
-from raypipe.planning.plan_goodput import METHOD_LABELS, candidate_goodput
+from raypipe.planning.plan import METHOD_LABELS, candidate_goodput
 
 GPU_COUNTS = tuple(2 ** k for k in range(3, 15))  # 8 ... 16,384
 

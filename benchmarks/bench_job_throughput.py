@@ -64,20 +64,23 @@ def contenders(executors: list[str], shapes: list[str], schedules: list[str] = (
     return flags
 
 
-def prepare_data(path: Path) -> None:
-    """The job's corpus, prepared once before any timed run (the job would do it on its first run)."""
-    if (path / "manifest.json").exists():
-        return
-    sys.path.insert(0, str(REPO))
-    from raypipe.data import prepare
-    from raypipe.models.llama import get_config
+def prepared_data(path: str) -> Path:
+    """The job's corpus at ``path``, prepared there first if missing: once, before any timed run
+    (the job would do it on its first run)."""
+    corpus = Path(path)
+    if not (corpus / "manifest.json").exists():
+        sys.path.insert(0, str(REPO))
+        from raypipe.data import prepare
+        from raypipe.models.llama import get_config
 
-    prepare(path, seq_len=get_config("tiny").max_seq_len)
+        prepare(corpus, seq_len=get_config("tiny").max_seq_len)
+    return corpus
 
 
 def add_data_argument(parser: argparse.ArgumentParser) -> None:
-    """``--data``: the job's corpus, prepared (by :func:`prepare_data`) where the benchmarks share it."""
-    parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "raypipe_bench_stdlib",
+    """``--data``: the job's corpus where the benchmarks share it, prepared as the command line is
+    parsed (argparse converts a string default too)."""
+    parser.add_argument("--data", type=prepared_data, default=str(Path(tempfile.gettempdir()) / "raypipe_bench_stdlib"),
                         help="prepared dataset (prepared here first if missing)")
 
 
@@ -116,7 +119,6 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     print(command_line())
-    prepare_data(args.data)
     flags = contenders(args.executors, args.shapes, args.schedules)
     with tempfile.TemporaryDirectory(prefix="raypipe_job_bench_") as scratch:
         runs = {name: 0 for name in flags}

@@ -7,7 +7,7 @@ raypipe ``PipelineTrainer`` on :class:`raypipe.testing.TimedLayer` layers (forwa
 and weight-gradient each sleep a fixed time, no core used, so p x d stage processes on 2 cores
 behave as p x d devices) and sets beside its measured step the predictions made before it runs:
 
-* **nominal**: :func:`raypipe.core.simulator.simulate_timed` on the same lowered ops
+* **nominal**: :func:`raypipe.core.timed_simulation.simulate_timed` on the same lowered ops
   (``lower(make_schedule(...))``) with the layers' sleeps as op times (F = the stage's forward
   sleeps, B = its input + weight gradient sleeps, I and W apart for zb_h1; the first stage has
   no input gradient for its first layer, and raypipe's split backward runs that stage's whole
@@ -251,7 +251,7 @@ def simulate(args: argparse.Namespace, config: Config, times: OpTimes) -> tuple[
     """(step seconds, bubble) of ``config`` simulated with ``times``, plus the fixed per-step cost."""
     from raypipe.core.ops import virtual_stage
     from raypipe.core.schedule import PLACEMENT
-    from raypipe.core.simulator import simulate_timed
+    from raypipe.core.timed_simulation import simulate_timed
 
     per_stage, placement = stage_seconds(config, times), PLACEMENT[config.schedule]
     run = simulate_timed(lowered_ops(config),

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from alternate import add_round_arguments, command_line, print_table, run_rounds, spread
-from bench_job_throughput import add_data_argument, prepare_data
+from bench_job_throughput import add_data_argument
 from raypipe.data import TokenDataset
 from raypipe.models.layers import build_layer
 from raypipe.models.llama import llama_layers, llama_loss
@@ -68,7 +68,6 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     print(command_line())
-    prepare_data(args.data)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(*(build_layer(layer, index, seed=0)
                                   for index, layer in enumerate(llama_layers("tiny"))))

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from alternate import command_line, print_table, round_ratios, run_rounds, spread
-from bench_job_throughput import add_data_argument, prepare_data
+from bench_job_throughput import add_data_argument
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("cold", "warm", "shipped")
@@ -89,7 +89,6 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     print(command_line())
-    prepare_data(args.data)
     checkouts = {"this": REPO, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     with tempfile.TemporaryDirectory(prefix="raypipe_reader_bench_") as scratch:
         trials = {name: 0 for name in checkouts}

@@ -139,7 +139,7 @@ def spare_trials(config, batch, kills: int) -> tuple[dict[int, list[float]], lis
         for trial in range(kills):
             for spares in ((1, 0) if trial % 2 == 0 else (0, 1)):
                 if spares:  # the spare started after the last heal is up (as one is, a while after a heal)
-                    assert subjects[1]._group.spares.wait_until_up(300), "the new spare did not come up"
+                    assert subjects[1].spares.wait_until_up(300), "the new spare did not come up"
                 kill_trial(subjects[spares], batch, choosers[spares], step_times[spares], seconds[spares])
             print(f"kill {trial + 1} done: {seconds[1][-1:]} s with a spare, {seconds[0][-1:]} s without", flush=True)
         sources = [recovered.source for recovered in subjects[1].recoveries]

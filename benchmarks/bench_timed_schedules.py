@@ -44,14 +44,13 @@ import argparse
 import os
 import platform
 import statistics
-import time
 
 import torch
 from torch import nn
 
 from alternate import (add_round_arguments, command_line, print_round_ms, print_table, round_medians, round_ratios,
                        run_rounds, spread)
-from bench_vs_pippy import PippyRunner, RaypipeRunner, driver_overhead, make_optimizer, start_ray
+from bench_vs_pippy import PippyRunner, RaypipeRunner, driver_overhead, make_optimizer, start_ray, timed_steps
 from raypipe.core.schedule import SCHEDULES, SINGLE_CHUNK_SCHEDULES
 
 # PiPPy schedule -> chunks (stages) per rank and their placement ("loop": r, r+p; "v": r, 2p-1-r)
@@ -120,20 +119,12 @@ def timed_pippy_worker(rank: int, port: int, args: argparse.Namespace, commands:
         while (command := commands[rank].get()) is not None:
             count, name = command
             schedule, parameters, optimizer, first, last = runs[name]
-            times, losses = [], []
-            for _ in range(count):
-                step_losses: list[torch.Tensor] = []
-                dist.barrier()
-                start = time.perf_counter()
+
+            def step(losses: list[torch.Tensor]) -> None:
                 schedule.step(*((inputs,) if first else ()), target=targets if last else None,
-                              losses=step_losses if last else None)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                dist.barrier()
-                times.append(time.perf_counter() - start)
-                if last:
-                    losses.append(float(torch.stack(step_losses).detach().mean()))
-            results.put((rank, times, losses))
+                              losses=losses if last else None)
+
+            results.put((rank, *timed_steps(count, step, optimizer, last)))
     finally:
         dist.destroy_process_group()
 
@@ -246,7 +237,7 @@ def simulated(args: argparse.Namespace, schedule: str) -> tuple[float, float]:
     from raypipe.core.lowering import lower
     from raypipe.core.ops import COMPUTE
     from raypipe.core.schedule import PLACEMENT, make_schedule
-    from raypipe.core.simulator import simulate_timed
+    from raypipe.core.timed_simulation import simulate_timed
 
     chunks = 1 if schedule in SINGLE_CHUNK_SCHEDULES else 2
     layers = args.layers_per_stage / chunks

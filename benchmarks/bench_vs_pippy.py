@@ -45,6 +45,7 @@ import queue
 import socket
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -109,28 +110,43 @@ def pippy_worker(rank: int, port: int, args: argparse.Namespace, commands: list,
         last = rank == NUM_STAGES - 1
         while (command := commands[rank].get()) is not None:
             count, max_norm = command
-            times, losses = [], []
-            for _ in range(count):
-                step_losses: list[torch.Tensor] = []
-                dist.barrier()
-                start = time.perf_counter()
+
+            def step(losses: list[torch.Tensor]) -> None:
                 if rank == 0:
                     schedule.step(inputs)
                 else:
-                    schedule.step(target=targets, losses=step_losses)
+                    schedule.step(target=targets, losses=losses)
                 if max_norm is not None:  # global-norm clipping, as raypipe does it
                     squared = get_total_norm([p.grad for p in parameters]).float().pow(2)
                     dist.all_reduce(squared)
                     clip_grads_with_norm_(parameters, max_norm, squared.sqrt())
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                dist.barrier()
-                times.append(time.perf_counter() - start)
-                if last:
-                    losses.append(float(torch.stack(step_losses).detach().mean()))
-            results.put((rank, times, losses))
+
+            results.put((rank, *timed_steps(count, step, optimizer, last)))
     finally:
         dist.destroy_process_group()
+
+
+def timed_steps(count: int, step: Callable[[list[torch.Tensor]], None], optimizer: torch.optim.Optimizer,
+                last: bool) -> tuple[list[float], list[float]]:
+    """``count`` PiPPy steps on this rank, each timed between two barriers of every rank:
+    ``step(losses)`` (the schedule's step, appending the last stage's micro-batch losses to
+    ``losses``), then the optimizer's. Returns the step times and, on the rank that holds the
+    last stage (``last``), each step's mean loss (else none)."""
+    import torch.distributed as dist
+
+    times, losses = [], []
+    for _ in range(count):
+        step_losses: list[torch.Tensor] = []
+        dist.barrier()
+        start = time.perf_counter()
+        step(step_losses)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        if last:
+            losses.append(float(torch.stack(step_losses).detach().mean()))
+    return times, losses
 
 
 class PippyRunner:

@@ -51,7 +51,6 @@ directory of its own; a ``--data`` given must have been prepared with ``--pack``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -59,9 +58,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from jobs.job_summary import print_summary  # noqa: E402
 from raypipe.config import (activation_arguments, add_activation_arguments,  # noqa: E402
                             add_schedule_arguments, max_replicas, parse_balance, parse_replicas,
                             replicas_for_config, schedule_arguments)
+from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
 from raypipe.run import RunConfig, dataset_path, train  # noqa: E402
@@ -142,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
                              "extra replica (default: 0)")
+    parser.add_argument("--boundary-shapes", default="learned", choices=BOUNDARY_SHAPES,
+                        help="each boundary's dtype and shape sent once and learned, or a header before every "
+                             "activation (for models whose boundary shapes change) (default: learned)")
     add_schedule_arguments(parser)
     parser.add_argument("--micro-batches", type=int,
                         help="micro-batches per optimizer step and replica; elastic: per replica of MAX (7b: 32)")
@@ -249,7 +253,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                   "max_failures": None if args.max_failures == -1 else args.max_failures,
                   "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
-                  "replace_timeout_s": args.replace_timeout, "spare_workers": args.spare_workers})
+                  "replace_timeout_s": args.replace_timeout, "spare_workers": args.spare_workers,
+                  "boundary_shapes": args.boundary_shapes})
 
 
 def replicas_text(replicas: int | tuple[int, int]) -> str:
@@ -283,12 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = train(run_config(args), callback=None if args.progress else log_step,
                     on_start=lambda first_step: print(resume_line(first_step, args), flush=True))
-    if summary["steps_run"] == 0:
-        return 0
-    shown = {k: summary[k] for k in ("num_parameters", "steps", "steps_run", "initial_loss", "final_loss",
-                                     "final_eval_loss", "tokens_per_second")}
-    print(json.dumps(shown, indent=2))
-    print(f"outputs in {args.out}; checkpoints in {summary['checkpoint_dir']}")
+    print_summary(summary, args.out)
     return 0
 
 

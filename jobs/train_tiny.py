@@ -18,15 +18,16 @@ first_step, resumed_from_step).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from jobs.job_summary import print_summary  # noqa: E402
 from raypipe.config import (STEP_CALLS, TRANSPORTS, PipelineConfig, activation_arguments,  # noqa: E402
                             add_activation_arguments, add_schedule_arguments, parse_balance, parse_replicas,
                             replicas_for_config, schedule_arguments)
+from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
 
@@ -55,10 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--transport", default=PipelineConfig.transport, choices=TRANSPORTS,
                         help=f"executor/transport between stages (default {PipelineConfig.transport})")
-    parser.add_argument("--step-calls", default=PipelineConfig.step_calls, choices=STEP_CALLS,
+    parser.add_argument("--step-calls", default=PipelineConfig.step_calls, choices=(*STEP_CALLS, "direct"),
                         help="how the driver starts each p2p step: over a connection to each worker, or as "
-                             "actor tasks "
+                             "actor tasks (\"direct\": the old name of \"connections\", deprecated) "
                              f"(default {PipelineConfig.step_calls})")
+    parser.add_argument("--boundary-shapes", default=PipelineConfig.boundary_shapes, choices=BOUNDARY_SHAPES,
+                        help="p2p: each boundary's dtype and shape sent once and learned, or a header before every "
+                             f"activation (for models whose boundary shapes change) (default "
+                             f"{PipelineConfig.boundary_shapes})")
     parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
@@ -93,18 +98,14 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   **schedule_arguments(args),
                   "balance": args.balance, **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port,
+                  "boundary_shapes": args.boundary_shapes,
                   "spare_workers": args.spare_workers})
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     summary = train(run_config(args), on_start=lambda first_step: print(_resume_line(first_step, args), flush=True))
-    if summary["steps_run"] == 0:
-        return 0
-    shown = {k: summary[k] for k in ("steps", "steps_run", "initial_loss", "final_loss", "final_eval_loss",
-                                     "tokens_per_second")}
-    print(json.dumps(shown, indent=2))
-    print(f"outputs in {args.out}: summary.json loss.png trace.json timeline.png checkpoints/")
+    print_summary(summary, args.out)
     return 0
 
 

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from raypipe.data import add_prepare_arguments
     from raypipe.data.verify import add_verify_arguments
-    from raypipe.planning.plan_arguments import add_plan_arguments
+    from raypipe.planning.plan import add_plan_arguments
 
     add_plan_arguments(commands.add_parser("plan", help="predict per-stage memory of a model and pipeline; with "
                                                     "--cluster, search the fastest shape on N GPUs"))

@@ -4,12 +4,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raypipe.core.ops import worker_and_chunk
-from raypipe.core.schedule import PLACEMENT, SCHEDULES, check_chunks
+from raypipe.core.ops import BOUNDARY_SHAPES, worker_and_chunk
+from raypipe.core.schedule import NATURAL_CHUNKS, PLACEMENT, SCHEDULES, check_chunks, check_interleaved_micro_batches
 from raypipe.core.validation import (check_bool, check_choice, check_int, check_number, check_positive_int,
                                      check_positive_number, check_renamed, from_mapping)
 from raypipe.errors import ConfigError
@@ -18,7 +19,7 @@ CHECKPOINT_MODES = ("never", "always", "except_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "raise")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
-STEP_CALLS = ("direct", "tasks")
+STEP_CALLS = ("connections", "tasks")
 BALANCE_MODES = ("parameters", "time")  # PipelineConfig.balance other than a list: what the stages balance
 # Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
 _RENAMED: dict[str, str] = {
@@ -26,6 +27,9 @@ _RENAMED: dict[str, str] = {
     "checkpoint_segments": "activation_checkpoint_segments",
     "offload": "offload_activations",
 }
+# Old values of a field -> the new one, accepted with a DeprecationWarning: "direct" names Ray Direct
+# Transport only, so the driver's calls over its connections to the workers are "connections".
+_RENAMED_VALUES: dict[tuple[str, str], str] = {("step_calls", "direct"): "connections"}
 
 
 @dataclass
@@ -43,8 +47,10 @@ class PipelineConfig:
     num_replicas: int | tuple[int, int] = 1
     shard_optimizer: bool = False  # ZeRO-1: each replica of a stage keeps the optimizer state of its own parameters
     schedule: str = "gpipe"
-    # model chunks per worker (v): interleaved_1f1b takes v >= 2, zbv v = 2, gpipe, 1f1b and zb_h1 v = 1
-    virtual_stages: int = 1
+    # model chunks per worker (v): interleaved_1f1b takes v >= 2, zbv v = 2, gpipe, 1f1b and zb_h1 v = 1; None (the
+    # default): the schedule's own (NATURAL_CHUNKS: 2 for interleaved_1f1b and zbv, 1 for the others), resolved
+    # here to that int, and again for the new schedule of a replace(schedule=...)
+    virtual_stages: int | None = None
     activation_checkpoint: str = "never"  # recompute activations in backward: "never" | "always" | "except_last"
     activation_checkpoint_segments: int | None = None  # keep every k-th layer input inside a stage
     offload_activations: bool = False  # kept stage inputs live in Ray's object store
@@ -57,11 +63,15 @@ class PipelineConfig:
     balance: list[int] | str | None = None
     # "p2p": one call per worker per step, direct sends; "object_store", "gloo", "nccl": a task per op
     transport: str = "p2p"
-    # how the driver starts each step of transport="p2p": "direct" (over a connection from the driver to each
-    # worker, ~0.1 ms for two) or "tasks" (an actor task per worker, ~1 ms each)
-    step_calls: str = "direct"
+    # how the driver starts each step of transport="p2p": "connections" (over a connection from the driver to
+    # each worker, ~0.1 ms for two) or "tasks" (an actor task per worker, ~1 ms each); "direct" is the old name
+    step_calls: str = "connections"
     nonfinite: str = "skip"  # a non-finite loss or gradient norm: "skip" the update everywhere, or "raise"
     p2p_timeout_s: float = 300.0  # a p2p receive waiting longer than this fails the step
+    # how an activation's dtype and shape reach the next stage (transport="p2p"): "learned", in a header the first
+    # time each message key crosses and the payload alone after (a shape that then changes fails the step, which
+    # is retried with headers on that key); "headers", a header before every activation (docs/guide.md)
+    boundary_shapes: str = "learned"
     use_gpu: bool | None = None  # None: use a GPU per stage when the cluster has GPUs
     cpus_per_stage: int = 1
     placement_timeout_s: float = 60.0
@@ -84,8 +94,26 @@ class PipelineConfig:
     peak_flops_per_second: float | None = None  # per device; None: known GPUs only
     ray_address: str | None = None  # None: connected cluster, RAY_ADDRESS, or a local one
 
+    def __post_init__(self) -> None:
+        for (name, old), new in _RENAMED_VALUES.items():
+            if getattr(self, name) == old:
+                warnings.warn(f'{name}="{old}" is renamed {name}="{new}"; "{old}" will be refused in a later release',
+                              DeprecationWarning, stacklevel=3)
+                setattr(self, name, new)
+        # whether virtual_stages was given: one left to the schedule follows a schedule changed later
+        self._virtual_stages_given = self.virtual_stages is not None
+        self._resolve_virtual_stages()
+
+    def _resolve_virtual_stages(self) -> None:
+        """``virtual_stages`` not given: the schedule's natural value (1 for a schedule it does not know,
+        which :meth:`validate` then names)."""
+        if not self._virtual_stages_given:
+            self.virtual_stages = NATURAL_CHUNKS.get(self.schedule, 1)
+
     def validate(self, num_layers: int | None = None) -> None:
-        """Raise :class:`ConfigError` on the first invalid field."""
+        """Raise :class:`ConfigError` on the first invalid field (``virtual_stages`` left unset is
+        first resolved for the schedule set now)."""
+        self._resolve_virtual_stages()
         check_positive_int("num_stages", self.num_stages)
         check_positive_int("num_micro_batches", self.num_micro_batches)
         check_replicas(self.num_replicas)
@@ -100,6 +128,7 @@ class PipelineConfig:
                               "executor only (its gradient reduction is a collective inside the group): use "
                               "transport='p2p'")
         check_choice("step_calls", self.step_calls, STEP_CALLS)
+        check_choice("boundary_shapes", self.boundary_shapes, BOUNDARY_SHAPES)
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_balance(self.balance)
         if self.activation_checkpoint_segments is not None:
@@ -132,21 +161,23 @@ class PipelineConfig:
         try:
             check_chunks(self.schedule, self.virtual_stages)
         except ValueError as error:
-            raise ConfigError("virtual_stages", self.virtual_stages, str(error)) from None
+            raise ConfigError("virtual_stages", self.virtual_stages, f"{error} (leave virtual_stages unset, None, "
+                              f"for the schedule's own: {NATURAL_CHUNKS[self.schedule]})") from None
         if self.virtual_stages == 1:
             return
         if self.transport != "p2p":
             raise ConfigError("transport", self.transport, f"schedule {self.schedule!r} (virtual_stages="
                               f"{self.virtual_stages}) runs on the per-step executor only: use transport='p2p'")
         if self.schedule == "interleaved_1f1b":
-            if self.num_micro_batches % self.num_stages:
-                raise ConfigError("num_micro_batches", self.num_micro_batches, "interleaved_1f1b needs a multiple "
-                                  f"of num_stages ({self.num_stages}) per replica: it runs micro-batches in whole "
-                                  "rounds of num_stages (Megatron's rule)")
+            try:
+                check_interleaved_micro_batches(self.num_stages, self.num_micro_batches)
+            except ValueError as error:
+                raise ConfigError("num_micro_batches", self.num_micro_batches, f"per replica: {error}") from None
             if self.elastic:
                 raise ConfigError("num_replicas", self.num_replicas, "interleaved_1f1b runs a fixed number of "
-                                  "replicas: an elastic run splits the step unevenly, and each replica's share must "
-                                  "be a multiple of num_stages (use zbv, or a fixed num_replicas)")
+                                  "replicas: an elastic run splits the step unevenly, and not every replica's share "
+                                  "splits into equal rounds (m % max(1, m // num_stages) == 0; use zbv, or a fixed "
+                                  "num_replicas)")
 
     @property
     def num_virtual_stages(self) -> int:
@@ -208,7 +239,10 @@ class PipelineConfig:
         return self.num_micro_batches * self.max_replicas
 
     def replace(self, **changes: Any) -> PipelineConfig:
-        """A copy with some fields changed."""
+        """A copy with some fields changed. A ``virtual_stages`` left unset stays so: a new ``schedule``
+        brings its own natural value; one given is kept as given."""
+        if not self._virtual_stages_given:
+            changes.setdefault("virtual_stages", None)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -301,11 +335,12 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline schedule: gpipe, 1f1b, zb_h1 (1F1B's memory, the backward split into "
                              "input and weight gradients, the weight gradients deferred into the drain's bubble), "
                              "interleaved_1f1b (--virtual-stages >= 2 model chunks per worker: 1/v of 1F1B's bubble; "
-                             "micro-batches a multiple of --stages) or zbv (two chunks per worker in a V, zero "
-                             "bubble with equal F, I and W) (default: gpipe)")
+                             "micro-batches in equal rounds, m %% max(1, m // stages) == 0) or zbv (two chunks per "
+                             "worker in a V, zero bubble with equal F, I and W) (default: gpipe)")
     parser.add_argument("--virtual-stages", type=int, default=PipelineConfig.virtual_stages, metavar="V",
                         help="model chunks per worker (PipelineConfig.virtual_stages): >= 2 for interleaved_1f1b, "
-                             "exactly 2 for zbv, 1 for the others (default: 1)")
+                             "exactly 2 for zbv, 1 for the others (default: the schedule's own, 2 for "
+                             "interleaved_1f1b and zbv, 1 for the others)")
 
 
 def schedule_arguments(args: argparse.Namespace) -> dict[str, Any]:

@@ -50,6 +50,38 @@ class StepAborted(StageError):
     when one exists."""
 
 
+class BoundaryShapeChanged(StageError):
+    """What a stage sends across a boundary no longer has the signature learned for its
+    message key (``boundary_shapes="learned"``: a tensor's dtype and shape, or a tree's
+    layout, recorded the first time the key crossed, with headers): the sender sent nothing
+    of it and the step failed as any failing stage fails it, changing nothing. ``keys``: the
+    message keys (:func:`raypipe.core.ops.message_key`) to mark dynamic on every worker
+    (:meth:`raypipe.comm.p2p.P2PChannel.mark_dynamic`) so that they keep headers; ``peer``
+    the stage it was sent to; ``before`` and ``after`` the signatures, as text."""
+
+    def __init__(self, stage: int, peer: int, micro_batch: int | None, before: str, after: str,
+                 keys: tuple[int, ...], replica: int | None = None, remote_traceback: str = "",
+                 original: BaseException | None = None) -> None:
+        self.peer, self.before, self.after, self.keys = peer, before, after, tuple(keys)
+        super().__init__(stage, "send", micro_batch, "", remote_traceback, original, replica)
+        where = "" if replica is None else f"replica {replica}, "
+        self.message = (f"{where}stage {stage}'s output to stage {peer}"
+                        + ("" if micro_batch is None else f", micro-batch {micro_batch}")
+                        + f", changed from {before} to {after}\n"
+                        f"(boundary_shapes=\"learned\" sends the signature the first time a message key "
+                        f"crosses and the payload only afterwards; message key(s) {list(self.keys)} are "
+                        f"to keep headers: retry the step with them marked dynamic, or set "
+                        f"boundary_shapes=\"headers\" for a model whose boundary shapes depend on the data)")
+        self.args = (self.message,)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # keep the fields across Ray's pickling
+        return (type(self), (self.stage, self.peer, self.micro_batch, self.before, self.after, self.keys,
+                             self.replica, self.remote_traceback, _picklable(self.original)))
+
+
 def _picklable(error: BaseException | None) -> BaseException | None:
     """The error itself if it survives pickling, else a RuntimeError with its text."""
     import pickle

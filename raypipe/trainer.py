@@ -1,8 +1,8 @@
 """PipelineTrainer: the facade users see. It composes the
 :class:`~raypipe.control.controller.Controller` (the one owner of the running
 layout: workers, topology, partition, the config in force, snapshots), the
-:class:`~raypipe.control.steps.StepRunner` (a step from its batch to its result),
-the checkpoint manager (:class:`~raypipe.checkpoint.trainer_state.TrainerState`)
+:class:`~raypipe.control.steps.TrainerStep` (a step from its batch to its result),
+the checkpoint manager (:class:`~raypipe.checkpoint_manager.trainer_state.TrainerState`)
 and the metrics, and keeps the step count and the loss scale."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.checkpoint.trainer_state import TrainerState, TrainingProgress
+from raypipe.checkpoint_manager.trainer_state import TrainerState, TrainingProgress
 from raypipe.config import PipelineConfig
 from raypipe.control.controller import Controller, StageModel
-from raypipe.control.steps import Batch, StepRunner
+from raypipe.control.steps import Batch, TrainerStep
 from raypipe.core.loss_scale import LossScaler
 from raypipe.core.micro_batches import count_samples
 from raypipe.core.result import StepResult
@@ -77,7 +77,7 @@ class PipelineTrainer:
             metrics=self.metrics, settle_saves=lambda: self._checkpoints.settle_saves(),
             steps=lambda: self._progress.step_count)
         self._checkpoints = TrainerState(self._controller, self._progress, layer_names, describe_llama(layers))
-        self._steps = StepRunner(self._controller, self._progress, self._loss_count_fn, lambda: self.metrics)
+        self._steps = TrainerStep(self._controller, self._progress, self._loss_count_fn, lambda: self.metrics)
         self._start()
 
     # -- lifecycle ------------------------------------------------------------
@@ -102,9 +102,11 @@ class PipelineTrainer:
     resizes = property(lambda self: self._controller.resizes, doc="(step_count, direction, replicas after) of each "
                        "resize: shrink/grow (elastic), repartition/restore (stages).")
     scaler = property(lambda self: self._progress.scaler, doc="The fp16 loss scaler, else None.")
-    _group = property(lambda self: self._controller.group)
-    _executor = property(lambda self: self._controller.executor)
-    _recovery = property(lambda self: self._controller.recovery)
+    layout = property(lambda self: self._controller.layout, doc="The running layout, frozen (a "
+                      ":class:`~raypipe.control.controller.Layout`: the workers' handles in rank order, the "
+                      "partition, the topology and the config in force).")
+    spares = property(lambda self: self._controller.spares, doc="The pool of warm spare workers "
+                      "(``spare_workers``), else None.")
 
     @property
     def step_count(self) -> int:
@@ -196,7 +198,7 @@ class PipelineTrainer:
         the exact mean over the whole batch, whatever the number of replicas.
         """
         start = time.time()
-        self._executor.check_usable()
+        self._controller.check_usable()
         batch = self._steps.split(inputs, targets)
         parts = targets if isinstance(targets, (list, tuple)) else [targets]
         num_samples = sum(part.shape[0] for part in parts)
@@ -208,7 +210,7 @@ class PipelineTrainer:
         """One optimizer step whose micro-batches the first and last stages read
         themselves (``(step, micro_batch)`` of the datasets given to :meth:`attach_datasets`)."""
         start = time.time()
-        self._executor.check_usable()
+        self._controller.check_usable()
         return self._steps.run(step, None, start, num_samples, num_tokens, self.num_parameters, self._peak_flops())
 
     def attach_datasets(self, train: Any, validation: Any = None,
@@ -226,16 +228,14 @@ class PipelineTrainer:
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over ``(inputs, targets)`` with a forward-only pass."""
-        self._executor.check_usable()
+        self._controller.check_usable()
         batch = self._steps.split(inputs, targets)
-        return self._steps.evaluated(self._controller.between_steps(
-            lambda: self._executor.evaluate(self.step_count, batch), self.step_count, "during evaluate"))
+        return self._steps.evaluated(self._controller.evaluate(self.step_count, batch))
 
     def evaluate_from_datasets(self, step: int) -> float:
         """Validation loss of the validation dataset's ``step``, read by the stages."""
-        self._executor.check_usable()
-        return self._steps.evaluated(self._controller.between_steps(lambda: self._executor.evaluate(step, None),
-                                                              self.step_count, "during evaluate"))
+        self._controller.check_usable()
+        return self._steps.evaluated(self._controller.evaluate(step, None))
 
     def fit(self, dataset: Any, steps: int, **options: Any) -> list[StepResult]:
         """Train for ``steps`` steps on ``dataset``; see :func:`raypipe.fit.fit`."""

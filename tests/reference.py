@@ -1,10 +1,20 @@
-"""An independent reference: one process, plain PyTorch, gradient accumulation."""
+"""An independent reference: one process, plain PyTorch, gradient accumulation; and the two
+ways a test trains the pipeline it compares with it: on Ray (:func:`on_ray`), or in one process
+through the step runner that trains (:func:`in_process`, :class:`InterpretedTrainer`)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
 
+import raypipe
 from raypipe.checkpoint.store import read_layer
+from raypipe.core.loss_scale import LossScaler
+from raypipe.core.result import StepResult
+from raypipe.core.step_decision import OVERFLOW
+from raypipe.observability.step_report import build_step_result
+from raypipe.testing.op_interpreter import OpInterpreter
 
 
 def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, inputs, targets,
@@ -156,3 +166,43 @@ def executor_options(name: str) -> dict:
     connection to each worker)."""
     transport, _, step_calls = name.partition("-")
     return {"transport": transport, **({"step_calls": step_calls} if step_calls else {})}
+
+
+class InterpretedTrainer:
+    """The trainer's step on :class:`OpInterpreter` (the step runner that trains, over the in-memory
+    channel): what a Ray run adds no arithmetic to. Its steps give the trainer's :class:`StepResult`
+    (built from the workers' reports and decision as the driver builds it), so a cell moved off Ray
+    keeps its assertions."""
+
+    def __init__(self, layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, **options) -> None:
+        self.pipeline = OpInterpreter(list(layers), loss_fn, optimizer_factory, config, **options)
+        self.config, self.step_count = config, 0
+        # fp16: the trainer's dynamic loss scale, lowered on an overflow and grown after clean steps
+        self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
+                                 min_scale=config.min_loss_scale) if config.precision == "fp16" else None
+
+    def step(self, inputs, targets) -> StepResult:
+        if self.scaler is not None:
+            self.pipeline.loss_scale = self.scaler.scale
+        decision = self.pipeline.step(self.step_count, inputs, targets)
+        if self.scaler is not None:
+            self.scaler.update(decision.skip_reason == OVERFLOW)
+        self.step_count += 1
+        return build_step_result(
+            step=self.step_count - 1, loss=decision.loss, grad_norm=decision.grad_norm,
+            max_norm=self.config.clip_grad_norm, skip_reason=decision.skip_reason, loss_scale=self.pipeline.loss_scale,
+            step_time=1.0, num_samples=0, num_tokens=0, reports=self.pipeline.reports, num_parameters=0,
+            peak_flops=None, num_devices=1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.pipeline.state_dict()
+
+
+def on_ray(layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, **options):
+    """A trainer on Ray (a context manager, as the in-process one below)."""
+    return raypipe.PipelineTrainer(layers, loss_fn, optimizer_factory, config, **options)
+
+
+def in_process(layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, **options):
+    """An :class:`InterpretedTrainer`, as a context manager."""
+    return contextlib.nullcontext(InterpretedTrainer(layers, loss_fn, optimizer_factory, config, **options))

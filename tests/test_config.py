@@ -1,6 +1,7 @@
 """Every invalid config raises a ConfigError naming the field, the value and what is allowed."""
 import argparse
 import dataclasses
+import pickle
 import re
 import runpy
 from pathlib import Path
@@ -11,7 +12,7 @@ from raypipe import ConfigError, PipelineConfig
 from raypipe.cli import main as raypipe_cli
 from raypipe.config import load_yaml, max_replicas, parse_replicas, replicas_for_config
 from raypipe.core.loss_scale import LossScaler
-from raypipe.core.schedule import SCHEDULES
+from raypipe.core.schedule import NATURAL_CHUNKS, SCHEDULES
 from raypipe.models.llama import get_config
 from raypipe.planning.memory import estimate_pipeline, estimate_stage
 from raypipe.run import RunConfig
@@ -51,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
     ({"spare_workers": -1}, 4, "spare_workers"),
     ({"spare_workers": 1.5}, 4, "spare_workers"),
     ({"spare_workers": True}, 4, "spare_workers"),
+    ({"boundary_shapes": "static"}, 4, "boundary_shapes"),
 ])
 def test_invalid_config_names_field_value_and_allowed(changes, num_layers, field):
     config = PipelineConfig(**changes)
@@ -136,6 +138,24 @@ def test_spare_workers_from_yaml_and_the_jobs_flags(tmp_path):
         load_job("train_7b")["parse_args"](["--preset", "tiny", "--spare-workers", "-1"])
 
 
+def test_boundary_shapes_from_yaml_and_the_jobs_flags(tmp_path):
+    assert PipelineConfig().boundary_shapes == "learned"
+    assert load_yaml(REPO / "configs" / "tiny.yaml")["pipeline"]["boundary_shapes"] == "learned"
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\npipeline:\n  num_stages: 2\n  boundary_shapes: headers\n")
+    assert PipelineConfig.from_dict(RunConfig.from_dict(load_yaml(path)).pipeline).boundary_shapes == "headers"
+    for name, extra in (("train_tiny", []), ("train_7b", ["--preset", "tiny"])):
+        job = load_job(name)
+        assert job["run_config"](job["parse_args"](extra)).pipeline["boundary_shapes"] == "learned"
+        args = job["parse_args"]([*extra, "--boundary-shapes", "headers"])
+        assert PipelineConfig.from_dict(job["run_config"](args).pipeline).boundary_shapes == "headers"
+        with pytest.raises(SystemExit):
+            job["parse_args"]([*extra, "--boundary-shapes", "static"])
+    with pytest.raises(ConfigError,
+                       match=r"^invalid boundary_shapes='static': must be one of \['learned', 'headers'\]"):
+        PipelineConfig(boundary_shapes="static").validate()
+
+
 def test_schedule_from_yaml_and_the_jobs_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: tiny\npipeline:\n  num_stages: 2\n  schedule: zb_h1\n")
@@ -143,17 +163,62 @@ def test_schedule_from_yaml_and_the_jobs_flags(tmp_path):
     for name, extra in (("train_tiny", []), ("train_7b", ["--preset", "tiny"])):
         job = load_job(name)
         assert job["run_config"](job["parse_args"](extra)).pipeline["schedule"] == "gpipe"
+        assert job["run_config"](job["parse_args"](extra)).pipeline["virtual_stages"] is None  # the schedule's own
         for schedule in SCHEDULES:
-            chunks = {"interleaved_1f1b": ["--virtual-stages", "2", "--stages", "2"], "zbv": ["--virtual-stages", "2"]}
-            args = job["parse_args"]([*extra, "--schedule", schedule, *chunks.get(schedule, [])])
-            config = PipelineConfig.from_dict(job["run_config"](args).pipeline)
-            config.validate()
-            assert (config.schedule, config.virtual_stages) == (schedule, 2 if schedule in chunks else 1)
+            for chunks in ([], ["--virtual-stages", "2"] if schedule in ("interleaved_1f1b", "zbv") else []):
+                args = job["parse_args"]([*extra, "--schedule", schedule, *chunks])
+                config = PipelineConfig.from_dict(job["run_config"](args).pipeline)
+                config.validate()
+                assert (config.schedule, config.virtual_stages) == (schedule, NATURAL_CHUNKS[schedule])
+        args = job["parse_args"]([*extra, "--schedule", "interleaved_1f1b", "--virtual-stages", "3"])
+        assert PipelineConfig.from_dict(job["run_config"](args).pipeline).virtual_stages == 3
         with pytest.raises(SystemExit):
             job["parse_args"]([*extra, "--schedule", "zb_v"])
-        with pytest.raises(ConfigError, match="virtual_stages.*zbv holds exactly v=2"):
-            PipelineConfig.from_dict(job["run_config"](job["parse_args"]([*extra, "--schedule", "zbv"])).pipeline
-                                     ).validate()
+        with pytest.raises(ConfigError, match=r"^invalid virtual_stages=1: zbv holds exactly v=2 .*\(leave "
+                                              r"virtual_stages unset, None, for the schedule's own: 2\)"):
+            args = job["parse_args"]([*extra, "--schedule", "zbv", "--virtual-stages", "1"])
+            PipelineConfig.from_dict(job["run_config"](args).pipeline).validate()
+
+
+def test_virtual_stages_left_unset_are_the_schedules_own_and_follow_a_replaced_schedule():
+    assert PipelineConfig.virtual_stages is None
+    assert {name: PipelineConfig(schedule=name).virtual_stages for name in SCHEDULES} == {
+        "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
+    config = PipelineConfig(num_stages=2, num_micro_batches=4)
+    zbv = config.replace(schedule="zbv")
+    assert zbv.virtual_stages == 2 and zbv.num_virtual_stages == 4 and zbv.loss_stage == 0
+    zbv.validate(4)
+    assert zbv.replace(schedule="1f1b").virtual_stages == 1  # still unset: back to one chunk
+    assert config.replace(num_stages=4).replace(schedule="interleaved_1f1b").virtual_stages == 2
+    # given, it is kept as given: a schedule that does not take it is refused, naming the field
+    given = PipelineConfig(num_stages=2, num_micro_batches=4, schedule="interleaved_1f1b", virtual_stages=3)
+    assert given.replace(num_micro_batches=8).virtual_stages == 3
+    with pytest.raises(ConfigError, match=r"^invalid virtual_stages=3: zbv holds exactly v=2") as caught:
+        given.replace(schedule="zbv").validate()
+    assert caught.value.field == "virtual_stages"
+    assert given.replace(schedule="zbv", virtual_stages=None).virtual_stages == 2
+    # a schedule set on the object after it was made is resolved when validated; the YAML's null is unset
+    later = PipelineConfig(num_stages=2, num_micro_batches=4)
+    later.schedule = "zbv"
+    later.validate(4)
+    assert later.virtual_stages == 2
+    assert PipelineConfig.from_dict({"schedule": "zbv", "virtual_stages": None}).virtual_stages == 2
+    assert load_yaml(REPO / "configs" / "tiny.yaml")["pipeline"]["virtual_stages"] is None
+    assert PipelineConfig(schedule="zbv") == PipelineConfig(schedule="zbv", virtual_stages=2)
+    assert pickle.loads(pickle.dumps(config)).replace(schedule="zbv").virtual_stages == 2
+
+
+def test_interleaved_takes_the_m_torchs_interleaved_schedule_takes():
+    accepted = []
+    for m in range(1, 17):
+        try:
+            PipelineConfig(num_stages=4, num_micro_batches=m, schedule="interleaved_1f1b").validate()
+            accepted.append(m)
+        except ConfigError as error:
+            assert error.field == "num_micro_batches"
+            assert str(error).startswith(f"invalid num_micro_batches={m}: per replica: interleaved_1f1b needs m "
+                                         "micro-batches that split into max(1, m // p) equal rounds")
+    assert accepted == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 16]
 
 
 def test_virtual_stages_are_checked_against_the_schedule_transport_micro_batches_and_layers():
@@ -161,13 +226,13 @@ def test_virtual_stages_are_checked_against_the_schedule_transport_micro_batches
     PipelineConfig(num_stages=2, num_micro_batches=3, schedule="zbv", virtual_stages=2).validate(4)
     PipelineConfig(num_stages=2, num_micro_batches=3, schedule="zbv", virtual_stages=2, use_gpu=True).validate(4)
     cases = [
-        (dict(schedule="interleaved_1f1b"), "virtual_stages", "needs v >= 2"),
+        (dict(schedule="interleaved_1f1b", virtual_stages=1), "virtual_stages", "needs v >= 2"),
         (dict(schedule="zbv", virtual_stages=3), "virtual_stages", "exactly v=2"),
         (dict(schedule="1f1b", virtual_stages=2), "virtual_stages", "one chunk per worker"),
         (dict(schedule="zbv", virtual_stages=0), "virtual_stages", "int >= 1"),
         (dict(schedule="zbv", virtual_stages=2, transport="gloo"), "transport", "per-step executor only"),
-        (dict(schedule="interleaved_1f1b", virtual_stages=2, num_micro_batches=3), "num_micro_batches",
-         "multiple of num_stages"),
+        (dict(schedule="interleaved_1f1b", virtual_stages=2, num_micro_batches=5), "num_micro_batches",
+         "split into max"),
         (dict(schedule="interleaved_1f1b", virtual_stages=2, num_replicas=(1, 2)), "num_replicas", "fixed number"),
         (dict(schedule="zbv", virtual_stages=2, balance=[1, 1]), "balance", "one entry per virtual stage"),
     ]
@@ -365,3 +430,14 @@ def test_a_schedule_of_model_chunks_runs_on_the_per_step_executor_and_zb_h1_ever
                                transport=transport).validate()
     for transport in ("p2p", "object_store", "gloo"):
         PipelineConfig(num_stages=2, num_micro_batches=4, schedule="zb_h1", transport=transport).validate()
+
+
+def test_the_old_name_of_a_step_calls_value_still_works_with_a_deprecation_warning():
+    # "direct" names Ray Direct Transport only; the driver's calls over its connections are "connections"
+    with pytest.warns(DeprecationWarning, match='step_calls="direct" is renamed step_calls="connections"'):
+        config = PipelineConfig(step_calls="direct")
+    assert config.step_calls == "connections"
+    config.validate()
+    with pytest.warns(DeprecationWarning):
+        assert PipelineConfig.from_dict({"step_calls": "direct"}).step_calls == "connections"
+    assert PipelineConfig().step_calls == "connections"

@@ -77,6 +77,7 @@ def test_fit_rejects_a_dataset_with_other_micro_batches(ray_cluster, data):
             trainer.fit(TokenDataset(data, micro_batch_size=2, num_micro_batches=3), 1, progress=False)
 
 
+@pytest.mark.cluster
 def test_a_killed_reading_stage_in_fit_costs_no_step_and_no_sample(ray_cluster, data):
     """fit with SIGKILLs of the first stage and of the last (both read the dataset): the
     replacements get the datasets again, and every loss and weight is bitwise the same."""

@@ -5,7 +5,7 @@ aborting it from another thread.
 With data parallelism the group holds every replica's stages (rank =
 :meth:`~raypipe.core.topology.Topology.rank`, replica-major); the workers of one
 stage across replicas also form a subgroup, :attr:`GroupMembership.replicas`
-(:mod:`raypipe.comm.replicas`). Headers, layouts and the step's all-reduce of
+(:mod:`raypipe.comm.replicas`). Headers, structures and the step's all-reduce of
 gradient statistics go over a control channel of CPU tensors on gloo
 (:attr:`GroupMembership.control`) even when the tensors go over NCCL, so decoding a
 header never waits on a GPU stream; on a gloo-only run it is the group itself.
@@ -118,7 +118,7 @@ class GroupMembership:
 
     def collective(self, work: Any) -> Any:
         """A data-group collective's Work, under NCCL's rules when they are emulated."""
-        return SilentCollective(work) if self.in_order and self.matching.stream else work
+        return SilentCollective(work, self.waits.pool) if self.in_order and self.matching.stream else work
 
     def stop_stream(self) -> None:
         if self.in_order and self.matching.stream is not None:

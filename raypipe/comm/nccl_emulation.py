@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypipe.comm.polled_wait import WaitedOnThread
+from raypipe.comm.polled_wait import WaitedOnThread, WaitingThreads
 
 ENVIRONMENT_VARIABLE = "RAYPIPE_EMULATE_NCCL"
 
@@ -71,12 +71,12 @@ class SilentCollective:
 
     Some of gloo's collectives run, or say they completed, only once waited for
     (``reduce_scatter_single``: ZeRO-1's gradient reduction), where NCCL's
-    complete on their own; so the gloo Work is waited for on a thread of its own
+    complete on their own; so the gloo Work is waited for on a thread of ``pool``
     once first polled (:class:`~raypipe.comm.polled_wait.WaitedOnThread`), and
     a polled wait sees it complete as NCCL's would."""
 
-    def __init__(self, work: Any) -> None:
-        self._work, self._failed = WaitedOnThread(work), False
+    def __init__(self, work: Any, pool: WaitingThreads) -> None:
+        self._work, self._failed = WaitedOnThread(work, pool), False
 
     def is_completed(self) -> bool:
         if self._failed or not self._work.is_completed():

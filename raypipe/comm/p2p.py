@@ -13,9 +13,14 @@ their key. Peer stages become ranks through :meth:`~raypipe.core.topology.Topolo
 
 An activation travels as a fixed-size header (its dtype and shape,
 :mod:`raypipe.comm.headers`) and a payload, so micro-batches of any shape flow without
-a fixed-shape agreement; a tree of tensors travels as one payload with its layout
-beside the header (:mod:`raypipe.comm.tree_messages`). A gradient has the shape and
-dtype of the payload sent under the same key, so it needs no header.
+a fixed-shape agreement; a tree of tensors travels as one payload with its structure
+inside the header (:mod:`raypipe.comm.tree_messages`). A gradient has the shape and
+dtype of the payload sent under the same key, so it needs no header. With
+``boundary_shapes="learned"`` the header goes only the first time a key crosses: both
+ends record its signature, later steps send the payload alone into a receive posted on
+the recorded buffer (in the exchange's batch under NCCL's rules), and an activation
+whose signature changed is refused before any of it is sent
+(:mod:`raypipe.comm.boundary_signatures`, :class:`~raypipe.errors.BoundaryShapeChanged`).
 
 Gloo hands a message over only once its receive is posted, so with gloo every
 receive is posted as early as the schedule allows
@@ -24,7 +29,8 @@ start of its step, each payload too when its shape is predicted (the shape the
 message of this key had last step, which both sides remember the same way), and a
 gradient's receive as soon as its activation is sent. A payload whose shape
 changed goes under another tag, and the stale prediction is consumed by a filler
-of the predicted size, so no posted receive is ever left unmatched. NCCL matches
+of the predicted size, so no posted receive is ever left unmatched (a key whose
+signature is learned sends no header and no filler: its shape never changes). NCCL matches
 point-to-point messages in stream order and ignores tags
 (:class:`~raypipe.comm.matching.InOrder`): there each payload and gradient is
 received when it is reached (headers are posted ahead all the same, on the
@@ -56,15 +62,17 @@ import torch
 import torch.distributed as dist
 
 from raypipe.comm import tree_messages
+from raypipe.comm.boundary_signatures import HEADERS, BoundarySignature, LearnedSignatures, changed
 from raypipe.comm.headers import (HEADER_LENGTH, PAYLOAD_OF_TREE, TREE, Signature, decode, empty_buffer, encode,
-                                  signature_of, tree_signature)
+                                  inline_structure, structure_inline, signature_of, tree_signature)
 from raypipe.comm.matching import GRADIENT, HEADER, LAYOUT, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
 from raypipe.comm.membership import GroupMembership
-from raypipe.comm.tree_messages import TreeLayout
+from raypipe.comm.tree_messages import TreeStructure
 from raypipe.comm.polled_wait import WaitedOnThread
 from raypipe.comm.step_messages import StepMessages
 from raypipe.core.ops import RECEIVES, RECV_ACT, SEND_ACT, SENDS, LoweredOp, micro_batch_of_key
 from raypipe.core.topology import Topology
+from raypipe.errors import BoundaryShapeChanged
 
 
 class P2PChannel:
@@ -73,16 +81,23 @@ class P2PChannel:
 
     ``num_chunks``: the model chunks each worker holds, so ``topology.num_stages *
     num_chunks`` virtual stages; only to name a failed message's micro-batch from its
-    key (:func:`raypipe.core.ops.micro_batch_of_key`)."""
+    key (:func:`raypipe.core.ops.micro_batch_of_key`). ``boundary_shapes``: ``"learned"``
+    (each key's header goes the first time it crosses, its payload alone after:
+    :mod:`raypipe.comm.boundary_signatures`) or ``"headers"`` (a header before every
+    activation); the worker passes :attr:`raypipe.config.PipelineConfig.boundary_shapes`."""
 
     def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device,
-                 num_chunks: int = 1) -> None:
+                 num_chunks: int = 1, boundary_shapes: str = HEADERS) -> None:
         self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
         self.rank = topology.rank(replica, stage)
         self.num_virtual_stages = topology.num_stages * num_chunks
+        self._learned = LearnedSignatures(boundary_shapes)
         self._group = GroupMembership(topology, replica, stage, device)
         self._waits, self.replicas = self._group.waits, self._group.replicas
         self._messages = StepMessages()
+        # what was issued so far, for the tests and the docs: headers (and structures) sent and received on the
+        # control channel, and operations started on the data channel (receives posted ahead on gloo aside)
+        self.control_messages = self.data_operations_started = 0
         self._batch: list[Operation] | None = None  # while an exchange collects its sends
 
     @property
@@ -105,15 +120,36 @@ class P2PChannel:
     def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False) -> None:
         """Join the group at ``address:port``, its control channel, and this stage's
         replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
-        (:mod:`raypipe.comm.nccl_emulation`)."""
+        (:mod:`raypipe.comm.nccl_emulation`). Learned signatures start afresh."""
+        self._learned.forget()
         self._group.join(address, port, timeout_s, emulate_nccl)
 
     def leave(self) -> None:
         """Drop pending operations and leave the group, closing its connections;
-        forget the predicted shapes (every member leaves before a group re-forms).
-        On NCCL, with operations pending or after an abort, the communicators are
-        aborted: a destroy would wait for the pending work."""
+        forget the predicted shapes and the learned signatures (every member leaves
+        before a group re-forms). On NCCL, with operations pending or after an abort,
+        the communicators are aborted: a destroy would wait for the pending work."""
+        self._learned.forget()
         self._group.leave(self._messages)
+
+    @property
+    def boundary_shapes(self) -> str:
+        """``"learned"`` or ``"headers"`` (see the class)."""
+        return self._learned.mode
+
+    def mark_dynamic(self, keys: Collection[int]) -> None:
+        """Send (and expect) headers on the message ``keys`` for the rest of the run, whatever
+        ``boundary_shapes``: keys whose activation changed signature
+        (:attr:`raypipe.errors.BoundaryShapeChanged.keys`). Both ends of a key must mark it
+        before the same step (the driver passes the keys to every worker with the step's call,
+        and each calls this before its first operation); kept across leaving and joining."""
+        if self._messages.pending:
+            raise RuntimeError(f"stage {self.stage} cannot mark message keys dynamic in the middle of a step")
+        self._learned.mark_dynamic(keys)
+
+    def learned_signature(self, key: int) -> BoundarySignature | None:
+        """The signature recorded for ``key`` (as sent, else as received); None: none is."""
+        return self._learned.sent.get(key) or self._learned.received.get(key)
 
     def abort(self) -> None:
         """Release a step blocked on this channel; callable from any thread (the
@@ -132,9 +168,17 @@ class P2PChannel:
 
     def expect_activations(self, expected: list[tuple[int, int]]) -> None:
         """Post the receives of this step's activations, each a (key, peer stage) pair
-        (headers, and payloads of predicted shape), before they are needed."""
+        (headers, and payloads of predicted shape or learned signature), before they are
+        needed. Under NCCL's rules a learned payload is posted when reached (messages
+        match in issue order), without a header."""
         for key, peer in expected:
             peer_rank = self._peer_rank(peer)
+            learned = self._learned.to_receive(key)
+            if learned is not None:
+                if self._matching.predicts:
+                    payload = empty_buffer(learned.payload, self.device)
+                    self._messages.payloads[key] = self._matching.post(payload, peer_rank, PREDICTED, key), payload
+                continue
             header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._control_device)
             self._messages.headers[key] = self._control_op(dist.irecv, header, peer_rank, key), header
             predicted = self._messages.received.get(key)
@@ -143,60 +187,94 @@ class P2PChannel:
                 self._messages.payloads[key] = self._matching.post(payload, peer_rank, PREDICTED, key), payload
 
     def send_activation(self, tensor: Any, key: int, peer: int) -> None:
-        """Start sending an activation (header, then payload) to stage ``peer`` under
-        ``key``, and post the receive of its gradient (which comes back under the same key).
-        A tree of tensors (not a single tensor) goes as one payload, its layout beside the
-        header (:mod:`raypipe.comm.tree_messages`)."""
+        """Start sending an activation (header, then payload; the payload alone once its
+        key's signature is learned) to stage ``peer`` under ``key``, and post the receive of
+        its gradient (which comes back under the same key). A tree of tensors (not a single
+        tensor) goes as one payload, its structure in the header (:mod:`raypipe.comm.tree_messages`).
+        An activation whose signature differs from the one learned for ``key`` is not sent:
+        :class:`~raypipe.errors.BoundaryShapeChanged`."""
         peer_rank = self._peer_rank(peer)
-        payload, layout = tree_messages.outgoing(tensor, self.stage, self.device)
-        signature, predicted = signature_of(payload), self._messages.sent.get(key)
-        if layout is None:
-            header = encode(signature, self._control_device)
+        payload, structure = tree_messages.outgoing(tensor, self.stage, self.device)
+        signature = signature_of(payload)
+        learned = self._learned.to_send(key)
+        if learned is not None:
+            if learned != BoundarySignature(signature, structure):
+                raise self._shape_changed(key, peer, learned, BoundarySignature(signature, structure))
+            self._send(payload, peer_rank, PREDICTED, key)
         else:
-            described = layout.to_tensor(self._control_device)
-            header = encode(tree_signature(layout.nbytes, described.numel()), self._control_device)
+            self._send_with_header(payload, signature, structure, peer_rank, key)
+        if structure is not None:
+            self._messages.sent_structures[key] = structure
+        gradient = torch.empty_like(payload)
+        self._messages.gradients[key] = self._matching.post(gradient, peer_rank, GRADIENT, key), gradient
+
+    def _send_with_header(self, payload: torch.Tensor, signature: Signature, structure: TreeStructure | None,
+                          peer_rank: int, key: int) -> None:
+        """Send ``payload``'s header (with a tree's ``structure``, or followed by it where it is too large),
+        then the payload; on gloo under the tag of its prediction (a stale prediction's receive
+        consumed by a filler). With learned shapes, the signature is recorded."""
+        predicted = self._messages.sent.get(key)
+        described = b"" if structure is None else structure.to_bytes()
+        inline = structure_inline(len(described))
+        header = encode(signature if structure is None else tree_signature(structure.nbytes, len(described)),
+                        self._control_device, described if inline else b"")
         self._messages.sends.append((self._control_op(dist.isend, header, peer_rank, key), header))
-        if layout is not None:  # on the control channel, right after its header
-            self._messages.sends.append((self._control_op(dist.isend, described, peer_rank, key, LAYOUT), described))
-            self._messages.sent_layouts[key] = layout
+        if not inline:  # on the control channel, right after its header
+            follows = torch.frombuffer(bytearray(described), dtype=torch.uint8).to(self._control_device)
+            self._messages.sends.append((self._control_op(dist.isend, follows, peer_rank, key, LAYOUT), follows))
         if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
             self._send(empty_buffer(predicted, self.device), peer_rank, PREDICTED, key)
         self._send(payload, peer_rank, PREDICTED if predicted == signature else UNPREDICTED, key)
         if self._matching.predicts:
             self._messages.sent[key] = signature
-        gradient = torch.empty_like(payload)
-        self._messages.gradients[key] = self._matching.post(gradient, peer_rank, GRADIENT, key), gradient
+        if self._learned.learns(key):
+            self._learned.sent[key] = BoundarySignature(signature, structure)
+
+    def _shape_changed(self, key: int, peer: int, learned: BoundarySignature,
+                       outgoing: BoundarySignature) -> BoundaryShapeChanged:
+        before, after = changed(learned, outgoing)
+        return BoundaryShapeChanged(self.stage, peer, self._micro_batch(key), before, after, (key,),
+                                    replica=self.replica if self.topology.num_replicas > 1 else None)
 
     def recv_activation(self, key: int, peer: int) -> Any:
         """The activation sent under ``key`` by stage ``peer``, whatever its shape and
         dtype: a tensor, or a tree of them as it was sent."""
-        signature, layout = self._await_header(key, peer)
+        learned = self._learned.to_receive(key)
+        if learned is not None:  # no header: in the receive posted ahead (gloo), or in one posted now
+            posted = self._messages.payloads.pop(key, None)
+            payload = self._receive(posted, learned.payload, self._peer_rank(peer), PREDICTED, key)
+            return self._activation(payload, learned.structure, key)
+        signature, structure = self._await_header(key, peer)
         payload = self._receive_payload(signature, self._peer_rank(peer), key)
-        return self._activation(payload, layout, key)
+        return self._activation(payload, structure, key)
 
-    def _await_header(self, key: int, peer: int) -> tuple[Signature, TreeLayout | None]:
+    def _await_header(self, key: int, peer: int) -> tuple[Signature, TreeStructure | None]:
         """The payload's signature of the activation sent under ``key`` by stage ``peer``, and the
-        layout of a tree (None for a tensor), once its header (and layout) came in."""
+        structure of a tree (None for a tensor), once its header (and structure) came in."""
         peer_rank = self._peer_rank(peer)
         if key not in self._messages.headers:
             self.expect_activations([(key, peer)])
         work, header = self._messages.headers.pop(key)
         self._waits.wait(work, peer_rank, self._micro_batch(key), "activation")
         signature = decode(header)
-        layout = None
+        structure = None
         if signature[0] == TREE:
-            layout = self._receive_layout(signature[1][1], peer_rank, key)
+            size = signature[1][1]
+            structure = (TreeStructure.from_bytes(inline_structure(header, size)) if structure_inline(size)
+                      else self._receive_structure(size, peer_rank, key))
             signature = (PAYLOAD_OF_TREE, (signature[1][0],))
         if self._matching.predicts:
             self._messages.received[key] = signature
-        return signature, layout
+        if self._learned.learns(key):
+            self._learned.received[key] = BoundarySignature(signature, structure)
+        return signature, structure
 
-    def _activation(self, payload: torch.Tensor, layout: TreeLayout | None, key: int) -> Any:
-        """A received payload as what was sent: the tensor, or the tree ``layout`` describes."""
-        if layout is None:
+    def _activation(self, payload: torch.Tensor, structure: TreeStructure | None, key: int) -> Any:
+        """A received payload as what was sent: the tensor, or the tree ``structure`` describes."""
+        if structure is None:
             return payload
-        self._messages.received_layouts[key] = layout
-        return tree_messages.unpack(payload, layout)
+        self._messages.received_structures[key] = structure
+        return tree_messages.unpack(payload, structure)
 
     def _receive_payload(self, signature: Signature, peer_rank: int, key: int) -> torch.Tensor:
         """The payload of ``signature``: in the receive posted ahead on its predicted shape (gloo;
@@ -208,12 +286,12 @@ class P2PChannel:
                 return predicted
         return self._receive(None, signature, peer_rank, UNPREDICTED, key)
 
-    def _receive_layout(self, size: int, peer_rank: int, key: int) -> TreeLayout:
-        """A tree's layout, sent right after its header on the control channel."""
+    def _receive_structure(self, size: int, peer_rank: int, key: int) -> TreeStructure:
+        """A tree's structure too large for its header, sent right after it on the control channel."""
         described = torch.empty(size, dtype=torch.uint8, device=self._control_device)
         work = self._control_op(dist.irecv, described, peer_rank, key, LAYOUT)
         self._waits.wait(work, peer_rank, self._micro_batch(key), "activation")
-        return TreeLayout.from_tensor(described)
+        return TreeStructure.from_bytes(described.cpu().numpy().tobytes())
 
     def recv_gradient(self, key: int, peer: int) -> Any:
         """The gradient, from stage ``peer``, of the activation sent to it under ``key``
@@ -221,17 +299,17 @@ class P2PChannel:
         peer_rank = self._peer_rank(peer)
         work, gradient = self._messages.gradients.pop(key)
         gradient = self._receive((work, gradient), None, peer_rank, GRADIENT, key)
-        layout = self._messages.sent_layouts.pop(key, None)
-        return gradient if layout is None else tree_messages.unpack_gradient(gradient, layout)
+        structure = self._messages.sent_structures.pop(key, None)
+        return gradient if structure is None else tree_messages.unpack_gradient(gradient, structure)
 
     def send_gradient(self, gradient: Any, key: int, peer: int) -> None:
         """Start sending to stage ``peer`` the gradient of the activation it sent under
         ``key`` (for a received tree: a tree of its structure, ``None`` for a leaf with no
         gradient)."""
         peer_rank = self._peer_rank(peer)
-        layout = self._messages.received_layouts.pop(key, None)
-        if layout is not None:
-            gradient = tree_messages.pack_gradient(gradient, layout, self.device)
+        structure = self._messages.received_structures.pop(key, None)
+        if structure is not None:
+            gradient = tree_messages.pack_gradient(gradient, structure, self.device)
         if gradient is None:
             raise RuntimeError(f"stage {self.stage} has no gradient for its input of micro-batch "
                                f"{self._micro_batch(key)}: the stage does not use its input")
@@ -246,7 +324,9 @@ class P2PChannel:
         ``key_of(part)`` (the caller's :func:`raypipe.core.ops.message_key` of it, the
         same its peer computes for the other end). ``header_first``: the RECV_ACT parts
         of ``receives`` whose payloads go in the batch (the op's
-        :attr:`~raypipe.core.ops.LoweredOp.header_first`, chosen by the lowering).
+        :attr:`~raypipe.core.ops.LoweredOp.header_first`, chosen by the lowering); a part
+        whose key's signature is learned goes in the batch too, with no header to await
+        (the dry-run's ``boundary_shapes="learned"``: :func:`raypipe.core.simulator.postings`).
 
         On NCCL all of them go in one ``dist.batch_isend_irecv``, so neither this
         stage's sends nor its peer's wait behind a receive posted after them. The sends'
@@ -271,7 +351,7 @@ class P2PChannel:
                 raise ValueError(f"stage {self.stage} cannot await the header of {part!r} first: it is not one of "
                                  f"the exchange's activation receives")
         self._batch = []
-        layouts: dict[int, TreeLayout | None] = {}  # per key of a payload received in the batch: a tree's layout
+        structures: dict[int, TreeStructure | None] = {}  # per key of a payload received in the batch: a tree's structure
         try:
             for op, tensor in sends:  # the headers go out now, the payloads with the batch
                 (self.send_activation if op.kind == SEND_ACT else self.send_gradient)(tensor, key_of(op), op.peer)
@@ -281,13 +361,18 @@ class P2PChannel:
             for op in receives:
                 key, peer_rank = key_of(op), self._peer_rank(op.peer)
                 if op.kind == RECV_ACT:
-                    if key not in self._messages.headers:  # its header: posted ahead on the control channel
+                    learned = self._learned.to_receive(key)
+                    if learned is None and key not in self._messages.headers:  # posted ahead on the control channel
                         self.expect_activations([(key, op.peer)])
-                    if not self._group.in_order or op not in header_first or op.peer in received_after:
+                    if not self._group.in_order or op.peer in received_after or (
+                            learned is None and op not in header_first):
                         received_after.add(op.peer)
                         continue
-                    signature, layouts[key] = self._await_header(key, op.peer)
-                    buffer, kept, tag = empty_buffer(signature, self.device), self._messages.payloads, UNPREDICTED
+                    if learned is not None:  # its signature is known: no header to await
+                        signature, structures[key], tag = learned.payload, learned.structure, PREDICTED
+                    else:
+                        (signature, structures[key]), tag = self._await_header(key, op.peer), UNPREDICTED
+                    buffer, kept = empty_buffer(signature, self.device), self._messages.payloads
                 else:
                     work, buffer = self._messages.gradients[key]
                     if work is not None or op.peer in received_after:  # gloo: posted ahead; NCCL: behind
@@ -306,17 +391,17 @@ class P2PChannel:
         received = []
         for op in receives:
             key = key_of(op)
-            if key in layouts:
-                received.append(self._received_in_batch(key, op.peer, layouts[key]))
+            if key in structures:
+                received.append(self._received_in_batch(key, op.peer, structures[key]))
             else:
                 received.append((self.recv_activation if op.kind == RECV_ACT else self.recv_gradient)(key, op.peer))
         return received
 
-    def _received_in_batch(self, key: int, peer: int, layout: TreeLayout | None) -> Any:
+    def _received_in_batch(self, key: int, peer: int, structure: TreeStructure | None) -> Any:
         """The activation whose payload an exchange received in its batch, its header awaited first."""
         work, payload = self._messages.payloads.pop(key)
         self._waits.wait(work, self._peer_rank(peer), self._micro_batch(key), "activation")
-        return self._activation(payload, layout, key)
+        return self._activation(payload, structure, key)
 
     def finish_sends(self) -> None:
         """Wait until every started send has completed (the buffers live until then)."""
@@ -354,11 +439,12 @@ class P2PChannel:
 
     def _control_op(self, function: Any, tensor: torch.Tensor, peer_rank: int, key: int,
                     kind: int = HEADER) -> Any:
-        """Start a header's (or a tree's layout's) send or receive on the control channel (matched by tag)."""
+        """Start a header's (or a tree's structure's) send or receive on the control channel (matched by tag)."""
         self._waits.refuse_after_abort("activation")
+        self.control_messages += 1
         work = function(tensor, peer_rank, group=self.control, tag=ByTag.tag(kind, key))
         # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
-        return WaitedOnThread(work) if self._waits.polls else work
+        return WaitedOnThread(work, self._waits.pool) if self._waits.polls else work
 
     def _send(self, tensor: torch.Tensor, peer_rank: int, kind: int, key: int) -> None:
         operation = (dist.isend, tensor, peer_rank, self._matching.tag(kind, key))
@@ -370,6 +456,7 @@ class P2PChannel:
     def _started(self, operations: list[Operation]) -> list[Any]:
         """Start ``operations``; the Work of each (NCCL's batch has one Work for all)."""
         self._waits.refuse_after_abort("operation")
+        self.data_operations_started += len(operations)
         works = self._matching.start(operations)
         return works if len(works) == len(operations) else [works[0]] * len(operations)
 

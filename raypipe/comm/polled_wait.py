@@ -3,7 +3,8 @@ raises, so a wait polls the Work's completion against an abort flag (set from
 another thread by :meth:`raypipe.comm.p2p.P2PChannel.abort`) and a deadline
 (``p2p_timeout_s``) instead (:func:`poll`). A gloo point-to-point Work on the
 control channel says it completed only once waited for, so it is waited for on a
-thread of its own when polled (:class:`WaitedOnThread`). A stage's channel waits through
+thread of the channel's own when polled (:class:`WaitedOnThread`), made once and
+reused (:class:`WaitingThreads`), not a new OS thread each. A stage's channel waits through
 :class:`StepWaits`.
 
 On gloo, a peer that leaves the group makes every receive from it, and every collective
@@ -20,6 +21,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 from raypipe.core.topology import Topology
@@ -42,33 +45,62 @@ def poll(work: Any, aborted: threading.Event, timeout_s: float, step_aborted: Ca
         pause = min(2 * pause, LONGEST_POLL_S)
 
 
+class WaitingThreads:
+    """A channel's threads that wait in gloo for polled Works (:class:`WaitedOnThread`): made
+    only when none is idle and reused after (a step's waits come one or two at a time, so a
+    step makes none once the first made its few). Not a ``ThreadPoolExecutor``: its threads
+    are joined at interpreter exit, and a wait of an aborted step may hang in gloo until the
+    group's timeout; these are daemon threads, and never too few (a hung one is replaced)."""
+
+    def __init__(self) -> None:
+        self._jobs: SimpleQueue = SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self.started = 0  # threads made so far
+
+    def submit(self, wait: Callable[[], Any]) -> Future:
+        """Run ``wait`` on an idle thread, or a new one; its outcome is the Future's."""
+        future: Future = Future()
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                self.started += 1
+                threading.Thread(target=self._serve, name="raypipe-control-wait", daemon=True).start()
+        self._jobs.put((wait, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            wait, future = self._jobs.get()
+            try:
+                future.set_result(wait())
+            except BaseException as error:  # noqa: BLE001 - the waiter's to raise
+                future.set_exception(error)
+            del wait, future  # a finished Work keeps no connection open while this thread idles
+            with self._lock:
+                self._idle += 1
+
+
 class WaitedOnThread:
-    """A gloo point-to-point Work, waited for on a thread of its own once first
+    """A gloo point-to-point Work, waited for on a thread of ``pool`` once first
     polled (gloo's says it completed only once waited for), so that a polled wait
     can give up on it; its error is raised by :meth:`wait`."""
 
-    def __init__(self, work: Any) -> None:
-        self._work, self._thread, self._error = work, None, None
+    def __init__(self, work: Any, pool: WaitingThreads) -> None:
+        self._work, self._pool = work, pool
+        self._waited: Future | None = None
 
     def is_completed(self) -> bool:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._wait_in_gloo, name="raypipe-control-wait", daemon=True)
-            self._thread.start()
-        return not self._thread.is_alive()
+        if self._waited is None:
+            self._waited = self._pool.submit(self._work.wait)
+        return self._waited.done()
 
     def wait(self, timeout: Any = None) -> bool:
-        if self._thread is None:  # not polled: the plain wait
+        if self._waited is None:  # not polled: the plain wait
             return self._work.wait()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        self._waited.result()  # raises the wait's error
         return True
-
-    def _wait_in_gloo(self) -> None:
-        try:
-            self._work.wait()
-        except RuntimeError as error:
-            self._error = error
 
 
 class StepWaits:
@@ -82,6 +114,8 @@ class StepWaits:
         self.aborted = threading.Event()
         self.polls = False
         self.timeout_s = 300.0
+        # where polled gloo Works are waited for (WaitedOnThread): threads made once and reused
+        self.pool = WaitingThreads()
 
     def wait(self, work: Any, peer_rank: int | None, micro_batch: int | None, what: str) -> None:
         """Wait for ``work`` (a transfer of ``what`` with ``peer_rank``, None: a collective or a send)."""

@@ -4,9 +4,9 @@ ZeRO-1, share the parameters each of them stepped.
 The workers holding the same stage in every replica form a subgroup of the
 run's process group (:meth:`StageReplicas.join`, called by every member right
 after joining the group). The tensors of a collective are laid out flat per
-dtype and by owner (:class:`_FlatLayout`; without ZeRO-1 one owner: every
+dtype and by owner (:class:`_FlatBucket`; without ZeRO-1 one owner: every
 replica), and the collectives run over chunks of about ``_BUCKET_BYTES`` of
-that layout, ``_CHUNKS_IN_FLIGHT`` at a time, so that their flat copies add a
+those buckets, ``_CHUNKS_IN_FLIGHT`` at a time, so that their flat copies add a
 few buckets to a worker's memory, never a second copy of its gradients:
 
 * without ZeRO-1 the gradients are all-reduced;
@@ -63,8 +63,8 @@ class StageReplicas:
         without replicas."""
         if self._group is None:
             return None
-        layouts = _FlatLayout.of(gradients, owners, self.topology.num_replicas)
-        chunks = self._all_reduce(layouts) if owners is None else self._reduce_scatter(layouts)
+        buckets = _FlatBucket.of(gradients, owners, self.topology.num_replicas)
+        chunks = self._all_reduce(buckets) if owners is None else self._reduce_scatter(buckets)
         return _InFlight(chunks, self._wait, "gradient reduction").start()
 
     def finish_gradient_reduction(self, pending: Any) -> None:
@@ -77,38 +77,38 @@ class StageReplicas:
         tensor from its owner (all-gather; nothing unsharded)."""
         if self._group is None or owners is None:
             return
-        layouts = _FlatLayout.of(tensors, owners, self.topology.num_replicas)
-        _InFlight(self._all_gather(layouts), self._wait, "parameter gather").start().finish()
+        buckets = _FlatBucket.of(tensors, owners, self.topology.num_replicas)
+        _InFlight(self._all_gather(buckets), self._wait, "parameter gather").start().finish()
 
     # -- the collectives, chunk by chunk (each issued when the generator is advanced) --
-    def _all_reduce(self, layouts: list[_FlatLayout]) -> Iterator[Pending]:
-        for layout in layouts:
-            for start, stop in layout.chunks(1):
-                flat = layout.read(0, start, stop)
+    def _all_reduce(self, buckets: list[_FlatBucket]) -> Iterator[Pending]:
+        for bucket in buckets:
+            for start, stop in bucket.chunks(1):
+                flat = bucket.read(0, start, stop)
                 yield (dist.all_reduce(flat, group=self._group, async_op=True),
-                       lambda layout=layout, start=start, flat=flat: layout.write(0, start, flat))
+                       lambda bucket=bucket, start=start, flat=flat: bucket.write(0, start, flat))
 
-    def _reduce_scatter(self, layouts: list[_FlatLayout]) -> Iterator[Pending]:
-        for layout in layouts:
-            for start, stop in layout.chunks(self.topology.num_replicas):
-                mine = layout.new_empty(stop - start)
-                every = torch.cat([layout.read(owner, start, stop) for owner in range(len(layout.by_owner))])
+    def _reduce_scatter(self, buckets: list[_FlatBucket]) -> Iterator[Pending]:
+        for bucket in buckets:
+            for start, stop in bucket.chunks(self.topology.num_replicas):
+                mine = bucket.new_empty(stop - start)
+                every = torch.cat([bucket.read(owner, start, stop) for owner in range(len(bucket.by_owner))])
                 yield (dist.reduce_scatter_single(mine, every, group=self._group, async_op=True),
-                       lambda layout=layout, start=start, mine=mine: layout.write(self.replica, start, mine))
+                       lambda bucket=bucket, start=start, mine=mine: bucket.write(self.replica, start, mine))
 
-    def _all_gather(self, layouts: list[_FlatLayout]) -> Iterator[Pending]:
+    def _all_gather(self, buckets: list[_FlatBucket]) -> Iterator[Pending]:
         replicas = self.topology.num_replicas
-        for layout in layouts:
-            for start, stop in layout.chunks(replicas):
-                every = layout.new_empty((stop - start) * replicas)
-                work = dist.all_gather_single(every, layout.read(self.replica, start, stop), group=self._group,
+        for bucket in buckets:
+            for start, stop in bucket.chunks(replicas):
+                every = bucket.new_empty((stop - start) * replicas)
+                work = dist.all_gather_single(every, bucket.read(self.replica, start, stop), group=self._group,
                                               async_op=True)
-                yield work, lambda layout=layout, start=start, every=every: self._write_others(layout, start, every)
+                yield work, lambda bucket=bucket, start=start, every=every: self._write_others(bucket, start, every)
 
-    def _write_others(self, layout: _FlatLayout, start: int, every: torch.Tensor) -> None:
+    def _write_others(self, bucket: _FlatBucket, start: int, every: torch.Tensor) -> None:
         for owner, chunk in enumerate(every.chunk(self.topology.num_replicas)):
             if owner != self.replica:
-                layout.write(owner, start, chunk)
+                bucket.write(owner, start, chunk)
 
 
 class _InFlight:
@@ -135,7 +135,7 @@ class _InFlight:
 
 
 @dataclass
-class _FlatLayout:
+class _FlatBucket:
     """Tensors of one dtype laid out flat by owner: owner ``r``'s tensors, concatenated,
     at ``[r * length, r * length + their size)``, each segment zero-padded to ``length``
     (a collective's segments are equal). Without owners: one segment, every tensor."""
@@ -144,15 +144,15 @@ class _FlatLayout:
     length: int
 
     @classmethod
-    def of(cls, tensors: list[torch.Tensor], owners: Owners, num_replicas: int) -> list[_FlatLayout]:
+    def of(cls, tensors: list[torch.Tensor], owners: Owners, num_replicas: int) -> list[_FlatBucket]:
         count = 1 if owners is None else num_replicas
         owners = owners or (0,) * len(tensors)
-        layouts = []
+        buckets = []
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             of_dtype = [(t, o) for t, o in zip(tensors, owners, strict=True) if t.dtype == dtype]
             by_owner = [[t for t, o in of_dtype if o == owner] for owner in range(count)]
-            layouts.append(cls(by_owner, max(sum(t.numel() for t in owned) for owned in by_owner)))
-        return layouts
+            buckets.append(cls(by_owner, max(sum(t.numel() for t in owned) for owned in by_owner)))
+        return buckets
 
     def chunks(self, segments: int) -> list[tuple[int, int]]:
         """Element ranges of each segment whose ``segments`` pieces make one collective's input."""
@@ -173,7 +173,7 @@ class _FlatLayout:
             flat[a:b].copy_(values[position - start:position - start + b - a])
 
     def new_empty(self, numel: int) -> torch.Tensor:
-        """A flat tensor of the layout's dtype and device."""
+        """A flat tensor of the bucket's dtype and device."""
         like = next(t for owned in self.by_owner for t in owned)
         return like.new_empty(numel)
 

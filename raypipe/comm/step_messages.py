@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from raypipe.comm.headers import Signature
-from raypipe.comm.tree_messages import TreeLayout
+from raypipe.comm.tree_messages import TreeStructure
 
 
 @dataclass
@@ -18,8 +18,8 @@ class StepMessages:
     ``sends``, ``headers``, ``payloads`` and ``gradients``: the running step's unfinished sends and
     posted receives (Work and buffer); a pending operation keeps the group's connections open, so
     leaving drops them all. ``sent`` and ``received``: the shape each key's activation had last step,
-    as sent and as received, the same on both ends of a message, as its key is. ``sent_layouts`` and
-    ``received_layouts``: the running step's trees (:mod:`raypipe.comm.tree_messages`): a sent one
+    as sent and as received, the same on both ends of a message, as its key is. ``sent_structures`` and
+    ``received_structures``: the running step's trees (:mod:`raypipe.comm.tree_messages`): a sent one
     unpacks its gradient, a received one packs the gradient sent back."""
 
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
@@ -28,8 +28,8 @@ class StepMessages:
     gradients: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
     sent: dict[int, Signature] = field(default_factory=dict)
     received: dict[int, Signature] = field(default_factory=dict)
-    sent_layouts: dict[int, TreeLayout] = field(default_factory=dict)
-    received_layouts: dict[int, TreeLayout] = field(default_factory=dict)
+    sent_structures: dict[int, TreeStructure] = field(default_factory=dict)
+    received_structures: dict[int, TreeStructure] = field(default_factory=dict)
 
     @property
     def pending(self) -> bool:

@@ -34,7 +34,7 @@ import torch
 _ALIGN = 64  # bytes: every tensor starts aligned in the shared buffer
 _IN_BAND_BYTES = 64 * 2**10  # up to this, the buffer is pickled in band
 
-Layout = list[tuple[str, tuple[int, ...], int]]  # dtype name, shape, byte offset
+PiecesAt = list[tuple[str, tuple[int, ...], int]]  # dtype name, shape, byte offset
 
 
 def _shippable(value: Any) -> bool:
@@ -113,9 +113,9 @@ def as_shipped_state(state: Any) -> Any:
     return TaskTensor(state) if _shippable(state) else state
 
 
-def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray | bytes, Layout]:
+def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray | bytes, PiecesAt]:
     """One byte array with every tensor's own bytes (also for a view of a larger batch)."""
-    pieces, layout, offset = [], [], 0
+    pieces, pieces_at, offset = [], [], 0
     for tensor in map(_in_host_memory, tensors):
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         padding = -offset % _ALIGN
@@ -123,22 +123,22 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[np.ndarray | bytes, Layout]:
             pieces.append(torch.zeros(padding, dtype=torch.uint8))
         offset += padding
         pieces.append(data)
-        layout.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
+        pieces_at.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
         offset += data.numel()
     if len(pieces) == 1:
         buffer = pieces[0]  # its own bytes: copied once, when Ray serializes them, not here
     else:
         buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
     data = buffer.numpy()
-    return (data.tobytes() if data.nbytes <= _IN_BAND_BYTES else data), layout
+    return (data.tobytes() if data.nbytes <= _IN_BAND_BYTES else data), pieces_at
 
 
-def _unpack(data: np.ndarray | bytes, layout: Layout) -> list[torch.Tensor]:
+def _unpack(data: np.ndarray | bytes, pieces_at: PiecesAt) -> list[torch.Tensor]:
     # the received bytes are read-only (Ray's buffer, or bytes): the copy is the worker's own
     array = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
     buffer = torch.from_numpy(array.copy()) if array.size else torch.empty(0, dtype=torch.uint8)
     tensors = []
-    for dtype_name, shape, offset in layout:
+    for dtype_name, shape, offset in pieces_at:
         dtype = getattr(torch, dtype_name)
         size = math.prod(shape) * dtype.itemsize
         tensors.append(buffer[offset:offset + size].view(dtype).reshape(shape) if size
@@ -146,5 +146,5 @@ def _unpack(data: np.ndarray | bytes, layout: Layout) -> list[torch.Tensor]:
     return tensors
 
 
-def _unpack_one(data: np.ndarray | bytes, layout: Layout) -> torch.Tensor:
-    return _unpack(data, layout)[0]
+def _unpack_one(data: np.ndarray | bytes, pieces_at: PiecesAt) -> torch.Tensor:
+    return _unpack(data, pieces_at)[0]

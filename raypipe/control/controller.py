@@ -1,15 +1,16 @@
-"""The controller: the one owner of the running layout.
+"""The controller: the one owner of the running layout and of the step loop.
 
 It alone changes what runs: the :class:`~raypipe.runtime.group.StageGroup`
 (workers and their placement groups), the topology, the partition of the
-layers onto stages, the config in force, the snapshots (through its
-:class:`~raypipe.executor.recovery.Recovery`), the placement groups asked for
-(the :class:`~raypipe.executor.elastic.Resizer`'s, a re-partitioned run's way
-back) and the snapshot keeper. Everything else reads a frozen :class:`Layout`.
+layers onto stages, the config in force, the snapshots, the placement groups
+asked for (the :class:`~raypipe.control.elastic.Resizer`'s, a re-partitioned
+run's :class:`~raypipe.control.partitioning.PartitionReturn`) and the snapshot
+keeper. Everything else reads a frozen :class:`Layout`.
 
-It moves through explicit :class:`ControllerState` states, logging one INFO
-line per transition (``controller <from> -> <to> (<reason>)``) and exporting
-``raypipe_controller_state{state}`` when metrics are served::
+It moves through the states of :mod:`raypipe.control.states` (each a class with
+its data), logging one INFO line per transition (``controller <from> -> <to>
+(<reason>)``) and exporting ``raypipe_controller_state{state}`` when metrics are
+served::
 
     starting --placed--> running                 (--start failed--> stopped)
     running | repartitioned --a worker failed, the policy heals--> healing
@@ -22,33 +23,69 @@ line per transition (``controller <from> -> <to> (<reason>)``) and exporting
     any --Raise (too many failures, below min, nothing to heal from)--> failed
     any --shutdown--> stopped
 
-Which way a change goes is decided by :mod:`raypipe.control.policy`; the
-recovery, the resizer and :class:`~raypipe.control.partitioning.Partitioning`
-carry the decisions out, through the controller's methods.
+Every change reads: controller state -> policy (a pure decision of
+:mod:`raypipe.control.policy` over a frozen :class:`~raypipe.control.view.LayoutView`)
+-> mechanism (:mod:`~raypipe.control.compound` replaces workers,
+:mod:`~raypipe.control.state_transfer` gives them state from
+:mod:`~raypipe.control.snapshots` or :mod:`~raypipe.control.persisted`,
+:mod:`~raypipe.control.elastic` resizes, :mod:`~raypipe.control.partitioning`
+measures and starts another partition) -> controller state. Only this module asks
+the policies, and no mechanism holds the controller.
+
+A heal, so that a failure costs no step, no sample and no bit of the result:
+when a step raises :class:`~raypipe.errors.WorkersFailed`,
+
+1. the event is counted and the policy asked (raise, or replace): the failed
+   workers are killed, the step's tasks on the others end, and the controller
+   is :class:`~raypipe.control.states.Healing` (its workers, reasons, start);
+2. at the next step boundary the failed workers are replaced from their specs,
+   in their bundles (Ray re-places a bundle whose node was lost), within
+   ``replace_timeout_s``; with no room the policy shrinks, re-partitions onto
+   fewer stages, or raises;
+3. the replacements get their state from the smallest source the policy picks: a
+   data-parallel sibling (nothing replayed), else every worker restores the newest
+   snapshot (an older one when it was lost; resharded with ZeRO-1 after a shrink),
+   else the newest intact checkpoint, and the steps since are replayed;
+4. communication groups are re-formed under a fresh rendezvous, dataset readers
+   get their datasets again;
+5. the failed step is redone.
+
+A worker lost while a heal (or another layout change) runs is folded into it
+(:mod:`raypipe.control.compound`). Seeds depend only on (step, micro-batch,
+layer) and reductions run in a fixed order, so on the same layout the result is
+bitwise that of a run without failures. Each failure event counts against
+``max_failures``.
 """
 from __future__ import annotations
 
-import enum
 import logging
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
 from raypipe.config import PipelineConfig
-from raypipe.control.partitioning import Partitioning
-from raypipe.control.view import LayoutView
+from raypipe.control.compound import folded, lost_workers, replace_within
+from raypipe.control.elastic import Resizer, replica_specs
+from raypipe.control.partitioning import PartitionReturn, fewer_stages_config, fewer_stages_that_fit, room
+from raypipe.control.persisted import PersistedCheckpoints
+from raypipe.control.policy import (BELOW_MINIMUM, TOO_MANY_FAILURES, CopyFromSiblings, Grow, LoadCheckpoint, Raise,
+                                    Repartition, RestoreSnapshot, ReturnToConfigured, Shrink, WaitForRoom,
+                                    decide_failure, decide_scaling, replicas_hold_copies)
+from raypipe.control.snapshots import LoggedStep, Snapshots
+from raypipe.control.state_transfer import CopyLost, Load, StateTransfer, survivors_that_ended
+from raypipe.control.states import (GROW, SHRINK, STATES, ControllerState, Failed, Healing, Recovered,
+                                    Repartitioned, Resizing, Running, Starting, State, Stopped, heal_under_way)
+from raypipe.control.view import FailedWorker, LayoutView, repartitioned
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.partition import worker_chunks
 from raypipe.core.schedule import make_schedule
 from raypipe.core.topology import Topology
-from raypipe.errors import WorkersFailed
+from raypipe.errors import BoundaryShapeChanged, PlacementError, RaypipeError, TooManyFailures, WorkersFailed
 from raypipe.executor import make_executor
 from raypipe.executor.base import Executor, StepOutcome
-from raypipe.executor.elastic import Resizer, layout
-from raypipe.executor.partition_return import PartitionReturn
-from raypipe.executor.recovery import Recovered, Recovery
 from raypipe.runtime import cluster
 from raypipe.runtime.data_access import DEFAULT_SHIP_DATA_LIMIT_BYTES, datasets_for_readers
 from raypipe.runtime.group import StageGroup, WorkerInfo
@@ -56,21 +93,6 @@ from raypipe.runtime.snapshot_keeper import start_keeper
 from raypipe.stage.spec import WorkerSpec
 
 logger = logging.getLogger("raypipe")
-
-
-class ControllerState(enum.Enum):
-    """Where the controller is; the metric's ``state`` label is the value."""
-
-    STARTING = "starting"  # placing and starting the workers
-    RUNNING = "running"  # the configured partition runs steps
-    HEALING = "healing"  # replacing failed workers and restoring their state
-    RESIZING = "resizing"  # replicas shrink or grow, or the configured partition comes back
-    REPARTITIONED = "repartitioned"  # steps run on fewer stages than configured (no room for a whole pipeline)
-    FAILED = "failed"  # a failure could not be healed: the run is over (load_checkpoint resumes)
-    STOPPED = "stopped"  # shut down
-
-
-STATES: tuple[str, ...] = tuple(state.value for state in ControllerState)
 
 
 @dataclass(frozen=True)
@@ -103,11 +125,12 @@ class Layout:
 
     @property
     def repartitioned(self) -> bool:
-        return self.config.num_stages != self.configured_stages
+        """Whether steps run on other stages than configured."""
+        return repartitioned(self.config.num_stages, self.configured_stages)
 
 
 class Controller:
-    """Starts, heals, resizes, re-partitions and stops the stage workers of one run.
+    """Starts, runs, heals, resizes, re-partitions and stops the stage workers of one run.
 
     ``metrics`` (a :class:`~raypipe.observability.metrics.MetricsExporter`, or None)
     gets the state, each heal and each resize; ``settle_saves()`` finishes a
@@ -126,8 +149,10 @@ class Controller:
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches,
                                       config.virtual_stages)
         self.executor: Executor = make_executor(config, self.schedule)
-        self.recovery = Recovery(self.executor, self, self.give_datasets, self._recovered)
-        self.partitioning = Partitioning(self)
+        # what a heal restores from: the snapshots, and as the last resort the newest checkpoint and the steps since
+        self.snapshots = Snapshots(self.executor, config.snapshot_every)
+        self._persisted = PersistedCheckpoints(keep_batches=not config.snapshot_every)
+        self._transfer = StateTransfer(self.executor, self._persisted, settle_saves)
         self.group: StageGroup | None = None
         self.resizer: Resizer | None = None  # an elastic run's: shrinks when a replacement cannot be placed, grows
         self.partition_return: PartitionReturn | None = None  # a re-partitioned run's way back
@@ -138,10 +163,13 @@ class Controller:
         self.recoveries: list[Recovered] = []  # each healed failure event: how long, from where, steps replayed
         # (step, direction, replicas after): "shrink"/"grow" (elastic), "repartition"/"restore" (stages)
         self.resizes: list[tuple[int, str, int]] = []
+        self._failures: list[str] = []  # each failure event, as the error named it
+        self._commits = 0  # the steps every worker's state had ended after the last step that returned
+        self._last_reports: list | None = None  # the last step's reports (a re-partition sizes stages by them)
         self._datasets: tuple[Any, Any] | None = None
         self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
         self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
-        self.state = ControllerState.STARTING
+        self.current_state: State = Starting()
         self._export_state()
 
     # -- the frozen view ----------------------------------------------------
@@ -155,6 +183,11 @@ class Controller:
         return list(self._balance)
 
     @property
+    def state(self) -> ControllerState:
+        """Which state the controller is in (:attr:`current_state` holds its data)."""
+        return self.current_state.kind
+
+    @property
     def layout(self) -> Layout:
         group = self.group
         return Layout(self.state, self._config, tuple(self._balance), self.topology,
@@ -165,32 +198,32 @@ class Controller:
     def configured(self) -> tuple[PipelineConfig, list[int]]:
         return self._configured[0], list(self._configured[1])
 
+    @property
+    def failures(self) -> list[str]:
+        """Every failure event so far, as its error named it."""
+        return list(self._failures)
+
+    @property
+    def spares(self) -> Any:
+        """The running group's pool of warm spare workers (None without workers or spares)."""
+        return None if self.group is None else self.group.spares
+
     # -- states ---------------------------------------------------------------
-    def _enter(self, state: ControllerState, reason: str) -> None:
-        if state is self.state:
-            return
-        logger.info("controller %s -> %s (%s)", self.state.value, state.value, reason)
-        self.state = state
-        self._export_state()
+    def _enter(self, state: State) -> None:
+        """``state`` from now on; a change of kind is logged and exported (a heal's data may change within it)."""
+        before, self.current_state = self.current_state, state
+        if state.kind is not before.kind:
+            logger.info("controller %s -> %s (%s)", before.kind.value, state.kind.value, state.reason)
+            self._export_state()
 
     def _export_state(self) -> None:
         if self._metrics is not None:
             self._metrics.record_controller_state(self.state.value, STATES)
 
-    def heal_started(self, failure: WorkersFailed) -> None:
-        """The recovery noted a failure event (again, while healing: the same heal)."""
-        self._enter(ControllerState.HEALING, ", ".join(
-            f"replica {replica} stage {stage} {why}" for (replica, stage), why in sorted(failure.workers.items())))
-
-    def settled(self, reason: str) -> None:
-        """A layout change is over: steps run on the configured partition, or on fewer stages."""
-        layout_now = f"{self.topology.num_replicas} replica(s) of {self._config.num_stages} stage(s)"
-        steady = ControllerState.REPARTITIONED if self.layout_repartitioned else ControllerState.RUNNING
-        self._enter(steady, f"{reason}; {layout_now}")
-
-    @property
-    def layout_repartitioned(self) -> bool:
-        return self._config.num_stages != self._configured[0].num_stages
+    def _settled(self, reason: str) -> None:
+        """A layout change (a heal too) is over: steps run on the configured partition, or on fewer stages."""
+        reason = f"{reason}; {self.topology.num_replicas} replica(s) of {self._config.num_stages} stage(s)"
+        self._enter(Repartitioned(reason=reason) if self.layout.repartitioned else Running(reason=reason))
 
     # -- start and stop -------------------------------------------------------
     def start(self) -> list[dict[str, Any]]:
@@ -200,21 +233,21 @@ class Controller:
         cluster.connect(config.ray_address, (self.topology.world_size + config.spare_workers) * config.cpus_per_stage)
         self.use_gpu = cluster.resolve_use_gpu(config)
         if cluster.num_alive_nodes() > 1:  # workers may run off this node: snapshots must outlive theirs
-            self.keeper = start_keeper()
+            self.keeper = self.snapshots.keeper = self._transfer.keeper = start_keeper()
         self.bundle = cluster.worker_bundle(config, self.use_gpu)
         try:
             placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
                                                       [self.bundle] * config.num_stages, config.placement_timeout_s)
             self.topology = Topology(config.num_stages, len(placed))
             if config.elastic:
-                self.resizer = Resizer(config, self.executor, self.stage_specs(), self.bundle, pending, self._resized)
+                self.resizer = Resizer(config, self.executor, self.stage_specs(), self.bundle, pending)
             infos = self.launch(placed)
         except BaseException as error:
             self.stop(f"start failed: {type(error).__name__}")  # the keeper, placement groups asked for, workers
             raise
         self.device_memory = infos[0].get("device_memory_bytes")
-        self.recovery.snapshot(self._steps(), first=True)
-        self.settled("placed")
+        self.snapshots.take(self._steps(), first=True)
+        self._settled("placed")
         return infos
 
     def stage_specs(self, config: PipelineConfig | None = None, balance: list[int] | None = None
@@ -236,7 +269,7 @@ class Controller:
     def launch(self, placed: list | None) -> list[dict[str, Any]]:
         """Start the workers of the partition and topology in force (in ``placed``
         placement groups, else reserved now) and connect them; what each reported."""
-        specs = layout(self.stage_specs(), self.topology.num_replicas, self._config.micro_batches_per_step)
+        specs = replica_specs(self.stage_specs(), self.topology.num_replicas, self._config.micro_batches_per_step)
         self.group = StageGroup(self.executor.actor_class(), specs, self.bundle, self._config.placement_timeout_s,
                                 placed)
         infos = self.group.wait_ready()
@@ -258,35 +291,72 @@ class Controller:
         if self.keeper is not None:
             ray.kill(self.keeper)
             self.keeper = None
-        self._enter(ControllerState.STOPPED, reason)
+        self._enter(Stopped(reason=reason))
 
-    # -- running --------------------------------------------------------------
+    # -- what the trainer, the checkpoint manager and the metrics call ----------------
     def run_step(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
-        """One step, healed and redone after failures (see :class:`Recovery`)."""
-        return self._ending_on_error(lambda: self.recovery.run_step(data_step, batch, loss_scale))
+        """One step, after any layout change due at this step boundary (a heal, a grow, the
+        way back to the configured partition), healed and redone after any number of
+        failure events within ``max_failures``."""
+        return self._ending_on_error(lambda: self._step_loop(data_step, batch, loss_scale))
+
+    def committed(self, steps_done: int, logged: LoggedStep) -> None:
+        """After a committed step: logged for replay after a checkpoint; a snapshot when due."""
+        self._persisted.committed(logged)
+        self.snapshots.committed(steps_done, logged)
 
     def between_steps(self, run: Callable[[], Any], step: int, during: str) -> Any:
-        """``run()`` (reads the workers, changes none), healed when a worker fails."""
-        return self._ending_on_error(lambda: self.recovery.between_steps(run, step, during))
+        """``run()``, a call that reads the workers and changes none of them (an
+        evaluation, reading out their state), after the committed step ``step``:
+        when a worker died or hung since that step or during ``run``, the group is
+        healed (to the state of ``step``) and ``run`` runs again."""
+        return self._ending_on_error(lambda: self._healed_around(run, step, during))
 
     def heal_if_broken(self, step: int, before: str) -> None:
-        self._ending_on_error(lambda: self.recovery.heal_if_broken(step, before))
+        """Make the group whole (see :meth:`between_steps`) if a worker died or hung since step ``step``."""
+        def check() -> None:
+            failure = self._probe(step, f"found before {before}")
+            if failure is not None:
+                raise failure
 
-    def _ending_on_error(self, run: Callable[[], Any]) -> Any:
-        try:
-            return run()
-        except BaseException as error:
-            if not self.executor.usable and self.state is not ControllerState.STOPPED:
-                first_line = (str(error).splitlines() or [type(error).__name__])[0]
-                self._enter(ControllerState.FAILED, first_line.rstrip(":")[:200])
-            raise
+        self.between_steps(check, step, f"before {before}")
 
-    def committed(self, steps_done: int, logged: Any) -> None:
-        self.recovery.committed(steps_done, logged)
+    def evaluate(self, data_step: int, batch: MicroBatches | None) -> float:
+        """The mean loss of ``batch`` (None: the validation dataset's ``data_step``), forward
+        only, healed as :meth:`between_steps` after the trainer's committed steps."""
+        return self.between_steps(lambda: self.executor.evaluate(data_step, batch), self._steps(), "during evaluate")
 
-    @property
-    def failures(self) -> list[str]:
-        return list(self.recovery.failures)
+    def check_usable(self) -> None:
+        """Raise when an earlier failure left the workers unusable."""
+        self.executor.check_usable()
+
+    def gather(self, refs: list, step: int, during: str) -> list:
+        """The results of calls to the workers after the committed step ``step``; a worker
+        that hangs first raises :class:`WorkersFailed` (for :meth:`between_steps` to heal)."""
+        return self.executor.gather(refs, step, during)
+
+    def get(self, refs: list) -> list:
+        """The results of calls to the workers, raising raypipe's errors."""
+        return self.executor.get(refs)
+
+    def before_next_step(self, actors: list[Any]) -> None:
+        """Calls just submitted to ``actors`` (a checkpoint's copy of the state) run before their next step."""
+        self.executor.before_next_step(actors)
+
+    def checkpoint_saved(self, root_uri: str, step: int, optimizer_parts: int) -> None:
+        """A checkpoint of step ``step`` is being written: a heal with no snapshot left loads it
+        and replays the steps since."""
+        self._persisted.saved(root_uri, step, optimizer_parts)
+
+    def state_loaded(self, steps: int, checkpoint: tuple[str, int, int] | None = None) -> None:
+        """The workers' state was replaced outside a step, at ``steps`` committed steps: from the
+        checkpoint ``(root_uri, step, optimizer_parts)``, or (None) from a state dict, which
+        no checkpoint leads to. Older snapshots are void: a fresh one is taken."""
+        if checkpoint is None:
+            self._persisted.forget()
+        else:
+            self._persisted.loaded(*checkpoint)
+        self.snapshots.take(steps, first=True)
 
     # -- datasets -------------------------------------------------------------
     def attach_datasets(self, train: Any, validation: Any, ship_data_limit_bytes: int) -> None:
@@ -304,70 +374,460 @@ class Controller:
         own = datasets_for_readers(readers, self._datasets, self.executor.get, self._ship_limit, self._shipped)
         self.executor.get([actor.attach_datasets.remote(*datasets) for (_, _, actor), datasets in zip(readers, own)])
 
-    # -- layout changes (the recovery, the resizer and the partitioning call these) ----------------
-    def repartition(self, reports: list | None, view: LayoutView) -> None:
-        """No whole pipeline can be placed: the model on fewer stages (see :class:`Partitioning`)."""
+    # -- the step loop ----------------------------------------------------------
+    def _step_loop(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
+        while True:
+            try:
+                with self._folded("while the layout changed"):  # a worker lost meanwhile: the same heal
+                    self._change_layout()
+                    self.snapshots.take_due()
+                return self._run(data_step, batch, loss_scale)
+            except WorkersFailed as failure:
+                self._note(failure)
+            except BoundaryShapeChanged as changed:
+                self._keep_headers(changed)
+
+    def _keep_headers(self, changed: BoundaryShapeChanged) -> None:
+        """A boundary's signature changed with the data (``boundary_shapes="learned"``): the
+        step changed nothing and every worker is back in a fresh group, so the same step runs
+        again with headers on the keys it named. Not a failure: no ``max_failures`` is charged."""
+        if set(changed.keys) <= self.executor.dynamic_keys:  # a marked key never raises this: a bug, not data
+            raise changed
+        logger.warning("raypipe: %s; retrying the step with headers on message key(s) %s",
+                       str(changed).splitlines()[0], list(changed.keys))
+        self.executor.mark_dynamic(changed.keys)
+
+    def _change_layout(self) -> None:
+        """At a step boundary, the one layout change due: the heal under way, else an elastic
+        run's grow, else a re-partitioned run's way back to its configured stages."""
+        healing = heal_under_way(self.current_state)
+        if healing is not None:
+            self._heal(healing)
+        elif self.resizer is not None:
+            self._grow()
+        elif self.partition_return is not None and self._return_to_configured():
+            self.snapshots.fresh()
+
+    def _healed_around(self, run: Callable[[], Any], step: int, during: str) -> Any:
+        while True:
+            try:
+                with self._folded(during, step):  # an error of a worker lost: a failure to heal
+                    healing = heal_under_way(self.current_state)
+                    if healing is not None:
+                        self._heal(healing)
+                    return run()
+            except WorkersFailed as failure:
+                self._note(failure)
+
+    def _run(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
+        outcome = self.executor.run_step(data_step, batch, loss_scale)
+        self._commits = outcome.reports[0].commits
+        self._last_reports = outcome.reports
+        return outcome
+
+    def _ending_on_error(self, run: Callable[[], Any]) -> Any:
+        try:
+            return run()
+        except BaseException as error:
+            if not self.executor.usable and self.state is not ControllerState.STOPPED:
+                first_line = (str(error).splitlines() or [type(error).__name__])[0]
+                self._enter(Failed(type(error).__name__, reason=first_line.rstrip(":")[:200]))
+            raise
+
+    def _probe(self, step: int, detail: str) -> WorkersFailed | None:
+        """The workers found dead or hung now, as a failure after step ``step``; None when every one answers."""
+        return lost_workers(self.executor.group.actors, self._config.hang_timeout_s, self._config.num_stages, step,
+                            detail)
+
+    def _folded(self, during: str, step: int | None = None) -> Any:
+        """A worker lost ``during`` a layout change (or a call after step ``step``) raises
+        :class:`WorkersFailed` (see :mod:`raypipe.control.compound`)."""
+        return folded(lambda detail: self._probe(self._commits if step is None else step, detail), during,
+                      lambda: self.executor.usable)
+
+    # -- the heal: state -> policy -> mechanism -> state --------------------------------
+    def _view(self, failed: dict[int, str] | None = None, **facts: Any) -> LayoutView:
+        """The layout in force, the workers ``failed`` (rank: why), the failures so far and what a
+        heal can restore from, with the decision point's ``facts``: what the policy decides over."""
+        config, topology = self._config, self._group_topology()
+        return LayoutView(
+            num_stages=config.num_stages, replicas=topology.num_replicas,
+            min_replicas=config.min_replicas, max_replicas=config.max_replicas, elastic=self.resizer is not None,
+            shard_optimizer=config.shard_optimizer,
+            failed=tuple(FailedWorker(rank, *topology.coordinates(rank), why)
+                         for rank, why in sorted((failed or {}).items())),
+            failures=len(self._failures), max_failures=config.max_failures, snapshot_every=config.snapshot_every,
+            snapshots=self.snapshots.views(), checkpoint_step=self._persisted.newest_step, can_repartition=True,
+            placement_timeout_s=config.placement_timeout_s, **facts)
+
+    def _group_topology(self) -> Topology:
+        """The ranks of the running group (a shrink changes it before the topology in force)."""
+        stages = self._config.num_stages
+        return Topology(stages, len(self.executor.group.actors) // stages)
+
+    def _note(self, failure: WorkersFailed) -> None:
+        """A failure event: count it, ask the policy, kill its workers and let the step end on
+        the others; the heal under way (if any) takes them in."""
+        under_way = heal_under_way(self.current_state)
+        self._failures.append(str(failure))
+        logger.warning("raypipe: %s; healing (failure %d of max_failures=%s)", failure, len(self._failures),
+                       self._config.max_failures)
+        topology = self._group_topology()
+        failed = {topology.rank(*worker): why for worker, why in failure.workers.items()}
+        known = dict(under_way.failed) if under_way is not None else {}
+        decision = decide_failure(self._view({**known, **failed}))  # the survivors not asked yet
+        if isinstance(decision, Raise):
+            raise self._cannot_heal(decision, str(failure)) from failure
+        state = self.current_state
+        if under_way is None:  # a new heal; a grow cut short left workers with the grown layout's specs
+            relayout = GROW if isinstance(state, Resizing) and state.direction == GROW else None
+            under_way = Healing({}, frozenset(), time.monotonic(), relayout)
+        reason = ", ".join(f"replica {replica} stage {stage} {why}"
+                           for (replica, stage), why in sorted(failure.workers.items()))
+        self._enter(replace(under_way, failed={**known, **failed}, reason=reason))
+        self.executor.group.kill(list(failed))
+        failed.update(self.executor.drain(failed))
+        self._enter(replace(under_way, failed={**known, **failed}, reasons=under_way.reasons | set(failed.values()),
+                            reason=reason))
+
+    def _heal(self, healing: Healing) -> None:
+        """Replace the failed workers (or shrink, or re-partition, as the policy says), give
+        them their state, re-form communication, replay, and settle."""
+        failed = sorted(healing.failed)
+        group = self.executor.group
+        survivors = [actor for index, actor in enumerate(group.actors) if index not in failed]
+        ended = self._survivors_ended(failed)
+        decision = decide_failure(self._view(dict(healing.failed), survivors_ended_step=ended))
+        if isinstance(decision, Raise):
+            raise self._cannot_heal(decision, self._failures[-1])
+        spares: dict[int, str] = {}  # the failed workers whose place a warm spare took
+        try:
+            spares = replace_within(group, failed, self._config.replace_timeout_s)
+        except PlacementError as error:
+            view = self._view(dict(healing.failed), unplaced=error.unplaced)
+            decision = decide_failure(view)
+            if isinstance(decision, Shrink):
+                healing, failed, survivors = self._shrink(healing, decision)
+                ended = self._survivors_ended(failed)
+            elif isinstance(decision, (Repartition, WaitForRoom)):  # fewer stages: the room decides how many
+                return self._healed(healing, *self._repartition(view, healing), failed=[])
+            else:
+                cannot = self._cannot_heal(decision, self._failures[-1], error)
+                if cannot is error:
+                    raise
+                raise cannot from error
+        if healing.relayout:  # the new layout first: with ZeRO-1 each worker rebuilds for its new owners
+            self.executor.relayout(survivors)
+            shrunk = healing.relayout == SHRINK
+            replay, source = self._give_state(failed, ended, shrunk=shrunk)
+            healing = replace(healing, relayout=None)
+            if shrunk:
+                self._resized(SHRINK, failed, healing)
+            else:
+                self._enter(healing)
+                self.give_datasets(failed)
+        else:
+            replay, source = self._give_state(failed, ended)
+            self.executor.reconnect(survivors)
+            self.give_datasets(failed)
+        if spares:
+            source += f" (replaced by {', '.join(spares[index] for index in sorted(spares))})"
+        self._healed(healing, replay, source, failed)
+
+    def _survivors_ended(self, failed: list[int]) -> frozenset[int] | None:
+        """The survivors whose state ended the failed step (all of them when one does not
+        answer); None, without asking, when the replicas do not hold copies anyway."""
+        if not replicas_hold_copies(self._view()):
+            return None
+        return survivors_that_ended(self.executor.group.actors, failed, self._commits)
+
+    def _give_state(self, failed: list[int], ended: frozenset[int] | None, shrunk: bool = False
+                    ) -> tuple[list[LoggedStep], str]:
+        """The replacements ``failed`` get their state from where the policy says (siblings
+        when no survivor ``ended`` the failed step, else every worker rolls back; ``shrunk``
+        with ZeRO-1: every worker adopts the snapshots of its stage in every replica of the
+        old layout): the steps to replay, and where the state came from."""
+        view = self._view(dict.fromkeys(failed, ""), survivors_ended_step=ended, replaced=True, shrunk=shrunk)
+        decision = decide_failure(view)
+        if isinstance(decision, CopyFromSiblings):
+            return self._transfer.transfer_state(decision, self.snapshots.held)
+        if isinstance(decision, RestoreSnapshot) and decision.reshard:
+            replay, source = self._restore(view, self._transfer.reshard(self._config.num_stages), as_taken=True)
+            return replay, f"{source}, resharded"
+        return self._restore(view)
+
+    def _restore(self, view: LayoutView | None = None, load: Load | None = None, needed: int | None = None,
+                 as_taken: bool = False) -> tuple[list[LoggedStep], str]:
+        """Every worker back to the state the policy picks: the newest snapshot, an older one
+        when a newer one was lost (a worker died while it was taken), the newest intact
+        checkpoint when none is left; each copy that does not load is marked lost and the
+        policy asked again. The steps to replay since, and which state it was. ``load``,
+        ``needed``, ``as_taken``: see :meth:`StateTransfer.transfer_state`; ``view``: what
+        the heal knows (default: the layout now)."""
+        view = replace(view or self._view(), replaced=True)
+        lost, lost_at, checkpoint_lost = "", set(), False
+        while True:
+            snapshots = tuple(replace(snapshot, lost=position in lost_at)
+                              for position, snapshot in enumerate(view.snapshots))
+            decision = decide_failure(replace(view, snapshots=snapshots, checkpoint_lost=checkpoint_lost))
+            if isinstance(decision, RestoreSnapshot):
+                position = max(position for position, snapshot in enumerate(snapshots)
+                               if snapshot.step == decision.step and not snapshot.lost)
+                what = f"restoring the snapshot of step {decision.step}"
+            elif isinstance(decision, LoadCheckpoint):
+                position, what = None, "loading the checkpoint"
+                if self.snapshots.held:
+                    logger.warning("raypipe: every snapshot was lost (%s); healing from the newest checkpoint", lost)
+            else:
+                self.executor.usable = False
+                raise RaypipeError(f"no snapshot or checkpoint to restore (every copy was lost: {lost}); "
+                                   "load_checkpoint resumes from the newest persisted checkpoint")
+            try:
+                replay, source = self._transfer.transfer_state(decision, self.snapshots.held, position, load, needed,
+                                                               as_taken)
+            except CopyLost as copy:
+                failure = self._probe(self._commits, f"{what}: {copy.why}")  # lost with a worker: fold it in
+                if failure is not None:
+                    raise failure from None
+                if position is None:
+                    lost, checkpoint_lost = (f"{lost}; {copy.why}" if lost else copy.why), True
+                else:
+                    lost, lost_at = lost or copy.why, lost_at | {position}
+                continue
+            if isinstance(decision, RestoreSnapshot) and decision.older:
+                logger.warning("raypipe: the snapshot of step %d was lost (%s); restored the one of step %d",
+                               self.snapshots.held[-1].step, lost, decision.step)
+            return replay, source
+
+    def _cannot_heal(self, decision: Raise, failure: str, placement: PlacementError | None = None) -> RaypipeError:
+        """The error that ends the run for the policy's ``decision``; the executor is unusable after it."""
+        self.executor.usable = False
+        if decision.reason == TOO_MANY_FAILURES:
+            return TooManyFailures(self._config.max_failures, self._failures)
+        if placement is not None:  # no room to replace, nor to shrink or re-partition
+            return self.resizer.below_minimum(placement.unplaced) if decision.reason == BELOW_MINIMUM else placement
+        return RaypipeError(f"{failure}: {decision.message}; load_checkpoint resumes from the newest checkpoint")
+
+    def _healed(self, healing: Healing, replay: list[LoggedStep], source: str, failed: list[int]) -> None:
+        """Replay the steps since the state restored, snapshot, record the heal and settle."""
+        for logged in replay:
+            self._run(logged.data_step, logged.batch, logged.loss_scale)
+        self.snapshots.fresh()  # of the healed state: a lost one is never fallen back to again
+        seconds = time.monotonic() - healing.since
+        topology = self._group_topology()
+        replaced = ["replica {} stage {}".format(*topology.coordinates(index)) for index in failed]
+        logger.warning("raypipe: healed in %.1fs (replaced %s) from the %s, replayed %d step(s)",
+                       seconds, replaced or "none", source, len(replay))
+        recovered = Recovered(sorted(healing.reasons), seconds, len(replay), source)
+        self.recoveries.append(recovered)
+        if self._metrics is not None:
+            self._metrics.record_recovery(recovered.reasons, recovered.seconds, recovered.replayed_steps)
+        self._settled(f"healed from the {source}")
+
+    # -- resizes ------------------------------------------------------------------
+    def _shrink(self, healing: Healing, decision: Shrink) -> tuple[Healing, list[int], list[Any]]:
+        """Drop the replicas the policy names (whose replacements found no room; an elastic
+        run): the heal with its failed workers left (replaced), by their new ranks, and the
+        survivors."""
+        failed = healing.failed
+        kept = self.resizer.shrink(decision.drop_replicas)
+        self.snapshots.keep_only(kept)
+        # by the new ranks from now on: a worker lost before the heal ends is added to these
+        healing = replace(healing, failed={rank: failed[old] for rank, old in enumerate(kept) if old in failed},
+                          relayout=SHRINK)
+        self._enter(healing)
+        actors = self.executor.group.actors
+        return healing, sorted(healing.failed), [actors[rank] for rank, old in enumerate(kept) if old not in failed]
+
+    def _grow(self) -> None:
+        """Admit a new replica when one is ready and the scaling policy says so (the step
+        boundary is the only time the layout changes), and snapshot the grown group."""
+        ready = self.resizer.poll()
+        config, running = self._config, self.resizer.running
+        decision = decide_scaling(LayoutView(num_stages=config.num_stages, replicas=running,
+                                             min_replicas=config.min_replicas, max_replicas=config.max_replicas,
+                                             elastic=True, new_replicas_ready=ready))
+        if not isinstance(decision, Grow):
+            return
+        self._enter(Resizing(GROW, reason=f"{GROW} to {running + decision.by} replica(s)"))  # a worker lost: relayout
+        new_ranks = self.resizer.admit()
+        if not new_ranks:
+            self._settled("the new replica did not join")
+            return
+        self._resized(GROW, new_ranks)
+        self.snapshots.fresh()
+        self._settled("grew")
+
+    def _resized(self, direction: str, new_ranks: list[int], healing: Healing | None = None) -> None:
+        """After an elastic resize (``healing``: the heal a shrink is part of): the new
+        layout's topology, datasets for new readers, metrics."""
+        num_replicas = self.resizer.running
+        self._enter(Resizing(direction, healing, reason=f"{direction} to {num_replicas} replica(s)"))
+        self.topology = Topology(self._config.num_stages, num_replicas)
+        self.give_datasets(new_ranks)
+        self._record_resize(direction)
+
+    def _record_resize(self, direction: str) -> None:
+        self.resizes.append((self._steps(), direction, self.topology.num_replicas))
+        if self._metrics is not None:
+            self._metrics.record_resize(direction, self.topology.num_replicas)
+
+    # -- partitions ---------------------------------------------------------------
+    def _repartition(self, view: LayoutView, healing: Healing) -> tuple[list[LoggedStep], str]:
+        """No whole pipeline can be placed (``view``: what the heal knows): one replica on as
+        many fewer stages as the policy picks for the room (waiting up to
+        ``placement_timeout_s`` for room, else :class:`PlacementError`); its workers adopt
+        the layers of the old stages' newest whole snapshot (else the newest checkpoint),
+        and the steps since are replayed."""
         old_stages = self._config.num_stages
-        self.partitioning.repartition(reports, view)
-        self._enter(ControllerState.REPARTITIONED, f"re-partitioned from {old_stages} to "
-                    f"{self._config.num_stages} stage(s): no room for a whole pipeline")
+        if self.resizer is not None:  # its placement groups are of the old partition
+            self.resizer.close()
+            self.resizer = None
+        if self.partition_return is not None:  # its room too, while the fewer stages are placed
+            self.partition_return.close()
+            self.partition_return = None
+        balance = self._fewer_stages(view)
+        self._swap_group(None)  # the survivors' room goes to the new partition; their state is in snapshots
+        config = fewer_stages_config(self._config, balance)
+        self._use_partition(config, balance)
+        self.launch(None)
+        self.partition_return = self._configured_return()
+        self._record_resize("repartition")
+        logger.warning("raypipe: re-partitioned from %d to %d stage(s) (layers per stage %s, schedule %s): no room "
+                       "for a whole pipeline of %d", old_stages, len(balance), balance, config.schedule, old_stages)
+        self._enter(Repartitioned(healing, reason=f"re-partitioned from {old_stages} to {config.num_stages} "
+                                                  "stage(s): no room for a whole pipeline"))
+        self.give_datasets(range(len(self.executor.group.actors)))
+        # every replica's snapshots with ZeRO-1 (each holds the optimizer part of the parameters it owned)
+        needed = None if config.shard_optimizer else old_stages
+        replay, source = self._restore(load=self._transfer.adopt_layers(needed), needed=needed, as_taken=True)
+        return replay, f"{source}, re-partitioned onto {config.num_stages} stage(s)"
 
-    def restore_partition(self) -> bool:
-        """At a step boundary of a re-partitioned run: back to the configured stages when
-        the policy says so. Whether the group changed."""
-        return self.partitioning.restore_partition()
+    def _fewer_stages(self, view: LayoutView) -> list[int]:
+        """The balance of the stages the failure policy picks (the most, fewer than now,
+        that the memory model says fit a worker and that the room has workers for, the
+        running workers' room included: they go before the new ones start)."""
+        config, bundle = self._config, self.bundle
+        fewer = fewer_stages_that_fit(self.model.layers, self._last_reports, config, self._balance,
+                                      self.device_memory)
+        running = list(self.group.workers)  # every worker's bundle is freed for the new partition
+        started = time.monotonic()
+        while True:
+            decision = decide_failure(replace(view, room=room(bundle, running),
+                                              stage_counts_that_fit=tuple(fewer.balances),
+                                              waited_for_room_s=time.monotonic() - started))
+            if isinstance(decision, Repartition):
+                return fewer.balances[decision.num_stages]
+            if not isinstance(decision, WaitForRoom):
+                reason = decision.message if isinstance(decision, Raise) else str(decision)
+                raise PlacementError(
+                    f"{reason} of {bundle}, {fewer.capacity_bytes / 2**30:.1f} GiB per worker, the model predicted at "
+                    f"{fewer.predicted_bytes / 2**30:.2f} GiB; waited {config.placement_timeout_s:g}s "
+                    "(placement_timeout_s). Saved checkpoints are intact: load_checkpoint resumes from the newest")
+            time.sleep(0.5)
 
-    def returning(self, reason: str) -> None:
-        """A re-partitioned run's configured pipeline is taking over (beside or in place)."""
-        self._enter(ControllerState.RESIZING, reason)
+    def _return_to_configured(self) -> bool:
+        """At a step boundary of a re-partitioned run: once the configured pipeline's workers
+        (started beside when there was room) are ready, they take over every layer and the
+        running workers go; or, where the configured pipeline fits only in the running
+        workers' room too, it takes their place. An elastic run then grows its replicas
+        again. Whether the group changed."""
+        returning, config = self.partition_return, self._config
+        group = returning.poll()
+        # the room is measured only while a swap in place may come (not started beside, not found impossible)
+        measure = group is None and returning.in_place and not returning.started and config.snapshot_every
+        decision = decide_scaling(LayoutView(
+            num_stages=config.num_stages, replicas=self.topology.num_replicas,
+            configured_stages=returning.num_stages, snapshot_every=config.snapshot_every,
+            configured_ready_beside=group is not None, configured_started_beside=returning.started,
+            return_in_place_allowed=returning.in_place,
+            room=returning.room(self.group.workers) if measure else None))
+        if not isinstance(decision, ReturnToConfigured):
+            return False
+        self._enter(Resizing("restore", reason=f"back to the configured {returning.num_stages} stage(s)"
+                                                f"{' in place' if decision.in_place else ' beside'}"))
+        self.settle_saves()  # a save in flight reads the running workers
+        if not decision.in_place:
+            group = returning.take_over(self.group)
+            if group is not None:
+                self._swap_in(group)
+                self.give_datasets(range(self.topology.world_size))
+            self._settled("the configured stages took over" if group is not None else "stayed")
+            return group is not None
+        source = self._relaunch(self._swap_in_place)  # the running workers are snapshotted and go first
+        logger.warning("raypipe: the new workers took their state from the %s", source)
+        self._settled(f"swapped in place from the {source}")
+        return True
 
-    def use_partition(self, config: PipelineConfig, balance: list[int]) -> None:
+    def _relaunch(self, launch: Callable[[], None]) -> str:
+        """Between steps, another group in place of this one (``launch()``: stop the
+        workers, start those of another partition): every worker is snapshotted first,
+        and the new workers adopt every layer of that snapshot (of an older one or a
+        checkpoint when it was lost, the steps since redone). Where the state came from."""
+        self.snapshots.take(self.snapshots.now_step())
+        self.snapshots.wait(self.snapshots.held[-1])
+        launch()
+        self.give_datasets(range(len(self.executor.group.actors)))
+        replay, source = self._restore(load=self._transfer.adopt_layers(), as_taken=True)
+        for logged in replay:
+            self._run(logged.data_step, logged.batch, logged.loss_scale)
+        return source
+
+    def _swap_in(self, group: StageGroup) -> None:
+        """The configured pipeline's ``group`` (ready) replaces the running workers (the
+        caller gives its readers the datasets)."""
+        self.partition_return, running_stages = None, self._config.num_stages
+        config, balance = self.configured
+        self._swap_group(None)
+        self._use_partition(config, balance)
+        self._swap_group(group)
+        if config.elastic:  # back on its configured stages: asks for its other replicas again
+            self.resizer = Resizer(config, self.executor, self.stage_specs(), self.bundle, None)
+        self._record_resize("restore")
+        logger.warning("raypipe: back from %d to the configured %d stage(s) (layers per stage %s)",
+                       running_stages, config.num_stages, balance)
+
+    def _swap_in_place(self) -> None:
+        """The running workers go (their state is snapshotted), and the configured pipeline
+        is placed in their room; if the room went elsewhere, the fewer stages start again."""
+        self._swap_group(None)
+        try:
+            group = self.partition_return.start_in_place(self._config.placement_timeout_s)
+        except ray.exceptions.RayError as error:  # a new worker died while it started: asked for beside again
+            logger.warning("raypipe: a worker of the configured pipeline died while it started in place (%s)",
+                           str(error).strip().splitlines()[-1])
+            self.partition_return = self._configured_return()
+            self.partition_return.in_place = False
+            group = None
+        if group is not None:
+            self._swap_in(group)
+            return
+        logger.warning("raypipe: the configured %d stage(s) could not be placed in the room the running ones left "
+                       "within %gs (placement_timeout_s); going on with %d", self._configured[0].num_stages,
+                       self._config.placement_timeout_s, self._config.num_stages)
+        self.launch(None)
+
+    def _configured_return(self) -> PartitionReturn:
+        """The configured pipeline (one replica), asked for beside the running one."""
+        configured, configured_balance = self.configured
+        specs = replica_specs(self.stage_specs(configured, configured_balance), 1, self._config.micro_batches_per_step)
+        return PartitionReturn(self.executor.actor_class(), specs, self.bundle)
+
+    def _use_partition(self, config: PipelineConfig, balance: list[int]) -> None:
         """From now on ``config``'s stages, split by ``balance``, run on one replica."""
         self._config, self._balance, self.topology = config, list(balance), Topology(config.num_stages, 1)
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches,
                                       config.virtual_stages)
         self.executor.config, self.executor.schedule = config, self.schedule  # the executor's own copy
 
-    def swap_group(self, group: StageGroup | None) -> None:
+    def _swap_group(self, group: StageGroup | None) -> None:
         """The running workers go; ``group`` (ready, of the partition in force), if any, runs the next steps."""
         if self.group is not None:
             self.group.shutdown()
-            self.recovery.forget_reports()  # of the workers that went
+            self._last_reports = None  # of the workers that went: a re-partition must not size stages by them
         self.group = group
         if group is not None:
             self.executor.connect(group)
-
-    def grow_again(self) -> None:
-        """An elastic run back on its configured stages asks for its other replicas again."""
-        from raypipe.runtime import spread
-
-        bundles = [self.bundle] * self._config.num_stages
-        pending = [spread.replica_group(bundles) for _ in range(self._config.max_replicas - 1)]
-        self.resizer = Resizer(self._config, self.executor, self.stage_specs(), self.bundle, pending, self._resized)
-
-    def close_resizer(self) -> None:
-        if self.resizer is not None:  # its placement groups are of the old partition
-            self.resizer.close()
-            self.resizer = None
-
-    def record_resize(self, direction: str) -> None:
-        self.resizes.append((self._steps(), direction, self.topology.num_replicas))
-        if self._metrics is not None:
-            self._metrics.record_resize(direction, self.topology.num_replicas)
-
-    def _resized(self, direction: str, num_replicas: int, new_ranks: list[int]) -> None:
-        """After an elastic resize: the new layout's topology, datasets for new readers, metrics."""
-        self._enter(ControllerState.RESIZING, f"{direction} to {num_replicas} replica(s)")
-        self.topology = Topology(self._config.num_stages, num_replicas)
-        self.give_datasets(new_ranks)
-        self.record_resize(direction)
-
-    def _recovered(self, recovered: Recovered) -> None:
-        self.recoveries.append(recovered)
-        if self._metrics is not None:
-            self._metrics.record_recovery(recovered.reasons, recovered.seconds, recovered.replayed_steps)
-        self.settled(f"healed from the {recovered.source}")
-
 
 
 __all__ = ["STATES", "Controller", "ControllerState", "Layout", "StageModel"]

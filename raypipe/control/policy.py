@@ -1,9 +1,10 @@
 """Failure and scaling policies: pure decisions over a :class:`~raypipe.control.view.LayoutView`.
 
-No Ray and no I/O: the mechanisms gather the facts, ask, and carry out the one
-frozen decision returned (modelled on Ray Train v2's ``FailurePolicy.make_decision``
-and ``ScalingPolicy``). A heal asks :func:`decide_failure` at each point where
-today's facts may change the way on:
+No Ray and no I/O: the controller (:mod:`raypipe.control.controller`, the only
+caller) gathers the facts, asks, and has its mechanisms carry out the one frozen
+decision returned (modelled on Ray Train v2's ``FailurePolicy.make_decision`` and
+``ScalingPolicy``). A heal asks :func:`decide_failure` at each point where today's
+facts may change the way on:
 
 1. a failure was noted (the survivors not asked yet): raise, or replace the failed workers;
 2. the survivors said whether they ended the failed step: raise, or replace;
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from raypipe.control.view import LayoutView, Room
 
-# Why a run cannot go on (Raise.reason); the mechanism raises the matching error.
+# Why a run cannot go on (Raise.reason); the controller raises the matching error.
 TOO_MANY_FAILURES = "too many failures"  # TooManyFailures
 NOTHING_TO_HEAL_FROM = "nothing to heal from"  # snapshot_every=0, no checkpoint, no sibling
 EVERY_COPY_LOST = "every copy lost"  # snapshots and checkpoints were kept, and none loaded
@@ -118,7 +119,7 @@ def siblings(view: LayoutView) -> dict[int, int] | None:
     state from (the first one); None when the replicas do not hold copies (one replica,
     or ZeRO-1), when the survivors were not asked or any ended the failed step (then only
     a snapshot rolls every worker back alike), or when a stage has no survivor."""
-    if not _replicas_hold_copies(view) or view.survivors_ended_step is None or view.survivors_ended_step:
+    if not replicas_hold_copies(view) or view.survivors_ended_step is None or view.survivors_ended_step:
         return None
     sources, topology, alive = {}, view.topology, set(view.survivors)
     for rank in view.failed_ranks:
@@ -129,15 +130,16 @@ def siblings(view: LayoutView) -> dict[int, int] | None:
     return sources
 
 
-def _replicas_hold_copies(view: LayoutView) -> bool:
-    """Whether the replicas of a stage hold the same state (its whole optimizer on each)."""
+def replicas_hold_copies(view: LayoutView) -> bool:
+    """Whether the replicas of a stage hold the same state (its whole optimizer on each):
+    only then are the survivors asked whether they ended the failed step."""
     return view.replicas > 1 and not view.shard_optimizer
 
 
 def _before_replacing(view: LayoutView) -> FailureDecision:
     """Raise when nothing could give the replacements their state, else replace them."""
     if not view.snapshots and view.checkpoint_step is None:
-        if view.survivors_ended_step is None and not _replicas_hold_copies(view):
+        if view.survivors_ended_step is None and not replicas_hold_copies(view):
             return Raise(NOTHING_TO_HEAL_FROM, "snapshot_every=0 keeps no snapshot to heal from, and no checkpoint "
                                                "was saved or loaded to replay from")
         if view.survivors_ended_step is not None and siblings(view) is None:

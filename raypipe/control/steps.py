@@ -1,4 +1,4 @@
-"""StepRunner: one optimizer step from a global batch to its StepResult, around the
+"""TrainerStep: one optimizer step from a global batch to its StepResult, around the
 controller's run of it. The facade (:class:`~raypipe.trainer.PipelineTrainer`) owns
 the public API; this owns what a step does before and after the pipeline runs it."""
 from __future__ import annotations
@@ -10,22 +10,22 @@ from typing import Any
 import torch
 
 from raypipe.control.controller import Controller
+from raypipe.control.snapshots import LoggedStep
 from raypipe.core.micro_batches import MicroBatches, loss_weights, split_micro_batches
 from raypipe.core.result import StepResult
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.errors import NonFiniteError
-from raypipe.executor.snapshot import LoggedStep
 from raypipe.observability.step_report import build_step_result
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
 
 
-class StepRunner:
+class TrainerStep:
     """Splits a global batch into weighted micro-batches, runs the step on ``controller``,
     and carries out its decision: the fp16 loss scale's update, ``nonfinite="raise"``, the
     committed step count (``progress.step_count``), the step logged for replay, the metrics.
 
-    ``progress`` is the trainer's :class:`~raypipe.checkpoint.trainer_state.TrainingProgress`
+    ``progress`` is the trainer's :class:`~raypipe.checkpoint_manager.trainer_state.TrainingProgress`
     (the step count and the fp16 scaler, which checkpoints carry); ``metrics()`` the
     exporter in use, or None.
     """
@@ -52,9 +52,9 @@ class StepRunner:
         and commit it; ``start`` is when the caller began it (``time.time()``)."""
         scaler = self._progress.scaler
         loss_scale = scaler.scale if scaler else None
-        failures_before = len(self._controller.recovery.failures)
+        failures_before = len(self._controller.failures)
         outcome = self._controller.run_step(data_step, batch, loss_scale)
-        failures = self._controller.recovery.failures[failures_before:]
+        failures = self._controller.failures[failures_before:]
         decision = outcome.decision
         self._check_finite(decision)
         if scaler:

@@ -1,15 +1,20 @@
 """What a layout decision needs to know, as frozen data (no Ray, no I/O).
 
-The mechanisms (:mod:`raypipe.executor.recovery`, :mod:`~raypipe.executor.elastic`,
-:mod:`~raypipe.control.partitioning`) gather these facts from the running
-workers and the cluster, and :mod:`raypipe.control.policy` decides from them
-alone, so every decision can be tested on a fabricated view.
+The controller (:mod:`raypipe.control.controller`) gathers these facts from the
+running workers, its snapshots and the cluster, and :mod:`raypipe.control.policy`
+decides from them alone, so every decision can be tested on a fabricated view.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from raypipe.core.topology import Topology
+
+
+def repartitioned(num_stages: int, configured_stages: int | None) -> bool:
+    """Whether a run on ``num_stages`` stages is on other stages than the ``configured_stages``
+    (None: the configured ones), the one definition of a re-partitioned run."""
+    return configured_stages is not None and configured_stages != num_stages
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class LayoutView:
     @property
     def repartitioned(self) -> bool:
         """Whether the run is on other stages than configured."""
-        return self.configured_stages is not None and self.configured_stages != self.num_stages
+        return repartitioned(self.num_stages, self.configured_stages)
 
     @property
     def topology(self) -> Topology:
@@ -106,4 +111,4 @@ class LayoutView:
         return frozenset(self.topology.coordinates(rank).replica for rank in ranks)
 
 
-__all__ = ["FailedWorker", "LayoutView", "Room", "SnapshotView"]
+__all__ = ["FailedWorker", "LayoutView", "Room", "SnapshotView", "repartitioned"]

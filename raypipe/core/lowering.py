@@ -36,15 +36,13 @@ schedule's own, what buffered sends would give.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
 
-from raypipe.core.ops import (COMPUTE, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
-                              SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, awaiting_header, exchange,
-                              neighbour)
+from raypipe.core.ops import (COMPUTE, HEADERS, LEARNED, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD,
+                              REDUCE_GRAD, SEND_ACT, SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, awaiting_header,
+                              exchange, neighbour)
 from raypipe.core.receive_order import EVEN_COST, receives_in_send_order
-
-if TYPE_CHECKING:  # the simulator runs the lowering's drafts, and is loaded when it first does
-    from raypipe.core.simulator import DraftRun
+from raypipe.core.simulator import DraftRun, ScheduleError, run_draft  # the dry-run's rule, run on the drafts
+from raypipe.core.timed_simulation import simulate_timed
 
 # Per compute kind: the receive of its input and the send of its output (W needs and makes
 # nothing another worker has: it only adds to this worker's weight gradients).
@@ -84,7 +82,10 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
        (Megatron's steady state, :func:`_forward_backward_pairs`): both receives
        before the F, both sends after the B (there every worker runs its forwards,
        and its backwards, in one order of micro-batches and chunks, so receives come
-       in their senders' order too, as the dry-run checks);
+       in their senders' order too, as the dry-run checks); where the rendezvous then
+       costs a step longer than buffered sends, or deadlocks (rounds longer than p),
+       each receive posted near when its message is sent instead, with or without the
+       pairs, whichever step is shortest at even costs (:func:`_interleaved`);
     2. every run of two or more messages between compute ops is one EXCHANGE (as
        Megatron's ``send_forward_recv_forward`` posts a send to the next worker with
        a receive from the previous one);
@@ -93,6 +94,13 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     4. each activation an EXCHANGE receives has its payload received after the batch,
        or in it, its header awaited first, where the dry-run finds the batch stuck
        without it (:func:`_await_headers`: a ring of workers each sending on).
+
+    One lowering serves both ``boundary_shapes``: ``header_first`` is chosen for the steps
+    that send headers (every step with ``"headers"``; the first with ``"learned"``, and any
+    key marked dynamic), and a step whose signatures are learned sends none, so each
+    EXCHANGE receives every payload in its batch (:func:`raypipe.core.simulator.postings`):
+    that posts every receive no later, in the same order per peer, and the dry-run of each
+    lowering completes both ways (tests/core/test_header_first.py).
 
         After the last op of every worker: REDUCE_GRAD, then OPTIMIZER_STEP.
     """
@@ -106,10 +114,57 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
         alone = [_communicating(stage, ops, num_stages, placement, num_chunks) for stage, ops in enumerate(schedule)]
         alone = receives_in_send_order(alone, num_stages, num_chunks, placement)
     else:
-        pairs = _forward_backward_pairs(schedule, num_stages, num_chunks, placement)
-        alone = [_communicating(stage, ops, num_stages, placement, num_chunks, pairs[stage])
-                 for stage, ops in enumerate(schedule)]
+        return _interleaved(schedule, num_stages, num_chunks, placement)
     return _defer_waiting_sends(alone, placement, num_chunks)
+
+
+def _interleaved(schedule: list[list[Op]], num_stages: int, num_chunks: int, placement: str) -> list[list[LoweredOp]]:
+    """The lowering of a schedule with chunks and whole backwards (interleaved_1f1b): the
+    pairs' (:func:`_forward_backward_pairs`), each receive right before its op, where that
+    completes and the rendezvous costs it nothing (its step at even costs, :data:`EVEN_COST`,
+    is the step with buffered sends), as with rounds of p micro-batches; else the one of
+    three that completes with the shortest step at even costs (steady state, then first
+    step; the first of equals): that one, the pairs with each receive posted near when its
+    message is sent (:func:`~raypipe.core.receive_order.receives_in_send_order`), and each
+    op's messages alone, so posted.
+
+    With rounds of q > p micro-batches (torch's order for p < m < 2p, and for m >= 2p not a
+    multiple of p, such as m = 10 at p = 4) an activation reaches the wrap from the last
+    worker to the first q - p ops before the first worker takes it: received right before
+    its F, the last worker's send waits that long under the rendezvous rule, and with
+    several rounds the first worker's pairs wait on gradients the last worker sends only
+    after it, which deadlocks. Received when it is sent, it waits for nothing: at p = 4,
+    v = 2 (F = 1, B = 2 a stage) m = 6, 7 and 10 take 22.5, 25.5 and 34.5 units, the
+    schedule's own (the pairs alone: 34.5, 57 and a deadlock)."""
+    pairs = _forward_backward_pairs(schedule, num_stages, num_chunks, placement)
+    paired = [_communicating(stage, ops, num_stages, placement, num_chunks, pairs[stage])
+              for stage, ops in enumerate(schedule)]
+    lowered = _defer_waiting_sends(paired, placement, num_chunks)
+    steps = _even_cost_steps(lowered, placement, modes=(LEARNED,))
+    if steps is not None and steps[0] <= simulate_timed(lowered, EVEN_COST, buffered_sends=True,
+                                                        placement=placement).step_s:
+        return lowered
+    alone = [_communicating(stage, ops, num_stages, placement, num_chunks) for stage, ops in enumerate(schedule)]
+    candidates = [(_even_cost_steps(lowered, placement), lowered)]
+    for drafted in (paired, alone):
+        candidate = _defer_waiting_sends(receives_in_send_order(drafted, num_stages, num_chunks, placement),
+                                         placement, num_chunks)
+        candidates.append((_even_cost_steps(candidate, placement), candidate))
+    finished = [(steps, candidate) for steps, candidate in candidates if steps is not None]
+    # none finishing is left for the dry-run to report, on the pairs' lowering
+    return min(finished, key=lambda finished_candidate: finished_candidate[0])[1] if finished else lowered
+
+
+def _even_cost_steps(lowered: list[list[LoweredOp]], placement: str,
+                     modes: tuple[str, ...] = (LEARNED, HEADERS)) -> tuple[float, ...] | None:
+    """The step of ``lowered`` at even costs (:data:`EVEN_COST`) under the rendezvous rule, per
+    boundary-shapes mode of ``modes``: by default with learned shapes (the steady state), then with
+    headers (the first step); None if a dry-run fails."""
+    try:
+        return tuple(simulate_timed(lowered, EVEN_COST, placement=placement, boundary_shapes=mode).step_s
+                     for mode in modes)
+    except ScheduleError:
+        return None
 
 
 def _closed(alone: list[list[LoweredOp]], placement: str, num_chunks: int) -> DraftRun:
@@ -140,8 +195,6 @@ def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: i
     header was in as the batch was posted (nothing before changes), else in a new one from
     the start; until the dry-run completes or finds none. Deterministic; each new dry-run
     moves at least one payload. With the sends the last dry-run finds waiting."""
-    from raypipe.core.simulator import run_draft  # the dry-run's rule, run on the draft
-
     while True:
         draft = run_draft(lowered, placement, num_chunks)
         if not draft.late_payloads:
@@ -162,7 +215,7 @@ def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunk
     the messages there, and posted with them in one EXCHANGE (every channel keeps
     its order); until none waits (moving one side of a cycle only can leave every
     worker waiting on a receive instead). A moved send leaves later: the cost, which
-    :func:`~raypipe.core.simulator.simulate_timed` counts. Sends that cannot move on
+    :func:`~raypipe.core.timed_simulation.simulate_timed` counts. Sends that cannot move on
     are left for the dry-run to report."""
     alone = [list(ops) for ops in alone]
     while True:

@@ -49,6 +49,12 @@ PEER_OFFSET = {SEND_ACT: +1, RECV_ACT: -1, SEND_GRAD: -1, RECV_GRAD: +1}
 LOOPED, V_SHAPED = "looped", "v_shaped"
 PLACEMENTS = (LOOPED, V_SHAPED)
 
+# How an activation's dtype and shape reach its receiver (PipelineConfig.boundary_shapes): LEARNED, in a
+# header the first time its message key crosses, the payload alone after (raypipe.comm.boundary_signatures),
+# so a steady-state exchange receives every payload in its batch; HEADERS, a header before every payload.
+LEARNED, HEADERS = "learned", "headers"
+BOUNDARY_SHAPES = (LEARNED, HEADERS)
+
 
 def virtual_stage(worker: int, chunk: int, num_workers: int, placement: str = LOOPED) -> int:
     """The virtual stage that ``chunk`` of ``worker`` holds (see :data:`PLACEMENTS`)."""

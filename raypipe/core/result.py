@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # an annotation only: step_decision imports torch, which `import raypipe` (this module) does not
     from raypipe.core.step_decision import StepDecision
 
 

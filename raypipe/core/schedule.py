@@ -27,6 +27,9 @@ from raypipe.core.simulator import simulate
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 # one chunk per worker (virtual_stages=1); the others hold several (interleaved_1f1b v >= 2, zbv v = 2)
 SINGLE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+# The chunks per worker each schedule holds unless told otherwise (PipelineConfig.virtual_stages=None): the only
+# value zbv takes, interleaved_1f1b's least (and Megatron's usual), one for the others.
+NATURAL_CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
 # Where each schedule puts its chunks (see raypipe.core.ops.PLACEMENTS); one chunk per worker is placed alike by both.
 PLACEMENT = {"gpipe": LOOPED, "1f1b": LOOPED, "interleaved_1f1b": LOOPED, "zb_h1": LOOPED, "zbv": V_SHAPED}
 
@@ -65,51 +68,86 @@ def interleaved_1f1b_schedule(num_stages: int, num_micro_batches: int, num_chunk
     """Megatron's interleaved 1F1B: each worker holds ``num_chunks`` (v >= 2) chunks, chunk c
     of worker s being virtual stage c * p + s (activations wrap from the last worker to the first).
 
-    Shape: micro-batches go in rounds of p. A worker's forwards run round by round,
-    and within a round chunk by chunk (F of micro-batches 0..p-1 on chunk 0, then on
-    chunk 1, ...); its backwards run in the same order with the chunks reversed.
-    Worker s warms up with 2(p - 1 - s) + (v - 1)p forwards (at most all m*v), then
-    alternates one forward and one backward, then drains the backwards. Each
-    boundary between virtual stages costs 1/v of a stage, so with equal stage times
-    the bubble is (p - 1)/(v*m + p - 1) of the step (its idle time 1/v of 1F1B's), for
-    v times the messages. That holds under NCCL's rendezvous rule too, with messages
-    taking no time: the lowering posts each F's and the following B's messages
-    together, as Megatron does (:func:`raypipe.core.lowering.lower`).
+    Shape: micro-batches go in rounds of q (:func:`interleaved_round_size`: p when m is a
+    multiple of p, as Megatron's; else m // max(1, m // p), the "flex" order of torch's
+    ``ScheduleInterleaved1F1B``: one round of m when m < 2p, rounds of 5 at p = 4, m = 10). A
+    worker's forwards run round by round, and within a round chunk by chunk (F of the round's q
+    micro-batches on chunk 0, then on chunk 1, ...); its backwards run in the same order with the
+    chunks reversed. Worker s warms up with 2(p - 1 - s) + (v - 1)q forwards (at most all m*v),
+    then alternates one forward and one backward, then drains the backwards. Each boundary between
+    virtual stages costs 1/v of a stage, so with equal stage times and whole rounds of p the bubble
+    is (p - 1)/(v*m + p - 1) of the step (its idle time 1/v of 1F1B's), for v times the messages.
+    That holds under NCCL's rendezvous rule too, with messages taking no time: the lowering posts
+    each F's and the following B's messages together, as Megatron does
+    (:func:`raypipe.core.lowering.lower`).
+    One round of m < p leaves worker 0 waiting for the wrap from the last worker before its chunk 1
+    (F = 1, B = 2 a stage, v = 2, p = 4, m = 3: a step of 15 units against 1F1B's 18). Rounds of
+    q > p hand the wrap's activations on q - p ops before worker 0 takes them: the lowering posts
+    those receives when the message is sent, so the last worker's sends do not wait and the step is
+    the schedule's own, as with buffered sends (p = 4: 19.5, 22.5, 25.5 and 34.5 units at m = 5, 6,
+    7 and 10 against 1F1B's 24, 27, 30 and 39).
 
-    Memory: worker s holds at most 2(p - 1 - s) + (v - 1)p + 1 chunk-activations
-    (each 1/v of its layers; at most all m*v): worker 0 holds (p(v + 1) - 1)/v stages'
-    worth, against 1F1B's p, so a little more (at v = 2, about 1.5p). Posting an F's
-    and the following B's messages together also holds, across the other op, the F's
-    output until it is sent after the B and the B's incoming gradient from before the
-    F: two boundary tensors (one layer's input each), as in Megatron.
+    Memory: worker s holds at most 2(p - 1 - s) + (v - 1)q + 1 chunk-activations (each 1/v of
+    its layers; at most all m*v): with q = p, worker 0 holds (p(v + 1) - 1)/v stages' worth,
+    against 1F1B's p, so a little more (at v = 2, about 1.5p). Posting an F's and the following
+    B's messages together also holds, across the other op, the F's output until it is sent after
+    the B and the B's incoming gradient from before the F: two boundary tensors (one layer's
+    input each), as in Megatron. With rounds of q > p, worker 0 also holds each activation received
+    at the wrap from when it is sent until its F, up to q - p ops later (one boundary tensor each).
 
-    Raises ``ValueError`` unless v >= 2 and m is a multiple of p: as Megatron, the
-    rounds are whole (a round of fewer than p micro-batches would stall the wrap
-    from the last worker to the first).
+    Raises ``ValueError`` unless v >= 2 and m splits into max(1, m // p) equal rounds
+    (:func:`check_interleaved_micro_batches`, torch's rule).
     """
     _check_sizes(num_stages, num_micro_batches)
     if num_chunks < 2:
         raise ValueError(f"interleaved_1f1b needs v >= 2 chunks per worker, got v={num_chunks}")
-    if num_micro_batches % num_stages:
-        raise ValueError(f"interleaved_1f1b needs the number of micro-batches to be a multiple of the number of "
-                         f"stages (Megatron's rule): m={num_micro_batches}, p={num_stages}")
+    check_interleaved_micro_batches(num_stages, num_micro_batches)
+    round_size = interleaved_round_size(num_stages, num_micro_batches)
     total = num_micro_batches * num_chunks  # F (and B) ops per worker
 
     def nth(kind: str, index: int) -> Op:
         # the index-th F (or B) of a worker: round, then chunk (reversed for B), then micro-batch in the round
-        round_, within = divmod(index, num_stages * num_chunks)
-        chunk, offset = divmod(within, num_stages)
-        return Op(kind, round_ * num_stages + offset, chunk if kind == F else num_chunks - 1 - chunk)
+        round_, within = divmod(index, round_size * num_chunks)
+        chunk, offset = divmod(within, round_size)
+        return Op(kind, round_ * round_size + offset, chunk if kind == F else num_chunks - 1 - chunk)
 
     schedule = []
     for stage in range(num_stages):
-        warmup = min(2 * (num_stages - 1 - stage) + (num_chunks - 1) * num_stages, total)
+        warmup = min(2 * (num_stages - 1 - stage) + (num_chunks - 1) * round_size, total)
         ops = [nth(F, index) for index in range(warmup)]
         for index in range(total - warmup):
             ops += [nth(F, warmup + index), nth(B, index)]
         ops += [nth(B, index) for index in range(total - warmup, total)]
         schedule.append(ops)
     return schedule
+
+
+def interleaved_round_size(num_stages: int, num_micro_batches: int) -> int:
+    """The micro-batches in each round of interleaved_1f1b: m split into max(1, m // p) equal rounds
+    (p when m is a multiple of p; m itself, one round, when m < 2p; 5 at p = 4, m = 10 or 15)."""
+    return num_micro_batches // max(1, num_micro_batches // num_stages)
+
+
+def interleaved_runs(num_stages: int, num_micro_batches: int) -> bool:
+    """Whether interleaved_1f1b runs m micro-batches on p workers (:func:`check_interleaved_micro_batches`)."""
+    return num_micro_batches % max(1, num_micro_batches // num_stages) == 0
+
+
+def check_interleaved_micro_batches(num_stages: int, num_micro_batches: int) -> None:
+    """Raise ``ValueError`` unless interleaved_1f1b runs m micro-batches on p workers: m that splits
+    into max(1, m // p) equal rounds (:func:`interleaved_round_size`), the rule of
+    torch.distributed.pipelining's ``ScheduleInterleaved1F1B``. At p = 4: m = 1-8, 10, 12, 15, 16, ...
+
+    Rounds longer than p (m = 5-7 and 10, 15 at p = 4) hand an activation to the wrap from the last
+    worker to the first before the first worker takes it: the lowering posts such receives when the
+    message is sent (:func:`raypipe.core.lowering.lower`), so those run too."""
+    if interleaved_runs(num_stages, num_micro_batches):
+        return
+    p, m = num_stages, num_micro_batches
+    accepted = [count for count in range(1, 4 * p + 1) if interleaved_runs(p, count)]
+    raise ValueError(f"interleaved_1f1b needs m micro-batches that split into max(1, m // p) equal rounds (the "
+                     f"rule of torch's ScheduleInterleaved1F1B): m={m}, p={p}: {m} does not split into {m // p} "
+                     f"equal rounds; at p={p} m may be {', '.join(map(str, accepted))}, ...")
 
 
 def zb_h1_schedule(num_stages: int, num_micro_batches: int) -> list[list[Op]]:
@@ -228,7 +266,8 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int, num_chunks
     per worker, checked by a dry-run.
 
     v is 1 for gpipe, 1f1b and zb_h1, >= 2 for interleaved_1f1b, and 2 for zbv; another v
-    is a ``ValueError`` that says so, as is an interleaved_1f1b whose m is not a multiple of p.
+    is a ``ValueError`` that says so, as is an interleaved_1f1b whose m it cannot run
+    (:func:`check_interleaved_micro_batches`: m that splits into max(1, m // p) equal rounds).
     Raises :class:`~raypipe.core.simulator.ScheduleError` when the lowered
     schedule would deadlock, mis-pair messages or run compute ops out of place.
     """

@@ -18,7 +18,10 @@ object store block less, so a lowering that completes here completes there):
   op that sends it: headers go over a control channel with receives posted ahead);
   then, one at a time, each other activation's payload receive (and any receive
   behind one from the same peer), its header awaited: one stream per worker runs
-  its batches one after another (:func:`postings`);
+  its batches one after another (:func:`postings`). With ``boundary_shapes="learned"``
+  (the steady state once every message key's signature is learned:
+  :mod:`raypipe.comm.boundary_signatures`) no header goes, and an EXCHANGE posts all
+  of its parts in its batch; the first step, and keys that keep headers, run as above;
 - a collective completes only once every stage has reached it.
 
 So a stage that sends to a peer and then receives from it, while the peer sends
@@ -27,8 +30,8 @@ first too, deadlocks here although it runs on gloo: the lowering
 workers whose exchanges each send on and receive the activation behind the
 batch deadlocks too: the lowering awaits such headers first.
 
-:func:`simulate_timed` (from :mod:`raypipe.core.timed_simulation`, re-exported
-here) runs the same rule with time: the step's length and each stage's bubble.
+:func:`raypipe.core.timed_simulation.simulate_timed`, which builds on this module,
+runs the same rule with time: the step's length and each stage's bubble.
 """
 from __future__ import annotations
 
@@ -36,17 +39,19 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from raypipe.core.ops import (COLLECTIVES, EXCHANGE, LOOPED, RECEIVES, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS,
-                              LoweredOp, awaiting_header, neighbour)
+from raypipe.core.ops import (BOUNDARY_SHAPES, COLLECTIVES, EXCHANGE, HEADERS, LEARNED, LOOPED, RECEIVES, RECV_ACT,
+                              RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, LoweredOp, awaiting_header, neighbour)
 from raypipe.core.schedule_checks import ScheduleError, check_schedule  # ScheduleError: re-exported
 
 _SEND_MATCHING = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
 
 
-def simulate(lowered: list[list[LoweredOp]], placement: str = LOOPED) -> list[tuple[int, LoweredOp]]:
+def simulate(lowered: list[list[LoweredOp]], placement: str = LOOPED,
+             boundary_shapes: str = HEADERS) -> list[tuple[int, LoweredOp]]:
     """Dry-run ``lowered`` (``lowered[stage]`` = that stage's ops, in order), whose
     chunks are placed on the workers by ``placement`` (see :mod:`raypipe.core.ops`), under the
-    rule in this module's docstring.
+    rule in this module's docstring, with a header before every activation (``boundary_shapes=
+    "headers"``, and every first step) or none (``"learned"``: a step once every signature is learned).
 
     Returns every ``(stage, op)`` in the order it completed, a topological order
     the executor can submit in: each stage's order is kept and every receive
@@ -62,17 +67,20 @@ def simulate(lowered: list[list[LoweredOp]], placement: str = LOOPED) -> list[tu
     names ("mismatch") and stages that all wait ("deadlock", including sends that wait on each
     other's receives).
     """
-    return _finished_run(lowered, placement, check_schedule(lowered, placement)).order
+    return _finished_run(lowered, placement, check_schedule(lowered, placement), boundary_shapes).order
 
 
-def simulate_events(lowered: list[list[LoweredOp]], placement: str = LOOPED) -> list[Event]:
+def simulate_events(lowered: list[list[LoweredOp]], placement: str = LOOPED,
+                    boundary_shapes: str = HEADERS) -> list[Event]:
     """What :func:`simulate` does, step by step (see :class:`Event`), for the timed run; the
     same checks and errors."""
-    return _finished_run(lowered, placement, check_schedule(lowered, placement)).events
+    return _finished_run(lowered, placement, check_schedule(lowered, placement), boundary_shapes).events
 
 
-def _finished_run(lowered: list[list[LoweredOp]], placement: str, num_chunks: int) -> _Run:
-    run = _Run(lowered, placement, num_chunks)
+def _finished_run(lowered: list[list[LoweredOp]], placement: str, num_chunks: int, boundary_shapes: str) -> _Run:
+    if boundary_shapes not in BOUNDARY_SHAPES:
+        raise ValueError(f"boundary_shapes={boundary_shapes!r}: expected one of {', '.join(BOUNDARY_SHAPES)}")
+    run = _Run(lowered, placement, num_chunks, boundary_shapes)
     while not run.finished():
         if not run.sweep():
             raise ScheduleError(run.deadlock_message())
@@ -129,10 +137,12 @@ class Posting(NamedTuple):
     parts: tuple[LoweredOp, ...]
 
 
-def postings(op: LoweredOp) -> tuple[Posting, ...]:
+def postings(op: LoweredOp, boundary_shapes: str = HEADERS) -> tuple[Posting, ...]:
     """What ``op`` posts, one posting after another (each once the one before completed):
     none for a compute op or a collective, its one message for a SEND or RECV, and for an
-    EXCHANGE its batch and then, one at a time, each receive the channel makes after it.
+    EXCHANGE its batch and then, one at a time, each receive the channel makes after it;
+    with ``boundary_shapes="learned"`` an EXCHANGE's batch holds every part, no header
+    awaited (every activation's signature is known: nothing is received after the batch).
 
     The batch holds every send, each RECV_ACT part in ``header_first`` (its header awaited
     before the batch is posted) and each RECV_GRAD part; a receive behind a RECV_ACT part
@@ -143,6 +153,8 @@ def postings(op: LoweredOp) -> tuple[Posting, ...]:
         return (Posting((), (op,)),)
     if op.kind != EXCHANGE:
         return ()
+    if boundary_shapes == LEARNED:
+        return (Posting((), op.parts),)
     batch, after, behind = [], [], set()
     for part in op.parts:
         received_after = part.kind in RECEIVES and (
@@ -176,12 +188,13 @@ class Event(NamedTuple):
 class _Run:
     """The state of a dry-run: where each stage is and what it has posted."""
 
-    def __init__(self, lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1) -> None:
+    def __init__(self, lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1,
+                 boundary_shapes: str = HEADERS) -> None:
         self.lowered = lowered
         self.placement, self.num_chunks = placement, num_chunks
         self.position = [0] * len(lowered)
         self.reached = [False] * len(lowered)  # whether each stage has reached its next op
-        self.postings = [[postings(op) for op in ops] for ops in lowered]
+        self.postings = [[postings(op, boundary_shapes) for op in ops] for ops in lowered]
         self.posting = [0] * len(lowered)  # per stage, the place of its current posting in its op's
         self.channels: defaultdict[tuple[int, int], _Channel] = defaultdict(_Channel)  # (sender, receiver)
         # per stage, the messages its current posting posted: (its place in the channel's list, the other
@@ -391,9 +404,7 @@ class _Run:
 
 
 def __getattr__(name: str) -> object:
-    # The timed run (raypipe.core.timed_simulation) builds on simulate(); it is re-exported
-    # here, loaded on first use so that neither module imports the other at load time.
+    # The timed run builds on this module, not the other way (docs/architecture.md, "Layer order").
     if name in ("simulate_timed", "TimedRun", "TimedOp"):
-        from raypipe.core import timed_simulation
-        return getattr(timed_simulation, name)
+        raise ImportError(f"raypipe.core.simulator.{name} is now raypipe.core.timed_simulation.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

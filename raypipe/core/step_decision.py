@@ -39,7 +39,7 @@ class StepDecision:
         return self.skip_reason is not None
 
 
-def decide(stats: Sequence[StageGradStats], loss_scaled: bool) -> StepDecision:
+def decide_step(stats: Sequence[StageGradStats], loss_scaled: bool) -> StepDecision:
     """Reduce every stage's statistics (in stage order) into one decision.
 
     With a dynamic loss scale (``loss_scaled``), non-finite gradients are an

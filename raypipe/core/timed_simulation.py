@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
-from raypipe.core.ops import COLLECTIVES, EXCHANGE, LOOPED, RECEIVES, SENDS, LoweredOp
+from raypipe.core.ops import COLLECTIVES, EXCHANGE, HEADERS, LOOPED, RECEIVES, SENDS, LoweredOp
 from raypipe.core.simulator import DONE, POSTED, REACHED, Event, postings, simulate_events
 
 # The time of a compute op or a collective on a worker: ``(stage, op) -> seconds``, or a mapping
@@ -83,7 +83,8 @@ class TimedRun:
 
 def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
                    message_seconds: MessageSeconds = 0.0, *, buffered_sends: bool = False,
-                   placement: str = LOOPED, events: Sequence[Event] | None = None) -> TimedRun:
+                   placement: str = LOOPED, events: Sequence[Event] | None = None,
+                   boundary_shapes: str = HEADERS) -> TimedRun:
     """Run ``lowered`` (``lowered[stage]`` = that stage's ops, in order) with time.
 
     ``op_seconds`` times each compute op and collective (see :data:`OpSeconds`);
@@ -93,7 +94,10 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
     module's docstring) instead of by the rendezvous rule. ``placement`` is where
     the schedule puts its chunks (:data:`raypipe.core.schedule.PLACEMENT`); compute
     ops of any kind (F, B, I, W) on any chunk are timed by their kind.
-    ``events``: ``simulate_events(lowered, placement)``, where the caller already has them
+    ``boundary_shapes``: ``"headers"`` (a header before every activation: every step with
+    headers, and the first with learned shapes) or ``"learned"`` (the steady state once every
+    signature is learned: no header awaited, every payload in its exchange's batch).
+    ``events``: ``simulate_events(lowered, placement, boundary_shapes)``, where the caller already has them
     (they depend on the ops alone, not on the times: a caller timing one schedule under many
     times, as the step predictor's search does, runs the dry-run once); not checked against
     ``lowered``.
@@ -117,14 +121,14 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
     timeline: list[TimedOp] = []
     collectives = [0] * num_stages  # per worker, how many collectives it has run
     collective_starts: list[float] = []  # when the n-th collective started (on every worker)
-    for event in simulate_events(lowered, placement) if events is None else events:
+    for event in simulate_events(lowered, placement, boundary_shapes) if events is None else events:
         stage, index = event.stage, event.index
         if event.kind == REACHED:
             reached_at[(stage, index)] = now[stage] = free_at[stage]
         elif event.kind == POSTED:
             posted = max([now[stage]] + [reached_at[source] for source in event.headers_from])
             messages = []
-            for part in postings(lowered[stage][index])[event.posting].parts:
+            for part in postings(lowered[stage][index], boundary_shapes)[event.posting].parts:
                 peer, is_send = part.peer, part.kind in SENDS
                 own = channels[(stage, peer) if is_send else (peer, stage)][0 if is_send else 1]
                 own.append((posted, part))

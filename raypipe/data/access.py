@@ -10,7 +10,7 @@ from raypipe.data.shards import MANIFEST
 from raypipe.errors import DataAccessError
 from raypipe.filesystem import filesystem_for
 
-DIRECT, SHIP = "direct", "ship"
+READ, SHIP = "read", "ship"
 SHARED_STORAGE = ("s3:// or gs:// (with credentials on every node), or a shared filesystem mounted at the same "
                   "path on every node")
 SHARED_STORAGE_ADVICE = f"Put the dataset where every node reads the same files: {SHARED_STORAGE}"
@@ -77,8 +77,8 @@ def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
-def decide(uri: str, driver_digest: str, found: Probe, where: Where) -> str:
-    """How the worker at ``where`` gets the dataset: DIRECT (it reads the driver's dataset itself) or
+def read_or_ship(uri: str, driver_digest: str, found: Probe, where: Where) -> str:
+    """How the worker at ``where`` gets the dataset: READ (it reads the driver's dataset itself) or
     SHIP (a local dataset it cannot open); anything else is a :class:`DataAccessError`.
 
     Shipping is decided by what the worker can open, not by which node it is on:
@@ -86,7 +86,7 @@ def decide(uri: str, driver_digest: str, found: Probe, where: Where) -> str:
     reads them itself, and one that sees other files at the same path is an error.
     """
     if found.digest == driver_digest:
-        return DIRECT
+        return READ
     if found.digest is not None:
         raise DataAccessError(uri, where, f"reads a different dataset there than the driver (manifest sha256 "
                                           f"{found.digest[:12]}..., the driver's {driver_digest[:12]}...)",

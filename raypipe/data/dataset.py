@@ -9,7 +9,7 @@ import torch
 
 from raypipe.core.packed import document_targets, make_packed
 from raypipe.data.decoded import open_decoded
-from raypipe.data.packing import CODES_SUFFIX, check_boundaries, layout_of_codes, read_boundaries, token_codes
+from raypipe.data.packing import CODES_SUFFIX, check_boundaries, rows_of_codes, read_boundaries, token_codes
 from raypipe.data.shards import (SPLITS, check_split_files, check_vocabulary, decode_rows, read_file, read_manifest,
                                  verify_shard)
 from raypipe.filesystem import filesystem_for
@@ -134,7 +134,7 @@ class TokenDataset:
         if not self.packed:
             return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         positions, document_ids, padding = (torch.from_numpy(part) for part in
-                                            layout_of_codes(self._gather(indices, self._codes)))
+                                            rows_of_codes(self._gather(indices, self._codes)))
         inputs = make_packed(rows[:, :-1], positions[:, :-1], document_ids[:, :-1])
         return inputs, document_targets(rows, document_ids, padding)
 

@@ -166,7 +166,7 @@ def token_codes(offsets: np.ndarray, lengths: np.ndarray, starts: np.ndarray, ro
     return codes
 
 
-def layout_of_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rows_of_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(positions, document_ids, padding)`` of rows of :func:`token_codes`: positions (0 in
     padding), each token's piece numbered from 0 per row (the padding one piece), and
     whether each token is padding."""

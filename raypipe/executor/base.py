@@ -15,7 +15,7 @@ steps end with :class:`~raypipe.errors.StepAborted`.
 
 The commit is part of the step: every worker gets every stage's gradient
 statistics (as task arguments, or by an all-reduce inside the group), decides
-the same way (:func:`raypipe.core.step_decision.decide`) and steps or skips.
+the same way (:func:`raypipe.core.step_decision.decide_step`) and steps or skips.
 A worker's statistics exist only when all of its ops ran, so a failure anywhere
 reaches no optimizer, and the driver waits once per step.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, NoReturn
 
 import ray
@@ -266,6 +266,15 @@ class Executor(ABC):
             return ray.get(refs)
         except ray.exceptions.RayError as error:
             raise as_raypipe_error(error, self.group.index_of) from original_cause(error)
+
+    #: message keys that keep headers under boundary_shapes="learned" (only the per-step executor learns signatures)
+    dynamic_keys: frozenset[int] = frozenset()
+
+    def mark_dynamic(self, keys: Iterable[int]) -> None:
+        """Message ``keys`` keep headers from the next step on (after a
+        :class:`~raypipe.errors.BoundaryShapeChanged`); the executors whose transports send
+        no learned signatures have nothing to mark."""
+        self.dynamic_keys = self.dynamic_keys | frozenset(keys)
 
     def check_usable(self) -> None:
         """Raise unless another step can run on this group."""

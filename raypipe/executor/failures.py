@@ -34,9 +34,9 @@ def as_raypipe_error(error: BaseException, worker_of: Callable[[Exception], int 
     a dead worker is named by ``worker_of``."""
     if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, RaypipeError):
         error = error.cause
-    if isinstance(error, StageError):
-        return type(error)(error.stage, error.op, error.micro_batch, error.message,
-                           error.remote_traceback, error.original, error.replica)
+    if isinstance(error, StageError):  # a fresh one of the same type and fields (each subclass pickles its own)
+        rebuild, arguments = error.__reduce__()[:2]
+        return rebuild(*arguments)
     if isinstance(error, RaypipeError):
         return error
     if isinstance(error, ray.exceptions.RayActorError):

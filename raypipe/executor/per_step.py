@@ -4,11 +4,10 @@ between neighbours over ``torch.distributed``. How the calls reach the workers
 (a connection to each, or actor tasks) is its :mod:`~raypipe.executor.step_dispatch`."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import ray
-
-from collections.abc import Collection
 
 from raypipe.comm import nccl_emulation
 from raypipe.comm.task_tensors import as_task_argument
@@ -24,12 +23,12 @@ from raypipe.runtime.group import StageGroup
 
 class PerStepExecutor(Executor):
     """Each worker runs its whole step from one call; ``config.step_calls`` picks how the
-    driver sends it: over a connection to each worker (``"direct"``, the default) or as
+    driver sends it: over a connection to each worker (``"connections"``, the default) or as
     an actor task (``"tasks"``)."""
 
     def __init__(self, config: PipelineConfig, schedule: list[list[Op]]) -> None:
         super().__init__(config, schedule)
-        self.dispatch: StepDispatch = (Connections if config.step_calls == "direct" else ActorTasks)(self)
+        self.dispatch: StepDispatch = (Connections if config.step_calls == "connections" else ActorTasks)(self)
 
     def actor_class(self) -> Any:
         return worker_actor_class(PerStepWorker)
@@ -78,12 +77,15 @@ class PerStepExecutor(Executor):
             inputs = as_task_argument(batch.inputs[own]) if batch is not None and spec.stage == 0 else None
             targets, weights = ((as_task_argument(batch.targets[own]), batch.weights[own])
                                 if batch is not None and spec.stage == last else (None, None))
-            arguments.append((step, inputs, targets, weights, loss_scale))
+            # the keys marked dynamic go to every worker with every step: both ends of each keep headers
+            arguments.append((step, inputs, targets, weights, loss_scale, tuple(sorted(self.dynamic_keys))))
         return arguments
 
     def relayout(self, survivors: list[Any]) -> None:
         """After the group resized: every worker that was in the old group leaves it,
-        every worker takes its new spec, and all join a new group."""
+        every worker takes its new spec, and all join a new group. The message keys marked
+        dynamic named the old layout's boundaries and micro-batches: they are learned again."""
+        self.dynamic_keys = frozenset()
         ray.get([actor.leave_group.remote() for actor in survivors])
         ray.get([actor.take_layout.remote(self.group.spec(rank)) for rank, actor in enumerate(self.group.actors)])
         self._join(self.group.actors)

@@ -2,9 +2,9 @@
 ways of running a step differ in (``PipelineConfig.step_calls``).
 
 :class:`ActorTasks` (``"tasks"``) submits one ``run_step`` actor task per worker
-and reads the results as Ray task results. :class:`Connections` (``"direct"``,
+and reads the results as Ray task results. :class:`Connections` (``"connections"``,
 the default) sends the same ``run_step`` over a connection from the driver to
-every worker (:mod:`raypipe.runtime.direct_calls`), at a fraction of the driver's
+every worker (:mod:`raypipe.runtime.connection_calls`), at a fraction of the driver's
 cost per step (one message each way per worker instead of a Ray task's round trip).
 
 What changes with connections is how a step's end is seen:
@@ -35,23 +35,22 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from multiprocessing import connection as connections
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from raypipe.comm import call_socket
-from raypipe.executor.base import StepOutcome, Submitted
+from raypipe.executor.base import Executor, StepOutcome, Submitted
 from raypipe.executor.failures import first_cause
-from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
-
-if TYPE_CHECKING:
-    from raypipe.executor.per_step import PerStepExecutor
+from raypipe.runtime.connection_calls import CallsBroken, ConnectionCalls
 
 
 class StepDispatch(ABC):
-    """One way of sending a step to the per-step executor's workers and reading its end."""
+    """One way of sending a step to the per-step executor's workers and reading its end
+    (``executor``: the per-step executor, through the :class:`Executor` interface it
+    implements, so this module needs nothing of the one that composes it)."""
 
-    def __init__(self, executor: PerStepExecutor) -> None:
+    def __init__(self, executor: Executor) -> None:
         self.executor = executor
 
     def connect(self) -> None:
@@ -99,12 +98,12 @@ class ActorTasks(StepDispatch):
 
 
 class Connections(StepDispatch):
-    """The steps' calls over a connection to each worker (``step_calls="direct"``),
+    """The steps' calls over a connection to each worker (``step_calls="connections"``),
     opened again whenever the group's workers change."""
 
-    def __init__(self, executor: PerStepExecutor) -> None:
+    def __init__(self, executor: Executor) -> None:
         super().__init__(executor)
-        self._calls: DirectCalls | None = None
+        self._calls: ConnectionCalls | None = None
         self._gate_calls: dict[Any, int] = {}  # worker -> gate calls submitted (see before_next_step)
 
     def connect(self) -> None:
@@ -194,11 +193,11 @@ class Connections(StepDispatch):
             self._teardown()
         return {}
 
-    def _connected(self) -> DirectCalls:
+    def _connected(self) -> ConnectionCalls:
         actors = self.executor.group.actors
         if self._calls is None or not self._calls.over(actors):
             self._teardown()
-            self._calls = DirectCalls(actors, "run_step_returning_failure", self.executor.config.p2p_timeout_s)
+            self._calls = ConnectionCalls(actors, "run_step_returning_failure", self.executor.config.p2p_timeout_s)
         return self._calls
 
     def _teardown(self, wait: bool = True) -> None:
@@ -209,7 +208,7 @@ class Connections(StepDispatch):
 
 def _read_answers(pending: list[Any], answers: dict[int, Any], timeout_s: float, until_failure: bool = False) -> bool:
     """Read into ``answers`` (rank -> result) every answer of ``pending`` (one
-    :meth:`DirectCalls.call`'s connections) that arrives within ``timeout_s``; whether
+    :meth:`ConnectionCalls.call`'s connections) that arrives within ``timeout_s``; whether
     every rank answered (``until_failure``: or one answered with a failure). A read
     that fails gives :class:`CallsBroken` in that rank's place."""
     end = time.monotonic() + timeout_s

@@ -15,14 +15,12 @@ figures the memory model uses.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from raypipe.models.layers import LayerCost, LayerSpec
+from raypipe.models.llama_config import LlamaConfig
 from raypipe.models.llama_memory import (_dtypes, estimate_layer_activation_bytes, layer_kinds,
                                          layer_parameter_counts, stage_input_bytes, static_bytes_per_parameter)
 
-if TYPE_CHECKING:  # llama.py imports this module when it builds its layers
-    from raypipe.models.llama import LlamaConfig
 
 CROSS_ENTROPY_FWD_FLOPS = 4  # per logit: max, subtract, exp, sum (log-softmax) and the target's pick
 CROSS_ENTROPY_BWD_FLOPS = 2  # per logit: softmax minus one-hot, scaled by the mean's weight

@@ -12,14 +12,12 @@ micro-batch's graph saves the same copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from raypipe.config import PRECISIONS
 from raypipe.core.validation import check_choice, check_positive_int
 from raypipe.errors import ConfigError
+from raypipe.models.llama_config import LlamaConfig
 
-if TYPE_CHECKING:  # llama.py imports this module when it builds its layers' costs
-    from raypipe.models.llama import LlamaConfig
 
 FP32 = 4
 INDEX = 8  # token ids and targets are int64

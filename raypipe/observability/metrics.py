@@ -41,6 +41,15 @@ MEMORY_KINDS = (
     ("optimizer", "optimizer_bytes"),
     ("weights", "weights_bytes"),
 )
+METRIC_NAMES = frozenset({
+    "raypipe_steps_total", "raypipe_skipped_steps_total", "raypipe_restarts_total", "raypipe_replayed_steps_total",
+    "raypipe_recovery_seconds", "raypipe_resizes_total", "raypipe_replicas", "raypipe_controller_state",
+    "raypipe_eval_loss", "raypipe_loss", "raypipe_grad_norm", "raypipe_clip_coefficient", "raypipe_step_seconds",
+    "raypipe_tokens_per_second", "raypipe_loss_scale", "raypipe_mfu", "raypipe_bubble_fraction",
+    "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
+})
+"""Every metric family the exporter publishes once all its values are known (a step, an eval, a
+controller state recorded): the one list the dashboard and its tests check against."""
 
 
 class _TrainingCollector(Collector):

@@ -6,8 +6,8 @@ No Ray, no torch.
 **The search** (:func:`search_plans`): for every ``p`` dividing the GPU count up to the
 layer count, ``d = N / p``, micro-batches ``m`` in ``{p, 2p, 4p}`` (or what a fixed global
 batch leaves), micro-batch sizes 1 and 2, the runnable schedules (gpipe, 1F1B, zb_h1, and at
-v = 2 chunks per worker interleaved_1f1b where p divides m and zbv, both where the layers make 2p
-virtual stages),
+v = 2 chunks per worker interleaved_1f1b where it runs m (m in m // p equal rounds) and zbv, both where the
+layers make 2p virtual stages),
 recompute never and always, ZeRO-1 off and on (d > 1): the layers balanced by time (``--balance
 time``), or, where that split does not fit, the fastest split that does (the memory model's exact
 DP, printed as a list; a chunked schedule only by time: the DP bounds contiguous stages, and a
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from raypipe.core.ops import F, I, W
 from raypipe.core.partition import worker_chunks
-from raypipe.core.schedule import PLACEMENT, SINGLE_CHUNK_SCHEDULES
+from raypipe.core.schedule import PLACEMENT, SINGLE_CHUNK_SCHEDULES, interleaved_runs
 from raypipe.models.llama import LlamaConfig
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
@@ -246,8 +246,9 @@ def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision:
             for m in micro_batches:
                 for schedule in schedules:
                     chunks = SEARCH_VIRTUAL_STAGES.get(schedule, 1)
-                    if stages * chunks > num_layers or (schedule == "interleaved_1f1b" and m % stages):
-                        continue  # a virtual stage holds at least one layer; interleaving needs whole rounds
+                    if stages * chunks > num_layers or (schedule == "interleaved_1f1b"
+                                                        and not interleaved_runs(stages, m)):
+                        continue  # a virtual stage holds at least one layer; interleaving m of its rule
                     for recompute in SEARCH_RECOMPUTE:
                         for sharded in ((False, True) if replicas > 1 else (False,)):
                             shapes.append(StepShape(replicas, stages, m, schedule, recompute, precision, sharded,

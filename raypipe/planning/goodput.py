@@ -19,7 +19,7 @@ with an in-memory snapshot, so a segment is ``k`` steps plus the snapshot copy's
 (a warm spare or a started process), each given its stage's state (weights + optimizer state)
 over the inter-node link, the steps since the snapshot redone. Where a data-parallel sibling
 holds each lost stage's state (d >= 2, no ZeRO-1, no node holding every replica), raypipe heals
-from it and replays nothing (``executor/recovery.py``): a segment is then one step, the
+from it and replays nothing (``control/controller.py``): a segment is then one step, the
 snapshot's cost spread over its ``k`` steps, and only the partial step is lost.
 
 (b) **full restart from a checkpoint** (``checkpoint_restart``): a blocking checkpoint of

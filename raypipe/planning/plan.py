@@ -1,31 +1,328 @@
-"""``raypipe plan``: will this pipeline fit, and if not, which knob makes it fit.
+"""``raypipe plan``: will this pipeline fit, and if not, which knob makes it fit; with
+``--cluster``, which configuration runs fastest on a described cluster.
 
-Prints the memory model's per-stage figures (:mod:`raypipe.planning.memory`) and, when
-a stage does not fit in ``--gpu-memory``, the usual knobs in the usual order —
-mixed precision, activation checkpointing, fused attention, a smaller
-micro-batch, more stages (or optimizer-state sharding), activation offload — applied one
-after another, each with the largest stage total it gives, until one fits.
+The memory plan prints the memory model's per-stage figures (:mod:`raypipe.planning.memory`)
+for the knobs it is evaluated with (:class:`PlanSettings`) and, when a stage does not fit in
+``--gpu-memory``, the usual knobs in the usual order — mixed precision, activation
+checkpointing, fused attention, a smaller micro-batch, more stages (or optimizer-state
+sharding), activation offload — applied one after another, each with the largest stage total
+it gives, until one fits (:func:`suggest`); then per-stage time and memory of the parameter
+balance against the time balance (:func:`compare_balances`).
+
+``--cluster`` prints the predicted step time on a described cluster
+(:mod:`raypipe.planning.configuration_search`): the best configurations, the job command line
+and Helm values that run them, the best one's stages and balances; with
+``--node-mtbf-hours H`` each configuration's goodput per recovery method
+(:mod:`raypipe.planning.goodput`), from its predicted step and its stages' state.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass, replace
 
-from raypipe.config import activation_arguments, max_replicas
+from raypipe.config import activation_arguments, add_activation_arguments, max_replicas, parse_replicas
 from raypipe.core.micro_batches import replica_blocks
-from raypipe.core.schedule import check_chunks
+from raypipe.core.schedule import NATURAL_CHUNKS, SCHEDULES, check_chunks
 from raypipe.errors import ConfigError
-from raypipe.models.llama import get_config
-from raypipe.planning.cluster_plan import build_cluster_plan, render_cluster_plan
-from raypipe.planning.knob_suggestions import suggest
-from raypipe.planning.memory import amp_style, static_bytes_per_parameter
-from raypipe.planning.plan_arguments import add_plan_arguments
-from raypipe.planning.plan_balances import compare_balances, describe_balances
-from raypipe.planning.plan_settings import PlanSettings, largest_stage_bytes
-from raypipe.planning.stage_rows import stage_rows
-from raypipe.units import format_bytes
+from raypipe.models.llama import CONFIGS, LlamaConfig, get_config
+from raypipe.models.llama_costs import llama_layer_costs
+from raypipe.models.llama_memory import layer_parameter_counts
+from raypipe.planning.balance import balance_by_time, layer_step_flops, llama_stage_bytes, stage_times
+from raypipe.planning.cluster_spec import Cluster
+from raypipe.planning.goodput import METHODS, GoodputAssumptions, RunShape, goodput_by_method, job_mttf_hours
+from raypipe.planning.memory import (AMP_STYLES, PRECISIONS, RAYPIPE_AMP, StageMemory, amp_style, balanced_partition,
+                                     estimate_pipeline, static_bytes_per_parameter)
+from raypipe.planning.predict import stage_bounds, worker_sums
+from raypipe.units import format_bytes, parse_bytes
 
+
+# -- the knobs a plan is evaluated with ----------------------------------------------
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The knobs a plan (and each suggestion) is evaluated with."""
+
+    num_stages: int
+    num_micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    activation_checkpoint: str
+    activation_checkpoint_segments: int | None
+    offload_activations: bool
+    fused_attention: bool
+    schedule: str
+    amp: str | None  # None: the style raypipe runs for the precision
+    optimizer_shards: int = 1
+    virtual_stages: int = 1  # model chunks per worker (interleaved_1f1b, zbv)
+
+    def estimate(self, config: LlamaConfig, gpu_memory_bytes: int | None,
+                 balance: list[int] | None = None) -> list[StageMemory]:
+        return estimate_pipeline(
+            config, self.num_stages, self.num_micro_batches, self.micro_batch_size, self.seq_len,
+            self.precision, self.activation_checkpoint, self.offload_activations, self.fused_attention,
+            balance=balance, gpu_memory_bytes=gpu_memory_bytes,
+            activation_checkpoint_segments=self.activation_checkpoint_segments,
+            schedule=self.schedule, amp=self.amp, optimizer_shards=self.optimizer_shards,
+            virtual_stages=self.virtual_stages)
+
+
+def largest_stage_bytes(stages: list[StageMemory]) -> int:
+    """The largest stage total of an estimate."""
+    return max(stage.total_bytes for stage in stages)
+
+
+# -- the command's flags -------------------------------------------------------------
+
+def memory_size(text: str) -> int:
+    """``--gpu-memory``'s type: :func:`~raypipe.units.parse_bytes`, its error as argparse shows one."""
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``raypipe plan``."""
+    parser.add_argument("--model", default="llama-7b", choices=sorted(CONFIGS), help="named model config")
+    parser.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step and replica (default 1)")
+    parser.add_argument("--replicas", type=parse_replicas, default=1, metavar="N|MIN:MAX",
+                        help="data-parallel copies of the pipeline (default 1); MIN:MAX plans an elastic run at MIN, "
+                             "where each replica runs the most micro-batches")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="ZeRO-1: each replica of a stage keeps 1/replicas of the optimizer state "
+                             "(and in bf16 of the fp32 main weights); elastic: 1/MIN")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's max)")
+    parser.add_argument("--precision", default=None, choices=PRECISIONS,
+                        help="(default: fp32; bf16 with --cluster)")
+    add_activation_arguments(parser)
+    parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
+                        help="flash-style attention that saves no (s x s) probabilities (default: on)")
+    parser.add_argument("--schedule", default="gpipe", choices=SCHEDULES,
+                        help="(default gpipe); interleaved_1f1b and zbv hold --virtual-stages chunks a stage")
+    parser.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                        help="model chunks per stage: >= 2 for interleaved_1f1b, 2 for zbv, 1 for the others "
+                             "(default: the schedule's own, 2 for interleaved_1f1b and zbv, 1 for the others); "
+                             "each stage row then sums its chunks")
+    parser.add_argument("--amp", default=None, choices=AMP_STYLES,
+                        help="bf16/fp16 style (default: what raypipe runs, "
+                             + ", ".join(f"{p}: {s}" for p, s in RAYPIPE_AMP.items()) + "): "
+                             "'main_weights' = bf16 compute weights + fp32 main weights and grads (18 B/param); "
+                             "'autocast' = fp32 weights under torch.autocast (weight copies per micro-batch); "
+                             "'standard' = 2-byte weights and grads + fp32 master (the common 16 B/param)")
+    parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
+                        help="device memory per stage, e.g. 80GB or 80GiB; enables fits/suggestions")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cluster = parser.add_argument_group(
+        "predicted step time (--cluster)",
+        "search replicas x stages = --gpus, micro-batches, schedule (gpipe, 1f1b, zb_h1), recompute and ZeRO-1 for the "
+        "highest predicted tokens/s that fits; --stages, --replicas, --micro-batches, --schedule, "
+        "--activation-checkpoint and --shard-optimizer are searched, not taken")
+    cluster.add_argument("--cluster", metavar="h100|h200|FILE",
+                         help="a preset (raypipe/planning/clusters/NAME.json) or a JSON file of that form")
+    cluster.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs of the run (replicas x stages)")
+    cluster.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES",
+                         help="fix sequences per step (replicas x micro-batches x micro-batch size); default: "
+                              "micro-batches from {stages, 2 x stages, 4 x stages}")
+    cluster.add_argument("--top", type=int, default=3, metavar="K", help="configurations printed (default 3)")
+    cluster.add_argument("--node-mtbf-hours", type=float, default=None, metavar="H",
+                         help="mean hours between failures of one node (a Poisson process per node): adds each "
+                              "configuration's goodput per recovery method (raypipe's stage replacement with and "
+                              "without warm spares, a full restart from checkpoints, dropping the failed replica's "
+                              "step); arXiv 2410.21680's 7.9 h job MTTF at 1,024 GPUs is H ~ 1011")
+
+
+# -- the memory plan: the knobs that make a stage fit ----------------------------------
+
+MAX_OPTIMIZER_SHARDS = 64
+
+
+def suggest(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> list[dict]:
+    """The knobs, applied cumulatively in the usual order, until the largest stage fits."""
+    suggestions = []
+
+    def tried(knob: str, change: str, flags: str, new: PlanSettings, alternative: str | None = None) -> bool:
+        largest = largest_stage_bytes(new.estimate(config, gpu_memory_bytes))
+        entry = {"knob": knob, "change": change, "flags": flags, "max_total_bytes": largest,
+                 "fits": largest <= gpu_memory_bytes}
+        if alternative:
+            entry["alternative"] = alternative
+        suggestions.append(entry)
+        return entry["fits"]
+
+    if settings.precision == "fp32":
+        settings = replace(settings, precision="bf16")
+        if tried("mixed precision", "bf16 compute weights and activations, fp32 main weights and gradients",
+                 "--precision bf16", settings):
+            return suggestions
+    if settings.activation_checkpoint == "never":
+        settings = replace(settings, activation_checkpoint="always")
+        if tried("activation checkpointing", "keep only stage inputs, recompute in backward",
+                 "--activation-checkpoint always", settings):
+            return suggestions
+    if not settings.fused_attention:
+        settings = replace(settings, fused_attention=True)
+        if tried("fused attention", "flash attention: no (s x s) probabilities saved", "--fused-attention", settings):
+            return suggestions
+    if settings.micro_batch_size > 1:
+        micro_batches = settings.num_micro_batches * settings.micro_batch_size
+        settings = replace(settings, micro_batch_size=1, num_micro_batches=micro_batches)
+        if tried("smaller micro-batch", f"micro-batch size 1, {micro_batches} micro-batches (same global batch)",
+                 f"--micro-batch-size 1 --micro-batches {micro_batches}", settings):
+            return suggestions
+    shards = _fitting_shards(config, settings, gpu_memory_bytes)
+    alternative = (f"or keep {settings.num_stages} stages and shard the optimizer state and main weights over "
+                   f"{shards} data-parallel replicas (--replicas {shards} --shard-optimizer)" if shards else None)
+    stages = _fitting_stages(config, settings, gpu_memory_bytes)
+    if stages != settings.num_stages:
+        settings = replace(settings, num_stages=stages)
+        if tried("more stages", f"{stages} pipeline stages", f"--stages {stages}", settings, alternative):
+            return suggestions
+    if settings.activation_checkpoint != "never" and not settings.offload_activations:
+        settings = replace(settings, offload_activations=True)
+        tried("activation offload", "kept stage inputs in host memory", "--offload-activations", settings)
+    return suggestions
+
+
+def _fitting_stages(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> int:
+    """Fewest stages (doubling) whose largest stage fits; at most one layer per stage (per chunk, with
+    model chunks); only stage counts the schedule runs with (interleaved_1f1b: m in max(1, m // p) equal rounds)."""
+    most = (config.n_layers + 2) // settings.virtual_stages
+    stages = found = settings.num_stages
+    while stages < most:
+        stages = min(stages * 2, most)
+        more = replace(settings, num_stages=stages)
+        try:
+            largest = largest_stage_bytes(more.estimate(config, gpu_memory_bytes))
+        except ValueError:  # interleaved_1f1b: the micro-batches do not split into m // p equal rounds
+            continue
+        found = stages
+        if largest <= gpu_memory_bytes:
+            break
+    return found
+
+
+def _fitting_shards(config: LlamaConfig, settings: PlanSettings, gpu_memory_bytes: int) -> int | None:
+    shards = 2
+    while shards <= MAX_OPTIMIZER_SHARDS:
+        sharded = replace(settings, optimizer_shards=shards)
+        if largest_stage_bytes(sharded.estimate(config, gpu_memory_bytes)) <= gpu_memory_bytes:
+            return shards
+        shards *= 2
+    return None
+
+
+# -- the memory plan: the balance by parameters against the balance by time -----------
+
+def compare_balances(config: LlamaConfig, settings: PlanSettings, parameter_stages: list[StageMemory],
+                     gpu_memory_bytes: int | None) -> dict:
+    """Per-stage time (training flops of one step) and memory of the parameter balance (the
+    plan's stages) and of the time balance (:func:`raypipe.planning.balance.balance_by_time`,
+    each stage within ``gpu_memory_bytes`` when one exists, else unconstrained)."""
+    costs = llama_layer_costs(config, settings.seq_len, settings.precision, settings.fused_attention,
+                              amp=settings.amp)
+    # one step of one replica: micro-batches of micro_batch_size sequences
+    times = [settings.micro_batch_size * layer_step_flops(cost, settings.activation_checkpoint,
+                                                          settings.num_micro_batches) for cost in costs]
+    stage_bytes = llama_stage_bytes(
+        config, settings.num_stages, num_micro_batches=settings.num_micro_batches,
+        micro_batch_size=settings.micro_batch_size, seq_len=settings.seq_len, precision=settings.precision,
+        activation_checkpoint=settings.activation_checkpoint,
+        activation_checkpoint_segments=settings.activation_checkpoint_segments,
+        offload_activations=settings.offload_activations, fused_attention=settings.fused_attention,
+        schedule=settings.schedule, amp=settings.amp, optimizer_shards=settings.optimizer_shards)
+    memory_limited = gpu_memory_bytes is not None
+    try:
+        by_time = balance_by_time(costs, settings.num_stages, activation_checkpoint=settings.activation_checkpoint,
+                                  num_micro_batches=settings.num_micro_batches, stage_bytes=stage_bytes,
+                                  memory_limit_bytes=gpu_memory_bytes)
+    except ValueError:  # no split fits: the fastest one regardless, marked as not fitting
+        memory_limited = False
+        by_time = balance_by_time(costs, settings.num_stages, activation_checkpoint=settings.activation_checkpoint,
+                                  num_micro_batches=settings.num_micro_batches)
+    time_stages = settings.estimate(config, gpu_memory_bytes, balance=by_time)
+    out = {}
+    for name, stages in (("parameters", parameter_stages), ("time", time_stages)):
+        balance = [len(stage.layers) for stage in stages]
+        flops = stage_times(times, balance)
+        out[name] = {"balance": balance, "stage_flops": flops, "max_stage_flops": max(flops),
+                     "stage_total_bytes": [stage.total_bytes for stage in stages],
+                     "max_total_bytes": largest_stage_bytes(stages),
+                     "fits": None if gpu_memory_bytes is None else all(stage.fits for stage in stages)}
+    out["time"]["memory_limited"] = memory_limited
+    return out
+
+def describe_balances(balances: dict) -> list[str]:
+    """Per-stage time and memory of the parameter balance (the table above) and the time balance."""
+    slowest = balances["parameters"]["max_stage_flops"] or 1
+    lines = ["stage time (training flops of a step, relative to the slowest stage above) and total memory:"]
+    for name in ("parameters", "time"):
+        entry = balances[name]
+        times = " ".join(f"{flops / slowest:.2f}" for flops in entry["stage_flops"])
+        memory = " ".join(format_bytes(total) for total in entry["stage_total_bytes"])
+        note = "" if entry["fits"] is not False else ", does NOT fit"
+        if name == "time" and not entry["memory_limited"] and entry["fits"] is not None:
+            note += " (no split fits: the fastest regardless of memory)"
+        lines.append(f"  by {name:<10} {entry['balance']}: time {times} (slowest "
+                     f"{entry['max_stage_flops'] / 1e12:,.1f} TFLOP); memory {memory}{note}")
+    gain = balances["parameters"]["max_stage_flops"] / (balances["time"]["max_stage_flops"] or 1)
+    lines.append(f"  --balance time: slowest stage {gain:.2f}x faster than --balance parameters (predicted, "
+                 "compute only)")
+    return lines
+
+
+# -- the memory plan: per-stage rows ---------------------------------------------------
+
+def snapshot_bytes(stage: StageMemory) -> int:
+    """One in-memory snapshot of a worker of ``stage`` (host memory, object store): its
+    layers' weights (fp32 main weights under mixed precision; with ZeRO-1 those it owns,
+    and the compute weights of the others) and its optimizer state."""
+    if not stage.master_bytes:
+        return stage.parameters_bytes + stage.optimizer_bytes
+    owned_share = stage.master_bytes / (4 * stage.num_parameters)  # fp32 main weights: 4 B each
+    return stage.master_bytes + round(stage.parameters_bytes * (1 - owned_share)) + stage.optimizer_bytes
+
+
+def describe_layers(config: LlamaConfig, layers: list[int]) -> str:
+    """Global layer indices as "embedding + blocks 0-3" etc.; a worker's model chunks (runs of
+    consecutive layers) one after the other, joined by " | "."""
+    runs: list[list[int]] = []
+    for index in layers:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return " | ".join(_describe_run(config, run) for run in runs)
+
+
+def _describe_run(config: LlamaConfig, layers: list[int]) -> str:
+    parts = []
+    if layers[0] == 0:
+        parts.append("embedding")
+    blocks = [index - 1 for index in layers if 1 <= index <= config.n_layers]
+    if blocks:
+        parts.append(f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}")
+    if layers[-1] == config.n_layers + 1:
+        parts.append("head")
+    return " + ".join(parts)
+
+
+def stage_rows(config: LlamaConfig, stages: list[StageMemory]) -> list[dict]:
+    """Each stage's figures as a row of a plan, with its layers described and its snapshot size."""
+    rows = []
+    for stage in stages:
+        row = stage.to_dict()
+        row["description"] = describe_layers(config, stage.layers)
+        row["snapshot_bytes"] = snapshot_bytes(stage)
+        rows.append(row)
+    return rows
+
+
+# -- the memory plan -------------------------------------------------------------------
 
 def elastic_micro_batches(micro_batches: int, replicas: int | tuple[int, int]) -> int:
     """The most micro-batches one replica runs a step: an elastic run's step has
@@ -42,6 +339,8 @@ def build_plan(args: argparse.Namespace) -> dict:
     elastic = not isinstance(args.replicas, int)
     fewest = args.replicas[0] if elastic else args.replicas  # an elastic run's largest ZeRO-1 part: at MIN
     micro_batches = elastic_micro_batches(args.micro_batches, args.replicas)
+    if args.virtual_stages is None:  # the schedule's own, as PipelineConfig.virtual_stages=None
+        args.virtual_stages = NATURAL_CHUNKS[args.schedule]
     settings = PlanSettings(
         num_stages=args.stages, num_micro_batches=micro_batches, micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len or config.max_seq_len, precision=args.precision or "fp32", **activation_arguments(args),
@@ -174,6 +473,246 @@ def render_table(plan: dict) -> str:
     lines.append("(not modelled: CUDA context, allocator fragmentation, per-op temporaries; keep headroom)")
     return "\n".join(lines)
 
+
+# -- --cluster: the best configurations on a described cluster -------------------------
+
+def build_cluster_plan(args: argparse.Namespace) -> dict:
+    """``raypipe plan --cluster``: the best configurations on ``--gpus`` GPUs
+    (:func:`raypipe.planning.configuration_search.search_plans`), the best one with today's fields (its
+    stages' memory, its balance against the parameter balance) and the commands that run them."""
+    from raypipe.planning.cluster_spec import load_cluster
+    from raypipe.planning.configuration_search import search_plans
+
+    if args.gpus is None or args.gpus < 1:
+        raise ValueError(f"--cluster needs --gpus N >= 1 (the run's GPUs: replicas x stages), got {args.gpus}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise ValueError(f"--global-batch must be >= 1 sequences, got {args.global_batch}")
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    mtbf = getattr(args, "node_mtbf_hours", None)
+    if mtbf is not None and not 0 < mtbf < float("inf"):
+        raise ValueError(f"--node-mtbf-hours must be a number of hours > 0, got {mtbf}")
+    cluster = load_cluster(args.cluster)
+    config = get_config(args.model)
+    precision = args.precision or "bf16"
+    seq_len = args.seq_len or config.max_seq_len
+    if seq_len > config.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the max_seq_len of {args.model} ({config.max_seq_len})")
+    memory = args.gpu_memory if args.gpu_memory is not None else cluster.memory_bytes
+    result = search_plans(config, cluster, args.gpus, seq_len=seq_len, precision=precision, gpu_memory_bytes=memory,
+                          global_batch=args.global_batch, top=args.top, fused_attention=args.fused_attention)
+    out = {"model": args.model, "cluster": cluster.name, "cluster_source": cluster.source, "gpus": args.gpus,
+           "gpu_memory_bytes": memory, "fits": bool(result.best), "reason": result.reason,
+           "configurations_checked": result.evaluated, "configurations_simulated": result.simulated,
+           "candidates": [{**candidate.to_dict(), **run_commands(args.model, candidate)}
+                          for candidate in result.best]}
+    if not result.best:
+        return out
+    best = result.best[0]
+    out.update(chosen_plan_fields(config, args.model, best, memory, args.fused_attention))
+    out.update(fits=True, step_time_s=best.prediction.step_s, tokens_per_second=best.prediction.tokens_per_s,
+               mfu=best.prediction.mfu, bubble_fraction=best.prediction.bubble_fraction)
+    if mtbf is not None:  # each configuration's goodput per recovery method; the best one's at the top
+        for item, candidate in zip(out["candidates"], result.best):
+            item["goodput"] = candidate_goodput(config, candidate, cluster, mtbf)
+        out["goodput"] = {method: value["goodput"] for method, value in out["candidates"][0]["goodput"].items()}
+        out["goodput_model"] = goodput_summary(args.gpus, cluster, mtbf)
+    return out
+
+
+def chosen_plan_fields(config: LlamaConfig, model: str, candidate, gpu_memory_bytes: int,
+                       fused_attention: bool = True) -> dict:
+    """Today's ``raypipe plan`` fields (settings, stages, balances, ...) for the configuration
+    the search chose, its stages split as it chose."""
+    from raypipe.planning.configuration_search import LlamaStageBytes, worker_bytes
+
+    shape = candidate.shape
+    settings = PlanSettings(
+        num_stages=shape.num_stages, num_micro_batches=shape.num_micro_batches,
+        micro_batch_size=shape.micro_batch_size, seq_len=shape.seq_len, precision=shape.precision,
+        activation_checkpoint=shape.activation_checkpoint, activation_checkpoint_segments=None,
+        offload_activations=False, fused_attention=fused_attention, schedule=shape.schedule, amp=None,
+        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1, virtual_stages=shape.virtual_stages)
+    chosen = list(candidate.prediction.balance)
+    stages = settings.estimate(config, gpu_memory_bytes, balance=chosen)
+    amp = amp_style(settings.precision, settings.amp)
+    per_parameter = static_bytes_per_parameter(settings.precision, amp)
+    rows = stage_rows(config, stages)
+    # the chosen split against the parameter balance, as compare_balances reports them (from the
+    # search's stage memory: the memory model's figures, without its per-stage schedule rebuilds)
+    costs = llama_layer_costs(config, settings.seq_len, settings.precision, fused_attention)
+    times = [settings.micro_batch_size * layer_step_flops(cost, settings.activation_checkpoint,
+                                                          settings.num_micro_batches) for cost in costs]
+    bytes_of = LlamaStageBytes(config, shape, fused_attention)
+    balances = {}
+    # per worker (its chunks together, with several); the splits are per virtual stage
+    for name, split in (("parameters", balanced_partition(config, shape.num_virtual_stages)), ("time", chosen)):
+        flops = worker_sums(stage_times(times, split), shape)
+        totals = worker_bytes(bytes_of, shape, split)
+        balances[name] = {"balance": split, "stage_flops": flops, "max_stage_flops": max(flops),
+                          "stage_total_bytes": totals, "max_total_bytes": max(totals),
+                          "fits": max(totals) <= gpu_memory_bytes}
+    balances["time"]["memory_limited"] = True  # the search's split fits (--balance time's, or the DP's within memory)
+    return {"model": model, "num_parameters": sum(stage.num_parameters for stage in stages),
+            "num_replicas": shape.num_replicas, "elastic": None, "settings": {**vars(settings), "amp": amp},
+            "bytes_per_parameter": {**vars(per_parameter), "total": per_parameter.total},
+            "max_total_bytes": largest_stage_bytes(stages), "stages": rows, "suggestions": [], "balances": balances}
+
+
+def run_commands(model: str, candidate) -> dict:
+    """The job command (jobs/train_7b.py) and Helm values that run ``candidate``."""
+    shape = candidate.shape
+    balance = "time" if candidate.balance_mode == "time" else ",".join(map(str, candidate.prediction.balance))
+    flags = [f"--stages {shape.num_stages}", f"--replicas {shape.num_replicas}",
+             f"--micro-batches {shape.num_micro_batches}", f"--micro-batch-size {shape.micro_batch_size}",
+             f"--seq-len {shape.seq_len}", f"--precision {shape.precision}",
+             f"--activation-checkpoint {shape.activation_checkpoint}", f"--balance {balance}"]
+    if shape.shard_optimizer:
+        flags.append("--shard-optimizer")
+    if shape.schedule != "gpipe":
+        flags.append(f"--schedule {shape.schedule}")
+    if shape.virtual_stages != 1:  # model chunks per worker (interleaved_1f1b, zbv), given though it is their own
+        flags.append(f"--virtual-stages {shape.virtual_stages}")
+    if shape.snapshot_every != 1:  # the jobs' default is 1
+        flags.append(f"--snapshot-every {shape.snapshot_every}")
+    extra = [f"--precision {shape.precision}"] if shape.precision != "bf16" else []
+    if shape.activation_checkpoint != "always":
+        extra.append(f"--activation-checkpoint {shape.activation_checkpoint}")
+    if model != "llama-7b":  # the job's 7b preset is llama-7b's shape; another model comes from its checkpoint
+        flags.append("--init-from HF_CHECKPOINT_DIR")
+        extra.append("--init-from HF_CHECKPOINT_DIR")
+    helm = {"stages": shape.num_stages, "replicas": shape.num_replicas, "microBatches": shape.num_micro_batches,
+            "microBatchSize": shape.micro_batch_size, "seqLen": shape.seq_len,
+            "balance": "time" if candidate.balance_mode == "time" else list(candidate.prediction.balance),
+            "shardOptimizer": shape.shard_optimizer}
+    if shape.schedule != "gpipe":
+        helm["schedule"] = shape.schedule
+    if shape.virtual_stages != 1:
+        helm["virtualStages"] = shape.virtual_stages
+    if shape.snapshot_every != 1:
+        helm["snapshotEvery"] = shape.snapshot_every
+    if extra:
+        helm["extraArgs"] = [part for flag in extra for part in flag.split(" ", 1)]
+    return {"job_command": "python jobs/train_7b.py " + " ".join(flags), "helm_values": {"training": helm}}
+
+
+def _cadence(snapshot_every: int) -> str:
+    return (f" a step: one snapshot every {snapshot_every} steps, so a heal redoes up to {snapshot_every - 1}; "
+            "every step would cost more than 3%")
+
+
+def render_cluster_plan(plan: dict) -> str:
+    """``raypipe plan --cluster`` as text: the best configurations, then the best one's stages."""
+    lines = [f"{plan['model']} on {plan['gpus']} x {plan['cluster']} ({format_bytes(plan['gpu_memory_bytes'])} per "
+             f"GPU): {plan['configurations_checked']} configurations checked, {plan['configurations_simulated']} "
+             "simulated"]
+    if not plan["fits"]:
+        lines.append(f"NOT POSSIBLE: {plan['reason']}")
+        return "\n".join(lines)
+    lines.append("best predicted (d replicas x p stages, m micro-batches of b sequences):")
+    for rank, item in enumerate(plan["candidates"], 1):
+        lines.append(
+            f"  {rank}. d={item['num_replicas']} p={item['num_stages']} m={item['num_micro_batches']} "
+            f"b={item['micro_batch_size']} {item['schedule']}"
+            f"{'' if item['virtual_stages'] == 1 else ' v=' + str(item['virtual_stages'])} "
+            f"recompute={item['activation_checkpoint']} "
+            f"zero1={'on' if item['shard_optimizer'] else 'off'}: step {item['step_time_s']:.3g} s, "
+            f"{item['tokens_per_second']:,.0f} tokens/s, MFU {item['mfu']:.1%}, bubble {item['bubble_fraction']:.1%} "
+            f"(pipeline {item['pipeline_s']:.3g} s + reduction {item['reduction_exposed_s']:.3g} s + optimizer "
+            f"{item['optimizer_s']:.3g} s + snapshot {item['snapshot_exposed_s']:.3g} s"
+            f"{'' if item['snapshot_every'] == 1 else _cadence(item['snapshot_every'])}), "
+            f"{item['tokens_per_step']:,} tokens/step, largest stage {format_bytes(max(item['stage_bytes']))}")
+        lines.append(f"     {item['job_command']}")
+    best = plan["candidates"][0]
+    lines.append("helm values of 1.: " + json.dumps(best["helm_values"]))
+    lines.append(f"1.'s stages (balance {best['balance']}):")
+    for row in plan["stages"]:
+        lines.append(f"  stage {row['stage']}: {row['description']}, {row['num_parameters'] / 1e6:,.0f}M parameters, "
+                     f"{format_bytes(row['total_bytes'])}")
+    lines.extend(describe_balances(plan["balances"]))
+    if "goodput" in plan:
+        lines.extend(describe_goodput(plan))
+    lines.append("(predicted: see raypipe/planning/predict.py for what the model counts and leaves out; "
+                 f"cluster figures: {plan['cluster_source'][:120]}...)")
+    return "\n".join(lines)
+
+
+# -- --cluster --node-mtbf-hours: goodput per recovery method --------------------------
+
+METHOD_LABELS = {
+    "raypipe_warm_spare": "raypipe, warm spares (stage replaced, step redone)",
+    "raypipe": "raypipe, no spare (replacement started, step redone)",
+    "checkpoint_restart": "full restart from a checkpoint (Young's interval)",
+    "replica_drop": "drop the failed replica's step (torchft-style)",
+}
+
+
+def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
+    """A searched configuration as :class:`~raypipe.planning.goodput.RunShape`: its step, and the
+    state (weights + optimizer) of its largest worker and of one copy of the model."""
+    shape, prediction = candidate.shape, candidate.prediction
+    counts = layer_parameter_counts(config)
+    per = static_bytes_per_parameter(shape.precision, shape.amp)
+    shards = shape.num_replicas if shape.shard_optimizer else 1
+    # per worker: its chunks' parameters together (the balance is per virtual stage with several)
+    stage_params = worker_sums([sum(counts[start:end]) for start, end in stage_bounds(prediction.balance)], shape)
+
+    def worker_state(params: int) -> float:  # what a snapshot of the worker holds (snapshot_bytes)
+        if not per.master:
+            return params * (per.weights + per.optimizer / shards)
+        return params * ((per.master + per.optimizer) / shards + per.weights * (1 - 1 / shards))
+
+    full = per.master + per.optimizer if per.master else per.weights + per.optimizer
+    # the goodput model picks its own cadence from a snapshot's whole exposed copy (the prediction's is
+    # spread over the candidate's snapshot_every steps)
+    per_snapshot = prediction.snapshot_exposed_s * max(1, shape.snapshot_every)
+    return RunShape(num_gpus=shape.num_gpus, num_replicas=shape.num_replicas, num_stages=shape.num_stages,
+                    step_s=prediction.step_s - prediction.snapshot_exposed_s + per_snapshot,
+                    snapshot_exposed_s=per_snapshot,
+                    largest_worker_state_bytes=max(worker_state(params) for params in stage_params),
+                    model_state_bytes=sum(stage_params) * full,
+                    inter_node_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s,
+                    shard_optimizer=shape.shard_optimizer)
+
+
+def candidate_goodput(config: LlamaConfig, candidate, cluster: Cluster, node_mtbf_hours: float) -> dict:
+    """``{method: {goodput, closed_form, downtime_per_failure_s, ...}}`` for one configuration."""
+    assumptions = GoodputAssumptions(node_mtbf_hours=node_mtbf_hours, gpus_per_node=cluster.gpus_per_node)
+    results = goodput_by_method(run_shape(config, candidate, cluster), assumptions)
+    return {method: results[method].to_dict() for method in METHODS}
+
+
+def goodput_summary(num_gpus: int, cluster: Cluster, node_mtbf_hours: float) -> dict:
+    """The plan's top-level goodput fields: the failure model and its assumptions."""
+    assumptions = GoodputAssumptions(node_mtbf_hours=node_mtbf_hours, gpus_per_node=cluster.gpus_per_node)
+    return {"node_mtbf_hours": node_mtbf_hours,
+            "job_mttf_hours": job_mttf_hours(num_gpus, node_mtbf_hours, cluster.gpus_per_node),
+            "assumptions": vars(assumptions)}
+
+
+def describe_goodput(plan: dict) -> list[str]:
+    """The goodput table of ``raypipe plan --cluster ... --node-mtbf-hours H``."""
+    summary = plan["goodput_model"]
+    lines = [f"goodput with node MTBF {summary['node_mtbf_hours']:,.0f} h (job MTTF "
+             f"{summary['job_mttf_hours']:.3g} h on {plan['gpus']} GPUs; simulated, closed form in brackets):"]
+    width = max(map(len, METHOD_LABELS.values()))
+    lines.append("  " + "configuration".ljust(width) + "".join(
+        f"{rank}.".rjust(20) for rank in range(1, len(plan["candidates"]) + 1)))
+    for method in METHODS:
+        cells = []
+        for item in plan["candidates"]:
+            result = item["goodput"][method]
+            cells.append("n/a".rjust(20) if result["goodput"] is None else
+                         f"{result['goodput']:.2%} [{result['closed_form']:.2%}]".rjust(20))
+        lines.append("  " + METHOD_LABELS[method].ljust(width) + "".join(cells))
+    best = plan["candidates"][0]["goodput"]
+    lines.append("  1.: " + "; ".join(f"{method} {best[method]['note']}" for method in METHODS if best[method]["note"]))
+    lines.append("  (raypipe's seconds from bench_recovery on CPU; a checkpoint's relaunch 5 min assumed: see "
+                 "raypipe/planning/goodput.py)")
+    return lines
+
+
+# -- the command -----------------------------------------------------------------------
 
 def run_plan(args: argparse.Namespace) -> int:
     """Entry point of ``raypipe plan``; returns the exit status."""

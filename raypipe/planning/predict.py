@@ -21,7 +21,7 @@ headers before posting a batch (``LoweredOp.header_first``), which delays that b
 
 **One step** (:func:`predict_step`):
 
-1. *The pipeline*: :func:`~raypipe.core.simulator.simulate_timed` runs the lowered schedule
+1. *The pipeline*: :func:`~raypipe.core.timed_simulation.simulate_timed` runs the lowered schedule
    with per-op times from the layers' costs: F = the stage's ``fwd_flops`` x b / (peak x
    achievable_fraction), B = (``bwd_input_flops`` + ``bwd_weight_flops``) x b / the same, plus a
    recomputed micro-batch's forward; a message takes its link's latency plus the stage
@@ -40,7 +40,7 @@ headers before posting a batch (``LoweredOp.header_first``), which delays that b
    weights (1/d of all that with ZeRO-1), over the memory bandwidth; with ZeRO-1 an all-gather
    of the compute weights, ``(d-1)/d x bytes / bw``, follows.
 4. *The snapshot copy* (``snapshot_every`` > 0): each worker copies its state (weights,
-   main weights, optimizer state: what :func:`raypipe.planning.stage_rows.snapshot_bytes` counts) to
+   main weights, optimizer state: what :func:`raypipe.planning.plan.snapshot_bytes` counts) to
    host memory at the host-copy bandwidth (a side stream on a GPU) and then into Ray's object store
    at ``object_store_bytes_per_s`` (the task result the keeper and a heal read), as the per-step
    executor takes it: starting when the stage first waits for a neighbour in the next step

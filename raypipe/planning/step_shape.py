@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from raypipe.config import CHECKPOINT_MODES
 from raypipe.core.ops import virtual_stage
-from raypipe.core.schedule import PLACEMENT, SCHEDULES, check_chunks
+from raypipe.core.schedule import PLACEMENT, SCHEDULES, check_chunks, check_interleaved_micro_batches
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,11 @@ def check_shape(shape: StepShape, num_layers: int) -> None:
         check_chunks(shape.schedule, shape.virtual_stages)  # the schedule's own rule on v
     except ValueError as error:
         raise ValueError(f"virtual_stages={shape.virtual_stages!r}: {error}") from None
-    if shape.schedule == "interleaved_1f1b" and shape.num_micro_batches % shape.num_stages:
-        raise ValueError(f"num_micro_batches={shape.num_micro_batches}: interleaved_1f1b needs a multiple of "
-                         f"num_stages={shape.num_stages} (Megatron's rule)")
+    if shape.schedule == "interleaved_1f1b":
+        try:
+            check_interleaved_micro_batches(shape.num_stages, shape.num_micro_batches)
+        except ValueError as error:
+            raise ValueError(f"num_micro_batches={shape.num_micro_batches}: {error}") from None
     if shape.num_virtual_stages > num_layers:
         chunks = f" x {shape.virtual_stages} chunks" if shape.virtual_stages > 1 else ""
         raise ValueError(f"num_stages={shape.num_stages}{chunks}: only {num_layers} layers to split")

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from raypipe.data.access import DIRECT, Probe, Where, check_decoded_cache, check_ship_size, decide, manifest_digest
+from raypipe.data.access import READ, Probe, Where, check_decoded_cache, check_ship_size, manifest_digest, read_or_ship
 from raypipe.data.shipping import ship, shard_bytes
 from raypipe.errors import DataAccessError
 
@@ -37,7 +37,7 @@ def datasets_for_readers(readers: Sequence[tuple[int, int, Any]], datasets: Sequ
         where = Where(replica, stage, report["node_id"], report["node_ip"])
         check_decoded_cache(uris, where, report["decoded_problem"])
         probes = {uri: Probe(**report["probes"][uri]) for uri in uris}
-        cannot_open.append({uri for uri in uris if decide(uri, driver[uri], probes[uri], where) != DIRECT})
+        cannot_open.append({uri for uri in uris if read_or_ship(uri, driver[uri], probes[uri], where) != READ})
         for uri in sorted(cannot_open[-1]):
             check_ship_size(uri, where, probes[uri].error, _shipped_size(datasets, cannot_open), limit)
             logger.warning("dataset %s: %s cannot open it; shipping its shards through Ray's object store", uri, where)

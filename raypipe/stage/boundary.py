@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from raypipe.comm.tree_messages import layout_of
+from raypipe.comm.tree_messages import structure_of
 
 Boundary = Any  # a tensor, or a tree of them
 
@@ -33,7 +33,7 @@ def check_sendable(value: Boundary, stage: int, device: torch.device) -> None:
     where the value is made, so every executor refuses it alike (the object store would
     pickle anything, and the failure would come later, elsewhere, or not at all)."""
     if is_tree(value):
-        layout_of(value, stage, device)
+        structure_of(value, stage, device)
 
 
 def describe(value: Boundary) -> str:

@@ -6,6 +6,7 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from raypipe.core.result import OpEvent, StageReport
-from raypipe.core.step_decision import StageGradStats, StepDecision, decide
+from raypipe.core.step_decision import StageGradStats, StepDecision, decide_step
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
 from raypipe.models.layers import build_layer
@@ -302,12 +303,16 @@ class StageWorker(StageCheckpointing):
                               f"the backward of micro-batch(es) {self.chunks.describe(missing)} did not run: an op "
                               "it depends on failed on another stage", replica=self.named_replica)
 
-    def commit(self, loss_scaled: bool, *stats: StageGradStats) -> StageReport:
+    def commit(self, loss_scaled: bool, *stats: StageGradStats,
+               share_parameters: Callable[[list[torch.Tensor], tuple[int, ...] | None], None] | None = None
+               ) -> StageReport:
         """End the step as every stage does: from every stage's statistics (the same
         numbers, in stage order, on every stage) decide, then clip by the global
-        norm and step, or skip; report the timeline, memory and the decision."""
-        decision = decide(stats, loss_scaled)
-        self._optimizer_step(decision)
+        norm and step, or skip; report the timeline, memory and the decision.
+        ``share_parameters(weights, owners)``: ZeRO-1's gather, after a step, of the
+        compute weights each replica stepped (the step runner's replicas give it)."""
+        decision = decide_step(stats, loss_scaled)
+        self._optimizer_step(decision, share_parameters)
         self.commits += 1
         events, self._events = self._events, []
         stats = stage_stats(events, self.stage_index, self.replica, self.store, self.device, self.optimizer,
@@ -319,18 +324,20 @@ class StageWorker(StageCheckpointing):
         return self.commits
 
     @stage_op("optimizer", per_micro_batch=False)
-    def _optimizer_step(self, decision: StepDecision) -> None:
+    def _optimizer_step(self, decision: StepDecision, share_parameters: Callable | None = None) -> None:
         if not decision.skipped:
             if self.optimizer is not None:
                 clip_and_step(self.optimizer, self.scheduler, self._owned, self.config.clip_grad_norm,
                               decision.grad_norm)
             self.weights.refresh()
-            self._share_updated_parameters()
+            if share_parameters is not None:
+                share_parameters(self._compute_weights, self.ownership.owners)
         self._end_step()
 
-    def _share_updated_parameters(self) -> None:
-        """ZeRO-1: give the other replicas the compute weights of the parameters this
-        one stepped (an executor with replicas provides it; nothing to do without)."""
+    def add_event(self, event: OpEvent) -> None:
+        """Add ``event`` to this step's timeline: a wait timed outside this worker's ops
+        (a receive, the replicas' reduction, a gate), reported with the step's ops."""
+        self._events.append(event)
 
     def abort_step(self) -> None:
         """Drop a failed step's partial state: kept activations, gradients, timings."""

@@ -13,7 +13,7 @@ gradient of its parameters (a reduce-scatter, not an all-reduce), steps them,
 and an all-gather gives the other replicas their new compute weights
 (:mod:`raypipe.comm.replicas`). Without sharding every replica owns every
 parameter. An elastic run's resize assigns the owners afresh over the replicas
-running (see :mod:`raypipe.executor.elastic`).
+running (see :mod:`raypipe.control.elastic`).
 """
 from __future__ import annotations
 

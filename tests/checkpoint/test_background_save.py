@@ -29,7 +29,7 @@ def two_stages() -> raypipe.PipelineConfig:
 
 
 def optimizer_states(trainer: raypipe.PipelineTrainer) -> list:
-    return [ray.get(actor.optimizer_state.remote()) for actor in trainer._group.actors]
+    return [ray.get(actor.optimizer_state.remote()) for actor in trainer.layout.actors]
 
 
 def checksums(root, step: int) -> dict:
@@ -91,6 +91,7 @@ def test_a_failed_write_raises_naming_the_file_at_the_next_save_and_at_shutdown(
     assert trainer.workers == []
 
 
+@pytest.mark.cluster
 def test_a_worker_killed_while_writing_leaves_no_checkpoint_and_training_goes_on(ray_cluster, tmp_path, caplog):
     batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(wide_model(), nn.functional.mse_loss, adamw, two_stages()) as trainer:

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -92,6 +93,7 @@ def run_pair(rank: int, port: int, killed: mp.Event, results: mp.Queue) -> None:
     channel.leave()
 
 
+@pytest.mark.cluster
 def test_a_survivor_of_a_sigkilled_peer_is_released_only_by_abort_within_10s():
     context = mp.get_context("spawn")
     killed, results = context.Event(), context.Queue()

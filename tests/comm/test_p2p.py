@@ -29,6 +29,29 @@ STEPS = [
 ]
 
 
+def run_ops(channel: P2PChannel, stage_ops: list[ops.LoweredOp], key_of: Callable[[ops.LoweredOp], int],
+            tensor: Callable[[ops.LoweredOp], torch.Tensor]) -> dict:
+    """``stage_ops`` (a worker's lowered messages) on ``channel``, each send of ``tensor(op)``, then
+    the sends finished; what each receive got."""
+    received = {}
+    for op in stage_ops:
+        parts = op.unbatched()
+        sends = [(part, tensor(part)) for part in parts if part.kind in ops.SENDS]
+        receives = [part for part in parts if part.kind in ops.RECEIVES]
+        if op.kind == ops.EXCHANGE:
+            received.update(zip(receives, channel.exchange(sends, receives, key_of, op.header_first)))
+        elif op.kind == ops.SEND_ACT:
+            channel.send_activation(sends[0][1], key_of(op), op.peer)
+        elif op.kind == ops.SEND_GRAD:
+            channel.send_gradient(sends[0][1], key_of(op), op.peer)
+        elif op.kind == ops.RECV_ACT:
+            received[op] = channel.recv_activation(key_of(op), op.peer)
+        elif op.kind == ops.RECV_GRAD:
+            received[op] = channel.recv_gradient(key_of(op), op.peer)
+    channel.finish_sends()
+    return received
+
+
 def activation(step: int, micro_batch: int) -> torch.Tensor:
     shape, dtype = STEPS[step][micro_batch]
     values = torch.arange(torch.Size(shape).numel(), dtype=torch.float64) + 100 * step + 10 * micro_batch
@@ -245,12 +268,12 @@ def test_a_tree_of_tensors_crosses_the_boundary_and_its_float_leaves_get_gradien
 
 
 def test_a_leaf_that_cannot_cross_names_the_stage_and_its_path():
-    from raypipe.comm.tree_messages import TreeLeafError, layout_of
+    from raypipe.comm.tree_messages import TreeLeafError, structure_of
 
     with pytest.raises(TreeLeafError, match=r"^stage 1 output\[1\]\['bad'\] is an object of type object: "):
-        layout_of((torch.ones(2), {"bad": object()}), 1, torch.device("cpu"))
+        structure_of((torch.ones(2), {"bad": object()}), 1, torch.device("cpu"))
     with pytest.raises(TreeLeafError, match=r"^stage 2 output\[0\] is a torch.complex64 tensor"):
-        layout_of([torch.ones(2, dtype=torch.complex64)], 2, torch.device("cpu"))
+        structure_of([torch.ones(2, dtype=torch.complex64)], 2, torch.device("cpu"))
 
 
 # Interleaved (looped) and ZBV (V-shaped) schedules at p = 3, v = 2, run op by op from their lowering:
@@ -314,23 +337,7 @@ def run_chunked_stage(rank: int, port: int, emulated_port: int) -> None:
                     expected = [(key_of(op), op.peer) for op in ops.unbatch(stage_ops) if op.kind == ops.RECV_ACT]
                     channel.expect_activations(expected)
                     posted = {message: buffer for message, (_, buffer) in channel._messages.payloads.items()}
-                    received = {}
-                    for op in stage_ops:
-                        parts = op.unbatched()
-                        sends = [(part, tensor(part, step)) for part in parts if part.kind in ops.SENDS]
-                        receives = [part for part in parts if part.kind in ops.RECEIVES]
-                        if op.kind == ops.EXCHANGE:
-                            received.update(zip(receives, channel.exchange(sends, receives, key_of,
-                                                                           op.header_first)))
-                        elif op.kind == ops.SEND_ACT:
-                            channel.send_activation(sends[0][1], key_of(op), op.peer)
-                        elif op.kind == ops.SEND_GRAD:
-                            channel.send_gradient(sends[0][1], key_of(op), op.peer)
-                        elif op.kind == ops.RECV_ACT:
-                            received[op] = channel.recv_activation(key_of(op), op.peer)
-                        elif op.kind == ops.RECV_GRAD:
-                            received[op] = channel.recv_gradient(key_of(op), op.peer)
-                    channel.finish_sends()
+                    received = run_ops(channel, stage_ops, key_of, lambda op: tensor(op, step))
                     assert len(received) == sum(part.kind in ops.RECEIVES for part in ops.unbatch(stage_ops)) > 0
                     for op, got in received.items():
                         want = tensor(op, step)

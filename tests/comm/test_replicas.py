@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from raypipe.comm import replicas
 from raypipe.comm.p2p import P2PChannel
-from raypipe.comm.replicas import StageReplicas, _FlatLayout
+from raypipe.comm.replicas import StageReplicas, _FlatBucket
 from raypipe.core.topology import Topology
 from tests.comm.test_p2p import free_port
 
@@ -96,7 +96,7 @@ def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process(em
 
 def test_a_flat_layout_reads_and_writes_the_elements_it_names():
     tensors = [torch.arange(12.0).reshape(3, 4), torch.arange(100.0, 105.0), torch.arange(200.0, 203.0)]
-    [layout] = _FlatLayout.of(tensors, (1, 0, 1), num_replicas=2)
+    [layout] = _FlatBucket.of(tensors, (1, 0, 1), num_replicas=2)
     assert layout.length == 15  # owner 1: 12 + 3 elements; owner 0: 5, padded
     assert torch.equal(layout.read(1, 10, 14), torch.tensor([10.0, 11.0, 200.0, 201.0]))
     assert torch.equal(layout.read(0, 3, 8), torch.tensor([103.0, 104.0, 0.0, 0.0, 0.0]))

@@ -3,11 +3,11 @@ changing its layout (a heal, a replacement starting, a shrink, a grow's admissio
 partition swap beside or in place, a background checkpoint write, an evaluation, the
 snapshot copy) is healed, never surfaces as a raw Ray error.
 
-The real controller, recovery, resizer and partitioning run over fabricated workers
-(:mod:`raypipe.testing.fault_injection`, no Ray): a scripted :class:`Fault` kills
-workers at a chosen call. The reference is independent of the mechanisms: a run
-without failures commits data steps 0, 1, ..., n-1 on every worker, so after the
-faulted run every worker's history must be exactly that.
+The real controller and its mechanisms (resizer, partitioning, state transfer) run
+over fabricated workers (:mod:`raypipe.testing.fault_injection`, no Ray): a scripted
+:class:`Fault` kills workers at a chosen call. The reference is independent of the
+mechanisms: a run without failures commits data steps 0, 1, ..., n-1 on every worker,
+so after the faulted run every worker's history must be exactly that.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from raypipe.config import PipelineConfig
 from raypipe.control import controller as controller_module
 from raypipe.control import partitioning as partitioning_module
 from raypipe.control.controller import Controller, ControllerState, StageModel
-from raypipe.executor import compound, elastic, partition_return, recovery, state_transfer
-from raypipe.executor.snapshot import LoggedStep
+from raypipe.control import compound, elastic
+from raypipe.control.snapshots import LoggedStep
 from raypipe.testing.fault_injection import (CALLER, FakeExecutor, FakeGroup, FakePlacement, FakeRay, Fault,
                                              fake_cluster, fake_resource_request, fake_spread)
 
@@ -36,18 +36,18 @@ def fake_ray(monkeypatch) -> FakeRay:
     monkeypatch.setattr(FakeGroup, "no_room", 0)
     monkeypatch.setattr(FakePlacement, "condition", lambda: True)
     cluster = fake_cluster()
-    for module in (controller_module, partitioning_module, partition_return, elastic):
+    for module in (controller_module, partitioning_module, elastic):
         monkeypatch.setattr(module, "cluster", cluster)
-    for module in (elastic, partition_return):
+    for module in (elastic, partitioning_module):
         monkeypatch.setattr(module, "spread", fake_spread())
     monkeypatch.setattr(controller_module, "StageGroup", FakeGroup)
-    monkeypatch.setattr(partition_return, "StageGroup", FakeGroup)
+    monkeypatch.setattr(partitioning_module, "StageGroup", FakeGroup)
     monkeypatch.setattr(controller_module, "make_executor", FakeExecutor)
     monkeypatch.setattr(elastic, "ResourceRequest", fake_resource_request)
     monkeypatch.setattr(compound, "RETRY_PAUSE_S", 0.0)
-    fake.decisions = []  # every failure decision the mechanisms asked for, in order
-    for module in (recovery, state_transfer, partitioning_module):
-        monkeypatch.setattr(module, "decide_failure", recorded(module.decide_failure, fake.decisions))
+    fake.decisions = []  # every failure decision the controller asked for, in order (it alone asks)
+    monkeypatch.setattr(controller_module, "decide_failure",
+                        recorded(controller_module.decide_failure, fake.decisions))
     return fake
 
 
@@ -244,7 +244,7 @@ def test_a_new_worker_lost_during_a_swap_in_place_is_healed(fake_ray, monkeypatc
     controller = repartitioned(fake_ray)
     # no room beside: the configured pipeline is placed only once the running workers went
     monkeypatch.setattr(FakePlacement, "condition", lambda: controller.group is None)
-    monkeypatch.setattr(partition_return.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
+    monkeypatch.setattr(partitioning_module.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
     arm(fake_ray, Fault("adopt", kill=[(0, 1)]))
     run(controller, range(2, 5))
     assert_healed(controller, 5, recoveries=2)
@@ -258,7 +258,7 @@ def test_a_new_worker_lost_during_a_swap_in_place_with_no_room_for_its_replaceme
     step's reports are of the stage that went: reading them raised ValueError from zip)."""
     controller = repartitioned(fake_ray)
     monkeypatch.setattr(FakePlacement, "condition", lambda: controller.group is None)
-    monkeypatch.setattr(partition_return.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
+    monkeypatch.setattr(partitioning_module.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
     arm(fake_ray, Fault("adopt", kill=[(0, 1)]))
     FakeGroup.no_room = 1
     run(controller, range(2, 5))
@@ -273,7 +273,7 @@ def test_a_new_worker_lost_during_a_swap_in_place_with_no_room_for_its_replaceme
 def test_a_new_worker_dying_at_start_during_a_swap_in_place_goes_on_with_fewer_stages(fake_ray, monkeypatch) -> None:
     controller = repartitioned(fake_ray)
     monkeypatch.setattr(FakePlacement, "condition", lambda: controller.group is None)
-    monkeypatch.setattr(partition_return.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
+    monkeypatch.setattr(partitioning_module.cluster, "placeable_workers", lambda bundle, freed=(): 2 * len(freed))
     arm(fake_ray, Fault("ready", kill=CALLER))
     run(controller, range(2, 5))
     assert histories(controller) == {tuple(range(5))} and controller.executor.usable

@@ -1,7 +1,7 @@
 """The controller's states, on fabricated workers (no Ray cluster): start -> running, a heal,
 a shrink, a grow, a re-partition and the way back, a heal that cannot go on, shutdown. Each
 transition must log ``controller <from> -> <to> (<reason>)`` once and move the
-``raypipe_controller_state`` gauge; the real recovery, resizer and partitioning run over
+``raypipe_controller_state`` gauge; the real controller and its mechanisms run over
 fake groups, executors and a fake ``ray`` whose calls answer at once."""
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from raypipe.config import PipelineConfig
 from raypipe.control import controller as controller_module
 from raypipe.control import partitioning as partitioning_module
 from raypipe.control.controller import STATES, Controller, ControllerState, Layout, StageModel
+from raypipe.control.states import Healing, Running
 from raypipe.core.result import StageReport
 from raypipe.errors import PlacementError, TooManyFailures, WorkersFailed
-from raypipe.executor import elastic, partition_return, recovery, siblings, snapshot
+from raypipe.control import elastic, snapshots, state_transfer
 from raypipe.observability.metrics import MetricsExporter
 from raypipe.runtime.group import WorkerInfo
 
@@ -167,15 +168,14 @@ def fake_cluster(monkeypatch):
                                         relocate=lambda placement, bundles, nodes: placement)
     monkeypatch.setattr(controller_module, "cluster", fake_cluster)
     monkeypatch.setattr(partitioning_module, "cluster", fake_cluster)
-    monkeypatch.setattr(partition_return, "cluster", fake_cluster)
     monkeypatch.setattr(elastic, "cluster", fake_cluster)
     monkeypatch.setattr(controller_module, "StageGroup", FakeGroup)
     monkeypatch.setattr(controller_module, "make_executor", FakeExecutor)
     monkeypatch.setattr(controller_module, "ray", FAKE_RAY)
-    for module in (recovery, snapshot, siblings, elastic, partition_return):
+    for module in (snapshots, state_transfer, elastic, partitioning_module):
         monkeypatch.setattr(module, "ray", FAKE_RAY)
     monkeypatch.setattr(elastic, "spread", fake_spread)
-    monkeypatch.setattr(partition_return, "spread", fake_spread)
+    monkeypatch.setattr(partitioning_module, "spread", fake_spread)
     monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("the test started Ray"))
     monkeypatch.setattr(elastic, "ResourceRequest", lambda bundles: types.SimpleNamespace(
         request=lambda count: None, withdraw=lambda: None))
@@ -235,11 +235,11 @@ def test_a_heal_goes_through_healing_and_back_to_running(fake_cluster, exporter,
     controller = controller_for(exporter, num_replicas=2)
     controller.start()
     controller.run_step(0, None, None)
-    controller.committed(1, snapshot.LoggedStep(0, None, None))
+    controller.committed(1, snapshots.LoggedStep(0, None, None))
     seen = []
     controller.executor.fail_next = [{(1, 1): "died"}]
-    original = controller.recovery._heal
-    controller.recovery._heal = lambda: (seen.append(current(exporter)), original())[1]
+    original = controller._heal
+    controller._heal = lambda healing: (seen.append(current(exporter)), original(healing))[1]
     controller.run_step(1, None, None)
     assert seen == ["healing"] and current(exporter) == "running"
     assert controller.executor.group.killed == [3]
@@ -249,12 +249,30 @@ def test_a_heal_goes_through_healing_and_back_to_running(fake_cluster, exporter,
         "controller healing -> running (healed from the replica 0; 2 replica(s) of 2 stage(s))"]
 
 
+def test_the_heal_under_way_is_a_state_that_carries_its_data(fake_cluster, exporter) -> None:
+    controller = controller_for(exporter, num_replicas=2)
+    controller.start()
+    controller.run_step(0, None, None)
+    controller.committed(1, snapshots.LoggedStep(0, None, None))
+    seen = []
+    original = controller._heal
+    controller._heal = lambda healing: (seen.append((healing, controller.current_state)), original(healing))[1]
+    controller.executor.fail_next = [{(1, 1): "died"}]
+    controller.run_step(1, None, None)
+    [(healing, current)] = seen
+    assert current is healing and isinstance(healing, Healing) and healing.kind is ControllerState.HEALING
+    assert dict(healing.failed) == {3: "died"} and healing.reasons == {"died"} and healing.relayout is None
+    assert isinstance(controller.current_state, Running) and controller.state is ControllerState.RUNNING
+    with pytest.raises(AttributeError):  # frozen: the controller enters a new state, it changes none
+        healing.relayout = "shrink"
+
+
 def test_a_second_failure_during_the_heal_is_the_same_heal(fake_cluster, exporter, caplog) -> None:
     caplog.set_level(logging.INFO, logger="raypipe")
     controller = controller_for(exporter, snapshot_every=2)
     controller.start()
     controller.run_step(0, None, None)
-    controller.committed(1, snapshot.LoggedStep(0, None, None))  # logged for replay: no snapshot due yet
+    controller.committed(1, snapshots.LoggedStep(0, None, None))  # logged for replay: no snapshot due yet
     controller.executor.fail_next = [{(0, 0): "died"}, {(0, 1): "hung"}]
     controller.run_step(1, None, None)  # the heal's replay of step 0 meets the second failure
     assert controller.executor.steps_run == [0, 0, 1]

@@ -1,6 +1,6 @@
 """The failure and scaling policies as pure decisions, on fabricated views (no Ray).
 
-Parity: one view per way today's heal goes (executor/recovery.py before the
+Parity: one view per way the heal went (executor/recovery.py before the
 policies were taken out of it), each giving the decision that code took; the
 expected decisions are written out by hand from it. Plus the re-partition that
 counts the running workers' room (issue 41: 4 stages on 4 one-CPU nodes, one

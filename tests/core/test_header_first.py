@@ -15,7 +15,8 @@ from raypipe.core.lowering import lower
 from raypipe.core.ops import (EXCHANGE, RECV_ACT, RECV_GRAD, SEND_ACT, LoweredOp, exchange, unbatch,
                               with_header_first)
 from raypipe.core.schedule import PLACEMENT, make_schedule
-from raypipe.core.simulator import Posting, ScheduleError, postings, simulate, simulate_timed
+from raypipe.core.simulator import Posting, ScheduleError, postings, simulate
+from raypipe.core.timed_simulation import simulate_timed
 from tests.core.test_simulator import assert_valid_order
 
 CHUNKED = ([("interleaved_1f1b", p, v, m) for p in (2, 3, 4) for v in (2, 3) for m in (p, 2 * p)]
@@ -120,3 +121,56 @@ def test_a_receive_behind_an_activation_received_after_the_batch_from_the_same_p
     assert after == (Posting((), (send, other)), Posting((activation,), (activation,)), Posting((), (gradient,)))
     first = postings(exchange(send, activation, gradient, other, header_first=[activation]))
     assert first == (Posting((activation,), (send, activation, gradient, other)),)
+
+
+# boundary_shapes="learned": once every message key's signature is learned no header goes, and an exchange
+# receives every payload in its batch; the lowering's header_first serves the steps that send headers
+ONE_CHUNK = [(name, p, 1, m) for name in ("gpipe", "1f1b", "zb_h1") for p, m in ((2, 2), (3, 5), (4, 8))]
+
+
+@pytest.mark.parametrize("name,p,v,m", CHUNKED + ONE_CHUNK)
+def test_every_lowering_runs_both_with_headers_and_with_learned_signatures(name, p, v, m):
+    lowered = lowered_of(name, p, v, m)
+    for boundary_shapes in ("headers", "learned"):
+        order = simulate(lowered, PLACEMENT[name], boundary_shapes=boundary_shapes)
+        assert_valid_order(lowered, order)
+
+
+def test_with_learned_signatures_an_exchange_posts_every_part_in_its_batch_and_awaits_no_header():
+    send = LoweredOp(SEND_ACT, 2, 1)
+    activation, gradient, other = LoweredOp(RECV_ACT, 1, 1), LoweredOp(RECV_GRAD, 0, 1), LoweredOp(RECV_GRAD, 0, 2)
+    for header_first in ((), (activation,)):
+        op = exchange(send, activation, gradient, other, header_first=header_first)
+        assert postings(op, "learned") == (Posting((), (send, activation, gradient, other)),)
+    assert postings(activation, "learned") == postings(activation) == (Posting((), (activation,)),)
+
+
+def test_a_payload_whose_header_would_hang_runs_in_the_batch_once_its_signature_is_learned():
+    # the zbv example above: awaited first, worker 0's header never comes; learned, it needs none
+    lowered = every_payload(lowered_of("zbv", 2, 2, 2), after_batch=False)
+    with pytest.raises(ScheduleError, match="^deadlock: stage 0 waits on SEND_ACT1->1\\+RECV_ACT0c1<=1"):
+        simulate(lowered, PLACEMENT["zbv"])
+    assert_valid_order(lowered, simulate(lowered, PLACEMENT["zbv"], boundary_shapes="learned"))
+
+
+def test_the_dry_run_names_an_unknown_boundary_mode():
+    with pytest.raises(ValueError, match=r"^boundary_shapes='static': expected one of learned, headers"):
+        simulate(lowered_of("1f1b", 2, 1, 2), boundary_shapes="static")
+
+
+def test_the_timed_run_with_learned_signatures_awaits_no_header_and_is_no_longer():
+    # the interleaved example above: worker 1 awaited activation 1's header until 4.5; learned, its batch posts
+    # at once, and no step is longer than with headers
+    lowered = lowered_of("interleaved_1f1b", 2, 2, 2)
+    times = ({(0, "F"): 2.0, "F": 1.0, "B": 2.0}, 0.5)
+    with_headers = simulate_timed(lowered, *times, placement=PLACEMENT["interleaved_1f1b"])
+    learned = simulate_timed(lowered, *times, placement=PLACEMENT["interleaved_1f1b"], boundary_shapes="learned")
+    assert [(stage, op) for stage, op, _, _ in learned.timeline] == simulate(lowered, boundary_shapes="learned")
+    spans = {(stage, repr(op)): (start, end) for stage, op, start, end in learned.timeline}
+    assert spans[(1, "SEND_ACT0->0+RECV_ACT1<=0")][0] == 3.5
+    assert learned.step_s <= with_headers.step_s
+    for name, p, v, m in CHUNKED[:4] + ONE_CHUNK[:3]:
+        lowered = lowered_of(name, p, v, m)
+        runs = [simulate_timed(lowered, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}, 0.1, placement=PLACEMENT[name],
+                               boundary_shapes=mode) for mode in ("headers", "learned")]
+        assert runs[1].step_s <= runs[0].step_s + 1e-9, (name, p, v, m)

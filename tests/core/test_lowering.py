@@ -8,7 +8,8 @@ from raypipe.core.lowering import lower
 from raypipe.core.ops import (B, EXCHANGE, F, LOOPED, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, REDUCE_GRAD, SEND_ACT,
                               SEND_GRAD, LoweredOp, Op, exchange, unbatch)
 from raypipe.core.schedule import gpipe_schedule, interleaved_1f1b_schedule, one_f_one_b_schedule, zb_h1_schedule
-from raypipe.core.simulator import simulate, simulate_timed
+from raypipe.core.simulator import simulate
+from raypipe.core.timed_simulation import simulate_timed
 
 BUILDERS = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
 SIZES = [(p, m) for p in range(1, 5) for m in range(1, 9)]

@@ -9,10 +9,11 @@ import pytest
 from raypipe.core.lowering import lower, lower_stage
 from raypipe.core.ops import (B, EXCHANGE, F, I, RECEIVES, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, W,
                               LoweredOp, Op, exchange, unbatch)
-from raypipe.core.schedule import (PLACEMENT, SCHEDULES, bubble_fraction, interleaved_1f1b_schedule, make_schedule,
-                                   max_in_flight, max_in_flight_split, one_f_one_b_schedule, zb_h1_schedule,
-                                   zbv_schedule)
-from raypipe.core.simulator import ScheduleError, simulate, simulate_timed
+from raypipe.core.schedule import (NATURAL_CHUNKS, PLACEMENT, SCHEDULES, bubble_fraction, check_chunks,
+                                   interleaved_1f1b_schedule, make_schedule, max_in_flight, max_in_flight_split,
+                                   one_f_one_b_schedule, zb_h1_schedule, zbv_schedule)
+from raypipe.core.simulator import ScheduleError, simulate
+from raypipe.core.timed_simulation import simulate_timed
 from tests.core.test_simulator import assert_valid_order
 
 NEW = ("interleaved_1f1b", "zb_h1", "zbv")
@@ -24,9 +25,16 @@ def chunks_of(name):
     return {"interleaved_1f1b": (2, 3, 4), "zbv": (2,)}.get(name, (1,))
 
 
+def interleaved_runs(p, m):
+    """Independent of raypipe: the m that interleaved_1f1b runs on p workers, torch's ScheduleInterleaved1F1B's
+    rule (m split into max(1, m // p) equal rounds)."""
+    return m % max(1, m // p) == 0
+
+
 def sizes(name, p):
     """Every valid (m, v) up to m = 16."""
-    return [(m, v) for m in range(1, 17) for v in chunks_of(name) if name != "interleaved_1f1b" or m % p == 0]
+    return [(m, v) for m in range(1, 17) for v in chunks_of(name)
+            if name != "interleaved_1f1b" or interleaved_runs(p, m)]
 
 
 def reference_virtual_stage(name, p, worker, chunk):
@@ -134,9 +142,93 @@ def test_interleaving_wraps_from_the_last_worker_to_the_first():
         LoweredOp(RECV_ACT, mb, p - 1, chunk=1) for mb in range(m)]
 
 
+def test_interleaved_1f1b_runs_one_round_of_m_below_2p_as_torchs_flex_order():
+    # p=2, m=3, v=2: one round of 3; worker 1 warms up with (v-1)m = 3 forwards, worker 0 with 2 more (all 6);
+    # forwards chunk by chunk, backwards with the chunks reversed
+    assert interleaved_1f1b_schedule(2, 3, 2) == [
+        [Op(F, 0, 0), Op(F, 1, 0), Op(F, 2, 0), Op(F, 0, 1), Op(F, 1, 1), Op(F, 2, 1),
+         Op(B, 0, 1), Op(B, 1, 1), Op(B, 2, 1), Op(B, 0, 0), Op(B, 1, 0), Op(B, 2, 0)],
+        [Op(F, 0, 0), Op(F, 1, 0), Op(F, 2, 0), Op(F, 0, 1), Op(B, 0, 1), Op(F, 1, 1), Op(B, 1, 1), Op(F, 2, 1),
+         Op(B, 2, 1), Op(B, 0, 0), Op(B, 1, 0), Op(B, 2, 0)],
+    ]
+    # m < p: a round of m, worker 0 (2(p - 1) + m warm-up forwards) runs every forward first
+    p, m = 4, 3
+    first = interleaved_1f1b_schedule(p, m, 2)[0]
+    assert first == [Op(F, mb, 0) for mb in range(m)] + [Op(F, mb, 1) for mb in range(m)] + [
+        Op(B, mb, 1) for mb in range(m)] + [Op(B, mb, 0) for mb in range(m)]
+
+
+def test_interleaved_1f1b_takes_every_m_torchs_rule_takes():
+    """At p = 4: m = 1-8, 10, 12, 15, 16 (10 and 15 in two and three rounds of 5); torch's
+    ScheduleInterleaved1F1B refuses 9, 11, 13 and 14, as raypipe does."""
+    accepted = []
+    for m in range(1, 17):
+        try:
+            make_schedule("interleaved_1f1b", 4, m, 2)
+            accepted.append(m)
+        except ValueError as error:
+            assert str(error).startswith(f"interleaved_1f1b needs m micro-batches that split into max(1, m // p) "
+                                         f"equal rounds (the rule of torch's ScheduleInterleaved1F1B): m={m}, p=4: "
+                                         f"{m} does not split into {m // 4} equal rounds; ")
+            assert "at p=4 m may be 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 16, ..." in str(error)
+    assert accepted == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 16]
+
+
+def torchs_interleaved_order(p, m, v):
+    """Independent of raypipe: torch's ScheduleInterleaved1F1B's order, rounds of q = m // max(1, m // p)
+    (forwards chunk by chunk within a round, backwards with the chunks reversed), worker s warming up
+    with (v - 1)q + 2(p - 1 - s) forwards."""
+    q = m // max(1, m // p)
+    forwards = [Op(F, r * q + i, c) for r in range(m // q) for c in range(v) for i in range(q)]
+    backwards = [Op(B, r * q + i, v - 1 - c) for r in range(m // q) for c in range(v) for i in range(q)]
+    schedule = []
+    for s in range(p):
+        warmup = min((v - 1) * q + 2 * (p - 1 - s), m * v)
+        ops = forwards[:warmup]
+        for index in range(m * v - warmup):
+            ops += [forwards[warmup + index], backwards[index]]
+        schedule.append(ops + backwards[m * v - warmup:])
+    return schedule
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 10, 2), (4, 15, 2), (3, 8, 2), (4, 10, 3), (5, 14, 4), (8, 22, 2)])
+def test_torchs_rounds_longer_than_p_run_under_the_rendezvous_rule_both_ways(p, m, v):
+    """Torch's order for m >= 2p split into rounds of m // (m // p) > p, which the pairs alone (each receive
+    right before its F) deadlocked: the activations at the wrap are received when they are sent, so the dry-run
+    completes with headers and with learned shapes."""
+    schedule = torchs_interleaved_order(p, m, v)
+    assert make_schedule("interleaved_1f1b", p, m, v) == schedule
+    lowered = lower(schedule)
+    for boundary_shapes in ("headers", "learned"):
+        assert_valid_order(lowered, simulate(lowered, boundary_shapes=boundary_shapes))
+    _assert_messages_join_neighbouring_virtual_stages("interleaved_1f1b", p, v, lowered)
+
+
+@pytest.mark.parametrize("m,rendezvous", [(4, 16.5), (5, 19.5), (6, 22.5), (7, 25.5), (8, 28.5), (10, 34.5),
+                                          (15, 49.5), (16, 52.5)])
+def test_interleaved_rounds_longer_than_p_take_the_schedules_own_step_under_the_rendezvous_rule(m, rendezvous):
+    """p = 4, v = 2, F = 1 and B = 2 a stage, messages free: every accepted m from 4 takes the step of buffered
+    sends, (m*v + p - 1)(F + B)/v, under the rendezvous rule too, in both modes (rounds of 5-7 took 19.5-57
+    units, or deadlocked, with each receive right before its F; 1F1B takes (m + p - 1)(F + B))."""
+    p, v = 4, 2
+    lowered = lower(interleaved_1f1b_schedule(p, m, v))
+    chunk_times = {F: 1.0 / v, B: 2.0 / v}
+    assert simulate_timed(lowered, chunk_times, buffered_sends=True).step_s == rendezvous == (m * v + p - 1) * 1.5
+    for boundary_shapes in ("headers", "learned"):
+        assert simulate_timed(lowered, chunk_times, boundary_shapes=boundary_shapes).step_s == rendezvous
+
+
+def test_each_schedules_natural_chunks_are_ones_it_takes():
+    assert NATURAL_CHUNKS == {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
+    for name in SCHEDULES:
+        check_chunks(name, NATURAL_CHUNKS[name])
+
+
 @pytest.mark.parametrize("name,p,m,v,message", [
-    ("interleaved_1f1b", 4, 6, 2, "interleaved_1f1b needs the number of micro-batches to be a multiple of the "
-                                  "number of stages (Megatron's rule): m=6, p=4"),
+    ("interleaved_1f1b", 4, 9, 2, "interleaved_1f1b needs m micro-batches that split into max(1, m // p) equal "
+                                  "rounds (the rule of torch's ScheduleInterleaved1F1B): m=9, p=4: 9 does not split "
+                                  "into 2 equal rounds"),
+    ("interleaved_1f1b", 4, 14, 2, "m=14, p=4: 14 does not split into 3 equal rounds"),
     ("interleaved_1f1b", 2, 4, 1, "interleaved_1f1b needs v >= 2 chunks per worker, got v=1"),
     ("zbv", 2, 4, 1, "zbv holds exactly v=2 chunks per worker (a V), got v=1"),
     ("zbv", 2, 4, 3, "zbv holds exactly v=2 chunks per worker (a V), got v=3"),
@@ -350,7 +442,7 @@ def test_with_blocking_sends_the_new_schedules_still_beat_1f1b(p, m):
     assert ours["interleaved_1f1b"] < ours["1f1b"]
 
 
-@pytest.mark.parametrize("p,m", [(1, 4), (2, 3), (4, 8), (4, 16), (8, 8), (8, 16)])
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 3), (4, 8), (4, 16), (8, 8), (8, 16), (4, 10), (3, 8)])
 def test_peak_in_flight_per_worker(p, m):
     """In chunk-activations (one micro-batch of one chunk) held from F until B, or until W: 1F1B's stage s
     holds p - s; ZB-H1 p on every stage (p - s before I, the s deferred W after); ZBV 2p chunk halves (p
@@ -362,9 +454,10 @@ def test_peak_in_flight_per_worker(p, m):
     if m >= 2 * p - 1:
         assert max_in_flight(zbv_schedule(p, m)) == [2 * p] * p
     assert max(max_in_flight(zbv_schedule(p, m))) <= 2 * p
-    if m % p == 0:
+    if interleaved_runs(p, m):  # rounds of q = m // max(1, m // p): 2(p - 1 - s) + q + 1 chunk halves
+        q = m // max(1, m // p)
         assert max_in_flight(interleaved_1f1b_schedule(p, m, 2)) == [
-            min(2 * (p - 1 - s) + p + 1, 2 * m) for s in range(p)]
+            min(2 * (p - 1 - s) + q + 1, 2 * m) for s in range(p)]
 
 
 def test_simulate_timed_times_i_and_w_of_every_chunk_by_kind():

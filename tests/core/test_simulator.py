@@ -287,3 +287,15 @@ def test_lowering_and_simulator_need_neither_ray_nor_torch_and_import_in_any_ord
             "make_schedule('1f1b', 3, 4); "
             "assert 'torch' not in sys.modules and 'ray' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
+def test_every_schedule_runs_in_a_valid_order_with_learned_boundary_signatures(name):
+    """Once every signature is learned no header goes and an exchange posts all its parts at once
+    (``boundary_shapes="learned"``): the lowering made for the steps with headers runs that way too."""
+    from raypipe.core.schedule import PLACEMENT
+
+    for p, m in ((2, 4), (3, 6), (4, 8)):
+        v = 2 if name in ("interleaved_1f1b", "zbv") else 1
+        lowered = lower(make_schedule(name, p, m, v), PLACEMENT[name])
+        assert_valid_order(lowered, simulate(lowered, PLACEMENT[name], boundary_shapes="learned"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from raypipe.data import prepare
-from raypipe.data.access import DIRECT, SHIP, Probe, Where, check_ship_size, decide, manifest_digest, probe
+from raypipe.data.access import READ, SHIP, Probe, Where, check_ship_size, manifest_digest, probe, read_or_ship
 from raypipe.errors import DataAccessError
 
 WHERE = Where(replica=1, stage=3, node_id="abc123", node_ip="10.0.0.7")
@@ -24,18 +24,18 @@ def test_probe_reads_the_manifest_or_says_why_not(dataset, tmp_path):
 
 def test_the_same_manifest_is_read_directly_anywhere(dataset):
     digest = manifest_digest(dataset)
-    assert decide(dataset, digest, Probe(digest, None), WHERE) == DIRECT
-    assert decide("s3://bucket/tokens", digest, Probe(digest, None), WHERE) == DIRECT
+    assert read_or_ship(dataset, digest, Probe(digest, None), WHERE) == READ
+    assert read_or_ship("s3://bucket/tokens", digest, Probe(digest, None), WHERE) == READ
 
 
 def test_a_local_path_the_worker_cannot_open_is_shipped(dataset):
-    assert decide(dataset, "d" * 64, Probe(None, "FileNotFoundError: ..."), WHERE) == SHIP
-    assert decide("file:///data/tokens", "d" * 64, Probe(None, "FileNotFoundError: ..."), WHERE) == SHIP
+    assert read_or_ship(dataset, "d" * 64, Probe(None, "FileNotFoundError: ..."), WHERE) == SHIP
+    assert read_or_ship("file:///data/tokens", "d" * 64, Probe(None, "FileNotFoundError: ..."), WHERE) == SHIP
 
 
 def test_a_uri_the_worker_cannot_open_names_path_worker_and_node():
     with pytest.raises(DataAccessError) as caught:
-        decide("s3://bucket/tokens", "d" * 64, Probe(None, "OSError: AWS Error ACCESS_DENIED"), WHERE)
+        read_or_ship("s3://bucket/tokens", "d" * 64, Probe(None, "OSError: AWS Error ACCESS_DENIED"), WHERE)
     message = str(caught.value)
     assert message.startswith("dataset s3://bucket/tokens: replica 1, stage 3 on node abc123 (10.0.0.7) cannot open")
     assert "ACCESS_DENIED" in message and "credentials" in message
@@ -44,7 +44,7 @@ def test_a_uri_the_worker_cannot_open_names_path_worker_and_node():
 
 def test_another_dataset_at_the_same_path_is_an_error():
     with pytest.raises(DataAccessError, match="reads a different dataset there than the driver"):
-        decide("/data/tokens", "d" * 64, Probe("e" * 64, None), WHERE)
+        read_or_ship("/data/tokens", "d" * 64, Probe("e" * 64, None), WHERE)
 
 
 def test_shipping_above_the_limit_points_to_shared_storage():

@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 
 HEAD_START_TIMEOUT_S = 120
+# a head whose autoscaler runs Ray's fake multi-node provider, its monitor looping every second instead of
+# every 5 s (as ray.cluster_utils.AutoscalingCluster runs it): the tests wait on its node launches and on
+# `ray status`, which it rewrites once a loop
+FAKE_AUTOSCALER_ENV = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
 # every port a head opens, chosen here so that it collides with no other Ray instance on the machine
 HEAD_PORTS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
               "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port",

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deployment.ray_head import head_ports, session_members, start_head, stop_session, token_env, \
-    wait_for_dashboard
+from tests.deployment.ray_head import (FAKE_AUTOSCALER_ENV, head_ports, session_members, start_head, stop_session,
+                                       token_env, wait_for_dashboard)
 from tests.reference import assert_mlp_run_matches_one_process
 from tests.runtime.test_autoscaling import FakeCluster
 
@@ -65,7 +65,7 @@ def fake_cluster():
     ports = head_ports()
     config_path = Path(temp_dir) / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(fake_cluster_config(ports["port"])))
-    env = token_env(RAY_FAKE_CLUSTER="1", PYTHONPATH=str(REPO))
+    env = token_env(**FAKE_AUTOSCALER_ENV, PYTHONPATH=str(REPO))
     head = start_head(temp_dir, env, ports, "--num-cpus=0", f"--autoscaling-config={config_path}")
     try:
         wait_for_dashboard(head, f"http://127.0.0.1:{ports['dashboard-port']}", Path(temp_dir) / "ray-start.log")
@@ -76,6 +76,7 @@ def fake_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.cluster
 def test_an_elastic_run_makes_the_autoscaler_add_nodes_grows_and_withdraws_its_request(fake_cluster):
     cluster, temp_dir = fake_cluster
     out, stderr = temp_dir / "run.json", temp_dir / "driver.err"

@@ -9,7 +9,9 @@ pid stops exactly what the test started. What differs from the recipe: every
 port is chosen here (so the GCS address goes into a copy of
 clusters/local-fake-multinode.yaml, where the fake provider looks for it),
 a fresh token of Ray's token authentication and a fresh `RAYPIPE_CACHE` come
-through the environment, and outputs go to a temporary directory.
+through the environment, the autoscaler's monitor loops every second instead of
+every 5 s (``AUTOSCALER_UPDATE_INTERVAL_S=1``, as Ray's own fake-cluster tests
+run it), and outputs go to a temporary directory.
 """
 from __future__ import annotations
 
@@ -22,16 +24,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import yaml
 
-from tests.deployment.ray_head import (head_ports, job_failure, ray_cli, session_members, start_head,
-                                       stop_session, token_env, wait_for_dashboard, wait_for_job)
+from tests.deployment.ray_head import (FAKE_AUTOSCALER_ENV, head_ports, job_failure, ray_cli, session_members,
+                                       start_head, stop_session, token_env, wait_for_dashboard, wait_for_job)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 420
 FAKE_WORKER_NODE_ID = re.compile(r"f{51}(?!00000)\d{5}")  # the fake provider numbers the nodes it adds from 1
 
 
+@pytest.mark.cluster
 def test_fake_multinode_recipe_trains_on_nodes_the_autoscaler_adds():
     temp_dir = tempfile.mkdtemp(prefix="rpf-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ports = head_ports()
@@ -39,7 +43,7 @@ def test_fake_multinode_recipe_trains_on_nodes_the_autoscaler_adds():
     config["provider"]["gcs_address"] = f"127.0.0.1:{ports['port']}"  # the provider assumes 6379 otherwise
     config_path = Path(temp_dir) / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    env = token_env(RAY_FAKE_CLUSTER="1", RAYPIPE_CACHE=str(Path(temp_dir) / "cache"))
+    env = token_env(**FAKE_AUTOSCALER_ENV, RAYPIPE_CACHE=str(Path(temp_dir) / "cache"))
     head = start_head(temp_dir, env, ports, "--num-cpus=0", f"--autoscaling-config={config_path}")
     url = f"http://127.0.0.1:{ports['dashboard-port']}"
     out = Path(temp_dir) / "out"

@@ -22,6 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
+from raypipe.core.ops import BOUNDARY_SHAPES
 from raypipe.core.schedule import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -292,6 +293,12 @@ def test_entrypoint_passes_the_schedule(chart) -> None:
     _command, flags = entrypoint_flags(only(render(chart, {"training": {"schedule": "zbv", "virtualStages": 2}}),
                                             "RayJob"))
     assert flags["--schedule"] == ["zbv"] and flags["--virtual-stages"] == ["2"]
+    # virtualStages left null: no flag, and the job takes the schedule's own (zbv 2, interleaved_1f1b 2)
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"schedule": "interleaved_1f1b"}}), "RayJob"))
+    assert flags["--schedule"] == ["interleaved_1f1b"] and "--virtual-stages" not in flags
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"schedule": "interleaved_1f1b",
+                                                                        "virtualStages": 3}}), "RayJob"))
+    assert flags["--virtual-stages"] == ["3"]
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     assert schema["properties"]["training"]["properties"]["schedule"]["enum"] == list(SCHEDULES)
 
@@ -744,3 +751,14 @@ def test_crd_validation_rejects_a_broken_rayjob(chart, break_manifest, where: st
     break_manifest(rayjob)
     errors = crd_errors(rayjob)
     assert errors and any(where in error for error in errors), errors
+
+
+def test_entrypoint_passes_the_boundary_shapes(chart) -> None:
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert "--boundary-shapes" not in flags  # the default, "learned", is train_7b.py's default too
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"boundaryShapes": "headers"}}), "RayJob"))
+    assert flags["--boundary-shapes"] == ["headers"]
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    assert schema["properties"]["training"]["properties"]["boundaryShapes"]["enum"] == list(BOUNDARY_SHAPES)
+    report = helm_python.lint(CHART_DIR, {"training": {"boundaryShapes": "static"}}, strict=True, namespace=NAMESPACE)
+    assert any("/training/boundaryShapes" in error for error in report["errors"]), report["errors"]

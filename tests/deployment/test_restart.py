@@ -130,6 +130,7 @@ def reference(ray_cluster, data, tmp_path_factory) -> tuple[Path, dict]:
     return out / "checkpoints", train(job["run_config"](job["parse_args"](job_flags(data, out))))
 
 
+@pytest.mark.cluster
 def test_a_rerun_after_driver_and_head_death_finishes_the_same_run_bitwise(reference, data, tmp_path, ray_head):
     reference_checkpoints, reference_summary = reference
     out, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"

@@ -33,7 +33,7 @@ from ray.cluster_utils import Cluster
 from torch import nn
 
 import raypipe
-from raypipe.control.partitioning import Partitioning
+from raypipe.control.controller import Controller
 from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
 from tests.processes import seconds_until_gone
 from tests.reference import adamw, make_mlp, random_batches
@@ -43,13 +43,13 @@ BATCH = 8  # 4 micro-batches a step: 2 per replica with 2 replicas, 4 with one
 
 
 def killing_a_new_worker_in_place(record: dict):
-    """Partitioning._swap_in_place that SIGKILLs the new stage 1 once the configured
+    """Controller._swap_in_place that SIGKILLs the new stage 1 once the configured
     pipeline is in place, before its workers adopt the snapshot (once)."""
-    original = Partitioning._swap_in_place
+    original = Controller._swap_in_place
 
-    def swap_in_place(self: Partitioning) -> None:
+    def swap_in_place(self: Controller) -> None:
         original(self)
-        group = self._controller.group
+        group = self.group
         if "killed_in_place" not in record and group is not None and len(group.workers) == 2:
             victim = group.workers[1].pid
             os.kill(victim, signal.SIGKILL)
@@ -66,11 +66,11 @@ def train(cluster: Cluster) -> dict:
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), clip_grad_norm=0.5,
                                     hang_timeout_s=5, replace_timeout_s=15, placement_timeout_s=30, metrics_port=0)
     record: dict = {"losses": [], "recovered": [], "stages": [], "num_replicas": []}
-    Partitioning._swap_in_place, original = killing_a_new_worker_in_place(record), Partitioning._swap_in_place
+    Controller._swap_in_place, original = killing_a_new_worker_in_place(record), Controller._swap_in_place
     try:
         return _train(cluster, config, record)
     finally:
-        Partitioning._swap_in_place = original
+        Controller._swap_in_place = original
 
 
 def _train(cluster: Cluster, config: raypipe.PipelineConfig, record: dict) -> dict:

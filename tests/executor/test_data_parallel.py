@@ -10,6 +10,7 @@ from torch import nn
 
 import raypipe
 from raypipe import ConfigError, StageError
+from tests.reference import InterpretedTrainer
 from tests.executor.test_nonfinite import OverflowOnMarker, halving
 from tests.reference import (adamw, assert_bitwise_equal, assert_parameters_match, make_mlp, random_batches,
                              reference_step)
@@ -28,45 +29,74 @@ def reference_loss(model, x, y, count):
                    for xm, ym in zip(torch.tensor_split(x, count), torch.tensor_split(y, count)))
 
 
-# (replicas, stages, micro-batches per replica) on Ray: a lone stage, three replicas, more micro-batches than
-# stages (BATCH split unevenly, clipped); ZeRO-1 (it shards and gathers on top of the replicated reduction)
-# and replicated. Every case of this matrix (fewer micro-batches than stages too), each with ZeRO-1 and
-# replicated, runs the same stage workers' reductions in one process: tests/testing/test_op_interpreter.py.
-CASES = [(2, 1, 2, True), (3, 2, 2, True), (2, 2, 3, False)]
+# (replicas, stages, micro-batches per replica) on Ray: a lone stage, more micro-batches than stages (BATCH
+# split unevenly, clipped); ZeRO-1 (it shards and gathers on top of the replicated reduction) and replicated.
+# Three replicas run the same step runner in one process (the in-process test below, with the same
+# assertions but the Ray workers' processes and evaluate, which the Ray cells check); every case of this
+# matrix (fewer micro-batches than stages too), each with ZeRO-1 and replicated, runs in one process in
+# tests/testing/test_op_interpreter.py.
+CASES = [(2, 1, 2, True), (2, 2, 3, False)]
 
 
-@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer", CASES,
-                         ids=lambda value: {True: "zero1", False: "replicated"}.get(value) if isinstance(value, bool)
-                         else None)
+def _ids(value):
+    return {True: "zero1", False: "replicated"}.get(value) if isinstance(value, bool) else None
+
+
+def _config(num_replicas, num_stages, num_micro_batches, shard_optimizer):
+    clip = 0.05 if num_micro_batches != 2 else None
+    return raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches,
+                                  num_replicas=num_replicas, clip_grad_norm=clip, shard_optimizer=shard_optimizer)
+
+
+def _assert_steps_match_one_process(trainer, reference, config):
+    """STEPS steps of ``trainer`` against one process on the global batch; the last result."""
+    reference_optimizer = adamw(reference.parameters())
+    count, clip = config.num_replicas * config.num_micro_batches, config.clip_grad_norm
+    for x, y in batches():
+        result = trainer.step(x, y)
+        loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, count, clip)
+        assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
+        if clip is not None:
+            assert result.clip_coefficient < 1.0  # the clip really bites
+    every = [(r, s) for r in range(config.num_replicas) for s in range(config.num_stages)]
+    assert result.num_replicas == config.num_replicas
+    assert [(s.replica, s.stage) for s in result.stages] == every
+    assert {(e.replica, e.stage) for e in result.timeline if e.op == "F"} == set(every)
+    assert_parameters_match(trainer.state_dict(), reference.state_dict())
+    return result
+
+
+@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer", CASES, ids=_ids)
 def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replicas, num_stages, num_micro_batches,
                                                         shard_optimizer):
-    clip = 0.05 if num_micro_batches != 2 else None
+    config = _config(num_replicas, num_stages, num_micro_batches, shard_optimizer)
     model = make_mlp()
     reference = copy.deepcopy(model)
-    reference_optimizer = adamw(reference.parameters())
-    count = num_replicas * num_micro_batches
-    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches,
-                                    num_replicas=num_replicas, clip_grad_norm=clip, shard_optimizer=shard_optimizer)
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
         assert trainer.num_replicas == num_replicas
         assert [(w.replica, w.stage) for w in trainer.workers] == [
             (r, s) for r in range(num_replicas) for s in range(num_stages)]
         assert len({w.pid for w in trainer.workers}) == num_replicas * num_stages
-        for x, y in batches():
-            result = trainer.step(x, y)
-            loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, count, clip)
-            assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
-            if clip is not None:
-                assert result.clip_coefficient < 1.0  # the clip really bites
-        assert result.num_replicas == num_replicas
-        assert [(s.replica, s.stage) for s in result.stages] == [
-            (r, s) for r in range(num_replicas) for s in range(num_stages)]
-        assert {(e.replica, e.stage) for e in result.timeline if e.op == "F"} == {
-            (r, s) for r in range(num_replicas) for s in range(num_stages)}
-        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+        _assert_steps_match_one_process(trainer, reference, config)
         # every replica evaluates its block with its own weights: equal only if all replicas stepped alike
         x, y = batches(seed=9)[0]
+        count = num_replicas * num_micro_batches
         assert trainer.evaluate(x, y) == pytest.approx(reference_loss(reference, x, y, count), rel=1e-5)
+
+
+@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer", [(3, 2, 2, True)], ids=_ids)
+def test_replicas_match_one_process_on_the_global_batch_in_process(num_replicas, num_stages, num_micro_batches,
+                                                                   shard_optimizer):
+    config = _config(num_replicas, num_stages, num_micro_batches, shard_optimizer)
+    model = make_mlp()
+    reference = copy.deepcopy(model)
+    trainer = InterpretedTrainer(model, nn.functional.mse_loss, adamw, config)
+    assert [(w.spec.replica, w.spec.stage) for w in trainer.pipeline.workers] == [
+        (r, s) for r in range(num_replicas) for s in range(num_stages)]
+    _assert_steps_match_one_process(trainer, reference, config)
+    for replica in trainer.pipeline.replicas[1:]:  # every replica stepped alike: each evaluates with its own
+        for ours, theirs in zip(trainer.pipeline.replicas[0].workers, replica.workers):
+            assert_bitwise_equal(ours.layers.state_dict(), theirs.layers.state_dict())
 
 
 def test_an_overflow_in_one_replica_skips_the_step_on_every_worker(ray_cluster):
@@ -144,13 +174,15 @@ def _trained(config, steps, root=None, load=None):
         return trainer.state_dict(), trainer.step_count
 
 
-def test_zero1_keeps_each_parameters_optimizer_state_on_one_replica(ray_cluster):
+# what each worker's optimizer holds is the stage worker's (its report's statistics): measured through the
+# step runner in one process (the bf16 case on Ray: tests/executor/test_zero1_main_weights.py)
+def test_zero1_keeps_each_parameters_optimizer_state_on_one_replica():
     x, y = batches()[0]
     bytes_of = {}
     for shard in (False, True):
         config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, num_replicas=2, shard_optimizer=shard)
-        with raypipe.PipelineTrainer(make_mlp(width=64), nn.functional.mse_loss, adamw, config) as trainer:
-            bytes_of[shard] = {(s.replica, s.stage): s.optimizer_bytes for s in trainer.step(x, y).stages}
+        trainer = InterpretedTrainer(make_mlp(width=64), nn.functional.mse_loss, adamw, config)
+        bytes_of[shard] = {(s.replica, s.stage): s.optimizer_bytes for s in trainer.step(x, y).stages}
     for stage in range(2):
         whole = bytes_of[False][0, stage]
         assert bytes_of[False][1, stage] == whole  # unsharded: every replica holds it all
@@ -167,7 +199,13 @@ def test_a_sharded_checkpoint_loads_into_any_replicas_and_stages(ray_cluster, tm
                                    clip_grad_norm=0.05)
     _, count = _trained(first, steps[:2], root=tmp_path / "ckpt")
     assert count == 2
-    reference, _ = _trained(raypipe.PipelineConfig(num_stages=1, num_micro_batches=6, clip_grad_norm=0.05), steps)
+    model = make_mlp()  # one process on the same 6 micro-batches a step
+    optimizer = adamw(model.parameters())
+    scheduler = halving(optimizer)
+    for x, y in steps:
+        reference_step(model, optimizer, nn.functional.mse_loss, x, y, 6, 0.05)
+        scheduler.step()
+    reference = model.state_dict()
     for num_replicas, num_stages, shard in ((1, 3, False), (3, 1, True)):
         config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=6 // num_replicas,
                                         num_replicas=num_replicas, shard_optimizer=shard, clip_grad_norm=0.05)
@@ -176,18 +214,19 @@ def test_a_sharded_checkpoint_loads_into_any_replicas_and_stages(ray_cluster, tm
         assert_parameters_match(resumed, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_the_memory_model_predicts_each_workers_optimizer_shard(ray_cluster):
-    from raypipe.core.partition import stage_layer_ranges
+def test_the_memory_model_predicts_each_workers_optimizer_shard():
     from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
     from raypipe.planning.memory import estimate_stage
 
     model = LlamaConfig(vocab_size=259, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, num_replicas=2, shard_optimizer=True)
     tokens = torch.randint(0, 259, (4, 17), generator=torch.Generator().manual_seed(0))
-    with raypipe.PipelineTrainer(llama_layers(model), llama_loss, adamw, config) as trainer:
-        stages = trainer.step(tokens[:, :-1], tokens[:, 1:]).stages
-        ranges = stage_layer_ranges(trainer.balance)
+    trainer = InterpretedTrainer(llama_layers(model), llama_loss, adamw, config)  # the stage workers' statistics
+    stages = trainer.step(tokens[:, :-1], tokens[:, 1:]).stages
+    ranges = {(w.spec.replica, w.spec.stage): range(min(w.layer_indices), max(w.layer_indices) + 1)
+              for w in trainer.pipeline.workers}
     for stats in stages:
-        predicted = estimate_stage(model, ranges[stats.stage], num_micro_batches=1, micro_batch_size=2, seq_len=16,
-                                   optimizer="adamw", optimizer_shards=2).optimizer_bytes
+        predicted = estimate_stage(model, ranges[stats.replica, stats.stage], num_micro_batches=1,
+                                   micro_batch_size=2, seq_len=16, optimizer="adamw",
+                                   optimizer_shards=2).optimizer_bytes
         assert stats.optimizer_bytes == pytest.approx(predicted, rel=0.10), (stats.replica, stats.stage)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import raypipe
-from tests.reference import adamw, assert_parameters_match, executor_options, make_mlp, random_batches, reference_step
+from tests.reference import (adamw, assert_parameters_match, executor_options, in_process, make_mlp, on_ray,
+                             random_batches, reference_step)
 
 STEPS = 3
 BATCH = 10  # does not divide evenly into 3 or 4 micro-batches
@@ -17,24 +18,32 @@ def batches(seed=1):
     return random_batches(BATCH, STEPS, seed)
 
 
-# (stages, micro-batches) on Ray: one stage with accumulation, fewer micro-batches than stages, more
-# (3 and 4 split BATCH unevenly); one of each executor's cells clips (odd sums). Every size of
-# tests/testing/test_op_interpreter.py's matrix (one stage alone, as many as stages, ...) runs the same
-# lowered ops on the same stage workers in one process; here the executors' plumbing is what is tested.
-SIZES = [(1, 4), (2, 3), (3, 2)]
-PER_OP_SIZES = [(1, 4), (3, 4)]
+# (stages, micro-batches) on Ray: each executor once, with fewer micro-batches than stages (p2p) and more
+# (the per-op one; 4 splits BATCH unevenly), both clipping (odd sums). One stage with accumulation and an
+# uneven 2 x 3 run the same step runner in one process (the in-process test below, with the same
+# assertions), as does every size of tests/testing/test_op_interpreter.py's matrix; here the executors'
+# plumbing is what is tested.
 
 
-@pytest.mark.parametrize("transport,num_stages,num_micro_batches",
-                         [("p2p", *size) for size in SIZES] + [("object_store", *size) for size in PER_OP_SIZES])
+@pytest.mark.parametrize("transport,num_stages,num_micro_batches", [("p2p", 3, 2), ("object_store", 3, 4)])
 def test_matches_single_process_reference(ray_cluster, transport, num_stages, num_micro_batches):
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches, transport=transport)
+    assert_matches_single_process_reference(on_ray, config)
+
+
+@pytest.mark.parametrize("num_stages,num_micro_batches", [(1, 4), (2, 3)])
+def test_matches_single_process_reference_in_process(num_stages, num_micro_batches):
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches)
+    assert_matches_single_process_reference(in_process, config)
+
+
+def assert_matches_single_process_reference(trainer_of, config: raypipe.PipelineConfig) -> None:
+    num_stages, num_micro_batches = config.num_stages, config.num_micro_batches
     clip = 0.05 if (num_stages + num_micro_batches) % 2 else None
     model = make_mlp()
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
-    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches, clip_grad_norm=clip,
-                                    transport=transport)
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+    with trainer_of(model, nn.functional.mse_loss, adamw, config.replace(clip_grad_norm=clip)) as trainer:
         for x, y in batches():
             result = trainer.step(x, y)
             loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y,
@@ -47,15 +56,23 @@ def test_matches_single_process_reference(ray_cluster, transport, num_stages, nu
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
 
 
-# clipping by value is the stage's, alike under every executor (all of them run 1F1B below)
-@pytest.mark.parametrize("transport", ["object_store", "p2p"])
-def test_1f1b_and_clip_by_value_match_reference(ray_cluster, transport):
+# clipping by value is the stage's, alike under every executor (all of them run 1F1B below): on the per-op
+# executor, and in one process through the step runner the per-step executor runs
+def test_1f1b_and_clip_by_value_match_reference(ray_cluster):
+    assert_1f1b_and_clip_by_value_match_reference(on_ray, executor_options("object_store"))
+
+
+def test_1f1b_and_clip_by_value_match_reference_in_process():
+    assert_1f1b_and_clip_by_value_match_reference(in_process, {})
+
+
+def assert_1f1b_and_clip_by_value_match_reference(trainer_of, options: dict) -> None:
     model = make_mlp()
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=4, schedule="1f1b", clip_grad_value=0.01,
-                                    **executor_options(transport))
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+                                    **options)
+    with trainer_of(model, nn.functional.mse_loss, adamw, config) as trainer:
         for x, y in batches(seed=2):
             trainer.step(x, y)
             for xm, ym in zip(torch.tensor_split(x, 4), torch.tensor_split(y, 4)):
@@ -126,15 +143,25 @@ def test_layer_specs_are_built_in_the_stages_and_state_round_trips(ray_cluster):
 # three stages (a middle one) under every executor, 1f1b or the split backward (zb_h1: I and W ops, W
 # deferred: under the default executor and the per-op one over Ray Direct Transport); every schedule
 # and activation-checkpoint mode in-process: tests/testing/test_op_interpreter.py
+# (two stages under zb_h1 run the same step runner in one process, with the same assertions)
 @pytest.mark.parametrize("num_stages,transport,schedule", [(3, "object_store", "1f1b"), (3, "p2p", "1f1b"),
-                                                           (2, "p2p", "zb_h1"), (3, "gloo", "zb_h1")])
+                                                           (3, "gloo", "zb_h1")])
 def test_1f1b_with_global_clipping_matches_single_process_reference(ray_cluster, num_stages, transport, schedule):
+    assert_global_clipping_matches_single_process_reference(on_ray, num_stages, transport, schedule)
+
+
+def test_zb_h1_with_global_clipping_matches_single_process_reference_in_process():
+    assert_global_clipping_matches_single_process_reference(in_process, 2, "p2p", "zb_h1")
+
+
+def assert_global_clipping_matches_single_process_reference(trainer_of, num_stages: int, transport: str,
+                                                            schedule: str) -> None:
     model = make_mlp()
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=4, schedule=schedule,
                                     clip_grad_norm=0.05, **executor_options(transport))
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+    with trainer_of(model, nn.functional.mse_loss, adamw, config) as trainer:
         for x, y in batches():
             result = trainer.step(x, y)
             loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 4, 0.05)
@@ -146,10 +173,12 @@ def test_1f1b_with_global_clipping_matches_single_process_reference(ray_cluster,
 
 
 # Model chunks on Ray (v chunks on each worker, activations crossing back from the last worker to the first,
-# zbv's both ends on worker 0): a pairwise subset; the whole matrix (every chunked schedule x activation
-# checkpointing x replicas with ZeRO-1, bf16 and fp16) runs the same workers in-process in
-# tests/testing/test_op_interpreter.py. Over gloo here; two of them under NCCL's emulation below. zbv at p = 3,
-# m = 3 runs its list-scheduled order (raypipe.core.list_scheduling), at p = 2, m = 3 the paper's V.
+# zbv's both ends on worker 0): two replicas with ZeRO-1 under zbv, and each chunked schedule under NCCL's
+# emulation below. The other cells of this pairwise subset run the same step runner in one process
+# (with the same assertions but evaluate, the driver's forward through every chunk in order, which each Ray
+# cell checks); the whole matrix (every chunked schedule x activation checkpointing x replicas with ZeRO-1,
+# bf16 and fp16) runs in-process in tests/testing/test_op_interpreter.py. zbv at p = 3, m = 3 runs its
+# list-scheduled order (raypipe.core.list_scheduling), at p = 2, m = 3 the paper's V.
 CHUNKED = [("interleaved_1f1b", 2, 2, 4, {}, 1),
            ("interleaved_1f1b", 3, 2, 3, {"activation_checkpoint": "except_last"}, 1),
            ("zbv", 2, 2, 3, {"activation_checkpoint": "always"}, 2),
@@ -157,7 +186,7 @@ CHUNKED = [("interleaved_1f1b", 2, 2, 4, {}, 1),
 
 
 def assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,
-                                                        mode, num_replicas):
+                                                        mode, num_replicas, trainer_of=on_ray):
     model = make_mlp()
     reference = copy.deepcopy(model)
     reference_optimizer = adamw(reference.parameters())
@@ -165,25 +194,38 @@ def assert_chunked_run_matches_single_process_reference(schedule, num_stages, vi
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches, schedule=schedule,
                                     virtual_stages=virtual_stages, num_replicas=num_replicas,
                                     shard_optimizer=num_replicas > 1, clip_grad_norm=0.05, **mode)
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
-        assert len(trainer.balance) == num_stages * virtual_stages
+    with trainer_of(model, nn.functional.mse_loss, adamw, config) as trainer:
+        if trainer_of is on_ray:
+            assert len(trainer.balance) == num_stages * virtual_stages
+        else:
+            assert sum(len(worker.spec.chunk_sizes) for worker in trainer.pipeline.replicas[0].workers) == (
+                num_stages * virtual_stages)
         for x, y in batches():
             result = trainer.step(x, y)
             loss, norm = reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, count, 0.05)
             assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
-        x, y = batches(seed=7)[0]
-        with torch.no_grad():
-            expected = float(nn.functional.mse_loss(reference(x), y))
-        assert trainer.evaluate(x, y) == pytest.approx(expected, rel=1e-5)  # forward through every chunk in order
+        if trainer_of is on_ray:
+            x, y = batches(seed=7)[0]
+            with torch.no_grad():
+                expected = float(nn.functional.mse_loss(reference(x), y))
+            assert trainer.evaluate(x, y) == pytest.approx(expected, rel=1e-5)  # forward through every chunk in order
 
 
-@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas", CHUNKED,
+@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas", [CHUNKED[2]],
                          ids=lambda value: str(value))
 def test_chunked_schedules_match_single_process_reference(ray_cluster, schedule, num_stages, virtual_stages,
                                                           num_micro_batches, mode, num_replicas):
     assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,
                                                         mode, num_replicas)
+
+
+@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas",
+                         [CHUNKED[0], CHUNKED[1], CHUNKED[3]], ids=lambda value: str(value))
+def test_chunked_schedules_match_single_process_reference_in_process(schedule, num_stages, virtual_stages,
+                                                                     num_micro_batches, mode, num_replicas):
+    assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,
+                                                        mode, num_replicas, in_process)
 
 
 @pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas",

@@ -104,6 +104,7 @@ LAYOUTS = {  # name: (config, steps with a failure, where healed state comes fro
 }
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout, caplog):
     cfg, failures, source = LAYOUTS[layout]
@@ -125,7 +126,8 @@ def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tm
     print(f"{layout}: kill to step done {[round(s, 1) for s in killed.healed_seconds]} s")
 
 
-@pytest.mark.parametrize("step_calls", ["direct", "tasks"])
+@pytest.mark.cluster
+@pytest.mark.parametrize("step_calls", ["connections", "tasks"])
 def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path, step_calls):
     cfg = config(step_calls=step_calls)
     expected = uninterrupted(cfg, tmp_path)
@@ -137,6 +139,7 @@ def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path, s
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("signal_number,found", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "hung")],
                          ids=["kill", "hang"])
 def test_under_nccls_emulation_a_killed_or_stopped_worker_is_healed_by_aborting_the_survivor(
@@ -155,6 +158,7 @@ def test_under_nccls_emulation_a_killed_or_stopped_worker_is_healed_by_aborting_
     print(f"emulated NCCL, {found}: failure to step done {run.healed_seconds[0]:.1f} s")
 
 
+@pytest.mark.cluster
 def test_a_trainer_with_a_hung_worker_shuts_down_within_its_hang_timeout(ray_cluster):
     """Shutdown does not wait on a hung worker's call or its leaving the group for more than
     ``hang_timeout_s`` (it waited ``p2p_timeout_s``, 300 s, before), and the worker is gone."""
@@ -173,6 +177,7 @@ def test_a_trainer_with_a_hung_worker_shuts_down_within_its_hang_timeout(ray_clu
             os.kill(hung, signal.SIGKILL)
 
 
+@pytest.mark.cluster
 def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, tmp_path):
     x, y = random_batches(BATCH, 1)[0]
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(max_failures=1)) as trainer:
@@ -196,6 +201,7 @@ def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, 
         assert resumed.step(x, y).loss > 0
 
 
+@pytest.mark.cluster
 def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster, tmp_path):
     cfg = config(snapshot_every=3)
     expected = uninterrupted(cfg, tmp_path)
@@ -212,6 +218,7 @@ def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster
     assert_bitwise_equal(expected.state, state)
 
 
+@pytest.mark.cluster
 def test_without_snapshots_a_worker_heals_from_the_newest_checkpoint_and_the_steps_since(ray_cluster, tmp_path):
     cfg = config(snapshot_every=0)
     expected = uninterrupted(cfg, tmp_path)
@@ -233,6 +240,7 @@ def test_without_snapshots_a_worker_heals_from_the_newest_checkpoint_and_the_ste
     assert_bitwise_equal(expected.state, state)
 
 
+@pytest.mark.cluster
 def test_without_snapshots_a_failure_is_an_error_that_says_why(ray_cluster):
     x, y = random_batches(BATCH, 1)[0]
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(snapshot_every=0)) as trainer:
@@ -258,7 +266,7 @@ def test_the_workers_heartbeat_while_a_step_runs(ray_cluster):
     with raypipe.PipelineTrainer(slow, nn.functional.mse_loss, adamw, cfg) as trainer:
         trainer.step(x, y)
         assert trainer.failures == []
-        assert ray.get(trainer._group.actors[0].heartbeat.remote()) > 0
+        assert ray.get(trainer.layout.actors[0].heartbeat.remote()) > 0
 
 
 class Sleep(nn.Module):
@@ -271,6 +279,7 @@ class Sleep(nn.Module):
         return x
 
 
+@pytest.mark.cluster
 def test_a_worker_killed_or_stopped_before_evaluate_is_healed_and_evaluate_answers(ray_cluster):
     (x, y), = random_batches(BATCH, 1)
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config()) as trainer:
@@ -285,6 +294,7 @@ def test_a_worker_killed_or_stopped_before_evaluate_is_healed_and_evaluate_answe
         assert trainer.step(x, y).loss > 0
 
 
+@pytest.mark.cluster
 def test_a_worker_lost_after_the_last_step_is_healed_before_its_state_is_read_or_saved(ray_cluster, tmp_path):
     """The state after a run's last step, read or saved after a worker died or hung, is that step's, bitwise."""
     (x, y), = random_batches(BATCH, 1)
@@ -304,12 +314,13 @@ def test_a_worker_lost_after_the_last_step_is_healed_before_its_state_is_read_or
         assert len(trainer.recoveries) == 2
 
 
+@pytest.mark.cluster
 def test_a_second_sigkill_while_a_heal_restores_state_is_healed_in_the_same_heal(ray_cluster, tmp_path, monkeypatch):
     """Stage 0 is killed before step 3; while the heal gives the replacement its state, the
     survivor (stage 1) is killed too (the moment is the heal's own, so the test is exact).
     The second loss is folded into the same heal (both replaced, every worker back to the
     snapshot), never a raw ActorDiedError, and the run is bitwise the uninterrupted one."""
-    from raypipe.executor.state_transfer import StateTransfer
+    from raypipe.control.state_transfer import StateTransfer
 
     cfg = config()
     expected = uninterrupted(cfg, tmp_path)

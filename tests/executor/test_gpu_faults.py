@@ -61,6 +61,7 @@ def _parameters(trainer):
     return {key: value.detach().cpu() for key, value in trainer.state_dict().items()}
 
 
+@pytest.mark.cluster
 @pytest.mark.gpu
 @pytest.mark.gpus2
 def test_a_forward_error_and_a_sigkill_over_nccl_are_released_and_healed_within_60_s(ray_cluster, tmp_path):

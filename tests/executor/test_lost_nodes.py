@@ -27,6 +27,7 @@ def node_loss(tmp_path_factory):
     return run_in_subprocess("tests.executor.node_loss_run", out, timeout_s=600)
 
 
+@pytest.mark.cluster
 def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back_resharding_zero1_losing_no_state(runs):
     """ZeRO-1, the harder case of the two optimizer layouts: a replicated run's shrink and grow
     are the same decisions and moves without the shards (their decisions: tests/control/test_policy.py)."""
@@ -51,6 +52,7 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back_resharding_zero
           f"on 2 replicas: {run['grow_seconds']:.1f} s")
 
 
+@pytest.mark.cluster
 def test_a_lost_node_is_replaced_on_a_spare_one_bitwise_after_its_replacement_died_in_the_lost_bundle(node_loss):
     """Ray's default health checks: the node is declared dead ~15-30 s after it went, and
     until then its placement-group bundle is still placed there."""
@@ -72,6 +74,7 @@ def test_a_lost_node_is_replaced_on_a_spare_one_bitwise_after_its_replacement_di
     print(f"node loss to step done: {lost['seconds']:.1f} s")
 
 
+@pytest.mark.cluster
 def test_a_pipeline_with_no_room_for_a_stage_goes_on_with_fewer_stages_and_back_when_there_is_room(runs):
     """... even when a new worker is killed during the swap back in place."""
     run = runs["repartition"]

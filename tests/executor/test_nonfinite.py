@@ -42,12 +42,15 @@ def poisoned(x):
     return x
 
 
-# Each precision and each policy (p2p), fp16 under both; the per-op executor once: both decide with
-# core.step_decision.decide and raise in the trainer, and differ only in who gathers the stages'
+# Each precision and each policy (p2p); the per-op executor once, under fp16's skip: both decide with
+# core.step_decision.decide_step and raise in the trainer, and differ only in who gathers the stages'
 # statistics (fp16: the case that also moves the loss scale; its raise at the floor is tested below).
-# Every precision under skip, with and without clipping, in one process: tests/testing/test_op_interpreter.py.
-CASES = [("p2p", "fp32", None, "skip"), ("p2p", "bf16", 1.0, "raise"), ("p2p", "fp16", None, "skip"),
-         ("p2p", "fp16", 1.0, "raise"), ("object_store", "fp16", None, "skip")]
+# Every precision under skip (fp16's on the per-step executor among them), with and without clipping, runs
+# the same step runner in one process with the same checks (skipped, NaN loss, every worker's weights and
+# optimizer state bitwise as before, the next clean step the uninterrupted run's):
+# tests/testing/test_op_interpreter.py.
+CASES = [("p2p", "fp32", None, "skip"), ("p2p", "bf16", 1.0, "raise"), ("p2p", "fp16", 1.0, "raise"),
+         ("object_store", "fp16", None, "skip")]
 
 
 @pytest.mark.parametrize("transport,precision,clip,policy", CASES)

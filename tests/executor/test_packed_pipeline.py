@@ -1,8 +1,8 @@
-"""Trees across stage boundaries over Ray (issue 44, item 1): packed documents on two stages
-(the default p2p executor; and two replicas), where the LLaMA's hidden states, positions and
-document ids cross the boundary as a tree, and a model passing dicts and tuples on the per-op
-executor and over Ray Direct Transport, each equal to one process. Every schedule and
-checkpointing mode runs in-process (tests/stage/test_tree_boundaries.py,
+"""Trees across stage boundaries (issue 44, item 1): packed documents on two stages (through the
+step runner in one process) and on two replicas of two stages (the default p2p executor), where the
+LLaMA's hidden states, positions and document ids cross the boundary as a tree, and a model passing
+dicts and tuples on the per-op executor and over Ray Direct Transport, each equal to one process.
+Every schedule and checkpointing mode runs in-process (tests/stage/test_tree_boundaries.py,
 tests/models/test_packed_documents.py)."""
 import copy
 
@@ -14,6 +14,7 @@ import raypipe
 from raypipe.core.packed import IGNORE_INDEX
 from raypipe.models.llama import llama_loss
 from raypipe.run import llama_count_tokens
+from tests.reference import in_process
 from tests.models.test_packed_documents import CONFIG, model, packed_batch
 from tests.reference import adamw, assert_parameters_match, executor_options, random_batches, reference_step
 from tests.stage.test_tree_boundaries import BATCH as TREE_BATCH
@@ -42,12 +43,14 @@ def reference_step_packed(net: torch.nn.Module, optimizer: torch.optim.Optimizer
     return float(loss.detach())
 
 
-def test_packed_rows_on_two_stages_train_as_one_process(ray_cluster):
+# two stages alone run the same step runner in one process (the trees handed over as they are); over Ray's
+# transports: two replicas of two stages below, and the tree model on the other executors
+def test_packed_rows_on_two_stages_train_as_one_process():
     net = model()
     reference = copy.deepcopy(net)
     reference_optimizer = sgd(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES, schedule="1f1b")
-    with raypipe.PipelineTrainer(net, llama_loss, sgd, config, loss_count_fn=llama_count_tokens) as trainer:
+    with in_process(net, llama_loss, sgd, config, loss_count_fn=llama_count_tokens) as trainer:
         for step in range(2):
             inputs, targets, _ = packed_batch(seed=20 + step, rows=4)
             counts = [llama_count_tokens(part) for part in torch.tensor_split(targets, MICRO_BATCHES)]

@@ -4,12 +4,14 @@ take-over that meets a dead worker asks again and loses nothing); where it fits
 only in the running workers' room too, it is placed there once they went."""
 import time
 
+import pytest
 import ray
 import torch
 from torch import nn
 
 import raypipe
-from raypipe.executor.partition_return import PartitionReturn
+from raypipe.control.partitioning import PartitionReturn
+from raypipe.control.policy import fits_only_in_place
 from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.group import StageGroup
 from raypipe.stage.spec import WorkerSpec
@@ -17,6 +19,13 @@ from raypipe.stage.worker import StageWorker
 
 LAYERS = (raypipe.LayerSpec(nn.Linear, 4, 4), raypipe.LayerSpec(nn.Linear, 4, 4))
 BUNDLE = {"CPU": 1.0}
+
+
+def fits_in_place(returning: PartitionReturn, running: list) -> bool:
+    """Whether the configured pipeline, not started beside, fits only in the room there is plus that of
+    the ``running`` workers, as the controller asks the policy (``fits_only_in_place``)."""
+    return (returning.in_place and not returning.started
+            and fits_only_in_place(returning.room(running), returning.num_stages))
 
 
 def specs(balance):
@@ -51,6 +60,7 @@ def ready_group(returning, deadline_s=120):
     return group
 
 
+@pytest.mark.cluster
 def test_the_configured_pipeline_takes_over_the_layers_and_a_dead_new_worker_is_asked_for_again(ray_cluster):
     actor_class = worker_actor_class(StageWorker)
     running = StageGroup(actor_class, specs([2]), BUNDLE, placement_timeout_s=30)  # both layers on one stage
@@ -61,7 +71,7 @@ def test_the_configured_pipeline_takes_over_the_layers_and_a_dead_new_worker_is_
         ray.get(running.actors[0].load_state_dict.remote(trained))
 
         returning = PartitionReturn(actor_class, specs([1, 1]), BUNDLE)
-        assert not returning.fits_in_place(running.workers)  # it fits beside: no step need wait for it
+        assert not fits_in_place(returning, running.workers)  # it fits beside: no step need wait for it
         first = ready_group(returning)
         dead_pid = ray.get(first.actors[1].ready.remote())["pid"]
         ray.kill(first.actors[1])
@@ -100,9 +110,9 @@ def test_where_the_configured_pipeline_fits_only_in_the_running_room_too_it_is_p
         returning = PartitionReturn(actor_class, specs([1, 1]), bundle)
         time.sleep(1)
         assert returning.poll() is None  # no room beside: not placed, nothing started
-        assert returning.fits_in_place(running.workers)
+        assert fits_in_place(returning, running.workers)
         assert returning.start_in_place(timeout_s=1) is None  # the room is still the running worker's
-        assert not returning.in_place and not returning.fits_in_place(running.workers)  # not tried again
+        assert not returning.in_place and not fits_in_place(returning, running.workers)  # not tried again
 
         returning.in_place = True  # as a fresh one would be: now the running worker goes first
         snapshot = running.actors[0].snapshot.remote()

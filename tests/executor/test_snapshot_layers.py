@@ -2,7 +2,7 @@
 import pytest
 
 from raypipe.core.partition import stage_layer_ranges
-from raypipe.executor.snapshot import holding
+from raypipe.control.snapshots import holding
 
 
 def layers_of(balance):

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from raypipe.observability.metrics import MetricsExporter
+from raypipe.observability.metrics import METRIC_NAMES, MetricsExporter
 from raypipe.observability.mfu import (
     PEAK_FLOPS_BY_DEVICE,
     mfu,
@@ -21,14 +21,6 @@ from raypipe.observability.mfu import (
     peak_flops_for_device,
 )
 from raypipe.core.result import StageStats, StepResult
-
-ALL_NAMES = {
-    "raypipe_loss", "raypipe_eval_loss", "raypipe_grad_norm", "raypipe_clip_coefficient",
-    "raypipe_bubble_fraction", "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
-    "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
-    "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
-    "raypipe_replayed_steps_total", "raypipe_recovery_seconds", "raypipe_resizes_total", "raypipe_replicas",
-}
 
 
 def known_step(**overrides) -> StepResult:
@@ -91,10 +83,11 @@ def test_step_values_labels_and_help(exporter):
     exporter.record_step(known_step())
     exporter.record_eval(2.75)
     exporter.record_recovery(["died"], 3.5, 0)
+    exporter.record_controller_state("running", ("starting", "running"))
     scraped = scrape(exporter)
 
-    assert set(scraped["samples"]) == ALL_NAMES
-    for name in ALL_NAMES:
+    assert set(scraped["samples"]) == METRIC_NAMES  # every name the module lists, and none it does not
+    for name in METRIC_NAMES:
         assert scraped["help"][name].strip(), f"{name} has no help text"
     assert value(scraped, "raypipe_loss") == 2.5
     assert value(scraped, "raypipe_eval_loss") == 2.75

@@ -20,20 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from raypipe.observability.metrics import METRIC_NAMES
+
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "raypipe" / "dashboards" / "raypipe.json"
 
 # Grafana's built-in interval variables, replaced by windows that hold several
 # 1 s scrapes when the expressions are sent to Prometheus directly.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "5m", "$replica": ".*"}
-
-EXPORTED_NAMES = {
-    "raypipe_loss", "raypipe_eval_loss", "raypipe_grad_norm", "raypipe_clip_coefficient",
-    "raypipe_bubble_fraction", "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
-    "raypipe_step_seconds", "raypipe_tokens_per_second", "raypipe_mfu", "raypipe_loss_scale",
-    "raypipe_skipped_steps_total", "raypipe_steps_total", "raypipe_restarts_total",
-    "raypipe_replayed_steps_total", "raypipe_recovery_seconds", "raypipe_replicas", "raypipe_resizes_total",
-    "raypipe_controller_state",
-}
 
 
 def dashboard_panels() -> list[dict]:
@@ -69,9 +62,9 @@ def test_dashboard_panels_use_the_datasource_variable_and_exported_metrics():
         for target in panel["targets"]:
             assert target["datasource"] == panel["datasource"], panel["title"]
             names = set(re.findall(r"\braypipe_[a-z_]+", target["expr"]))
-            assert names <= EXPORTED_NAMES, f"{panel['title']!r} queries unknown metrics {names - EXPORTED_NAMES}"
+            assert names <= METRIC_NAMES, f"{panel['title']!r} queries unknown metrics {names - METRIC_NAMES}"
             referenced |= names
-    assert referenced == EXPORTED_NAMES, f"metrics on no panel: {EXPORTED_NAMES - referenced}"
+    assert referenced == METRIC_NAMES, f"metrics on no panel: {METRIC_NAMES - referenced}"
 
 
 def prometheus_binary() -> str:

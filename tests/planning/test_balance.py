@@ -205,8 +205,7 @@ def test_plan_prints_both_balances(capsys) -> None:
     import argparse
     import json
 
-    from raypipe.planning.plan import run_plan
-    from raypipe.planning.plan_arguments import add_plan_arguments
+    from raypipe.planning.plan import add_plan_arguments, run_plan
 
     def plan(*argv: str) -> str:
         parser = argparse.ArgumentParser()
@@ -235,8 +234,7 @@ def test_plan_keeps_the_time_balance_within_the_memory() -> None:
     """Under 1F1B the first stage holds the most micro-batches: a limit just below the time balance's
     largest stage moves a block off it, giving up some speed to fit."""
     from raypipe.models.llama import get_config as config_of
-    from raypipe.planning.plan_balances import compare_balances
-    from raypipe.planning.plan_settings import PlanSettings
+    from raypipe.planning.plan import PlanSettings, compare_balances
 
     config = config_of("llama-1b")
     settings = PlanSettings(4, 8, 1, 2048, "bf16", "never", None, False, True, "1f1b", None)

@@ -6,18 +6,19 @@ import raypipe
 from raypipe.config import PipelineConfig
 from raypipe.core.partition import stage_layer_ranges
 from raypipe.models.llama import get_config, llama_layers, llama_loss
-from raypipe.planning.activation_memory import activation_breakdown
+from raypipe.models.llama_memory import activation_breakdown
 from raypipe.planning.memory import estimate_stage
 from raypipe.stage import worker
 from raypipe.stage.precision import ModuleWeights
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
+from tests.reference import in_process
 
 TINY = get_config("tiny")
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN = 4, 2, 64
 # (activation_checkpoint, offload_activations, precision): measured by the stage worker in a trainer,
-# for offload (it needs Ray's object store) and one mode without it; checkpointing without offload is
-# measured without Ray below, for each mode in fp32 and bf16
+# for offload (it needs Ray's object store; on Ray) and one mode without it (through the step runner in
+# one process); checkpointing without offload is measured without Ray below, for each mode in fp32 and bf16
 MODES = [("never", False, "fp32"), ("always", True, "fp32"), ("except_last", True, "fp32"), ("always", True, "bf16")]
 
 
@@ -29,20 +30,36 @@ def measure(activation_checkpoint, offload_activations, precision):
     """One step's result, the balance, and the tensor bytes of each worker's snapshot after it."""
     import ray
 
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES,
-                                    activation_checkpoint=activation_checkpoint,
-                                    offload_activations=offload_activations, precision=precision)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, TINY.vocab_size, (MICRO_BATCHES * MICRO_BATCH_SIZE, SEQ_LEN + 1), generator=generator)
+    config, tokens = _measured_config(activation_checkpoint, offload_activations, precision), _tokens()
     with raypipe.PipelineTrainer(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p), config) as trainer:
         result = trainer.step(tokens[:, :-1], tokens[:, 1:])  # the optimizer state exists from the first step
-        snapshots = [_tensor_bytes(ray.get(actor.snapshot.remote())) for actor in trainer._group.actors]
+        snapshots = [_tensor_bytes(ray.get(actor.snapshot.remote())) for actor in trainer.layout.actors]
         return result, trainer.balance, snapshots
+
+
+def _measured_config(activation_checkpoint, offload_activations, precision):
+    return raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES,
+                                  activation_checkpoint=activation_checkpoint,
+                                  offload_activations=offload_activations, precision=precision)
+
+
+def _tokens():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, TINY.vocab_size, (MICRO_BATCHES * MICRO_BATCH_SIZE, SEQ_LEN + 1), generator=generator)
+
+
+def measure_in_process(activation_checkpoint, offload_activations, precision):
+    """One step's result through the step runner in one process, and the balance (no snapshots)."""
+    tokens = _tokens()
+    with in_process(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p),
+                    _measured_config(activation_checkpoint, offload_activations, precision)) as trainer:
+        result = trainer.step(tokens[:, :-1], tokens[:, 1:])
+        return result, [len(worker.layer_indices) for worker in trainer.pipeline.workers], None
 
 
 @pytest.fixture(scope="module")
 def measurements(ray_cluster):
-    return {mode: measure(*mode) for mode in MODES}
+    return {mode: measure(*mode) if mode[1] else measure_in_process(*mode) for mode in MODES}
 
 
 def predict(layers, stage, activation_checkpoint="never", offload_activations=False, precision="fp32",
@@ -155,7 +172,7 @@ def _tensor_bytes(value) -> int:
 def test_plan_predicts_the_bytes_of_each_workers_snapshot(measurements):
     """`raypipe plan`'s snapshot line: the tensors a worker's in-memory snapshot holds (bf16: fp32
     main weights and Adam moments) against the model, within 10%."""
-    from raypipe.planning.stage_rows import snapshot_bytes
+    from raypipe.planning.plan import snapshot_bytes
 
     _, balance, measured = measurements[("always", True, "bf16")]
     for stage, layers in enumerate(stage_layer_ranges(balance)):

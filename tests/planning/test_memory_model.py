@@ -21,8 +21,7 @@ from raypipe.planning.memory import (
     static_bytes_per_parameter,
 )
 from raypipe.models.llama import get_config, llama_layers, llama_loss, num_parameters
-from raypipe.planning.plan import run_plan
-from raypipe.planning.plan_arguments import add_plan_arguments
+from raypipe.planning.plan import add_plan_arguments, run_plan
 from raypipe.stage.precision import Bf16ComputeWeights, ModuleWeights
 from raypipe.units import format_bytes, parse_bytes
 
@@ -470,7 +469,9 @@ def test_plan_of_model_chunks_sums_each_workers_chunks(capsys):
     assert result["num_parameters"] == one_chunk["num_parameters"]
     status, out = plan(*args[:-1], "--schedule", "interleaved_1f1b", "--virtual-stages", "2", capsys=capsys)
     assert status == 0 and "interleaved_1f1b (2 chunks a stage)" in out
-    status, out = plan(*args[:-1], "--schedule", "zbv", capsys=capsys)
+    status, out = plan(*args[:-1], "--schedule", "zbv", capsys=capsys)  # --virtual-stages unset: zbv's own, 2
+    assert status == 0 and "zbv (2 chunks a stage)" in out
+    status, out = plan(*args[:-1], "--schedule", "zbv", "--virtual-stages", "1", capsys=capsys)
     assert status == 2 and "zbv holds exactly v=2 chunks per worker" in out
 
 

@@ -12,11 +12,11 @@ from raypipe.models.llama import LlamaConfig, get_config
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.planning.balance import balance_by_time, llama_stage_bytes
 from raypipe.planning.cluster_spec import Cluster, Link, load_cluster
-from raypipe.planning.cluster_plan import run_commands
 from raypipe.planning.configuration_search import (LlamaStageBytes, candidate_shapes, search_plans,
                                                    snapshot_cadence)
 from raypipe.planning.memory import estimate_stage
 from raypipe.planning.plan import main as plan_main
+from raypipe.planning.plan import run_commands
 from raypipe.planning.predict import StepShape, optimistic_step_s, predict_split, predict_step, stage_bounds
 
 GB = 10**9

@@ -17,11 +17,11 @@ from raypipe.models.layers import LayerCost
 from raypipe.models.llama import LlamaConfig, get_config
 from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.planning.balance import balance_by_time
-from raypipe.planning.cluster_plan import run_commands
 from raypipe.planning.cluster_spec import Cluster, Link, load_cluster
 from raypipe.planning.configuration_search import LlamaStageBytes, candidate_shapes, search_plans, worker_bytes
 from raypipe.planning.memory import estimate_pipeline
 from raypipe.planning.plan import main as plan_main
+from raypipe.planning.plan import run_commands
 from raypipe.planning.predict import (StepShape, optimistic_step_s, predict_split, predict_step, stage_bounds,
                                       worker_sums)
 
@@ -109,8 +109,25 @@ def test_chunked_bubbles_are_below_1f1bs_as_theory_says():
     assert interleaved.balance == zbv.balance == (2,) * 8
 
 
+def test_interleaving_one_round_of_m_below_2p_is_predicted_as_its_timed_simulation():
+    # p = 4, m = 6 (one round of 6, torch's flex order), 16 equal layers, messages free: the predictor's step is the
+    # schedule's simulated step with buffered sends, as for every schedule: with F = 1 and B = 2 a chunk, 45 units
+    # (22.5 in whole stages, against 1F1B's 27); under the rendezvous rule too (the wrap's receives posted when sent)
+    layer = LayerCost(fwd_flops=1e12, bwd_input_flops=1e12, bwd_weight_flops=1e12, param_bytes=2 * GB)
+    common = {"num_stages": 4, "num_micro_batches": 6, "snapshot_every": 0}
+    one = predict_step([layer] * 16, unit_cluster(), schedule="1f1b", **common)
+    interleaved = predict_step([layer] * 16, unit_cluster(), schedule="interleaved_1f1b", virtual_stages=2, **common)
+    lowered = lower(make_schedule("interleaved_1f1b", 4, 6, 2), PLACEMENT["interleaved_1f1b"])
+    units = [simulate_timed(lowered, {"F": 1.0, "B": 2.0}, buffered_sends=buffered).step_s
+             for buffered in (True, False)]
+    assert units == [45.0, 45.0]
+    assert interleaved.pipeline_bubble == pytest.approx(1 - 6 * 2 * 3 / units[0]) == pytest.approx(0.2)
+    assert one.pipeline_bubble == pytest.approx(3 / 9)
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    ({"schedule": "interleaved_1f1b", "virtual_stages": 2, "num_micro_batches": 6}, "num_micro_batches=6"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": 2, "num_micro_batches": 9},
+     r"num_micro_batches=9: interleaved_1f1b needs m micro-batches that split into max\(1, m // p\) equal rounds"),
     ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, "virtual_stages=1"),
     ({"schedule": "zbv", "virtual_stages": 3}, "virtual_stages=3"),
     ({"schedule": "zbv", "virtual_stages": 1}, "virtual_stages=1"),
@@ -141,14 +158,23 @@ def test_no_chunked_step_undercuts_the_searchs_optimistic_bound(schedule):
         assert optimistic_step_s(costs, split, parameters, shape, cluster) <= predicted * (1 + 1e-12), shape
 
 
-def test_chunked_candidates_need_whole_rounds_and_enough_layers():
+def test_chunked_candidates_need_an_m_interleaving_runs_and_enough_layers():
     # 16 GPUs, 10 layers, 48 sequences a step: p = 1, 2, 4 (p = 8 has 16 virtual stages for 10 layers), m =
-    # 48 / (d b); interleaving only where p divides m (not p = 2 at m = 3, nor p = 4 at m = 6)
+    # 48 / (d b); interleaving where m splits into max(1, m // p) equal rounds (p = 2 at m = 3, p = 4 at m = 6: one
+    # round of m)
     shapes = candidate_shapes(16, 10, seq_len=128, global_batch=48)
     assert {(s.schedule, s.num_stages, s.num_micro_batches) for s in shapes if s.virtual_stages > 1} == {
         ("interleaved_1f1b", 1, 3), ("zbv", 1, 3), ("interleaved_1f1b", 2, 6), ("zbv", 2, 6), ("zbv", 2, 3),
-        ("interleaved_1f1b", 4, 12), ("zbv", 4, 12), ("zbv", 4, 6)}
+        ("interleaved_1f1b", 2, 3), ("interleaved_1f1b", 4, 12), ("zbv", 4, 12), ("zbv", 4, 6),
+        ("interleaved_1f1b", 4, 6)}
     assert all(s.virtual_stages == (2 if s.schedule in CHUNKED else 1) for s in shapes)
+    # 40 sequences on 8 GPUs at p = 4 (two replicas): m = 20 or 10 a replica (micro-batch sizes 1, 2), 10 in two
+    # rounds of 5 > p; 36 sequences: m = 18 or 9, neither splitting into m // p equal rounds, refused
+    assert {s.num_micro_batches for s in candidate_shapes(8, 10, seq_len=128, global_batch=40,
+                                                          schedules=("interleaved_1f1b",)) if s.num_stages == 4} == {
+        20, 10}
+    assert not [s for s in candidate_shapes(8, 10, seq_len=128, global_batch=36, schedules=("interleaved_1f1b",))
+                if s.num_stages == 4]
 
 
 @pytest.mark.parametrize("schedule", CHUNKED)
@@ -192,7 +218,7 @@ def test_the_search_picks_a_chunked_schedule_and_prints_how_to_run_it(capsys):
 
 
 def test_goodput_counts_a_chunked_workers_state_over_its_chunks():
-    from raypipe.planning.plan_goodput import run_shape
+    from raypipe.planning.plan import run_shape
 
     config = get_config("llama3-8b")
     best = search_plans(config, load_cluster("h100"), 64, top=1).best[0]

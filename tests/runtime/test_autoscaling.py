@@ -5,7 +5,7 @@ started and stopped by pid as in tests/deployment. Drivers are subprocesses
 connected with RAY_ADDRESS and the head's token; the test steers each through
 its stdin and reads the autoscaler's view of the standing request from the
 public `ray status` ("From request_resources:"), which the autoscaler's
-monitor rewrites every few seconds.
+monitor rewrites once a loop (every second here).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from raypipe.runtime.autoscaling import ResourceRequest
-from tests.deployment.ray_head import (HEAD_PORTS, free_port, ray_cli, session_members, start_head, stop_session,
-                                       token_env, wait_for_dashboard)
+from tests.deployment.ray_head import (FAKE_AUTOSCALER_ENV, HEAD_PORTS, free_port, ray_cli, session_members,
+                                       start_head, stop_session, token_env, wait_for_dashboard)
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 120
@@ -128,7 +128,7 @@ def fake_cluster():
     worker["resources"] = {"CPU": 1, "object_store_memory": 200_000_000}
     config_path = Path(temp_dir) / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    env = token_env(RAY_FAKE_CLUSTER="1")
+    env = token_env(**FAKE_AUTOSCALER_ENV)
     head = start_head(temp_dir, env, ports, "--num-cpus=0", f"--autoscaling-config={config_path}")
     try:
         wait_for_dashboard(head, f"http://127.0.0.1:{ports['dashboard-port']}", Path(temp_dir) / "ray-start.log")
@@ -139,6 +139,7 @@ def fake_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.cluster
 def test_a_request_adds_nodes_and_a_withdrawal_clears_it(fake_cluster):
     driver = fake_cluster.driver()
     try:
@@ -153,6 +154,7 @@ def test_a_request_adds_nodes_and_a_withdrawal_clears_it(fake_cluster):
         driver.wait()
 
 
+@pytest.mark.cluster
 def test_a_driver_that_fails_withdraws_its_request(fake_cluster):
     driver = fake_cluster.driver()
     try:
@@ -168,6 +170,7 @@ def test_a_driver_that_fails_withdraws_its_request(fake_cluster):
         driver.wait()
 
 
+@pytest.mark.cluster
 def test_a_driver_stopped_with_sigterm_withdraws_its_request(fake_cluster):
     driver = fake_cluster.driver()
     try:
@@ -181,6 +184,7 @@ def test_a_driver_stopped_with_sigterm_withdraws_its_request(fake_cluster):
         driver.wait()
 
 
+@pytest.mark.cluster
 def test_a_driver_killed_with_sigkill_has_its_request_withdrawn_by_its_guard(fake_cluster):
     driver = fake_cluster.driver()
     try:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from raypipe.runtime.cluster import WORKER_KILL_GRACE_MS
@@ -35,6 +36,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.cluster
 def test_the_local_instance_kills_a_hung_worker_within_its_grace():
     no_cluster_to_join = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-c", HUNG_WORKER], cwd=REPO, env=no_cluster_to_join, capture_output=True,

@@ -133,6 +133,7 @@ def cluster_address(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.cluster
 def test_reading_workers_check_the_dataset_before_step_0_and_get_local_data_shipped(cluster_address, tmp_path):
     prefix = _namespace_prefix()
     address, env = cluster_address

@@ -22,6 +22,7 @@ def specs(num_stages=2):
             for stage in range(num_stages)]
 
 
+@pytest.mark.cluster
 def test_a_dead_worker_is_found_and_replaced_from_its_spec(ray_cluster):
     group = StageGroup(worker_actor_class(StageWorker), specs(), {"CPU": 1.0}, placement_timeout_s=30)
     try:

@@ -4,6 +4,7 @@ import signal
 import threading
 import time
 
+import pytest
 from torch import nn
 
 import raypipe
@@ -109,11 +110,12 @@ def test_placement_groups_given_up_or_freed_by_their_owner():
     assert pool.released == ["group 0", "replica 1", pool.placements[-1][0]] and pool.spares == []
 
 
+@pytest.mark.cluster
 def test_a_warm_spare_takes_a_killed_workers_place_and_the_result_changes_no_bit(ray_cluster, tmp_path):
     cfg = config(spare_workers=1)
     expected = uninterrupted(config(), tmp_path)  # spares change no number
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        pool = trainer._group.spares
+        pool = trainer.spares
         assert pool.wait_until_up(120)  # up before the kill (the machine may be slow)
         results = []
         for step, (x, y) in enumerate(random_batches(12, STEPS)):

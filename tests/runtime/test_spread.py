@@ -1,6 +1,8 @@
 """Replicas spread over nodes where there is room, and start as before where
 there is not (a multi-node ``ray.cluster_utils.Cluster`` in a subprocess, see
 spread_run.py: a 16-CPU node and a 4-CPU node, replicas of two 1-CPU stages)."""
+import pytest
+
 from tests.executor.cluster_run import run_in_subprocess
 from tests.reference import assert_mlp_run_matches_one_process
 
@@ -13,6 +15,7 @@ def nodes_by_replica(workers: list) -> dict[int, set[str]]:
     return nodes
 
 
+@pytest.mark.cluster
 def test_replicas_spread_over_nodes_with_room_and_pack_where_only_one_has_it(tmp_path):
     run = run_in_subprocess("tests.runtime.spread_run", tmp_path / "spread.json", timeout_s=300)
     big, small = run["big"], run["small"]

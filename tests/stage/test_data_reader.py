@@ -1,7 +1,7 @@
 """A reading stage's view of the dataset: whole steps, the next one read in the background."""
 from __future__ import annotations
 
-import time
+import concurrent.futures
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +40,8 @@ def stage_data(path: Path, reads_inputs: bool, reads_targets: bool, block: range
 
 
 def wait_for_read_ahead(data: StageData) -> None:
-    deadline = time.monotonic() + 30
-    while not all(pending.done() for pending in data._ahead.values()):
-        assert time.monotonic() < deadline, "the read-ahead did not finish"
-        time.sleep(0.01)
+    _, pending = concurrent.futures.wait(list(data._ahead.values()), timeout=30)  # woken when they finish
+    assert not pending, "the read-ahead did not finish"
 
 
 def shards_of(reader: TokenDataset, step: int, block: range) -> set[int]:

@@ -15,6 +15,7 @@ from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
 from raypipe.core.loss_scale import LossScaler
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
+from tests.reference import in_process, on_ray
 from tests.reference import (ReplaceGradientIf, assert_bitwise_equal, bf16_compute_copy, bf16_main_weights_step,
                              make_mlp)
 
@@ -190,7 +191,7 @@ def marked_batch(generator, poison_row=None):
 
 
 def optimizer_states(trainer):
-    return [ray.get(actor.optimizer_state.remote()) for actor in trainer._group.actors]
+    return [ray.get(actor.optimizer_state.remote()) for actor in trainer.layout.actors]
 
 
 def adam_steps(states):
@@ -273,8 +274,18 @@ def grad_scaler_reference(model, batches, num_micro_batches):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule, activation_checkpoint", [("gpipe", "never"), ("1f1b", "always")])
+@pytest.mark.parametrize("schedule, activation_checkpoint", [("gpipe", "never")])
 def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster, schedule, activation_checkpoint):
+    assert_fp16_pipeline_matches_grad_scaler_with_clipping(on_ray, schedule, activation_checkpoint)
+
+
+# the same through the step runner in one process, the loss scale kept as the trainer keeps it
+@pytest.mark.parametrize("schedule, activation_checkpoint", [("1f1b", "always")])
+def test_fp16_pipeline_matches_grad_scaler_with_clipping_in_process(schedule, activation_checkpoint):
+    assert_fp16_pipeline_matches_grad_scaler_with_clipping(in_process, schedule, activation_checkpoint)
+
+
+def assert_fp16_pipeline_matches_grad_scaler_with_clipping(trainer_of, schedule, activation_checkpoint):
     # "always" re-runs each forward under autocast in backward: it must round the same way
     model = make_mlp()
     reference = copy.deepcopy(model)
@@ -285,7 +296,7 @@ def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster, schedule, 
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, precision="fp16", clip_grad_norm=FP16_CLIP,
                                     initial_loss_scale=FP16_SCALE, growth_interval=2, use_gpu=False,
                                     schedule=schedule, activation_checkpoint=activation_checkpoint)
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, sgd, config) as trainer:
+    with trainer_of(model, nn.functional.mse_loss, sgd, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
         params = trainer.state_dict()
 
@@ -409,26 +420,46 @@ def bf16_main_weights_reference(state_dict, batches, backward_order, clip_grad_n
     return history, main.state_dict()
 
 
-BF16_CASES = [  # transport, schedule, activation checkpointing, clip_grad_norm
+BF16_CASES = [  # transport, schedule, activation checkpointing, clip_grad_norm: each executor on Ray
     ("object_store", "gpipe", {}, None),
-    ("p2p", "gpipe", {}, None),
     # the recompute replays the forward with the same compute weights
     ("p2p", "1f1b", {"activation_checkpoint": "always", "offload_activations": True}, None),
+]
+# the rest of the matrix runs the same step runner in one process, one thread as a stage runs
+BF16_IN_PROCESS_CASES = [
+    ("p2p", "gpipe", {}, None),
     ("object_store", "gpipe", {"activation_checkpoint_segments": 1}, None),
     ("p2p", "gpipe", {}, 0.05),
 ]
 
 
+def _bf16_id(v):
+    return (v if isinstance(v, str) else "-".join(f"{k}={w}" for k, w in v.items()) if isinstance(v, dict)
+            else f"clip={v}")
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport, schedule, recompute, clip", BF16_CASES,
-                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={w}" for k, w in v.items())
-                         if isinstance(v, dict) else f"clip={v}")
+@pytest.mark.parametrize("transport, schedule, recompute, clip", BF16_CASES, ids=_bf16_id)
 def test_bf16_pipeline_matches_main_weights_reference(ray_cluster, transport, schedule, recompute, clip):
+    assert_bf16_pipeline_matches_main_weights_reference(on_ray, transport, schedule, recompute, clip)
+
+
+@pytest.mark.parametrize("transport, schedule, recompute, clip", BF16_IN_PROCESS_CASES, ids=_bf16_id)
+def test_bf16_pipeline_matches_main_weights_reference_in_process(transport, schedule, recompute, clip):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # each worker computes single-threaded, as a stage does (cpus_per_stage=1)
+    try:
+        assert_bf16_pipeline_matches_main_weights_reference(in_process, transport, schedule, recompute, clip)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_bf16_pipeline_matches_main_weights_reference(trainer_of, transport, schedule, recompute, clip):
     batches = bf16_batches(BF16_EXACT_STEPS)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=BF16_MICRO_BATCHES, precision="bf16",
                                     transport=transport, schedule=schedule, clip_grad_norm=clip, use_gpu=False,
                                     **recompute)
-    with raypipe.PipelineTrainer(llama_layers(LLAMA), llama_loss, adamw, config) as trainer:
+    with trainer_of(llama_layers(LLAMA), llama_loss, adamw, config) as trainer:
         initial = trainer.state_dict()
         results = [trainer.step(x, y) for x, y in batches]
         params = trainer.state_dict()

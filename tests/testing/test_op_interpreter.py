@@ -1,5 +1,6 @@
-"""The lowered ops of every runnable schedule, interpreted in one process (no Ray), train
-exactly as one plain PyTorch process does (issue 42, item 6)."""
+"""The lowered ops of every runnable schedule, run by the step runner over the in-memory channel
+in one process (no Ray), train exactly as one plain PyTorch process does (issue 42, item 6);
+the harness raises a worker's failure, and a schedule that cannot go on, instead of hanging."""
 import copy
 import math
 
@@ -8,6 +9,8 @@ import torch
 from torch import nn
 
 import raypipe
+from raypipe.core import ops
+from raypipe.errors import StageError, StepAborted
 from raypipe.testing.op_interpreter import OpInterpreter
 from tests.reference import (adamw, assert_bitwise_equal, assert_parameters_match, make_mlp, random_batches,
                              reference_step)
@@ -207,3 +210,71 @@ def test_a_nan_step_changes_nothing_in_any_precision(precision, clip):
     (clean, state), (expected, expected_state) = run(True), run(False)
     assert not clean.skipped and clean.loss == expected.loss
     assert_bitwise_equal(expected_state, state)
+
+
+class FailsWhenAsked(nn.Module):
+    """The identity, until ``fail`` is set: then its forward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("asked to fail")
+        return x
+
+
+def test_a_failing_worker_releases_the_others_and_its_error_is_raised():
+    """Replica 1's last stage fails in its forward while the other workers wait for it (its
+    neighbour for a gradient, replica 0 in the gradient reduction): the step raises that
+    worker's error, not a released worker's StepAborted, no thread hangs, and the next step
+    runs as the uninterrupted run's does."""
+    def pipeline_of():
+        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=2, shard_optimizer=True,
+                                        schedule="1f1b")
+        return OpInterpreter([*make_mlp(), FailsWhenAsked()], nn.functional.mse_loss, adamw, config)
+
+    (x1, y1), (x2, y2) = random_batches(8, 2)
+    pipeline, uninterrupted = pipeline_of(), pipeline_of()
+    failing = pipeline.replicas[1].workers[1].layers[-1]
+    failing.fail = True
+    with pytest.raises(StageError) as raised:
+        pipeline.step(0, x1, y1)
+    assert not isinstance(raised.value, StepAborted)
+    assert str(raised.value).startswith("replica 1, stage 1, op F, micro-batch 0: ValueError: asked to fail")
+    failing.fail = False
+    assert repr(pipeline.step(1, x2, y2)) == repr(uninterrupted.step(1, x2, y2))
+    assert_bitwise_equal(pipeline.state_dict(), uninterrupted.state_dict())
+
+
+def test_a_schedule_that_cannot_go_on_is_named_not_waited_for():
+    """Stage 0 waits for a gradient before it sends anything, stage 1 for its first activation:
+    neither can go on, and the error names what each waits for."""
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, schedule="gpipe")
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
+    runner = pipeline.replicas[0].runners[0]
+    early = ops.LoweredOp(ops.RECV_GRAD, 0, 1)
+    assert early in runner.ops
+    runner.ops = [early, *(op for op in runner.ops if op != early)]
+    with pytest.raises(RuntimeError) as raised:
+        pipeline.step(0, *random_batches(BATCH, 1)[0])
+    assert str(raised.value) == (
+        "the lowered schedule is stuck: no worker can go on (stage 0 at RECV_GRAD of micro-batch 0 (message key "
+        f"{ops.message_key(0, 1, 2)}) from stage 1; stage 1 at RECV_ACT of micro-batch 0 (message key "
+        f"{ops.message_key(0, 1, 2)}) from stage 0)")
+
+
+def test_messages_between_two_workers_pair_in_issue_order():
+    """Stage 0 leaves out its first send: stage 1's first receive takes the second micro-batch's
+    activation, and says so."""
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, schedule="gpipe")
+    pipeline = OpInterpreter(list(make_mlp()), nn.functional.mse_loss, adamw, config)
+    runner = pipeline.replicas[0].runners[0]
+    first_send = ops.LoweredOp(ops.SEND_ACT, 0, 1)
+    assert first_send in runner.ops
+    runner.ops = [op for op in runner.ops if op != first_send]
+    with pytest.raises(RuntimeError, match=r"^stage 1: RECV_ACT of micro-batch 0 \(message key \d+\) from stage 0 "
+                                           r"got the activation of message key \d+ instead \(the messages are "
+                                           r"mis-paired\)"):
+        pipeline.step(0, *random_batches(BATCH, 1)[0])

@@ -1,5 +1,5 @@
 """The per-step executor with its calls sent over a connection to each worker
-(step_calls="direct", the default): a step runs on the worker beside its other calls. The
+(step_calls="connections", the default): a step runs on the worker beside its other calls. The
 snapshot of the state a step starts from is copied once that step first waits for a
 neighbour (stage 0 after its forwards, the last stage before its first activation); one
 still being copied out when the step reaches its commit holds that commit back (its first
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import raypipe
+from raypipe.control.snapshots import Snapshots
 from tests.reference import adamw, assert_parameters_match, random_batches, reference_step
 
 SNAPSHOT_SECONDS = 1.0
@@ -40,22 +41,35 @@ class Stamped(nn.Linear):
         return state
 
 
-def snapshot_of_step(trainer, step: int, stage: int) -> dict:
-    [taken] = [snapshot for snapshot in trainer._recovery._snapshots if snapshot.step == step]
-    return ray.get(taken.refs[stage])
+@pytest.fixture
+def snapshots_taken(monkeypatch) -> list:
+    """Every snapshot the driver takes from now on, in order (each new newest one of its :class:`Snapshots`)."""
+    taken = []
+    for name in ("take", "take_due"):
+        def recording(self, *args, _original=getattr(Snapshots, name), **kwargs):
+            _original(self, *args, **kwargs)
+            if self.held and all(snapshot is not self.held[-1] for snapshot in taken):
+                taken.append(self.held[-1])
+        monkeypatch.setattr(Snapshots, name, recording)
+    return taken
 
 
-def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_steps_state(ray_cluster):
+def snapshot_of_step(taken: list, step: int, stage: int) -> dict:
+    [snapshot] = [snapshot for snapshot in taken if snapshot.step == step]
+    return ray.get(snapshot.refs[stage])
+
+
+def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_steps_state(ray_cluster, snapshots_taken):
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4)]
     reference = nn.Sequential(*copy.deepcopy(layers))
     reference_optimizer = adamw(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1])
-    assert config.snapshot_every == 1 and config.step_calls == "direct"
+    assert config.snapshot_every == 1 and config.step_calls == "connections"
     batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
-        snapshot = snapshot_of_step(trainer, 2, stage=1)  # stage 1: the slow layer
+        snapshot = snapshot_of_step(snapshots_taken, 2, stage=1)  # stage 1: the slow layer
     for x, y in batches[:2]:
         reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
     # stage 1 holds layer 2 at its position 0: the state after step 2, not a mix with step 3
@@ -69,6 +83,7 @@ def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_st
     assert commit.start >= gates[0].end
 
 
+@pytest.mark.cluster
 def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapshot_before(ray_cluster):
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4)]
@@ -92,7 +107,7 @@ def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapsho
     assert_parameters_match(state, reference.state_dict())
 
 
-def test_a_snapshot_is_copied_while_its_stage_first_waits_in_the_next_step(ray_cluster):
+def test_a_snapshot_is_copied_while_its_stage_first_waits_in_the_next_step(ray_cluster, snapshots_taken):
     torch.manual_seed(0)
     layers = [Stamped(8, 64), nn.Tanh(), Stamped(64, 64), nn.Tanh(), Stamped(64, 4)]
     reference = nn.Sequential(*copy.deepcopy(layers))
@@ -104,7 +119,7 @@ def test_a_snapshot_is_copied_while_its_stage_first_waits_in_the_next_step(ray_c
         time.sleep(0.5)  # the driver idles between steps: a snapshot taken at the commit would be copied now
         third_submitted = time.time()
         third = trainer.step(*batches[2])
-        stamps = [float(snapshot_of_step(trainer, 2, stage)["layers"]["0.copied_at"]) for stage in (0, 1)]
+        stamps = [float(snapshot_of_step(snapshots_taken, 2, stage)["layers"]["0.copied_at"]) for stage in (0, 1)]
     events = {stage: [event for event in third.timeline if event.stage == stage] for stage in (0, 1)}
     last_forward = max(event.end for event in events[0] if event.op == "F")
     commits = [next(event.start for event in events[stage] if event.op == "optimizer") for stage in (0, 1)]
@@ -148,7 +163,7 @@ class Scaled(nn.Module):
 
 
 @pytest.mark.parametrize("buffer", ["saved", "not saved"])
-def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(ray_cluster, buffer):
+def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(ray_cluster, buffer, snapshots_taken):
     torch.manual_seed(0)
     # a forward updates BatchNorm's running statistics, which a snapshot copies: it must wait
     last = nn.BatchNorm1d(4) if buffer == "saved" else Scaled(4)
@@ -160,7 +175,7 @@ def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(
     batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
-        snapshot = snapshot_of_step(trainer, 2, stage=1)
+        snapshot = snapshot_of_step(snapshots_taken, 2, stage=1)
     for x, y in batches[:2]:
         reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
     expected = {name[2:]: value for name, value in reference.state_dict().items() if name[0] in "234"}

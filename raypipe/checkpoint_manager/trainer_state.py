@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raypipe.checkpoint.parts import add_sole_mains
-from raypipe.checkpoint.pending import PendingSave, SavedCheckpoint
+from raypipe.checkpoint_manager.pending import PendingSave, SavedCheckpoint
 from raypipe.core.partition import worker_layers
 from raypipe.core.validation import check_int
 from raypipe.errors import CheckpointError, CheckpointMismatchError, RaypipeError
@@ -56,27 +56,23 @@ class TrainerState:
     def scaler(self) -> LossScaler | None:
         return self._progress.scaler
 
-    @property
-    def _executor(self) -> Any:
-        return self._controller.executor
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model, with the user's parameter names (``model.state_dict()`` keys).
 
         A worker that died or hung since the last step is replaced first, with
         that step's state (as a failed step heals): the state is the same."""
-        self._executor.check_usable()
+        self._controller.check_usable()
         return self._controller.between_steps(self._read_state_dict, self.step_count, "during state_dict")
 
     def _read_state_dict(self) -> dict[str, torch.Tensor]:
         step, during = self.step_count, "during state_dict"
         per_layer: dict[int, dict] = {}
         layout = self._controller.layout
-        for states in self._executor.gather([actor.state_dict.remote() for actor in layout.first_replica], step,
-                                            during):
+        for states in self._controller.gather([actor.state_dict.remote() for actor in layout.first_replica], step,
+                                              during):
             per_layer.update(states)
-        add_sole_mains(per_layer, *self._executor.gather([actor.sole_main_weights.remote()
-                                                          for actor in self._other_replicas(layout)], step, during))
+        add_sole_mains(per_layer, *self._controller.gather([actor.sole_main_weights.remote()
+                                                            for actor in self._other_replicas(layout)], step, during))
         return {f"{self._layer_names[index]}.{key}": value
                 for index in sorted(per_layer) for key, value in per_layer[index].items()}
 
@@ -88,10 +84,9 @@ class TrainerState:
         config = layout.config
         # every replica's workers, in rank order
         ranges = worker_layers(layout.balance, config.num_stages, config.placement) * layout.topology.num_replicas
-        self._executor.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
-                            for actor, indices in zip(layout.actors, ranges)])
-        self._controller.recovery.persisted.forget()
-        self._controller.recovery.snapshot(self.step_count, first=True)
+        self._controller.get([actor.load_state_dict.remote({i: per_layer[i] for i in indices})
+                              for actor, indices in zip(layout.actors, ranges)])
+        self._controller.state_loaded(self.step_count)
 
     def save_checkpoint(self, root_uri: str, extra: dict | None = None, keep_last: int | None = None, *,
                         wait: bool = True) -> int:
@@ -118,12 +113,12 @@ class TrainerState:
         that died or hung since the last step is replaced first (with that
         step's state), so the checkpoint is whole.
         """
-        from raypipe.checkpoint.pending import SaveRequest
+        from raypipe.checkpoint_manager.pending import SaveRequest
 
         self.wait_for_checkpoint()
         if keep_last is not None:
             check_int("keep_last", keep_last, 1, allowed="must be an int >= 1 (checkpoints kept), or None for all")
-        self._executor.check_usable()
+        self._controller.check_usable()
         self._controller.heal_if_broken(self.step_count, "a checkpoint save")  # a dead writer: incomplete
         layout = self._controller.layout
         step, writers = self.step_count, list(layout.first_replica)
@@ -136,8 +131,8 @@ class TrainerState:
         self._pending_save = PendingSave(SaveRequest(str(root_uri), step, writers, names,
                                                      self._manifest_extra(extra, parts), keep_last,
                                                      layout.config.hang_timeout_s))
-        self._executor.before_next_step(writers)  # their copy is of the state before the next step
-        self._controller.recovery.persisted.saved(str(root_uri), step, parts)
+        self._controller.before_next_step(writers)  # their copy is of the state before the next step
+        self._controller.checkpoint_saved(str(root_uri), step, parts)
         if wait:
             saved = self.wait_for_checkpoint()
             if not saved.complete:
@@ -193,15 +188,15 @@ class TrainerState:
             raise ValueError("export_hf needs a LLaMA model (raypipe.models.llama.llama_layers or from_pretrained)")
         check_dtype(dtype)
         self.wait_for_checkpoint()
-        self._executor.check_usable()
+        self._controller.check_usable()
         self._controller.heal_if_broken(self.step_count, "an export")
         prepare_output(str(uri))
         n_blocks = self._llama["llama_config"]["n_layers"]
         layout = self._controller.layout
         stages = layout.topology.num_stages
         others = [actor.sole_main_weights.remote() for actor in self._other_replicas(layout)]
-        written = self._executor.get([actor.export_hf.remote(str(uri), dtype, n_blocks, *others[stage::stages])
-                                      for stage, actor in enumerate(layout.first_replica)])
+        written = self._controller.get([actor.export_hf.remote(str(uri), dtype, n_blocks, *others[stage::stages])
+                                        for stage, actor in enumerate(layout.first_replica)])
         write_index_and_config(str(uri), self._llama, dtype, [shard for shards in written for shard in shards])
         return str(uri)
 
@@ -253,11 +248,10 @@ class TrainerState:
                                           f"the checkpoint holds {manifest['num_layers']} layers")
         extra = manifest.get("extra", {})
         parts = extra.get("optimizer_parts", 1)
-        self._executor.get([actor.load_checkpoint.remote(str(root_uri), step, parts)
-                            for actor in self._controller.layout.actors])
+        self._controller.get([actor.load_checkpoint.remote(str(root_uri), step, parts)
+                              for actor in self._controller.layout.actors])
         self._progress.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
-        self._controller.recovery.persisted.loaded(str(root_uri), step, parts)
-        self._controller.recovery.snapshot(self.step_count, first=True)
+        self._controller.state_loaded(self.step_count, (str(root_uri), step, parts))
         return extra

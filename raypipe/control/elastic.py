@@ -21,10 +21,11 @@ it, and an autoscaler adds nodes for it, while the run goes on) and:
   new replica's workers start while steps run, and once they are ready, at a step
   boundary, each restores a snapshot of the same stage of a live replica (sent worker to worker
   through the object store) and every worker takes the new layout
-  (:meth:`Resizer.poll`).
+  (:meth:`Resizer.poll`, :meth:`Resizer.admit`).
 
 Whether to shrink (or raise below ``min``) and whether to admit a ready replica
-are :mod:`raypipe.control.policy`'s decisions; the :class:`Resizer` carries them out.
+are :mod:`raypipe.control.policy`'s decisions, asked by the controller; the
+:class:`Resizer` carries them out.
 
 With ZeRO-1 (``shard_optimizer``) a resize moves parameters to other owners
 (:mod:`raypipe.stage.zero` assigns them over the replicas running): every
@@ -37,14 +38,11 @@ so no optimizer state is lost and none is kept twice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from raypipe.config import PipelineConfig
-from raypipe.control.policy import Grow, decide_scaling
-from raypipe.control.view import LayoutView
 from raypipe.core.micro_batches import replica_blocks
 from raypipe.errors import PlacementError
 from raypipe.executor.base import Executor
@@ -55,10 +53,7 @@ from raypipe.stage.spec import WorkerSpec
 
 logger = logging.getLogger("raypipe")
 
-SHRINK, GROW = "shrink", "grow"
-
-
-def layout(stages: list[WorkerSpec], num_replicas: int, num_micro_batches: int) -> list[WorkerSpec]:
+def replica_specs(stages: list[WorkerSpec], num_replicas: int, num_micro_batches: int) -> list[WorkerSpec]:
     """Every worker's spec, in rank order, when ``num_replicas`` replicas of ``stages``
     (one spec per stage) share a step of ``num_micro_batches``."""
     blocks = replica_blocks(num_micro_batches, num_replicas)
@@ -69,26 +64,29 @@ def layout(stages: list[WorkerSpec], num_replicas: int, num_micro_batches: int) 
 class Resizer:
     """Keeps an elastic run's replicas between ``config.min_replicas`` and ``max_replicas``.
 
-    ``on_resized(direction, num_replicas, new_ranks)`` tells the controller (its
-    topology, metrics, datasets of new readers) after the workers took the new
-    layout.
+    ``pending``: the placement groups of the missing replicas, already asked for (None:
+    ask for ``max - 1`` now, as a run back on its configured stages does). It carries
+    out what the controller's scaling and failure policies decide; the controller then
+    sets the topology, the datasets of new readers and the metrics.
     """
 
     def __init__(self, config: PipelineConfig, executor: Executor, stages: list[WorkerSpec],
-                 bundle: dict[str, float], pending: list[Any],
-                 on_resized: Callable[[str, int, list[int]], None]) -> None:
+                 bundle: dict[str, float], pending: list[Any] | None) -> None:
         self.config, self.executor, self.stages = config, executor, stages
         self._bundles = [bundle] * config.num_stages
-        self._pending = [(group, group.ready()) for group in pending]  # asked for, not placed yet
+        self._pending: list[tuple[Any, Any]] = []  # asked for, not placed yet
+        if pending is None:
+            self._ask_for(config.max_replicas - 1)
+        else:
+            self._pending = [(group, group.ready()) for group in pending]
         self._starting: NewReplica | None = None
-        self.on_resized = on_resized
         # an autoscaler adds nodes for the most replicas (and keeps them) while the run lasts
         self._request = ResourceRequest(self._bundles)
         self._request.request(config.max_replicas)
 
     def specs(self, num_replicas: int) -> list[WorkerSpec]:
         """Every worker's spec when ``num_replicas`` replicas run."""
-        return layout(self.stages, num_replicas, self.config.micro_batches_per_step)
+        return replica_specs(self.stages, num_replicas, self.config.micro_batches_per_step)
 
     # -- shrink -------------------------------------------------------------
     @property
@@ -121,22 +119,13 @@ class Resizer:
                        running, running - len(dropped), sorted(dropped))
         return kept
 
-    def resized(self, direction: str, new_ranks: list[int]) -> None:
-        """Tell the controller, once the workers run the new layout."""
-        self.on_resized(direction, self.running, new_ranks)
-
     # -- grow ---------------------------------------------------------------
-    def poll(self) -> list[int] | None:
-        """At a step boundary, cheaply: start a replica whose placement group was
-        placed, or admit one whose workers are ready when the scaling policy says grow
-        (returns the new workers' ranks, after they took the state of a live replica and
-        everyone the new layout)."""
+    def poll(self) -> int:
+        """At a step boundary, cheaply: start a replica whose placement group was placed;
+        how many replicas are started and ready to be admitted (0 or 1)."""
         if self._starting is not None:
             done, _ = ray.wait(self._starting.ready, num_returns=len(self._starting.ready), timeout=0)
-            view = LayoutView(num_stages=self.config.num_stages, replicas=self.running,
-                              min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,
-                              elastic=True, new_replicas_ready=int(len(done) == len(self._starting.ready)))
-            return self._admit() if isinstance(decide_scaling(view), Grow) else None
+            return int(len(done) == len(self._starting.ready))
         if self._pending:
             waits = [ready for _, ready in self._pending]
             placed, _ = ray.wait(waits, num_returns=1, timeout=0)
@@ -148,9 +137,12 @@ class Resizer:
                 placement = spread.relocate(placement, self._bundles, running_nodes)
                 new_layout = self.specs(self.running + 1)
                 self._starting = self.executor.group.start_replica(placement, new_layout[-self.config.num_stages:])
-        return None
+        return 0
 
-    def _admit(self) -> list[int] | None:
+    def admit(self) -> list[int] | None:
+        """The ready replica (see :meth:`poll`) joins: its workers take the state of a live
+        replica and every worker the new layout; the new workers' ranks, or None when a
+        worker failed before it joined (another replica is asked for)."""
         starting, self._starting = self._starting, None
         group = self.executor.group
         old = list(group.actors)

@@ -1,18 +1,30 @@
 """What a heal restores and replays: a snapshot of every worker's state and the
-committed steps logged since it, which snapshots a heal may still need, and
-loading one (see :mod:`raypipe.executor.recovery`)."""
+committed steps logged since it (:class:`Snapshot`), the snapshots a run keeps
+(:class:`Snapshots`: taken every ``snapshot_every`` committed steps, the one
+before kept until the newest is known whole), and loading one.
+
+After every ``snapshot_every`` committed steps each worker returns a snapshot
+of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
+as a task result owned by the driver, so it outlives the worker that made it,
+and the steps run since (data step, micro-batches, loss scale) are logged.
+It is taken as the next step starts
+(:meth:`~raypipe.executor.base.Executor.snapshot_as_next_step_starts`: the default
+executor copies it in each stage's first wait of that step); a failure before it
+is whole heals from the snapshot before and replays one step more.
+With workers off the driver's node a keeper copies each snapshot off their
+nodes (:mod:`raypipe.runtime.snapshot_keeper`); the one before stays until then.
+Which snapshot a heal restores is :func:`raypipe.control.policy.decide_failure`'s
+choice, asked by the controller over :meth:`Snapshots.views`."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from raypipe.control.view import SnapshotView
 from raypipe.core.micro_batches import MicroBatches
-
-logger = logging.getLogger("raypipe")
 
 
 @dataclass
@@ -124,3 +136,85 @@ def replay_since(snapshots: list[Snapshot], position: int) -> list[LoggedStep]:
     """The steps to replay after restoring ``snapshots[position]``: an older snapshot's
     replay runs the newer ones' steps too."""
     return [step for later in snapshots[position:] for step in later.since]
+
+
+class Snapshots:
+    """The snapshots of a run's workers, the newest last (the one before kept until a
+    heal no longer needs it), taken through ``executor`` every ``snapshot_every``
+    committed steps (0: none). ``keeper`` (set by the controller when workers run off
+    the driver's node) copies each off their nodes."""
+
+    def __init__(self, executor: Any, snapshot_every: int) -> None:
+        self.executor, self.snapshot_every = executor, snapshot_every
+        self.keeper: Any = None
+        self.held: list[Snapshot] = []
+        self._due: int | None = None  # the committed steps a snapshot is due at, taken as the next step starts
+
+    def take(self, step: int, first: bool = False) -> None:
+        """Snapshot every worker at the start of ``step``, keeping the newest whole
+        snapshot until this one is known whole. ``first``: the state changed
+        outside a step (start, a load, a new layout), so older snapshots are void and
+        this one is waited for."""
+        self._keep(step, self.executor.snapshot_workers, first)
+
+    def _keep(self, step: int, submit: Callable[[list], list], first: bool = False) -> None:
+        """The snapshot ``submit(actors)`` takes, as the newest."""
+        if not self.snapshot_every:
+            return
+        self._due = None
+        group = self.executor.group
+        taken = Snapshot(step, submit(group.actors), layers=[spec.layer_indices for spec in group.specs])
+        if self.keeper is not None:
+            taken.kept = self.keeper.keep.remote(step, *taken.refs)
+        self.held = [taken] if first else whole_ones(self.held) + [taken]
+        if first:
+            self.wait(taken)
+
+    @staticmethod
+    def wait(taken: Snapshot) -> None:
+        """Until ``taken`` is on every worker's (and the keeper's) side."""
+        waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
+        ray.wait(waited, num_returns=len(waited), fetch_local=False)
+
+    def committed(self, steps_done: int, logged: LoggedStep) -> None:
+        """After a committed step: a snapshot is due when ``snapshot_every`` steps were
+        logged since the newest; else the step is logged for replay."""
+        if not self.held:
+            return
+        newest = self.held[-1]
+        newest.since.append(logged)  # kept even when a new snapshot follows: it may never complete
+        if steps_done - newest.step < self.snapshot_every:
+            return
+        # while the keeper copies the newest, a new one waits (the steps since are logged): a heal
+        # may need the one before it, so the snapshots pinned on the workers' nodes never pile up
+        if newest.copied_off_node() is None:
+            return
+        self._due = steps_done  # taken as the next step starts, where the executor can overlap the copy
+
+    def take_due(self) -> None:
+        """The snapshot due, if any, as the next step starts."""
+        if self._due is not None:
+            self._keep(self._due, self.executor.snapshot_as_next_step_starts)
+
+    def now_step(self) -> int | None:
+        """The step the workers' state is at (the newest snapshot's and the steps since); None without one."""
+        if not self.held:
+            return None
+        newest = self.held[-1]
+        return newest.step + len(newest.since)
+
+    def fresh(self) -> None:
+        """A fresh snapshot of the group as it is (the old ones cover other workers), waited for."""
+        step = self.now_step()
+        if step is not None:
+            self.take(step, first=True)
+
+    def keep_only(self, kept: list[int]) -> None:
+        """Only the workers now at the old ranks ``kept`` remain (a shrink), in every snapshot."""
+        for snapshot in self.held:
+            snapshot.keep_only(kept)
+
+    def views(self) -> tuple[SnapshotView, ...]:
+        """The snapshots held, oldest first, as the failure policy sees them."""
+        return tuple(SnapshotView(snapshot.step, True if snapshot.kept is None else snapshot.copied,
+                                  kept_off_node=snapshot.kept is not None) for snapshot in self.held)

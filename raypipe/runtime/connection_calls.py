@@ -1,11 +1,11 @@
 """One method called on every actor of a group over a connection from the driver
-to each (``step_calls="direct"``, the default): see :mod:`raypipe.comm.call_socket`.
+to each (``step_calls="connections"``, the default): see :mod:`raypipe.comm.call_socket`.
 
 Each actor must mix in :class:`~raypipe.comm.call_socket.AnswersCalls`. The
 connections are set up through actor tasks (an authentication key in, an
 address back), then a call is one message each way per actor, answered on a
 thread of the actor's own, beside its actor tasks. The driver waits with
-:meth:`DirectCalls.answered` between heartbeat checks: a worker that dies closes
+:meth:`ConnectionCalls.answered` between heartbeat checks: a worker that dies closes
 its connection, which answers at once; a hung or unreachable one is for the
 heartbeats.
 """
@@ -30,7 +30,7 @@ class CallsBroken(Exception):
         self.rank, self.error = rank, error
 
 
-class DirectCalls:
+class ConnectionCalls:
     """``method`` on every one of ``actors`` (in rank order) per :meth:`call`, over
     one connection each; :meth:`teardown` waits up to ``end_timeout_s`` for a call
     still running on a worker."""

@@ -4,7 +4,7 @@ swap) that itself meets a lost worker goes on, never ending in a raw Ray error.
 - A worker lost while the change runs makes one of its calls raise Ray's error (or
   raypipe's, from :meth:`~raypipe.executor.base.Executor.get`). :func:`folded` probes
   the workers then and raises :class:`~raypipe.errors.WorkersFailed` naming the lost
-  ones, which :class:`~raypipe.executor.recovery.Recovery` folds into the heal under
+  ones, which the :class:`~raypipe.control.controller.Controller` folds into the heal under
   way (its failed workers are added to those being replaced, and the heal starts over
   from its first step with every one of them). An error that no lost worker explains
   passes unchanged.

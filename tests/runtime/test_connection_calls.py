@@ -1,5 +1,5 @@
 """Calls over a connection from the driver to each actor of a group
-(runtime/direct_calls.py over comm/call_socket.py) and the heartbeat checks between
+(runtime/connection_calls.py over comm/call_socket.py) and the heartbeat checks between
 waits on them (runtime/health.py), with real actors: a returned
 failure, a SIGKILLed actor, a SIGSTOPped one, the key, what cannot be pickled."""
 import os
@@ -13,8 +13,9 @@ import ray
 import raypipe
 from raypipe.comm.call_socket import AnswersCalls
 from raypipe.runtime.actor_classes import worker_actor_class
-from raypipe.runtime.direct_calls import CallsBroken, DirectCalls
+from raypipe.runtime.connection_calls import CallsBroken, ConnectionCalls
 from raypipe.runtime.health import HUNG, Watchdog
+from tests.processes import seconds_until_gone
 
 
 class Echo(AnswersCalls):
@@ -54,7 +55,7 @@ def actors(ray_cluster):
 
 
 def test_each_actor_gets_its_own_argument_and_other_calls_run_beside_the_connection(actors):
-    calls = DirectCalls(actors, "step")
+    calls = ConnectionCalls(actors, "step")
     try:
         assert calls.over(list(actors)) and not calls.over(actors[:1])
         results = calls.results(calls.call([(1, False), (2, False)]))
@@ -68,10 +69,12 @@ def test_each_actor_gets_its_own_argument_and_other_calls_run_beside_the_connect
         calls.teardown()
 
 
+@pytest.mark.cluster
 def test_a_killed_actor_breaks_its_connection_at_once_and_the_survivor_can_join_a_new_one(actors):
-    calls = DirectCalls(actors, "step")
-    os.kill(ray.get(actors[1].pid.remote()), signal.SIGKILL)
-    time.sleep(0.5)  # the signal is delivered
+    calls = ConnectionCalls(actors, "step")
+    killed = ray.get(actors[1].pid.remote())
+    os.kill(killed, signal.SIGKILL)
+    seconds_until_gone(killed)  # the signal is delivered: the process has exited, its sockets closed
     start = time.monotonic()
     try:
         results = calls.results(calls.call([(1, False), (2, False)]))
@@ -80,15 +83,16 @@ def test_a_killed_actor_breaks_its_connection_at_once_and_the_survivor_can_join_
         pass
     assert time.monotonic() - start < 5  # no heartbeat timeout needed: the connection closed
     calls.teardown()
-    survivor = DirectCalls(actors[:1], "step")
+    survivor = ConnectionCalls(actors[:1], "step")
     try:
         assert survivor.results(survivor.call([(7, False)]))[0][0] == 14
     finally:
         survivor.teardown()
 
 
+@pytest.mark.cluster
 def test_waiting_between_heartbeats_finds_a_stopped_actor_and_its_answer_once_killed(actors):
-    calls = DirectCalls(actors, "step")
+    calls = ConnectionCalls(actors, "step")
     pid = ray.get(actors[1].pid.remote())
     watchdog = Watchdog(hang_timeout_s=1.5)
     pending = calls.call([(1, False), (2, False)])
@@ -112,11 +116,11 @@ def test_waiting_between_heartbeats_finds_a_stopped_actor_and_its_answer_once_ki
         calls.teardown()
 
 
-def test_actors_waiting_on_direct_calls_use_no_cpu(actors):
+def test_actors_waiting_on_connection_calls_use_no_cpu(actors):
     """The point of the connection: a Ray compiled graph's idle actors each spin a
     core (measured here: ~3 s of CPU in 4 s); blocked on a connection, they use
     only what Ray's own threads do."""
-    calls = DirectCalls(actors, "step")
+    calls = ConnectionCalls(actors, "step")
     try:
         assert [value for value, _ in calls.results(calls.call([(1, False), (2, False)]))] == [2, 4]
         before = ray.get([actor.cpu_seconds.remote() for actor in actors])
