@@ -61,6 +61,10 @@ class EmulatedWork:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
+    def complete(self) -> None:
+        """Every operation of the batch ran (called by the emulated stream)."""
+        self._done.set()
+
     def wait(self, timeout: Any = None) -> bool:
         return True
 
@@ -126,7 +130,7 @@ class EmulatedStream:
             operations, work = batch
             if not self._ran(operations):
                 return  # a peer departed: like NCCL, this stream never completes another operation
-            work._done.set()
+            work.complete()
 
     def _ran(self, operations: list[tuple[Any, torch.Tensor, int, int]]) -> bool:
         """Run one batch: each peer's operations in order on a thread of their own

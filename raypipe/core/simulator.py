@@ -114,7 +114,7 @@ def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunk
         if not in_time:
             sends = [(stage, part) for stage in range(len(lowered))
                      if (op := run.next_op(stage)) is not None and op.kind not in COLLECTIVES
-                     for part in run._unmatched(stage) if part.kind in SENDS]
+                     for part in run.unmatched(stage) if part.kind in SENDS]
             return DraftRun(run.lowered, stuck, sends)
         for stage, _, part in in_time:
             run.await_in_batch(stage, part)
@@ -253,7 +253,7 @@ class _Run:
                         part for later in steps[1:] for part in later.headers
                         if (source := self.header_source(stage, part)) is not None and self._has_reached(*source)}
                 progressed = True
-            if self._unmatched(stage):
+            if self.unmatched(stage):
                 return progressed
             self.events.append(Event(DONE, stage, index, self.posting[stage]))
             self.posting[stage] += 1
@@ -321,7 +321,8 @@ class _Run:
         raise ScheduleError(f"mismatch: stage {receiver} runs {recv!r} but the message it meets, stage {sender}'s "
                             f"next in issue order, is {send!r} ({detail})")
 
-    def _unmatched(self, stage: int) -> list[LoweredOp]:
+    def unmatched(self, stage: int) -> list[LoweredOp]:
+        """The parts of ``stage``'s posted batch not yet matched by a peer."""
         return [part for place, other, part in self.posted[stage] or () if place >= len(other)]
 
     def _complete(self, stage: int, op: LoweredOp) -> None:
@@ -340,13 +341,13 @@ class _Run:
         if self.posted[stage] is None:
             when = "received after its batch" if after_batch else "before its batch"
             return f" (on the header of {'+'.join(map(repr, step.headers))}, {when})"
-        waiting = "+".join(map(repr, self._unmatched(stage)))
+        waiting = "+".join(map(repr, self.unmatched(stage)))
         later = [part for step in steps[self.posting[stage] + 1:] for part in step.parts]
         if after_batch:
             return f" (on {waiting}, received after its batch)"
         if later:
             return f" (on {waiting}, then {'+'.join(map(repr, later))} after its batch)"
-        return f" (on {waiting})" if len(self._unmatched(stage)) < len(op.parts) else ""
+        return f" (on {waiting})" if len(self.unmatched(stage)) < len(op.parts) else ""
 
     def await_in_batch(self, stage: int, receive: LoweredOp) -> None:
         """Make ``stage``'s current EXCHANGE, whose batch is posted, await the header of its RECV_ACT
@@ -387,7 +388,7 @@ class _Run:
                 states.append(f"stage {stage} has finished")
                 continue
             if op.kind not in COLLECTIVES:
-                sends_wait = sends_wait or any(part.kind in SENDS for part in self._unmatched(stage))
+                sends_wait = sends_wait or any(part.kind in SENDS for part in self.unmatched(stage))
                 after_batch = after_batch or any(len(step.parts) < len(op.parts) for step in
                                                  self.postings[stage][self.position[stage]][:1])
             states.append(f"stage {stage} waits on {op!r}" + (self.waiting_on(stage)

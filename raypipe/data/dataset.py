@@ -90,9 +90,10 @@ class TokenDataset:
         self.shipped_shards: list[Any] | None = None  # object references of the shard files, when shipped
         self._offsets = np.cumsum([0] + [shard["num_rows"] for shard in self.shards])
         check_split_files(path, manifest, split)
-        self._reset_caches()
+        self.reset_caches()
 
-    def _reset_caches(self) -> None:
+    def reset_caches(self) -> None:
+        """Drop what this process memory-mapped or permuted (a copy read elsewhere builds its own)."""
         self._mapped: dict[int, np.ndarray] = {}  # shard index -> its decoded rows, memory-mapped
         self._mapped_codes: dict[int, np.ndarray] = {}  # packed: shard index -> its rows' token codes
         self._permutation: tuple[int, np.ndarray] | None = None
@@ -104,7 +105,7 @@ class TokenDataset:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._reset_caches()
+        self.reset_caches()
 
     @property
     def tokens_per_step(self) -> int:

@@ -33,5 +33,5 @@ def ship(dataset: TokenDataset) -> TokenDataset:
             for shard in dataset.shards]
     shipped = copy.copy(dataset)
     shipped.shipped_shards = refs
-    shipped._reset_caches()
+    shipped.reset_caches()
     return shipped
