@@ -34,7 +34,8 @@ def _sleep(seconds: float) -> None:
 
 class _TimedInputPath(torch.autograd.Function):
     """Identity on the activation path: forward sleeps the layer's forward time,
-    backward sleeps the input-gradient time and passes the gradient through."""
+    backward sleeps the input-gradient time and passes the gradient through (a link's
+    delay: the same time each way)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, forward_s: float, input_grad_s: float) -> torch.Tensor:
@@ -60,21 +61,6 @@ class _TimedWeightPath(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         _sleep(ctx.weight_grad_s)
-        return grad, None
-
-
-class _TimedLink(torch.autograd.Function):
-    """Identity that sleeps in forward and in backward: a link's delay each way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        _sleep(seconds)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        _sleep(ctx.seconds)
         return grad, None
 
 
@@ -132,7 +118,7 @@ class TimedBoundary(nn.Module):
         self.seconds = float(seconds)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TimedLink.apply(x, self.seconds)
+        return _TimedInputPath.apply(x, self.seconds, self.seconds)  # a link's delay each way
 
     def extra_repr(self) -> str:
         return f"seconds={self.seconds}"

@@ -63,22 +63,15 @@ def _assert_same_run(run, reference, rel=1e-6):
         torch.testing.assert_close(run[1][key], value)
 
 
+# transport="p2p" on GPUs sends activations and gradients stage to stage over NCCL; transport="nccl" is
+# Ray Direct Transport, a task per op whose tensor results go by NCCL
 @pytest.mark.gpu
 @pytest.mark.gpus2
-def test_p2p_nccl_transport_matches_object_store_on_gpus(ray_cluster):
-    # transport="p2p" on GPUs sends activations and gradients stage to stage over NCCL
+@pytest.mark.parametrize("transport", ["p2p", "nccl"])
+def test_nccl_transports_match_object_store_on_gpus(ray_cluster, transport):
     base = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, use_gpu=True)
     reference = _train(base.replace(transport="object_store"))
-    _assert_same_run(_train(base.replace(transport="p2p")), reference)
-
-
-@pytest.mark.gpu
-@pytest.mark.gpus2
-def test_rdt_nccl_transport_matches_object_store_on_gpus(ray_cluster):
-    # transport="nccl": Ray Direct Transport, a task per op whose tensor results go by NCCL
-    base = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, use_gpu=True)
-    reference = _train(base.replace(transport="object_store"))
-    _assert_same_run(_train(base.replace(transport="nccl")), reference)
+    _assert_same_run(_train(base.replace(transport=transport)), reference)
 
 
 @pytest.mark.gpu

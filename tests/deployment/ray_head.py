@@ -2,6 +2,7 @@
 would kill every Ray process on the machine, other people's too."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -13,9 +14,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 HEAD_START_TIMEOUT_S = 120
 # a head whose autoscaler runs Ray's fake multi-node provider, its monitor looping every second instead of
@@ -126,6 +129,23 @@ def start_head(temp_dir: str, env: dict[str, str], ports: dict[str, int], *optio
 
 
 # one process polls (each would otherwise import ray: a second of CPU, taken from the job it waits for)
+@contextlib.contextmanager
+def fake_autoscaling_head(temp_dir: str, ports: dict[str, int], config: dict, env: dict[str, str]) -> Iterator[str]:
+    """The head of Ray's fake autoscaling cluster, ``ray start``ed with the launcher YAML ``config``
+    (written into ``temp_dir``): its GCS address, until the session is stopped (asserting none of its
+    processes is left) and ``temp_dir`` removed."""
+    config_path = Path(temp_dir) / "cluster.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    head = start_head(temp_dir, env, ports, "--num-cpus=0", f"--autoscaling-config={config_path}")
+    try:
+        wait_for_dashboard(head, f"http://127.0.0.1:{ports['dashboard-port']}", Path(temp_dir) / "ray-start.log")
+        yield f"127.0.0.1:{ports['port']}"
+    finally:
+        stop_session(head)
+        assert session_members(head.pid) == []
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 _WAIT_FOR_JOB = """
 import sys, time
 from ray.job_submission import JobSubmissionClient

@@ -15,7 +15,6 @@ autoscaler's view of the standing request is read from ``ray status``.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,8 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deployment.ray_head import (FAKE_AUTOSCALER_ENV, head_ports, session_members, start_head, stop_session,
-                                       token_env, wait_for_dashboard)
+from tests.deployment.ray_head import FAKE_AUTOSCALER_ENV, fake_autoscaling_head, head_ports, token_env
 from tests.reference import assert_mlp_run_matches_one_process
 from tests.runtime.test_autoscaling import FakeCluster
 
@@ -63,17 +61,9 @@ def tell(driver: subprocess.Popen, command: str) -> None:
 def fake_cluster():
     temp_dir = tempfile.mkdtemp(prefix="rpe-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ports = head_ports()
-    config_path = Path(temp_dir) / "cluster.yaml"
-    config_path.write_text(yaml.safe_dump(fake_cluster_config(ports["port"])))
     env = token_env(**FAKE_AUTOSCALER_ENV, PYTHONPATH=str(REPO))
-    head = start_head(temp_dir, env, ports, "--num-cpus=0", f"--autoscaling-config={config_path}")
-    try:
-        wait_for_dashboard(head, f"http://127.0.0.1:{ports['dashboard-port']}", Path(temp_dir) / "ray-start.log")
-        yield FakeCluster(f"127.0.0.1:{ports['port']}", env), Path(temp_dir)
-    finally:
-        stop_session(head)
-        assert session_members(head.pid) == []
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with fake_autoscaling_head(temp_dir, ports, fake_cluster_config(ports["port"]), env) as address:
+        yield FakeCluster(address, env), Path(temp_dir)
 
 
 @pytest.mark.cluster

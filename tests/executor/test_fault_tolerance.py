@@ -13,6 +13,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -201,17 +202,25 @@ def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, 
         assert resumed.step(x, y).loss > 0
 
 
+def steps_with(trainer: raypipe.PipelineTrainer, before: Callable[[int], None]) -> list:
+    """The run's STEPS steps on its batches, ``before(step)`` ahead of each; each step's result."""
+    results = []
+    for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+        before(step)
+        results.append(trainer.step(x, y))
+    return results
+
+
 @pytest.mark.cluster
 def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster, tmp_path):
     cfg = config(snapshot_every=3)
     expected = uninterrupted(cfg, tmp_path)
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        results = []
-        for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+        def before(step: int) -> None:
             if step == 5:  # snapshots at steps 0 and 3: steps 3 and 4 are replayed
                 os.kill(trainer.workers[0].pid, signal.SIGKILL)
-            result = trainer.step(x, y)
-            results.append((result.loss, result.grad_norm))
+
+        results = [(result.loss, result.grad_norm) for result in steps_with(trainer, before)]
         assert len(trainer.failures) == 1 and trainer.recoveries[0].replayed_steps == 2
         state = checkpoint_state(trainer, tmp_path / "replayed", NUM_LAYERS)
     assert results == expected.results
@@ -223,16 +232,16 @@ def test_without_snapshots_a_worker_heals_from_the_newest_checkpoint_and_the_ste
     cfg = config(snapshot_every=0)
     expected = uninterrupted(cfg, tmp_path)
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        results = []
-        for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+        def before(step: int) -> None:
             if step == 2:
                 trainer.save_checkpoint(tmp_path / "saved", wait=False)
             if step == 5:  # every worker loads the checkpoint of step 2; steps 2 to 4 are replayed
                 trainer.wait_for_checkpoint()  # on a busy machine it may still be written: a kill then loses it
                 os.kill(trainer.workers[1].pid, signal.SIGKILL)
-            result = trainer.step(x, y)
-            results.append((result.loss, result.grad_norm))
-        assert len(trainer.failures) == 1 and result.recovered is False
+
+        stepped = steps_with(trainer, before)
+        results = [(result.loss, result.grad_norm) for result in stepped]
+        assert len(trainer.failures) == 1 and stepped[-1].recovered is False
         healed = trainer.recoveries[0]
         assert (healed.source, healed.replayed_steps) == ("checkpoint of step 2", 3)
         state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)

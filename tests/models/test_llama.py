@@ -9,17 +9,8 @@ import torch.nn.functional as F
 
 from raypipe.models.attention import causal_attention
 from raypipe.models.layers import LayerSpec
-from raypipe.models.llama import (
-    CONFIGS,
-    LlamaBlock,
-    LlamaConfig,
-    LlamaEmbedding,
-    LlamaHead,
-    get_config,
-    llama_layers,
-    llama_loss,
-    num_parameters,
-)
+from raypipe.models.llama import (CONFIGS, LlamaBlock, LlamaConfig, LlamaEmbedding, LlamaHead, get_config,
+                                  llama_layers, llama_loss, num_parameters)
 from raypipe.models.rotary import apply_rotary, rotary_tables
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,8 +23,7 @@ import pytest
 import yaml
 
 from raypipe.runtime.autoscaling import ResourceRequest
-from tests.deployment.ray_head import (FAKE_AUTOSCALER_ENV, HEAD_PORTS, free_port, ray_cli, session_members,
-                                       start_head, stop_session, token_env, wait_for_dashboard)
+from tests.deployment.ray_head import FAKE_AUTOSCALER_ENV, HEAD_PORTS, fake_autoscaling_head, free_port, ray_cli, token_env
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 120
@@ -126,17 +124,9 @@ def fake_cluster():
     worker = config["available_node_types"]["ray.worker.cpu"]
     worker["max_workers"] = 3
     worker["resources"] = {"CPU": 1, "object_store_memory": 200_000_000}
-    config_path = Path(temp_dir) / "cluster.yaml"
-    config_path.write_text(yaml.safe_dump(config))
     env = token_env(**FAKE_AUTOSCALER_ENV)
-    head = start_head(temp_dir, env, ports, "--num-cpus=0", f"--autoscaling-config={config_path}")
-    try:
-        wait_for_dashboard(head, f"http://127.0.0.1:{ports['dashboard-port']}", Path(temp_dir) / "ray-start.log")
-        yield FakeCluster(f"127.0.0.1:{ports['port']}", env)
-    finally:
-        stop_session(head)
-        assert session_members(head.pid) == []
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with fake_autoscaling_head(temp_dir, ports, config, env) as address:
+        yield FakeCluster(address, env)
 
 
 @pytest.mark.cluster

@@ -34,6 +34,18 @@ def _trained_state(options):
     return copy.deepcopy(gathered), copy.deepcopy(state_dict)
 
 
+def _restored_both_ways(options: dict, *where) -> tuple:
+    """Layers (on ``where``: device, dtype) and an AdamW of ``options`` given the trained state twice:
+    by raypipe's scatter (ours) and by torch's ``load_state_dict`` (the reference)."""
+    gathered, state_dict = _trained_state(options)
+    ours, reference = _layers(*where), _layers(*where)
+    ours_optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, **options)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, **options)
+    scatter_optimizer_state(ours_optimizer, ours, [0, 1], gathered)
+    reference_optimizer.load_state_dict(state_dict)
+    return ours, ours_optimizer, reference, reference_optimizer
+
+
 def _assert_placed_like_torch(ours: torch.optim.Optimizer, reference: torch.optim.Optimizer) -> None:
     for mine, theirs in zip(ours.param_groups[0]["params"], reference.param_groups[0]["params"]):
         assert ours.state[mine].keys() == reference.state[theirs].keys()
@@ -49,12 +61,7 @@ def _assert_placed_like_torch(ours: torch.optim.Optimizer, reference: torch.opti
 @pytest.mark.parametrize("kind", sorted(ADAMW_KINDS))
 def test_adamw_state_lands_where_load_state_dict_puts_it(kind):
     options = ADAMW_KINDS[kind]
-    gathered, state_dict = _trained_state(options)
-    ours, reference = _layers(), _layers()
-    ours_optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, **options)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, **options)
-    scatter_optimizer_state(ours_optimizer, ours, [0, 1], gathered)
-    reference_optimizer.load_state_dict(state_dict)
+    ours, ours_optimizer, reference, reference_optimizer = _restored_both_ways(options)
     _assert_placed_like_torch(ours_optimizer, reference_optimizer)
     if options:  # fused / capturable: step is a float32 on the parameter's device
         assert all(s["step"].dtype == torch.float32 for s in ours_optimizer.state.values())
@@ -66,12 +73,7 @@ def test_placement_follows_the_parameters_device_and_dtype(kind):
     # on a CPU-only machine: plain AdamW keeps ``step`` on the host, capturable moves it.
     # float64 parameters show the dtype cast of the floating state.
     options = ADAMW_KINDS[kind]
-    gathered, state_dict = _trained_state(options)
-    ours, reference = _layers("meta", torch.float64), _layers("meta", torch.float64)
-    ours_optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, **options)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, **options)
-    scatter_optimizer_state(ours_optimizer, ours, [0, 1], gathered)
-    reference_optimizer.load_state_dict(state_dict)
+    ours, ours_optimizer, reference, reference_optimizer = _restored_both_ways(options, "meta", torch.float64)
     _assert_placed_like_torch(ours_optimizer, reference_optimizer)
     steps = {s["step"].device.type for s in ours_optimizer.state.values()}
     assert steps == ({"meta"} if options else {"cpu"})
@@ -80,12 +82,7 @@ def test_placement_follows_the_parameters_device_and_dtype(kind):
 def test_a_restored_fused_adamw_steps_as_the_uninterrupted_one():
     # The placement is not only where torch puts it: the next fused step runs with it.
     options = ADAMW_KINDS["fused"]
-    gathered, state_dict = _trained_state(options)
-    ours, reference = _layers(), _layers()
-    ours_optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, **options)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, **options)
-    scatter_optimizer_state(ours_optimizer, ours, [0, 1], gathered)
-    reference_optimizer.load_state_dict(state_dict)
+    ours, ours_optimizer, reference, reference_optimizer = _restored_both_ways(options)
     for layers, optimizer in ((ours, ours_optimizer), (reference, reference_optimizer)):
         torch.manual_seed(1)
         layers[1](layers[0](torch.randn(5, 4))).square().sum().backward()
