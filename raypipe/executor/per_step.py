@@ -69,6 +69,8 @@ class PerStepExecutor(Executor):
         block of the step's micro-batches (see :attr:`~raypipe.stage.spec.WorkerSpec.block`),
         weighted by the whole step's count."""
         last = self.config.loss_stage
+        # the keys marked dynamic go to every worker with every step: both ends of each keep headers
+        dynamic_keys = tuple(sorted(self.dynamic_keys))
         arguments = []
         for rank in range(len(self.group.actors)):
             spec = self.group.spec(rank)
@@ -77,8 +79,7 @@ class PerStepExecutor(Executor):
             inputs = as_task_argument(batch.inputs[own]) if batch is not None and spec.stage == 0 else None
             targets, weights = ((as_task_argument(batch.targets[own]), batch.weights[own])
                                 if batch is not None and spec.stage == last else (None, None))
-            # the keys marked dynamic go to every worker with every step: both ends of each keep headers
-            arguments.append((step, inputs, targets, weights, loss_scale, tuple(sorted(self.dynamic_keys))))
+            arguments.append((step, inputs, targets, weights, loss_scale, dynamic_keys))
         return arguments
 
     def relayout(self, survivors: list[Any]) -> None:
