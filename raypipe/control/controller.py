@@ -454,7 +454,7 @@ class Controller:
             num_stages=config.num_stages, replicas=topology.num_replicas,
             min_replicas=config.min_replicas, max_replicas=config.max_replicas, elastic=self.resizer is not None,
             shard_optimizer=config.shard_optimizer,
-            failed=tuple(FailedWorker(rank, *topology.coordinates(rank), why)
+            failed=tuple(FailedWorker(rank, *topology.coordinates(rank)[:2], why)
                          for rank, why in sorted((failed or {}).items())),
             failures=len(self._failures), max_failures=config.max_failures, snapshot_every=config.snapshot_every,
             snapshots=self.snapshots.views(), checkpoint_step=self._persisted.newest_step, can_repartition=True,

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
 
 from raypipe.errors import ConfigError
+
+if TYPE_CHECKING:  # DTensor's import takes half a second: only runs that split layers pay it
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(frozen=True)
@@ -45,24 +49,52 @@ class LayerCost:
         return self.fwd_flops + self.bwd_input_flops + self.bwd_weight_flops
 
 
+# A layer's tensor-parallel plan: the dict ``parallelize_module`` takes (fully qualified names
+# inside the layer -> ParallelStyle), or a function of ``sequence_parallel`` giving it, for a
+# layer whose plan differs with sequence parallelism on or off (the LLaMA's do).
+TensorParallelPlan: TypeAlias = "dict[str, ParallelStyle] | Callable[[bool], dict[str, ParallelStyle]]"
+
+
+def check_tp_plan(plan: object) -> None:
+    """Raise TypeError unless ``plan`` is None, a callable, or a dict of str -> ParallelStyle."""
+    if plan is None or callable(plan):
+        return
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if not isinstance(plan, dict) or not all(isinstance(key, str) and isinstance(style, ParallelStyle)
+                                             for key, style in plan.items()):
+        raise TypeError("LayerSpec's tp_plan must be None, a dict of submodule name -> "
+                        "torch.distributed.tensor.parallel.ParallelStyle (what parallelize_module takes), "
+                        f"or a function of sequence_parallel giving one; got {plan!r}")
+
+
 class LayerSpec:
-    """A recipe for one pipeline layer: ``LayerSpec(cls, *args, cost=None, **kwargs)``.
+    """A recipe for one pipeline layer: ``LayerSpec(cls, *args, cost=None, tp_plan=None, **kwargs)``.
 
     The layer is only constructed by :meth:`build`, which a stage actor calls,
     so a model too large for the driver's memory is never materialized there.
     ``cost`` (a :class:`LayerCost`, keyword only and never passed to ``cls``) is
-    what ``PipelineConfig(balance="time")`` balances stages by.
+    what ``PipelineConfig(balance="time")`` balances stages by. ``tp_plan``
+    (keyword only, never passed to ``cls``) is how the layer is split over a
+    stage's tensor-parallel ranks (:data:`TensorParallelPlan`, applied by
+    :func:`raypipe.models.tensor_parallel.parallelize_layer`); None: the layer is
+    replicated on them.
     """
 
-    def __init__(self, cls: type[nn.Module], *args: Any, cost: LayerCost | None = None, **kwargs: Any) -> None:
+    tp_plan: TensorParallelPlan | None = None  # also what a spec pickled before plans existed has
+
+    def __init__(self, cls: type[nn.Module], *args: Any, cost: LayerCost | None = None,
+                 tp_plan: TensorParallelPlan | None = None, **kwargs: Any) -> None:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"LayerSpec needs an nn.Module subclass, got {cls!r}")
         if cost is not None and not isinstance(cost, LayerCost):
             raise TypeError(f"LayerSpec's cost must be a raypipe.LayerCost or None, got {cost!r}")
+        check_tp_plan(tp_plan)
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
         self.cost = cost
+        self.tp_plan = tp_plan
 
     def with_cost(self, cost: LayerCost | None) -> LayerSpec:
         """A copy of this recipe (of its subclass too, e.g. a pretrained layer) with ``cost``."""
@@ -70,6 +102,13 @@ class LayerSpec:
             raise TypeError(f"LayerSpec's cost must be a raypipe.LayerCost or None, got {cost!r}")
         spec = copy.copy(self)
         spec.cost = cost
+        return spec
+
+    def with_tp_plan(self, tp_plan: TensorParallelPlan | None) -> LayerSpec:
+        """A copy of this recipe (of its subclass too) with the tensor-parallel plan ``tp_plan``."""
+        check_tp_plan(tp_plan)
+        spec = copy.copy(self)
+        spec.tp_plan = tp_plan
         return spec
 
     def build(self, device: torch.device | str | None = None) -> nn.Module:

@@ -37,10 +37,23 @@ Two parts, per stage:
   (parameters and bf16 compute weights excluded), and the fp32 and bf16
   figures are checked against that measurement on CPU.
 
+With tensor parallelism (``tensor_parallel`` t > 1, the LLaMA's plan of
+:func:`~raypipe.models.llama.llama_tp_plan`), a stage's figures are those of its
+rank holding the most: 1/t of each sharded layer's weights, gradients, main
+weights and optimizer state (the embedding and head over the vocabulary, ceil(V/t)
+rows), the RMSNorms whole, and the embedding's gradient whole during a step
+(:func:`~raypipe.models.llama_memory.layer_gradient_counts` says why); activations
+on local heads and FFN columns, and under sequence parallelism on a sequence shard
+outside attention and the MLP, but the all-gathered sequence that q/k/v, gate/up
+and the head keep for their weight gradients stays whole
+(:func:`~raypipe.models.llama_memory.replicated_activation_breakdown` names what
+stays whole). Checked against one rank's bytes on 2 gloo processes.
+
 Not modelled: the CUDA context and allocator fragmentation, and transient
 buffers of a single op (e.g. the logits' gradient during the head's backward,
-or the replicas' gradient reduction: two 25 MiB flat buckets and their results);
-keep some headroom below the device's capacity.
+the replicas' gradient reduction: two 25 MiB flat buckets and their results,
+or under tensor parallelism the collectives' buffers); keep some headroom below
+the device's capacity.
 """
 from __future__ import annotations
 
@@ -56,8 +69,9 @@ from raypipe.errors import ConfigError
 from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
 from raypipe.models.llama_memory import (AMP_STYLES, OPTIMIZER_STATE_BYTES, PRECISIONS, RAYPIPE_AMP,
                                          STATIC_BYTES_PER_PARAMETER, StaticBytes, activation_breakdown, amp_style,
-                                         estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
-                                         stage_input_bytes, static_bytes_per_parameter)
+                                         estimate_layer_activation_bytes, layer_gradient_counts, layer_kinds,
+                                         layer_parameter_counts, replicated_activation_breakdown, stage_input_bytes,
+                                         static_bytes_per_parameter)
 
 # -- per stage -----------------------------------------------------------------------
 
@@ -106,7 +120,8 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
                    schedule: str = "gpipe", stage_index: int = 0, num_stages: int = 1,
                    gpu_memory_bytes: int | None = None, amp: str | None = None, device: str = "cuda",
                    optimizer: str = "adam", optimizer_shards: int = 1,
-                   chunk_sizes: Sequence[int] | None = None) -> StageMemory:
+                   chunk_sizes: Sequence[int] | None = None, tensor_parallel: int = 1,
+                   sequence_parallel: bool | None = None) -> StageMemory:
     """Memory of the stage holding global layers ``layer_indices`` (contiguous), or with
     ``chunk_sizes`` (a schedule of model chunks: ``interleaved_1f1b``, ``zbv``) the worker holding
     them as chunks of that many layers each, in chunk order (each chunk contiguous).
@@ -122,6 +137,14 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
     over data-parallel replicas (ZeRO-1, ``shard_optimizer``). Each op of a chunked schedule
     keeps and frees its own chunk's graph or input (``graph_bytes`` and ``input_bytes`` are then
     the largest chunk's).
+
+    ``tensor_parallel`` > 1: the memory of one of the stage's tensor-parallel ranks, the one
+    holding the most (:func:`~raypipe.models.llama_memory.layer_parameter_counts` and
+    :func:`~raypipe.models.llama_memory.activation_breakdown` say what it holds): 1/t of each
+    sharded weight with its gradient, main weight and optimizer state, the RMSNorms whole (and the
+    embedding's gradient, see :func:`~raypipe.models.llama_memory.layer_gradient_counts`); with
+    ``sequence_parallel`` (None: on when ``tensor_parallel`` > 1) the stage's input and output
+    and the norms' and dropout's tensors on a sequence shard.
     """
     layers = list(layer_indices)
     sizes = list(chunk_sizes) if chunk_sizes else [len(layers)]
@@ -133,7 +156,8 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
                           offload_activations, num_micro_batches, optimizer_shards)
     check_int("stage_index", stage_index, 0, num_stages - 1,
               f"must be an int in 0..{num_stages - 1} (num_stages={num_stages})")
-    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision, "amp": amp}
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision, "amp": amp,
+             "tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
     graphs, segment_transients = zip(*(_graph_bytes(config, chunk, activation_checkpoint_segments, fused_attention,
                                                     device, **shape) for chunk in chunks))
     inputs = [stage_input_bytes(config, chunk[0], **shape) for chunk in chunks]
@@ -141,10 +165,11 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
     walk = (ops, num_micro_batches, activation_checkpoint, offload_activations, graphs, inputs)
     measured, offloaded, in_flight = _walk(*walk, [0] * len(chunks))
     held = _walk(*walk, segment_transients)[0]
-    count = sum(layer_parameter_counts(config)[i] for i in layers)
+    count = sum(layer_parameter_counts(config, tensor_parallel=tensor_parallel)[i] for i in layers)
+    gradients = sum(layer_gradient_counts(config, tensor_parallel=tensor_parallel)[i] for i in layers)
     # ZeRO-1 shards the master weights with the optimizer state (raypipe's bf16: each replica keeps the
     # fp32 main weights it owns, and bf16 compute weights of all); fp32 and fp16 have none apart
-    static = _static_bytes(count, static_bytes_per_parameter(precision, amp, optimizer), optimizer_shards)
+    static = _static_bytes(count, static_bytes_per_parameter(precision, amp, optimizer), optimizer_shards, gradients)
     total = sum(static.values()) + held
     return StageMemory(stage=stage_index, layers=layers, num_parameters=count, **static,
                        static_bytes=sum(static.values()), activation_bytes=held, held_for_backward_bytes=measured,
@@ -154,27 +179,34 @@ def estimate_stage(config: LlamaConfig, layer_indices: Sequence[int], *, num_mic
 
 
 def _graph_bytes(config: LlamaConfig, layers: list[int], segments: int | None, fused_attention: bool, device: str,
-                 *, micro_batch_size: int, seq_len: int, precision: str, amp: str | None) -> tuple[int, int]:
+                 *, micro_batch_size: int, seq_len: int, precision: str, amp: str | None, tensor_parallel: int,
+                 sequence_parallel: bool | None) -> tuple[int, int]:
     """One micro-batch's kept graph, and the extra a segment's recompute adds during backward."""
     kinds = layer_kinds(config)
+    shape = {"amp": amp, "tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
     per_layer = [estimate_layer_activation_bytes(config, kinds[i], micro_batch_size, seq_len, precision,
-                                                 fused_attention, amp=amp, device=device) for i in layers]
+                                                 fused_attention, device=device, **shape) for i in layers]
     holds_loss = layers[-1] == len(kinds) - 1  # the last stage computes the loss (outside any segment)
-    loss = estimate_layer_activation_bytes(config, "loss", micro_batch_size, seq_len, precision, amp=amp) if holds_loss else 0
+    loss = estimate_layer_activation_bytes(config, "loss", micro_batch_size, seq_len, precision, **shape) \
+        if holds_loss else 0
     # the stage's output stays alive as the root of its graph until backward
-    output = 0 if holds_loss else stage_input_bytes(config, layers[-1] + 1, micro_batch_size, seq_len, precision, amp)
+    output = 0 if holds_loss else stage_input_bytes(config, layers[-1] + 1, micro_batch_size, seq_len, precision,
+                                                    **shape)
     loss += output
     if not segments:
         return sum(per_layer) + loss, 0
     starts = range(0, len(layers), segments)
-    inputs = [stage_input_bytes(config, layers[s], micro_batch_size, seq_len, precision, amp) for s in starts]
+    inputs = [stage_input_bytes(config, layers[s], micro_batch_size, seq_len, precision, **shape) for s in starts]
     # a segment's recompute re-saves its input's storage, which is already held
     transient = max(sum(per_layer[s:s + segments]) - kept for s, kept in zip(starts, inputs))
     return sum(inputs) + loss, transient
 
 
-def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int) -> dict[str, int]:
-    return {"parameters_bytes": count * per_param.weights, "gradients_bytes": count * per_param.gradients,
+def _static_bytes(count: int, per_param: StaticBytes, optimizer_shards: int,
+                  gradients: int | None = None) -> dict[str, int]:
+    """``gradients``: the gradient elements held, when not one per parameter."""
+    gradients = count if gradients is None else gradients
+    return {"parameters_bytes": count * per_param.weights, "gradients_bytes": gradients * per_param.gradients,
             # ZeRO-1: each data-parallel replica keeps its shard of the optimizer state (and master weights)
             "master_bytes": -(-count * per_param.master // optimizer_shards),
             "optimizer_bytes": -(-count * per_param.optimizer // optimizer_shards)}
@@ -249,10 +281,12 @@ def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: i
                       activation_checkpoint_segments: int | None = None,
                       schedule: str = "gpipe", amp: str | None = None, device: str = "cuda",
                       optimizer: str = "adam", optimizer_shards: int = 1,
-                      virtual_stages: int = 1) -> list[StageMemory]:
+                      virtual_stages: int = 1, tensor_parallel: int = 1,
+                      sequence_parallel: bool | None = None) -> list[StageMemory]:
     """:func:`estimate_stage` for every stage (worker) of ``llama_layers(config)`` split by ``balance``
     (layers per stage, or per virtual stage with ``virtual_stages`` > 1 model chunks per worker, placed
-    as the schedule places them; default: balanced by parameter count)."""
+    as the schedule places them; default: balanced by parameter count); with ``tensor_parallel`` > 1
+    each stage's figures are one tensor-parallel rank's (the one holding the most)."""
     from raypipe.core.partition import worker_chunks
     from raypipe.core.schedule import PLACEMENT
 
@@ -276,7 +310,8 @@ def estimate_pipeline(config: LlamaConfig, num_stages: int, num_micro_batches: i
             offload_activations=offload_activations, fused_attention=fused_attention,
             schedule=schedule, stage_index=stage, num_stages=num_stages, gpu_memory_bytes=gpu_memory_bytes,
             amp=amp, device=device, optimizer=optimizer, optimizer_shards=optimizer_shards,
-            chunk_sizes=[len(chunk) for chunk in chunks]))
+            chunk_sizes=[len(chunk) for chunk in chunks], tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel))
     return stages
 
 
@@ -302,5 +337,6 @@ def _check_stage_args(layers: list[int], num_layers: int, activation_checkpoint:
 
 __all__ = ["AMP_STYLES", "PRECISIONS", "RAYPIPE_AMP", "STATIC_BYTES_PER_PARAMETER", "StageMemory", "StaticBytes",
            "activation_breakdown", "amp_style", "balanced_partition", "estimate_layer_activation_bytes",
-           "estimate_pipeline", "estimate_stage", "layer_kinds", "layer_parameter_counts", "num_parameters",
-           "spec_parameter_count", "stage_input_bytes", "static_bytes_per_parameter"]
+           "estimate_pipeline", "estimate_stage", "layer_gradient_counts", "layer_kinds", "layer_parameter_counts",
+           "num_parameters", "replicated_activation_breakdown", "spec_parameter_count", "stage_input_bytes",
+           "static_bytes_per_parameter"]

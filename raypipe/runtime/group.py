@@ -26,12 +26,13 @@ logger = logging.getLogger("raypipe")
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """Where one live worker runs."""
+    """Where one live worker runs; ``tp_rank`` is its place among its stage's tensor-parallel workers."""
 
     replica: int
     stage: int
     node_id: str
     pid: int
+    tp_rank: int = 0
 
 
 @dataclass
@@ -87,10 +88,10 @@ class StageGroup:
 
     @property
     def workers(self) -> list[WorkerInfo]:
-        """The live workers, in (replica, stage) order."""
+        """The live workers, in (replica, stage, tp_rank) order."""
         return sorted((WorkerInfo(spec.replica, spec.stage, info["node_id"], info["pid"])
                        for spec, info in zip(self._specs, self._ready)),
-                      key=lambda worker: (worker.replica, worker.stage))
+                      key=lambda worker: (worker.replica, worker.stage, worker.tp_rank))
 
     def poll(self, timeout_s: float = 5.0) -> list[int]:
         """Indices of workers that are dead or do not answer within ``timeout_s``."""

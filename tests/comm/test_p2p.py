@@ -125,7 +125,7 @@ def run_replicated_stage(rank: int, port: int) -> None:
     stages talk to each other only, each stage's gradients sum over its replicas."""
     torch.set_num_threads(1)
     topology = Topology(num_stages=2, num_replicas=2)
-    replica, stage = topology.coordinates(rank)
+    replica, stage, _ = topology.coordinates(rank)
     channel = P2PChannel(topology, replica, stage, torch.device("cpu"))
     channel.join("127.0.0.1", port, timeout_s=60)
     try:

@@ -48,7 +48,7 @@ def from_pretrained(uri: str | Path, max_seq_len: int | None = None,
             raise ValueError(f"{uri}: the checkpoint has no tensor {missing[0]} (pipeline layer {index}); "
                              "is it a LlamaForCausalLM?")
         tensors = {key: (name, available[name]) for key, name in names.items()}
-        layers.append(PretrainedLayer(spec.cls, spec.args, uri, tensors, hf))
+        layers.append(PretrainedLayer(spec.cls, spec.args, uri, tensors, hf).with_tp_plan(spec.tp_plan))
     return layers
 
 
