@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from jobs.job_summary import print_summary  # noqa: E402
 from raypipe.config import (activation_arguments, add_activation_arguments,  # noqa: E402
-                            add_schedule_arguments, max_replicas, parse_balance, parse_replicas,
-                            replicas_for_config, schedule_arguments)
+                            add_schedule_arguments, add_tensor_parallel_arguments, max_replicas, parse_balance,
+                            parse_replicas, replicas_for_config, schedule_arguments, tensor_parallel_arguments)
 from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
@@ -147,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="each boundary's dtype and shape sent once and learned, or a header before every "
                              "activation (for models whose boundary shapes change) (default: learned)")
     add_schedule_arguments(parser)
+    add_tensor_parallel_arguments(parser)
     parser.add_argument("--micro-batches", type=int,
                         help="micro-batches per optimizer step and replica; elastic: per replica of MAX (7b: 32)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (7b: 1)")
@@ -246,7 +247,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         ship_data_limit_bytes=args.ship_data_limit_mb * 2**20,
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
-                  **schedule_arguments(args),
+                  **schedule_arguments(args), **tensor_parallel_arguments(args),
                   "balance": args.balance, "precision": args.precision, **activation_arguments(args),
                   "use_gpu": args.use_gpu,
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,

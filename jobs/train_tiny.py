@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from jobs.job_summary import print_summary  # noqa: E402
 from raypipe.config import (STEP_CALLS, TRANSPORTS, PipelineConfig, activation_arguments,  # noqa: E402
-                            add_activation_arguments, add_schedule_arguments, parse_balance, parse_replicas,
-                            replicas_for_config, schedule_arguments)
+                            add_activation_arguments, add_schedule_arguments, add_tensor_parallel_arguments,
+                            parse_balance, parse_replicas, replicas_for_config, schedule_arguments,
+                            tensor_parallel_arguments)
 from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 8 of 2 sequences, not 4 of 4: the same 16 a step, and GPipe's bubble on 2 stages, (p - 1) / (m + p - 1),
     # shrinks from 1/5 to 1/9 of the step (4.9% more tokens/s here: benchmarks/RESULTS.md, 2026-12-02, 12:45)
     add_schedule_arguments(parser)
+    add_tensor_parallel_arguments(parser)
     parser.add_argument("--micro-batches", type=int, default=8,
                         help="micro-batches per step and replica (elastic: per replica of MAX)")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
@@ -95,7 +97,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
         pipeline={"num_stages": args.stages, "num_replicas": replicas_for_config(args.replicas),
                   "shard_optimizer": args.shard_optimizer, "num_micro_batches": args.micro_batches,
-                  **schedule_arguments(args),
+                  **schedule_arguments(args), **tensor_parallel_arguments(args),
                   "balance": args.balance, **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port,
                   "boundary_shapes": args.boundary_shapes,

@@ -20,6 +20,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "raise")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
 STEP_CALLS = ("connections", "tasks")
+# the schedules tensor_parallel > 1 runs with so far (PipelineConfig._validate_tensor_parallel)
+TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b")
 BALANCE_MODES = ("parameters", "time")  # PipelineConfig.balance other than a list: what the stages balance
 # Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
 _RENAMED: dict[str, str] = {
@@ -46,6 +48,12 @@ class PipelineConfig:
     # data-parallel copies of the pipeline: an int, or (min, max) for an elastic run
     num_replicas: int | tuple[int, int] = 1
     shard_optimizer: bool = False  # ZeRO-1: each replica of a stage keeps the optimizer state of its own parameters
+    # workers per stage splitting its layers with their tensor-parallel plans (LayerSpec(..., tp_plan=...)): t; a
+    # run has num_replicas x num_stages x tensor_parallel workers, a stage's t on one node
+    tensor_parallel: int = 1
+    # with tensor_parallel > 1, activations sharded along the sequence between the planned layers and across stage
+    # boundaries; None (the default): on when tensor_parallel > 1, resolved here, and again for a replace(...)
+    sequence_parallel: bool | None = None
     schedule: str = "gpipe"
     # model chunks per worker (v): interleaved_1f1b takes v >= 2, zbv v = 2, gpipe, 1f1b and zb_h1 v = 1; None (the
     # default): the schedule's own (NATURAL_CHUNKS: 2 for interleaved_1f1b and zbv, 1 for the others), resolved
@@ -102,13 +110,16 @@ class PipelineConfig:
                 setattr(self, name, new)
         # whether virtual_stages was given: one left to the schedule follows a schedule changed later
         self._virtual_stages_given = self.virtual_stages is not None
+        self._sequence_parallel_given = self.sequence_parallel is not None
         self._resolve_virtual_stages()
 
     def _resolve_virtual_stages(self) -> None:
         """``virtual_stages`` not given: the schedule's natural value (1 for a schedule it does not know,
-        which :meth:`validate` then names)."""
+        which :meth:`validate` then names); ``sequence_parallel`` not given: on when ``tensor_parallel > 1``."""
         if not self._virtual_stages_given:
             self.virtual_stages = NATURAL_CHUNKS.get(self.schedule, 1)
+        if not self._sequence_parallel_given:
+            self.sequence_parallel = not isinstance(self.tensor_parallel, int) or self.tensor_parallel > 1
 
     def validate(self, num_layers: int | None = None) -> None:
         """Raise :class:`ConfigError` on the first invalid field (``virtual_stages`` left unset is
@@ -118,6 +129,8 @@ class PipelineConfig:
         check_positive_int("num_micro_batches", self.num_micro_batches)
         check_replicas(self.num_replicas)
         check_bool("shard_optimizer", self.shard_optimizer)
+        check_positive_int("tensor_parallel", self.tensor_parallel)
+        check_bool("sequence_parallel", self.sequence_parallel)
         check_choice("schedule", self.schedule, SCHEDULES)
         self._validate_chunks()
         check_choice("activation_checkpoint", self.activation_checkpoint, CHECKPOINT_MODES)
@@ -152,8 +165,35 @@ class PipelineConfig:
         if self.metrics_port is not None:
             check_int("metrics_port", self.metrics_port, 0, 65535,
                       "must be an int in 0..65535 (0 picks a free port) or None")
+        self._validate_tensor_parallel()
         if num_layers is not None:
             self._validate_against_layers(num_layers)
+
+    def _validate_tensor_parallel(self) -> None:
+        """What runs with ``tensor_parallel > 1`` so far: the per-step executor, fp32, gpipe or 1f1b, a fixed
+        number of replicas, no ZeRO-1, recompute, offload, snapshots or warm spares (each refused by name)."""
+        t = self.tensor_parallel
+        if t == 1:
+            return
+        refused = [
+            ("transport", self.transport, self.transport != "p2p", "the per-step executor (transport='p2p')"),
+            ("schedule", self.schedule, self.schedule not in TENSOR_PARALLEL_SCHEDULES,
+             f"the schedules {', '.join(TENSOR_PARALLEL_SCHEDULES)}"),
+            ("precision", self.precision, self.precision != "fp32", "precision='fp32'"),
+            ("num_replicas", self.num_replicas, self.elastic, "a fixed num_replicas (an elastic run resizes)"),
+            ("shard_optimizer", self.shard_optimizer, self.shard_optimizer, "shard_optimizer=False (ZeRO-1)"),
+            ("activation_checkpoint", self.activation_checkpoint, self.activation_checkpoint != "never",
+             "activation_checkpoint='never'"),
+            ("activation_checkpoint_segments", self.activation_checkpoint_segments,
+             self.activation_checkpoint_segments is not None, "activation_checkpoint_segments=None"),
+            ("offload_activations", self.offload_activations, self.offload_activations, "offload_activations=False"),
+            ("snapshot_every", self.snapshot_every, self.snapshot_every != 0,
+             "snapshot_every=0 (a failure is then fatal: heals are not done with tensor parallelism yet)"),
+            ("spare_workers", self.spare_workers, self.spare_workers != 0, "spare_workers=0"),
+        ]
+        for name, value, wrong, runs in refused:
+            if wrong:
+                raise ConfigError(name, value, f"tensor_parallel={t} runs only with {runs} so far")
 
     def _validate_chunks(self) -> None:
         """``virtual_stages`` against the schedule, the transport and the micro-batches."""
@@ -240,9 +280,12 @@ class PipelineConfig:
 
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed. A ``virtual_stages`` left unset stays so: a new ``schedule``
-        brings its own natural value; one given is kept as given."""
+        brings its own natural value; one given is kept as given. So does ``sequence_parallel``: left unset, it
+        follows a new ``tensor_parallel``."""
         if not self._virtual_stages_given:
             changes.setdefault("virtual_stages", None)
+        if not self._sequence_parallel_given:
+            changes.setdefault("sequence_parallel", None)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -327,6 +370,22 @@ def add_activation_arguments(parser: argparse.ArgumentParser, default: str | Non
     for old in _RENAMED:
         parser.add_argument(f"--{old.replace('_', '-')}", dest=old, action=_RenamedFlag, default=argparse.SUPPRESS,
                             nargs=0 if old == "offload" else None, help=argparse.SUPPRESS)
+
+
+def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel`` and ``--sequence-parallel``/``--no-sequence-parallel`` (the jobs' flags of
+    ``tensor_parallel`` and ``sequence_parallel``)."""
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="workers per stage, splitting its layers by their tensor-parallel plans (the LLaMA's "
+                             "attention and MLP); stages x replicas x T workers, a stage's T on one node (default: 1)")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --tensor-parallel > 1, activations sharded along the sequence between the split "
+                             "layers and across stage boundaries (default: on when --tensor-parallel > 1)")
+
+
+def tensor_parallel_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The PipelineConfig fields of :func:`add_tensor_parallel_arguments`' flags."""
+    return {"tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel}
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:

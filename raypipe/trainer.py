@@ -62,6 +62,10 @@ class PipelineTrainer:
         config = (config or PipelineConfig()).replace()
         layers, layer_names = model_layers(model)
         config.validate(len(layers))
+        if config.tensor_parallel > 1:  # DTensor is imported only where it is used (seconds of import)
+            from raypipe.models.tensor_parallel import check_tensor_parallel
+
+            check_tensor_parallel(layers, config.tensor_parallel, sequence_parallel=config.sequence_parallel)
         balance = resolve_balance(config, layers)  # "time": from the layers' costs, before any actor starts
         self._loss_count_fn = loss_count_fn or count_samples
         scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
@@ -145,7 +149,8 @@ class PipelineTrainer:
 
     @property
     def workers(self) -> list[WorkerInfo]:
-        """The live workers as ``WorkerInfo(replica, stage, node_id, pid)``, in (replica, stage) order."""
+        """The live workers as ``WorkerInfo(replica, stage, node_id, pid, tp_rank)``, in (replica, stage,
+        tp_rank) order."""
         return list(self._controller.layout.workers)
 
     @property

@@ -100,14 +100,14 @@ gpu_test_files() {
 }
 
 list_gpu_tests() {
-  RAYPIPE_LIST_GPU_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only -m "gpu and not gpus2" \
+  RAYPIPE_LIST_GPU_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider -n0 --collect-only -m "gpu and not gpus2" \
     $(gpu_test_files) | grep -E '::|collected|deselected'
 }
 
 step versions versions
 if [ "$DRY_RUN" -eq 1 ]; then
   echo "== dry run: no CUDA needed; the GPU run would execute:"
-  echo "   timeout $TESTS_TIMEOUT_S $PYTHON -m pytest -q -m \"gpu and not gpus2\" <the test files that mark a test gpu>"
+  echo "   timeout $TESTS_TIMEOUT_S $PYTHON -m pytest -q -n0 -m \"gpu and not gpus2\" <the test files that mark a test gpu>"
   echo "   timeout $PROBES_TIMEOUT_S $PYTHON scripts/gpu_probes.py --out $OUT/probes.json"
   step "list single-GPU tests" list_gpu_tests
   if [ "$FULL" -eq 1 ]; then
@@ -126,7 +126,7 @@ else
     echo "gpu_check.sh: torch sees no CUDA GPU here; run with --dry-run for the steps that need none" >&2
     exit 1
   fi
-  step "single-GPU tests" timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -q -p no:cacheprovider -m "gpu and not gpus2" \
+  step "single-GPU tests" timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -q -p no:cacheprovider -n0 -m "gpu and not gpus2" \
     --durations=0 --junitxml "$OUT/tests.xml" $(gpu_test_files)
   step probes timeout "$PROBES_TIMEOUT_S" "$PYTHON" scripts/gpu_probes.py --out "$OUT/probes.json"
   if [ "$CALIBRATE" -eq 1 ]; then

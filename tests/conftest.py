@@ -1,4 +1,5 @@
-"""One shared local Ray instance per test session; GPU tests only where CUDA is (two GPUs for gpus2)."""
+"""One shared local Ray instance per test session (per xdist worker); GPU tests only where CUDA is (two
+GPUs for gpus2); the longest files first, so that two xdist workers finish together."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import torch
 
 def pytest_collection_modifyitems(config, items):
     _pickle_test_code_by_value(items)
+    _longest_files_first(items)
     # GPU-marked tests are deselected (not skipped) on machines without CUDA, and run where one exists:
     # `pytest -m gpu` on a GPU machine runs just those. Tests marked gpus2 need two GPUs: they are
     # deselected the same way where the node has fewer. Either way one line at the end of the run says
@@ -28,11 +30,22 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
         of_them = f" ({sum('gpus2' in item.keywords for item in deselected)} of them gpus2)" if count == 0 else ""
-        config.stash[_GPU_DESELECTED] = (
-            f"raypipe: deselected {len(deselected)} test(s) marked {' or '.join(unrunnable)}{of_them}: {why}")
+        line = f"raypipe: deselected {len(deselected)} test(s) marked {' or '.join(unrunnable)}{of_them}: {why}"
+        config.stash[_GPU_DESELECTED] = line
+        if hasattr(config, "workeroutput"):  # an xdist worker: its controller prints the summary
+            config.workeroutput["raypipe_gpu_deselected"] = line
 
 
 _GPU_DESELECTED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with -p no:xdist has none
+def pytest_testnodedown(node, error):
+    # xdist's controller collects nothing itself: each worker sends the line it would print (the same
+    # collection on every worker, so the same line)
+    line = getattr(node, "workeroutput", {}).get("raypipe_gpu_deselected")
+    if line:
+        node.config.stash[_GPU_DESELECTED] = line
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -56,6 +69,25 @@ def ray_cluster():
                  _system_config=LOCAL_SYSTEM_CONFIG)
     yield ray
     ray.shutdown()
+
+
+def _longest_files_first(items) -> None:
+    # `--dist loadfile` hands whole files to the two workers in collection order, as each asks for more
+    # (pytest's addopts, pyproject.toml). Files that start their own cluster or kill processes run
+    # longest, mostly waiting on timeouts and nodes (a core is free for the other worker meanwhile),
+    # then files on the shared Ray instance, then in-process ones: the longest jobs first, so the last
+    # files handed out are short and neither worker idles at the end. The order within a file is kept.
+    def weight(item) -> int:
+        if "cluster" in item.keywords:
+            return 0
+        return 1 if "ray_cluster" in getattr(item, "fixturenames", ()) else 2
+
+    first_seen: dict[str, int] = {}
+    for item in items:
+        file = item.nodeid.split("::", 1)[0]
+        first_seen[file] = min(first_seen.get(file, 2), weight(item))
+    order = {file: (rank, position) for position, (file, rank) in enumerate(first_seen.items())}
+    items.sort(key=lambda item: order[item.nodeid.split("::", 1)[0]])
 
 
 def _pickle_test_code_by_value(items) -> None:

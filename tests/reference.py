@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import raypipe
-from raypipe.checkpoint.store import read_layer
+from raypipe.checkpoint.store import read_layer, write_manifest
 from raypipe.core.loss_scale import LossScaler
 from raypipe.core.result import StepResult
 from raypipe.core.step_decision import OVERFLOW
@@ -196,6 +196,16 @@ class InterpretedTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.pipeline.state_dict()
+
+    def save_checkpoint(self, root_uri) -> int:
+        """The first replica's layer files, each written by its worker as on Ray, and the manifest
+        (what :func:`checkpoint_state` reads); returns the step saved."""
+        layer_files = {}
+        for worker in self.pipeline.replicas[0].workers:
+            started = worker.start_checkpoint(str(root_uri), self.step_count)
+            layer_files.update(worker.checkpoint_files(self.step_count, started).layers)
+        write_manifest(root_uri, self.step_count, layer_files)
+        return self.step_count
 
 
 def on_ray(layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, **options):

@@ -10,7 +10,7 @@ from raypipe.data import TokenDataset, prepare
 from raypipe.models.layers import build_layer
 from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
 from raypipe.run import llama_count_tokens
-from tests.reference import assert_bitwise_equal
+from tests.reference import InterpretedTrainer, assert_bitwise_equal
 
 MODEL = LlamaConfig(vocab_size=259, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
 
@@ -57,24 +57,41 @@ def test_fit_reads_data_in_the_stages_and_executors_agree(ray_cluster, data):
 
 
 def test_replicas_reading_their_own_data_train_as_one_pipeline(ray_cluster, data):
-    # a step is 6 micro-batches of the dataset: one pipeline runs them all, or 2 and 3 replicas share them
-    one, _, one_state = fit(data, "p2p", num_stages=1, micro_batches=6, steps=2)
-    for num_replicas, num_stages in ((2, 2), (3, 1)):
+    # a step is 6 micro-batches of the dataset: one pipeline runs them all, or 2 replicas share them (each
+    # replica's first stage reads its block's inputs, its last its targets; one stage reading both: the one
+    # pipeline. Three replicas of one stage train over a real group in
+    # tests/executor/test_data_parallel.py::test_a_sharded_checkpoint_loads_into_any_replicas_and_stages and,
+    # as one process on the global batch, in-process there; replica_blocks: tests/core/test_micro_batches.py)
+    # (the one pipeline runs through the step runner in one process, on the dataset's global batches: the
+    # rows test_fit_reads_data_in_the_stages_and_executors_agree shows the stages read; its validation loss
+    # in one plain process, with the weights it trained)
+    one, one_eval, one_state = one_pipeline_on_global_batches(data, micro_batches=6, steps=2)
+    for num_replicas, num_stages in ((2, 2),):
         results, position, state = fit(data, "p2p", num_stages=num_stages, num_replicas=num_replicas,
                                        micro_batches=6 // num_replicas, steps=2)
         assert position["next_step"] == 2 and results[0].num_replicas == num_replicas
-        assert results[0].num_tokens == one[0].num_tokens == 6 * 2 * 32
+        assert results[0].num_tokens == 6 * 2 * 32
         assert [r.loss for r in results] == pytest.approx([r.loss for r in one], rel=1e-5)
-        assert results[-1].eval_loss == pytest.approx(one[-1].eval_loss, rel=1e-5)  # every replica evaluates
+        assert results[-1].eval_loss == pytest.approx(one_eval, rel=1e-5)  # every replica evaluates
         for key, value in one_state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
 
 
-def test_fit_rejects_a_dataset_with_other_micro_batches(ray_cluster, data):
-    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2)
-    with raypipe.PipelineTrainer(llama_layers(MODEL), llama_loss, config=config) as trainer:
-        with pytest.raises(ValueError, match=r"yields 3 micro-batches per step but a step of the pipeline has 2 "):
-            trainer.fit(TokenDataset(data, micro_batch_size=2, num_micro_batches=3), 1, progress=False)
+def one_pipeline_on_global_batches(data, micro_batches: int, steps: int):
+    """What ``fit`` on one pipeline of one stage gives: each step's result, the validation loss after the
+    last step, the final state."""
+    train, validation = (TokenDataset(data, split, micro_batch_size=2, num_micro_batches=micro_batches)
+                         for split in ("train", "validation"))
+    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=micro_batches, clip_grad_norm=1.0)
+    trainer = InterpretedTrainer(llama_layers(MODEL), llama_loss, lambda p: torch.optim.AdamW(p, lr=1e-2), config,
+                                 loss_count_fn=llama_count_tokens)
+    results = [trainer.step(*train.global_batch(step)) for step in range(steps)]
+    state = trainer.state_dict()
+    model = torch.nn.Sequential(*[build_layer(spec, index, seed=0) for index, spec in enumerate(llama_layers(MODEL))])
+    model.load_state_dict(state)
+    inputs, targets = validation.global_batch(0)  # every row a whole sequence: the token mean is the batch's
+    with torch.no_grad():
+        return results, llama_loss(model(inputs), targets).item(), state
 
 
 @pytest.mark.cluster
@@ -104,12 +121,16 @@ def test_a_killed_reading_stage_in_fit_costs_no_step_and_no_sample(ray_cluster, 
 
 def test_fit_saving_every_step_returns_with_its_final_checkpoint_complete(ray_cluster, data, tmp_path):
     """Checkpoints saved in the background every step: when fit returns, the newest is the
-    final state (bitwise, with the data position) and keep_last pruned the older ones."""
+    final state (bitwise, with the data position) and keep_last pruned the older ones. (First,
+    on the same trainer: a dataset of other micro-batches is refused, training nothing.)"""
     from raypipe.checkpoint.store import list_checkpoints, read_manifest
 
     train = TokenDataset(data, "train", micro_batch_size=2, num_micro_batches=2)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
     with llama_trainer(config) as trainer:
+        with pytest.raises(ValueError, match=r"yields 3 micro-batches per step but a step of the pipeline has 2 "):
+            trainer.fit(TokenDataset(data, micro_batch_size=2, num_micro_batches=3), 1, progress=False)
+        assert trainer.step_count == 0
         trainer.fit(train, 3, checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_last=2, progress=False)
         assert list_checkpoints(tmp_path) == [2, 3]
         assert read_manifest(tmp_path, 3)["extra"]["dataset"]["next_step"] == 3

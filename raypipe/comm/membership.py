@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from raypipe.comm.matching import ByTag, InOrder
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
 from raypipe.comm.polled_wait import StepWaits
@@ -37,12 +39,16 @@ class GroupMembership:
     channel, this stage's replica subgroup, how messages match (by tag on gloo, in
     issue order on NCCL and its emulation) and the step's waits with their abort flag."""
 
-    def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device) -> None:
+    def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device, tp_rank: int = 0) -> None:
         self.topology, self.device = topology, device
-        self.rank = topology.rank(replica, stage)
+        self.replica, self.stage = replica, stage
+        self.rank = topology.rank(replica, stage, tp_rank)
         waits = self.waits = StepWaits(topology, replica, stage)
         self.replicas = StageReplicas(topology, replica, stage,
-                                      wait=lambda work, what: waits.wait(self.collective(work), None, None, what))
+                                      wait=lambda work, what: waits.wait(self.collective(work), None, None, what),
+                                      tp_rank=tp_rank)
+        # the stage's tensor-parallel group as a 1-D mesh (DTensor's collectives run on it); None with t = 1
+        self.tensor_mesh: DeviceMesh | None = None
         self.matching: ByTag | InOrder = InOrder() if self.backend == "nccl" else ByTag()
         # the group of headers and the step's all-reduce (gloo, CPU tensors); None: the group itself
         self.control: Any = None
@@ -78,6 +84,23 @@ class GroupMembership:
         else:
             self.control, self.matching = None, ByTag()
         self.replicas.join()
+        self._join_tensor_groups(timeout_s)
+
+    def _join_tensor_groups(self, timeout_s: float) -> None:
+        """Every stage's tensor-parallel subgroup (each member creates all, in the same order, after
+        the replicas' subgroups), this one's kept as a 1-D mesh. Its collectives are DTensor's, issued
+        by the t ranks of a stage in the same order (they run the same ops); under NCCL emulation they
+        run on gloo as they are (DTensor waits for each at once, so no rendezvous rule is at stake)."""
+        topology = self.topology
+        if topology.tensor_parallel == 1:
+            return
+        own = None
+        for replica in range(topology.num_replicas):
+            for stage in range(topology.num_stages):
+                group = dist.new_group(topology.tensor_ranks(replica, stage), timeout=timedelta(seconds=timeout_s))
+                if (replica, stage) == (self.replica, self.stage):
+                    own = group
+        self.tensor_mesh = DeviceMesh.from_group(own, self.device.type)
 
     def leave(self, messages: StepMessages) -> None:
         """Drop ``messages``' pending operations and leave the group, closing its connections;
@@ -89,7 +112,7 @@ class GroupMembership:
             messages.clear()
             self.stop_stream()
             self.replicas.leave()
-            self.control = None
+            self.control = self.tensor_mesh = None
             if dist.is_initialized():
                 if self.backend == "nccl" and (pending or self.waits.aborted.is_set()):
                     dist.distributed_c10d._abort_process_group()

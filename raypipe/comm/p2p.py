@@ -9,7 +9,8 @@ message is named by a key that the caller gives (:func:`raypipe.core.ops.message
 the micro-batch and the boundary between virtual stages it crosses), the same on both
 ends, so one micro-batch's activations across different chunk boundaries between the
 same two workers stay apart; an activation and the gradient sent back for it share
-their key. Peer stages become ranks through :meth:`~raypipe.core.topology.Topology.rank`.
+their key. Peer stages become ranks through :meth:`~raypipe.core.topology.Topology.rank`
+(tensor-parallel rank i of a stage talks to tensor-parallel rank i of its neighbours).
 
 An activation travels as a fixed-size header (its dtype and shape,
 :mod:`raypipe.comm.headers`) and a payload, so micro-batches of any shape flow without
@@ -87,12 +88,13 @@ class P2PChannel:
     activation); the worker passes :attr:`raypipe.config.PipelineConfig.boundary_shapes`."""
 
     def __init__(self, topology: Topology, replica: int, stage: int, device: torch.device,
-                 num_chunks: int = 1, boundary_shapes: str = HEADERS) -> None:
+                 num_chunks: int = 1, boundary_shapes: str = HEADERS, tp_rank: int = 0) -> None:
         self.topology, self.replica, self.stage, self.device = topology, replica, stage, device
-        self.rank = topology.rank(replica, stage)
+        self.tp_rank = tp_rank
+        self.rank = topology.rank(replica, stage, tp_rank)
         self.num_virtual_stages = topology.num_stages * num_chunks
         self._learned = LearnedSignatures(boundary_shapes)
-        self._group = GroupMembership(topology, replica, stage, device)
+        self._group = GroupMembership(topology, replica, stage, device, tp_rank)
         self._waits, self.replicas = self._group.waits, self._group.replicas
         self._messages = StepMessages()
         # what was issued so far, for the tests and the docs: headers (and structures) sent and received on the
@@ -103,6 +105,11 @@ class P2PChannel:
     @property
     def backend(self) -> str:
         return self._group.backend
+
+    @property
+    def tensor_mesh(self) -> Any:
+        """The stage's tensor-parallel mesh (a 1-D ``DeviceMesh``) while the group is joined; None with t = 1."""
+        return self._group.tensor_mesh
 
     @property
     def control(self) -> Any:
@@ -424,14 +431,14 @@ class P2PChannel:
         return torch.device("cpu") if self.control is not None else self.device
 
     def _peer_rank(self, peer: int | None, op: LoweredOp | None = None) -> int:
-        """The rank of stage ``peer`` of this replica; a ValueError (naming ``op``, if given)
+        """The rank of stage ``peer`` of this replica at this worker's tp_rank; a ValueError (naming ``op``, if given)
         unless it is another stage of the pipeline."""
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.topology.num_stages \
                 or peer == self.stage:
             what = f"{op!r}'s peer" if op is not None else "a peer"
             raise ValueError(f"stage {self.stage} cannot message {what} {peer!r}: a peer is another stage of "
                              f"the pipeline, one of 0..{self.topology.num_stages - 1} but {self.stage}")
-        return self.topology.rank(self.replica, peer)
+        return self.topology.rank(self.replica, peer, self.tp_rank)
 
     def _micro_batch(self, key: int) -> int:
         """The micro-batch of a message's key, for error messages."""

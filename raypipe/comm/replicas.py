@@ -1,8 +1,8 @@
 """The replicas of one stage: they sum their gradients once per step and, with
 ZeRO-1, share the parameters each of them stepped.
 
-The workers holding the same stage in every replica form a subgroup of the
-run's process group (:meth:`StageReplicas.join`, called by every member right
+The workers holding the same stage (the same tensor-parallel shard of it) in every
+replica form a subgroup of the run's process group (:meth:`StageReplicas.join`, called by every member right
 after joining the group). The tensors of a collective are laid out flat per
 dtype and by owner (:class:`_FlatBucket`; without ZeRO-1 one owner: every
 replica), and the collectives run over chunks of about ``_BUCKET_BYTES`` of
@@ -39,19 +39,22 @@ Pending = tuple[Any, Callable[[], None]]  # a collective in flight, and what to 
 class StageReplicas:
     """One worker's view of its stage's data-parallel subgroup."""
 
-    def __init__(self, topology: Topology, replica: int, stage: int, wait: Callable[[Any, str], None]) -> None:
-        self.topology, self.replica, self.stage = topology, replica, stage
+    def __init__(self, topology: Topology, replica: int, stage: int, wait: Callable[[Any, str], None],
+                 tp_rank: int = 0) -> None:
+        self.topology, self.replica, self.stage, self.tp_rank = topology, replica, stage, tp_rank
         self._wait = wait  # waits for a pending work, raising the transport's error on failure
         self._group: Any = None
 
     def join(self) -> None:
-        """Create every stage's subgroup (each member creates all, in the same order) and keep this one's."""
-        if self.topology.num_replicas == 1:
+        """Create every (stage, tp_rank)'s subgroup (each member creates all, in the same order) and keep this one's."""
+        topology = self.topology
+        if topology.num_replicas == 1:
             return
-        for stage in range(self.topology.num_stages):
-            group = dist.new_group(self.topology.stage_ranks(stage))
-            if stage == self.stage:
-                self._group = group
+        for stage in range(topology.num_stages):
+            for tp_rank in range(topology.tensor_parallel):
+                group = dist.new_group(topology.stage_ranks(stage, tp_rank))
+                if (stage, tp_rank) == (self.stage, self.tp_rank):
+                    self._group = group
 
     def leave(self) -> None:
         self._group = None

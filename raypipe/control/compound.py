@@ -32,14 +32,14 @@ logger = logging.getLogger("raypipe")
 RETRY_PAUSE_S = 0.5  # between starts of a replacement that died while it started: Ray re-places a lost node's bundle
 
 
-def lost_workers(actors: list[Any], hang_timeout_s: float, num_stages: int, step: int, detail: str
-                 ) -> WorkersFailed | None:
-    """The workers among ``actors`` found dead or hung now (a heartbeat each, up to
-    ``hang_timeout_s``), as a failure after step ``step``; None when every one answers."""
+def lost_workers(actors: list[Any], hang_timeout_s: float, num_stages: int, step: int, detail: str,
+                 tensor_parallel: int = 1) -> WorkersFailed | None:
+    """The workers among ``actors`` (``tensor_parallel`` per stage) found dead or hung now (a
+    heartbeat each, up to ``hang_timeout_s``), as a failure after step ``step``; None when every one answers."""
     failed = Watchdog(hang_timeout_s).probe(actors)
     if not failed:
         return None
-    topology = Topology(num_stages, len(actors) // num_stages)
+    topology = Topology(num_stages, len(actors) // (num_stages * tensor_parallel), tensor_parallel)
     detail = detail if len(detail) <= 160 else detail[:157] + "..."  # Ray's texts run to paragraphs
     return WorkersFailed(step, {topology.coordinates(index)[:2]: why for index, why in failed.items()}, detail)
 

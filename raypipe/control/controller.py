@@ -120,8 +120,8 @@ class Layout:
 
     @property
     def first_replica(self) -> tuple:
-        """Replica 0's workers, one per stage."""
-        return self.actors[:self.topology.num_stages]
+        """Replica 0's workers, ``tensor_parallel`` per stage (in rank order)."""
+        return self.actors[:self.topology.num_stages * self.topology.tensor_parallel]
 
     @property
     def repartitioned(self) -> bool:
@@ -145,7 +145,8 @@ class Controller:
         self._configured = (config, list(balance))  # a re-partitioned run goes back to it when there is room
         self.model, self._metrics, self.settle_saves = model, metrics, settle_saves
         self._steps = steps  # the trainer's committed steps: where a resize happened, the first snapshot's step
-        self.topology = Topology(config.num_stages, config.max_replicas)  # until placed: an elastic run's may be fewer
+        # until placed: an elastic run's may be fewer
+        self.topology = Topology(config.num_stages, config.max_replicas, config.tensor_parallel)
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches,
                                       config.virtual_stages)
         self.executor: Executor = make_executor(config, self.schedule)
@@ -237,8 +238,9 @@ class Controller:
         self.bundle = cluster.worker_bundle(config, self.use_gpu)
         try:
             placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
-                                                      [self.bundle] * config.num_stages, config.placement_timeout_s)
-            self.topology = Topology(config.num_stages, len(placed))
+                                                      [self.bundle] * (config.num_stages * config.tensor_parallel),
+                                                      config.placement_timeout_s)
+            self.topology = Topology(config.num_stages, len(placed), config.tensor_parallel)
             if config.elastic:
                 self.resizer = Resizer(config, self.executor, self.stage_specs(), self.bundle, pending)
             infos = self.launch(placed)
@@ -437,7 +439,7 @@ class Controller:
     def _probe(self, step: int, detail: str) -> WorkersFailed | None:
         """The workers found dead or hung now, as a failure after step ``step``; None when every one answers."""
         return lost_workers(self.executor.group.actors, self._config.hang_timeout_s, self._config.num_stages, step,
-                            detail)
+                            detail, self._config.tensor_parallel)
 
     def _folded(self, during: str, step: int | None = None) -> Any:
         """A worker lost ``during`` a layout change (or a call after step ``step``) raises
@@ -451,7 +453,7 @@ class Controller:
         heal can restore from, with the decision point's ``facts``: what the policy decides over."""
         config, topology = self._config, self._group_topology()
         return LayoutView(
-            num_stages=config.num_stages, replicas=topology.num_replicas,
+            num_stages=config.num_stages, replicas=topology.num_replicas, tensor_parallel=topology.tensor_parallel,
             min_replicas=config.min_replicas, max_replicas=config.max_replicas, elastic=self.resizer is not None,
             shard_optimizer=config.shard_optimizer,
             failed=tuple(FailedWorker(rank, *topology.coordinates(rank)[:2], why)
@@ -462,8 +464,8 @@ class Controller:
 
     def _group_topology(self) -> Topology:
         """The ranks of the running group (a shrink changes it before the topology in force)."""
-        stages = self._config.num_stages
-        return Topology(stages, len(self.executor.group.actors) // stages)
+        stages, t = self._config.num_stages, self._config.tensor_parallel
+        return Topology(stages, len(self.executor.group.actors) // (stages * t), t)
 
     def _note(self, failure: WorkersFailed) -> None:
         """A failure event: count it, ask the policy, kill its workers and let the step end on
@@ -663,7 +665,7 @@ class Controller:
         layout's topology, datasets for new readers, metrics."""
         num_replicas = self.resizer.running
         self._enter(Resizing(direction, healing, reason=f"{direction} to {num_replicas} replica(s)"))
-        self.topology = Topology(self._config.num_stages, num_replicas)
+        self.topology = Topology(self._config.num_stages, num_replicas, self._config.tensor_parallel)
         self.give_datasets(new_ranks)
         self._record_resize(direction)
 
@@ -815,7 +817,8 @@ class Controller:
 
     def _use_partition(self, config: PipelineConfig, balance: list[int]) -> None:
         """From now on ``config``'s stages, split by ``balance``, run on one replica."""
-        self._config, self._balance, self.topology = config, list(balance), Topology(config.num_stages, 1)
+        self._config, self._balance, self.topology = config, list(balance), Topology(config.num_stages, 1,
+                                                                                       config.tensor_parallel)
         self.schedule = make_schedule(config.schedule, config.num_stages, config.num_micro_batches,
                                       config.virtual_stages)
         self.executor.config, self.executor.schedule = config, self.schedule  # the executor's own copy

@@ -38,6 +38,7 @@ so no optimizer state is lost and none is kept twice.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -55,10 +56,12 @@ logger = logging.getLogger("raypipe")
 
 def replica_specs(stages: list[WorkerSpec], num_replicas: int, num_micro_batches: int) -> list[WorkerSpec]:
     """Every worker's spec, in rank order, when ``num_replicas`` replicas of ``stages``
-    (one spec per stage) share a step of ``num_micro_batches``."""
+    (one spec per stage, each held by its config's ``tensor_parallel`` workers) share a
+    step of ``num_micro_batches``."""
     blocks = replica_blocks(num_micro_batches, num_replicas)
-    return [spec.for_layout(replica, num_replicas, blocks[replica])
-            for replica in range(num_replicas) for spec in stages]
+    return [replace(spec.for_layout(replica, num_replicas, blocks[replica]), tp_rank=tp_rank)
+            for replica in range(num_replicas) for spec in stages
+            for tp_rank in range(spec.config.tensor_parallel)]
 
 
 class Resizer:

@@ -12,9 +12,10 @@ import torch
 from raypipe.control.controller import Controller
 from raypipe.control.snapshots import LoggedStep
 from raypipe.core.micro_batches import MicroBatches, loss_weights, split_micro_batches
+from raypipe.core.packed import is_packed
 from raypipe.core.result import StepResult
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
-from raypipe.errors import NonFiniteError
+from raypipe.errors import ConfigError, NonFiniteError
 from raypipe.observability.step_report import build_step_result
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
@@ -41,8 +42,10 @@ class TrainerStep:
 
         The executor ships them as task arguments (see :mod:`raypipe.comm.task_tensors`).
         """
-        count = self._controller.config.micro_batches_per_step
-        input_parts, target_parts = split_micro_batches(inputs, targets, count)
+        config = self._controller.config
+        if config.tensor_parallel > 1 and config.sequence_parallel:
+            check_sequence_length(inputs, config.tensor_parallel)
+        input_parts, target_parts = split_micro_batches(inputs, targets, config.micro_batches_per_step)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
         return MicroBatches(input_parts, target_parts, weights)
 
@@ -92,3 +95,15 @@ class TrainerStep:
         if metrics is not None:
             metrics.record_eval(loss)
         return loss
+
+
+def check_sequence_length(inputs: Any, tensor_parallel: int) -> None:
+    """Raise :class:`ConfigError` unless a batch's sequence (dimension 1; a packed batch's last)
+    divides by ``tensor_parallel``: sequence parallelism shards it over a stage's ranks."""
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+        return
+    length = inputs.shape[-1] if is_packed(inputs) else inputs.shape[1]
+    if length % tensor_parallel:
+        raise ConfigError("tensor_parallel", tensor_parallel, f"sequence parallelism shards the sequence, and the "
+                          f"batch's sequence length {length} does not divide by it (use sequence_parallel=False, "
+                          "or a sequence length that divides)")

@@ -56,6 +56,7 @@ class LayoutView:
     # the layout in force and the configured one
     num_stages: int
     replicas: int  # running now
+    tensor_parallel: int = 1  # workers per stage (its tensor-parallel ranks)
     configured_stages: int | None = None  # None: the same as num_stages (not re-partitioned)
     min_replicas: int = 1
     max_replicas: int = 1
@@ -94,7 +95,7 @@ class LayoutView:
     @property
     def topology(self) -> Topology:
         """The ranks of the layout in force."""
-        return Topology(self.num_stages, self.replicas)
+        return Topology(self.num_stages, self.replicas, self.tensor_parallel)
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:

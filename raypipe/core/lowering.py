@@ -35,6 +35,7 @@ schedule's own, what buffered sends would give.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 
 from raypipe.core.ops import (COMPUTE, HEADERS, LEARNED, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD,
@@ -103,7 +104,19 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
     lowering completes both ways (tests/core/test_header_first.py).
 
         After the last op of every worker: REDUCE_GRAD, then OPTIMIZER_STEP.
+
+    Pure, so each distinct schedule is lowered once (the dry-run, the trainer and the
+    planner's searches ask again for the same ones); each call gets lists of its own.
     """
+    return [list(ops) for ops in _lower_once(tuple(tuple(ops) for ops in schedule), placement)]
+
+
+@functools.lru_cache(maxsize=256)
+def _lower_once(schedule: tuple[tuple[Op, ...], ...], placement: str) -> tuple[tuple[LoweredOp, ...], ...]:
+    return tuple(tuple(ops) for ops in _lower([list(ops) for ops in schedule], placement))
+
+
+def _lower(schedule: list[list[Op]], placement: str) -> list[list[LoweredOp]]:
     num_stages = len(schedule)
     num_chunks = _num_chunks(op for ops in schedule for op in ops)
     split_backward = any(op.kind in (I, W) for ops in schedule for op in ops)

@@ -35,6 +35,7 @@ from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op, worker_and_chunk
 from raypipe.core.result import StageReport
 from raypipe.core.step_decision import StepDecision
+from raypipe.core.topology import Topology
 from raypipe.errors import RaypipeError, WorkersFailed
 from raypipe.executor.failures import as_raypipe_error, first_failure, original_cause
 from raypipe.runtime.group import StageGroup
@@ -236,21 +237,27 @@ class Executor(ABC):
 
     def evaluate(self, step: int, batch: MicroBatches | None) -> float:
         """Mean loss of one batch, forward only, through the object store; every
-        replica's pipeline takes its own block of micro-batches, as in a step."""
+        replica's pipeline takes its own block of micro-batches, as in a step. With tensor
+        parallelism each tp_rank's pipeline runs the same forwards (its stages' ranks issue
+        their collectives together: each worker runs its calls in the order sent), and the
+        loss is tp_rank 0's (every rank's is the same)."""
         config = self.config
-        num_stages, last = config.num_stages, config.num_virtual_stages - 1
-        losses = []
-        for first in range(0, len(self.group.actors), num_stages):
-            pipeline = self.group.actors[first:first + num_stages]
-            for micro_batch, index in enumerate(self.group.spec(first).block):
-                hidden = None if batch is None else as_task_argument(batch.inputs[index])
-                for virtual_stage in range(last + 1):  # through every chunk, in model order
-                    stage, chunk = worker_and_chunk(virtual_stage, num_stages, config.placement)
-                    targets, weight = (None, None) if batch is None or virtual_stage < last else (
-                        as_task_argument(batch.targets[index]), batch.weights[index])
-                    hidden = pipeline[stage].evaluate.remote(micro_batch, hidden, targets, weight, step, chunk)
-                losses.append(hidden)
-        return sum(self.gather(losses, step, "during evaluate"))
+        num_stages, last, t = config.num_stages, config.num_virtual_stages - 1, config.tensor_parallel
+        topology = Topology(num_stages, len(self.group.actors) // (num_stages * t), t)
+        losses, others = [], []
+        for replica in range(topology.num_replicas):
+            for tp_rank in range(t):
+                ranks = topology.pipeline_ranks(replica, tp_rank)
+                pipeline = [self.group.actors[rank] for rank in ranks]
+                for micro_batch, index in enumerate(self.group.spec(ranks[0]).block):
+                    hidden = None if batch is None else as_task_argument(batch.inputs[index])
+                    for virtual_stage in range(last + 1):  # through every chunk, in model order
+                        stage, chunk = worker_and_chunk(virtual_stage, num_stages, config.placement)
+                        targets, weight = (None, None) if batch is None or virtual_stage < last else (
+                            as_task_argument(batch.targets[index]), batch.weights[index])
+                        hidden = pipeline[stage].evaluate.remote(micro_batch, hidden, targets, weight, step, chunk)
+                    (others if tp_rank else losses).append(hidden)
+        return sum(self.gather(losses + others, step, "during evaluate")[:len(losses)])
 
     def gather(self, refs: list, step: int, during: str) -> list:
         """:meth:`get` of calls to the workers, after the committed step ``step``; raises

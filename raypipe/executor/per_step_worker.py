@@ -59,7 +59,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         leaving the old group)."""
         super().take_layout(spec)
         self._channel = P2PChannel(self.topology, spec.replica, spec.stage, self.device, spec.num_chunks,
-                                   boundary_shapes=spec.config.boundary_shapes)
+                                   boundary_shapes=spec.config.boundary_shapes, tp_rank=spec.tp_rank)
         self._runner = StepRunner(self, self._channel)
         stage_ops = self._runner.ops
         # the first op that changes what a snapshot or checkpoint copies: the commit, or a forward
@@ -100,9 +100,20 @@ class PerStepWorker(StageWorker, AnswersCalls):
     def join_group(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False,
                    group: int = 0) -> None:
         """Join the group, the driver's ``group``-th (``emulate_nccl``: on gloo under
-        NCCL's rules, as the driver was asked, :func:`raypipe.comm.nccl_emulation.requested`)."""
+        NCCL's rules, as the driver was asked, :func:`raypipe.comm.nccl_emulation.requested`).
+
+        With tensor parallelism the stage's layers are split over its tensor-parallel mesh at
+        the first join. A later one (the groups re-formed after a failed step, a heal or a
+        resize) is refused: the split parameters, their optimizer state and the layers' hooks
+        are bound to the first group's mesh, and re-binding them to a new one is not done yet."""
+        if self.config.tensor_parallel > 1 and self.tensor_mesh is not None:
+            raise NotImplementedError(
+                f"tensor_parallel={self.config.tensor_parallel}: the process groups cannot be re-formed yet (after a "
+                "failed step, a heal or a resize): the run cannot go on past a failure (issue 59)")
         self._group_joined = None  # an abort that comes while joining is for the group left
         self._channel.join(address, port, timeout_s, emulate_nccl)
+        if self._channel.tensor_mesh is not None:
+            self.tensor_parallelize(self._channel.tensor_mesh)
         self._group_joined = group
 
     @ray.method(concurrency_group=HEALTH_GROUP)

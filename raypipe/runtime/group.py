@@ -67,7 +67,7 @@ class StageGroup:
         self._placements = placements or cluster.reserve(num_replicas, [bundle] * (len(specs) // num_replicas),
                                                          placement_timeout_s)
         # where each worker runs: its replica's bundle of its stage, or a spare's bundle it took
-        self._where: list[Location] = [(self._placements[spec.replica], spec.stage) for spec in specs]
+        self._where: list[Location] = [(self._placements[spec.replica], spec.bundle_index) for spec in specs]
         self.actors: list[Any] = [self._create(index) for index in range(len(specs))]
         self._owns_spares = spares is None
         self.spares = spares if spares is not None else SparePool(actor_class, bundle, specs[0].config.spare_workers)
@@ -89,7 +89,7 @@ class StageGroup:
     @property
     def workers(self) -> list[WorkerInfo]:
         """The live workers, in (replica, stage, tp_rank) order."""
-        return sorted((WorkerInfo(spec.replica, spec.stage, info["node_id"], info["pid"])
+        return sorted((WorkerInfo(spec.replica, spec.stage, info["node_id"], info["pid"], spec.tp_rank)
                        for spec, info in zip(self._specs, self._ready)),
                       key=lambda worker: (worker.replica, worker.stage, worker.tp_rank))
 
@@ -212,7 +212,7 @@ class StageGroup:
 
     def admit(self, replica: NewReplica) -> None:
         """Make a started replica (whose workers are ready) the group's last."""
-        self._where += [(replica.placement, spec.stage) for spec in replica.specs]
+        self._where += [(replica.placement, spec.bundle_index) for spec in replica.specs]
         self._placements.append(replica.placement)
         self.actors += replica.actors
         self._specs += replica.specs
@@ -237,7 +237,7 @@ class StageGroup:
         return self._create_in(placement, self._specs[index], bundle_index)
 
     def _create_in(self, placement: Any, spec: WorkerSpec, bundle_index: int | None = None) -> Any:
-        bundle_index = spec.stage if bundle_index is None else bundle_index
+        bundle_index = spec.bundle_index if bundle_index is None else bundle_index
         strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle_index)
         options = {"num_cpus": self._bundle["CPU"], "num_gpus": self._bundle.get("GPU", 0),
                    "scheduling_strategy": strategy, "max_restarts": 0}

@@ -46,22 +46,39 @@ class StageCheckpointing:
 
     def _held_state(self, position: int) -> dict[str, torch.Tensor]:
         without = self.weights.without_main(position)
-        return {k: v for k, v in self.layers[position].state_dict().items() if k not in without}
+        layer = self.layers[position]
+        # split over the tensor-parallel ranks: gathered whole (a collective every rank of the stage joins)
+        if getattr(self, "tensor_mesh", None) is not None:
+            from raypipe.models.tensor_parallel import full_state_dict  # DTensor: imported only where used
+
+            state = full_state_dict(layer)
+        else:
+            state = layer.state_dict()
+        return {k: v for k, v in state.items() if k not in without}
+
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        """Raise unless ``what`` (a state operation that reads or writes local shards) is done at t = 1."""
+        if getattr(self, "tensor_mesh", None) is not None:
+            raise NotImplementedError(f"{what} is not done with tensor_parallel={self.config.tensor_parallel} yet "
+                                      "(issue 59: state_dict() is; loading, snapshots, checkpoints and export are not)")
 
     def _sole_mains(self, position: int) -> dict[str, torch.Tensor]:
         only_here = self.weights.mains_only_here(position)
         return {k: v for k, v in self.layers[position].named_parameters() if k in only_here}
 
     def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        self._refuse_tensor_parallel("loading a state dict")
         for index, layer in zip(self.layer_indices, self.layers):
             layer.load_state_dict(states[index])
         self.weights.refresh()
 
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """Optimizer state per global layer index and parameter name (partition-independent)."""
+        self._refuse_tensor_parallel("reading the optimizer state")
         return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices)
 
     def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
+        self._refuse_tensor_parallel("loading an optimizer state")
         scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
 
     def snapshot(self, copied: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -77,6 +94,7 @@ class StageCheckpointing:
         is shipped, and on a GPU before it reaches the host: the device's current
         stream, the one the steps compute on, waits for the copy first): e.g. to let
         the next step's commit go (:mod:`raypipe.stage.step_gate`)."""
+        self._refuse_tensor_parallel("a snapshot")
         staged = self.host_snapshot()
         if copied is not None:
             if copy_path(self.device) == "cuda":
@@ -112,6 +130,7 @@ class StageCheckpointing:
         """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`): its
         host tensors are copied into the parameters, buffers and optimizer state there
         are (no second copy of the state on the device), bitwise."""
+        self._refuse_tensor_parallel("restoring a snapshot")
         self.abort_step()
         self.layers.load_state_dict(snapshot["layers"])  # copies into the parameters and buffers
         if self.optimizer is not None:
@@ -128,6 +147,7 @@ class StageCheckpointing:
         Weights (each parameter's main weight from whichever snapshot keeps it),
         optimizer state per layer and parameter name, hyper-parameters, schedule
         and commits."""
+        self._refuse_tensor_parallel("adopting snapshots")
         self.abort_step()
         weights: dict[int, dict[str, torch.Tensor]] = {}
         optimizer: dict[int, dict[str, Any]] = {}
@@ -161,6 +181,7 @@ class StageCheckpointing:
         the parameters it owns, one blob per layer. The copy is the state after the
         last committed step: it runs in step order, before the next step changes the
         weights in place. :meth:`checkpoint_files` waits for the files."""
+        self._refuse_tensor_parallel("a checkpoint save")
         parts = self._saved_parts(on_host=False)
         if self.replica == 0:
             encoded = {index: encode_layer(index, on_host({**parts[index], "model": self._held_state(position)}))
@@ -189,6 +210,7 @@ class StageCheckpointing:
         this stage's layers (a missing, unexpected or differently shaped tensor) raises
         :class:`~raypipe.errors.CheckpointMismatchError` naming the stage, layer and
         tensor, before this stage's state changes."""
+        self._refuse_tensor_parallel("loading a checkpoint")
         where, checkpoint = stage_and_layers(self.stage_index, self.layer_indices), f"{root_uri} step {step}"
         held = read_manifest(root_uri, step)["num_layers"]
         absent = [index for index in self.layer_indices if index >= held]
@@ -218,6 +240,7 @@ class StageCheckpointing:
         """Write this stage's layers of a LLaMA as Hugging Face safetensors shards, one per
         layer (``dtype`` None: as trained, the fp32 main weights); ``other_mains``: the other
         replicas' :meth:`sole_main_weights` (ZeRO-1 in bf16)."""
+        self._refuse_tensor_parallel("a Hugging Face export")
         from raypipe.models.hf.export import write_layer_shard
 
         states = add_sole_mains(self.state_dict(), *other_mains)

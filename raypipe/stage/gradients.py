@@ -1,9 +1,15 @@
 """A stage's gradients at the end of a step: their statistics (unscaled, clamped
 elementwise if asked, squared L2 norm in fp32, whether any is inf/NaN), and the
-optimizer step a step's decision allows (clipped by the global norm first)."""
+optimizer step a step's decision allows (clipped by the global norm first).
+
+With tensor parallelism a parameter is a DTensor: its gradient's statistics are those of
+the rank's local shard. A sharded parameter's squared norm is counted on every
+tensor-parallel rank (the step's all-reduce sums the shards), a replicated one's (a plain
+tensor, or a ``Replicate`` DTensor: the same on every rank) on tensor-parallel rank 0 only."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -12,27 +18,59 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from raypipe.core.step_decision import StageGradStats
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    dtensors = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (seconds of import)
+    return dtensors is not None and isinstance(tensor, dtensors.DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s local shard when it is a DTensor (sharing its storage: writes go through), else itself."""
+    return tensor._local_tensor if _is_dtensor(tensor) else tensor
+
+
+def sharded(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is split over the tensor-parallel ranks (each holds a different part)."""
+    if not _is_dtensor(parameter):
+        return False
+    from torch.distributed.tensor import Shard
+
+    return any(isinstance(placement, Shard) for placement in parameter.placements)
+
+
 def owned_grad_stats(owned: list[torch.nn.Parameter], loss: float | torch.Tensor | None, inv_scale: float = 1.0,
-                     clip_value: float | None = None) -> StageGradStats:
+                     clip_value: float | None = None, tp_rank: int = 0) -> StageGradStats:
     """Unscale the gradients of ``owned`` (ZeRO-1: only owned sums are whole), clamp them
     elementwise if asked, and report their squared L2 norm (fp32), whether any is inf/NaN,
     and ``loss`` (the last stage's weighted loss sum, a float or a 0-d tensor, else None).
-    The norm and a tensor loss are read in one go: on a GPU, the step's one host sync."""
-    grads = [p.grad for p in owned if p.grad is not None]
+    The norm and a tensor loss are read in one go: on a GPU, the step's one host sync.
+    ``tp_rank``: this worker's tensor-parallel rank; on a rank other than 0 the norm counts the
+    sharded parameters only, and the loss (the same on every rank) is None, so a sum over
+    the stage's ranks counts each once."""
+    if tp_rank != 0:
+        loss = None
+    present = [p for p in owned if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in present]
     if not grads:
         return StageGradStats(0.0, False, None if loss is None else float(loss))
     if inv_scale != 1.0:
         torch._foreach_mul_(grads, inv_scale)
-    total = get_total_norm([g.float() for g in grads])
+    counted = grads if tp_rank == 0 else [g for p, g in zip(present, grads) if sharded(p)]
+    total = _norm(counted, grads[0].device)
     if isinstance(loss, torch.Tensor):
         norm, loss = torch.stack([total.double(), loss.to(total.device, torch.float64)]).tolist()
     else:
         norm = float(total)
     found_inf = not math.isfinite(norm)
     if clip_value is not None and not found_inf:
-        torch.nn.utils.clip_grad_value_(owned, clip_value)
-        norm = float(get_total_norm([g.float() for g in grads]))
+        torch._foreach_clamp_min_(grads, -clip_value)  # clip_grad_value_'s own, on the local shards
+        torch._foreach_clamp_max_(grads, clip_value)
+        norm = float(_norm(counted, grads[0].device))
     return StageGradStats(norm ** 2, found_inf, loss)
+
+
+def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The L2 norm of ``grads`` in fp32 (0 when there are none)."""
+    return get_total_norm([g.float() for g in grads]) if grads else torch.zeros((), device=device)
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: Any, owned: list[torch.nn.Parameter],
@@ -42,7 +80,12 @@ def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: Any, owned: list[
     if clip_grad_norm is not None:
         # the norm filled on the gradients' device: a host tensor would be copied to it, a host sync
         device = next((p.grad.device for p in owned if p.grad is not None), torch.device("cpu"))
-        clip_grads_with_norm_(owned, clip_grad_norm, torch.full((), grad_norm, dtype=torch.float32, device=device))
+        norm = torch.full((), grad_norm, dtype=torch.float32, device=device)
+        if any(_is_dtensor(p.grad) for p in owned):  # the same coefficient, on the local shards
+            torch._foreach_mul_([local_tensor(p.grad) for p in owned if p.grad is not None],
+                                torch.clamp(clip_grad_norm / (norm + 1e-6), max=1.0))
+        else:
+            clip_grads_with_norm_(owned, clip_grad_norm, norm)
     optimizer.step()
     if scheduler is not None:  # a skipped step does not advance the schedule
         scheduler.step()

@@ -1,7 +1,10 @@
 """Measure what a stage holds for backward: tensors saved by autograd."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class SavedTensorMeter:
@@ -30,8 +33,7 @@ class SavedTensorMeter:
 
     def add(self, *tensors: torch.Tensor) -> None:
         """Count tensors the stage keeps by other means (e.g. its graph's outputs)."""
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
+        for storage in (storage for tensor in tensors for storage in _storages(tensor)):
             pointer = storage.data_ptr()
             if pointer not in self._seen and pointer not in self._parameter_storages:
                 self._seen.add(pointer)
@@ -47,13 +49,25 @@ class SavedTensorMeter:
 
 def storage_pointers(tensors) -> set[int]:
     """The storages ``tensors`` live in (parameters: computed once per stage)."""
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    return {storage.data_ptr() for t in tensors for storage in _storages(t)}
 
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages ``tensors`` live in."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    storages = {storage.data_ptr(): storage for t in tensors for storage in _storages(t)}
     return sum(storage.nbytes() for storage in storages.values())
+
+
+def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages ``tensor``'s data lives in: a wrapper subclass's (a DTensor, an
+    AsyncCollectiveTensor) are its inner tensors', it has none of its own."""
+    if is_traceable_wrapper_subclass(tensor):
+        for name in tensor.__tensor_flatten__()[0]:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # not a DTensor's mesh
+                yield from _storages(inner)
+    else:
+        yield tensor.untyped_storage()
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,13 @@ class WorkerSpec:
     loss_count_fn: Callable | None = None
     scheduler_factory: Callable | None = None
     chunk_sizes: tuple[int, ...] = ()  # layers per chunk, in chunk order; empty: one chunk of every layer
+    tp_rank: int = 0  # which of the stage's config.tensor_parallel workers (its shard of the planned layers)
+
+    @property
+    def bundle_index(self) -> int:
+        """The bundle of its replica's placement group this worker runs in: a stage's
+        ``tensor_parallel`` workers in adjacent bundles (a PACK group keeps them on one node)."""
+        return self.stage * self.config.tensor_parallel + self.tp_rank
 
     @property
     def block(self) -> range:

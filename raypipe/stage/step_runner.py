@@ -153,10 +153,11 @@ class StepRunner:
         state = _Step(step, inputs or none, targets or none, weights or none, loss_scale)
         try:
             self.channel.expect_activations(self._expected_activations)
-            for index, op in enumerate(self.ops):
-                if before_op is not None:
-                    before_op(index)
-                self._handlers[op.kind](op, state)
+            with self.worker.step_scope():  # with tensor parallelism, the loss's stage: vocabulary-parallel loss
+                for index, op in enumerate(self.ops):
+                    if before_op is not None:
+                        before_op(index)
+                    self._handlers[op.kind](op, state)
         except BaseException as error:
             aborted = self.channel.aborted
             self._leave_failed_step(error)

@@ -6,18 +6,20 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed already (DTensor is not)
 
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide_step
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
-from raypipe.models.layers import build_layer
+from raypipe.models.layers import LayerSpec, build_layer
 from raypipe.stage import boundary
 from raypipe.stage.activations import ActivationStore, Kept
 from raypipe.stage.chunks import Chunks
@@ -25,7 +27,7 @@ from raypipe.stage.checkpointing import StageCheckpointing
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.data_reader import StageData
 from raypipe.stage.device import stage_device, warm_up_spare_process, where_it_runs
-from raypipe.stage.gradients import clip_and_step, owned_grad_stats
+from raypipe.stage.gradients import clip_and_step, local_tensor, owned_grad_stats
 from raypipe.stage.layer_run import layer_seeds, run_layers
 from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers
 from raypipe.stage.offload import Offloader, check_offloadable
@@ -79,6 +81,13 @@ class StageWorker(StageCheckpointing):
         self.layers = nn.ModuleList(build_layer(layer, index, config.seed)
                                     for layer, index in zip(spec.layers, spec.layer_indices))
         self.layers.to(self.device)
+        self.tensor_mesh = None  # the stage's tensor-parallel mesh once the layers are split over it
+        self._take_parameters(spec)
+
+    def _take_parameters(self, spec: WorkerSpec) -> None:
+        """The weights the layers compute with, the optimizer and scheduler (afresh), over the
+        layers' parameters as they are now (split over the tensor-parallel mesh, or not)."""
+        config = spec.config
         self._trainable = [p for p in self.layers.parameters() if p.requires_grad]
         self.ownership = self._ownership_in(spec)
         self._owned = self.ownership.owned(self._trainable)
@@ -97,6 +106,37 @@ class StageWorker(StageCheckpointing):
         self.optimizer = spec.optimizer_factory(self._owned) if spec.optimizer_factory and self._owned else None
         self.scheduler = (spec.scheduler_factory(self.optimizer)
                           if spec.scheduler_factory and self.optimizer else None)
+
+    def tensor_parallelize(self, mesh: DeviceMesh) -> None:
+        """Split the stage's layers over its tensor-parallel ``mesh`` (each planned layer by its
+        ``tp_plan``, the others kept whole), once, after the group is joined and before any step:
+        each rank keeps its shard of the seeded initial weights, and the optimizer is built afresh
+        over the split parameters (no step has run, so there is no state to keep). Every rank of
+        the mesh calls this (it may issue collectives)."""
+        if self.tensor_mesh is not None:
+            raise RuntimeError(f"stage {self.stage_index}: its layers are split over a tensor-parallel mesh already")
+        if self.commits:
+            raise RuntimeError(f"stage {self.stage_index}: its layers are split before its first step, not after "
+                               f"{self.commits}")
+        from raypipe.models.tensor_parallel import parallelize_layer  # DTensor: seconds of import, only where used
+
+        spec, config = self.spec, self.config
+        final = self.chunks.positions[self.chunks.last][-1] if self.chunks.last is not None else None
+        for position, (layer, index) in enumerate(zip(spec.layers, spec.layer_indices)):
+            parallelize_layer(self.layers[position], layer.tp_plan if isinstance(layer, LayerSpec) else None, mesh,
+                              sequence_parallel=config.sequence_parallel, first_layer=index == 0,
+                              final_layer=position == final)
+        self.tensor_mesh = mesh
+        self._take_parameters(spec)
+
+    def step_scope(self) -> contextlib.AbstractContextManager:
+        """What a step (or an evaluation) runs inside: on a tensor-parallel worker holding the
+        loss, vocabulary-parallel loss (its backward must run inside too)."""
+        if self.tensor_mesh is not None and self.is_last:
+            from raypipe.models.tensor_parallel import loss_parallel_scope
+
+            return loss_parallel_scope()
+        return contextlib.nullcontext()
 
     def _ownership_in(self, spec: WorkerSpec) -> Ownership:
         return Ownership.assign(self._trainable, spec.running_replicas, spec.replica, self.config.shard_optimizer)
@@ -119,7 +159,7 @@ class StageWorker(StageCheckpointing):
             del self.layers
             self._build_model(spec)
         self.spec, self.replica = spec, spec.replica
-        self.topology = Topology(spec.num_stages, spec.running_replicas)
+        self.topology = Topology(spec.num_stages, spec.running_replicas, self.config.tensor_parallel)
         self.named_replica = spec.replica if spec.running_replicas > 1 else None  # in errors
         self.block = spec.block
         self.ownership = ownership
@@ -190,7 +230,7 @@ class StageWorker(StageCheckpointing):
             self.store.keep_graph(key, leaf, outputs, meter.bytes)
         if last:
             self._running.add_loss(outputs)
-            return float(outputs) if read_loss else None
+            return float(outputs.detach()) if read_loss else None
         boundary.check_sendable(outputs, self.stage_index, self.device)
         return boundary.detached(outputs)
 
@@ -273,8 +313,14 @@ class StageWorker(StageCheckpointing):
         """The accumulated gradients, in parameter order, and their owners (None:
         every replica): what the replicas of this stage sum. The same model on
         same-shaped data gives every replica the same set (a parameter used in one
-        replica's step and not another's is not supported)."""
+        replica's step and not another's is not supported). With tensor parallelism each gradient is
+        first put into its parameter's layout (a collective over the stage's ranks); the shards are reduced."""
+        if self.tensor_mesh is not None:
+            from raypipe.models.tensor_parallel import redistribute_gradients
+
+            redistribute_gradients(self.layers)
         gradients = [self.weights.gradient(p) for p in self._trainable]
+        gradients = [None if gradient is None else local_tensor(gradient) for gradient in gradients]
         present = [index for index, gradient in enumerate(gradients) if gradient is not None]
         owners = self.ownership.owners
         return ([gradients[i] for i in present],
@@ -285,14 +331,15 @@ class StageWorker(StageCheckpointing):
         """Unscale gradients, clamp them elementwise if asked, and report this stage's
         squared L2 norm (fp32), whether any gradient is inf/NaN, and (last stage)
         its weighted loss sum."""
-        return owned_grad_stats(self._owned, self._running.loss if self.is_last else None, inv_scale, clip_value)
+        return owned_grad_stats(self._owned, self._running.loss if self.is_last else None, inv_scale, clip_value,
+                                self.spec.tp_rank)
 
     @stage_op("grad_stats", per_micro_batch=False)
     def chunk_grad_stats(self, inv_scale: float = 1.0, clip_value: float | None = None) -> list[StageGradStats]:
         """:meth:`grad_stats` of each model chunk, in chunk order (the loss with the last virtual
         stage's): the step decides over virtual stages, as over the stages of a plain pipeline."""
         return [owned_grad_stats(owned, self._running.loss if chunk == self.chunks.last else None, inv_scale,
-                                 clip_value) for chunk, owned in enumerate(self._chunk_owned)]
+                                 clip_value, self.spec.tp_rank) for chunk, owned in enumerate(self._chunk_owned)]
 
     def _check_step_is_whole(self) -> None:
         if self._running.failure is not None:
@@ -360,7 +407,7 @@ class StageWorker(StageCheckpointing):
         if last:
             targets, loss_weight = self.data.targets_and_weight(step, micro_batch, "validation", targets, loss_weight)
             targets = boundary.to_device(targets, self.device)
-        with torch.no_grad():
+        with torch.no_grad(), self.step_scope():
             outputs = self._run(inputs, micro_batch, targets, loss_weight, training=False, chunk=chunk)
         return float(outputs) if last else outputs
 
@@ -389,7 +436,12 @@ class StageWorker(StageCheckpointing):
         if chunk != self.chunks.last:
             return hidden
         output = hidden.float() if isinstance(hidden, torch.Tensor) else hidden
-        return self.loss_fn(output, targets) * loss_weight
+        loss = self.loss_fn(output, targets)
+        if self.tensor_mesh is not None:  # a vocabulary-parallel loss may be a DTensor: whole, on every rank
+            from raypipe.models.tensor_parallel import local_loss
+
+            loss = local_loss(loss)
+        return loss * loss_weight
 
     def _run_layers(self, hidden: boundary.Boundary, micro_batch: int, training: bool,
                     chunk: int) -> boundary.Boundary:

@@ -65,6 +65,7 @@ class OpInterpreter:
     replica (``config.num_replicas``, fixed; ZeRO-1 with ``shard_optimizer``), each running the
     lowered ``config.schedule`` on its block of the step: :meth:`step` is one training step.
     ``loss_count_fn`` counts each micro-batch's targets for the loss weights, as the trainer's does.
+    ``lr_scheduler(optimizer)`` builds each worker's scheduler, stepped with its optimizer, as the trainer's.
     What passes between stages (a tensor or a tree of them) is handed over as it is.
 
     ``schedule`` (one of :data:`~raypipe.core.schedule.SCHEDULES`) with ``virtual_stages``
@@ -75,7 +76,7 @@ class OpInterpreter:
     def __init__(self, layers: Sequence[Callable[[], nn.Module]] | Sequence[nn.Module], loss_fn: Callable,
                  optimizer_factory: Callable, config: PipelineConfig, loss_scale: float | None = None,
                  loss_count_fn: Callable[[torch.Tensor], int] = count_samples, *, schedule: str | None = None,
-                 virtual_stages: int | None = None) -> None:
+                 virtual_stages: int | None = None, lr_scheduler: Callable | None = None) -> None:
         if schedule is not None or virtual_stages is not None:
             config = config.replace(schedule=config.schedule if schedule is None else schedule,
                                     virtual_stages=virtual_stages or config.virtual_stages)
@@ -84,6 +85,9 @@ class OpInterpreter:
         config.validate(len(layers))
         if config.elastic:
             raise ValueError("the interpreter runs a fixed number of replicas")
+        if config.tensor_parallel > 1:
+            raise ValueError(f"the interpreter runs tensor_parallel=1 only, not {config.tensor_parallel}: "
+                             "tensor-parallel steps run on Ray (a stage's ranks form a gloo group)")
         if config.num_stages * config.max_replicas > _MAX_WORKERS:
             raise ValueError(f"the interpreter runs at most {_MAX_WORKERS} workers, each in a thread of its own, "
                              f"not {config.num_stages * config.max_replicas}")
@@ -95,7 +99,7 @@ class OpInterpreter:
         balance = (config.balance if isinstance(config.balance, list)
                    else partition_by_cost([1.0] * len(layers), p * v))
         self.replicas: list[_Replica] = []
-        self._group = MemoryGroup(Topology(p, count))
+        self._group = MemoryGroup(Topology(p, count, config.tensor_parallel))
         for replica, block in enumerate(replica_blocks(config.num_micro_batches * count, count)):
             schedule_ops = make_schedule(self.schedule, p, len(block), v)
             workers = []
@@ -105,7 +109,8 @@ class OpInterpreter:
                     stage, p, tuple(_layer(layers[i], count) for i in indices), tuple(indices), config,
                     ops=tuple(schedule_ops[stage]), replica=replica, num_replicas=count, micro_batches=block,
                     optimizer_factory=optimizer_factory, loss_fn=loss_fn if stage == config.loss_stage else None,
-                    loss_count_fn=loss_count_fn, chunk_sizes=tuple(map(len, chunks)))))
+                    loss_count_fn=loss_count_fn, scheduler_factory=lr_scheduler,
+                    chunk_sizes=tuple(map(len, chunks)))))
             runners = [StepRunner(worker, MemoryChannel(self._group, replica, stage, p * v))
                        for stage, worker in enumerate(workers)]
             self.replicas.append(_Replica(workers, runners, block))

@@ -1,6 +1,4 @@
 """A checkpoint restores weights, optimizer and LR-schedule state into any partition."""
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -24,118 +22,126 @@ def batches():
     return [(torch.randn(12, 8, generator=generator), torch.randn(12, 4, generator=generator)) for _ in range(STEPS)]
 
 
-def test_lr_schedule_matches_single_process(ray_cluster):
-    model = make_mlp()
-    reference = copy.deepcopy(model)
+@pytest.fixture(scope="module")
+def straight_and_its_trainer(ray_cluster, tmp_path_factory):
+    """One run of STEPS steps on two stages with the warm-up schedule, checkpointed half way (its only
+    checkpoint, of step 2): each step's result, the final state and the checkpoints' folder, which
+    the tests below read and never change; and its trainer, kept for the tests that save and load
+    checkpoints of their own (each in its own folder, asserting nothing of where the trainer started)."""
+    root = tmp_path_factory.mktemp("straight")
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, balance=[2, 5])
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config, lr_scheduler=warmup) as trainer:
+        results = []
+        for step, (x, y) in enumerate(batches()):
+            if step == 2:
+                assert trainer.save_checkpoint(root, extra={"note": "half way"}) == 2
+            results.append(trainer.step(x, y))
+        yield (results, trainer.state_dict(), root), trainer
+
+
+@pytest.fixture
+def straight(straight_and_its_trainer):
+    return straight_and_its_trainer[0]
+
+
+@pytest.fixture
+def trainer(straight_and_its_trainer):
+    """A trainer of make_mlp() on two stages, as the tests before left it."""
+    return straight_and_its_trainer[1]
+
+
+def test_lr_schedule_matches_single_process(straight):
+    results, state, _ = straight
+    reference = make_mlp()
     optimizer = adamw(reference.parameters())
     scheduler = warmup(optimizer)
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3)
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config, lr_scheduler=warmup) as trainer:
-        for x, y in batches():
-            result = trainer.step(x, y)
-            for xm, ym in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3)):
-                (nn.functional.mse_loss(reference(xm), ym) * xm.shape[0] / 12).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-            assert result.learning_rate == pytest.approx(optimizer.param_groups[0]["lr"])
-        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+    for result, (x, y) in zip(results, batches(), strict=True):
+        for xm, ym in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3)):
+            (nn.functional.mse_loss(reference(xm), ym) * xm.shape[0] / 12).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        assert result.learning_rate == pytest.approx(optimizer.param_groups[0]["lr"])
+    assert_parameters_match(state, reference.state_dict())
 
 
-def test_resume_into_another_partition_equals_an_uninterrupted_run(ray_cluster, tmp_path):
+def test_resume_into_another_partition_equals_an_uninterrupted_run(straight):
     data = batches()
-    straight = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, balance=[2, 5])
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, straight, lr_scheduler=warmup) as trainer:
-        for x, y in data:
-            trainer.step(x, y)
-        expected = trainer.state_dict()
-
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, straight, lr_scheduler=warmup) as trainer:
-        for x, y in data[:2]:
-            trainer.step(x, y)
-        assert trainer.save_checkpoint(tmp_path, extra={"note": "half way"}) == 2
+    _, expected, root = straight  # checkpointed after 2 of its steps
     other_partition = raypipe.PipelineConfig(num_stages=3, num_micro_batches=3, balance=[3, 2, 2])
     with raypipe.PipelineTrainer(make_mlp(seed=99), nn.functional.mse_loss, adamw, other_partition,
                                  lr_scheduler=warmup) as trainer:
-        extra = trainer.load_checkpoint(tmp_path)
+        extra = trainer.load_checkpoint(root)
         assert extra["note"] == "half way" and trainer.step_count == 2
         for x, y in data[2:]:
             trainer.step(x, y)
         assert_parameters_match(trainer.state_dict(), expected)
 
 
-def test_loading_without_a_checkpoint_names_the_directory(ray_cluster, tmp_path):
-    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
-    with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, adamw, config) as trainer:
-        with pytest.raises(FileNotFoundError, match=str(tmp_path)):
-            trainer.load_checkpoint(tmp_path)
+def test_a_damaged_checkpoint_file_raises_a_checkpoint_error_naming_it(trainer, tmp_path):
+    x, y = batches()[0]
+    trainer.step(x, y)
+    step = trainer.save_checkpoint(tmp_path)
+    before = trainer.state_dict()
+    damaged = tmp_path / f"step_{step:08d}" / "layer_00004.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, still a zip file
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(raypipe.CheckpointError, match="layer_00004.pt is damaged") as error:
+        trainer.load_checkpoint(tmp_path)
+    assert error.value.path == str(damaged)
+    damaged.unlink()
+    with pytest.raises(raypipe.CheckpointError, match="layer_00004.pt is listed in its manifest but missing"):
+        trainer.load_checkpoint(tmp_path, step=step)
+    assert_parameters_match(trainer.state_dict(), before, rtol=0, atol=0)
 
 
-def test_a_damaged_checkpoint_file_raises_a_checkpoint_error_naming_it(ray_cluster, tmp_path):
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-        x, y = batches()[0]
-        trainer.step(x, y)
-        step = trainer.save_checkpoint(tmp_path)
-        before = trainer.state_dict()
-        damaged = tmp_path / f"step_{step:08d}" / "layer_00004.pt"
-        data = bytearray(damaged.read_bytes())
-        data[len(data) // 2] ^= 0x01  # same size, still a zip file
-        damaged.write_bytes(bytes(data))
-        with pytest.raises(raypipe.CheckpointError, match="layer_00004.pt is damaged") as error:
-            trainer.load_checkpoint(tmp_path)
-        assert error.value.path == str(damaged)
-        damaged.unlink()
-        with pytest.raises(raypipe.CheckpointError, match="layer_00004.pt is listed in its manifest but missing"):
-            trainer.load_checkpoint(tmp_path, step=step)
-        assert_parameters_match(trainer.state_dict(), before, rtol=0, atol=0)
-
-
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(ray_cluster, tmp_path, caplog):
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(trainer, tmp_path, caplog):
     data = batches()
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-        trainer.step(*data[0])
-        older = trainer.save_checkpoint(tmp_path)
-        expected = trainer.state_dict()
-        trainer.step(*data[1])
-        newest = trainer.save_checkpoint(tmp_path)
-        damaged = tmp_path / f"step_{newest:08d}" / "layer_00002.pt"
-        damaged.write_bytes(damaged.read_bytes()[:-7])  # truncated, as by a crash mid-copy
-        with caplog.at_level("WARNING", logger="raypipe"):
-            trainer.load_checkpoint(tmp_path)
-        assert trainer.step_count == older == 1
-        assert str(damaged) in caplog.text  # the warning names the bad file
-        assert_parameters_match(trainer.state_dict(), expected, rtol=0, atol=0)
-        with pytest.raises(raypipe.CheckpointError, match="layer_00002.pt") as error:
-            trainer.load_checkpoint(tmp_path, step=newest)  # asked for by step: no fallback
-        assert error.value.path == str(damaged)
-        # training on from the one before saves that step again: the damaged checkpoint is replaced
-        trainer.step(*data[1])
-        with caplog.at_level("WARNING", logger="raypipe"):
-            assert trainer.save_checkpoint(tmp_path) == newest
-        assert f"replacing the damaged checkpoint of step {newest}" in caplog.text
-        trainer.load_checkpoint(tmp_path, step=newest)
-        assert trainer.step_count == newest
+    start = trainer.step_count
+    trainer.step(*data[0])
+    older = trainer.save_checkpoint(tmp_path)
+    expected = trainer.state_dict()
+    trainer.step(*data[1])
+    newest = trainer.save_checkpoint(tmp_path)
+    damaged = tmp_path / f"step_{newest:08d}" / "layer_00002.pt"
+    damaged.write_bytes(damaged.read_bytes()[:-7])  # truncated, as by a crash mid-copy
+    with caplog.at_level("WARNING", logger="raypipe"):
+        trainer.load_checkpoint(tmp_path)
+    assert trainer.step_count == older == start + 1
+    assert str(damaged) in caplog.text  # the warning names the bad file
+    assert_parameters_match(trainer.state_dict(), expected, rtol=0, atol=0)
+    with pytest.raises(raypipe.CheckpointError, match="layer_00002.pt") as error:
+        trainer.load_checkpoint(tmp_path, step=newest)  # asked for by step: no fallback
+    assert error.value.path == str(damaged)
+    # training on from the one before saves that step again: the damaged checkpoint is replaced
+    trainer.step(*data[1])
+    with caplog.at_level("WARNING", logger="raypipe"):
+        assert trainer.save_checkpoint(tmp_path) == newest
+    assert f"replacing the damaged checkpoint of step {newest}" in caplog.text
+    trainer.load_checkpoint(tmp_path, step=newest)
+    assert trainer.step_count == newest
 
 
-def test_keep_last_keeps_only_the_newest_checkpoints(ray_cluster, tmp_path):
+def test_keep_last_keeps_only_the_newest_checkpoints(trainer, tmp_path):
     from raypipe.checkpoint.store import list_checkpoints
 
-    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-        for x, y in batches()[:3]:
-            trainer.step(x, y)
-            trainer.save_checkpoint(tmp_path, keep_last=2)
-        assert list_checkpoints(tmp_path) == [2, 3]
-        with pytest.raises(ValueError, match="keep_last"):
-            trainer.save_checkpoint(tmp_path / "other", keep_last=0)
+    # loading from a folder without a checkpoint names the folder
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        trainer.load_checkpoint(tmp_path)
+    start = trainer.step_count
+    for x, y in batches()[:3]:
+        trainer.step(x, y)
+        trainer.save_checkpoint(tmp_path, keep_last=2)
+    assert list_checkpoints(tmp_path) == [start + 2, start + 3]
+    with pytest.raises(ValueError, match="keep_last"):
+        trainer.save_checkpoint(tmp_path / "other", keep_last=0)
 
 
-def test_a_checkpoint_of_another_model_names_the_stage_layer_and_tensor(ray_cluster, tmp_path, caplog):
+def test_a_checkpoint_of_another_model_names_the_stage_layer_and_tensor(straight, caplog):
+    _, _, tmp_path = straight  # make_mlp()'s checkpoint, of step 2
+    step = 2
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, balance=[3, 4])
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-        step = trainer.save_checkpoint(tmp_path)
     other_head = make_mlp(seed=1)
     other_head[6] = nn.Linear(16, 5)  # stage 1's last layer: (5, 16) where the checkpoint has (4, 16)
     with raypipe.PipelineTrainer(other_head, nn.functional.mse_loss, adamw, config) as trainer:

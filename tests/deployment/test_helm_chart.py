@@ -303,6 +303,18 @@ def test_entrypoint_passes_the_schedule(chart) -> None:
     assert schema["properties"]["training"]["properties"]["schedule"]["enum"] == list(SCHEDULES)
 
 
+def test_entrypoint_passes_tensor_parallelism(chart) -> None:
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert "--tensor-parallel" not in flags and "--sequence-parallel" not in flags  # t = 1, train_7b.py's default
+    overrides = {"training": {"stages": 2, "tensorParallel": 4, "snapshotEvery": 0}}
+    _command, flags = entrypoint_flags(only(render(chart, overrides), "RayJob"))
+    assert flags["--tensor-parallel"] == ["4"] and "--sequence-parallel" not in flags  # null: on at t > 1
+    for value, flag in ((True, "--sequence-parallel"), (False, "--no-sequence-parallel")):
+        overrides["training"]["sequenceParallel"] = value
+        _command, flags = entrypoint_flags(only(render(chart, overrides), "RayJob"))
+        assert flags[flag] == []
+
+
 def test_entrypoint_passes_pack(chart) -> None:
     _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
     assert "--pack" not in flags  # off by default, as in train_7b.py
@@ -643,6 +655,17 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_json(chart) -> None:
             {"training": {"stages": 24}, "gpuWorkers": {"maxReplicas": 2}}, helm_python.HelmRenderError,
             "training.stages=24 x training.replicas=1 needs 24 GPUs, but gpuWorkers.maxReplicas=2 pods x 8 GPUs",
             id="more-stages-than-gpus",
+        ),
+        pytest.param(
+            {"training": {"stages": 4, "tensorParallel": 8}, "gpuWorkers": {"maxReplicas": 2}},
+            helm_python.HelmRenderError,
+            "training.stages=4 x training.tensorParallel=8 x training.replicas=1 needs 32 GPUs, but "
+            "gpuWorkers.maxReplicas=2 pods x 8 GPUs", id="more-tensor-parallel-stages-than-gpus",
+        ),
+        pytest.param(
+            {"training": {"tensorParallel": 16}}, helm_python.HelmRenderError,
+            "training.tensorParallel=16 keeps a stage's workers on one pod, but a pod has 8 GPUs",
+            id="tensor-parallel-beyond-a-pod",
         ),
         pytest.param(
             {"training": {"stages": 8, "replicas": 3}, "gpuWorkers": {"maxReplicas": 2}}, helm_python.HelmRenderError,

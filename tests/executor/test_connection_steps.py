@@ -59,30 +59,6 @@ def snapshot_of_step(taken: list, step: int, stage: int) -> dict:
     return ray.get(snapshot.refs[stage])
 
 
-def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_is_its_own_steps_state(ray_cluster, snapshots_taken):
-    torch.manual_seed(0)
-    layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4)]
-    reference = nn.Sequential(*copy.deepcopy(layers))
-    reference_optimizer = adamw(reference.parameters())
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1])
-    assert config.snapshot_every == 1 and config.step_calls == "connections"
-    batches = random_batches(8, steps=3)
-    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
-        results = [trainer.step(x, y) for x, y in batches]
-        snapshot = snapshot_of_step(snapshots_taken, 2, stage=1)  # stage 1: the slow layer
-    for x, y in batches[:2]:
-        reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
-    # stage 1 holds layer 2 at its position 0: the state after step 2, not a mix with step 3
-    expected = {name.split(".", 1)[1]: value for name, value in reference.state_dict().items() if name.startswith("2.")}
-    assert_parameters_match({name.split(".", 1)[1]: value for name, value in snapshot["layers"].items()}, expected)
-    assert snapshot["commits"] == 2
-    # the third step's commit on stage 1 waited for the snapshot of the second
-    gates = [event for event in results[2].timeline if event.op == "gate" and event.stage == 1]
-    assert len(gates) == 1 and gates[0].end - gates[0].start > SNAPSHOT_SECONDS / 4, results[2].timeline
-    commit = next(event for event in results[2].timeline if event.op == "optimizer" and event.stage == 1)
-    assert commit.start >= gates[0].end
-
-
 @pytest.mark.cluster
 def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapshot_before(ray_cluster):
     torch.manual_seed(0)
@@ -163,7 +139,10 @@ class Scaled(nn.Module):
 
 
 @pytest.mark.parametrize("buffer", ["saved", "not saved"])
-def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(ray_cluster, buffer, snapshots_taken):
+def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_only_saved_buffers_its_first_forward(
+        ray_cluster, buffer, snapshots_taken):
+    """The snapshot of step 2 on the slow stage is still being copied out when step 3 reaches its
+    commit: the commit waits for it, and it is the state after step 2 (not a mix with step 3)."""
     torch.manual_seed(0)
     # a forward updates BatchNorm's running statistics, which a snapshot copies: it must wait
     last = nn.BatchNorm1d(4) if buffer == "saved" else Scaled(4)
@@ -172,6 +151,7 @@ def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(
     reference = nn.Sequential(*copy.deepcopy(layers))
     reference_optimizer = adamw(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 3])
+    assert config.snapshot_every == 1 and config.step_calls == "connections"
     batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
         results = [trainer.step(x, y) for x, y in batches]
@@ -179,9 +159,15 @@ def test_only_saved_buffers_hold_the_next_steps_first_forward_behind_a_snapshot(
     for x, y in batches[:2]:
         reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
     expected = {name[2:]: value for name, value in reference.state_dict().items() if name[0] in "234"}
+    # stage 1 holds layers 2-4 at its positions 0-2: the state after step 2, not a mix with step 3
     assert_parameters_match({name.split(".", 1)[1]: value for name, value in snapshot["layers"].items()}, expected)
+    assert snapshot["commits"] == 2
     events = [event for event in results[2].timeline if event.stage == 1]
     [gate] = [event for event in events if event.op == "gate"]
+    # the third step's commit on stage 1 waited for the snapshot of the second
+    assert gate.end - gate.start > SNAPSHOT_SECONDS / 4, events
+    commit = next(event for event in events if event.op == "optimizer")
+    assert commit.start >= gate.end
     first_forward = next(event for event in events if event.op.startswith("F"))
     if buffer == "saved":
         assert first_forward.start >= gate.end, events

@@ -5,6 +5,7 @@ import copy
 import math
 
 import pytest
+import ray
 import torch
 from torch import nn
 
@@ -77,11 +78,18 @@ def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replica
         assert [(w.replica, w.stage) for w in trainer.workers] == [
             (r, s) for r in range(num_replicas) for s in range(num_stages)]
         assert len({w.pid for w in trainer.workers}) == num_replicas * num_stages
+        # each replica has its own PACK placement group
+        live = [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+        assert sorted((pg["strategy"], len(pg["bundles"])) for pg in live) == [("PACK", num_stages)] * num_replicas
+        # a global batch smaller than the step's micro-batches (of every replica) is refused, changing nothing
+        count = num_replicas * num_micro_batches
+        with pytest.raises(ValueError, match=f"smaller than the step's {count} micro-batches"):
+            trainer.step(torch.ones(count - 1, 8), torch.ones(count - 1, 4))
         _assert_steps_match_one_process(trainer, reference, config)
         # every replica evaluates its block with its own weights: equal only if all replicas stepped alike
         x, y = batches(seed=9)[0]
-        count = num_replicas * num_micro_batches
         assert trainer.evaluate(x, y) == pytest.approx(reference_loss(reference, x, y, count), rel=1e-5)
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
 @pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer", [(3, 2, 2, True)], ids=_ids)
@@ -99,7 +107,9 @@ def test_replicas_match_one_process_on_the_global_batch_in_process(num_replicas,
             assert_bitwise_equal(ours.layers.state_dict(), theirs.layers.state_dict())
 
 
-def test_an_overflow_in_one_replica_skips_the_step_on_every_worker(ray_cluster):
+# the replicas' statistics are summed over the real group each step on Ray (every cell above, clipping or
+# not); which decision every worker takes from them is arithmetic: through the step runner in one process
+def test_an_overflow_in_one_replica_skips_the_step_on_every_worker():
     layers = [OverflowOnMarker(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=2, precision="fp16",
                                     initial_loss_scale=4.0, balance=[2, 2])
@@ -107,15 +117,16 @@ def test_an_overflow_in_one_replica_skips_the_step_on_every_worker(ray_cluster):
     x, y = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
     marked = x.clone()
     marked[6, 0] = 1e4  # micro-batch 3 of 4: replica 1's second
-    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
-        before = trainer.state_dict()
-        before_eval = trainer.evaluate(x, y)
-        result = trainer.step(marked, y)
-        assert (result.skipped, result.skip_reason, result.loss_scale) == (True, "overflow", 4.0)
-        assert trainer.scaler.scale == 2.0 and math.isfinite(result.loss)
-        assert_bitwise_equal(before, trainer.state_dict())
-        assert trainer.evaluate(x, y) == before_eval  # replica 1 did not step either
-        assert not trainer.step(x, y).skipped
+    trainer = InterpretedTrainer(layers, nn.functional.mse_loss, adamw, config)
+    before = trainer.state_dict()
+    every_before = [copy.deepcopy(worker.layers.state_dict()) for worker in trainer.pipeline.workers]
+    result = trainer.step(marked, y)
+    assert (result.skipped, result.skip_reason, result.loss_scale) == (True, "overflow", 4.0)
+    assert trainer.scaler.scale == 2.0 and math.isfinite(result.loss)
+    assert_bitwise_equal(before, trainer.state_dict())
+    # replica 1 did not step either (on Ray: its evaluation, with its own weights, is as before)
+    assert_bitwise_equal(every_before, [worker.layers.state_dict() for worker in trainer.pipeline.workers])
+    assert not trainer.step(x, y).skipped
 
 
 class FailOnMarker(nn.Module):
@@ -140,25 +151,13 @@ def test_a_failure_in_one_replica_names_it_and_no_worker_steps(ray_cluster):
         assert not trainer.step(x, y).skipped  # the group was re-formed
 
 
-def test_each_replica_has_its_own_pack_placement_group(ray_cluster):
-    import ray
-
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, num_replicas=2)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config):
-        live = [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
-        assert sorted((pg["strategy"], len(pg["bundles"])) for pg in live) == [("PACK", 2), ("PACK", 2)]
-    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-
-
-def test_replicas_need_the_per_step_executor(ray_cluster):
+# (each replica's own PACK placement group, and a global batch smaller than the step's micro-batches of
+# every replica: test_replicas_match_one_process_on_the_global_batch, on the trainers it starts)
+def test_replicas_need_the_per_step_executor():
     with pytest.raises(ConfigError, match="num_replicas=2 runs on the per-step executor only"):
         raypipe.PipelineConfig(num_stages=1, num_replicas=2, transport="object_store").validate()
     with pytest.raises(ConfigError, match="invalid num_replicas=0"):
         raypipe.PipelineConfig(num_replicas=0).validate()
-    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1, num_replicas=2)
-    with raypipe.PipelineTrainer([nn.Linear(2, 2)], nn.functional.mse_loss, adamw, config) as trainer:
-        with pytest.raises(ValueError, match="smaller than the step's 2 micro-batches"):
-            trainer.step(torch.ones(1, 2), torch.ones(1, 2))
 
 
 def _trained(config, steps, root=None, load=None):

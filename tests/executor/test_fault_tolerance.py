@@ -2,9 +2,18 @@
 
 Real failures, injected from the test: SIGKILL or SIGSTOP of a worker process
 (found by pid in ``trainer.workers``) at a seeded-random moment inside a step.
-Each run is compared with an uninterrupted run of the same layout: every
+Each run is compared with the uninterrupted run of the same layout: every
 step's loss and gradient norm, and at the end every parameter, optimizer and
-LR-scheduler state, bitwise.
+LR-scheduler state, bitwise. The uninterrupted run is the step runner's in
+process (:class:`tests.reference.InterpretedTrainer`: the workers' own
+``StepRunner`` over an in-memory channel), whose arithmetic a Ray run of every
+layout here repeats bit for bit, so no uninterrupted run starts a worker.
+
+Each fault class keeps a real-process cell here; what the controller decides and
+does around them, fault by fault and in compound faults, is checked without Ray
+by the fault-injection harness (tests/control/test_compound_faults.py,
+tests/control/test_controller.py) and the policy's own tests
+(tests/control/test_policy.py).
 """
 import contextlib
 import logging
@@ -13,7 +22,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -25,10 +34,12 @@ import raypipe
 from raypipe.errors import TooManyFailures
 from tests.executor.test_nonfinite import halving
 from tests.processes import seconds_until_gone
-from tests.reference import adamw, assert_bitwise_equal, checkpoint_state, make_mlp, random_batches
+from tests.reference import adamw, assert_bitwise_equal, checkpoint_state, in_process, make_mlp, random_batches
 
 STEPS, BATCH = 7, 12
 NUM_LAYERS = len(make_mlp())
+KILL, STOP = signal.SIGKILL, signal.SIGSTOP
+FOUND = {KILL: "died", STOP: "hung"}  # what the failure event says of a killed or a stopped worker
 
 
 def config(**overrides):
@@ -43,71 +54,85 @@ class Run:
     failures: list  # the failure events healed
     healed_seconds: list  # per step with a failure, its step time
     sources: list  # per heal, where the replacements' state came from
+    step_seconds: list  # every step's time
 
 
-def train(cfg, root, failures=None, signal_number=signal.SIGKILL, seed=0, inside_the_step=True) -> Run:
-    """STEPS steps; before each step in ``failures`` a timer sends ``signal_number``
-    to a seeded-random worker at a seeded-random moment of that step."""
-    chooser = random.Random(seed)
+def train(cfg, root, failures: Mapping[int, int] | None = None, seed=0, inside_the_step=True) -> Run:
+    """STEPS steps; before each step in ``failures`` (step: signal) a timer sends that
+    signal to a seeded-random worker at a seeded-random moment of that step."""
+    chooser, failures = random.Random(seed), failures or {}
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        results, healed_seconds, victims, seen = [], [], [], []
+        results, step_seconds, victims, seen = [], [], [], []
         for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
-            if step in (failures or ()):
+            if step in failures:
                 victim = chooser.choice(trainer.workers)
                 victims.append(victim.pid)
                 delay = chooser.uniform(0.0, 0.02)
                 if inside_the_step:
-                    threading.Timer(delay, os.kill, (victim.pid, signal_number)).start()
+                    threading.Timer(delay, os.kill, (victim.pid, failures[step])).start()
                 else:  # before the step: no survivor can end it
-                    os.kill(victim.pid, signal_number)
+                    os.kill(victim.pid, failures[step])
             start = time.monotonic()
             result = trainer.step(x, y)
-            if step in (failures or ()):
-                healed_seconds.append(time.monotonic() - start)
+            step_seconds.append(time.monotonic() - start)
             results.append((result.loss, result.grad_norm))
             seen += result.failures
             assert result.recovered == bool(result.failures)
         assert not {pid for pid in victims} & {w.pid for w in trainer.workers}, "a victim was not replaced"
         assert seen == trainer.failures  # each failure is reported by the step that healed it
-        return Run(results, checkpoint_state(trainer, root, NUM_LAYERS), list(trainer.failures), healed_seconds,
-                   [recovered.source for recovered in trainer.recoveries])
+        return Run(results, checkpoint_state(trainer, root, NUM_LAYERS), list(trainer.failures),
+                   [step_seconds[step] for step in sorted(failures)],
+                   [recovered.source for recovered in trainer.recoveries], step_seconds)
 
 
 _UNINTERRUPTED = {}
 
 
 def uninterrupted(cfg, tmp_path) -> Run:
-    """The run without failures. Snapshots and failure settings change no number, so
-    layouts that differ only in them share one (fewer trainer starts in the suite)."""
-    numerics = (cfg.num_stages, cfg.num_replicas, cfg.num_micro_batches, cfg.transport, cfg.shard_optimizer,
-                cfg.precision, cfg.schedule, cfg.virtual_stages)
+    """The run without failures, on the step runner in process (no worker to start): a
+    Ray run of each layout here gives its every bit (its transport and step calls, its
+    snapshots and failure settings change no number), so layouts that differ only in
+    them share one."""
+    numerics = (cfg.num_stages, cfg.num_replicas, cfg.num_micro_batches, cfg.shard_optimizer, cfg.precision,
+                cfg.schedule, cfg.virtual_stages)
     if numerics not in _UNINTERRUPTED:
-        _UNINTERRUPTED[numerics] = train(cfg, tmp_path / "uninterrupted")
+        with in_process(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+            results = [(result.loss, result.grad_norm)
+                       for result in (trainer.step(x, y) for x, y in random_batches(BATCH, STEPS))]
+            state = checkpoint_state(trainer, tmp_path / "uninterrupted", NUM_LAYERS)
+        _UNINTERRUPTED[numerics] = Run(results, state, [], [], [], [])
     return _UNINTERRUPTED[numerics]
 
 
-LAYOUTS = {  # name: (config, steps with a failure, where healed state comes from): 11 kills in all
-    "p2p-2-stages": (config(), (1, 3), "snapshot"),
-    # started by actor tasks, and a zero-bubble schedule of model chunks (zbv: two chunks a worker in a V, I and
-    # W ops) healed too (zb_h1 on Ray: tests/executor/test_equivalence.py)
-    "p2p-2-stages-tasks-zbv": (config(step_calls="tasks", schedule="zbv", virtual_stages=2), (2,), "snapshot"),
-    "p2p-3-stages": (config(num_stages=3), (1, 4), "snapshot"),
-    "object-store-3-stages": (config(num_stages=3, transport="object_store"), (0, 3), "snapshot"),
-    # inside a step with replicas: from the sibling, or from snapshots when survivors had ended it
-    "p2p-2-replicas": (config(num_replicas=2, num_micro_batches=2), (2,), ""),
-    # ZeRO-1 in bf16: each worker alone holds its optimizer shard and fp32 main weights
+# name: (config, {step: the signal sent inside it}, where healed state comes from): 6 kills and 2 stops in all,
+# one real-process cell for each fault class (the name's length seeds which worker and when)
+LAYOUTS = {
+    # the per-step executor over connections: a kill, then a stop, found by the heartbeat
+    "p2p-2-stages": (config(), {1: KILL, 4: STOP}, "snapshot"),
+    # a middle worker of 3 killed, then a stop, with the steps started by actor tasks (whose hang the driver
+    # sees on task results, not connections) and a zero-bubble schedule of model chunks (zbv: two chunks a
+    # worker in a V, I and W ops; zb_h1 on Ray: tests/executor/test_equivalence.py)
+    "p2p-3-stages-tasks-zbv-v2": (config(num_stages=3, step_calls="tasks", schedule="zbv", virtual_stages=2),
+                                  {2: KILL, 4: STOP}, "snapshot"),
+    # the per-op executor (the path of the object store, gloo and NCCL transports): the first step, a middle stage
+    "object-store-3-stages": (config(num_stages=3, transport="object_store"), {0: KILL, 3: KILL}, "snapshot"),
+    # inside a step with replicas, ZeRO-1 in bf16: each worker alone holds its optimizer shard and fp32 main
+    # weights, so every worker goes back to the snapshot
     "p2p-2-replicas-zero1-bf16": (config(num_replicas=2, num_micro_batches=2, shard_optimizer=True, precision="bf16"),
-                                  (2,), "snapshot"),
+                                  {2: KILL}, "snapshot"),
     # without snapshots the replacement copies the same stage of the other replica; killed before
     # the step, since a kill landing after the survivors ended it needs a snapshot to roll them back
-    "p2p-2-replicas-from-sibling": (config(num_replicas=2, num_micro_batches=2, snapshot_every=0), (1, 4),
+    # (which of the two a kill inside a step with replicas and snapshots takes is the policy's,
+    # tests/control/test_policy.py; the heal from a sibling with snapshots on, tests/control/test_controller.py)
+    "p2p-2-replicas-from-sibling": (config(num_replicas=2, num_micro_batches=2, snapshot_every=0), {1: KILL},
                                     "replica"),
 }
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tmp_path, layout, caplog):
+def test_a_random_worker_killed_or_stopped_inside_a_step_is_replaced_and_changes_no_bit(
+        ray_cluster, tmp_path, layout, caplog):
     cfg, failures, source = LAYOUTS[layout]
     expected = uninterrupted(cfg, tmp_path)
     caplog.set_level(logging.INFO, logger="raypipe")
@@ -119,63 +144,35 @@ def test_sigkill_of_a_random_worker_inside_a_step_changes_no_bit(ray_cluster, tm
         "controller starting -> running",
         *["controller running -> healing", "controller healing -> running"] * len(failures),
         "controller running -> stopped"], transitions
-    # one failure event per kill (a kill landing just after a step is found by the next one)
-    assert len(killed.failures) == len(failures) and all("died" in failure for failure in killed.failures)
+    # one failure event per signal (one landing just after a step is found by the next one): a killed
+    # worker died, a stopped one is declared hung
+    assert len(killed.failures) == len(failures), killed.failures
+    sent = [failures[step] for step in sorted(failures)]
+    assert all(FOUND[each] in failure for each, failure in zip(sent, killed.failures)), killed.failures
     assert all(healed_from.startswith(source) for healed_from in killed.sources), killed.sources
     assert killed.results == expected.results  # every step returned, with the same loss and norm
     assert_bitwise_equal(expected.state, killed.state)
-    print(f"{layout}: kill to step done {[round(s, 1) for s in killed.healed_seconds]} s")
+    if STOP in failures.values():  # a stopped worker is not waited for p2p_timeout_s (300 s)
+        assert max(killed.step_seconds) < 120, killed.step_seconds
+    print(f"{layout}: signal to step done {[round(s, 1) for s in killed.healed_seconds]} s")
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("step_calls", ["connections", "tasks"])
-def test_a_stopped_worker_is_declared_hung_and_replaced(ray_cluster, tmp_path, step_calls):
-    cfg = config(step_calls=step_calls)
-    expected = uninterrupted(cfg, tmp_path)
-    start = time.monotonic()
-    stopped = train(cfg, tmp_path / "stopped", failures=(2,), signal_number=signal.SIGSTOP)
-    assert len(stopped.failures) == 1 and "hung" in stopped.failures[0], stopped.failures
-    assert stopped.results == expected.results
-    assert_bitwise_equal(expected.state, stopped.state)
-    assert time.monotonic() - start < 120
-
-
-@pytest.mark.cluster
-@pytest.mark.parametrize("signal_number,found", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "hung")],
-                         ids=["kill", "hang"])
 def test_under_nccls_emulation_a_killed_or_stopped_worker_is_healed_by_aborting_the_survivor(
-        ray_cluster, tmp_path, monkeypatch, signal_number, found):
+        ray_cluster, tmp_path, monkeypatch):
     """Under NCCL's emulation (RAYPIPE_EMULATE_NCCL=1, raypipe.comm.nccl_emulation) no
     transfer raises when a peer goes: only the driver's abort releases the survivor,
     within seconds, and the run still matches the uninterrupted one (on gloo) bitwise."""
     cfg = config()
     expected = uninterrupted(cfg, tmp_path)
     monkeypatch.setenv("RAYPIPE_EMULATE_NCCL", "1")
-    run = train(cfg, tmp_path / "emulated", failures=(2,), signal_number=signal_number, seed=3)
-    assert len(run.failures) == 1 and found in run.failures[0], run.failures
+    run = train(cfg, tmp_path / "emulated", failures={2: KILL, 4: STOP}, seed=3)
+    assert len(run.failures) == 2 and "died" in run.failures[0] and "hung" in run.failures[1], run.failures
     assert run.results == expected.results
     assert_bitwise_equal(expected.state, run.state)
-    assert run.healed_seconds[0] < 60 < cfg.p2p_timeout_s  # without the abort: p2p_timeout_s (300 s) at least
-    print(f"emulated NCCL, {found}: failure to step done {run.healed_seconds[0]:.1f} s")
-
-
-@pytest.mark.cluster
-def test_a_trainer_with_a_hung_worker_shuts_down_within_its_hang_timeout(ray_cluster):
-    """Shutdown does not wait on a hung worker's call or its leaving the group for more than
-    ``hang_timeout_s`` (it waited ``p2p_timeout_s``, 300 s, before), and the worker is gone."""
-    x, y = random_batches(BATCH, 1)[0]
-    trainer = raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config())
-    hung = trainer.workers[1].pid
-    try:
-        trainer.step(x, y)
-        os.kill(hung, signal.SIGSTOP)
-        start = time.monotonic()
-        trainer.shutdown()
-        assert time.monotonic() - start < config().hang_timeout_s + 10
-        seconds_until_gone(hung)  # SIGKILLed after the raylet's grace (1 s)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(hung, signal.SIGKILL)
+    # without the abort: p2p_timeout_s (300 s) at least
+    assert all(seconds < 60 < cfg.p2p_timeout_s for seconds in run.healed_seconds), run.healed_seconds
+    print(f"emulated NCCL, died then hung: failure to step done {[round(s, 1) for s in run.healed_seconds]} s")
 
 
 @pytest.mark.cluster
@@ -289,10 +286,16 @@ class Sleep(nn.Module):
 
 
 @pytest.mark.cluster
-def test_a_worker_killed_or_stopped_before_evaluate_is_healed_and_evaluate_answers(ray_cluster):
+def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_read_or_saved(ray_cluster, tmp_path):
+    """A worker killed or stopped after a step, before evaluate, then before the state is read
+    or saved (the state of the run's last step, bitwise), then a hung one at shutdown: one
+    trainer through all of them, each loss found by the call that meets it."""
     (x, y), = random_batches(BATCH, 1)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config()) as trainer:
+    trainer = raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(), lr_scheduler=halving)
+    hung = None
+    try:
         trainer.step(x, y)
+        # before evaluate: evaluate answers as before, once healed
         expected = trainer.evaluate(x, y)
         os.kill(trainer.workers[1].pid, signal.SIGKILL)
         assert trainer.evaluate(x, y) == expected
@@ -300,27 +303,33 @@ def test_a_worker_killed_or_stopped_before_evaluate_is_healed_and_evaluate_answe
         os.kill(trainer.workers[0].pid, signal.SIGSTOP)  # a hang is found by the heartbeat
         assert trainer.evaluate(x, y) == expected
         assert len(trainer.failures) == 2 and "stage 0 hung" in trainer.failures[1], trainer.failures
-        assert trainer.step(x, y).loss > 0
-
-
-@pytest.mark.cluster
-def test_a_worker_lost_after_the_last_step_is_healed_before_its_state_is_read_or_saved(ray_cluster, tmp_path):
-    """The state after a run's last step, read or saved after a worker died or hung, is that step's, bitwise."""
-    (x, y), = random_batches(BATCH, 1)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(), lr_scheduler=halving) as trainer:
-        trainer.step(x, y)
+        # after the last step: the state read or saved is that step's, bitwise
         parameters = trainer.state_dict()
         saved = checkpoint_state(trainer, tmp_path / "before", NUM_LAYERS)
         victim = trainer.workers[1].pid
         os.kill(victim, signal.SIGKILL)
         seconds_until_gone(victim)
         assert_bitwise_equal(parameters, trainer.state_dict())
-        assert len(trainer.failures) == 1 and "during state_dict" in trainer.failures[0], trainer.failures
+        assert len(trainer.failures) == 3 and "during state_dict" in trainer.failures[2], trainer.failures
         os.kill(trainer.workers[0].pid, signal.SIGSTOP)
         assert_bitwise_equal(saved, checkpoint_state(trainer, tmp_path / "after", NUM_LAYERS))
-        assert len(trainer.failures) == 2, trainer.failures
-        assert "stage 0 hung" in trainer.failures[1] and "before a checkpoint save" in trainer.failures[1]
-        assert len(trainer.recoveries) == 2
+        assert len(trainer.failures) == 4, trainer.failures
+        assert "stage 0 hung" in trainer.failures[3] and "before a checkpoint save" in trainer.failures[3]
+        assert len(trainer.recoveries) == 4
+        assert trainer.step(x, y).loss > 0
+        # shutdown does not wait on a hung worker's call or its leaving the group for more than
+        # hang_timeout_s (it waited p2p_timeout_s, 300 s, before), and the worker is gone
+        hung = trainer.workers[1].pid
+        os.kill(hung, signal.SIGSTOP)
+        start = time.monotonic()
+        trainer.shutdown()
+        assert time.monotonic() - start < config().hang_timeout_s + 10
+        seconds_until_gone(hung)  # SIGKILLed after the raylet's grace (1 s)
+    finally:
+        trainer.shutdown()
+        if hung is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGKILL)
 
 
 @pytest.mark.cluster

@@ -17,7 +17,8 @@ from torch import nn
 
 import raypipe
 from raypipe import NonFiniteError
-from tests.reference import ReplaceGradientIf, assert_bitwise_equal, checkpoint_state, make_mlp
+from tests.reference import (InterpretedTrainer, ReplaceGradientIf, assert_bitwise_equal, checkpoint_state,
+                             make_mlp)
 
 BATCH, MICRO_BATCHES = 6, 3
 NUM_LAYERS = 7  # make_mlp()
@@ -42,26 +43,34 @@ def poisoned(x):
     return x
 
 
-# Each precision and each policy (p2p); the per-op executor once, under fp16's skip: both decide with
+# Each policy on p2p, fp32 and bf16; the per-op executor once, under fp16's skip: both decide with
 # core.step_decision.decide_step and raise in the trainer, and differ only in who gathers the stages'
 # statistics (fp16: the case that also moves the loss scale; its raise at the floor is tested below).
+# The raise on a NaN is the trainer's, whatever the precision (bf16's below; fp16's decision, "nonfinite"
+# and not an overflow, is tests/core/test_step_decision.py's and the in-process matrix's; fp16 with
+# nonfinite="raise" on p2p: test_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor).
 # Every precision under skip (fp16's on the per-step executor among them), with and without clipping, runs
 # the same step runner in one process with the same checks (skipped, NaN loss, every worker's weights and
 # optimizer state bitwise as before, the next clean step the uninterrupted run's):
 # tests/testing/test_op_interpreter.py.
-CASES = [("p2p", "fp32", None, "skip"), ("p2p", "bf16", 1.0, "raise"), ("p2p", "fp16", 1.0, "raise"),
-         ("object_store", "fp16", None, "skip")]
+CASES = [("p2p", "fp32", None, "skip"), ("p2p", "bf16", 1.0, "raise"), ("object_store", "fp16", None, "skip")]
 
 
 @pytest.mark.parametrize("transport,precision,clip,policy", CASES)
 def test_a_nan_step_changes_nothing(ray_cluster, tmp_path, transport, precision, clip, policy):
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES, precision=precision,
                                     clip_grad_norm=clip, nonfinite=policy, transport=transport)
-    model = make_mlp()
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
+    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
         trainer.step(*batch(1))  # optimizer and scheduler have state
-        before = checkpoint_state(trainer, tmp_path / "before", NUM_LAYERS)
+        # the uninterrupted run first: its second step's loss and state, without the poisoned batch; then the
+        # same trainer back at the first step (weights, optimizer, scheduler and loss scale, bitwise)
+        trainer.save_checkpoint(tmp_path / "first")
         x, y = batch(2)
+        uninterrupted = trainer.step(x, y)
+        expected_loss, expected_state = uninterrupted.loss, trainer.state_dict()
+        trainer.load_checkpoint(tmp_path / "first")
+        assert trainer.step_count == 1
+        before = checkpoint_state(trainer, tmp_path / "before", NUM_LAYERS)
         if policy == "skip":
             result = trainer.step(poisoned(x), y)
             assert (result.skipped, result.skip_reason) == (True, "nonfinite")
@@ -74,24 +83,41 @@ def test_a_nan_step_changes_nothing(ray_cluster, tmp_path, transport, precision,
         assert_bitwise_equal(before, after)
         clean = trainer.step(x, y)  # training goes on, as if the poisoned batch never came
         state = trainer.state_dict()
-    expected_loss, expected_state = uninterrupted(model, config)
+    assert not uninterrupted.skipped
     assert not clean.skipped and clean.loss == expected_loss
     assert_bitwise_equal(expected_state, state)
 
 
-_UNINTERRUPTED = {}
+# what the trainer would raise on, fp16's under nonfinite="raise" with clipping: the step runner's decision, in
+# one process (the trainer raises NonFiniteError(step, decision.first_nonfinite_stage) for it, as for bf16's
+# above); the loss scale stays, and the next clean step is the uninterrupted run's
+def test_an_fp16_nan_step_is_nonfinite_and_changes_nothing_in_process():
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES, precision="fp16",
+                                    clip_grad_norm=1.0, nonfinite="raise")
+
+    def run(poison: bool):
+        trainer = InterpretedTrainer(make_mlp(), nn.functional.mse_loss, adamw, config)
+        trainer.step(*batch(1))  # the optimizer has state
+        x, y = batch(2)
+        if poison:
+            before = worker_states(trainer)
+            scale = trainer.scaler.scale
+            result = trainer.step(poisoned(x), y)
+            assert (result.skipped, result.skip_reason) == (True, "nonfinite") and math.isnan(result.loss)
+            assert trainer.pipeline.reports[0].decision.first_nonfinite_stage == 0  # what NonFiniteError names
+            assert trainer.scaler.scale == scale  # a NaN is no overflow: the loss scale stays
+            assert_bitwise_equal(before, worker_states(trainer))
+        return trainer.step(x, y), trainer.state_dict()
+
+    (clean, state), (expected, expected_state) = run(True), run(False)
+    assert not clean.skipped and clean.loss == expected.loss
+    assert_bitwise_equal(expected_state, state)
 
 
-def uninterrupted(model: nn.Module, config: raypipe.PipelineConfig) -> tuple[float, dict]:
-    """The second step's loss and the state after it, without the poisoned batch. The
-    policy changes no number of a clean step: cases that differ only in it share one run."""
-    numerics = (config.transport, config.precision, config.clip_grad_norm)
-    if numerics not in _UNINTERRUPTED:
-        with raypipe.PipelineTrainer(copy.deepcopy(model), nn.functional.mse_loss, adamw, config,
-                                     lr_scheduler=halving) as trainer:
-            trainer.step(*batch(1))
-            _UNINTERRUPTED[numerics] = trainer.step(*batch(2)).loss, trainer.state_dict()
-    return _UNINTERRUPTED[numerics]
+def worker_states(trainer: InterpretedTrainer) -> list:
+    """Every worker's weights and optimizer state (its step counts as tensors), copied."""
+    return [copy.deepcopy((worker.layers.state_dict(), worker.optimizer.state_dict()))
+            for worker in trainer.pipeline.workers]
 
 
 def _all_inf(grad):

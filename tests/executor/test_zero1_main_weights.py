@@ -53,9 +53,17 @@ def run(shard, tmp_path):
                 "balance": trainer.balance}
 
 
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory):
+    """The replicated run and the sharded one (each read, never changed, by the tests below), and the
+    folder that holds their checkpoints and exports."""
+    root = tmp_path_factory.mktemp("zero1")
+    return run(False, root), run(True, root), root
+
+
 @pytest.mark.timeout(300)
-def test_bf16_zero1_shards_main_weights_and_changes_no_bit(ray_cluster, tmp_path):
-    replicated, sharded = run(False, tmp_path), run(True, tmp_path)
+def test_bf16_zero1_shards_main_weights_and_changes_no_bit(runs):
+    replicated, sharded, tmp_path = runs
     # two replicas sum each gradient in one addition either way: every bit the same
     assert sharded["losses"] == replicated["losses"]
     assert_bitwise_equal(replicated["state"], sharded["state"])
@@ -86,18 +94,13 @@ def test_bf16_zero1_shards_main_weights_and_changes_no_bit(ray_cluster, tmp_path
 
 
 @pytest.mark.timeout(240)
-def test_a_bf16_zero1_checkpoint_loads_into_one_worker(ray_cluster, tmp_path):
-    batches = token_batches()
-    with raypipe.PipelineTrainer(llama_layers(LLAMA), llama_loss, adamw, config(shard=True)) as trainer:
-        for x, y in batches[:SAVED_AT]:
-            trainer.step(x, y)
-        trainer.save_checkpoint(tmp_path / "ckpt")
-        for x, y in batches[SAVED_AT:STEPS]:
-            trainer.step(x, y)
-        uninterrupted = trainer.state_dict()
+def test_a_bf16_zero1_checkpoint_loads_into_one_worker(runs):
+    # the sharded run saved after SAVED_AT steps and trained on uninterrupted to STEPS
+    _, sharded, root = runs
+    batches, uninterrupted = token_batches(), sharded["state"]
     with raypipe.PipelineTrainer(llama_layers(LLAMA), llama_loss, adamw,
                                  config(num_replicas=1, num_stages=1)) as trainer:
-        trainer.load_checkpoint(tmp_path / "ckpt")
+        trainer.load_checkpoint(root / "sharded-ckpt")
         assert trainer.step_count == SAVED_AT
         for x, y in batches[SAVED_AT:STEPS]:
             trainer.step(x, y)

@@ -8,9 +8,9 @@ from tests.reference import assert_mlp_run_matches_one_process
 
 
 def nodes_by_replica(workers: list) -> dict[int, set[str]]:
-    """Each replica's nodes, from ``WorkerInfo(replica, stage, node_id, pid)`` tuples."""
+    """Each replica's nodes, from ``WorkerInfo(replica, stage, node_id, pid, tp_rank)`` tuples."""
     nodes: dict[int, set[str]] = {}
-    for replica, _, node_id, _ in workers:
+    for replica, _, node_id, *_ in workers:
         nodes.setdefault(replica, set()).add(node_id)
     return nodes
 

@@ -88,14 +88,15 @@ Stage workers one worker pod holds: its GPUs with the 7b preset (a stage per GPU
 {{/*
 The GPU worker group's pods as JSON {"min", "max", "start"}. Unset gpuWorkers.minReplicas and
 maxReplicas follow training.replicas: the pods holding training.stages x min (max) replicas'
-stages and training.spareWorkers, ceil((stages x replicas + spares) / stages per pod); unset
+stages (training.tensorParallel workers each) and training.spareWorkers,
+ceil((stages x tensorParallel x replicas + spares) / workers per pod); unset
 gpuWorkers.replicas starts at the pods of max replicas, within [min, max].
 */}}
 {{- define "raypipe.workerPods" -}}
 {{- $w := .Values.gpuWorkers }}
 {{- $range := include "raypipe.replicaRange" . | fromJson }}
 {{- $perPod := int (include "raypipe.stagesPerPod" .) }}
-{{- $stages := int .Values.training.stages }}
+{{- $stages := mul (int .Values.training.stages) (int (.Values.training.tensorParallel | default 1)) }}
 {{- $spares := int (.Values.training.spareWorkers | default 0) }}
 {{- $needed := dict "min" 0 "max" 0 }}
 {{- if gt $perPod 0 }}
@@ -127,9 +128,13 @@ the values involved and what is allowed.
 {{- $pods := include "raypipe.workerPods" . | fromJson }}
 {{- if and (eq (toString .Values.training.preset) "7b") .Values.job.enabled }}
 {{- $range := include "raypipe.replicaRange" . | fromJson }}
-{{- $workers := mul (int .Values.training.stages) (int $range.max) }}
+{{- $tp := int (.Values.training.tensorParallel | default 1) }}
+{{- if gt $tp $gpus }}
+{{- fail (printf "training.tensorParallel=%d keeps a stage's workers on one pod, but a pod has %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu])" $tp $gpus) }}
+{{- end }}
+{{- $workers := mul (int .Values.training.stages) $tp (int $range.max) }}
 {{- if gt $workers (mul $gpus (int $pods.max)) }}
-{{- fail (printf "training.stages=%d x training.replicas%s=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (ternary ".max" "" $range.elastic) (int $range.max) $workers (int $pods.max) $gpus (mul $gpus (int $pods.max))) }}
+{{- fail (printf "training.stages=%d%s x training.replicas%s=%d needs %d GPUs, but gpuWorkers.maxReplicas=%d pods x %d GPUs (gpuWorkers.resources.limits[nvidia.com/gpu]) = %d" (int .Values.training.stages) (ternary (printf " x training.tensorParallel=%d" $tp) "" (gt $tp 1)) (ternary ".max" "" $range.elastic) (int $range.max) $workers (int $pods.max) $gpus (mul $gpus (int $pods.max))) }}
 {{- end }}
 {{- end }}
 {{- if or (gt (int $pods.min) (int $pods.start)) (gt (int $pods.start) (int $pods.max)) }}
@@ -166,7 +171,7 @@ the values involved and what is allowed.
 {{/* The training command: the flags of jobs/train_7b.py. */}}
 {{- define "raypipe.entrypoint" -}}
 {{- $t := .Values.training -}}
-python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ include "raypipe.replicasFlag" . }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }}{{ if and $t.schedule (ne $t.schedule "gpipe") }} --schedule {{ $t.schedule }}{{ end }}{{ if $t.virtualStages }} --virtual-stages {{ int $t.virtualStages }}{{ end }}{{ include "raypipe.balanceFlag" . }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }}{{ if and $t.boundaryShapes (ne $t.boundaryShapes "learned") }} --boundary-shapes {{ $t.boundaryShapes }}{{ end }}{{ if $t.spareWorkers }} --spare-workers {{ int $t.spareWorkers }}{{ end }} --hang-timeout {{ $t.hangTimeoutSeconds }} --replace-timeout {{ $t.replaceTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }}{{ if $t.pack }} --pack{{ end }} --checkpoint-dir {{ $t.checkpointDir }} --checkpoint-every {{ int $t.checkpointEvery }}
+python jobs/train_7b.py --preset {{ $t.preset }} --stages {{ int $t.stages }} --replicas {{ include "raypipe.replicasFlag" . }}{{ if $t.shardOptimizer }} --shard-optimizer{{ end }}{{ if and $t.schedule (ne $t.schedule "gpipe") }} --schedule {{ $t.schedule }}{{ end }}{{ if $t.virtualStages }} --virtual-stages {{ int $t.virtualStages }}{{ end }}{{ if gt (int ($t.tensorParallel | default 1)) 1 }} --tensor-parallel {{ int $t.tensorParallel }}{{ end }}{{ if eq (toString $t.sequenceParallel) "true" }} --sequence-parallel{{ else if eq (toString $t.sequenceParallel) "false" }} --no-sequence-parallel{{ end }}{{ include "raypipe.balanceFlag" . }} --max-failures {{ int $t.maxFailures }} --snapshot-every {{ int $t.snapshotEvery }}{{ if and $t.boundaryShapes (ne $t.boundaryShapes "learned") }} --boundary-shapes {{ $t.boundaryShapes }}{{ end }}{{ if $t.spareWorkers }} --spare-workers {{ int $t.spareWorkers }}{{ end }} --hang-timeout {{ $t.hangTimeoutSeconds }} --replace-timeout {{ $t.replaceTimeoutSeconds }} --micro-batches {{ int $t.microBatches }} --micro-batch-size {{ int $t.microBatchSize }} --seq-len {{ int $t.seqLen }} --steps {{ int $t.steps }} --data {{ $t.dataPath }}{{ if $t.pack }} --pack{{ end }} --checkpoint-dir {{ $t.checkpointDir }} --checkpoint-every {{ int $t.checkpointEvery }}
 {{- if gt (int $t.keepLast) 0 }} --keep-last {{ int $t.keepLast }}{{ end }} {{ if $t.resume }}--resume{{ else }}--no-resume{{ end }} --metrics-port {{ int $t.metricsPort }}
 {{- if $t.metricsHost }} --metrics-host {{ $t.metricsHost }}{{ end }}
 {{- range $t.extraArgs }} {{ . }}{{ end }}
