@@ -106,7 +106,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         the first join. A later one (the groups re-formed after a failed step, a heal or a
         resize) is refused: the split parameters, their optimizer state and the layers' hooks
         are bound to the first group's mesh, and re-binding them to a new one is not done yet."""
-        if self.config.tensor_parallel > 1 and self.tensor_mesh is not None:
+        if self.tensor_mesh is not None:  # split over the first group's mesh (there is one only at t > 1)
             raise NotImplementedError(
                 f"tensor_parallel={self.config.tensor_parallel}: the process groups cannot be re-formed yet (after a "
                 "failed step, a heal or a resize): the run cannot go on past a failure (issue 59)")

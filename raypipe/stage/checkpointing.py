@@ -28,8 +28,8 @@ from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimi
 
 class StageCheckpointing:
     """The state methods of :class:`~raypipe.stage.worker.StageWorker` (which has
-    the ``layers``, ``layer_indices``, ``weights``, ``optimizer``, ``scheduler``
-    and ``replica`` they read)."""
+    the ``layers``, ``layer_indices``, ``weights``, ``optimizer``, ``scheduler``,
+    ``replica`` and ``tensor_mesh`` they read)."""
 
     def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per global layer index, that layer's state on CPU: all of it, except (ZeRO-1
@@ -48,7 +48,7 @@ class StageCheckpointing:
         without = self.weights.without_main(position)
         layer = self.layers[position]
         # split over the tensor-parallel ranks: gathered whole (a collective every rank of the stage joins)
-        if getattr(self, "tensor_mesh", None) is not None:
+        if self.tensor_mesh is not None:
             from raypipe.models.tensor_parallel import full_state_dict  # DTensor: imported only where used
 
             state = full_state_dict(layer)
@@ -58,7 +58,7 @@ class StageCheckpointing:
 
     def _refuse_tensor_parallel(self, what: str) -> None:
         """Raise unless ``what`` (a state operation that reads or writes local shards) is done at t = 1."""
-        if getattr(self, "tensor_mesh", None) is not None:
+        if self.tensor_mesh is not None:
             raise NotImplementedError(f"{what} is not done with tensor_parallel={self.config.tensor_parallel} yet "
                                       "(issue 59: state_dict() is; loading, snapshots, checkpoints and export are not)")
 

@@ -3,7 +3,7 @@ elementwise if asked, squared L2 norm in fp32, whether any is inf/NaN), and the
 optimizer step a step's decision allows (clipped by the global norm first).
 
 With tensor parallelism a parameter is a DTensor: its gradient's statistics are those of
-the rank's local shard. A sharded parameter's squared norm is counted on every
+the rank's local part. A parameter split over the ranks has its squared norm counted on every
 tensor-parallel rank (the step's all-reduce sums the shards), a replicated one's (a plain
 tensor, or a ``Replicate`` DTensor: the same on every rank) on tensor-parallel rank 0 only."""
 from __future__ import annotations
@@ -25,11 +25,12 @@ def _is_dtensor(tensor: Any) -> bool:
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s local shard when it is a DTensor (sharing its storage: writes go through), else itself."""
-    return tensor._local_tensor if _is_dtensor(tensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
-def sharded(parameter: torch.Tensor) -> bool:
-    """Whether ``parameter`` is split over the tensor-parallel ranks (each holds a different part)."""
+def split_over_tensor_ranks(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is split over the tensor-parallel ranks (each holds a different part;
+    "sharded" is ZeRO-1's word, :mod:`raypipe.stage.zero`)."""
     if not _is_dtensor(parameter):
         return False
     from torch.distributed.tensor import Shard
@@ -44,7 +45,7 @@ def owned_grad_stats(owned: list[torch.nn.Parameter], loss: float | torch.Tensor
     and ``loss`` (the last stage's weighted loss sum, a float or a 0-d tensor, else None).
     The norm and a tensor loss are read in one go: on a GPU, the step's one host sync.
     ``tp_rank``: this worker's tensor-parallel rank; on a rank other than 0 the norm counts the
-    sharded parameters only, and the loss (the same on every rank) is None, so a sum over
+    parameters split over the ranks only, and the loss (the same on every rank) is None, so a sum over
     the stage's ranks counts each once."""
     if tp_rank != 0:
         loss = None
@@ -54,7 +55,7 @@ def owned_grad_stats(owned: list[torch.nn.Parameter], loss: float | torch.Tensor
         return StageGradStats(0.0, False, None if loss is None else float(loss))
     if inv_scale != 1.0:
         torch._foreach_mul_(grads, inv_scale)
-    counted = grads if tp_rank == 0 else [g for p, g in zip(present, grads) if sharded(p)]
+    counted = grads if tp_rank == 0 else [g for p, g in zip(present, grads) if split_over_tensor_ranks(p)]
     total = _norm(counted, grads[0].device)
     if isinstance(loss, torch.Tensor):
         norm, loss = torch.stack([total.double(), loss.to(total.device, torch.float64)]).tolist()
