@@ -238,7 +238,8 @@ class Controller:
         self.bundle = cluster.worker_bundle(config, self.use_gpu)
         try:
             placed, pending = cluster.reserve_between(config.min_replicas, config.max_replicas,
-                                                      [self.bundle] * (config.num_stages * config.tensor_parallel),
+                                                      [cluster.stage_bundle(self.bundle, config.tensor_parallel)]
+                                                      * config.num_stages,
                                                       config.placement_timeout_s)
             self.topology = Topology(config.num_stages, len(placed), config.tensor_parallel)
             if config.elastic:

@@ -58,6 +58,13 @@ def worker_bundle(config: PipelineConfig, use_gpu: bool) -> dict[str, float]:
     return bundle
 
 
+def stage_bundle(worker: dict[str, float], tensor_parallel: int) -> dict[str, float]:
+    """The bundle of one stage: its ``tensor_parallel`` workers' resources together, so that
+    Ray places them on one node (a bundle never spans nodes) and the stage's tensor-parallel
+    collectives stay on that node's interconnect. Each worker still asks for its own share."""
+    return {name: amount * tensor_parallel for name, amount in worker.items()}
+
+
 def reserve(num_pipelines: int, bundles: list[dict[str, float]], timeout_s: float) -> list[Any]:
     """One PACK placement group of ``bundles`` per pipeline replica (spread over nodes), all placed within
     ``timeout_s``; or a clear PlacementError naming what was asked and what the cluster has."""
@@ -81,10 +88,11 @@ def reserve_between(minimum: int, maximum: int, bundles: list[dict[str, float]],
         what, lower = ((f"{minimum} replica(s) (the elastic run's minimum)", "the minimum of num_replicas")
                        if minimum < maximum else (f"{minimum} replica(s)", "num_stages/num_replicas/cpus_per_stage"))
         raise PlacementError(
-            f"could not place {what} of {len(bundles)} stage(s) of {bundles[0]} each (PACK per replica) within "
-            f"{timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in total, "
-            f"{_resources(ray.available_resources())} available. Lower {lower}, add nodes, or raise "
-            "placement_timeout_s while the autoscaler adds them.")
+            f"could not place {what} of {len(bundles)} stage(s) of {bundles[0]} each (PACK per replica; a stage's "
+            f"bundle on one node) within {timeout_s:g}s: the cluster has {_resources(ray.cluster_resources())} in "
+            f"total, {_resources(ray.available_resources())} available, at most {_largest_node()} on one node. "
+            f"Lower {lower} (or tensor_parallel), add nodes, or raise placement_timeout_s while the autoscaler "
+            "adds them.")
     if len(placed) < maximum:
         placed, _ = ray.wait(waits, num_returns=maximum, timeout=grace_s)
     return ([group for group, ready in zip(groups, waits) if ready in placed],
@@ -129,6 +137,13 @@ def num_alive_nodes() -> int:
 def describe_available() -> str:
     """What the cluster has available now, for error messages."""
     return _resources(ray.available_resources())
+
+
+def _largest_node() -> str:
+    """The CPUs and GPUs of the live node with the most GPUs (then CPUs), for error messages."""
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    largest = max(nodes, key=lambda resources: (resources.get("GPU", 0.0), resources.get("CPU", 0.0)), default={})
+    return _resources({name: largest.get(name, 0.0) for name in ("CPU", "GPU") if name in largest})
 
 
 def _resources(resources: dict[str, float]) -> str:

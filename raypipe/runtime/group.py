@@ -64,7 +64,8 @@ class StageGroup:
         config's ``spare_workers`` itself (and stops them at :meth:`shutdown`)."""
         self._actor_class, self._specs, self._bundle = actor_class, list(specs), bundle
         num_replicas = 1 + max(spec.replica for spec in specs)
-        self._placements = placements or cluster.reserve(num_replicas, [bundle] * (len(specs) // num_replicas),
+        stage = cluster.stage_bundle(bundle, specs[0].config.tensor_parallel)  # a stage's t workers share its bundle
+        self._placements = placements or cluster.reserve(num_replicas, [stage] * specs[0].num_stages,
                                                          placement_timeout_s)
         # where each worker runs: its replica's bundle of its stage, or a spare's bundle it took
         self._where: list[Location] = [(self._placements[spec.replica], spec.bundle_index) for spec in specs]

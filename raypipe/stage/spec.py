@@ -46,9 +46,9 @@ class WorkerSpec:
 
     @property
     def bundle_index(self) -> int:
-        """The bundle of its replica's placement group this worker runs in: a stage's
-        ``tensor_parallel`` workers in adjacent bundles (a PACK group keeps them on one node)."""
-        return self.stage * self.config.tensor_parallel + self.tp_rank
+        """The bundle of its replica's placement group this worker runs in: its stage's, which
+        the stage's ``tensor_parallel`` workers share (so they run on one node)."""
+        return self.stage
 
     @property
     def block(self) -> range:

@@ -377,8 +377,8 @@ class StageWorker(StageCheckpointing):
                 clip_and_step(self.optimizer, self.scheduler, self._owned, self.config.clip_grad_norm,
                               decision.grad_norm)
             self.weights.refresh()
-            if share_parameters is not None:
-                share_parameters(self._compute_weights, self.ownership.owners)
+            if share_parameters is not None:  # a split parameter's replicas share its local shard
+                share_parameters(list(map(local_tensor, self._compute_weights)), self.ownership.owners)
         self._end_step()
 
     def add_event(self, event: OpEvent) -> None:

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a stage on Ray (PP x TP x DP): each stage's ``t`` workers split the
+"""Tensor parallelism inside a stage (PP x TP x DP): each stage's ``t`` workers split the
 LLaMA's planned layers over their tensor-parallel group, and the run trains as one process.
 
 The reference is this process: the same layers (the per-layer seeding builds the same initial
@@ -7,18 +7,24 @@ loop). Tensor parallelism changes the order of reductions, so each step's loss a
 gradient norm are compared within 1e-5 relative, and every parameter tensor after the steps
 within 1e-5 relative in norm, not bitwise. The LLaMA tiny preset is dropout-free; clipping bites.
 
-One Ray trainer per cell, three steps each, on the session's Ray instance (6 logical CPUs:
-up to 2 replicas x 1 stage or 1 replica x 2 stages at t = 2, plus 2 x 2 x 2 on a cluster of
-its own, marked ``cluster``).
+The matrix runs through :class:`tests.gloo_pipeline.GlooPipeline`: the Ray actors' class
+(the per-step worker: the step runner over the p2p channel) in forked processes joined in real
+gloo groups, no Ray (DTensor needs a process group per rank, so the threads of the in-process
+harness cannot run it). A real-Ray subset of six cells (the trainer, the driver's calls, the
+evaluation) runs on the session's Ray instance (6 logical CPUs: up to 2 replicas x 1 stage or
+1 replica x 2 stages at t = 2), plus 2 x 2 x 2 on a cluster of its own, marked ``cluster``.
+Three steps each.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import ray
 import torch
 from torch import nn
 
@@ -26,6 +32,7 @@ import raypipe
 from raypipe import ConfigError
 from raypipe.models.layers import build_layer
 from raypipe.models.llama import llama_layers, llama_loss
+from tests.gloo_pipeline import GlooPipeline
 from tests.reference import reference_step
 
 STEPS = 3
@@ -42,15 +49,23 @@ def adamw(params) -> torch.optim.AdamW:
     3 steps of this model; with eps=1e-3, by 1.5e-7. The state still carries over (m and v as DTensors)."""
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-3)
 
-# (replicas, stages, schedule, sequence_parallel)
-CELLS = [(1, 1, "gpipe", True), (1, 1, "1f1b", False), (1, 2, "gpipe", False), (1, 2, "1f1b", True),
-         (2, 1, "1f1b", True)]
+# (replicas, stages, schedule, sequence_parallel, other fields): the real-Ray subset
+CELLS = [(1, 1, "gpipe", True, {}), (1, 1, "1f1b", False, {}),
+         (1, 2, "zbv", False, {"activation_checkpoint": "always"}), (1, 2, "1f1b", True, {}),
+         (2, 1, "1f1b", True, {"shard_optimizer": True})]
 
 
 def _config(replicas: int, stages: int, schedule: str, sequence_parallel: bool) -> raypipe.PipelineConfig:
     return raypipe.PipelineConfig(num_stages=stages, num_micro_batches=2, num_replicas=replicas, schedule=schedule,
                                   tensor_parallel=2, sequence_parallel=sequence_parallel, clip_grad_norm=CLIP,
                                   snapshot_every=0)
+
+
+def _cell_config(replicas: int, stages: int, schedule: str, sequence_parallel: bool,
+                 fields: dict) -> raypipe.PipelineConfig:
+    """A cell's config: the chunked schedules with 2 chunks per worker."""
+    config = _config(replicas, stages, schedule, sequence_parallel).replace(**fields)
+    return config.replace(virtual_stages=2) if schedule in ("interleaved_1f1b", "zbv") else config
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,10 +77,16 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _reference(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor], float]:
     """Each step's (loss, pre-clip norm), the final state, and the first batch's loss after the
     steps, of one process on the same batches."""
-    model = nn.Sequential(*(build_layer(spec, index, config.seed) for index, spec in enumerate(llama_layers("tiny"))))
+    return _reference_of(config.num_micro_batches * config.max_replicas, config.clip_grad_norm, config.seed)
+
+
+@functools.cache
+def _reference_of(count: int, clip: float, seed: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor],
+                                                                float]:
+    """:func:`_reference` of a step split into ``count`` micro-batches (computed once: the cells share it)."""
+    model = nn.Sequential(*(build_layer(spec, index, seed) for index, spec in enumerate(llama_layers("tiny"))))
     optimizer = adamw(model.parameters())
-    count = config.num_micro_batches * config.max_replicas
-    steps = [reference_step(model, optimizer, llama_loss, x, y, count, config.clip_grad_norm) for x, y in _batches()]
+    steps = [reference_step(model, optimizer, llama_loss, x, y, count, clip) for x, y in _batches()]
     with torch.no_grad():
         evaluated = float(llama_loss(model(_batches()[0][0]), _batches()[0][1]))
     return steps, model.state_dict(), evaluated
@@ -74,8 +95,15 @@ def _reference(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]
 def run_cell(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor], float]:
     """Each step's (loss, pre-clip norm), the final whole state and the first batch's evaluated
     loss after the steps, of a Ray trainer."""
+    before = set(ray.util.placement_group_table())
     trainer = raypipe.PipelineTrainer(llama_layers("tiny"), llama_loss, adamw, config)
     try:
+        # one bundle per stage holding its t workers (a bundle never spans nodes), one group per replica
+        created = [group for key, group in ray.util.placement_group_table().items()
+                   if key not in before and group["state"] == "CREATED"]
+        assert len(created) == config.num_replicas, created
+        for group in created:
+            assert list(group["bundles"].values()) == [{"CPU": float(2 * config.cpus_per_stage)}] * config.num_stages
         steps = []
         for x, y in _batches():
             result = trainer.step(x, y)
@@ -85,9 +113,21 @@ def run_cell(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]],
         trainer.shutdown()
 
 
+def run_cell_in_processes(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor],
+                                                                   None]:
+    """:func:`run_cell` through :class:`GlooPipeline` (no evaluation: that is the driver's)."""
+    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
+        steps = []
+        for x, y in _batches():
+            result = pipeline.step(x, y)
+            steps.append((result.loss, result.grad_norm))
+        return steps, pipeline.state_dict(), None
+
+
 def _assert_matches_one_process(config, steps, state, evaluated) -> None:
     expected_steps, expected_state, expected_evaluated = _reference(config)
-    assert evaluated == pytest.approx(expected_evaluated, rel=TOLERANCE)
+    if evaluated is not None:
+        assert evaluated == pytest.approx(expected_evaluated, rel=TOLERANCE)
     for (loss, norm), (expected_loss, expected_norm) in zip(steps, expected_steps, strict=True):
         assert loss == pytest.approx(expected_loss, rel=TOLERANCE)
         assert norm == pytest.approx(expected_norm, rel=TOLERANCE)
@@ -98,11 +138,71 @@ def _assert_matches_one_process(config, steps, state, evaluated) -> None:
         assert float((state[key] - expected).norm()) <= TOLERANCE * float(expected.norm()), key
 
 
-@pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel", CELLS,
-                         ids=[f"d{d}-p{p}-t2-{s}-{'sp' if sp else 'nosp'}" for d, p, s, sp in CELLS])
-def test_tensor_parallel_steps_equal_one_process(ray_cluster, replicas, stages, schedule, sequence_parallel):
-    config = _config(replicas, stages, schedule, sequence_parallel)
+def _cell_id(replicas, stages, schedule, sequence_parallel, fields) -> str:
+    named = "".join(f"-{key}={value}" for key, value in fields.items())
+    return f"d{replicas}-p{stages}-t2-{schedule}-{'sp' if sequence_parallel else 'nosp'}{named}"
+
+
+@pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel, fields", CELLS,
+                         ids=[_cell_id(*cell) for cell in CELLS])
+def test_tensor_parallel_steps_equal_one_process(ray_cluster, replicas, stages, schedule, sequence_parallel, fields):
+    config = _cell_config(replicas, stages, schedule, sequence_parallel, fields)
     _assert_matches_one_process(config, *run_cell(config))
+
+
+# (replicas, stages): the issue's layouts at t = 2
+LAYOUTS = [(1, 1), (1, 2), (2, 2), (1, 3)]
+MATRIX = [(d, p, schedule, sp) for d, p in LAYOUTS for schedule in ("gpipe", "1f1b") for sp in (True, False)]
+
+
+@pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel", MATRIX,
+                         ids=[f"d{d}-p{p}-t2-{s}-{'sp' if sp else 'nosp'}" for d, p, s, sp in MATRIX])
+def test_tensor_parallel_steps_in_processes_equal_one_process(replicas, stages, schedule, sequence_parallel):
+    config = _config(replicas, stages, schedule, sequence_parallel)
+    _assert_matches_one_process(config, *run_cell_in_processes(config))
+
+
+# the other schedules (the chunked ones with 2 chunks per worker), recompute and ZeRO-1, each schedule on
+# every layout with more than one stage, recompute and sequence parallelism alternating over them:
+# (replicas, stages, schedule, sequence_parallel, other fields)
+OTHER_CELLS = [
+    (1, 2, "zb_h1", True, {}), (2, 2, "zb_h1", False, {"activation_checkpoint": "always", "shard_optimizer": True}),
+    (1, 3, "zb_h1", True, {"activation_checkpoint": "always"}),
+    (1, 2, "interleaved_1f1b", True, {"activation_checkpoint": "always"}),
+    (2, 2, "interleaved_1f1b", False, {}), (1, 3, "interleaved_1f1b", True, {}),
+    (1, 2, "zbv", False, {}), (2, 2, "zbv", True, {"activation_checkpoint": "always"}),
+    (1, 3, "zbv", False, {"activation_checkpoint": "always"}),
+    (1, 1, "1f1b", True, {"activation_checkpoint": "always"}),
+    (1, 2, "gpipe", False, {"activation_checkpoint": "except_last"}),
+    (1, 2, "1f1b", True, {"activation_checkpoint_segments": 2}), (2, 1, "1f1b", True, {"shard_optimizer": True}),
+]
+
+
+@pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel, fields", OTHER_CELLS,
+                         ids=[_cell_id(*cell) for cell in OTHER_CELLS])
+def test_every_schedule_recompute_and_zero1_at_t2_equal_one_process(replicas, stages, schedule, sequence_parallel,
+                                                                    fields):
+    config = _cell_config(replicas, stages, schedule, sequence_parallel, fields)
+    _assert_matches_one_process(config, *run_cell_in_processes(config))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_at_t2_stays_close_to_fp32(precision):
+    """bf16 (fp32 main weights) and fp16 (the global loss scale) at t = 2: their usual tolerances
+    against fp32 one process (tests/stage/test_precision.py's: losses within 1%, norms within 2%),
+    and the main weights stay fp32."""
+    config = _config(1, 2, "1f1b", True).replace(precision=precision)
+    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
+        results = [pipeline.step(x, y) for x, y in _batches()]
+        state = pipeline.state_dict()
+    expected_steps, expected_state, _ = _reference(config)
+    losses = [result.loss for result in results]
+    assert max(abs(low - full) / full for low, (full, _) in zip(losses, expected_steps)) > 1e-6  # it ran low
+    for result, (loss, norm) in zip(results, expected_steps, strict=True):
+        assert not result.skipped and result.loss == pytest.approx(loss, rel=0.01)
+        assert result.grad_norm == pytest.approx(norm, rel=0.02)
+        assert (result.loss_scale is not None) == (precision == "fp16")
+    assert {value.dtype for value in state.values()} == {torch.float32} and state.keys() == expected_state.keys()
 
 
 _OWN_CLUSTER = textwrap.dedent("""
@@ -132,10 +232,10 @@ def test_two_replicas_of_two_stages_at_t2_equal_one_process(tmp_path, schedule, 
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"schedule": "zb_h1"}, "schedule"), ({"precision": "bf16"}, "precision"),
-    ({"shard_optimizer": True, "num_replicas": 2}, "shard_optimizer"),
-    ({"activation_checkpoint": "always"}, "activation_checkpoint"), ({"snapshot_every": 1}, "snapshot_every"),
+    ({"offload_activations": True, "activation_checkpoint": "always"}, "offload_activations"),
+    ({"snapshot_every": 1}, "snapshot_every"),
     ({"num_replicas": (1, 2)}, "num_replicas"), ({"transport": "object_store"}, "transport"),
+    ({"spare_workers": 1}, "spare_workers"),
 ])
 def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name(change, field):
     config = raypipe.PipelineConfig(tensor_parallel=2, snapshot_every=0).replace(**change)
@@ -166,3 +266,31 @@ def test_a_sequence_that_sequence_parallelism_cannot_shard_is_refused_before_the
         with pytest.raises(ConfigError) as error:
             check_sequence_length(inputs, 2)
         assert str(error.value).splitlines()[0].startswith("invalid tensor_parallel=2: sequence parallelism shards")
+
+
+@pytest.mark.parametrize("schedule, sequence_parallel", [("1f1b", True), ("zb_h1", False)])
+def test_a_models_own_plan_and_a_replicated_layer_train_as_one_process(schedule, sequence_parallel):
+    """Not the LLaMA: a model of its own (tests/models/test_tensor_parallel.py's: a replicated input
+    projection, MLPs with their own plan, a replicated layer that mixes positions, a replicated head)
+    over 2 stages at t = 2, its plan a function of sequence parallelism; under sequence parallelism the
+    replicated layers see the whole sequence (gathered before them), so they train as one process."""
+    from tests.models.test_tensor_parallel import BYO_DIM, byo_stage, mlp_plan
+
+    layers = [spec for _, spec in byo_stage(mlp_plan)]
+    config = _config(1, 2, schedule, sequence_parallel).replace(balance=[2, 3])
+    generator = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(BATCH, SEQ_LEN, BYO_DIM, generator=generator),
+                torch.randn(BATCH, SEQ_LEN, 3, generator=generator)) for _ in range(STEPS)]
+    with GlooPipeline(layers, nn.functional.mse_loss, adamw, config) as pipeline:
+        results = [pipeline.step(x, y) for x, y in batches]
+        state = pipeline.state_dict()
+    model = nn.Sequential(*(build_layer(spec, index, config.seed) for index, spec in enumerate(layers)))
+    optimizer = adamw(model.parameters())
+    expected = [reference_step(model, optimizer, nn.functional.mse_loss, x, y, config.num_micro_batches, CLIP)
+                for x, y in batches]
+    for result, (loss, norm) in zip(results, expected, strict=True):
+        assert result.loss == pytest.approx(loss, rel=TOLERANCE)
+        assert result.grad_norm == pytest.approx(norm, rel=TOLERANCE)
+    assert state.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert float((state[key] - value).norm()) <= TOLERANCE * float(value.norm()), key

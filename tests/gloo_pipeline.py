@@ -1,0 +1,191 @@
+"""The per-step workers without Ray: every worker of a (d, p, t) layout is the class the Ray
+actors run (:class:`~raypipe.executor.per_step_worker.PerStepWorker`: the step runner over
+:class:`~raypipe.comm.p2p.P2PChannel`), in a process of its own, joined in real gloo groups
+(the pipeline's, the replicas' per (stage, tp_rank) and each stage's tensor-parallel group
+with its ``DeviceMesh``) exactly as on Ray. What Ray adds (placement, the driver's calls,
+the controller) is left out; what it computes is all there.
+
+The tensor-parallel exactness matrix runs here: DTensor needs a process group per rank, so
+the in-process harness (threads over an in-memory channel) cannot run ``t > 1``. The
+processes are forked from a forkserver that has imported torch and raypipe once, so a
+layout of 8 workers starts in well under a second of CPU instead of eight imports of torch
+(a Ray actor's start)."""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from ray import cloudpickle
+from torch import nn
+
+import raypipe
+from raypipe.control.elastic import replica_specs
+from raypipe.core.loss_scale import LossScaler
+from raypipe.core.micro_batches import count_samples, loss_weights, split_micro_batches
+from raypipe.core.partition import partition_by_cost, worker_chunks
+from raypipe.core.result import StepResult
+from raypipe.core.step_decision import OVERFLOW
+from raypipe.observability.step_report import build_step_result
+from raypipe.stage.spec import WorkerSpec
+
+_PRELOADED = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+              "raypipe.executor.per_step_worker", "raypipe.models.tensor_parallel", "raypipe.models.llama"]
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(_PRELOADED)
+JOIN_TIMEOUT_S = 60.0
+
+
+def _worker_main(spec_bytes: bytes, connection: multiprocessing.connection.Connection) -> None:
+    """One worker: build it from its spec, then answer ``(method, arguments)`` calls until ``None``."""
+    from raypipe.executor.per_step_worker import PerStepWorker
+
+    try:
+        worker = PerStepWorker(cloudpickle.loads(spec_bytes))
+        connection.send((True, None))
+    except BaseException:  # noqa: BLE001 - the parent raises it with the worker's traceback
+        connection.send((False, traceback.format_exc()))
+        return
+    while (call := connection.recv()) is not None:
+        method, arguments = call
+        try:
+            connection.send((True, getattr(worker, method)(*arguments)))
+        except BaseException:  # noqa: BLE001
+            connection.send((False, traceback.format_exc()))
+
+
+class GlooPipeline:
+    """The ``config``'s layout of per-step workers of ``layers`` (modules or
+    :class:`~raypipe.LayerSpec`), each in a forked process, over gloo: :meth:`step` is one
+    training step on the global batch, split and weighted as the trainer splits it, and gives
+    the trainer's :class:`~raypipe.StepResult`; :meth:`state_dict` the whole model (tensor-parallel
+    layers gathered). A context manager: leaving it ends the processes."""
+
+    def __init__(self, layers: Sequence[nn.Module | raypipe.LayerSpec], loss_fn: Callable,
+                 optimizer_factory: Callable, config: raypipe.PipelineConfig,
+                 loss_count_fn: Callable[[torch.Tensor], int] = count_samples) -> None:
+        config.validate(len(layers))
+        if config.elastic:
+            raise ValueError("the gloo pipeline runs a fixed number of replicas")
+        self.config, self.loss_count_fn, self.step_count = config, loss_count_fn, 0
+        # fp16: the trainer's dynamic loss scale, lowered on an overflow and grown after clean steps
+        self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
+                                 min_scale=config.min_loss_scale) if config.precision == "fp16" else None
+        p, v = config.num_stages, config.virtual_stages
+        balance = (config.balance if isinstance(config.balance, list)
+                   else partition_by_cost([1.0] * len(layers), p * v))
+        stages = []
+        for stage, chunks in enumerate(worker_chunks(balance, p, config.placement)):
+            indices = [index for chunk in chunks for index in chunk]
+            stages.append(WorkerSpec(
+                stage=stage, num_stages=p, layers=tuple(layers[i] for i in indices), layer_indices=tuple(indices),
+                config=config, optimizer_factory=optimizer_factory,
+                loss_fn=loss_fn if stage == config.loss_stage else None, loss_count_fn=loss_count_fn,
+                chunk_sizes=tuple(map(len, chunks))))
+        self.specs = replica_specs(stages, config.max_replicas, config.micro_batches_per_step)
+        self._connections: list[multiprocessing.connection.Connection] = []
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        try:
+            for spec in self.specs:
+                ours, theirs = _CONTEXT.Pipe()
+                process = _CONTEXT.Process(target=_worker_main, args=(cloudpickle.dumps(spec), theirs), daemon=True)
+                process.start()
+                theirs.close()
+                self._connections.append(ours)
+                self._processes.append(process)
+            self._answers(range(len(self.specs)))  # every worker built
+            address, port = self.call(0, "rendezvous_address")
+            self._calls(lambda rank: ("join_group", (address, port, JOIN_TIMEOUT_S)))
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, rank: int, method: str, *arguments: Any) -> Any:
+        """Worker ``rank``'s ``method(*arguments)``."""
+        self._connections[rank].send((method, arguments))
+        return self._answers([rank])[0]
+
+    def _calls(self, call_of: Callable[[int], tuple[str, tuple]], ranks: Sequence[int] | None = None) -> list[Any]:
+        """``call_of(rank)`` on every one of ``ranks`` (all by default) at once; their answers."""
+        ranks = range(len(self.specs)) if ranks is None else ranks
+        for rank in ranks:
+            self._connections[rank].send(call_of(rank))
+        return self._answers(ranks)
+
+    def _answers(self, ranks: Sequence[int]) -> list[Any]:
+        answers, failures = [], []
+        for rank in ranks:
+            ok, value = self._connections[rank].recv()
+            answers.append(value)
+            if not ok:
+                failures.append(f"worker {rank} ({self._name(rank)}):\n{value}")
+        if failures:
+            raise RuntimeError("\n".join(failures))
+        return answers
+
+    def _name(self, rank: int) -> str:
+        spec = self.specs[rank]
+        return f"replica {spec.replica} stage {spec.stage} tp_rank {spec.tp_rank}"
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step on the global batch, as the trainer's."""
+        inputs, targets = split_micro_batches(inputs, targets, self.config.micro_batches_per_step)
+        weights = loss_weights([self.loss_count_fn(t) for t in targets])
+        last = self.config.loss_stage
+        loss_scale = None if self.scaler is None else self.scaler.scale
+
+        def arguments(rank: int) -> tuple[str, tuple]:
+            spec = self.specs[rank]
+            own = slice(spec.block.start, spec.block.stop)
+            return "run_step", (self.step_count, inputs[own] if spec.stage == 0 else None,
+                                targets[own] if spec.stage == last else None,
+                                weights[own] if spec.stage == last else None, loss_scale)
+
+        reports = self._calls(arguments)
+        decisions = {repr(report.decision) for report in reports}  # a NaN norm is no equal of itself
+        if len(decisions) != 1:
+            raise RuntimeError(f"the workers decided differently: {decisions}")
+        decision = reports[0].decision
+        if self.scaler is not None:
+            self.scaler.update(decision.skip_reason == OVERFLOW)
+        self.step_count += 1
+        return build_step_result(
+            step=self.step_count - 1, loss=decision.loss, grad_norm=decision.grad_norm,
+            max_norm=self.config.clip_grad_norm, skip_reason=decision.skip_reason, loss_scale=loss_scale,
+            step_time=1.0, num_samples=0, num_tokens=0, reports=reports, num_parameters=0,
+            peak_flops=None, num_devices=1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model, named as one ``nn.Sequential`` of the layers (replica 0's: a stage's
+        tensor-parallel ranks gather its split layers together, so all of them are asked)."""
+        ranks = [rank for rank, spec in enumerate(self.specs) if spec.replica == 0]
+        state = {}
+        for layers in self._calls(lambda rank: ("state_dict", ()), ranks):
+            for index, layer_state in layers.items():
+                state.update({f"{index}.{name}": value for name, value in layer_state.items()})
+        return state
+
+    def close(self) -> None:
+        """End every worker process (idempotent)."""
+        for connection in self._connections:
+            try:
+                connection.send(None)
+            except OSError:
+                pass
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self._connections:
+            connection.close()
+        self._connections, self._processes = [], []
+
+    def __enter__(self) -> GlooPipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
