@@ -100,6 +100,7 @@ class P2PChannel:
         # what was issued so far, for the tests and the docs: headers (and structures) sent and received on the
         # control channel, and operations started on the data channel (receives posted ahead on gloo aside)
         self.control_messages = self.data_operations_started = 0
+        self.sent_bytes = 0  # payload bytes put on the data channel (a stale prediction's filler included)
         self._batch: list[Operation] | None = None  # while an exchange collects its sends
 
     @property
@@ -454,6 +455,7 @@ class P2PChannel:
         return WaitedOnThread(work, self._waits.pool) if self._waits.polls else work
 
     def _send(self, tensor: torch.Tensor, peer_rank: int, kind: int, key: int) -> None:
+        self.sent_bytes += tensor.numel() * tensor.element_size()
         operation = (dist.isend, tensor, peer_rank, self._matching.tag(kind, key))
         if self._batch is not None:  # an exchange's: started with its receives
             self._batch.append(operation)

@@ -19,6 +19,7 @@ class OpEvent:
     end: float
     replica: int = 0
     chunk: int = 0  # which of the worker's model chunks the op ran on or received for (0 with one chunk)
+    tp_rank: int = 0  # which of the stage's tensor-parallel workers ran it
 
 
 @dataclass
@@ -39,6 +40,10 @@ class StageStats:
     optimizer_bytes: int | None = None  # tensors of this worker's optimizer state (ZeRO-1: its shard)
     # the stage's weights: parameters (fp32 mains, or ZeRO-1's bf16-only ones) and bf16 compute copies
     weights_bytes: int | None = None
+    tp_rank: int = 0  # which of the stage's tensor-parallel workers measured these
+    # payload bytes this worker sent to other stages in the step (activations and gradients, headers aside;
+    # under sequence parallelism each tensor-parallel rank sends its 1/t); None: a transport that does not count
+    sent_bytes: int | None = None
 
 
 class StageReport(NamedTuple):
@@ -68,7 +73,7 @@ class StepResult:
     mfu: float | None = None
     eval_loss: float | None = None  # set by fit() on the steps it evaluates
     learning_rate: float | None = None  # after this step (first stage's first parameter group)
-    stages: list[StageStats] = field(default_factory=list)  # one per worker, in (replica, stage) order
+    stages: list[StageStats] = field(default_factory=list)  # one per worker, in (replica, stage, tp_rank) order
     timeline: list[OpEvent] = field(default_factory=list)
     bubble_fraction: list[float] = field(default_factory=list)  # measured, per stage (mean over replicas)
     num_replicas: int = 1  # pipeline replicas that ran this step

@@ -19,10 +19,11 @@ from prometheus_client.registry import Collector
 from raypipe.core.result import StageStats, StepResult
 from raypipe.core.step_decision import NONFINITE, OVERFLOW
 
-# Every stage-labelled metric also carries a ``replica`` label so data-parallel
-# replicas of a stage can be told apart without changing metric names or the
-# dashboard. The bubble gauge is per stage, averaged over replicas (replica "0").
-STAGE_LABELS = ("stage", "replica")
+# Every stage-labelled metric also carries ``replica`` and ``tp_rank`` labels so data-parallel
+# replicas of a stage, and a stage's tensor-parallel workers, can be told apart without changing
+# metric names or the dashboard. The bubble gauge is per stage, averaged over replicas (replica
+# "0", tp_rank "0").
+STAGE_LABELS = ("stage", "replica", "tp_rank")
 SKIP_REASONS = (OVERFLOW, NONFINITE)
 DEFAULT_REPLICA = "0"
 
@@ -171,8 +172,8 @@ def _controller_state_family(current: str, states: tuple[str, ...]) -> GaugeMetr
     return family
 
 
-def _stage_labels(stage: int, replica: int | str = DEFAULT_REPLICA) -> list[str]:
-    return [str(stage), str(replica)]
+def _stage_labels(stage: int, replica: int | str = DEFAULT_REPLICA, tp_rank: int = 0) -> list[str]:
+    return [str(stage), str(replica), str(tp_rank)]
 
 
 def _step_families(result: StepResult) -> Iterator[Metric]:
@@ -224,7 +225,7 @@ def _busy_family(stages: list[StageStats]) -> GaugeMetricFamily:
         labels=STAGE_LABELS,
     )
     for stats in stages:
-        family.add_metric(_stage_labels(stats.stage, stats.replica), float(stats.busy_seconds))
+        family.add_metric(_stage_labels(stats.stage, stats.replica, stats.tp_rank), float(stats.busy_seconds))
     return family
 
 
@@ -242,7 +243,7 @@ def _memory_family(stages: list[StageStats]) -> GaugeMetricFamily:
         for kind, attribute in MEMORY_KINDS:
             value = getattr(stats, attribute, None)  # a report from a worker without the field: absent
             if value is not None:  # None = not measurable here (CUDA fields on CPU)
-                family.add_metric([*_stage_labels(stats.stage, stats.replica), kind], float(value))
+                family.add_metric([*_stage_labels(stats.stage, stats.replica, stats.tp_rank), kind], float(value))
     return family
 
 

@@ -40,12 +40,22 @@ def _check_events(events: Sequence[OpEvent]) -> None:
             )
 
 
-def _rows(events: Sequence[OpEvent]) -> dict[tuple[int, int], tuple[int, str]]:
-    """One row per worker, (replica, stage) -> (row index, name), in rank order."""
-    workers = sorted({(event.replica, event.stage) for event in events})
-    replicated = any(replica for replica, _ in workers)
-    return {worker: (row, f"replica {worker[0]}, stage {worker[1]}" if replicated else f"stage {worker[1]}")
-            for row, worker in enumerate(workers)}
+def _rows(events: Sequence[OpEvent]) -> dict[tuple[int, int, int], tuple[int, str]]:
+    """One row per worker, (replica, stage, tp_rank) -> (row index, name), in rank order."""
+    workers = sorted({_worker(event) for event in events})
+    replicated = any(replica for replica, _, _ in workers)
+    split = any(tp_rank for _, _, tp_rank in workers)  # tensor parallelism: a stage's t workers, a row each
+
+    def name(replica: int, stage: int, tp_rank: int) -> str:
+        return ", ".join([*([f"replica {replica}"] if replicated else []), f"stage {stage}",
+                          *([f"tp_rank {tp_rank}"] if split else [])])
+
+    return {worker: (row, name(*worker)) for row, worker in enumerate(workers)}
+
+
+def _worker(event: OpEvent) -> tuple[int, int, int]:
+    """The worker that ran ``event``, as ``_rows`` keys it."""
+    return event.replica, event.stage, event.tp_rank
 
 
 def _chunked(events: Sequence[OpEvent]) -> bool:
@@ -89,7 +99,7 @@ def chrome_trace(events: Sequence[OpEvent]) -> dict:
                 "name": _event_name(event, chunked),
                 "cat": event.op,
                 "ph": "X",
-                "pid": rows[event.replica, event.stage][0],
+                "pid": rows[_worker(event)][0],
                 "tid": 0,
                 "ts": (event.start - origin) * 1e6,
                 "dur": (event.end - event.start) * 1e6,
@@ -132,7 +142,7 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
     for event in events:
         start_ms = (event.start - origin) * 1e3
         width_ms = (event.end - event.start) * 1e3
-        row = rows[event.replica, event.stage][0]
+        row = rows[_worker(event)][0]
         if event.op in WAIT_OPS:
             axes.broken_barh([(start_ms, width_ms)], (row - 0.4, 0.8), facecolors=WAIT_STYLE["facecolor"],
                              edgecolor=WAIT_STYLE["edgecolor"], hatch=WAIT_STYLE["hatch"],

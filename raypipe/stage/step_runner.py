@@ -98,6 +98,10 @@ class StepChannel(Protocol):
     def leave(self) -> None:
         """Leave the step's group at once: every peer blocked on this worker fails."""
 
+    @property
+    def sent_bytes(self) -> int:
+        """Payload bytes sent to other stages since the channel was made (activations and gradients)."""
+
 
 @dataclass
 class _Step:
@@ -109,6 +113,7 @@ class _Step:
     weights: list
     loss_scale: float | None
     started: float = field(default_factory=time.time)
+    sent_before: int = 0  # the channel's sent bytes when the step started
     stats: list[StageGradStats] = field(default_factory=list)  # every virtual stage's, after the all-reduce
     report: StageReport | None = None
     # received, or handed on by this worker's own previous (next) chunk
@@ -150,7 +155,8 @@ class StepRunner:
         On any failure the worker leaves the channel first, releasing its peers (and
         failing their reduction, so no stage steps), and drops the step's state."""
         none = [None] * len(self.worker.block)
-        state = _Step(step, inputs or none, targets or none, weights or none, loss_scale)
+        state = _Step(step, inputs or none, targets or none, weights or none, loss_scale,
+                      sent_before=self.channel.sent_bytes)
         try:
             self.channel.expect_activations(self._expected_activations)
             with self.worker.step_scope():  # with tensor parallelism, the loss's stage: vocabulary-parallel loss
@@ -284,6 +290,7 @@ class StepRunner:
                                           share_parameters=self.channel.replicas.gather_parameters)
         # the driver's overhead is a step's wall time minus the longest of these
         state.report.stats.task_seconds = time.time() - state.started
+        state.report.stats.sent_bytes = self.channel.sent_bytes - state.sent_before
 
 
 def lowered_stage_ops(spec: WorkerSpec) -> list[ops.LoweredOp]:

@@ -19,11 +19,11 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def stage_stats(events: list[OpEvent], stage: int, replica: int, store: ActivationStore, device: torch.device,
-                optimizer: torch.optim.Optimizer | None, weights_bytes: int) -> StageStats:
+                optimizer: torch.optim.Optimizer | None, weights_bytes: int, tp_rank: int = 0) -> StageStats:
     """The statistics of the step whose timeline is ``events``, measured now."""
     busy = sum(e.end - e.start for e in events if e.op in ("F", "B", "I", "W"))  # compute ops
     return StageStats(
-        stage=stage, replica=replica, busy_seconds=busy,
+        stage=stage, replica=replica, tp_rank=tp_rank, busy_seconds=busy,
         held_for_backward_bytes=store.peak_held_bytes,
         offloaded_bytes=store.peak_offloaded_bytes,
         **device_memory_bytes(device),  # allocated, peak and reserved (None each on a CPU)

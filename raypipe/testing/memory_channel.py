@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from raypipe.comm.replicas import Owners
 from raypipe.core import ops
@@ -197,6 +198,7 @@ class MemoryChannel:
         self.rank = group.topology.rank(replica, stage)
         self.num_virtual_stages = num_virtual_stages
         self.replicas = _MemoryReplicas(self)
+        self.sent_bytes = 0  # the bytes of the tensors handed over, as a transport would send them
 
     @property
     def aborted(self) -> bool:
@@ -206,6 +208,7 @@ class MemoryChannel:
         """Nothing to post ahead: a message waits in its queue until it is received."""
 
     def send_activation(self, tensor: Any, key: int, peer: int) -> None:
+        self.sent_bytes += _tensor_bytes(tensor)
         self.group.send(self.rank, self._peer_rank(peer), _ACTIVATION, key, tensor)
 
     def recv_activation(self, key: int, peer: int) -> Any:
@@ -213,6 +216,7 @@ class MemoryChannel:
                                   self._receiving(ops.RECV_ACT, key, peer))
 
     def send_gradient(self, gradient: Any, key: int, peer: int) -> None:
+        self.sent_bytes += _tensor_bytes(gradient)
         self.group.send(self.rank, self._peer_rank(peer), _GRADIENT, key, gradient)
 
     def recv_gradient(self, key: int, peer: int) -> Any:
@@ -303,3 +307,8 @@ def _gather_from_owners(parts: list[tuple[list[torch.Tensor], Owners]]) -> None:
             if replica != owner:
                 tensors[index].copy_(parts[owner][0][index])
 
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (a tensor, or a tree of them)."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in pytree.tree_leaves(value)
+               if isinstance(leaf, torch.Tensor))

@@ -31,7 +31,7 @@ from torch import nn
 import raypipe
 from raypipe import ConfigError
 from raypipe.models.layers import build_layer
-from raypipe.models.llama import llama_layers, llama_loss
+from raypipe.models.llama import get_config, llama_layers, llama_loss
 from tests.gloo_pipeline import GlooPipeline
 from tests.reference import reference_step
 
@@ -294,3 +294,20 @@ def test_a_models_own_plan_and_a_replicated_layer_train_as_one_process(schedule,
     assert state.keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
         assert float((state[key] - value).norm()) <= TOLERANCE * float(value.norm()), key
+
+
+def test_each_tensor_parallel_rank_sends_its_shard_of_the_boundary_and_reports_as_itself():
+    """Sequence parallelism: each of a stage's t = 2 ranks sends half the floating-point bytes a
+    t = 1 worker sends across the boundary (activations and gradients: the LLaMA's boundary is one
+    fp32 tensor), measured by the channel; every worker's stats and timeline carry its tp_rank."""
+    sent = {}
+    for t in (1, 2):
+        config = _config(1, 2, "1f1b", t > 1).replace(tensor_parallel=t)
+        with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
+            result = pipeline.step(*_batches()[0])
+        sent[t] = {(stats.stage, stats.tp_rank): stats.sent_bytes for stats in result.stages}
+        assert {(event.stage, event.tp_rank) for event in result.timeline} == set(sent[t])
+    # a step of 2 micro-batches of (4 / 2 rows x 8 positions x the tiny preset's width) fp32 each way
+    whole = 2 * (BATCH // 2) * SEQ_LEN * get_config("tiny").dim * 4
+    assert sent[1] == {(0, 0): whole, (1, 0): whole}
+    assert sent[2] == {(stage, tp_rank): whole // 2 for stage in (0, 1) for tp_rank in (0, 1)}

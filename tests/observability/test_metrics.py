@@ -102,12 +102,12 @@ def test_step_values_labels_and_help(exporter):
     assert value(scraped, "raypipe_replicas") == 1.0  # StepResult's default: one replica ran it
 
     assert scraped["samples"]["raypipe_bubble_fraction"] == {
-        frozenset({"stage": "0", "replica": "0"}.items()): 0.2,
-        frozenset({"stage": "1", "replica": "0"}.items()): 0.4,
+        frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 0.2,
+        frozenset({"stage": "1", "replica": "0", "tp_rank": "0"}.items()): 0.4,
     }
     assert scraped["samples"]["raypipe_stage_busy_seconds"] == {
-        frozenset({"stage": "0", "replica": "0"}.items()): 0.2,
-        frozenset({"stage": "1", "replica": "0"}.items()): 0.15,
+        frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 0.2,
+        frozenset({"stage": "1", "replica": "0", "tp_rank": "0"}.items()): 0.15,
     }
     memory = {
         (dict(labels)["stage"], dict(labels)["kind"]): v
@@ -143,7 +143,8 @@ def test_latest_step_wins_and_counters_accumulate(exporter):
     assert "raypipe_mfu" not in scraped["samples"]  # unknown peak: no MFU rather than 0
     assert "raypipe_eval_loss" not in scraped["samples"]  # no evaluation yet
     # A stage that no longer exists (e.g. after a resize) is no longer reported.
-    assert scraped["samples"]["raypipe_bubble_fraction"] == {frozenset({"stage": "0", "replica": "0"}.items()): 0.3}
+    assert scraped["samples"]["raypipe_bubble_fraction"] == {
+        frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 0.3}
 
 
 def test_counters_are_exposed_as_counters(exporter):
@@ -288,3 +289,13 @@ def test_mfu_rejects_non_positive_inputs(argument):
     arguments[argument] = 0
     with pytest.raises(ValueError, match=argument):
         mfu(**arguments)
+
+
+def test_a_stages_tensor_parallel_workers_are_told_apart_by_their_tp_rank(exporter):
+    """At t > 1 a stage's t workers each report: one series each, labelled with its tp_rank."""
+    stats = [StageStats(stage=0, busy_seconds=0.2, tp_rank=0), StageStats(stage=0, busy_seconds=0.3, tp_rank=1)]
+    exporter.record_step(known_step(stages=stats, bubble_fraction=[0.1]))
+    assert scrape(exporter)["samples"]["raypipe_stage_busy_seconds"] == {
+        frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 0.2,
+        frozenset({"stage": "0", "replica": "0", "tp_rank": "1"}.items()): 0.3,
+    }

@@ -152,6 +152,17 @@ def test_a_chunked_timeline_names_and_draws_each_ops_chunk(tmp_path):
     assert sum(count for colour, count in counts.items() if near_paler(colour)) > 1000, counts.most_common(8)
 
 
+def test_a_stages_tensor_parallel_workers_have_a_row_each(tmp_path):
+    """At t > 1 each of a stage's workers is a row of its own, named with its tp_rank; t = 1 names stay."""
+    timeline = [OpEvent(0, "F", 0, T0, T0 + 0.02), OpEvent(0, "F", 0, T0, T0 + 0.03, tp_rank=1),
+                OpEvent(1, "F", 0, T0 + 0.03, T0 + 0.05), OpEvent(1, "F", 0, T0 + 0.03, T0 + 0.05, tp_rank=1)]
+    trace = chrome_trace(timeline)["traceEvents"]
+    names = [event["args"]["name"] for event in trace if event["name"] == "process_name"]
+    assert names == ["stage 0, tp_rank 0", "stage 0, tp_rank 1", "stage 1, tp_rank 0", "stage 1, tp_rank 1"]
+    assert sorted(event["pid"] for event in trace if event["ph"] == "X") == [0, 1, 2, 3]
+    plot_gantt(timeline, tmp_path / "tp.png")
+
+
 def test_gantt_of_nothing_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no events"):
         plot_gantt([], tmp_path / "empty.png")
