@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh --calibrate  # also the predictor's calibration (at most ~4 minutes more)
 #
 # Steps: 1. versions (torch, CUDA, NCCL, flash-attn, Ray; a missing one is reported and skipped)
-#        2. every single-GPU test: python -m pytest -q -m "gpu and not gpus2" over the files that mark one
+#        2. every single-GPU test: python -m pytest -q -m "gpu and not gpus2 and not gpus4" over the files that mark one
 #        3. one-process probes (scripts/gpu_probes.py): NCCL world size 1 join/all-reduce/abort/rejoin;
 #           a bf16 LLaMA stage with recompute and offload under set_sync_debug_mode("warn");
 #           flash-attn vs SDPA at 7B shapes, each backward run twice and compared bitwise;
@@ -14,7 +14,7 @@
 #        4. with --calibrate (scripts/gpu_calibrate.py): a LLaMA 1B's per-layer F, I and W times in bf16,
 #           whole-model MFU and pinned host<->device bandwidth, each beside the predictor's figure
 # Tests marked gpus2 need two GPUs: run them where there are two with
-#   python -m pytest -q -m gpus2 tests
+#   python -m pytest -q -m gpus2 tests (and -m gpus4 where there are four)
 # The dry run lists the tests, imports the probes (naming them) and runs the CPU path of the
 # probes that need no Ray (--dry-run --full: all of them, ~1-2 minutes more).
 # Exit status: 0 when every step passed, 1 when one failed, 2 for a usage error.
@@ -100,14 +100,14 @@ gpu_test_files() {
 }
 
 list_gpu_tests() {
-  RAYPIPE_LIST_GPU_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider -n0 --collect-only -m "gpu and not gpus2" \
+  RAYPIPE_LIST_GPU_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider -n0 --collect-only -m "gpu and not gpus2 and not gpus4" \
     $(gpu_test_files) | grep -E '::|collected|deselected'
 }
 
 step versions versions
 if [ "$DRY_RUN" -eq 1 ]; then
   echo "== dry run: no CUDA needed; the GPU run would execute:"
-  echo "   timeout $TESTS_TIMEOUT_S $PYTHON -m pytest -q -n0 -m \"gpu and not gpus2\" <the test files that mark a test gpu>"
+  echo "   timeout $TESTS_TIMEOUT_S $PYTHON -m pytest -q -n0 -m \"gpu and not gpus2 and not gpus4\" <the test files that mark a test gpu>"
   echo "   timeout $PROBES_TIMEOUT_S $PYTHON scripts/gpu_probes.py --out $OUT/probes.json"
   step "list single-GPU tests" list_gpu_tests
   if [ "$FULL" -eq 1 ]; then
@@ -126,7 +126,7 @@ else
     echo "gpu_check.sh: torch sees no CUDA GPU here; run with --dry-run for the steps that need none" >&2
     exit 1
   fi
-  step "single-GPU tests" timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -q -p no:cacheprovider -n0 -m "gpu and not gpus2" \
+  step "single-GPU tests" timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -q -p no:cacheprovider -n0 -m "gpu and not gpus2 and not gpus4" \
     --durations=0 --junitxml "$OUT/tests.xml" $(gpu_test_files)
   step probes timeout "$PROBES_TIMEOUT_S" "$PYTHON" scripts/gpu_probes.py --out "$OUT/probes.json"
   if [ "$CALIBRATE" -eq 1 ]; then

@@ -19,9 +19,11 @@ def pytest_collection_modifyitems(config, items):
         return
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        unrunnable, why = ("gpu", "gpus2"), "no CUDA GPU on this node"
+        unrunnable, why = ("gpu", "gpus2", "gpus4"), "no CUDA GPU on this node"
     elif count < 2:
-        unrunnable, why = ("gpus2",), f"gpus2 tests need 2 CUDA GPUs on this node, found {count}"
+        unrunnable, why = ("gpus2", "gpus4"), f"gpus2 and gpus4 tests need 2 and 4 CUDA GPUs on this node, found {count}"
+    elif count < 4:
+        unrunnable, why = ("gpus4",), f"gpus4 tests need 4 CUDA GPUs on this node, found {count}"
     else:
         return
     selected = [item for item in items if not any(marker in item.keywords for marker in unrunnable)]
@@ -29,7 +31,8 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
-        of_them = f" ({sum('gpus2' in item.keywords for item in deselected)} of them gpus2)" if count == 0 else ""
+        of_them = (f" ({sum('gpus2' in item.keywords for item in deselected)} of them gpus2, "
+                   f"{sum('gpus4' in item.keywords for item in deselected)} gpus4)" if count == 0 else "")
         line = f"raypipe: deselected {len(deselected)} test(s) marked {' or '.join(unrunnable)}{of_them}: {why}"
         config.stash[_GPU_DESELECTED] = line
         if hasattr(config, "workeroutput"):  # an xdist worker: its controller prints the summary
