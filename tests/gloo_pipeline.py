@@ -23,6 +23,7 @@ from ray import cloudpickle
 from torch import nn
 
 import raypipe
+from raypipe.checkpoint.store import read_manifest, write_manifest
 from raypipe.control.elastic import replica_specs
 from raypipe.core.loss_scale import LossScaler
 from raypipe.core.micro_batches import count_samples, loss_weights, split_micro_batches
@@ -167,6 +168,30 @@ class GlooPipeline:
             for index, layer_state in layers.items():
                 state.update({f"{index}.{name}": value for name, value in layer_state.items()})
         return state
+
+    def save_checkpoint(self, root_uri) -> int:
+        """The trainer's checkpoint of the state now, written by the workers as on Ray (replica 0's,
+        with ZeRO-1 every replica's; a stage's tensor-parallel ranks gather together, tp_rank 0
+        writes), and its manifest; returns the step saved."""
+        parts = self.config.max_replicas if self.config.shard_optimizer else 1
+        writers = [rank for rank, spec in enumerate(self.specs) if parts > 1 or spec.replica == 0]
+        started = self._calls(lambda rank: ("start_checkpoint", (str(root_uri), self.step_count)), writers)
+        written = self._calls(lambda rank: ("checkpoint_files", (self.step_count, started[writers.index(rank)])),
+                              writers)
+        layer_files = {index: file for files in written for index, file in files.layers.items()}
+        extra = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "optimizer_parts": parts}
+        blobs = [blob for files in written for blob in files.blobs]
+        write_manifest(root_uri, self.step_count, layer_files, extra, blobs)
+        return self.step_count
+
+    def load_checkpoint(self, root_uri, step: int) -> None:
+        """Checkpoint ``step`` (written by any layout, on Ray or here) loaded by every worker, as on Ray."""
+        extra = read_manifest(str(root_uri), step).get("extra", {})
+        self._calls(lambda rank: ("load_checkpoint", (str(root_uri), step, extra.get("optimizer_parts", 1))))
+        self.step_count = extra.get("step_count", step)
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
 
     def close(self) -> None:
         """End every worker process (idempotent)."""

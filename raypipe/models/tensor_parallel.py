@@ -65,7 +65,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -335,12 +335,33 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             for key, value in module.state_dict().items()}
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective every rank of its mesh joins); another tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def split_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` laid out as the DTensor ``like`` is (its mesh and placements; on ``like``'s
+    device, in ``whole``'s dtype): each rank keeps its own part of the ``whole`` it holds, with
+    no communication. ``whole`` itself when ``like`` is no DTensor."""
+    if not isinstance(like, DTensor):
+        return whole
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def load_split_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``module.load_state_dict`` of whole tensors (:func:`full_state_dict`'s) into a module whose
+    parameters and buffers may be split over a mesh: each rank copies in its own part."""
+    current = module.state_dict()
+    module.load_state_dict({name: split_like(value, current[name]) for name, value in state.items()})
+
+
 def local_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """Each parameter's shape on this rank (its shard's, for a DTensor)."""
     return {name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)
             for name, p in module.named_parameters()}
 
 
-__all__ = ["SEQUENCE_DIM", "check_tensor_parallel", "full_state_dict", "local_loss", "local_shapes",
-           "loss_parallel_active", "loss_parallel_scope", "parallelize_layer", "redistribute_gradients",
-           "resolve_tp_plan"]
+__all__ = ["SEQUENCE_DIM", "check_tensor_parallel", "full_state_dict", "load_split_state", "local_loss",
+           "local_shapes", "loss_parallel_active", "loss_parallel_scope", "parallelize_layer",
+           "redistribute_gradients", "resolve_tp_plan", "split_like", "whole_tensor"]

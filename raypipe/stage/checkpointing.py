@@ -60,26 +60,47 @@ class StageCheckpointing:
         """Raise unless ``what`` (a state operation that reads or writes local shards) is done at t = 1."""
         if self.tensor_mesh is not None:
             raise NotImplementedError(f"{what} is not done with tensor_parallel={self.config.tensor_parallel} yet "
-                                      "(issue 59: state_dict() is; loading, snapshots, checkpoints and export are not)")
+                                      "(state_dict, checkpoints and loading are; snapshots, heals and export are not)")
 
     def _sole_mains(self, position: int) -> dict[str, torch.Tensor]:
         only_here = self.weights.mains_only_here(position)
-        return {k: v for k, v in self.layers[position].named_parameters() if k in only_here}
+        whole = self._whole() or (lambda tensor: tensor)
+        return {k: whole(v) for k, v in self.layers[position].named_parameters() if k in only_here}
 
     def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        self._refuse_tensor_parallel("loading a state dict")
-        for index, layer in zip(self.layer_indices, self.layers):
-            layer.load_state_dict(states[index])
+        """Load whole layers (per global layer index); split over the tensor-parallel mesh, each
+        rank copies in its own part."""
+        if self.tensor_mesh is not None:
+            from raypipe.models.tensor_parallel import load_split_state  # DTensor: imported only where used
+
+            for index, layer in zip(self.layer_indices, self.layers):
+                load_split_state(layer, states[index])
+        else:
+            for index, layer in zip(self.layer_indices, self.layers):
+                layer.load_state_dict(states[index])
         self.weights.refresh()
 
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
-        """Optimizer state per global layer index and parameter name (partition-independent)."""
-        self._refuse_tensor_parallel("reading the optimizer state")
-        return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices)
+        """Optimizer state per global layer index and parameter name (partition-independent);
+        split over the tensor-parallel mesh, gathered whole (every rank of the stage calls this)."""
+        return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, whole=self._whole())
 
     def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
-        self._refuse_tensor_parallel("loading an optimizer state")
-        scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states)
+        """Load optimizer state of whole parameters (each rank keeps its own part of a split one's)."""
+        split = None
+        if self.tensor_mesh is not None:
+            from raypipe.models.tensor_parallel import split_like
+
+            split = split_like
+        scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states, split)
+
+    def _whole(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What gathers a tensor split over the stage's tensor-parallel mesh whole; None without one."""
+        if self.tensor_mesh is None:
+            return None
+        from raypipe.models.tensor_parallel import whole_tensor
+
+        return whole_tensor
 
     def snapshot(self, copied: Callable[[], None] | None = None) -> dict[str, Any]:
         """Everything a step changes on this worker, as it is now: weights (and
@@ -181,13 +202,17 @@ class StageCheckpointing:
         the parameters it owns, one blob per layer. The copy is the state after the
         last committed step: it runs in step order, before the next step changes the
         weights in place. :meth:`checkpoint_files` waits for the files."""
-        self._refuse_tensor_parallel("a checkpoint save")
+        # split over a tensor-parallel mesh, every rank of the stage gathers its parts whole (collectives,
+        # in the same order on each) and tp_rank 0 writes them
         parts = self._saved_parts(on_host=False)
         if self.replica == 0:
-            encoded = {index: encode_layer(index, on_host({**parts[index], "model": self._held_state(position)}))
+            models = [self._held_state(position) for position in range(len(self.layer_indices))]
+            encoded = {index: encode_layer(index, on_host({**parts[index], "model": models[position]}))
                        for position, index in enumerate(self.layer_indices)}
         else:
             encoded = {index: encode(on_host(part)) for index, part in parts.items()}
+        if self.spec.tp_rank:
+            encoded = {}
         if getattr(self, "_checkpoint_writer", None) is None:
             self._checkpoint_writer = CheckpointWriter()
         replica, host_bytes = self.replica, sum(len(payload) for payload in encoded.values())
@@ -210,7 +235,6 @@ class StageCheckpointing:
         this stage's layers (a missing, unexpected or differently shaped tensor) raises
         :class:`~raypipe.errors.CheckpointMismatchError` naming the stage, layer and
         tensor, before this stage's state changes."""
-        self._refuse_tensor_parallel("loading a checkpoint")
         where, checkpoint = stage_and_layers(self.stage_index, self.layer_indices), f"{root_uri} step {step}"
         held = read_manifest(root_uri, step)["num_layers"]
         absent = [index for index in self.layer_indices if index >= held]
@@ -249,7 +273,7 @@ class StageCheckpointing:
     def _saved_parts(self, on_host: bool = True) -> dict[int, dict[str, Any]]:
         """Per layer: this replica's optimizer state, hyper-parameters, schedule and the
         main weights only it keeps (``on_host=False``: the live tensors and values)."""
-        optimizer = gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, on_host)
+        optimizer = gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, on_host, self._whole())
         groups = optimizer.pop(-1, {})
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups,

@@ -2,6 +2,7 @@
 into any partition."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,28 +16,34 @@ def _named_parameters(layers: nn.ModuleList, layer_indices: list[int]):
 
 
 def gather_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.ModuleList,
-                           layer_indices: list[int], on_host: bool = True) -> dict[int, dict[str, Any]]:
+                           layer_indices: list[int], on_host: bool = True,
+                           whole: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[int, dict[str, Any]]:
     """``{layer: {param_name: state}}`` plus the hyper-parameters under key -1; tensors on
-    the host (``on_host=False``: the live tensors, for a caller that copies them itself)."""
+    the host (``on_host=False``: the live tensors, for a caller that copies them itself).
+    ``whole``: what makes a state tensor of a parameter split over a tensor-parallel mesh whole
+    (a collective: every rank of the mesh gathers the same states in the same order)."""
     if optimizer is None:
         return {}
+    whole = whole or (lambda tensor: tensor)
     states: dict[int, dict[str, Any]] = {index: {} for index in layer_indices}
     for index, name, parameter in _named_parameters(layers, layer_indices):
         state = optimizer.state.get(parameter)
         if state:
-            states[index][name] = {k: (v.detach().cpu() if on_host else v) if torch.is_tensor(v) else v
-                                   for k, v in state.items()}
+            states[index][name] = {k: (whole(v).detach().cpu() if on_host else whole(v)) if torch.is_tensor(v)
+                                   else v for k, v in state.items()}
     states[-1] = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
     return states
 
 
 def scatter_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.ModuleList,
-                            layer_indices: list[int], states: dict[int, dict[str, Any]]) -> None:
+                            layer_indices: list[int], states: dict[int, dict[str, Any]],
+                            split: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Inverse of :func:`gather_optimizer_state` for this stage's layers.
 
     Every tensor is placed where torch's own ``Optimizer.load_state_dict`` would place it
     (see :func:`place_state`): a fused or capturable AdamW finds its ``step`` on the
-    parameter's device, a plain one on the host.
+    parameter's device, a plain one on the host. ``split(whole, parameter)``: a whole state
+    tensor of the parameter's shape laid out as the parameter is (split over a tensor-parallel mesh).
     """
     if optimizer is None or not states:
         return
@@ -49,7 +56,11 @@ def scatter_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.
         state = states.get(index, {}).get(name)
         group = group_of.get(id(parameter))
         if state is not None and group is not None:
-            optimizer.state[parameter] = place_state(parameter, state, group)
+            placed = place_state(parameter, state, group)
+            if split is not None:
+                placed = {key: split(value, parameter) if torch.is_tensor(value) and value.shape == parameter.shape
+                          else value for key, value in placed.items()}
+            optimizer.state[parameter] = placed
 
 
 def place_state(parameter: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:

@@ -331,3 +331,67 @@ def test_a_stage_split_over_two_gpus_trains_as_one_process(ray_cluster):
 def test_two_stages_each_split_over_two_gpus_train_as_one_process(ray_cluster):
     config = _config(1, 2, "zb_h1", True).replace(use_gpu=True)
     _assert_matches_one_process(config, *run_cell(config), tolerance=GPU_TOLERANCE)
+
+
+def test_a_checkpoint_at_t2_holds_whole_layers_and_loads_into_other_layouts(tmp_path):
+    """A (1, 2, 2) run's checkpoint after 2 steps: each layer's file holds whole tensors (a stage's
+    ranks gather, tp_rank 0 writes), equal to one process's state; loaded into the same layout it
+    continues bitwise as the uninterrupted run; loaded into (1, 1, 2) and into one process's layout
+    of 4 stages (t = 1, in-process), its next step equals one process's within 1e-5. AdamW's moments
+    carry over (a lost part would restart them and miss the reference)."""
+    from raypipe.checkpoint.store import read_layer
+    from tests.reference import InterpretedTrainer
+
+    config = _config(1, 2, "1f1b", True)
+    batches = _batches()
+    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
+        for x, y in batches[:2]:
+            pipeline.step(x, y)
+        assert pipeline.save_checkpoint(tmp_path) == 2
+        uninterrupted = pipeline.step(*batches[2]), pipeline.state_dict()
+    expected_steps, expected_state, _ = _reference(config)
+    for key, expected in expected_state.items():  # whole tensors, the moments too
+        index, name = key.split(".", 1)
+        saved = read_layer(str(tmp_path), 2, int(index))
+        assert saved["model"][name].shape == expected.shape, key
+        if name in saved["optimizer"]:
+            assert saved["optimizer"][name]["exp_avg"].shape == expected.shape, key
+    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
+        pipeline.load_checkpoint(tmp_path, 2)
+        resumed = pipeline.step(*batches[2]), pipeline.state_dict()
+    assert resumed[0].loss == uninterrupted[0].loss and resumed[0].grad_norm == uninterrupted[0].grad_norm
+    assert all(torch.equal(resumed[1][key], value) for key, value in uninterrupted[1].items())
+    for other in (_config(1, 1, "1f1b", True), raypipe.PipelineConfig(num_stages=4, num_micro_batches=2,
+                                                                      clip_grad_norm=CLIP, snapshot_every=0)):
+        if other.tensor_parallel > 1:
+            with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, other) as pipeline:
+                pipeline.load_checkpoint(tmp_path, 2)
+                result, state = pipeline.step(*batches[2]), pipeline.state_dict()
+        else:
+            trainer = InterpretedTrainer(llama_layers("tiny"), llama_loss, adamw, other)
+            trainer.load_checkpoint(tmp_path, 2)
+            result, state = trainer.step(*batches[2]), trainer.state_dict()
+        assert result.loss == pytest.approx(expected_steps[2][0], rel=TOLERANCE)
+        assert result.grad_norm == pytest.approx(expected_steps[2][1], rel=TOLERANCE)
+        for key, expected in expected_state.items():
+            assert float((state[key] - expected).norm()) <= TOLERANCE * float(expected.norm()), key
+
+
+def test_a_checkpoint_saved_on_ray_at_t2_continues_bitwise_where_it_is_loaded(ray_cluster, tmp_path):
+    """The trainer's save on Ray at (1, 2, 2), its files layout-free: loaded into the same
+    layout of per-step workers (tests/gloo_pipeline.py), the next step is bitwise the Ray run's."""
+    config = _config(1, 2, "1f1b", True)
+    batches = _batches()
+    trainer = raypipe.PipelineTrainer(llama_layers("tiny"), llama_loss, adamw, config)
+    try:
+        for x, y in batches[:2]:
+            trainer.step(x, y)
+        trainer.save_checkpoint(str(tmp_path))
+        on_ray = trainer.step(*batches[2]), trainer.state_dict()
+    finally:
+        trainer.shutdown()
+    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
+        pipeline.load_checkpoint(tmp_path, 2)
+        resumed = pipeline.step(*batches[2]), pipeline.state_dict()
+    assert (resumed[0].loss, resumed[0].grad_norm) == (on_ray[0].loss, on_ray[0].grad_norm)
+    assert all(torch.equal(resumed[1][key], value) for key, value in on_ray[1].items())
