@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import raypipe
-from raypipe.checkpoint.store import read_layer, write_manifest
+from raypipe.checkpoint.store import latest_checkpoint, read_layer, read_manifest, write_manifest
 from raypipe.core.loss_scale import LossScaler
 from raypipe.core.result import StepResult
 from raypipe.core.step_decision import OVERFLOW
@@ -198,14 +198,34 @@ class InterpretedTrainer:
         return self.pipeline.state_dict()
 
     def save_checkpoint(self, root_uri) -> int:
-        """The first replica's layer files, each written by its worker as on Ray, and the manifest
-        (what :func:`checkpoint_state` reads); returns the step saved."""
-        layer_files = {}
-        for worker in self.pipeline.replicas[0].workers:
+        """The first replica's layer files (with ZeRO-1 every other replica's optimizer parts too),
+        each written by its worker as on Ray, and the manifest with the trainer's state (what
+        :func:`checkpoint_state` and :meth:`load_checkpoint` read); returns the step saved."""
+        parts = self.config.num_replicas if self.config.shard_optimizer else 1
+        writers = self.pipeline.workers if parts > 1 else self.pipeline.replicas[0].workers
+        layer_files, blobs = {}, []
+        for worker in writers:
             started = worker.start_checkpoint(str(root_uri), self.step_count)
-            layer_files.update(worker.checkpoint_files(self.step_count, started).layers)
-        write_manifest(root_uri, self.step_count, layer_files)
+            written = worker.checkpoint_files(self.step_count, started)
+            layer_files.update(written.layers)
+            blobs.extend(written.blobs)
+        extra = {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "optimizer_parts": parts}
+        write_manifest(root_uri, self.step_count, layer_files, extra, blobs)
         return self.step_count
+
+    def load_checkpoint(self, root_uri, step: int | None = None) -> dict:
+        """Checkpoint ``step`` (default: the newest), whatever partition and replicas saved it (on Ray
+        or here), loaded by every worker as on Ray, with the trainer's step count and loss scale;
+        returns its extra state."""
+        step = latest_checkpoint(str(root_uri)) if step is None else step
+        extra = read_manifest(str(root_uri), step).get("extra", {})
+        for worker in self.pipeline.workers:
+            worker.load_checkpoint(str(root_uri), step, extra.get("optimizer_parts", 1))
+        self.step_count = extra.get("step_count", step)
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+        return extra
 
 
 def on_ray(layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, **options):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import raypipe
-from tests.reference import assert_parameters_match, make_mlp
+from tests.reference import assert_parameters_match, in_process, make_mlp
 
 STEPS = 4
 
@@ -66,11 +66,13 @@ def test_lr_schedule_matches_single_process(straight):
 
 
 def test_resume_into_another_partition_equals_an_uninterrupted_run(straight):
+    # the files the trainer's workers wrote, loaded by the workers of three stages, each its layers, in one
+    # process (the workers' loading code; a trainer's load on Ray: the tests below and test_fit.py)
     data = batches()
     _, expected, root = straight  # checkpointed after 2 of its steps
     other_partition = raypipe.PipelineConfig(num_stages=3, num_micro_batches=3, balance=[3, 2, 2])
-    with raypipe.PipelineTrainer(make_mlp(seed=99), nn.functional.mse_loss, adamw, other_partition,
-                                 lr_scheduler=warmup) as trainer:
+    with in_process(make_mlp(seed=99), nn.functional.mse_loss, adamw, other_partition,
+                    lr_scheduler=warmup) as trainer:
         extra = trainer.load_checkpoint(root)
         assert extra["note"] == "half way" and trainer.step_count == 2
         for x, y in data[2:]:

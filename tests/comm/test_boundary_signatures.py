@@ -4,12 +4,13 @@ signature; later steps send no header at all (counted on the control channel) an
 exactly, the lowered exchanges of 1F1B, interleaved and ZBV included; a changed shape fails
 the sender before anything of it goes on the data channel, with BoundaryShapeChanged naming
 what changed; keys marked dynamic keep headers; signatures are dropped on leaving and joining;
-``boundary_shapes="headers"`` sends a header before every activation, as before."""
+``boundary_shapes="headers"`` sends a header before every activation, as before. The ranks are
+spawned processes reused from test to test (tests/comm/spawned_ranks.py), each run joining its
+groups afresh: every transport's count is taken on a group of its own."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raypipe.comm.boundary_signatures import HEADERS, LEARNED, BoundarySignature, LearnedSignatures
 from raypipe.comm.headers import signature_of
@@ -17,12 +18,19 @@ from raypipe.comm.p2p import P2PChannel
 from raypipe.core import ops
 from raypipe.core.topology import Topology
 from raypipe.errors import BoundaryShapeChanged, StageError, StepAborted
+from tests.comm.spawned_ranks import shared_ranks
 from tests.comm.test_p2p import (CHUNKED, CHUNKED_M, CHUNKED_P, CHUNKED_V, free_port, keys_of, run_ops,
                                  tree_activation)
 
 # "headers" under NCCL's emulation is test_p2p's (the channel's default)
 MODES = [(LEARNED, False), (LEARNED, True), (HEADERS, False)]
 MODE_IDS = ["learned-gloo", "learned-nccl-emulation", "headers-gloo"]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Spawned ranks (tests/comm/spawned_ranks.py's, shared with the other modules that use them)."""
+    return shared_ranks()
 
 
 def boundary(step: int, micro_batch: int, boundary_index: int) -> torch.Tensor:
@@ -38,14 +46,14 @@ def run_step(channel: P2PChannel, stage_ops: list[ops.LoweredOp], key_of, tensor
     return run_ops(channel, stage_ops, key_of, tensor)
 
 
-def run_lowered_stage(rank: int, ports: list[int], mode: str, emulate_nccl: bool, counts: mp.Queue) -> None:
+def run_lowered_stage(rank: int, ports: list[int], mode: str, emulate_nccl: bool) -> list[tuple]:
     """Worker ``rank`` of 1F1B (p = 3) and of each of CHUNKED (p = 3, v = 2), three steps each, then the
-    group left and joined afresh and two steps more: every receive gets exactly what its sender sent,
-    and each step's control messages (headers sent and received) go to ``counts``."""
+    group left and joined afresh and two steps more: every receive gets exactly what its sender sent;
+    returns each step's control messages (headers sent and received)."""
     from raypipe.core.lowering import lower
     from raypipe.core.schedule import make_schedule
 
-    torch.set_num_threads(1)
+    counts = []
     channel = P2PChannel(Topology(num_stages=CHUNKED_P), 0, rank, torch.device("cpu"), num_chunks=CHUNKED_V,
                          boundary_shapes=mode)
     ports = iter(ports)
@@ -67,22 +75,18 @@ def run_lowered_stage(rank: int, ports: list[int], mode: str, emulate_nccl: bool
                     for op, got in received.items():
                         torch.testing.assert_close(got, tensor(op), rtol=0, atol=0, msg=f"{name} {step} {op!r}")
                     activations = sum(op.kind in (ops.SEND_ACT, ops.RECV_ACT) for op in ops.unbatch(stage_ops))
-                    counts.put((name, phase, step, rank, channel.control_messages - before, activations))
+                    counts.append((name, phase, step, rank, channel.control_messages - before, activations))
                 channel.leave()
     finally:
         channel.leave()
+    return counts
 
 
 @pytest.mark.parametrize("mode,emulate_nccl", MODES, ids=MODE_IDS)
-def test_a_steady_state_step_sends_no_header_once_signatures_are_learned(mode, emulate_nccl):
-    context = mp.get_context("spawn")
-    counts = context.Queue()
+def test_a_steady_state_step_sends_no_header_once_signatures_are_learned(ranks, mode, emulate_nccl):
     ports = [free_port() for _ in range(6)]
-    mp.start_processes(run_lowered_stage, args=(ports, mode, emulate_nccl, counts),
-                       nprocs=CHUNKED_P, start_method="spawn")
-    seen = []
-    while not counts.empty():
-        seen.append(counts.get())
+    seen = [count for counts in ranks.run(run_lowered_stage, ports, mode, emulate_nccl, nprocs=CHUNKED_P)
+            for count in counts]
     assert len(seen) == 3 * CHUNKED_P * (3 + 2)
     for name, phase, step, rank, control, activations in seen:
         if mode == LEARNED and step > 0:  # the steady state: the payloads alone
@@ -91,13 +95,14 @@ def test_a_steady_state_step_sends_no_header_once_signatures_are_learned(mode, e
             assert control == activations > 0, (name, phase, step, rank, control, activations)
 
 
-def run_changing_stage(rank: int, ports: tuple[int, int], results: mp.Queue, keys: mp.Queue) -> None:
+def run_changing_stage(rank: int, ports: tuple[int, int], keys) -> list[tuple]:
     """Two stages, three micro-batches of a tree (the LLaMA-like boundary of test_p2p): step 0 learns,
     step 1 reuses, step 2 sends micro-batch 1 at another length: the sender fails before sending it,
     the receiver (blocked on it) is released, both leave; joined afresh with the key marked dynamic
     (the failing sender's keys reach the receiver through ``keys``, as the driver passes them),
-    steps 3 and 4 deliver every shape, with a header on that key only at step 4."""
-    torch.set_num_threads(1)
+    steps 3 and 4 deliver every shape, with a header on that key only at step 4. Returns what each
+    step did."""
+    results = []
     channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"), boundary_shapes=LEARNED)
     key_of = keys_of(rank, 2)
     kind = ops.SEND_ACT if rank == 0 else ops.RECV_ACT
@@ -135,30 +140,28 @@ def run_changing_stage(rank: int, ports: tuple[int, int], results: mp.Queue, key
                         channel.send_gradient({"hidden": -sent(step, micro_batch)["hidden"]}, key(micro_batch), 0)
                 channel.finish_sends()
             except BoundaryShapeChanged as error:
-                results.put(("changed", rank, step, str(error), error.keys, channel.data_operations_started - started))
+                results.append(("changed", rank, step, str(error), error.keys,
+                                channel.data_operations_started - started))
                 keys.put(list(error.keys))
                 dynamic = list(error.keys)
                 channel.leave()  # as a failing worker does: its peer, blocked on the payload, is released
                 continue
             except StepAborted as error:
-                results.put(("released", rank, step, type(error).__name__, (), 0))
+                results.append(("released", rank, step, type(error).__name__, (), 0))
                 channel.leave()
                 dynamic = keys.get()
                 continue
-            results.put(("done", rank, step, "", (), channel.control_messages - before))
+            results.append(("done", rank, step, "", (), channel.control_messages - before))
     finally:
         channel.leave()
+    return results
 
 
-def test_a_changed_shape_fails_before_it_is_sent_and_its_key_keeps_headers_after():
-    context = mp.get_context("spawn")
-    results, keys = context.Queue(), context.Queue()
-    mp.start_processes(run_changing_stage, args=((free_port(), free_port()), results, keys), nprocs=2,
-                       start_method="spawn")
+def test_a_changed_shape_fails_before_it_is_sent_and_its_key_keeps_headers_after(ranks):
     seen = {}
-    while not results.empty():
-        kind, rank, step, text, error_keys, count = results.get()
-        seen[rank, step] = (kind, text, error_keys, count)
+    for results in ranks.run(run_changing_stage, (free_port(), free_port()), nprocs=2, shared_queue=True):
+        for kind, rank, step, text, error_keys, count in results:
+            seen[rank, step] = (kind, text, error_keys, count)
     changed_key = ops.message_key(1, 1, 2)
     kind, text, error_keys, started = seen[0, 2]
     assert kind == "changed" and error_keys == (changed_key,)

@@ -1,8 +1,9 @@
 """NCCL's emulation on gloo (raypipe.comm.nccl_emulation), between real processes:
 it keeps NCCL's rendezvous rule (two ranks that each send before receiving wait
-forever, which gloo alone lets through), 1F1B's lowered exchanges deliver under
-it, and a survivor of a SIGKILLed peer is never released by the transport, only
-by an abort from another thread, within seconds."""
+forever, which gloo alone lets through), and a survivor of a SIGKILLed peer is
+never released by the transport, only by an abort from another thread, within
+seconds. That 1F1B's lowered exchanges deliver under it is tests/comm/test_p2p.py's
+(test_one_f_one_b_exchanges_deliver_under_the_emulation, on that module's ranks)."""
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from raypipe.comm.nccl_emulation import EmulatedStream
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
-from tests.comm.test_p2p import free_port, key, run_exchanging_stage
+from tests.comm.test_p2p import free_port, key
 
 MESSAGE = 1000  # elements; the emulation treats every message as beyond NCCL's buffering
 
@@ -56,10 +57,6 @@ def test_crossed_sends_wait_forever_and_paired_ones_complete():
     seen = sorted(results.get(timeout=5) for _ in range(4))
     assert seen == [("crossed", 0, False, False), ("crossed", 1, False, False),
                     ("paired", 0, True, True), ("paired", 1, True, True)]
-
-
-def test_one_f_one_b_exchanges_deliver_under_the_emulation():
-    mp.start_processes(run_exchanging_stage, args=(free_port(), True), nprocs=2, start_method="spawn")
 
 
 def run_pair(rank: int, port: int, killed: mp.Event, results: mp.Queue) -> None:

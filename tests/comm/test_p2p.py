@@ -4,7 +4,8 @@ on a payload of unchanged shape lands in a receive posted before it was needed;
 the lowered ops of interleaved (looped) and ZBV (V-shaped) schedules, whose
 messages go to peers other than the next and previous stage and carry one
 micro-batch across several chunk boundaries between the same two workers,
-deliver each message under its key (raypipe.core.ops.message_key)."""
+deliver each message under its key (raypipe.core.ops.message_key). The ranks are spawned
+processes reused from test to test (tests/comm/spawned_ranks.py), each run joining its groups afresh."""
 from __future__ import annotations
 
 import socket
@@ -12,11 +13,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core import ops
 from raypipe.core.topology import Topology
+from tests.comm.spawned_ranks import shared_ranks
 
 # per step, the activations of micro-batches 0..2 (shape, dtype): step 2 repeats
 # step 1 (all predicted), step 3 changes micro-batch 1's shape and micro-batch 2's
@@ -27,6 +28,12 @@ STEPS = [
     [((2, 3), torch.float32), ((4, 7, 2), torch.float32), ((1,), torch.bfloat16)],
     [((2, 3), torch.float32), ((4, 5), torch.float32), ((1,), torch.int64)],
 ]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Spawned ranks (tests/comm/spawned_ranks.py's, shared with the other modules that use them)."""
+    return shared_ranks()
 
 
 def run_ops(channel: P2PChannel, stage_ops: list[ops.LoweredOp], key_of: Callable[[ops.LoweredOp], int],
@@ -80,8 +87,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_stage(rank: int, port: int, posted_ahead: mp.Queue) -> None:
-    torch.set_num_threads(1)
+def run_stage(rank: int, port: int) -> list[tuple[int, int]]:
+    """Stage ``rank`` of STEPS; the (step, micro-batch) of each activation that landed in the receive
+    posted ahead for it."""
+    posted_ahead = []
     channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
     channel.join("127.0.0.1", port, timeout_s=60)
     try:
@@ -100,22 +109,18 @@ def run_stage(rank: int, port: int, posted_ahead: mp.Queue) -> None:
                     received = channel.recv_activation(key(micro_batch), 0)
                     torch.testing.assert_close(received, activation(step, micro_batch), rtol=0, atol=0)
                     if received is posted.get(key(micro_batch)):
-                        posted_ahead.put((step, micro_batch))
+                        posted_ahead.append((step, micro_batch))
                 for micro_batch in reversed(micro_batches):
                     channel.send_gradient(-activation(step, micro_batch), key(micro_batch), 0)
             channel.finish_sends()
             assert channel.all_reduce_sum([float(rank), 1.0]) == [1.0, 2.0]
     finally:
         channel.leave()
+    return posted_ahead
 
 
-def test_activations_of_any_shape_arrive_and_unchanged_shapes_are_received_ahead():
-    context = mp.get_context("spawn")
-    posted_ahead = context.Queue()
-    mp.start_processes(run_stage, args=(free_port(), posted_ahead), nprocs=2, start_method="spawn")
-    landed = set()
-    while not posted_ahead.empty():
-        landed.add(posted_ahead.get())
+def test_activations_of_any_shape_arrive_and_unchanged_shapes_are_received_ahead(ranks):
+    landed = {landing for posted_ahead in ranks.run(run_stage, free_port(), nprocs=2) for landing in posted_ahead}
     # step 0 has no prediction; step 2 predicted micro-batches 1 and 2 wrongly
     assert landed == {(1, 0), (1, 1), (1, 2), (2, 0), (3, 0)}
 
@@ -123,7 +128,6 @@ def test_activations_of_any_shape_arrive_and_unchanged_shapes_are_received_ahead
 def run_replicated_stage(rank: int, port: int) -> None:
     """Two replicas of a two-stage pipeline (ranks 0, 1 and 2, 3): each replica's
     stages talk to each other only, each stage's gradients sum over its replicas."""
-    torch.set_num_threads(1)
     topology = Topology(num_stages=2, num_replicas=2)
     replica, stage, _ = topology.coordinates(rank)
     channel = P2PChannel(topology, replica, stage, torch.device("cpu"))
@@ -148,8 +152,8 @@ def run_replicated_stage(rank: int, port: int) -> None:
         channel.leave()
 
 
-def test_replicas_keep_to_their_pipeline_and_sum_gradients_per_stage():
-    mp.start_processes(run_replicated_stage, args=(free_port(),), nprocs=4, start_method="spawn")
+def test_replicas_keep_to_their_pipeline_and_sum_gradients_per_stage(ranks):
+    ranks.run(run_replicated_stage, free_port(), nprocs=4)
 
 
 def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> None:
@@ -201,8 +205,14 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
         channel.leave()
 
 
-def test_an_exchange_delivers_its_send_and_its_receive_on_gloo_and_on_nccls_path():
-    mp.start_processes(run_exchanging_stage, args=(free_port(),), nprocs=2, start_method="spawn")
+def test_an_exchange_delivers_its_send_and_its_receive_on_gloo_and_on_nccls_path(ranks):
+    ranks.run(run_exchanging_stage, free_port(), nprocs=2)
+
+
+def test_one_f_one_b_exchanges_deliver_under_the_emulation(ranks):
+    """The same steps under NCCL's emulation (raypipe.comm.nccl_emulation, whose own rules are
+    tests/comm/test_nccl_emulation.py's)."""
+    ranks.run(run_exchanging_stage, free_port(), True, nprocs=2)
 
 
 def tree_activation(step: int, micro_batch: int) -> dict:
@@ -225,7 +235,6 @@ def receive_tree(channel: P2PChannel, micro_batch: int) -> dict:
 
 
 def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
-    torch.set_num_threads(1)
     channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"))
     channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=emulate_nccl)
     try:
@@ -263,8 +272,8 @@ def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
 
 
 @pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
-def test_a_tree_of_tensors_crosses_the_boundary_and_its_float_leaves_get_gradients(emulate_nccl):
-    mp.start_processes(run_tree_stage, args=(free_port(), emulate_nccl), nprocs=2, start_method="spawn")
+def test_a_tree_of_tensors_crosses_the_boundary_and_its_float_leaves_get_gradients(ranks, emulate_nccl):
+    ranks.run(run_tree_stage, free_port(), emulate_nccl, nprocs=2)
 
 
 def test_a_leaf_that_cannot_cross_names_the_stage_and_its_path():
@@ -307,7 +316,6 @@ def run_chunked_stage(rank: int, port: int, emulated_port: int) -> None:
     from raypipe.core.lowering import lower
     from raypipe.core.schedule import PLACEMENT, make_schedule
 
-    torch.set_num_threads(1)
     channel = P2PChannel(Topology(num_stages=CHUNKED_P), 0, rank, torch.device("cpu"), num_chunks=CHUNKED_V)
     channel.join("127.0.0.1", port, timeout_s=60)
     try:
@@ -378,8 +386,8 @@ def test_chunked_lowerings_message_peers_beyond_the_neighbours_under_distinct_ke
                for lowered in (looped, v_shaped))
 
 
-def test_interleaved_and_zbv_lowerings_deliver_every_message_to_its_peer_under_its_key():
-    mp.start_processes(run_chunked_stage, args=(free_port(), free_port()), nprocs=CHUNKED_P, start_method="spawn")
+def test_interleaved_and_zbv_lowerings_deliver_every_message_to_its_peer_under_its_key(ranks):
+    ranks.run(run_chunked_stage, free_port(), free_port(), nprocs=CHUNKED_P)
 
 
 def test_a_peer_must_be_another_stage_of_the_pipeline():

@@ -2,25 +2,31 @@
 ZeRO-1's reduce-scatter onto owners and all-gather from them, in chunks small
 enough that every chunk boundary cuts a tensor, match sums computed in one
 process, on plain gloo and under NCCL's emulation (each wait polled, as the
-channel waits); and the flat layout reads and writes exactly the elements it names."""
+channel waits); and the flat layout reads and writes exactly the elements it names. The ranks are
+spawned processes reused from test to test (tests/comm/spawned_ranks.py), each run joining its
+group afresh."""
 from __future__ import annotations
-
-import io
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from raypipe.comm import replicas
 from raypipe.comm.p2p import P2PChannel
 from raypipe.comm.replicas import StageReplicas, _FlatBucket
 from raypipe.core.topology import Topology
+from tests.comm.spawned_ranks import shared_ranks
 from tests.comm.test_p2p import free_port
 
 REPLICAS = 3
 SHAPES = [(5, 3), (7,), (2, 2, 2), (1,), (4, 4)]  # unequal: padded owner segments
 OWNERS = (0, 1, 2, 2, 0)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Spawned ranks (tests/comm/spawned_ranks.py's, shared with the other modules that use them)."""
+    return shared_ranks()
 
 
 def tensors_of(replica: int, dtype=torch.float32) -> list[torch.Tensor]:
@@ -29,17 +35,12 @@ def tensors_of(replica: int, dtype=torch.float32) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
 
 
-def as_bytes(value) -> bytes:
-    # not tensors through the queue: those are shared through this process, which may have exited by then
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def run_replica(replica: int, port: int, results: mp.Queue, emulate_nccl: bool) -> None:
-    torch.set_num_threads(1)
-    replicas._BUCKET_BYTES = 24  # 6 fp32 elements per collective: every chunk cuts some tensor
+def run_replica(replica: int, port: int, emulate_nccl: bool) -> tuple[list, list, list]:
+    """Replica ``replica``'s tensors after the all-reduce, the reduce-scatter and the all-gather."""
+    bucket_bytes, replicas._BUCKET_BYTES = replicas._BUCKET_BYTES, 24  # 6 fp32 elements per collective:
+    # every chunk cuts some tensor (put back after: the rank's next run may be another module's)
     topology = Topology(num_stages=1, num_replicas=REPLICAS)
+    channel = None
     try:
         if emulate_nccl:  # the channel's own replicas, waited for as the channel waits: polled
             channel = P2PChannel(topology, replica, 0, torch.device("cpu"))
@@ -58,30 +59,19 @@ def run_replica(replica: int, port: int, results: mp.Queue, emulate_nccl: bool) 
         gathered = [t if owner == replica else torch.zeros_like(t)
                     for t, owner in zip(tensors_of(10 + replica, torch.bfloat16), OWNERS)]
         group.gather_parameters(gathered, OWNERS)
-        results.put((replica, as_bytes((summed, owned, gathered))))
+        return summed, owned, gathered
     finally:
-        if dist.is_initialized():
+        replicas._BUCKET_BYTES = bucket_bytes
+        if channel is not None:
+            channel.leave()
+        elif dist.is_initialized():
             dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
-def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process(emulate_nccl):
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=run_replica, args=(replica, port, results, emulate_nccl))
-                 for port in [free_port()] for replica in range(REPLICAS)]
-    for process in processes:
-        process.start()
-    try:
-        sent = [results.get(timeout=120) for _ in processes]
-        for process in processes:
-            process.join(timeout=30)
-            assert process.exitcode == 0
-    finally:  # a replica left waiting on its peers would spin on a core for the rest of the suite
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-    received = {replica: torch.load(io.BytesIO(data)) for replica, data in sent}
+def test_all_reduce_reduce_scatter_and_all_gather_in_chunks_match_one_process(ranks, emulate_nccl):
+    # a replica left waiting on its peers past the timeout is killed (it would spin on a core)
+    received = dict(enumerate(ranks.run(run_replica, free_port(), emulate_nccl, nprocs=REPLICAS, timeout_s=120)))
     expected = [sum(tensors_of(replica)[index] for replica in range(REPLICAS)) for index in range(len(SHAPES))]
     new_values = [tensors_of(10 + owner, torch.bfloat16)[index] for index, owner in enumerate(OWNERS)]
     for replica, (summed, owned, gathered) in received.items():

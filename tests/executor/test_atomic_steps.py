@@ -16,7 +16,7 @@ from torch import nn
 import raypipe
 from raypipe import StageError, StepAborted
 from tests.reference import (ReplaceGradientIf, assert_bitwise_equal, assert_parameters_match, checkpoint_state,
-                             executor_options, reference_step)
+                             executor_options, in_process, on_ray, reference_step)
 
 MARK = -100.0  # an input value no real sample has: the tripwire's signal
 BATCH, MICRO_BATCHES, FAILING = 6, 3, 1  # micro-batch 1 holds rows 2-3
@@ -61,10 +61,22 @@ def marked(x, column):
 
 
 # each executor with clipping (3 stages) and without (2); Ray's gloo transport runs the per-op
-# executor's steps with other tensor transfers, once
-# each executor once, three stages (a middle one) but for the per-op tasks of the default executor
-@pytest.mark.parametrize("num_stages,transport", [(3, "object_store"), (3, "p2p"), (2, "p2p-tasks"), (3, "gloo")])
+# executor's steps with other tensor transfers, once. Each executor once on Ray, three stages (a middle one)
+# but for the per-op tasks of the default executor; the default executor's three stages over its connections
+# on Ray under NCCL's emulation below (its release: the driver's abort), and its step runner (the failed op
+# raised, no worker's commit, the next step) through the same code in one process, with the same assertions.
+@pytest.mark.parametrize("num_stages,transport", [(3, "object_store"), (2, "p2p-tasks"), (3, "gloo")])
 def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_path, transport, num_stages):
+    assert_a_failed_step_changes_nothing_and_the_next_one_trains(on_ray, tmp_path, transport, num_stages)
+
+
+@pytest.mark.parametrize("num_stages,transport", [(3, "p2p")])
+def test_a_failed_step_changes_nothing_and_the_next_one_trains_in_process(tmp_path, transport, num_stages):
+    assert_a_failed_step_changes_nothing_and_the_next_one_trains(in_process, tmp_path, transport, num_stages)
+
+
+def assert_a_failed_step_changes_nothing_and_the_next_one_trains(trainer_of, tmp_path, transport: str,
+                                                                 num_stages: int) -> None:
     layers, balance = layers_and_balance(num_stages)
     reference = nn.Sequential(*copy.deepcopy(layers))
     reference_optimizer = adamw(reference.parameters())
@@ -75,7 +87,7 @@ def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator))
                for _ in range(2)]
-    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
+    with trainer_of(layers, nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
         x, y = batches[0]
         trainer.step(x, y)
         reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, MICRO_BATCHES, clip)
@@ -107,4 +119,4 @@ def test_under_nccls_emulation_a_failed_step_changes_nothing_and_the_next_one_tr
     middle stage's neighbours are released only by the driver's abort (no transfer
     raises when a peer leaves), still within seconds, with the cause reported."""
     monkeypatch.setenv("RAYPIPE_EMULATE_NCCL", "1")
-    test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_path, "p2p", 3)
+    assert_a_failed_step_changes_nothing_and_the_next_one_trains(on_ray, tmp_path, "p2p", 3)

@@ -4,12 +4,15 @@ snapshot of the state a step starts from is copied once that step first waits fo
 neighbour (stage 0 after its forwards, the last stage before its first activation); one
 still being copied out when the step reaches its commit holds that commit back (its first
 forward too when the stage saves buffers), and is the state of its own step; a worker
-killed while its snapshot is being copied out leaves the snapshot before it to heal from."""
+killed while its snapshot is being copied out leaves the snapshot before it to heal from.
+The tests that only read a run share it: where a snapshot is copied, and a slow one holding back
+a stage that saves no buffer, are one run's."""
 import copy
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import ray
@@ -33,16 +36,37 @@ class SlowToCopy(nn.Linear):
 
 
 class Stamped(nn.Linear):
-    """A Linear whose state dict carries the time it was taken: when a snapshot was copied."""
+    """A Linear whose state dict carries the time its copy began: when a snapshot was copied."""
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        copied_at = time.time()
         state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        state[prefix + "copied_at"] = torch.tensor(time.time(), dtype=torch.float64)
+        state[prefix + "copied_at"] = torch.tensor(copied_at, dtype=torch.float64)
         return state
+
+
+class StampedSlowToCopy(Stamped, SlowToCopy):
+    """Stamped with the time its copy began, then a second to copy."""
+
+
+def as_plain(layer: nn.Module) -> nn.Module:
+    """A copy of ``layer`` for the one-process reference: a Linear (stamped or slow) as a plain one."""
+    if not isinstance(layer, nn.Linear):
+        return copy.deepcopy(layer)
+    plain = nn.Linear(layer.in_features, layer.out_features)
+    with torch.no_grad():
+        plain.weight.copy_(layer.weight)
+        plain.bias.copy_(layer.bias)
+    return plain
 
 
 @pytest.fixture
 def snapshots_taken(monkeypatch) -> list:
+    """Every snapshot the driver takes from now on, in order (each new newest one of its :class:`Snapshots`)."""
+    return record_snapshots(monkeypatch)
+
+
+def record_snapshots(monkeypatch) -> list:
     """Every snapshot the driver takes from now on, in order (each new newest one of its :class:`Snapshots`)."""
     taken = []
     for name in ("take", "take_due"):
@@ -83,19 +107,53 @@ def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapsho
     assert_parameters_match(state, reference.state_dict())
 
 
-def test_a_snapshot_is_copied_while_its_stage_first_waits_in_the_next_step(ray_cluster, snapshots_taken):
+@dataclass
+class SlowSnapshotRun:
+    """Three steps of two stages (layers 0-1 and 2-4) whose last stage takes a second to copy."""
+
+    initial: list[nn.Module]  # the layers before training, plain (for the reference)
+    batches: list
+    results: list  # each step's StepResult
+    third_submitted: float  # when the driver sent the third step (stamped: after idling half a second)
+    snapshots: list[dict]  # each stage's snapshot of step 2, copied during the third step
+
+
+def run_with_a_slow_snapshot(last: nn.Module, taken: list, stamped: bool = False) -> SlowSnapshotRun:
+    """Layers Linear, Tanh | slow-to-copy Linear, Tanh, ``last`` on two stages of two micro-batches,
+    three steps; ``stamped``: each stage's first Linear stamps when its copy began, and the driver idles
+    half a second before the third step (a snapshot taken at the commit would be copied then)."""
     torch.manual_seed(0)
-    layers = [Stamped(8, 64), nn.Tanh(), Stamped(64, 64), nn.Tanh(), Stamped(64, 4)]
-    reference = nn.Sequential(*copy.deepcopy(layers))
-    reference_optimizer = adamw(reference.parameters())
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, balance=[4, 1])
-    batches = random_batches(16, steps=3)
+    # a forward updates BatchNorm's running statistics, which a snapshot copies: it must wait
+    layers = [(Stamped if stamped else nn.Linear)(8, 16), nn.Tanh(),
+              (StampedSlowToCopy if stamped else SlowToCopy)(16, 4), nn.Tanh(), last]  # (a bias right before
+    # BatchNorm has no gradient but rounding noise, which AdamW would blow up)
+    initial = [as_plain(layer) for layer in layers]
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 3])
+    assert config.snapshot_every == 1 and config.step_calls == "connections"
+    batches = random_batches(8, steps=3)
     with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
-        losses = [trainer.step(x, y).loss for x, y in batches[:2]]
-        time.sleep(0.5)  # the driver idles between steps: a snapshot taken at the commit would be copied now
+        results = [trainer.step(x, y) for x, y in batches[:2]]
+        if stamped:
+            time.sleep(0.5)  # the driver idles between steps
         third_submitted = time.time()
-        third = trainer.step(*batches[2])
-        stamps = [float(snapshot_of_step(snapshots_taken, 2, stage)["layers"]["0.copied_at"]) for stage in (0, 1)]
+        results.append(trainer.step(*batches[2]))
+        snapshots = [snapshot_of_step(taken, 2, stage) for stage in (0, 1)]
+    return SlowSnapshotRun(initial, batches, results, third_submitted, snapshots)
+
+
+@pytest.fixture(scope="module")
+def stamped_run(ray_cluster) -> SlowSnapshotRun:
+    """The run of the tests that only read it: the last stage saves no buffer, every stage's first
+    Linear is stamped."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return run_with_a_slow_snapshot(Scaled(4), record_snapshots(monkeypatch), stamped=True)
+
+
+def test_a_snapshot_is_copied_while_its_stage_first_waits_in_the_next_step(stamped_run):
+    reference = nn.Sequential(*copy.deepcopy(stamped_run.initial))
+    reference_optimizer = adamw(reference.parameters())
+    third, third_submitted = stamped_run.results[2], stamped_run.third_submitted
+    stamps = [float(snapshot["layers"]["0.copied_at"]) for snapshot in stamped_run.snapshots]
     events = {stage: [event for event in third.timeline if event.stage == stage] for stage in (0, 1)}
     last_forward = max(event.end for event in events[0] if event.op == "F")
     commits = [next(event.start for event in events[stage] if event.op == "optimizer") for stage in (0, 1)]
@@ -103,9 +161,9 @@ def test_a_snapshot_is_copied_while_its_stage_first_waits_in_the_next_step(ray_c
     assert last_forward <= stamps[0] <= commits[0], (stamps, events[0])
     # the last stage copies as the step starts, while it waits for the first activation
     assert third_submitted <= stamps[1] <= commits[1], (stamps, third_submitted, events[1])
-    expected = [reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 4)[0]
-                for x, y in batches]
-    assert losses + [third.loss] == pytest.approx(expected, rel=1e-5)
+    expected = [reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)[0]
+                for x, y in stamped_run.batches]
+    assert [result.loss for result in stamped_run.results] == pytest.approx(expected, rel=1e-5)
 
 
 def test_the_first_wait_is_the_first_receive_and_never_after_the_gated_op():
@@ -140,27 +198,25 @@ class Scaled(nn.Module):
 
 @pytest.mark.parametrize("buffer", ["saved", "not saved"])
 def test_a_snapshot_slower_than_the_next_step_holds_its_commit_and_only_saved_buffers_its_first_forward(
-        ray_cluster, buffer, snapshots_taken):
+        request, buffer):
     """The snapshot of step 2 on the slow stage is still being copied out when step 3 reaches its
-    commit: the commit waits for it, and it is the state after step 2 (not a mix with step 3)."""
-    torch.manual_seed(0)
-    # a forward updates BatchNorm's running statistics, which a snapshot copies: it must wait
-    last = nn.BatchNorm1d(4) if buffer == "saved" else Scaled(4)
-    layers = [nn.Linear(8, 16), nn.Tanh(), SlowToCopy(16, 4), nn.Tanh(), last]  # (a bias right before
-    # BatchNorm has no gradient but rounding noise, which AdamW would blow up)
-    reference = nn.Sequential(*copy.deepcopy(layers))
+    commit: the commit waits for it, and it is the state after step 2 (not a mix with step 3).
+    Without a saved buffer: the stamped run the test above reads."""
+    if buffer == "saved":
+        request.getfixturevalue("ray_cluster")
+        run = run_with_a_slow_snapshot(nn.BatchNorm1d(4), request.getfixturevalue("snapshots_taken"))
+    else:
+        run = request.getfixturevalue("stamped_run")
+    reference = nn.Sequential(*copy.deepcopy(run.initial))
     reference_optimizer = adamw(reference.parameters())
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 3])
-    assert config.snapshot_every == 1 and config.step_calls == "connections"
-    batches = random_batches(8, steps=3)
-    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
-        results = [trainer.step(x, y) for x, y in batches]
-        snapshot = snapshot_of_step(snapshots_taken, 2, stage=1)
-    for x, y in batches[:2]:
+    results, snapshot = run.results, run.snapshots[1]
+    for x, y in run.batches[:2]:
         reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)
     expected = {name[2:]: value for name, value in reference.state_dict().items() if name[0] in "234"}
     # stage 1 holds layers 2-4 at its positions 0-2: the state after step 2, not a mix with step 3
-    assert_parameters_match({name.split(".", 1)[1]: value for name, value in snapshot["layers"].items()}, expected)
+    # (a stamp is when the copy began, no state)
+    assert_parameters_match({name.split(".", 1)[1]: value for name, value in snapshot["layers"].items()
+                             if not name.endswith(".copied_at")}, expected)
     assert snapshot["commits"] == 2
     events = [event for event in results[2].timeline if event.stage == 1]
     [gate] = [event for event in events if event.op == "gate"]

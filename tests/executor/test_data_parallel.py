@@ -13,8 +13,8 @@ import raypipe
 from raypipe import ConfigError, StageError
 from tests.reference import InterpretedTrainer
 from tests.executor.test_nonfinite import OverflowOnMarker, halving
-from tests.reference import (adamw, assert_bitwise_equal, assert_parameters_match, make_mlp, random_batches,
-                             reference_step)
+from tests.reference import (adamw, assert_bitwise_equal, assert_parameters_match, in_process, make_mlp, on_ray,
+                             random_batches, reference_step)
 
 STEPS = 3
 BATCH = 11  # uneven over 2, 4 and 6 micro-batches
@@ -30,13 +30,15 @@ def reference_loss(model, x, y, count):
                    for xm, ym in zip(torch.tensor_split(x, count), torch.tensor_split(y, count)))
 
 
-# (replicas, stages, micro-batches per replica) on Ray: a lone stage, more micro-batches than stages (BATCH
-# split unevenly, clipped); ZeRO-1 (it shards and gathers on top of the replicated reduction) and replicated.
-# Three replicas run the same step runner in one process (the in-process test below, with the same
-# assertions but the Ray workers' processes and evaluate, which the Ray cells check); every case of this
-# matrix (fewer micro-batches than stages too), each with ZeRO-1 and replicated, runs in one process in
+# (replicas, stages, micro-batches per replica) on Ray: more micro-batches than stages (BATCH split unevenly,
+# clipped), replicated (the all-reduce over the replicas' group); ZeRO-1's reduce-scatter and gather on Ray:
+# test_a_sharded_checkpoint_loads_into_any_replicas_and_stages below (three replicas of one stage train,
+# save, load back and train on, against one process). A lone stage with ZeRO-1 and three replicas run the
+# same step runner in one process (the in-process test below, with the same assertions but the Ray workers'
+# processes, placement groups and evaluate, which the Ray cell checks); every case of this matrix (fewer
+# micro-batches than stages too), each with ZeRO-1 and replicated, runs in one process in
 # tests/testing/test_op_interpreter.py.
-CASES = [(2, 1, 2, True), (2, 2, 3, False)]
+CASES = [(2, 2, 3, False)]
 
 
 def _ids(value):
@@ -71,9 +73,9 @@ def _assert_steps_match_one_process(trainer, reference, config):
 def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replicas, num_stages, num_micro_batches,
                                                         shard_optimizer):
     config = _config(num_replicas, num_stages, num_micro_batches, shard_optimizer)
-    model = make_mlp()
-    reference = copy.deepcopy(model)
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+    layers = [FailOnMarker(), *make_mlp()]  # the identity, but for a marked row: a failure in one replica
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
         assert trainer.num_replicas == num_replicas
         assert [(w.replica, w.stage) for w in trainer.workers] == [
             (r, s) for r in range(num_replicas) for s in range(num_stages)]
@@ -85,6 +87,8 @@ def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replica
         count = num_replicas * num_micro_batches
         with pytest.raises(ValueError, match=f"smaller than the step's {count} micro-batches"):
             trainer.step(torch.ones(count - 1, 8), torch.ones(count - 1, 4))
+        _assert_a_failure_in_one_replica_names_it_and_no_worker_steps(trainer)
+        # the group was re-formed: the next steps train as one process that never saw the failed batch
         _assert_steps_match_one_process(trainer, reference, config)
         # every replica evaluates its block with its own weights: equal only if all replicas stepped alike
         x, y = batches(seed=9)[0]
@@ -92,7 +96,8 @@ def test_replicas_match_one_process_on_the_global_batch(ray_cluster, num_replica
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
-@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer", [(3, 2, 2, True)], ids=_ids)
+@pytest.mark.parametrize("num_replicas,num_stages,num_micro_batches,shard_optimizer",
+                         [(2, 1, 2, True), (3, 2, 2, True)], ids=_ids)
 def test_replicas_match_one_process_on_the_global_batch_in_process(num_replicas, num_stages, num_micro_batches,
                                                                    shard_optimizer):
     config = _config(num_replicas, num_stages, num_micro_batches, shard_optimizer)
@@ -136,19 +141,19 @@ class FailOnMarker(nn.Module):
         return x
 
 
-def test_a_failure_in_one_replica_names_it_and_no_worker_steps(ray_cluster):
-    layers = [FailOnMarker(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=2, balance=[2, 2])
+def _assert_a_failure_in_one_replica_names_it_and_no_worker_steps(trainer) -> None:
+    """On the Ray trainer of test_replicas_match_one_process_on_the_global_batch (two replicas of two
+    stages, three micro-batches each; its first layer a FailOnMarker): a failure in replica 1 is raised
+    naming it, and no worker of either replica steps (the next step, there, trains as one process)."""
     x, y = batches()[0]
     marked = x.clone()
-    marked[9, 0] = 1e4  # micro-batch 3 of 4 (rows 9, 10): replica 1's second
-    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
-        before, before_eval = trainer.state_dict(), trainer.evaluate(x, y)
-        with pytest.raises(StageError, match="replica 1, stage 0, op F, micro-batch 1: ValueError: a marked row"):
-            trainer.step(marked, y)
-        assert_bitwise_equal(before, trainer.state_dict())
-        assert trainer.evaluate(x, y) == before_eval
-        assert not trainer.step(x, y).skipped  # the group was re-formed
+    marked[9, 0] = 1e4  # micro-batch 5 of 6 (rows 8, 9): replica 1's second
+    before, before_eval = trainer.state_dict(), trainer.evaluate(x, y)
+    with pytest.raises(StageError, match="replica 1, stage 0, op F, micro-batch 1: ValueError: a marked row"):
+        trainer.step(marked, y)
+    assert_bitwise_equal(before, trainer.state_dict())
+    assert trainer.evaluate(x, y) == before_eval
+    assert trainer.step_count == 0
 
 
 # (each replica's own PACK placement group, and a global batch smaller than the step's micro-batches of
@@ -160,16 +165,13 @@ def test_replicas_need_the_per_step_executor():
         raypipe.PipelineConfig(num_replicas=0).validate()
 
 
-def _trained(config, steps, root=None, load=None):
-    """Train ``steps`` steps (after loading checkpoint ``load``); save to ``root``; the final state."""
-    model = make_mlp()
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
-        if load is not None:
-            trainer.load_checkpoint(load)
+def _resumed(config, steps, root):
+    """Load the newest checkpoint under ``root`` through the step runner in one process, train ``steps``
+    steps; the final state and step count."""
+    with in_process(make_mlp(), nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
+        trainer.load_checkpoint(root)
         for x, y in steps:
             trainer.step(x, y)
-        if root is not None:
-            trainer.save_checkpoint(root)
         return trainer.state_dict(), trainer.step_count
 
 
@@ -191,13 +193,12 @@ def test_zero1_keeps_each_parameters_optimizer_state_on_one_replica():
         assert sum(shards) == whole and all(0 < part < whole for part in shards)
 
 
+# Saved by three replicas of one stage on Ray (ZeRO-1: the other replicas' optimizer parts as blobs, written
+# by the actors) and loaded back on Ray by the same workers (each its part, the manifest's trainer state);
+# loaded into one replica of three stages and two sharded replicas of two stages (the parts merged, and
+# sharded anew) through the same step runner in one process (the stage workers' load, as on Ray)
 def test_a_sharded_checkpoint_loads_into_any_replicas_and_stages(ray_cluster, tmp_path):
     steps = batches() + batches(seed=2)[:1]  # 4 steps, with AdamW state and a schedule to carry over
-    # 6 micro-batches per step throughout: 2 replicas x 3 (sharded), then 1 x 6 or 3 x 2
-    first = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, num_replicas=2, shard_optimizer=True,
-                                   clip_grad_norm=0.05)
-    _, count = _trained(first, steps[:2], root=tmp_path / "ckpt")
-    assert count == 2
     model = make_mlp()  # one process on the same 6 micro-batches a step
     optimizer = adamw(model.parameters())
     scheduler = halving(optimizer)
@@ -205,10 +206,27 @@ def test_a_sharded_checkpoint_loads_into_any_replicas_and_stages(ray_cluster, tm
         reference_step(model, optimizer, nn.functional.mse_loss, x, y, 6, 0.05)
         scheduler.step()
     reference = model.state_dict()
-    for num_replicas, num_stages, shard in ((1, 3, False), (3, 1, True)):
+    # 6 micro-batches per step throughout: 3 replicas x 2 (sharded), then 1 x 6 or 2 x 3
+    first = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2, num_replicas=3, shard_optimizer=True,
+                                   clip_grad_norm=0.05)
+    with on_ray(make_mlp(), nn.functional.mse_loss, adamw, first, lr_scheduler=halving) as trainer:
+        for x, y in steps[:2]:
+            trainer.step(x, y)
+        assert trainer.save_checkpoint(tmp_path / "ckpt") == 2
+        for x, y in steps[2:]:
+            trainer.step(x, y)
+        uninterrupted = trainer.state_dict()
+        trainer.load_checkpoint(tmp_path / "ckpt")
+        assert trainer.step_count == 2
+        for x, y in steps[2:]:
+            trainer.step(x, y)
+        assert trainer.step_count == 4
+        assert_bitwise_equal(uninterrupted, trainer.state_dict())  # the same layout: the same arithmetic
+        assert_parameters_match(uninterrupted, reference, rtol=1e-5, atol=1e-6)
+    for num_replicas, num_stages, shard in ((1, 3, False), (2, 2, True)):
         config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=6 // num_replicas,
                                         num_replicas=num_replicas, shard_optimizer=shard, clip_grad_norm=0.05)
-        resumed, count = _trained(config, steps[2:], load=tmp_path / "ckpt")
+        resumed, count = _resumed(config, steps[2:], tmp_path / "ckpt")
         assert count == 4
         assert_parameters_match(resumed, reference, rtol=1e-5, atol=1e-6)
 

@@ -23,54 +23,72 @@ def run_steps(trainer, batches, record, optimizer_bytes=None):
             optimizer_bytes.append({(s.replica, s.stage): s.optimizer_bytes for s in result.stages})
 
 
-def test_an_elastic_run_starts_with_as_many_replicas_as_fit_and_splits_the_step_unevenly(ray_cluster):
-    # 6 logical CPUs hold 3 replicas of 2 stages; the 4th stays asked for
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 4), clip_grad_norm=0.5)
-    record = []
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-        assert trainer.num_replicas == 3 and config.num_replicas == (1, 4)
-        assert [(w.replica, w.stage) for w in trainer.workers] == [(r, s) for r in range(3) for s in range(2)]
-        run_steps(trainer, random_batches(16, 3), record)  # 8 micro-batches: blocks of 3, 3 and 2
-        state = trainer.state_dict()
-    assert [replicas for _, replicas in record] == [3, 3, 3]
-    assert_mlp_run_matches_one_process([loss for loss, _ in record], state, 16, 8, clip_grad_norm=0.5)
-    assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
-
-
-@pytest.mark.parametrize("shard_optimizer,schedule", [(False, {}), (True, {"schedule": "zbv", "virtual_stages": 2})],
-                         ids=["replicated", "zero1-zbv"])
-def test_a_replica_joins_when_its_resources_appear_and_takes_the_runs_state(ray_cluster, shard_optimizer, schedule):
-    # replicated, the new replica copies a live one; with ZeRO-1 every worker adopts its new owners' parts (of
-    # both its model chunks, under zbv)
-    blocker = placement_group([{"CPU": 1.0}] * 4)  # leaves room for one replica of two stages
+def blocking(num_cpus):
+    """A placement group of ``num_cpus`` CPUs, placed: the room it holds is freed when it is removed."""
+    blocker = placement_group([{"CPU": 1.0}] * num_cpus)
     ray.get(blocker.ready(), timeout=60)
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2),
-                                    shard_optimizer=shard_optimizer, **schedule)
-    batches, record, optimizer_bytes = random_batches(8, 40), [], []
+    return blocker
+
+
+def grow(trainer, batches, record, optimizer_bytes, replicas):
+    """Steps until two in a row ran on ``replicas`` replicas (the new one joins at a step boundary once its
+    workers are ready)."""
+    deadline = time.monotonic() + 120
+    for x, y in batches:
+        run_steps(trainer, [(x, y)], record, optimizer_bytes)
+        if [r for _, r in record[-2:]] == [replicas, replicas]:
+            return
+        assert time.monotonic() < deadline, f"replica {replicas} never joined"
+        time.sleep(0.3)  # let the new replica's workers start
+    raise AssertionError(f"replica {replicas} had not joined after {len(record)} steps")
+
+
+@pytest.fixture(scope="module")
+def from_two_to_three(ray_cluster):
+    """An elastic run of (1, 4) replicas of two stages (2 micro-batches each, 8 a step) under ZeRO-1 and zbv
+    (two model chunks a worker), started where 2 replicas fit (a placement group holds the room of a third:
+    6 logical CPUs hold 3 replicas of 2 stages), stepped until the room is freed and a third replica joined:
+    what each step and the trainer showed. (A replicated run that grows: tests/test_fit.py's.)"""
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 4), clip_grad_norm=0.5,
+                                    shard_optimizer=True, schedule="zbv", virtual_stages=2)
+    blocker = blocking(2)
+    run = {"record": [], "optimizer_bytes": []}
+    batches = random_batches(16, 40)
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-        assert trainer.num_replicas == 1
-        run_steps(trainer, batches[:2], record, optimizer_bytes)
+        run["started"] = trainer.num_replicas, [(w.replica, w.stage) for w in trainer.workers]
+        run_steps(trainer, batches[:2], run["record"], run["optimizer_bytes"])  # blocks of 4 and 4
         remove_placement_group(blocker)
-        deadline = time.monotonic() + 120
-        for x, y in batches[2:]:
-            run_steps(trainer, [(x, y)], record, optimizer_bytes)
-            if record[-1][1] == 2 and [r for _, r in record[-2:]] == [2, 2]:
-                break
-            assert time.monotonic() < deadline, "the second replica never joined"
-            time.sleep(0.3)  # let the new replica's workers start
-        assert trainer.num_replicas == 2 and [d for _, d, _ in trainer.resizes] == ["grow"]
-        assert [w.replica for w in trainer.workers] == [0, 0, 1, 1]
-        state = trainer.state_dict()
-    replicas = [r for _, r in record]
-    assert replicas[:2] == [1, 1] and replicas[-2:] == [2, 2]
-    assert_mlp_run_matches_one_process([loss for loss, _ in record], state, 8, 4)
-    alone, grown = optimizer_bytes[0], optimizer_bytes[-1]
-    for stage in range(2):
-        parts = [grown[replica, stage] for replica in range(2)]
-        if shard_optimizer:  # each parameter's moments on one replica, every replica holding a part
-            assert sum(parts) == alone[0, stage] and all(0 < part < alone[0, stage] for part in parts)
-        else:
-            assert parts == [alone[0, stage]] * 2
+        grow(trainer, batches[2:], run["record"], run["optimizer_bytes"], 3)  # blocks of 3, 3 and 2
+        run["grown"] = trainer.num_replicas, [(w.replica, w.stage) for w in trainer.workers]
+        run["resizes"] = [direction for _, direction, _ in trainer.resizes]
+        run["state"] = trainer.state_dict()
+    run["placement_groups"] = [group["state"] for group in ray.util.placement_group_table().values()]
+    return run
+
+
+def test_an_elastic_run_starts_with_as_many_replicas_as_fit_and_splits_the_step_unevenly(from_two_to_three):
+    # the 4th replica stays asked for
+    run = from_two_to_three
+    assert run["started"] == (2, [(r, s) for r in range(2) for s in range(2)])
+    assert run["grown"] == (3, [(r, s) for r in range(3) for s in range(2)])
+    record = run["record"]
+    replicas = [replicas for _, replicas in record]
+    assert replicas[:2] == [2, 2] and replicas[-2:] == [3, 3] and set(replicas) == {2, 3}
+    assert_mlp_run_matches_one_process([loss for loss, _ in record], run["state"], 16, 8, clip_grad_norm=0.5)
+    assert all(state == "REMOVED" for state in run["placement_groups"])
+
+
+def test_a_replica_joins_when_its_resources_appear_and_takes_the_runs_state(from_two_to_three):
+    # with ZeRO-1 every worker adopts its new owners' parts (of both its model chunks, under zbv); the numbers:
+    # the test above. (Replicated, the new replica copies a live one: tests/test_fit.py's elastic run.)
+    run = from_two_to_three
+    assert run["resizes"] == ["grow"]
+    before, grown = run["optimizer_bytes"][0], run["optimizer_bytes"][-1]
+    for stage in range(2):  # each parameter's moments on one replica, every replica holding a part
+        whole = sum(before[replica, stage] for replica in range(2))
+        for layout, replicas in ((before, 2), (grown, 3)):
+            parts = [layout[replica, stage] for replica in range(replicas)]
+            assert sum(parts) == whole and all(0 < part < whole for part in parts)
 
 
 def test_an_elastic_minimum_that_cannot_be_placed_is_a_clear_error(ray_cluster):

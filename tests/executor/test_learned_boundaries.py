@@ -1,7 +1,10 @@
 """A model whose boundary shape depends on the data trains exactly under ``boundary_shapes="learned"``
 (the default): the step whose activation changed signature fails before anything of it is sent
 (:class:`raypipe.errors.BoundaryShapeChanged`), is retried with headers on that message key without
-charging ``max_failures``, and the run equals one process; with ``"headers"`` no step is retried."""
+charging ``max_failures``, and the run equals one process; with ``"headers"`` no step is retried.
+The retries are the controller's: that run is on Ray. With headers nothing is retried, so its run
+(the same step runner's arithmetic on the same changing shapes) is in one process; each transport's
+headers are counted in tests/comm/test_boundary_signatures.py."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +15,7 @@ import torch
 from torch import nn
 
 import raypipe
-from tests.reference import adamw, assert_parameters_match, reference_step
+from tests.reference import adamw, assert_parameters_match, in_process, on_ray, reference_step
 
 NUM_STEPS, NUM_MICRO_BATCHES, BATCH, LENGTH = 4, 2, 4, 6
 
@@ -40,14 +43,14 @@ def lengths(inputs: torch.Tensor) -> list[int]:
     return [TruncateByData()(x).shape[1] for x in torch.tensor_split(inputs, NUM_MICRO_BATCHES)]
 
 
-def train(boundary_shapes: str) -> tuple[list[float], dict]:
+def train(trainer_of, boundary_shapes: str) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     layers = [TruncateByData(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
     reference = nn.Sequential(*copy.deepcopy(layers))
     # max_failures=0: a retry charged as a failure would stop the run
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=NUM_MICRO_BATCHES, schedule="1f1b",
                                     balance=[2, 2], max_failures=0, boundary_shapes=boundary_shapes)
-    with raypipe.PipelineTrainer(layers, loss_fn, adamw, config) as trainer:
+    with trainer_of(layers, loss_fn, adamw, config) as trainer:
         losses = [trainer.step(x, y).loss for x, y in batches()]
         state = trainer.state_dict()
     optimizer = adamw(reference.parameters())
@@ -65,7 +68,7 @@ def test_the_data_changes_the_boundary_shape():
 def test_a_data_dependent_boundary_trains_exactly_under_learned_shapes_with_one_retry_per_new_signature(
         ray_cluster, caplog):
     with caplog.at_level(logging.INFO, logger="raypipe"):
-        train("learned")
+        train(on_ray, "learned")
     retried = [record for record in caplog.records if "changed from" in record.getMessage()]
     changes = 0
     for index in range(NUM_MICRO_BATCHES):  # each key is retried once, then keeps headers
@@ -74,7 +77,7 @@ def test_a_data_dependent_boundary_trains_exactly_under_learned_shapes_with_one_
     assert len(retried) == changes > 0, [record.getMessage() for record in retried]
 
 
-def test_a_data_dependent_boundary_trains_exactly_with_headers(ray_cluster, caplog):
+def test_a_data_dependent_boundary_trains_exactly_with_headers(caplog):
     with caplog.at_level(logging.INFO, logger="raypipe"):
-        train("headers")
+        train(in_process, "headers")
     assert not [record for record in caplog.records if "changed from" in record.getMessage()]

@@ -18,7 +18,7 @@ from torch import nn
 import raypipe
 from raypipe import NonFiniteError
 from tests.reference import (InterpretedTrainer, ReplaceGradientIf, assert_bitwise_equal, checkpoint_state,
-                             make_mlp)
+                             in_process, make_mlp, on_ray)
 
 BATCH, MICRO_BATCHES = 6, 3
 NUM_LAYERS = 7  # make_mlp()
@@ -43,24 +43,35 @@ def poisoned(x):
     return x
 
 
-# Each policy on p2p, fp32 and bf16; the per-op executor once, under fp16's skip: both decide with
-# core.step_decision.decide_step and raise in the trainer, and differ only in who gathers the stages'
-# statistics (fp16: the case that also moves the loss scale; its raise at the floor is tested below).
-# The raise on a NaN is the trainer's, whatever the precision (bf16's below; fp16's decision, "nonfinite"
-# and not an overflow, is tests/core/test_step_decision.py's and the in-process matrix's; fp16 with
-# nonfinite="raise" on p2p: test_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor).
+# Each policy on p2p, bf16's raise on Ray, fp32's skip through the per-step executor's step runner in one
+# process (the checkpoints written and loaded by its stage workers, as on Ray); the per-op executor once,
+# under fp16's skip: both decide with core.step_decision.decide_step and raise in the trainer, and differ
+# only in who gathers the stages' statistics (fp16: the case that also moves the loss scale; its raise at
+# the floor is tested below). The raise on a NaN is the trainer's, whatever the precision (bf16's below;
+# fp16's decision, "nonfinite" and not an overflow, is tests/core/test_step_decision.py's and the in-process
+# matrix's; fp16 with nonfinite="raise": test_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor).
 # Every precision under skip (fp16's on the per-step executor among them), with and without clipping, runs
 # the same step runner in one process with the same checks (skipped, NaN loss, every worker's weights and
 # optimizer state bitwise as before, the next clean step the uninterrupted run's):
 # tests/testing/test_op_interpreter.py.
-CASES = [("p2p", "fp32", None, "skip"), ("p2p", "bf16", 1.0, "raise"), ("object_store", "fp16", None, "skip")]
+CASES = [("p2p", "bf16", 1.0, "raise"), ("object_store", "fp16", None, "skip")]
+IN_PROCESS_CASES = [("p2p", "fp32", None, "skip")]
 
 
 @pytest.mark.parametrize("transport,precision,clip,policy", CASES)
 def test_a_nan_step_changes_nothing(ray_cluster, tmp_path, transport, precision, clip, policy):
+    assert_a_nan_step_changes_nothing(on_ray, tmp_path, transport, precision, clip, policy)
+
+
+@pytest.mark.parametrize("transport,precision,clip,policy", IN_PROCESS_CASES)
+def test_a_nan_step_changes_nothing_in_process(tmp_path, transport, precision, clip, policy):
+    assert_a_nan_step_changes_nothing(in_process, tmp_path, transport, precision, clip, policy)
+
+
+def assert_a_nan_step_changes_nothing(trainer_of, tmp_path, transport, precision, clip, policy) -> None:
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES, precision=precision,
                                     clip_grad_norm=clip, nonfinite=policy, transport=transport)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
+    with trainer_of(make_mlp(), nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
         trainer.step(*batch(1))  # optimizer and scheduler have state
         # the uninterrupted run first: its second step's loss and state, without the poisoned batch; then the
         # same trainer back at the first step (weights, optimizer, scheduler and loss scale, bitwise)
@@ -75,7 +86,7 @@ def test_a_nan_step_changes_nothing(ray_cluster, tmp_path, transport, precision,
             result = trainer.step(poisoned(x), y)
             assert (result.skipped, result.skip_reason) == (True, "nonfinite")
             assert math.isnan(result.loss) and trainer.step_count == 2
-        else:
+        else:  # the trainer's raise: on Ray only
             with pytest.raises(NonFiniteError, match="step 1: non-finite stage 0's gradients") as error:
                 trainer.step(poisoned(x), y)
             assert (error.value.step, error.value.stage) == (1, 0) and trainer.step_count == 1
@@ -136,20 +147,36 @@ class OverflowOnMarker(nn.Module):
         return x * ReplaceGradientIf.apply(self.weight, bool(x[0, 0] > 1e3), _all_inf)
 
 
-@pytest.mark.parametrize("transport", ["p2p", "object_store"])
+# the trainer's raise on Ray, under the per-op executor (the driver gathers the stages' statistics); the
+# per-step executor's decision (its workers all-reduce them) through its step runner in one process, with
+# what the trainer raises on there (an overflow, skipped, at the minimum loss scale: control/steps.py)
+@pytest.mark.parametrize("transport", ["object_store"])
 def test_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor(ray_cluster, transport):
+    assert_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor(on_ray, transport)
+
+
+def test_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor_in_process():
+    assert_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor(in_process, "p2p")
+
+
+def assert_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor(trainer_of, transport: str) -> None:
     layers = [OverflowOnMarker(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, precision="fp16", nonfinite="raise",
                                     initial_loss_scale=4.0, min_loss_scale=2.0, transport=transport, balance=[2, 2])
     x, y = batch(3)
     marked = x.clone()
     marked[0, 0] = 1e4
-    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw, config) as trainer:
+    with trainer_of(layers, nn.functional.mse_loss, adamw, config) as trainer:
         before = trainer.state_dict()
         result = trainer.step(marked, y)
         assert (result.skipped, result.skip_reason, result.loss_scale) == (True, "overflow", 4.0)
         assert trainer.scaler.scale == 2.0 and math.isfinite(result.loss)
-        with pytest.raises(NonFiniteError, match="overflow at the minimum loss scale 2"):
-            trainer.step(marked, y)
+        if trainer_of is on_ray:
+            with pytest.raises(NonFiniteError, match="overflow at the minimum loss scale 2"):
+                trainer.step(marked, y)
+        else:  # what the trainer raises NonFiniteError on
+            result = trainer.step(marked, y)
+            assert (result.skipped, result.skip_reason, result.loss_scale) == (True, "overflow", 2.0)
+            assert trainer.scaler.scale == trainer.scaler.min_scale == 2.0
         assert_bitwise_equal(before, trainer.state_dict())
         assert not trainer.step(x, y).skipped

@@ -1,7 +1,8 @@
-"""Trees across stage boundaries (issue 44, item 1): packed documents on two stages (through the
-step runner in one process) and on two replicas of two stages (the default p2p executor), where the
-LLaMA's hidden states, positions and document ids cross the boundary as a tree, and a model passing
-dicts and tuples on the per-op executor and over Ray Direct Transport, each equal to one process.
+"""Trees across stage boundaries (issue 44, item 1): packed documents on two stages (the default p2p
+executor, and through its step runner in one process) and on two replicas of two stages (in one
+process), where the LLaMA's hidden states, positions and document ids cross the boundary as a tree,
+and a model passing dicts and tuples on the per-op executor and over Ray Direct Transport, each equal
+to one process.
 Every schedule and checkpointing mode runs in-process (tests/stage/test_tree_boundaries.py,
 tests/models/test_packed_documents.py)."""
 import copy
@@ -14,7 +15,7 @@ import raypipe
 from raypipe.core.packed import IGNORE_INDEX
 from raypipe.models.llama import llama_loss
 from raypipe.run import llama_count_tokens
-from tests.reference import in_process
+from tests.reference import in_process, on_ray
 from tests.models.test_packed_documents import CONFIG, model, packed_batch
 from tests.reference import adamw, assert_parameters_match, executor_options, random_batches, reference_step
 from tests.stage.test_tree_boundaries import BATCH as TREE_BATCH
@@ -43,14 +44,23 @@ def reference_step_packed(net: torch.nn.Module, optimizer: torch.optim.Optimizer
     return float(loss.detach())
 
 
-# two stages alone run the same step runner in one process (the trees handed over as they are); over Ray's
-# transports: two replicas of two stages below, and the tree model on the other executors
-def test_packed_rows_on_two_stages_train_as_one_process():
+# the default executor's trees on Ray (their headers and shapes, which change from micro-batch to
+# micro-batch); the same step runner in one process (the trees handed over as they are), and two replicas
+# there below; over Ray's other transports: the tree model on the other executors
+def test_packed_rows_on_two_stages_train_as_one_process(ray_cluster):
+    assert_packed_rows_on_two_stages_train_as_one_process(on_ray)
+
+
+def test_packed_rows_on_two_stages_train_as_one_process_in_process():
+    assert_packed_rows_on_two_stages_train_as_one_process(in_process)
+
+
+def assert_packed_rows_on_two_stages_train_as_one_process(trainer_of) -> None:
     net = model()
     reference = copy.deepcopy(net)
     reference_optimizer = sgd(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES, schedule="1f1b")
-    with in_process(net, llama_loss, sgd, config, loss_count_fn=llama_count_tokens) as trainer:
+    with trainer_of(net, llama_loss, sgd, config, loss_count_fn=llama_count_tokens) as trainer:
         for step in range(2):
             inputs, targets, _ = packed_batch(seed=20 + step, rows=4)
             counts = [llama_count_tokens(part) for part in torch.tensor_split(targets, MICRO_BATCHES)]
@@ -78,12 +88,14 @@ def test_stages_passing_trees_train_as_one_process_on_the_other_executors(ray_cl
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
 
 
-def test_packed_rows_on_two_replicas_of_two_stages_train_as_one_process(ray_cluster):
+# each replica's block weighs by its predicted tokens: the step runner's arithmetic, in one process (the
+# replicas' reduction on Ray: tests/executor/test_data_parallel.py)
+def test_packed_rows_on_two_replicas_of_two_stages_train_as_one_process_in_process():
     net = model()
     reference = copy.deepcopy(net)
     reference_optimizer = sgd(reference.parameters())
     config = raypipe.PipelineConfig(num_stages=2, num_replicas=2, num_micro_batches=MICRO_BATCHES)
-    with raypipe.PipelineTrainer(net, llama_loss, sgd, config, loss_count_fn=llama_count_tokens) as trainer:
+    with in_process(net, llama_loss, sgd, config, loss_count_fn=llama_count_tokens) as trainer:
         inputs, targets, _ = packed_batch(seed=30, rows=8)
         result = trainer.step(inputs, targets)  # each replica's block weighs by its predicted tokens
         loss = reference_step_packed(reference, reference_optimizer, inputs, targets)

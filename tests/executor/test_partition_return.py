@@ -60,6 +60,17 @@ def ready_group(returning, deadline_s=120):
     return group
 
 
+def found_no_room(deadline_s):
+    """Wait until Ray's scheduler tried the one placement group pending and found no room for it."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        pending = [group["stats"] for group in ray.util.placement_group_table().values() if group["state"] == "PENDING"]
+        if len(pending) == 1 and pending[0]["scheduling_state"] == "NO_RESOURCES":
+            return
+        assert time.monotonic() < deadline, f"no placement group was found without room: {pending}"
+        time.sleep(0.05)
+
+
 @pytest.mark.cluster
 def test_the_configured_pipeline_takes_over_the_layers_and_a_dead_new_worker_is_asked_for_again(ray_cluster):
     actor_class = worker_actor_class(StageWorker)
@@ -108,7 +119,7 @@ def test_where_the_configured_pipeline_fits_only_in_the_running_room_too_it_is_p
         trained = trained_weights()
         ray.get(running.actors[0].load_state_dict.remote(trained))
         returning = PartitionReturn(actor_class, specs([1, 1]), bundle)
-        time.sleep(1)
+        found_no_room(deadline_s=30)  # Ray tried to place its placement group (the only one pending)
         assert returning.poll() is None  # no room beside: not placed, nothing started
         assert fits_in_place(returning, running.workers)
         assert returning.start_in_place(timeout_s=1) is None  # the room is still the running worker's

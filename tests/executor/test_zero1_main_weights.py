@@ -13,7 +13,7 @@ from raypipe.checkpoint.hf_export import export_checkpoint
 from raypipe.core.partition import stage_layer_ranges
 from raypipe.models.llama import LlamaConfig, llama_layers, llama_loss
 from raypipe.planning.memory import estimate_stage
-from tests.reference import adamw, assert_bitwise_equal, assert_parameters_match
+from tests.reference import adamw, assert_bitwise_equal, assert_parameters_match, in_process
 
 LLAMA = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 STEPS, SAVED_AT = 3, 2
@@ -93,13 +93,14 @@ def test_bf16_zero1_shards_main_weights_and_changes_no_bit(runs):
         assert sum(parts) == pytest.approx(whole[0] * 8 / 6, rel=1e-6)
 
 
+# the checkpoint the Ray workers wrote (the second replica's main weights and optimizer state in its parts),
+# loaded by one stage worker through the step runner in one process, as a Ray worker loads it
 @pytest.mark.timeout(240)
 def test_a_bf16_zero1_checkpoint_loads_into_one_worker(runs):
     # the sharded run saved after SAVED_AT steps and trained on uninterrupted to STEPS
     _, sharded, root = runs
     batches, uninterrupted = token_batches(), sharded["state"]
-    with raypipe.PipelineTrainer(llama_layers(LLAMA), llama_loss, adamw,
-                                 config(num_replicas=1, num_stages=1)) as trainer:
+    with in_process(llama_layers(LLAMA), llama_loss, adamw, config(num_replicas=1, num_stages=1)) as trainer:
         trainer.load_checkpoint(root / "sharded-ckpt")
         assert trainer.step_count == SAVED_AT
         for x, y in batches[SAVED_AT:STEPS]:

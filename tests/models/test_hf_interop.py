@@ -1,8 +1,11 @@
 """Hugging Face LLaMA interop, checked against transformers itself: a tiny random
 LlamaForCausalLM saved in several safetensors shards is imported, trained in a
-2-stage pipeline, exported and loaded back."""
+2-stage pipeline, exported and loaded back. The pipeline runs on Ray for one rotary
+scaling, its stages' actors writing the shards and the checkpoint; for the other on the
+step runner that trains, in one process, each stage's worker writing its own files."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -12,12 +15,15 @@ import torch
 import transformers
 
 import raypipe
+from raypipe.checkpoint.store import write_manifest
 from raypipe.cli import main as cli_main
+from raypipe.core.micro_batches import loss_weights, split_micro_batches
 from raypipe.errors import ConfigError
 from raypipe.models.hf import from_pretrained
 from raypipe.models.llama import llama_loss
 from raypipe.run import RunConfig, llama_count_tokens, train
 from tests.data.test_hf_tokenizer import stdlib_slice, train_tokenizer
+from tests.reference import InterpretedTrainer, on_ray
 
 SEQ_LEN = 24
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -66,8 +72,69 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("rope_scaling", [None, LLAMA3], ids=["rope", "llama3-rope"])
-def test_import_train_export_matches_transformers(ray_cluster, tmp_path, rope_scaling):
+class InProcessLlamaTrainer:
+    """What the test below asks of a trainer of a LLaMA, on :class:`InterpretedTrainer` (the step
+    runner that trains, in one process): its steps and state, and, as the trainer runs them, an
+    evaluation (each micro-batch forward through the stages' workers, weighted by its counted
+    targets), ``export_hf`` (each stage's worker writing its layers' shards; the index and config
+    after) and ``save_checkpoint`` (each worker its layer files; the manifest recording the model,
+    which ``raypipe export`` reads)."""
+
+    def __init__(self, layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, loss_count_fn) -> None:
+        from raypipe.models.hf.export import describe_llama
+
+        self.trainer = InterpretedTrainer(layers, loss_fn, optimizer_factory, config, loss_count_fn=loss_count_fn)
+        self.config, self.loss_count_fn, self.model = config, loss_count_fn, describe_llama(layers)
+        self.workers = self.trainer.pipeline.replicas[0].workers
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor):
+        return self.trainer.step(inputs, targets)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.trainer.state_dict()
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        inputs, targets = split_micro_batches(inputs, targets, self.config.num_micro_batches)
+        weights = loss_weights([self.loss_count_fn(part) for part in targets])
+        loss = 0.0
+        for micro_batch, (hidden, part, weight) in enumerate(zip(inputs, targets, weights)):
+            for worker in self.workers[:-1]:
+                hidden = worker.evaluate(micro_batch, hidden)
+            loss += self.workers[-1].evaluate(micro_batch, hidden, part, weight)
+        return loss
+
+    def export_hf(self, out) -> None:
+        from raypipe.models.hf.export import prepare_output, write_index_and_config
+
+        prepare_output(str(out))
+        n_blocks = self.model["llama_config"]["n_layers"]
+        shards = [shard for worker in self.workers for shard in worker.export_hf(str(out), None, n_blocks)]
+        write_index_and_config(str(out), self.model, None, shards)
+
+    def save_checkpoint(self, root) -> None:
+        step, layer_files = self.trainer.step_count, {}
+        for worker in self.workers:
+            started = worker.start_checkpoint(str(root), step)
+            layer_files.update(worker.checkpoint_files(step, started).layers)
+        write_manifest(root, step, layer_files, {"model": self.model})
+
+
+def in_process_llama(layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, loss_count_fn):
+    """An :class:`InProcessLlamaTrainer`, as a context manager (as :func:`tests.reference.on_ray`)."""
+    return contextlib.nullcontext(InProcessLlamaTrainer(layers, loss_fn, optimizer_factory, config, loss_count_fn))
+
+
+def test_import_train_export_matches_transformers(ray_cluster, tmp_path):
+    """LLaMA 3's rotary scaling, on Ray."""
+    assert_import_train_export_matches_transformers(on_ray, tmp_path, LLAMA3)
+
+
+def test_import_train_export_matches_transformers_in_process(tmp_path):
+    """Plain rotary embeddings, in one process."""
+    assert_import_train_export_matches_transformers(in_process_llama, tmp_path, None)
+
+
+def assert_import_train_export_matches_transformers(trainer_of, tmp_path, rope_scaling: dict | None) -> None:
     source = hf_model(rope_scaling)
     save(source, tmp_path / "hf")
     assert len(json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())["weight_map"]) == 3 * 9 + 3
@@ -76,7 +143,7 @@ def test_import_train_export_matches_transformers(ray_cluster, tmp_path, rope_sc
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     layers = from_pretrained(tmp_path / "hf")  # rotary tables for max_position_embeddings, one per stage
-    with raypipe.PipelineTrainer(layers, llama_loss, adamw, config, loss_count_fn=llama_count_tokens) as trainer:
+    with trainer_of(layers, llama_loss, adamw, config, loss_count_fn=llama_count_tokens) as trainer:
         before = trainer.evaluate(tokens[:, :-1], tokens[:, 1:])
         assert relative(before, hf_loss(source, tokens)) < 1e-5
         losses = [trainer.step(tokens[:, :-1], tokens[:, 1:]).loss for _ in range(3)]

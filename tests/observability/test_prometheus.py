@@ -101,15 +101,21 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.5):
 
 
 class Prometheus:
-    """A Prometheus server on a free loopback port, scraping one target every second."""
+    """A Prometheus server on a free loopback port, scraping one target every second: ``target``, or
+    the one :meth:`scrape` names later (a file it watches). Prometheus hands new targets to its
+    scrapers only every 5 s from its start, so one started before its target's process (a trainer)
+    scrapes it sooner."""
 
-    def __init__(self, binary: str, target: str, directory: Path) -> None:
+    def __init__(self, binary: str, target: str | None, directory: Path) -> None:
         self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.targets = directory / "targets.json"
+        if target is not None:
+            self.scrape(target)
         config = directory / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
-            f"scrape_configs:\n  - job_name: raypipe\n    static_configs:\n      - targets: ['{target}']\n"
+            f"scrape_configs:\n  - job_name: raypipe\n    file_sd_configs:\n      - files: ['{self.targets}']\n"
         )
         self.log = (directory / "prometheus.log").open("w")
         self.process = subprocess.Popen(
@@ -126,6 +132,12 @@ class Prometheus:
                 return response.status == 200
         except (urllib.error.URLError, ConnectionError):
             return False
+
+    def scrape(self, target: str) -> None:
+        """Scrape ``target`` (host:port) from now on (the file replaced whole: never read half written)."""
+        written = self.targets.with_suffix(".tmp")
+        written.write_text(json.dumps([{"targets": [target]}]))
+        written.replace(self.targets)
 
     def query(self, expr: str) -> list[dict]:
         answer = get_json(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
@@ -144,11 +156,12 @@ class Prometheus:
 
 @pytest.fixture
 def prometheus_factory(tmp_path):
-    """Start Prometheus scraping a given target; always stopped at teardown."""
+    """Start Prometheus scraping a given target (None: the one its :meth:`Prometheus.scrape` names
+    later); always stopped at teardown."""
     binary = prometheus_binary()
     started: list[Prometheus] = []
 
-    def start(target: str) -> Prometheus:
+    def start(target: str | None) -> Prometheus:
         prometheus = Prometheus(binary, target, tmp_path)
         started.append(prometheus)
         wait_until(prometheus.ready, 30, "prometheus to become ready")
@@ -157,6 +170,24 @@ def prometheus_factory(tmp_path):
     yield start
     for prometheus in started:
         prometheus.stop()
+
+
+@pytest.fixture(scope="module")
+def scraped_exporter(tmp_path_factory):
+    """A MetricsExporter without Ray, scraped by one Prometheus: (exporter, prometheus, target), shared
+    by the tests that record into it. In the module's order the first sees only its own records; the
+    second records the only resizes, and its replica counts are of its own steps."""
+    from raypipe.observability.metrics import MetricsExporter
+
+    binary = prometheus_binary()
+    with MetricsExporter() as exporter:
+        target = urllib.parse.urlsplit(exporter.url).netloc
+        prometheus = Prometheus(binary, target, tmp_path_factory.mktemp("prometheus"))
+        try:
+            wait_until(prometheus.ready, 30, "prometheus to become ready")
+            yield exporter, prometheus, target
+        finally:
+            prometheus.stop()
 
 
 def assert_every_dashboard_expr_has_data(prometheus: Prometheus, target: str, min_steps: int) -> None:
@@ -176,23 +207,20 @@ def assert_every_dashboard_expr_has_data(prometheus: Prometheus, target: str, mi
     assert float(steps[0]["value"][1]) >= min_steps
 
 
-def test_dashboard_queries_against_the_exporter(prometheus_factory):
+def test_dashboard_queries_against_the_exporter(scraped_exporter):
     """The dashboard and the exporter agree, checked through Prometheus without Ray."""
-    from raypipe.observability.metrics import MetricsExporter
     from raypipe.core.result import StageStats, StepResult
 
-    with MetricsExporter() as exporter:
-        target = urllib.parse.urlsplit(exporter.url).netloc
-        prometheus = prometheus_factory(target)
-        for step in range(3):
-            exporter.record_step(StepResult(
-                step=step, loss=1.0 / (step + 1), grad_norm=2.0, step_time=0.1, tokens_per_second=100.0,
-                mfu=0.01, stages=[StageStats(stage=s, busy_seconds=0.05, rss_bytes=10**8) for s in range(2)],
-                bubble_fraction=[0.5, 0.5],
-            ))
-        exporter.record_eval(0.9)
-        exporter.record_controller_state("running", ("starting", "running", "healing", "stopped"))
-        assert_every_dashboard_expr_has_data(prometheus, target, min_steps=3)
+    exporter, prometheus, target = scraped_exporter
+    for step in range(3):
+        exporter.record_step(StepResult(
+            step=step, loss=1.0 / (step + 1), grad_norm=2.0, step_time=0.1, tokens_per_second=100.0,
+            mfu=0.01, stages=[StageStats(stage=s, busy_seconds=0.05, rss_bytes=10**8) for s in range(2)],
+            bubble_fraction=[0.5, 0.5],
+        ))
+    exporter.record_eval(0.9)
+    exporter.record_controller_state("running", ("starting", "running", "healing", "stopped"))
+    assert_every_dashboard_expr_has_data(prometheus, target, min_steps=3)
 
 
 def panel_exprs(title: str) -> dict[str, str]:
@@ -201,9 +229,8 @@ def panel_exprs(title: str) -> dict[str, str]:
     return {target["legendFormat"]: promql(target["expr"]) for target in panel["targets"]}
 
 
-def test_replicas_panel_shows_an_elastic_run_shrinking_and_growing(prometheus_factory):
+def test_replicas_panel_shows_an_elastic_run_shrinking_and_growing(scraped_exporter):
     """Replicas over time and resizes by direction, as Prometheus computes the panel's queries."""
-    from raypipe.observability.metrics import MetricsExporter
     from raypipe.core.result import StepResult
 
     exprs = panel_exprs("Replicas")
@@ -212,24 +239,22 @@ def test_replicas_panel_shows_an_elastic_run_shrinking_and_growing(prometheus_fa
     def series(expr: str) -> dict[str, float]:
         return {sample["metric"].get("direction", ""): float(sample["value"][1]) for sample in prometheus.query(expr)}
 
-    with MetricsExporter() as exporter:
-        target = urllib.parse.urlsplit(exporter.url).netloc
-        prometheus = prometheus_factory(target)
-        exporter.record_step(StepResult(step=0, loss=1.0, grad_norm=1.0, step_time=0.1, num_replicas=2))
-        wait_until(lambda: series(exprs["replicas"]) == {"": 2.0}, 30, "2 replicas in Prometheus")
-        # Before any resize every direction is a series of zeros, not absent.
-        wait_until(lambda: series(exprs["resizes ({{direction}})"]) == {"shrink": 0.0, "grow": 0.0,
-                                                                      "repartition": 0.0, "restore": 0.0}, 30,
-                   "zero resizes in every direction")
-        exporter.record_resize("shrink", 1)
-        exporter.record_step(StepResult(step=1, loss=1.0, grad_norm=1.0, step_time=0.1, num_replicas=1))
-        wait_until(lambda: series(exprs["replicas"]) == {"": 1.0}, 30, "1 replica after the shrink")
-        exporter.record_resize("grow", 2)
-        wait_until(lambda: series(exprs["replicas"]) == {"": 2.0}, 30, "2 replicas after the grow")
-        # increase() extrapolates over its window, so a single resize reads as >= 1, never as 0.
-        resizes = wait_until(lambda: (r := series(exprs["resizes ({{direction}})"])) and r["grow"] > 0 and r,
-                             30, "the grow in the resizes query")
-        assert resizes["shrink"] >= 1.0 and resizes["grow"] >= 1.0
+    exporter, prometheus, _ = scraped_exporter
+    exporter.record_step(StepResult(step=0, loss=1.0, grad_norm=1.0, step_time=0.1, num_replicas=2))
+    wait_until(lambda: series(exprs["replicas"]) == {"": 2.0}, 30, "2 replicas in Prometheus")
+    # Before any resize every direction is a series of zeros, not absent.
+    wait_until(lambda: series(exprs["resizes ({{direction}})"]) == {"shrink": 0.0, "grow": 0.0,
+                                                                  "repartition": 0.0, "restore": 0.0}, 30,
+               "zero resizes in every direction")
+    exporter.record_resize("shrink", 1)
+    exporter.record_step(StepResult(step=1, loss=1.0, grad_norm=1.0, step_time=0.1, num_replicas=1))
+    wait_until(lambda: series(exprs["replicas"]) == {"": 1.0}, 30, "1 replica after the shrink")
+    exporter.record_resize("grow", 2)
+    wait_until(lambda: series(exprs["replicas"]) == {"": 2.0}, 30, "2 replicas after the grow")
+    # increase() extrapolates over its window, so a single resize reads as >= 1, never as 0.
+    resizes = wait_until(lambda: (r := series(exprs["resizes ({{direction}})"])) and r["grow"] > 0 and r,
+                         30, "the grow in the resizes query")
+    assert resizes["shrink"] >= 1.0 and resizes["grow"] >= 1.0
 
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(ray_cluster, prometheus_factory):
@@ -244,17 +269,15 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(ray_cluster, 
     generator = torch.Generator().manual_seed(0)
     inputs, targets = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
 
+    prometheus = prometheus_factory(None)  # before the trainer: its first round of targets comes sooner
     with raypipe.PipelineTrainer(model, nn.functional.mse_loss,
                                  optimizer=lambda params: torch.optim.SGD(params, lr=0.01), config=config) as trainer:
         url = urllib.parse.urlsplit(trainer.metrics_url)
         assert url.hostname == "127.0.0.1"  # loopback unless configured otherwise
-        prometheus = prometheus_factory(url.netloc)
+        prometheus.scrape(url.netloc)
         trainer.step(inputs, targets)
         trainer.evaluate(inputs, targets)
-        # Keep training while Prometheus scrapes, so rate() windows hold several samples.
-        steps = 1
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            trainer.step(inputs, targets)
-            steps += 1
-        assert_every_dashboard_expr_has_data(prometheus, url.netloc, min_steps=steps)
+        trainer.step(inputs, targets)
+        # The trainer's exporter is scraped every second while the check polls: the rate() and
+        # increase() windows fill with samples of the running trainer's series meanwhile.
+        assert_every_dashboard_expr_has_data(prometheus, url.netloc, min_steps=2)

@@ -45,16 +45,33 @@ class Echo(AnswersCalls):
         return None
 
 
-@pytest.fixture
-def actors(ray_cluster):
+def started_actors() -> list:
     started = [worker_actor_class(Echo).options(num_cpus=0).remote() for _ in range(2)]
     ray.get([actor.pid.remote() for actor in started])
+    return started
+
+
+@pytest.fixture
+def actors(ray_cluster):
+    """Two fresh actors, for a test that stops or kills one."""
+    started = started_actors()
     yield started
     for actor in started:
         ray.kill(actor)
 
 
-def test_each_actor_gets_its_own_argument_and_other_calls_run_beside_the_connection(actors):
+@pytest.fixture(scope="module")
+def shared_actors(ray_cluster):
+    """Two actors that the tests which neither stop nor kill them share, one after another: each
+    tears down the connections it made before the next begins."""
+    started = started_actors()
+    yield started
+    for actor in started:
+        ray.kill(actor)
+
+
+def test_each_actor_gets_its_own_argument_and_other_calls_run_beside_the_connection(shared_actors):
+    actors = shared_actors
     calls = ConnectionCalls(actors, "step")
     try:
         assert calls.over(list(actors)) and not calls.over(actors[:1])
@@ -116,10 +133,11 @@ def test_waiting_between_heartbeats_finds_a_stopped_actor_and_its_answer_once_ki
         calls.teardown()
 
 
-def test_actors_waiting_on_connection_calls_use_no_cpu(actors):
+def test_actors_waiting_on_connection_calls_use_no_cpu(shared_actors):
     """The point of the connection: a Ray compiled graph's idle actors each spin a
     core (measured here: ~3 s of CPU in 4 s); blocked on a connection, they use
     only what Ray's own threads do."""
+    actors = shared_actors
     calls = ConnectionCalls(actors, "step")
     try:
         assert [value for value, _ in calls.results(calls.call([(1, False), (2, False)]))] == [2, 4]
@@ -131,10 +149,12 @@ def test_actors_waiting_on_connection_calls_use_no_cpu(actors):
         calls.teardown()
 
 
-def test_a_direct_connection_needs_the_key_and_every_reply_arrives(actors):
+def test_a_direct_connection_needs_the_key_and_every_reply_arrives(shared_actors):
     from multiprocessing import AuthenticationError
 
     from raypipe.comm import call_socket
+
+    actors = shared_actors
 
     address = ray.get(actors[0].serve_calls.remote("step", b"the key"))
     with pytest.raises(AuthenticationError):

@@ -273,14 +273,10 @@ def grad_scaler_reference(model, batches, num_micro_batches):
     return history
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule, activation_checkpoint", [("gpipe", "never")])
-def test_fp16_pipeline_matches_grad_scaler_with_clipping(ray_cluster, schedule, activation_checkpoint):
-    assert_fp16_pipeline_matches_grad_scaler_with_clipping(on_ray, schedule, activation_checkpoint)
-
-
-# the same through the step runner in one process, the loss scale kept as the trainer keeps it
-@pytest.mark.parametrize("schedule, activation_checkpoint", [("1f1b", "always")])
+# through the step runner in one process, the loss scale kept as the trainer keeps it (fp16 on Ray, the
+# trainer's scaler sending each step's scale to the workers, lowered, grown and checkpointed:
+# test_overflow_in_one_stage_skips_the_step_on_every_stage above)
+@pytest.mark.parametrize("schedule, activation_checkpoint", [("gpipe", "never"), ("1f1b", "always")])
 def test_fp16_pipeline_matches_grad_scaler_with_clipping_in_process(schedule, activation_checkpoint):
     assert_fp16_pipeline_matches_grad_scaler_with_clipping(in_process, schedule, activation_checkpoint)
 
@@ -422,13 +418,16 @@ def bf16_main_weights_reference(state_dict, batches, backward_order, clip_grad_n
     return history, main.state_dict()
 
 
-BF16_CASES = [  # transport, schedule, activation checkpointing, clip_grad_norm: each executor on Ray
+BF16_CASES = [  # transport, schedule, activation checkpointing, clip_grad_norm: the per-op executor on Ray
     ("object_store", "gpipe", {}, None),
-    # the recompute replays the forward with the same compute weights
-    ("p2p", "1f1b", {"activation_checkpoint": "always", "offload_activations": True}, None),
 ]
-# the rest of the matrix runs the same step runner in one process, one thread as a stage runs
+# the rest of the matrix runs the same step runner in one process, one thread as a stage runs (the per-step
+# executor's bf16 steps on Ray: test_bf16_checkpoint_loads_into_fp32_and_back, bitwise against its own
+# repeated step)
 BF16_IN_PROCESS_CASES = [
+    # the recompute replays the forward with the same compute weights (the kept inputs offloaded into the
+    # driver's object store)
+    ("p2p", "1f1b", {"activation_checkpoint": "always", "offload_activations": True}, None),
     ("p2p", "gpipe", {}, None),
     ("object_store", "gpipe", {"activation_checkpoint_segments": 1}, None),
     ("p2p", "gpipe", {}, 0.05),
@@ -447,7 +446,9 @@ def test_bf16_pipeline_matches_main_weights_reference(ray_cluster, transport, sc
 
 
 @pytest.mark.parametrize("transport, schedule, recompute, clip", BF16_IN_PROCESS_CASES, ids=_bf16_id)
-def test_bf16_pipeline_matches_main_weights_reference_in_process(transport, schedule, recompute, clip):
+def test_bf16_pipeline_matches_main_weights_reference_in_process(request, transport, schedule, recompute, clip):
+    if recompute.get("offload_activations"):
+        request.getfixturevalue("ray_cluster")  # the offloader's object store: the driver's, in one process
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # each worker computes single-threaded, as a stage does (cpus_per_stage=1)
     try:
@@ -491,6 +492,8 @@ def assert_bf16_pipeline_matches_main_weights_reference(trainer_of, transport, s
     assert not all(torch.equal(params[k], v) for k, v in initial.items())  # it trained
 
 
+# the bf16 trainer on Ray; the fp32 one (loading the files the Ray workers wrote, saving its own for them)
+# through the same stage workers in one process
 @pytest.mark.timeout(180)
 def test_bf16_checkpoint_loads_into_fp32_and_back(ray_cluster, tmp_path):
     (x1, y1), (x2, y2), (x3, y3) = bf16_batches(3)
@@ -505,8 +508,7 @@ def test_bf16_checkpoint_loads_into_fp32_and_back(ray_cluster, tmp_path):
         after = trainer.step(x3, y3)
         stepped = trainer.state_dict()
 
-        with raypipe.PipelineTrainer(llama_layers(LLAMA), llama_loss, adamw,
-                                     bf16.replace(precision="fp32", num_stages=1)) as full:
+        with in_process(llama_layers(LLAMA), llama_loss, adamw, bf16.replace(precision="fp32", num_stages=1)) as full:
             full.load_checkpoint(str(tmp_path / "bf16"))
             assert_bitwise_equal(saved, full.state_dict(), "fp32 trainer")
             full.save_checkpoint(str(tmp_path / "fp32"))
