@@ -3,7 +3,8 @@
 precision, memory, memory bandwidth, host-copy bandwidth (device to host), the bandwidth of a
 copy into Ray's object store (``object_store_bytes_per_s``: optional, default
 :data:`OBJECT_STORE_BYTES_PER_S`), and an ``achievable_fraction`` of peak that compute reaches; per GPU the link to a GPU on its node (NVLink) and to one on
-another node (its NIC); GPUs per node; optionally the fixed overheads a calibration measured
+another node (its NIC), the first also the link a stage's tensor-parallel collectives run on
+(a stage's t GPUs share a node); GPUs per node; optionally the fixed overheads a calibration measured
 (``op_overhead_s`` per compute op, ``step_overhead_s`` per step; 0 in the presets). No Ray, no torch."""
 from __future__ import annotations
 
@@ -73,6 +74,20 @@ class Cluster:
     def link(self, gpu_a: int, gpu_b: int) -> Link:
         """NVLink between GPUs of one node, the inter-node link otherwise."""
         return self.intra_node if self.node(gpu_a) == self.node(gpu_b) else self.inter_node
+
+    def slots_per_node(self, tensor_parallel: int = 1) -> int:
+        """Stage slots a node holds: a slot is one stage's ``tensor_parallel`` GPUs, which share a
+        node (raypipe's bundle of t GPUs per stage); at t = 1 a slot is a GPU."""
+        if not 1 <= tensor_parallel <= self.gpus_per_node:
+            raise ValueError(f"tensor_parallel={tensor_parallel} must be in 1..{self.gpus_per_node}: a stage's "
+                             f"tensor-parallel ranks share one node of the cluster's {self.gpus_per_node} GPUs")
+        return self.gpus_per_node // tensor_parallel
+
+    def slot_link(self, slot_a: int, slot_b: int, tensor_parallel: int = 1) -> Link:
+        """The link between tensor-parallel rank i of stage slot ``slot_a`` and rank i of ``slot_b``
+        (each pair on its own GPUs' link): NVLink within a node, the inter-node link otherwise."""
+        per_node = self.slots_per_node(tensor_parallel)
+        return self.intra_node if slot_a // per_node == slot_b // per_node else self.inter_node
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "cluster") -> Cluster:

@@ -1,26 +1,34 @@
 """The search ``raypipe plan --cluster`` runs over configurations of a LLaMA (replicas,
-stages, micro-batches, schedule, recompute, ZeRO-1), each step predicted by
+stages, tensor parallelism, micro-batches, schedule, recompute, ZeRO-1), each step predicted by
 :mod:`raypipe.planning.predict`, each stage's memory checked by :class:`LlamaStageBytes`.
 No Ray, no torch.
 
-**The search** (:func:`search_plans`): for every ``p`` dividing the GPU count up to the
-layer count, ``d = N / p``, micro-batches ``m`` in ``{p, 2p, 4p}`` (or what a fixed global
-batch leaves), micro-batch sizes 1 and 2, the runnable schedules (gpipe, 1F1B, zb_h1, and at
-v = 2 chunks per worker interleaved_1f1b where it runs m (m in m // p equal rounds) and zbv, both where the
-layers make 2p virtual stages),
-recompute never and always, ZeRO-1 off and on (d > 1): the layers balanced by time (``--balance
-time``), or, where that split does not fit, the fastest split that does (the memory model's exact
-DP, printed as a list; a chunked schedule only by time: the DP bounds contiguous stages, and a
-worker's chunks are not); a configuration that fits nowhere is dropped. Candidates are simulated in
-order of an optimistic step time (the busiest stage's compute, plus the F and B of the
-stages before it and the messages between, plus the optimizer tail; a chunked schedule's:
-:func:`raypipe.planning.predict._chunked_pipeline_bound`), which no simulated step undercuts,
-and the search stops when the next optimistic figure cannot beat the ``top``-th best found:
-the result is the exact best under the model. Chunked candidates are pruned by the same rule, not
-by a heuristic: their bound is near their simulated step (interleaving's is its ideal fill and
-drain), so only those that could enter the top are timed, and the timed simulation's dry-run is
-run once per chunked shape (``simulate_timed(events=)``): the 405B search on 16384 GPUs simulates
-2 of them.
+**The search** (:func:`search_plans`): for each tensor-parallel degree ``t`` of
+:data:`SEARCH_TENSOR_PARALLEL` that can run (:func:`check_tensor_parallel`: it divides the heads,
+KV heads, FFN width and the GPU count, at most a node's GPUs; or the one given), for every ``p``
+dividing ``N / t`` up to the layer count, ``d = N / (p t)``, micro-batches ``m`` in
+``{p, 2p, 4p}`` (or what a fixed global batch leaves), micro-batch sizes 1 and 2, the runnable
+schedules (gpipe, 1F1B, zb_h1, and at v = 2 chunks per worker interleaved_1f1b where it runs m (m
+in m // p equal rounds) and zbv, both where the layers make 2p virtual stages), recompute never
+and always, ZeRO-1 off and on (d > 1), sequence parallelism on at t > 1 unless turned off: the
+layers balanced by time (``--balance time``), or, where that split does not fit, the fastest split
+that does (the memory model's exact DP, printed as a list; a chunked schedule only by time: the DP
+bounds contiguous stages, and a worker's chunks are not); a configuration that fits nowhere is
+dropped. A configuration at t > 1 whose pipeline (p, m, b, schedule, v) fits at t / 2 recomputing
+no more is not checked: under the model it is no faster (the same bubble, each op's compute halved
+but its collectives not, the messages, reduction and optimizer step about the same share of the
+step); searching t = 1, 2, 4, 8 still takes the 405B on 16384 GPUs ~4x the CPU time of t = 1 alone
+(~60 s against ~13 s on 2026-12-05). A candidate at t > 1 runs without snapshots
+(``snapshot_every=0``: tensor parallelism has none yet). Candidates are simulated in order of an
+optimistic step time (the busiest stage's compute, plus the F and B of the stages before it and
+the messages between, plus the optimizer tail; a chunked schedule's:
+:func:`raypipe.planning.predict._chunked_pipeline_bound`), which no simulated step undercuts, and
+the search stops when the next optimistic figure cannot beat the ``top``-th best found: the result
+is the exact best under the model (at each t; across t, but for the rule above). Chunked
+candidates are pruned by the same rule, not by a heuristic: their bound is near their simulated
+step (interleaving's is its ideal fill and drain), so only those that could enter the top are
+timed, and the timed simulation's dry-run is run once per chunked shape
+(``simulate_timed(events=)``): the 405B search on 16384 GPUs at t = 1 simulates 2 of them.
 
 **Snapshots** (``snapshot_every=None``, the default): each simulated candidate snapshots every
 step unless its copy would be exposed by more than :data:`SNAPSHOT_OVERHEAD` of the step without
@@ -40,13 +48,14 @@ from raypipe.core.partition import worker_chunks
 from raypipe.core.schedule import PLACEMENT, SINGLE_CHUNK_SCHEDULES, interleaved_runs
 from raypipe.models.llama import LlamaConfig
 from raypipe.models.llama_costs import llama_layer_costs
-from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_kinds, layer_parameter_counts,
-                                         stage_input_bytes, static_bytes_per_parameter)
+from raypipe.models.llama_memory import (estimate_layer_activation_bytes, layer_gradient_counts, layer_kinds,
+                                         layer_parameter_counts, stage_input_bytes, static_bytes_per_parameter)
 from raypipe.planning.balance import fastest_split_within, layer_step_flops, min_max_partition
 from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.pipeline_prediction import shared_schedule_ops
 from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, pipeline_runs, predict_split,
                                       stage_bounds, worker_sums)
+from raypipe.planning.tensor_parallel_collectives import llama_layer_collectives
 
 # the chunked schedules at v = 2: zbv holds exactly 2; interleaving's bubble shrinks as 1/v for v times the
 # messages, and v = 2 takes most of the gain (1/2 of 1F1B's bubble) at the least traffic and fewest shapes to time
@@ -57,6 +66,7 @@ SEARCH_MICRO_BATCH_SIZES = (1, 2)
 SEARCH_MICRO_BATCHES_PER_STAGE = (1, 2, 4)  # m = p, 2p, 4p: a bubble of at most (p-1)/(5p-1) ~ 20% at 4p
 SNAPSHOT_OVERHEAD = 0.03  # the most of a step an exposed snapshot copy may add (issue 40's 1.03)
 SNAPSHOT_CADENCES = (1, 2, 4, 8, 16, 32, 64)  # snapshot_every values the search picks from
+SEARCH_TENSOR_PARALLEL = (1, 2, 4, 8)  # GPUs per stage: those dividing the heads, KV heads, FFN width and a node
 
 @dataclass(frozen=True)
 class Candidate:
@@ -73,7 +83,8 @@ class Candidate:
                 "seq_len": shape.seq_len, "schedule": shape.schedule,
                 "activation_checkpoint": shape.activation_checkpoint, "shard_optimizer": shape.shard_optimizer,
                 "precision": shape.precision, "snapshot_every": shape.snapshot_every,
-                "virtual_stages": shape.virtual_stages,
+                "virtual_stages": shape.virtual_stages, "tensor_parallel": shape.tensor_parallel,
+                "sequence_parallel": shape.sequence_sharded,
                 "balance_mode": self.balance_mode, **self.prediction.to_dict()}
 
 
@@ -92,14 +103,16 @@ class SearchResult:
 
 class LlamaStageBytes:
     """A LLaMA stage's total memory as :func:`~raypipe.planning.memory.estimate_stage` counts it
-    (no offload, no segments), fast enough for the search: per schedule shape, the pairs
+    (no offload, no segments; one tensor-parallel rank's at ``shape.tensor_parallel`` > 1, and
+    :meth:`parameters` that rank's), fast enough for the search: per schedule shape, the pairs
     (kept graphs, kept inputs) the schedule's walk can peak at, reused for every split."""
 
     def __init__(self, config: LlamaConfig, shape: StepShape, fused_attention: bool = True) -> None:
         self.config, self.shape = config, shape
         kinds = layer_kinds(config)
+        t = shape.tensor_parallel
         common = {"micro_batch_size": shape.micro_batch_size, "seq_len": shape.seq_len,
-                  "precision": shape.precision}
+                  "precision": shape.precision, "tensor_parallel": t, "sequence_parallel": shape.sequence_sharded}
         by_kind = {kind: estimate_layer_activation_bytes(config, kind, fused_attention=fused_attention,
                                                          amp=shape.amp, **common)
                    for kind in ("embedding", "block", "head", "loss")}
@@ -108,20 +121,21 @@ class LlamaStageBytes:
             self._saved.append(self._saved[-1] + by_kind[kind])
         self._loss = by_kind["loss"]
         self._input = [stage_input_bytes(config, index, amp=shape.amp, **common) for index in range(len(kinds) + 1)]
-        counts = layer_parameter_counts(config)
-        self._params = [0]
-        for count in counts:
+        self._params, self._gradients = [0], [0]  # prefix sums of one tensor-parallel rank's counts
+        for count, gradients in zip(layer_parameter_counts(config, tensor_parallel=t),
+                                    layer_gradient_counts(config, tensor_parallel=t)):
             self._params.append(self._params[-1] + count)
+            self._gradients.append(self._gradients[-1] + gradients)
         per_param = static_bytes_per_parameter(shape.precision, shape.amp)
         shards = shape.num_replicas if shape.shard_optimizer else 1
-        self._per_param_unsharded = per_param.weights + per_param.gradients
+        self._per_param = (per_param.weights, per_param.gradients)
         self._per_param_sharded = (per_param.master, per_param.optimizer, shards)
         self._peaks = _walk_peaks(shape.schedule, shape.num_stages, shape.num_micro_batches,
                                   shape.activation_checkpoint, shape.virtual_stages)
         self.num_layers = len(kinds)
-        # a one-layer stage's bytes depend on the layer only through these three (all integers):
+        # a one-layer stage's bytes depend on the layer only through these four (all integers):
         # per distinct triple, the layers that have it, in order (a LLaMA: its blocks share one)
-        alike: dict[tuple[int, int, int], list[int]] = {}
+        alike: dict[tuple[int, int, int, int], list[int]] = {}
         for layer in range(self.num_layers):
             alike.setdefault(self._one_layer_terms(layer), []).append(layer)
         self._alike_layers = list(alike.values())
@@ -129,10 +143,18 @@ class LlamaStageBytes:
     def parameters(self, start: int, end: int) -> int:
         return self._params[end] - self._params[start]
 
-    def __call__(self, stage: int, start: int, end: int) -> int:
-        count = self._params[end] - self._params[start]
+    def _static(self, chunk_bounds: Sequence[tuple[int, int]]) -> int:
+        count = sum(self._params[end] - self._params[start] for start, end in chunk_bounds)
+        gradients = sum(self._gradients[end] - self._gradients[start] for start, end in chunk_bounds)
+        weights, gradient = self._per_param
         master, optimizer, shards = self._per_param_sharded
-        static = count * self._per_param_unsharded + -(-count * master // shards) + -(-count * optimizer // shards)
+        return count * weights + gradients * gradient + -(-count * master // shards) + -(-count * optimizer // shards)
+
+    def __call__(self, stage: int, start: int, end: int) -> int:  # the search's inner loop: _static inlined
+        count, gradients = self._params[end] - self._params[start], self._gradients[end] - self._gradients[start]
+        weights, gradient = self._per_param
+        master, optimizer, shards = self._per_param_sharded
+        static = count * weights + gradients * gradient + -(-count * master // shards) + -(-count * optimizer // shards)
         holds_loss = end == self.num_layers
         graph = self._saved[end] - self._saved[start] + (self._loss if holds_loss else self._input[end])
         kept_input = self._input[start]
@@ -141,9 +163,7 @@ class LlamaStageBytes:
     def worker(self, worker: int, chunk_bounds: Sequence[tuple[int, int]]) -> int:
         """The total memory of ``worker`` holding, with several chunks (v > 1), the layers
         (first, end) of each chunk in ``chunk_bounds``, in chunk order (``self(...)`` with one)."""
-        count = sum(self._params[end] - self._params[start] for start, end in chunk_bounds)
-        master, optimizer, shards = self._per_param_sharded
-        static = count * self._per_param_unsharded + -(-count * master // shards) + -(-count * optimizer // shards)
+        static = self._static(chunk_bounds)
         terms = []  # per chunk: its graph, its kept input
         for start, end in chunk_bounds:
             holds_loss = end == self.num_layers
@@ -151,12 +171,13 @@ class LlamaStageBytes:
                       self._input[start]]
         return static + max(sum(count * term for count, term in zip(point, terms)) for point in self._peaks[worker])
 
-    def _one_layer_terms(self, layer: int) -> tuple[int, int, int]:
-        """What ``self(stage, layer, layer + 1)`` reads of the layer: its parameters, its graph
-        (with the output it keeps, or the loss) and its input."""
+    def _one_layer_terms(self, layer: int) -> tuple[int, int, int, int]:
+        """What ``self(stage, layer, layer + 1)`` reads of the layer: its parameters and gradients,
+        its graph (with the output it keeps, or the loss) and its input."""
         end = layer + 1
         graph = self._saved[end] - self._saved[layer] + (self._loss if end == self.num_layers else self._input[end])
-        return self.parameters(layer, end), graph, self._input[layer]
+        return (self.parameters(layer, end), self._gradients[end] - self._gradients[layer], graph,
+                self._input[layer])
 
     def least_one_layer(self, stage: int, first: int, end: int) -> int:
         """The least bytes ``stage`` needs holding one of the layers ``first .. end - 1``:
@@ -229,13 +250,28 @@ def _undominated(points: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision: str = "bf16",
                      global_batch: int | None = None, snapshot_every: int = 1,
-                     schedules: Sequence[str] = SEARCH_SCHEDULES) -> list[StepShape]:
-    """Every configuration the search considers for ``num_gpus`` (see the module docstring)."""
+                     schedules: Sequence[str] = SEARCH_SCHEDULES, tensor_parallels: Sequence[int] = (1,),
+                     sequence_parallel: bool | None = None) -> list[StepShape]:
+    """Every configuration the search considers for ``num_gpus`` (see the module docstring), for
+    each tensor-parallel degree of ``tensor_parallels`` that divides ``num_gpus`` (at t > 1 without
+    snapshots: raypipe runs tensor parallelism with ``snapshot_every=0`` so far)."""
     shapes = []
-    for stages in range(1, min(num_gpus, num_layers) + 1):
-        if num_gpus % stages:
+    for t in tensor_parallels:
+        if num_gpus % t == 0:
+            shapes += _shapes_at(num_gpus // t, num_layers, seq_len, precision, global_batch,
+                                 snapshot_every if t == 1 else 0, schedules, t, sequence_parallel)
+    return shapes
+
+
+def _shapes_at(slots: int, num_layers: int, seq_len: int, precision: str, global_batch: int | None,
+               snapshot_every: int, schedules: Sequence[str], t: int, sequence_parallel: bool | None
+               ) -> list[StepShape]:
+    """:func:`candidate_shapes` of one tensor-parallel degree ``t``: replicas x stages = ``slots``."""
+    shapes = []
+    for stages in range(1, min(slots, num_layers) + 1):
+        if slots % stages:
             continue
-        replicas = num_gpus // stages
+        replicas = slots // stages
         for size in SEARCH_MICRO_BATCH_SIZES:
             if global_batch is None:
                 micro_batches = [stages * k for k in SEARCH_MICRO_BATCHES_PER_STAGE]
@@ -252,32 +288,57 @@ def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision:
                     for recompute in SEARCH_RECOMPUTE:
                         for sharded in ((False, True) if replicas > 1 else (False,)):
                             shapes.append(StepShape(replicas, stages, m, schedule, recompute, precision, sharded,
-                                                    size, seq_len, None, snapshot_every, chunks))
+                                                    size, seq_len, None, snapshot_every, chunks, t,
+                                                    sequence_parallel if t > 1 else None))
     return shapes
 
 
 def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_len: int | None = None,
                  precision: str = "bf16", gpu_memory_bytes: int | None = None, global_batch: int | None = None,
-                 top: int = 3, snapshot_every: int | None = None, fused_attention: bool = True) -> SearchResult:
+                 top: int = 3, snapshot_every: int | None = None, fused_attention: bool = True,
+                 tensor_parallel: int | None = None, sequence_parallel: bool | None = None) -> SearchResult:
     """The ``top`` configurations of ``config`` on ``num_gpus`` GPUs of ``cluster`` with the
     highest predicted tokens/s that fit ``gpu_memory_bytes`` (default: the cluster's memory).
-    ``snapshot_every``: fixed, or None to pick each candidate's (see the module docstring)."""
+    ``snapshot_every``: fixed, or None to pick each candidate's (see the module docstring).
+    ``tensor_parallel``: fixed (its errors raised), or None to search
+    :func:`tensor_parallel_degrees`; ``sequence_parallel`` None: on at t > 1."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise ValueError(f"--gpus {num_gpus!r} must be an int >= 1")
     seq_len = seq_len or config.max_seq_len
     limit = cluster.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes
     num_layers = config.n_layers + 2
     costs = llama_layer_costs(config, seq_len, precision, fused_attention)
+    if tensor_parallel is None:
+        degrees = tensor_parallel_degrees(config, cluster, num_gpus, seq_len, sequence_parallel)
+    else:
+        check_tensor_parallel(config, cluster, num_gpus, seq_len, tensor_parallel, sequence_parallel)
+        degrees = (tensor_parallel,)
+    if snapshot_every and any(t > 1 for t in degrees):
+        if tensor_parallel is not None:
+            raise ValueError(f"tensor_parallel={tensor_parallel} runs without snapshots so far (snapshot_every=0), "
+                             f"not snapshot_every={snapshot_every}")
+        degrees = (1,)
+    collectives = {t: llama_layer_collectives(config, seq_len, precision, None, sequence_parallel is not False)
+                   for t in degrees if t > 1}
     shapes = candidate_shapes(num_gpus, num_layers, seq_len=seq_len, precision=precision,
                               global_batch=global_batch,
-                              snapshot_every=1 if snapshot_every is None else snapshot_every)
+                              snapshot_every=1 if snapshot_every is None else snapshot_every,
+                              tensor_parallels=degrees, sequence_parallel=sequence_parallel)
     if not shapes:
         return SearchResult([], 0, 0, reason=f"no (replicas, stages, micro-batches) gives a global batch of "
                                              f"{global_batch} sequences on {num_gpus} GPUs")
     time_splits: dict[tuple[int, str], list[int]] = {}
     fitting: list[tuple[float, int, StepShape, str, list[int], LlamaStageBytes]] = []
     smallest = None
+    # per t, per pipeline shape (p, m, b, schedule, v), the recompute modes that fit at some ZeRO-1 setting
+    fit_at: dict[int, dict[tuple, set[str]]] = {t: {} for t in degrees}
     for index, shape in enumerate(shapes):
+        t = shape.tensor_parallel
+        alike = (shape.num_stages, shape.num_micro_batches, shape.micro_batch_size, shape.schedule,
+                 shape.virtual_stages)
+        if t > 1 and any(SEARCH_RECOMPUTE.index(mode) <= SEARCH_RECOMPUTE.index(shape.activation_checkpoint)
+                         for mode in fit_at.get(t // 2, {}).get(alike, ())):
+            continue  # it fits at t / 2, recomputing no more, which the model predicts no slower (module docstring)
         bytes_of = LlamaStageBytes(config, shape, fused_attention)
         key = (shape.num_virtual_stages, shape.activation_checkpoint)
         if key not in time_splits:  # "never"/"always" weigh the layers alike for every m
@@ -289,6 +350,7 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
             # worker's chunks are not contiguous (a worker's memory sums pieces far apart in the model)
             if max(worker_bytes(bytes_of, shape, split)) <= limit:
                 fitting.append((0.0, index, shape, mode, split, bytes_of))
+                fit_at[t].setdefault(alike, set()).add(shape.activation_checkpoint)
             continue
         bounds = stage_bounds(split)
         worst = max(bytes_of(stage, start, end) for stage, (start, end) in enumerate(bounds))
@@ -309,13 +371,14 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
                 continue
             mode = "memory"
         fitting.append((0.0, index, shape, mode, split, bytes_of))
+        fit_at[t].setdefault(alike, set()).add(shape.activation_checkpoint)
     if not fitting:
         return SearchResult([], len(shapes), 0, smallest_stage_bytes=smallest, reason=_no_fit_reason(
             config, cluster, num_gpus, limit, smallest))
     ranked = []
     for _, index, shape, mode, split, bytes_of in fitting:
         parameters = worker_sums([bytes_of.parameters(start, end) for start, end in stage_bounds(split)], shape)
-        bound = optimistic_step_s(costs, split, parameters, shape, cluster)
+        bound = optimistic_step_s(costs, split, parameters, shape, cluster, collectives.get(shape.tensor_parallel))
         tokens = shape.num_replicas * shape.num_micro_batches * shape.micro_batch_size * seq_len
         ranked.append((tokens / bound, index, shape, mode, split, parameters, bytes_of))
     ranked.sort(key=lambda item: (-item[0], item[1]))
@@ -325,17 +388,51 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
         if len(best) >= top and ceiling <= best[-1].prediction.tokens_per_s:
             break  # nothing later can enter the top
         memory = worker_bytes(bytes_of, shape, split)
-        runs = pipeline_runs(costs, split, shape, cluster)
-        prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, runs)
+        layer_collectives = collectives.get(shape.tensor_parallel)
+        runs = pipeline_runs(costs, split, shape, cluster, layer_collectives)
+        prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, runs, layer_collectives)
         if snapshot_every is None and prediction.snapshot_exposed_s > 0:
             # another cadence changes only what follows the pipeline: its simulation is reused
             shape = replace(shape, snapshot_every=snapshot_cadence(prediction))
-            prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, runs)
+            prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, runs,
+                                       layer_collectives)
         simulated += 1
         best.append(Candidate(shape, mode, prediction))
         best.sort(key=lambda c: -c.prediction.tokens_per_s)
         del best[top:]
     return SearchResult(best, len(shapes), simulated)
+
+
+def tensor_parallel_degrees(config: LlamaConfig, cluster: Cluster, num_gpus: int, seq_len: int,
+                            sequence_parallel: bool | None = None) -> tuple[int, ...]:
+    """The degrees of :data:`SEARCH_TENSOR_PARALLEL` that :func:`check_tensor_parallel` lets run."""
+    degrees = []
+    for t in SEARCH_TENSOR_PARALLEL:
+        try:
+            check_tensor_parallel(config, cluster, num_gpus, seq_len, t, sequence_parallel)
+        except ValueError:
+            continue
+        degrees.append(t)
+    return tuple(degrees)
+
+
+def check_tensor_parallel(config: LlamaConfig, cluster: Cluster, num_gpus: int, seq_len: int, tensor_parallel: int,
+                          sequence_parallel: bool | None = None) -> None:
+    """Raise ValueError unless ``tensor_parallel`` ranks per stage can run ``config`` on ``num_gpus``
+    GPUs of ``cluster``: it divides the heads, KV heads and FFN width (the memory model's rule),
+    the GPU count, and with sequence parallelism the sequence; at most a node's GPUs."""
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel={tensor_parallel!r} must be an int >= 1")
+    if tensor_parallel > cluster.gpus_per_node:
+        raise ValueError(f"tensor_parallel={tensor_parallel} exceeds the {cluster.gpus_per_node} GPUs per node of "
+                         f"cluster {cluster.name!r}: a stage's tensor-parallel ranks share one node")
+    layer_parameter_counts(config, tensor_parallel=tensor_parallel)  # raises ConfigError unless it divides them
+    if num_gpus % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide --gpus {num_gpus} "
+                         "(replicas x stages x tensor-parallel ranks)")
+    if tensor_parallel > 1 and sequence_parallel is not False and seq_len % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel}: sequence parallelism shards the sequence, and "
+                         f"seq_len={seq_len} does not divide by it (or --no-sequence-parallel)")
 
 
 def worker_bytes(bytes_of: LlamaStageBytes, shape: StepShape, split: Sequence[int]) -> list[int]:
@@ -360,7 +457,7 @@ def _no_fit_reason(config: LlamaConfig, cluster: Cluster, num_gpus: int, limit: 
     from raypipe.units import format_bytes
 
     need = f" (the smallest stage found needs {format_bytes(smallest)})" if smallest is not None else ""
-    return (f"no configuration fits: with pipeline and data parallelism alone, every split of the model over at "
-            f"most {min(num_gpus, config.n_layers + 2)} stages of {num_gpus} GPUs leaves a stage above "
-            f"{format_bytes(limit)} per device{need}. raypipe has no tensor parallelism: use devices with more "
-            f"memory (--gpu-memory / a cluster file), more GPUs (more stages), or shorter sequences (--seq-len)")
+    return (f"no configuration fits: every split of the model over at most {min(num_gpus, config.n_layers + 2)} "
+            f"stages of {num_gpus} GPUs, with the tensor parallelism searched (up to {cluster.gpus_per_node} GPUs "
+            f"a stage, a node's), leaves a stage above {format_bytes(limit)} per device{need}: use devices with "
+            f"more memory (--gpu-memory / a cluster file), more GPUs (more stages), or shorter sequences (--seq-len)")

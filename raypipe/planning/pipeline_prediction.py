@@ -21,6 +21,7 @@ from raypipe.models.layers import LayerCost
 from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.pipeline_timing import PipelineTiming, time_buffered_pipeline
 from raypipe.planning.step_shape import StepShape, stage_bounds
+from raypipe.planning.tensor_parallel_collectives import LayerCollectives, block_collectives, collective_seconds
 
 
 def schedule_ops(name: str, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> list[list[Op]]:
@@ -89,15 +90,32 @@ class StageTimes:
     backward_input: tuple[float, ...]  # the part of backward a split schedule runs as I (the rest as W)
 
 
-def stage_times(costs: Sequence[LayerCost], split: Sequence[int], shape: StepShape, rate: float) -> StageTimes:
+def stage_times(costs: Sequence[LayerCost], split: Sequence[int], shape: StepShape, cluster: Cluster,
+                collectives: Sequence[LayerCollectives] | None = None) -> StageTimes:
+    """Each (virtual) stage's op times and message bytes under ``split`` (layers per virtual stage).
+
+    At ``shape.tensor_parallel`` t > 1 each op is one rank's: its layers' flops / t, plus their
+    tensor-parallel ``collectives`` (default: :func:`block_collectives` of each layer) over the
+    node's link, not overlapped (forward's in F and in a recompute, backward's in B and a split
+    backward's I); a message is what rank i sends rank i of the next stage: a 1/t sequence shard
+    with sequence parallelism, else the whole activation (each rank sends it, as raypipe does)."""
+    t, rate = shape.tensor_parallel, cluster.flops_per_s(shape.precision)
+    b = shape.micro_batch_size
+    if t > 1 and collectives is None:
+        collectives = [block_collectives(cost) for cost in costs]
     forward, backward, message, backward_input = [], [], [], []
     for start, end in stage_bounds(split):
         part = costs[start:end]
-        backward_input.append(shape.micro_batch_size * sum(cost.bwd_input_flops for cost in part) / rate)
-        forward.append(shape.micro_batch_size * sum(cost.fwd_flops for cost in part) / rate)
-        backward.append(shape.micro_batch_size * sum(cost.bwd_input_flops + cost.bwd_weight_flops
-                                                     for cost in part) / rate)
-        message.append(shape.micro_batch_size * costs[end - 1].output_bytes)
+        sent = 0.0 if t == 1 else collective_seconds([c for layer in collectives[start:end] for c in layer.forward],
+                                                     t, cluster.intra_node, b)
+        received = 0.0 if t == 1 else collective_seconds([c for layer in collectives[start:end]
+                                                          for c in layer.backward], t, cluster.intra_node, b)
+        backward_input.append(b * sum(cost.bwd_input_flops for cost in part) / (rate * t) + received)
+        forward.append(b * sum(cost.fwd_flops for cost in part) / (rate * t) + sent)
+        backward.append(b * sum(cost.bwd_input_flops + cost.bwd_weight_flops for cost in part) / (rate * t)
+                        + received)
+        boundary = b * costs[end - 1].output_bytes
+        message.append(boundary / t if shape.sequence_sharded else boundary)
     recompute = forward if shape.activation_checkpoint != "never" else [0.0] * len(forward)
     return StageTimes(tuple(forward), tuple(backward), tuple(recompute), tuple(message), tuple(backward_input))
 
@@ -108,9 +126,10 @@ def recomputed(shape: StepShape, micro_batch: int | None) -> bool:
     return shape.activation_checkpoint == "except_last" and micro_batch != shape.num_micro_batches - 1
 
 
-def pipeline_timers(times: StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int
+def pipeline_timers(times: StageTimes, shape: StepShape, cluster: Cluster, first_slot: int
                      ) -> tuple[Callable[[int, LoweredOp], float], Callable[[int, int, LoweredOp], float]]:
-    """The op and message times of the replica whose worker 0 is on GPU ``first_gpu``, as the
+    """The op and message times of the replica whose worker 0 is in stage slot ``first_slot`` (its
+    GPU at t = 1; a slot is a stage's t GPUs on one node, :meth:`Cluster.slots_per_node`), as the
     timed simulation takes them (``op_seconds``, ``message_seconds``). ``times`` is per virtual
     stage: an op of chunk c on worker w takes the times of the virtual stage that chunk holds."""
 
@@ -141,19 +160,20 @@ def pipeline_timers(times: StageTimes, shape: StepShape, cluster: Cluster, first
             before = boundary_of(sender, op.chunk, op.kind, p, placement) - 1
         else:
             before = min(sender, receiver)
-        return cluster.link(first_gpu + sender, first_gpu + receiver).seconds(times.message_bytes[before])
+        return cluster.slot_link(first_slot + sender, first_slot + receiver,
+                                 shape.tensor_parallel).seconds(times.message_bytes[before])
 
     return op_seconds, message_seconds
 
 
-def simulate_pipeline(times: StageTimes, shape: StepShape, cluster: Cluster, first_gpu: int) -> PipelineTiming:
-    """The timed pipeline of the replica whose stage 0 is on GPU ``first_gpu``: the timed
+def simulate_pipeline(times: StageTimes, shape: StepShape, cluster: Cluster, first_slot: int) -> PipelineTiming:
+    """The timed pipeline of the replica whose stage 0 is in stage slot ``first_slot``: the timed
     simulation's figures (``simulate_timed(..., buffered_sends=True)``). One chunk per worker:
     evaluated without its dry-run (:mod:`raypipe.planning.pipeline_timing` says why, and why the
     figures are the same). Several chunks: ``simulate_timed`` itself, whose rule also holds an
     EXCHANGE's batch until the activation headers it awaits are in (``LoweredOp.header_first``,
     which chunked lowerings use and ``pipeline_timing`` does not model)."""
-    op_seconds, message_seconds = pipeline_timers(times, shape, cluster, first_gpu)
+    op_seconds, message_seconds = pipeline_timers(times, shape, cluster, first_slot)
     lowered = lowered_schedule(shape.schedule, shape.num_stages, shape.num_micro_batches, shape.virtual_stages)
     if shape.virtual_stages == 1:
         return time_buffered_pipeline(lowered, op_seconds, message_seconds)
@@ -180,12 +200,14 @@ def timing_of(run: TimedRun, num_workers: int) -> PipelineTiming:
 
 
 def replica_starts(shape: StepShape, cluster: Cluster) -> list[int]:
-    """One first GPU per distinct placement of a replica's stages on nodes (it depends only on
-    the replica's first GPU modulo the node size, so the first ``gpus_per_node`` replicas have them all)."""
+    """One first stage slot per distinct placement of a replica's stages on nodes (it depends only
+    on the replica's first slot modulo the slots of a node, so the first ``slots_per_node`` replicas
+    have them all; a slot is a GPU at t = 1)."""
+    per_node = cluster.slots_per_node(shape.tensor_parallel)
     seen, starts = set(), []
-    for replica in range(min(shape.num_replicas, cluster.gpus_per_node)):
+    for replica in range(min(shape.num_replicas, per_node)):
         first = replica * shape.num_stages
-        pattern = tuple(cluster.node(first + s) - cluster.node(first) for s in range(shape.num_stages))
+        pattern = tuple((first + s) // per_node - first // per_node for s in range(shape.num_stages))
         if pattern not in seen:
             seen.add(pattern)
             starts.append(first)

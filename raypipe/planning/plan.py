@@ -57,6 +57,8 @@ class PlanSettings:
     amp: str | None  # None: the style raypipe runs for the precision
     optimizer_shards: int = 1
     virtual_stages: int = 1  # model chunks per worker (interleaved_1f1b, zbv)
+    tensor_parallel: int = 1  # GPUs per stage; each stage's figures are one rank's
+    sequence_parallel: bool | None = None  # None: on when tensor_parallel > 1
 
     def estimate(self, config: LlamaConfig, gpu_memory_bytes: int | None,
                  balance: list[int] | None = None) -> list[StageMemory]:
@@ -66,7 +68,16 @@ class PlanSettings:
             balance=balance, gpu_memory_bytes=gpu_memory_bytes,
             activation_checkpoint_segments=self.activation_checkpoint_segments,
             schedule=self.schedule, amp=self.amp, optimizer_shards=self.optimizer_shards,
-            virtual_stages=self.virtual_stages)
+            virtual_stages=self.virtual_stages, tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel)
+
+    def to_dict(self, amp: str | None) -> dict:
+        """The plan's ``settings``: the knobs with the amp style resolved; the tensor-parallel ones only
+        at ``tensor_parallel`` > 1 (a plan without it reads as before)."""
+        out = {**vars(self), "amp": amp}
+        if self.tensor_parallel == 1:
+            del out["tensor_parallel"], out["sequence_parallel"]
+        return out
 
 
 def largest_stage_bytes(stages: list[StageMemory]) -> int:
@@ -114,17 +125,25 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "'main_weights' = bf16 compute weights + fp32 main weights and grads (18 B/param); "
                              "'autocast' = fp32 weights under torch.autocast (weight copies per micro-batch); "
                              "'standard' = 2-byte weights and grads + fp32 master (the common 16 B/param)")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="T",
+                        help="GPUs per stage splitting its layers (tensor parallelism): each stage row is one rank's "
+                             "memory (default 1; with --cluster: searched over 1, 2, 4, 8, or fixed to T)")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="with tensor parallelism, activations sharded along the sequence between the split "
+                             "layers and across stage boundaries (default: on)")
     parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
                         help="device memory per stage, e.g. 80GB or 80GiB; enables fits/suggestions")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cluster = parser.add_argument_group(
         "predicted step time (--cluster)",
-        "search replicas x stages = --gpus, micro-batches, schedule (gpipe, 1f1b, zb_h1), recompute and ZeRO-1 for the "
-        "highest predicted tokens/s that fits; --stages, --replicas, --micro-batches, --schedule, "
-        "--activation-checkpoint and --shard-optimizer are searched, not taken")
+        "search replicas x stages x tensor parallelism = --gpus, micro-batches, schedule (gpipe, 1f1b, zb_h1, "
+        "interleaved_1f1b, zbv), recompute and ZeRO-1 for the highest predicted tokens/s that fits; --stages, "
+        "--replicas, --micro-batches, --schedule, --activation-checkpoint and --shard-optimizer are searched, not "
+        "taken; --tensor-parallel T fixes t")
     cluster.add_argument("--cluster", metavar="h100|h200|FILE",
                          help="a preset (raypipe/planning/clusters/NAME.json) or a JSON file of that form")
-    cluster.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs of the run (replicas x stages)")
+    cluster.add_argument("--gpus", type=int, default=None, metavar="N",
+                         help="GPUs of the run (replicas x stages x tensor-parallel ranks)")
     cluster.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES",
                          help="fix sequences per step (replicas x micro-batches x micro-batch size); default: "
                               "micro-batches from {stages, 2 x stages, 4 x stages}")
@@ -234,7 +253,8 @@ def compare_balances(config: LlamaConfig, settings: PlanSettings, parameter_stag
         activation_checkpoint=settings.activation_checkpoint,
         activation_checkpoint_segments=settings.activation_checkpoint_segments,
         offload_activations=settings.offload_activations, fused_attention=settings.fused_attention,
-        schedule=settings.schedule, amp=settings.amp, optimizer_shards=settings.optimizer_shards)
+        schedule=settings.schedule, amp=settings.amp, optimizer_shards=settings.optimizer_shards,
+        tensor_parallel=settings.tensor_parallel, sequence_parallel=settings.sequence_parallel)
     memory_limited = gpu_memory_bytes is not None
     try:
         by_time = balance_by_time(costs, settings.num_stages, activation_checkpoint=settings.activation_checkpoint,
@@ -345,7 +365,9 @@ def build_plan(args: argparse.Namespace) -> dict:
         num_stages=args.stages, num_micro_batches=micro_batches, micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len or config.max_seq_len, precision=args.precision or "fp32", **activation_arguments(args),
         fused_attention=args.fused_attention, schedule=args.schedule, amp=args.amp,
-        optimizer_shards=fewest if args.shard_optimizer else 1, virtual_stages=args.virtual_stages)
+        optimizer_shards=fewest if args.shard_optimizer else 1, virtual_stages=args.virtual_stages,
+        tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
+        sequence_parallel=args.sequence_parallel)
     try:
         check_chunks(args.schedule, args.virtual_stages)
     except ValueError as error:
@@ -357,11 +379,11 @@ def build_plan(args: argparse.Namespace) -> dict:
     rows = stage_rows(config, stages)
     return {
         "model": args.model,
-        "num_parameters": sum(stage.num_parameters for stage in stages),
+        "num_parameters": sum(layer_parameter_counts(config)),  # the model's (a row at t > 1: one rank's)
         "num_replicas": max_replicas(args.replicas),
         "elastic": {"min_replicas": args.replicas[0], "max_replicas": args.replicas[1],
                     "micro_batches_per_replica": micro_batches} if elastic else None,
-        "settings": {**vars(settings), "amp": amp},
+        "settings": settings.to_dict(amp),
         "bytes_per_parameter": {**vars(per_parameter), "total": per_parameter.total},
         "gpu_memory_bytes": args.gpu_memory,
         "fits": fits,
@@ -427,7 +449,10 @@ def render_table(plan: dict) -> str:
            if settings["activation_checkpoint_segments"] else "")
         + (", offload_activations" if settings["offload_activations"] else "")
         + f", {'fused' if settings['fused_attention'] else 'unfused'} attention, {settings['schedule']}"
-        + (f" ({settings['virtual_stages']} chunks a stage)" if settings["virtual_stages"] > 1 else ""),
+        + (f" ({settings['virtual_stages']} chunks a stage)" if settings["virtual_stages"] > 1 else "")
+        + (f", tensor parallel {settings['tensor_parallel']} (sequence parallel "
+           f"{'off' if settings['sequence_parallel'] is False else 'on'}): each row is one rank's"
+           if "tensor_parallel" in settings else ""),
     ]
     lines.append(describe_bytes_per_parameter(plan["bytes_per_parameter"], settings["amp"]))
     if plan["elastic"]:
@@ -453,8 +478,11 @@ def render_table(plan: dict) -> str:
                                for i, (cell, width) in enumerate(zip(cells, widths))))
     if plan["balances"] is not None:
         lines.extend(describe_balances(plan["balances"]))
-    lines.append(describe_snapshots(plan))
-    lines.append(describe_background_saves(plan))
+    if "tensor_parallel" in settings:
+        lines.append("snapshots and checkpoints: not done with tensor parallelism yet (snapshot_every=0)")
+    else:
+        lines.append(describe_snapshots(plan))
+        lines.append(describe_background_saves(plan))
     if plan["gpu_memory_bytes"] is not None:
         verdict = "fits" if plan["fits"] else "does NOT fit"
         lines.append(f"largest stage {format_bytes(plan['max_total_bytes'])} {verdict} in "
@@ -500,7 +528,9 @@ def build_cluster_plan(args: argparse.Namespace) -> dict:
         raise ValueError(f"--seq-len {seq_len} exceeds the max_seq_len of {args.model} ({config.max_seq_len})")
     memory = args.gpu_memory if args.gpu_memory is not None else cluster.memory_bytes
     result = search_plans(config, cluster, args.gpus, seq_len=seq_len, precision=precision, gpu_memory_bytes=memory,
-                          global_batch=args.global_batch, top=args.top, fused_attention=args.fused_attention)
+                          global_batch=args.global_batch, top=args.top, fused_attention=args.fused_attention,
+                          tensor_parallel=getattr(args, "tensor_parallel", None),
+                          sequence_parallel=getattr(args, "sequence_parallel", None))
     out = {"model": args.model, "cluster": cluster.name, "cluster_source": cluster.source, "gpus": args.gpus,
            "gpu_memory_bytes": memory, "fits": bool(result.best), "reason": result.reason,
            "configurations_checked": result.evaluated, "configurations_simulated": result.simulated,
@@ -532,7 +562,8 @@ def chosen_plan_fields(config: LlamaConfig, model: str, candidate, gpu_memory_by
         micro_batch_size=shape.micro_batch_size, seq_len=shape.seq_len, precision=shape.precision,
         activation_checkpoint=shape.activation_checkpoint, activation_checkpoint_segments=None,
         offload_activations=False, fused_attention=fused_attention, schedule=shape.schedule, amp=None,
-        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1, virtual_stages=shape.virtual_stages)
+        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1, virtual_stages=shape.virtual_stages,
+        tensor_parallel=shape.tensor_parallel, sequence_parallel=shape.sequence_parallel)
     chosen = list(candidate.prediction.balance)
     stages = settings.estimate(config, gpu_memory_bytes, balance=chosen)
     amp = amp_style(settings.precision, settings.amp)
@@ -553,8 +584,8 @@ def chosen_plan_fields(config: LlamaConfig, model: str, candidate, gpu_memory_by
                           "stage_total_bytes": totals, "max_total_bytes": max(totals),
                           "fits": max(totals) <= gpu_memory_bytes}
     balances["time"]["memory_limited"] = True  # the search's split fits (--balance time's, or the DP's within memory)
-    return {"model": model, "num_parameters": sum(stage.num_parameters for stage in stages),
-            "num_replicas": shape.num_replicas, "elastic": None, "settings": {**vars(settings), "amp": amp},
+    return {"model": model, "num_parameters": sum(layer_parameter_counts(config)),
+            "num_replicas": shape.num_replicas, "elastic": None, "settings": settings.to_dict(amp),
             "bytes_per_parameter": {**vars(per_parameter), "total": per_parameter.total},
             "max_total_bytes": largest_stage_bytes(stages), "stages": rows, "suggestions": [], "balances": balances}
 
@@ -573,6 +604,10 @@ def run_commands(model: str, candidate) -> dict:
         flags.append(f"--schedule {shape.schedule}")
     if shape.virtual_stages != 1:  # model chunks per worker (interleaved_1f1b, zbv), given though it is their own
         flags.append(f"--virtual-stages {shape.virtual_stages}")
+    if shape.tensor_parallel != 1:
+        flags.append(f"--tensor-parallel {shape.tensor_parallel}")
+        if not shape.sequence_sharded:
+            flags.append("--no-sequence-parallel")
     if shape.snapshot_every != 1:  # the jobs' default is 1
         flags.append(f"--snapshot-every {shape.snapshot_every}")
     extra = [f"--precision {shape.precision}"] if shape.precision != "bf16" else []
@@ -589,6 +624,10 @@ def run_commands(model: str, candidate) -> dict:
         helm["schedule"] = shape.schedule
     if shape.virtual_stages != 1:
         helm["virtualStages"] = shape.virtual_stages
+    if shape.tensor_parallel != 1:
+        helm["tensorParallel"] = shape.tensor_parallel
+        if not shape.sequence_sharded:
+            helm["sequenceParallel"] = False
     if shape.snapshot_every != 1:
         helm["snapshotEvery"] = shape.snapshot_every
     if extra:
@@ -596,7 +635,16 @@ def run_commands(model: str, candidate) -> dict:
     return {"job_command": "python jobs/train_7b.py " + " ".join(flags), "helm_values": {"training": helm}}
 
 
+def _tensor_parallel(item: dict) -> str:
+    """A candidate's tensor parallelism in the table: nothing at t = 1."""
+    if item["tensor_parallel"] == 1:
+        return ""
+    return f" t={item['tensor_parallel']}" + ("" if item["sequence_parallel"] else " (no sequence parallel)")
+
+
 def _cadence(snapshot_every: int) -> str:
+    if snapshot_every == 0:
+        return "; no snapshots: tensor parallelism runs with --snapshot-every 0 so far, a failure ends the run"
     return (f" a step: one snapshot every {snapshot_every} steps, so a heal redoes up to {snapshot_every - 1}; "
             "every step would cost more than 3%")
 
@@ -609,12 +657,14 @@ def render_cluster_plan(plan: dict) -> str:
     if not plan["fits"]:
         lines.append(f"NOT POSSIBLE: {plan['reason']}")
         return "\n".join(lines)
-    lines.append("best predicted (d replicas x p stages, m micro-batches of b sequences):")
+    lines.append("best predicted (d replicas x p stages" + (" x t GPUs a stage" if any(
+        item["tensor_parallel"] > 1 for item in plan["candidates"]) else "") + ", m micro-batches of b sequences):")
     for rank, item in enumerate(plan["candidates"], 1):
         lines.append(
             f"  {rank}. d={item['num_replicas']} p={item['num_stages']} m={item['num_micro_batches']} "
             f"b={item['micro_batch_size']} {item['schedule']}"
-            f"{'' if item['virtual_stages'] == 1 else ' v=' + str(item['virtual_stages'])} "
+            f"{'' if item['virtual_stages'] == 1 else ' v=' + str(item['virtual_stages'])}"
+            f"{_tensor_parallel(item)} "
             f"recompute={item['activation_checkpoint']} "
             f"zero1={'on' if item['shard_optimizer'] else 'off'}: step {item['step_time_s']:.3g} s, "
             f"{item['tokens_per_second']:,.0f} tokens/s, MFU {item['mfu']:.1%}, bubble {item['bubble_fraction']:.1%} "
@@ -625,7 +675,9 @@ def render_cluster_plan(plan: dict) -> str:
         lines.append(f"     {item['job_command']}")
     best = plan["candidates"][0]
     lines.append("helm values of 1.: " + json.dumps(best["helm_values"]))
-    lines.append(f"1.'s stages (balance {best['balance']}):")
+    lines.append(f"1.'s stages (balance {best['balance']}"
+                 + (f"; each row one of its {best['tensor_parallel']} tensor-parallel ranks"
+                    if best["tensor_parallel"] > 1 else "") + "):")
     for row in plan["stages"]:
         lines.append(f"  stage {row['stage']}: {row['description']}, {row['num_parameters'] / 1e6:,.0f}M parameters, "
                      f"{format_bytes(row['total_bytes'])}")
@@ -656,6 +708,10 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
     shards = shape.num_replicas if shape.shard_optimizer else 1
     # per worker: its chunks' parameters together (the balance is per virtual stage with several)
     stage_params = worker_sums([sum(counts[start:end]) for start, end in stage_bounds(prediction.balance)], shape)
+    # one tensor-parallel rank's (a replacement's t ranks receive their state in parallel, each on its own link)
+    rank_counts = layer_parameter_counts(config, tensor_parallel=shape.tensor_parallel)
+    rank_params = worker_sums([sum(rank_counts[start:end]) for start, end in stage_bounds(prediction.balance)],
+                              shape)
 
     def worker_state(params: int) -> float:  # what a snapshot of the worker holds (snapshot_bytes)
         if not per.master:
@@ -666,18 +722,22 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
     # the goodput model picks its own cadence from a snapshot's whole exposed copy (the prediction's is
     # spread over the candidate's snapshot_every steps)
     per_snapshot = prediction.snapshot_exposed_s * max(1, shape.snapshot_every)
-    return RunShape(num_gpus=shape.num_gpus, num_replicas=shape.num_replicas, num_stages=shape.num_stages,
+    # in stage slots (a stage's t GPUs, on one node: GPUs at t = 1), as candidate_goodput's node size counts them
+    return RunShape(num_gpus=shape.num_replicas * shape.num_stages, num_replicas=shape.num_replicas,
+                    num_stages=shape.num_stages,
                     step_s=prediction.step_s - prediction.snapshot_exposed_s + per_snapshot,
                     snapshot_exposed_s=per_snapshot,
-                    largest_worker_state_bytes=max(worker_state(params) for params in stage_params),
+                    largest_worker_state_bytes=max(worker_state(params) for params in rank_params),
                     model_state_bytes=sum(stage_params) * full,
                     inter_node_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s,
                     shard_optimizer=shape.shard_optimizer)
 
 
 def candidate_goodput(config: LlamaConfig, candidate, cluster: Cluster, node_mtbf_hours: float) -> dict:
-    """``{method: {goodput, closed_form, downtime_per_failure_s, ...}}`` for one configuration."""
-    assumptions = GoodputAssumptions(node_mtbf_hours=node_mtbf_hours, gpus_per_node=cluster.gpus_per_node)
+    """``{method: {goodput, closed_form, downtime_per_failure_s, ...}}`` for one configuration (at
+    t > 1 counted in stage slots of t GPUs, ``gpus_per_node / t`` a node: the same nodes fail)."""
+    assumptions = GoodputAssumptions(node_mtbf_hours=node_mtbf_hours,
+                                     gpus_per_node=cluster.slots_per_node(candidate.shape.tensor_parallel))
     results = goodput_by_method(run_shape(config, candidate, cluster), assumptions)
     return {method: results[method].to_dict() for method in METHODS}
 

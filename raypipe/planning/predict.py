@@ -4,7 +4,19 @@ runs over configurations is in :mod:`raypipe.planning.configuration_search`. No 
 
 **Placement**: stage ``s`` of replica ``r`` on GPU ``r * p + s``, GPUs ``8k .. 8k+7`` on node
 ``k``: a replica's stages on consecutive GPUs, as raypipe places each replica in its own PACK
-placement group (as few nodes as hold it), its bundles in stage order.
+placement group (as few nodes as hold it), its bundles in stage order. With tensor parallelism
+(t > 1) the same over stage *slots* of t GPUs on one node (slot ``r * p + s``, ``8 // t`` slots a
+node: :meth:`~raypipe.planning.cluster_spec.Cluster.slots_per_node`).
+
+**Tensor parallelism** (``tensor_parallel`` t > 1, each stage split over t GPUs of a node): a
+rank's op takes its layers' flops / t, plus the layers' tensor-parallel collectives on the node's
+link (:mod:`raypipe.planning.tensor_parallel_collectives`: a block's two all-reduces of its
+activation in forward and two in backward, or with sequence parallelism an all-gather and a
+reduce-scatter for each; the embedding's and the head's vocabulary-parallel ones), not overlapped
+with compute (conservative: they count as the op's busy time); rank i of a stage sends rank i of
+the next a 1/t sequence shard with sequence parallelism, the whole activation without. The
+reduction, the optimizer step, the snapshot and the memory are one rank's (its share of the
+parameters), each rank's ring over the replicas on its own GPU's link; MFU divides by d x p x t GPUs.
 
 **Model chunks** (``virtual_stages`` v > 1: ``interleaved_1f1b``, ``zbv``): the layers are split
 into ``p * v`` virtual stages in model order (``balance`` has ``p * v`` entries), and worker ``w``'s
@@ -80,6 +92,7 @@ from raypipe.planning.pipeline_prediction import (StageTimes, recomputed, replic
                                                   simulate_pipeline, split_backward_tails, stage_times)
 from raypipe.planning.pipeline_timing import PipelineTiming
 from raypipe.planning.step_shape import StepShape, check_shape, stage_bounds, worker_sums
+from raypipe.planning.tensor_parallel_collectives import LayerCollectives
 
 __all__ = ["Prediction", "StepShape", "PipelineRun", "predict_step", "predict_split", "pipeline_runs",
            "optimistic_step_s", "stage_bounds", "worker_sums"]
@@ -96,7 +109,8 @@ class Prediction:
     that of the simulated pipeline alone. ``stage_compute_s`` is each stage's F and B
     time in one step; ``stage_bytes`` each stage's memory (the memory model's total); with
     several chunks per worker both are per worker (its chunks together) and ``balance`` is
-    layers per virtual stage, in model order.
+    layers per virtual stage, in model order. With tensor parallelism (t > 1) both are one of a
+    stage's t ranks', and ``mfu`` divides by all d x p x t GPUs.
     """
 
     step_s: float
@@ -132,7 +146,9 @@ def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, n
                  micro_batch_size: int = 1, seq_len: int = 1, balance: str | Sequence[int] = "time",
                  amp: str | None = None, snapshot_every: int = 1,
                  stage_bytes: Callable[..., int] | None = None,
-                 gpu_memory_bytes: int | None = None, virtual_stages: int = 1) -> Prediction:
+                 gpu_memory_bytes: int | None = None, virtual_stages: int = 1, tensor_parallel: int = 1,
+                 sequence_parallel: bool | None = None,
+                 collectives: Sequence[LayerCollectives] | None = None) -> Prediction:
     """The predicted step of ``layers`` (their :class:`LayerCost`, per sequence of ``seq_len``
     tokens) on ``cluster`` (see the module docstring for the model).
 
@@ -145,13 +161,22 @@ def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, n
     ``stage_bytes(worker, chunk_bounds)``, the (first, end) layers of each of the worker's chunks
     in chunk order (default :func:`~raypipe.planning.balance.cost_worker_bytes`). ``fits``
     compares it with ``gpu_memory_bytes`` (default: the cluster's memory).
+
+    ``tensor_parallel`` (t) > 1: every layer split over a stage's t GPUs (the module's
+    *Tensor parallelism*), with ``collectives`` per layer (default: each a transformer block's,
+    :func:`~raypipe.planning.tensor_parallel_collectives.block_collectives`); ``stage_bytes`` is
+    then required (one rank's memory: the layers' costs do not say what a rank holds).
     """
     costs = [layer.cost if isinstance(layer, LayerSpec) else layer for layer in layers]
     if any(not isinstance(cost, LayerCost) for cost in costs):
         raise ValueError("predict_step needs every layer's LayerCost (LayerSpec(..., cost=...) or LayerCost)")
     shape = StepShape(num_replicas, num_stages, num_micro_batches, schedule, activation_checkpoint, precision,
-                      shard_optimizer, micro_batch_size, seq_len, amp, snapshot_every, virtual_stages)
+                      shard_optimizer, micro_batch_size, seq_len, amp, snapshot_every, virtual_stages,
+                      tensor_parallel, sequence_parallel)
     check_shape(shape, len(costs))
+    if tensor_parallel > 1 and stage_bytes is None:
+        raise ValueError(f"tensor_parallel={tensor_parallel} needs stage_bytes (one rank's memory: the layers' "
+                         "LayerCost does not say how a rank splits them)")
     pieces = shape.num_virtual_stages
     if balance == "time":
         split = balance_by_time(costs, pieces, activation_checkpoint=activation_checkpoint,
@@ -182,16 +207,17 @@ def predict_step(layers: Sequence[LayerCost | LayerSpec], cluster: Cluster, *, n
                        for worker, pieces_of in enumerate(shape.worker_virtual_stages()))
     limit = cluster.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes
     per_param = static_bytes_per_parameter(precision, amp)
-    piece_parameters = [round(sum(cost.param_bytes for cost in costs[start:end]) / per_param.weights)
-                        for start, end in bounds]
+    # one rank's: every layer split t ways
+    piece_parameters = [round(sum(cost.param_bytes for cost in costs[start:end]) / per_param.weights
+                              / tensor_parallel) for start, end in bounds]
     parameters = worker_sums(piece_parameters, shape)
-    return predict_split(costs, split, parameters, memory, limit, shape, cluster)
+    return predict_split(costs, split, parameters, memory, limit, shape, cluster, collectives=collectives)
 
 
 def _collective_link(shape: StepShape, cluster: Cluster, stage: int) -> Link:
-    """The link a ring over the replicas of ``stage`` is limited by."""
+    """The link a ring over the replicas of ``stage`` (of each of its tensor-parallel ranks) is limited by."""
     first, last = stage, (shape.num_replicas - 1) * shape.num_stages + stage
-    return cluster.intra_node if cluster.node(first) == cluster.node(last) else cluster.inter_node
+    return cluster.slot_link(first, last, shape.tensor_parallel)
 
 
 def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
@@ -233,34 +259,37 @@ def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
 class PipelineRun:
     """One replica placement's timed pipeline, as a prediction reads it."""
 
-    first_gpu: int
+    first_slot: int  # the replica's stage 0's slot (its GPU at t = 1)
     timing: PipelineTiming
 
 
-def pipeline_runs(costs: Sequence[LayerCost], split: Sequence[int], shape: StepShape,
-                  cluster: Cluster) -> tuple[PipelineRun, ...]:
+def pipeline_runs(costs: Sequence[LayerCost], split: Sequence[int], shape: StepShape, cluster: Cluster,
+                  collectives: Sequence[LayerCollectives] | None = None) -> tuple[PipelineRun, ...]:
     """The timed pipeline of each distinct placement of a replica (see the module's 1.), as
     :func:`predict_split` reads it. It does not depend on ``shape.snapshot_every``: a prediction
     of the same split at another snapshot cadence can reuse it."""
-    times = stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
-    return tuple(PipelineRun(first_gpu, simulate_pipeline(times, shape, cluster, first_gpu))
-                 for first_gpu in replica_starts(shape, cluster))
+    times = stage_times(costs, split, shape, cluster, collectives)
+    return tuple(PipelineRun(first_slot, simulate_pipeline(times, shape, cluster, first_slot))
+                 for first_slot in replica_starts(shape, cluster))
 
 
 def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: Sequence[int],
                   memory: Sequence[int], limit: int | None, shape: StepShape, cluster: Cluster,
-                  runs: Sequence[PipelineRun] | None = None) -> Prediction:
+                  runs: Sequence[PipelineRun] | None = None,
+                  collectives: Sequence[LayerCollectives] | None = None) -> Prediction:
     """The predicted step of ``costs`` split into stages of ``split`` layers (per virtual stage:
     ``shape.num_virtual_stages`` entries; ``parameters`` and ``memory`` per worker, its chunks
     together; ``limit`` the memory per device, None for none). ``runs``: this split's
     :func:`pipeline_runs` where already simulated (at any snapshot cadence), else they are.
-    ``stage_compute_s`` is per worker, its chunks' compute together."""
-    rate = cluster.flops_per_s(shape.precision)
-    times = stage_times(costs, split, shape, rate)
+    ``stage_compute_s`` is per worker, its chunks' compute together (with its tensor-parallel
+    collectives at t > 1); ``parameters`` and ``memory`` are one tensor-parallel rank's, and
+    ``collectives`` each layer's (:func:`~raypipe.planning.pipeline_prediction.stage_times`)."""
+    cluster.slots_per_node(shape.tensor_parallel)  # a stage's t GPUs on one node
+    times = stage_times(costs, split, shape, cluster, collectives)
     reduce, optimizer, snapshot = _tail_seconds(parameters, shape, cluster)
     step = pipeline = reduction_exposed = snapshot_exposed = 0.0
     pipeline_bubble = 0.0
-    for placement in pipeline_runs(costs, split, shape, cluster) if runs is None else runs:
+    for placement in pipeline_runs(costs, split, shape, cluster, collectives) if runs is None else runs:
         run = placement.timing
         decided = max([run.step_s] + [end + seconds for end, seconds in zip(run.last_compute, reduce)])
         tail = max(optimizer)
@@ -293,13 +322,14 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
 
 
 def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], parameters: Sequence[int],
-                      shape: StepShape, cluster: Cluster) -> float:
+                      shape: StepShape, cluster: Cluster,
+                      collectives: Sequence[LayerCollectives] | None = None) -> float:
     """A step time no simulated step of this configuration undercuts: for each stage, the
     first micro-batch's forwards and messages through the stages before it, the stage's
     whole compute, and the last gradient's way back; plus the slowest optimizer tail.
     ``split`` and ``parameters`` as :func:`predict_split` takes them; several chunks per worker
     are bounded as :func:`_chunked_pipeline_bound` says."""
-    times = stage_times(costs, split, shape, cluster.flops_per_s(shape.precision))
+    times = stage_times(costs, split, shape, cluster, collectives)
     _, optimizer, _ = _tail_seconds(parameters, shape, cluster)
     if shape.virtual_stages > 1:
         return _chunked_pipeline_bound(times, shape, cluster) + max(optimizer) + cluster.step_overhead_s

@@ -26,10 +26,18 @@ class StepShape:
     amp: str | None = None
     snapshot_every: int = 1
     virtual_stages: int = 1  # model chunks per worker (v): >= 2 for interleaved_1f1b, 2 for zbv
+    tensor_parallel: int = 1  # t: GPUs per stage, splitting its layers (on one node)
+    sequence_parallel: bool | None = None  # None: on when tensor_parallel > 1
 
     @property
     def num_gpus(self) -> int:
-        return self.num_replicas * self.num_stages
+        """Replicas x stages x tensor-parallel ranks."""
+        return self.num_replicas * self.num_stages * self.tensor_parallel
+
+    @property
+    def sequence_sharded(self) -> bool:
+        """Whether activations between the split layers and across stage boundaries are sequence shards."""
+        return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
 
     @property
     def num_virtual_stages(self) -> int:
@@ -52,10 +60,15 @@ def worker_sums(per_virtual_stage: Sequence[float], shape: StepShape) -> list:
 
 def check_shape(shape: StepShape, num_layers: int) -> None:
     for name in ("num_replicas", "num_stages", "num_micro_batches", "micro_batch_size", "seq_len",
-                 "virtual_stages"):
+                 "virtual_stages", "tensor_parallel"):
         value = getattr(shape, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if shape.sequence_parallel not in (None, True, False):
+        raise ValueError(f"sequence_parallel={shape.sequence_parallel!r} must be None, True or False")
+    if shape.tensor_parallel > 1 and shape.sequence_sharded and shape.seq_len % shape.tensor_parallel:
+        raise ValueError(f"tensor_parallel={shape.tensor_parallel}: sequence parallelism shards the sequence, and "
+                         f"seq_len={shape.seq_len} does not divide by it")
     if shape.schedule not in SCHEDULES:
         raise ValueError(f"schedule={shape.schedule!r} must be one of {SCHEDULES}")
     try:

@@ -358,6 +358,7 @@ def fake_cluster(num_replicas_placed: int | None = None) -> types.SimpleNamespac
     return types.SimpleNamespace(
         connect=lambda address, cpus: None, resolve_use_gpu=lambda config: False, num_alive_nodes=lambda: 1,
         worker_bundle=lambda config, use_gpu: {"CPU": 1.0}, worker_memory_bytes=lambda device_memory: 2**40,
+        stage_bundle=lambda worker, t: {name: amount * t for name, amount in worker.items()},
         placeable_workers=lambda bundle, freed=(): len(freed), release=lambda groups: None,
         describe_available=lambda: "nothing", reserve_between=reserve_between)
 

@@ -19,6 +19,7 @@ from raypipe.control import partitioning as partitioning_module
 from raypipe.control.controller import STATES, Controller, ControllerState, Layout, StageModel
 from raypipe.control.states import Healing, Running
 from raypipe.core.result import StageReport
+from raypipe.runtime import cluster
 from raypipe.errors import PlacementError, TooManyFailures, WorkersFailed
 from raypipe.control import elastic, snapshots, state_transfer
 from raypipe.observability.metrics import MetricsExporter
@@ -162,8 +163,8 @@ def fake_cluster(monkeypatch):
     fake_cluster = types.SimpleNamespace(
         connect=lambda address, cpus: None, resolve_use_gpu=lambda config: False, num_alive_nodes=lambda: 1,
         worker_bundle=lambda config, use_gpu: {"CPU": 1.0}, worker_memory_bytes=lambda device_memory: 2**40,
-        placeable_workers=lambda bundle, freed=(): len(freed), release=lambda groups: None,
-        reserve_between=lambda low, high, bundles, timeout: ([FakePlacement()] * high, []))
+        stage_bundle=cluster.stage_bundle, placeable_workers=lambda bundle, freed=(): len(freed),
+        release=lambda groups: None, reserve_between=lambda low, high, bundles, timeout: ([FakePlacement()] * high, []))
     fake_spread = types.SimpleNamespace(replica_group=lambda bundles: FakePlacement(),
                                         relocate=lambda placement, bundles, nodes: placement)
     monkeypatch.setattr(controller_module, "cluster", fake_cluster)

@@ -151,9 +151,12 @@ def test_tensor_parallel_steps_equal_one_process(ray_cluster, replicas, stages, 
     _assert_matches_one_process(config, *run_cell(config))
 
 
-# (replicas, stages): the issue's layouts at t = 2
+# (replicas, stages): the issue's layouts at t = 2, each with gpipe and 1f1b, sequence parallelism on for
+# one and off for the other (both ways round over the layouts). A cell costs seconds of gloo collectives
+# between 2-8 processes on the suite's 2 cores, so the matrix covers each pair of factors, not their product.
 LAYOUTS = [(1, 1), (1, 2), (2, 2), (1, 3)]
-MATRIX = [(d, p, schedule, sp) for d, p in LAYOUTS for schedule in ("gpipe", "1f1b") for sp in (True, False)]
+MATRIX = [(d, p, schedule, (schedule == "gpipe") == (index % 2 == 0)) for index, (d, p) in enumerate(LAYOUTS)
+          for schedule in ("gpipe", "1f1b")]
 
 
 @pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel", MATRIX,
@@ -163,19 +166,17 @@ def test_tensor_parallel_steps_in_processes_equal_one_process(replicas, stages, 
     _assert_matches_one_process(config, *run_cell_in_processes(config))
 
 
-# the other schedules (the chunked ones with 2 chunks per worker), recompute and ZeRO-1, each schedule on
-# every layout with more than one stage, recompute and sequence parallelism alternating over them:
+# the other schedules (the chunked ones with 2 chunks per worker), recompute and ZeRO-1: each schedule on
+# 2 and 3 stages (zb_h1 on 2 replicas of 2 too, with ZeRO-1), recompute and sequence parallelism alternating
+# over them (ZeRO-1 at d = 2 x p = 1 and zbv with recompute on Ray: CELLS above):
 # (replicas, stages, schedule, sequence_parallel, other fields)
 OTHER_CELLS = [
     (1, 2, "zb_h1", True, {}), (2, 2, "zb_h1", False, {"activation_checkpoint": "always", "shard_optimizer": True}),
     (1, 3, "zb_h1", True, {"activation_checkpoint": "always"}),
-    (1, 2, "interleaved_1f1b", True, {"activation_checkpoint": "always"}),
-    (2, 2, "interleaved_1f1b", False, {}), (1, 3, "interleaved_1f1b", True, {}),
-    (1, 2, "zbv", False, {}), (2, 2, "zbv", True, {"activation_checkpoint": "always"}),
-    (1, 3, "zbv", False, {"activation_checkpoint": "always"}),
-    (1, 1, "1f1b", True, {"activation_checkpoint": "always"}),
+    (1, 2, "interleaved_1f1b", False, {"activation_checkpoint": "always"}), (1, 3, "interleaved_1f1b", True, {}),
+    (1, 2, "zbv", True, {}), (1, 3, "zbv", False, {"activation_checkpoint": "always"}),
     (1, 2, "gpipe", False, {"activation_checkpoint": "except_last"}),
-    (1, 2, "1f1b", True, {"activation_checkpoint_segments": 2}), (2, 1, "1f1b", True, {"shard_optimizer": True}),
+    (1, 2, "1f1b", True, {"activation_checkpoint_segments": 2}),
 ]
 
 
@@ -269,7 +270,7 @@ def test_a_sequence_that_sequence_parallelism_cannot_shard_is_refused_before_the
         assert str(error.value).splitlines()[0].startswith("invalid tensor_parallel=2: sequence parallelism shards")
 
 
-@pytest.mark.parametrize("schedule, sequence_parallel", [("1f1b", True), ("zb_h1", False)])
+@pytest.mark.parametrize("schedule, sequence_parallel", [("1f1b", True)])
 def test_a_models_own_plan_and_a_replicated_layer_train_as_one_process(schedule, sequence_parallel):
     """Not the LLaMA: a model of its own (tests/models/test_tensor_parallel.py's: a replicated input
     projection, MLPs with their own plan, a replicated layer that mixes positions, a replicated head)
@@ -335,10 +336,10 @@ def test_two_stages_each_split_over_two_gpus_train_as_one_process(ray_cluster):
 
 def test_a_checkpoint_at_t2_holds_whole_layers_and_loads_into_other_layouts(tmp_path):
     """A (1, 2, 2) run's checkpoint after 2 steps: each layer's file holds whole tensors (a stage's
-    ranks gather, tp_rank 0 writes), equal to one process's state; loaded into the same layout it
-    continues bitwise as the uninterrupted run; loaded into (1, 1, 2) and into one process's layout
-    of 4 stages (t = 1, in-process), its next step equals one process's within 1e-5. AdamW's moments
-    carry over (a lost part would restart them and miss the reference)."""
+    ranks gather, tp_rank 0 writes); loaded into (1, 1, 2) and into one process's layout of 4 stages
+    (t = 1, in-process), its next step equals one process's within 1e-5 (loaded into its own layout it
+    continues bitwise: the next test, from a save on Ray). AdamW's moments carry over (a lost part
+    would restart them and miss the reference)."""
     from raypipe.checkpoint.store import read_layer
     from tests.reference import InterpretedTrainer
 
@@ -348,7 +349,6 @@ def test_a_checkpoint_at_t2_holds_whole_layers_and_loads_into_other_layouts(tmp_
         for x, y in batches[:2]:
             pipeline.step(x, y)
         assert pipeline.save_checkpoint(tmp_path) == 2
-        uninterrupted = pipeline.step(*batches[2]), pipeline.state_dict()
     expected_steps, expected_state, _ = _reference(config)
     for key, expected in expected_state.items():  # whole tensors, the moments too
         index, name = key.split(".", 1)
@@ -356,11 +356,6 @@ def test_a_checkpoint_at_t2_holds_whole_layers_and_loads_into_other_layouts(tmp_
         assert saved["model"][name].shape == expected.shape, key
         if name in saved["optimizer"]:
             assert saved["optimizer"][name]["exp_avg"].shape == expected.shape, key
-    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
-        pipeline.load_checkpoint(tmp_path, 2)
-        resumed = pipeline.step(*batches[2]), pipeline.state_dict()
-    assert resumed[0].loss == uninterrupted[0].loss and resumed[0].grad_norm == uninterrupted[0].grad_norm
-    assert all(torch.equal(resumed[1][key], value) for key, value in uninterrupted[1].items())
     for other in (_config(1, 1, "1f1b", True), raypipe.PipelineConfig(num_stages=4, num_micro_batches=2,
                                                                       clip_grad_norm=CLIP, snapshot_every=0)):
         if other.tensor_parallel > 1:

@@ -18,6 +18,7 @@ from raypipe.planning.memory import estimate_stage
 from raypipe.planning.plan import main as plan_main
 from raypipe.planning.plan import run_commands
 from raypipe.planning.predict import StepShape, optimistic_step_s, predict_split, predict_step, stage_bounds
+from raypipe.planning.tensor_parallel_collectives import llama_layer_collectives
 
 GB = 10**9
 
@@ -88,7 +89,7 @@ def test_the_search_snapshots_less_often_where_a_copy_every_step_would_cost_more
     cadence = snapshot_cadence(every_step)
     assert every_step.snapshot_exposed_s / cadence <= 0.03 * without.step_s
     assert every_step.snapshot_exposed_s / (cadence // 2) > 0.03 * without.step_s
-    result = search_plans(get_config("llama-7b"), load_cluster("h100"), 8, top=5)
+    result = search_plans(get_config("llama-7b"), load_cluster("h100"), 8, top=5, tensor_parallel=1)
     assert any(candidate.shape.snapshot_every > 1 for candidate in result.best)
     for candidate in result.best:
         command = run_commands("llama-7b", candidate)
@@ -175,36 +176,41 @@ def test_fast_stage_bytes_are_the_memory_model():
                     assert fast(stage, start, end) == expected, (schedule, recompute, sharded, stage)
 
 
-def test_search_finds_the_best_fitting_configuration_of_a_brute_force():
+@pytest.mark.parametrize("t", [1, 2])
+def test_search_finds_the_best_fitting_configuration_of_a_brute_force(t):
+    # at a fixed tensor-parallel degree (the search over several drops a shape that fits at t / 2: not exact)
     config = LlamaConfig(vocab_size=4000, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, ffn_dim=640,
                          max_seq_len=512)
     cluster = unit_cluster(gpus_per_node=2, inter_node=Link(1e9, 1e-4), intra_node=Link(1e10, 1e-5))
     # a memory limit that rules out the small stage counts without ZeRO-1 and recompute
-    limit = 60 * 10**6
-    result = search_plans(config, cluster, 8, precision="bf16", gpu_memory_bytes=limit, top=2)
+    limit = 60 * 10**6 // t
+    result = search_plans(config, cluster, 8, precision="bf16", gpu_memory_bytes=limit, top=2, tensor_parallel=t)
     assert result.best, result.reason
+    assert all(candidate.shape.tensor_parallel == t for candidate in result.best)
     costs = llama_layer_costs(config, 512, "bf16")
+    collectives = llama_layer_collectives(config, 512, "bf16") if t > 1 else None
     best_tokens, fitting = 0.0, 0
-    for shape in candidate_shapes(8, config.n_layers + 2, seq_len=512, precision="bf16"):
+    shapes = candidate_shapes(8, config.n_layers + 2, seq_len=512, precision="bf16", tensor_parallels=(t,))
+    for shape in shapes:
         exact_bytes = llama_stage_bytes(config, shape.num_stages, num_micro_batches=shape.num_micro_batches,
                                         micro_batch_size=shape.micro_batch_size, seq_len=512, precision="bf16",
                                         activation_checkpoint=shape.activation_checkpoint, schedule=shape.schedule,
-                                        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1)
+                                        optimizer_shards=shape.num_replicas if shape.shard_optimizer else 1,
+                                        tensor_parallel=t)
         try:  # the fastest split within the limit (the time balance where it fits)
             split = balance_by_time(costs, shape.num_stages, activation_checkpoint=shape.activation_checkpoint,
                                     num_micro_batches=shape.num_micro_batches, stage_bytes=exact_bytes,
                                     memory_limit_bytes=limit)
         except ValueError:
             continue
-        prediction = predict_step(costs, cluster, num_replicas=shape.num_replicas, num_stages=shape.num_stages,
-                                  num_micro_batches=shape.num_micro_batches, schedule=shape.schedule,
-                                  activation_checkpoint=shape.activation_checkpoint, precision="bf16",
-                                  shard_optimizer=shape.shard_optimizer, micro_batch_size=shape.micro_batch_size,
-                                  seq_len=512, balance=split, stage_bytes=exact_bytes, gpu_memory_bytes=limit)
+        bounds = stage_bounds(split)  # one rank's parameters and memory (the memory model's) under the split
+        parameters = [LlamaStageBytes(config, shape).parameters(start, end) for start, end in bounds]
+        memory = [exact_bytes(stage, start, end) for stage, (start, end) in enumerate(bounds)]
+        prediction = predict_split(costs, split, parameters, memory, limit, shape, cluster, collectives=collectives)
         assert prediction.fits
         fitting += 1
         best_tokens = max(best_tokens, prediction.tokens_per_s)
-    assert 0 < fitting < len(candidate_shapes(8, config.n_layers + 2, seq_len=512))  # the limit bites
+    assert 0 < fitting < len(shapes)  # the limit bites
     chosen = result.best[0]
     assert chosen.prediction.fits and max(chosen.prediction.stage_bytes) <= limit
     assert chosen.prediction.tokens_per_s == pytest.approx(best_tokens, rel=1e-9)
@@ -213,8 +219,10 @@ def test_search_finds_the_best_fitting_configuration_of_a_brute_force():
 
 def test_405b_on_16384_gpus_finds_a_layout_that_fits():
     # its time (25 s of CPU on 2026-12-03 with the chunked schedules searched, 10.4 s without, 35.9 s
-    # before that day's speed-up; the issue asks <= 60 s) is in benchmarks/RESULTS.md, not asserted here
-    result = search_plans(get_config("llama3-405b"), load_cluster("h100"), 16384)
+    # before that day's speed-up; the issue asks <= 60 s) is in benchmarks/RESULTS.md, not asserted here;
+    # at t = 1 only: the search over t = 1, 2, 4, 8 takes ~4x as long (tests/planning/test_predict_tensor_parallel.py
+    # searches t on the 70B)
+    result = search_plans(get_config("llama3-405b"), load_cluster("h100"), 16384, tensor_parallel=1)
     assert result.best and all(candidate.prediction.fits for candidate in result.best)
     assert result.best[0].shape.num_stages * result.best[0].shape.num_replicas == 16384
 
@@ -248,7 +256,7 @@ def test_plan_json_adds_predicted_figures_and_keeps_todays_fields(capsys):
         assert key in plan
     assert plan["fits"] and 0 < plan["mfu"] < 0.6 and plan["max_total_bytes"] <= 80 * GB
     best = plan["candidates"][0]
-    assert best["num_replicas"] * best["num_stages"] == 8
+    assert best["num_replicas"] * best["num_stages"] * best["tensor_parallel"] == 8
     assert f"--stages {best['num_stages']}" in best["job_command"]
     assert best["helm_values"]["training"]["stages"] == best["num_stages"]
 
@@ -267,17 +275,21 @@ def test_plan_without_cluster_is_unchanged(capsys):
     assert "need --cluster" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
-def test_no_predicted_step_undercuts_the_searchs_optimistic_bound(schedule):
+def test_no_predicted_step_undercuts_the_searchs_optimistic_bound(schedule, t):
     # the search stops at the first bound that cannot beat its top: a bound above a step would lose the best
     config = LlamaConfig(vocab_size=4000, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, ffn_dim=640, max_seq_len=512)
     cluster = unit_cluster(gpus_per_node=2, inter_node=Link(1e9, 1e-4), intra_node=Link(1e10, 1e-5))
     costs = llama_layer_costs(config, 512, "bf16")
-    for shape in candidate_shapes(8, config.n_layers + 2, seq_len=512, schedules=(schedule,)):
+    collectives = llama_layer_collectives(config, 512, "bf16") if t > 1 else None
+    for shape in candidate_shapes(8, config.n_layers + 2, seq_len=512, schedules=(schedule,), tensor_parallels=(t,)):
         split = balance_by_time(costs, shape.num_stages, activation_checkpoint=shape.activation_checkpoint)
         bytes_of = LlamaStageBytes(config, shape)
         bounds = stage_bounds(split)
         parameters = [bytes_of.parameters(start, end) for start, end in bounds]
         memory = [bytes_of(stage, start, end) for stage, (start, end) in enumerate(bounds)]
-        predicted = predict_split(costs, split, parameters, memory, None, shape, cluster).step_s
-        assert optimistic_step_s(costs, split, parameters, shape, cluster) <= predicted * (1 + 1e-12), shape
+        predicted = predict_split(costs, split, parameters, memory, None, shape, cluster,
+                                  collectives=collectives).step_s
+        assert optimistic_step_s(costs, split, parameters, shape, cluster, collectives) <= predicted * (1 + 1e-12), \
+            shape
