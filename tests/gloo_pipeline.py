@@ -33,7 +33,9 @@ from raypipe.core.step_decision import OVERFLOW
 from raypipe.observability.step_report import build_step_result
 from raypipe.stage.spec import WorkerSpec
 
-_PRELOADED = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+# torch._dynamo: a torch optimizer's first construction imports it (its __init__ is wrapped to keep dynamo
+# out), ~1.2 s of CPU here, which each worker would pay again
+_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
               "raypipe.executor.per_step_worker", "raypipe.models.tensor_parallel", "raypipe.models.llama"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(_PRELOADED)
