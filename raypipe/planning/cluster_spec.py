@@ -32,6 +32,13 @@ class Link:
         """Time to move ``num_bytes`` as one message."""
         return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
 
+    def ring_seconds(self, passes: int, num_bytes: float, ranks: int) -> float:
+        """Time of ``passes`` ring passes over ``ranks`` ranks of a tensor of ``num_bytes``: each pass
+        (a reduce-scatter or an all-gather; an all-reduce is two) moves ``(ranks-1)/ranks`` of it over
+        this link in ``ranks - 1`` messages. 0 on one rank."""
+        steps = ranks - 1
+        return passes * (steps / ranks * num_bytes / self.bandwidth_bytes_per_s + steps * self.latency_s)
+
 
 @dataclass(frozen=True)
 class Cluster:

@@ -233,11 +233,10 @@ def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
         if d == 1:
             reduction = gather = 0.0
         elif shape.shard_optimizer:  # reduce-scatter, then an all-gather of the compute weights
-            reduction = (d - 1) / d * gradients / link.bandwidth_bytes_per_s + (d - 1) * link.latency_s
-            gather = (d - 1) / d * count * per_param.weights / link.bandwidth_bytes_per_s + (d - 1) * link.latency_s
+            reduction = link.ring_seconds(1, gradients, d)
+            gather = link.ring_seconds(1, count * per_param.weights, d)
         else:  # ring all-reduce
-            reduction = 2 * (d - 1) / d * gradients / link.bandwidth_bytes_per_s + 2 * (d - 1) * link.latency_s
-            gather = 0.0
+            reduction, gather = link.ring_seconds(2, gradients, d), 0.0
         # Adam reads and writes its moments and the main weights (fp32 weights without mixed
         # precision), reads the gradients and writes the compute weights, for the part it owns
         if per_param.master:

@@ -88,8 +88,4 @@ def collective_seconds(collectives: Sequence[tuple[int, float]], tensor_parallel
                        micro_batch_size: int) -> float:
     """The time of ``collectives`` ((passes, bytes per sequence) each) for one micro-batch of
     ``micro_batch_size`` sequences on a ring of ``tensor_parallel`` ranks over ``link``."""
-    if tensor_parallel == 1:
-        return 0.0
-    steps = tensor_parallel - 1
-    return sum(passes * (steps / tensor_parallel * micro_batch_size * size / link.bandwidth_bytes_per_s
-                         + steps * link.latency_s) for passes, size in collectives)
+    return sum(link.ring_seconds(passes, micro_batch_size * size, tensor_parallel) for passes, size in collectives)
