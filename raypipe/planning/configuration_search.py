@@ -4,7 +4,7 @@ stages, tensor parallelism, micro-batches, schedule, recompute, ZeRO-1), each st
 No Ray, no torch.
 
 **The search** (:func:`search_plans`): for each tensor-parallel degree ``t`` of
-:data:`SEARCH_TENSOR_PARALLEL` that can run (:func:`check_tensor_parallel`: it divides the heads,
+:data:`SEARCH_TENSOR_PARALLEL` that can run (:func:`check_tensor_parallel_degree`: it divides the heads,
 KV heads, FFN width and the GPU count, at most a node's GPUs; or the one given), for every ``p``
 dividing ``N / t`` up to the layer count, ``d = N / (p t)``, micro-batches ``m`` in
 ``{p, 2p, 4p}`` (or what a fixed global batch leaves), micro-batch sizes 1 and 2, the runnable
@@ -311,7 +311,7 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
     if tensor_parallel is None:
         degrees = tensor_parallel_degrees(config, cluster, num_gpus, seq_len, sequence_parallel)
     else:
-        check_tensor_parallel(config, cluster, num_gpus, seq_len, tensor_parallel, sequence_parallel)
+        check_tensor_parallel_degree(config, cluster, num_gpus, seq_len, tensor_parallel, sequence_parallel)
         degrees = (tensor_parallel,)
     if snapshot_every and any(t > 1 for t in degrees):
         if tensor_parallel is not None:
@@ -405,19 +405,19 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
 
 def tensor_parallel_degrees(config: LlamaConfig, cluster: Cluster, num_gpus: int, seq_len: int,
                             sequence_parallel: bool | None = None) -> tuple[int, ...]:
-    """The degrees of :data:`SEARCH_TENSOR_PARALLEL` that :func:`check_tensor_parallel` lets run."""
+    """The degrees of :data:`SEARCH_TENSOR_PARALLEL` that :func:`check_tensor_parallel_degree` lets run."""
     degrees = []
     for t in SEARCH_TENSOR_PARALLEL:
         try:
-            check_tensor_parallel(config, cluster, num_gpus, seq_len, t, sequence_parallel)
+            check_tensor_parallel_degree(config, cluster, num_gpus, seq_len, t, sequence_parallel)
         except ValueError:
             continue
         degrees.append(t)
     return tuple(degrees)
 
 
-def check_tensor_parallel(config: LlamaConfig, cluster: Cluster, num_gpus: int, seq_len: int, tensor_parallel: int,
-                          sequence_parallel: bool | None = None) -> None:
+def check_tensor_parallel_degree(config: LlamaConfig, cluster: Cluster, num_gpus: int, seq_len: int,
+                                 tensor_parallel: int, sequence_parallel: bool | None = None) -> None:
     """Raise ValueError unless ``tensor_parallel`` ranks per stage can run ``config`` on ``num_gpus``
     GPUs of ``cluster``: it divides the heads, KV heads and FFN width (the memory model's rule),
     the GPU count, and with sequence parallelism the sequence; at most a node's GPUs."""
