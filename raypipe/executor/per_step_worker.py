@@ -181,7 +181,8 @@ class PerStepWorker(StageWorker, AnswersCalls):
         """Wait for the calls this step must follow; a wait shows in the timeline as "gate"."""
         start = time.time()
         if self._step_gate.wait(count, self.config.p2p_timeout_s):
-            self.add_event(OpEvent(self.stage_index, "gate", None, start, time.time(), self.replica))
+            self.add_event(OpEvent(self.stage_index, "gate", None, start, time.time(), self.replica,
+                                   tp_rank=self.spec.tp_rank))
 
 
 def first_wait(stage_ops: list[ops.LoweredOp], gated_op: int) -> int:

@@ -62,7 +62,7 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
                 self.ops_done += 1
                 if timed:
                     event = OpEvent(self.stage_index, op, micro_batch, start, time.time(), self.replica,
-                                    chunk_of(args, kwargs))
+                                    chunk_of(args, kwargs), self.spec.tp_rank)
                     self._events.append(event)
                     if timer is not None and device_start is not None:
                         try:

@@ -190,7 +190,8 @@ class StepRunner:
         """The timeline's "recv" events of ``receives``, waited for since ``start``."""
         worker, end = self.worker, time.time()
         for op in receives:
-            worker.add_event(OpEvent(worker.stage_index, "recv", op.micro_batch, start, end, worker.replica, op.chunk))
+            worker.add_event(OpEvent(worker.stage_index, "recv", op.micro_batch, start, end, worker.replica, op.chunk,
+                                     worker.spec.tp_rank))
 
     def _recv_activation(self, op: ops.LoweredOp, state: _Step) -> None:
         start = time.time()
@@ -272,7 +273,8 @@ class StepRunner:
         channel.finish_sends()
         channel.replicas.finish_gradient_reduction(reduction)
         if reduction is not None:
-            worker.add_event(OpEvent(worker.stage_index, "reduce", None, start, time.time(), worker.replica))
+            worker.add_event(OpEvent(worker.stage_index, "reduce", None, start, time.time(), worker.replica,
+                                     tp_rank=worker.spec.tp_rank))
         scale = 1.0 if state.loss_scale is None else state.loss_scale
         count = config.num_virtual_stages  # the decision is over virtual stages (one a worker without chunks)
         slots = [0.0] * (3 * count)  # every one's squared norm, overflow flag and loss share, over all workers

@@ -6,7 +6,6 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 """
 from __future__ import annotations
 
-import dataclasses
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -363,11 +362,8 @@ class StageWorker(StageCheckpointing):
         self._optimizer_step(decision, share_parameters)
         self.commits += 1
         events, self._events = self._events, []
-        tp_rank = self.spec.tp_rank
-        if tp_rank:  # the stage's other tensor-parallel workers report the same stage: say which one this is
-            events = [dataclasses.replace(event, tp_rank=tp_rank) for event in events]
         stats = stage_stats(events, self.stage_index, self.replica, self.store, self.device, self.optimizer,
-                            self._weights_bytes, tp_rank)
+                            self._weights_bytes, self.spec.tp_rank)
         return StageReport(events, stats, decision, self.commits)
 
     def committed_steps(self) -> int:
