@@ -335,11 +335,6 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             for key, value in module.state_dict().items()}
 
 
-def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered whole (a collective every rank of its mesh joins); another tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def split_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``whole`` laid out as the DTensor ``like`` is (its mesh and placements; on ``like``'s
     device, in ``whole``'s dtype): each rank keeps its own part of the ``whole`` it holds, with
@@ -364,4 +359,4 @@ def local_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 __all__ = ["SEQUENCE_DIM", "check_tensor_parallel", "full_state_dict", "load_split_state", "local_loss",
            "local_shapes", "loss_parallel_active", "loss_parallel_scope", "parallelize_layer",
-           "redistribute_gradients", "resolve_tp_plan", "split_like", "whole_tensor"]
+           "redistribute_gradients", "resolve_tp_plan", "split_like"]

@@ -22,6 +22,7 @@ from raypipe.comm.task_tensors import as_shipped_state
 from raypipe.errors import CheckpointMismatchError
 from raypipe.stage.checkpoint_writer import CheckpointWriter, WrittenFiles, on_host, write_named
 from raypipe.stage.concurrency_groups import CHECKPOINT_GROUP
+from raypipe.stage.gradients import whole_tensor
 from raypipe.stage.host_copy import HostBuffers, HostCopy, copy_path, load_optimizer_in_place, stage_to_host
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
 
@@ -64,8 +65,7 @@ class StageCheckpointing:
 
     def _sole_mains(self, position: int) -> dict[str, torch.Tensor]:
         only_here = self.weights.mains_only_here(position)
-        whole = self._whole() or (lambda tensor: tensor)
-        return {k: whole(v) for k, v in self.layers[position].named_parameters() if k in only_here}
+        return {k: whole_tensor(v) for k, v in self.layers[position].named_parameters() if k in only_here}
 
     def load_state_dict(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
         """Load whole layers (per global layer index); split over the tensor-parallel mesh, each
@@ -83,7 +83,7 @@ class StageCheckpointing:
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """Optimizer state per global layer index and parameter name (partition-independent);
         split over the tensor-parallel mesh, gathered whole (every rank of the stage calls this)."""
-        return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, whole=self._whole())
+        return gather_optimizer_state(self.optimizer, self.layers, self.layer_indices)
 
     def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
         """Load optimizer state of whole parameters (each rank keeps its own part of a split one's)."""
@@ -93,14 +93,6 @@ class StageCheckpointing:
 
             split = split_like
         scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, states, split)
-
-    def _whole(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """What gathers a tensor split over the stage's tensor-parallel mesh whole; None without one."""
-        if self.tensor_mesh is None:
-            return None
-        from raypipe.models.tensor_parallel import whole_tensor
-
-        return whole_tensor
 
     def snapshot(self, copied: Callable[[], None] | None = None) -> dict[str, Any]:
         """Everything a step changes on this worker, as it is now: weights (and
@@ -273,7 +265,7 @@ class StageCheckpointing:
     def _saved_parts(self, on_host: bool = True) -> dict[int, dict[str, Any]]:
         """Per layer: this replica's optimizer state, hyper-parameters, schedule and the
         main weights only it keeps (``on_host=False``: the live tensors and values)."""
-        optimizer = gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, on_host, self._whole())
+        optimizer = gather_optimizer_state(self.optimizer, self.layers, self.layer_indices, on_host)
         groups = optimizer.pop(-1, {})
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         return {index: {"optimizer": optimizer.get(index, {}), "scheduler": scheduler, **groups,

@@ -28,6 +28,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` gathered whole when it is a DTensor (a collective every rank of its mesh joins, in the
+    same order), else itself."""
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
 def split_over_tensor_ranks(parameter: torch.Tensor) -> bool:
     """Whether ``parameter`` is split over the tensor-parallel ranks (each holds a different part;
     "sharded" is ZeRO-1's word, :mod:`raypipe.stage.zero`)."""

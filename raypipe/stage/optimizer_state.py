@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from raypipe.stage.gradients import whole_tensor
+
 
 def _named_parameters(layers: nn.ModuleList, layer_indices: list[int]):
     for index, layer in zip(layer_indices, layers):
@@ -16,21 +18,19 @@ def _named_parameters(layers: nn.ModuleList, layer_indices: list[int]):
 
 
 def gather_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.ModuleList,
-                           layer_indices: list[int], on_host: bool = True,
-                           whole: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[int, dict[str, Any]]:
+                           layer_indices: list[int], on_host: bool = True) -> dict[int, dict[str, Any]]:
     """``{layer: {param_name: state}}`` plus the hyper-parameters under key -1; tensors on
-    the host (``on_host=False``: the live tensors, for a caller that copies them itself).
-    ``whole``: what makes a state tensor of a parameter split over a tensor-parallel mesh whole
-    (a collective: every rank of the mesh gathers the same states in the same order)."""
+    the host (``on_host=False``: the live tensors, for a caller that copies them itself). The
+    state of a parameter split over a tensor-parallel mesh is gathered whole (a collective:
+    every rank of the mesh gathers the same states in the same order)."""
     if optimizer is None:
         return {}
-    whole = whole or (lambda tensor: tensor)
     states: dict[int, dict[str, Any]] = {index: {} for index in layer_indices}
     for index, name, parameter in _named_parameters(layers, layer_indices):
         state = optimizer.state.get(parameter)
         if state:
-            states[index][name] = {k: (whole(v).detach().cpu() if on_host else whole(v)) if torch.is_tensor(v)
-                                   else v for k, v in state.items()}
+            states[index][name] = {k: (whole_tensor(v).detach().cpu() if on_host else whole_tensor(v))
+                                   if torch.is_tensor(v) else v for k, v in state.items()}
     states[-1] = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
     return states
 
