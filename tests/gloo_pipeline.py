@@ -25,13 +25,12 @@ from torch import nn
 import raypipe
 from raypipe.checkpoint.store import read_manifest, write_manifest
 from raypipe.control.elastic import replica_specs
-from raypipe.core.loss_scale import LossScaler
 from raypipe.core.micro_batches import count_samples, loss_weights, split_micro_batches
 from raypipe.core.partition import partition_by_cost, worker_chunks
 from raypipe.core.result import StepResult
 from raypipe.core.step_decision import OVERFLOW
-from raypipe.observability.step_report import build_step_result
 from raypipe.stage.spec import WorkerSpec
+from tests.reference import trainer_loss_scaler, trainer_step_result
 
 # torch._dynamo: a torch optimizer's first construction imports it (its __init__ is wrapped to keep dynamo
 # out), ~1.2 s of CPU here, which each worker would pay again
@@ -74,9 +73,7 @@ class GlooPipeline:
         if config.elastic:
             raise ValueError("the gloo pipeline runs a fixed number of replicas")
         self.config, self.loss_count_fn, self.step_count = config, loss_count_fn, 0
-        # fp16: the trainer's dynamic loss scale, lowered on an overflow and grown after clean steps
-        self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
-                                 min_scale=config.min_loss_scale) if config.precision == "fp16" else None
+        self.scaler = trainer_loss_scaler(config)
         p, v = config.num_stages, config.virtual_stages
         balance = (config.balance if isinstance(config.balance, list)
                    else partition_by_cost([1.0] * len(layers), p * v))
@@ -155,11 +152,7 @@ class GlooPipeline:
         if self.scaler is not None:
             self.scaler.update(decision.skip_reason == OVERFLOW)
         self.step_count += 1
-        return build_step_result(
-            step=self.step_count - 1, loss=decision.loss, grad_norm=decision.grad_norm,
-            max_norm=self.config.clip_grad_norm, skip_reason=decision.skip_reason, loss_scale=loss_scale,
-            step_time=1.0, num_samples=0, num_tokens=0, reports=reports, num_parameters=0,
-            peak_flops=None, num_devices=1)
+        return trainer_step_result(self.step_count - 1, decision, self.config, loss_scale, reports)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model, named as one ``nn.Sequential`` of the layers (replica 0's: a stage's

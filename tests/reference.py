@@ -168,6 +168,22 @@ def executor_options(name: str) -> dict:
     return {"transport": transport, **({"step_calls": step_calls} if step_calls else {})}
 
 
+def trainer_loss_scaler(config: raypipe.PipelineConfig) -> LossScaler | None:
+    """fp16: the trainer's dynamic loss scale, lowered on an overflow and grown after clean steps; else None."""
+    return LossScaler(config.initial_loss_scale, config.growth_interval,
+                      min_scale=config.min_loss_scale) if config.precision == "fp16" else None
+
+
+def trainer_step_result(step: int, decision, config: raypipe.PipelineConfig, loss_scale: float | None,
+                        reports: list) -> StepResult:
+    """The :class:`StepResult` the driver builds from the workers' ``reports`` and their ``decision``
+    (timings and throughput aside)."""
+    return build_step_result(
+        step=step, loss=decision.loss, grad_norm=decision.grad_norm, max_norm=config.clip_grad_norm,
+        skip_reason=decision.skip_reason, loss_scale=loss_scale, step_time=1.0, num_samples=0, num_tokens=0,
+        reports=reports, num_parameters=0, peak_flops=None, num_devices=1)
+
+
 class InterpretedTrainer:
     """The trainer's step on :class:`OpInterpreter` (the step runner that trains, over the in-memory
     channel): what a Ray run adds no arithmetic to. Its steps give the trainer's :class:`StepResult`
@@ -177,9 +193,7 @@ class InterpretedTrainer:
     def __init__(self, layers, loss_fn, optimizer_factory, config: raypipe.PipelineConfig, **options) -> None:
         self.pipeline = OpInterpreter(list(layers), loss_fn, optimizer_factory, config, **options)
         self.config, self.step_count = config, 0
-        # fp16: the trainer's dynamic loss scale, lowered on an overflow and grown after clean steps
-        self.scaler = LossScaler(config.initial_loss_scale, config.growth_interval,
-                                 min_scale=config.min_loss_scale) if config.precision == "fp16" else None
+        self.scaler = trainer_loss_scaler(config)
 
     def step(self, inputs, targets) -> StepResult:
         if self.scaler is not None:
@@ -188,11 +202,8 @@ class InterpretedTrainer:
         if self.scaler is not None:
             self.scaler.update(decision.skip_reason == OVERFLOW)
         self.step_count += 1
-        return build_step_result(
-            step=self.step_count - 1, loss=decision.loss, grad_norm=decision.grad_norm,
-            max_norm=self.config.clip_grad_norm, skip_reason=decision.skip_reason, loss_scale=self.pipeline.loss_scale,
-            step_time=1.0, num_samples=0, num_tokens=0, reports=self.pipeline.reports, num_parameters=0,
-            peak_flops=None, num_devices=1)
+        return trainer_step_result(self.step_count - 1, decision, self.config, self.pipeline.loss_scale,
+                                   self.pipeline.reports)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.pipeline.state_dict()
