@@ -3,7 +3,6 @@ read back what each rank returned (the tensor-parallel tests' harness: DTensor n
 process group per rank, so the ranks cannot be threads of the test process)."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any, Callable
 
@@ -11,12 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.ports import free_port
 
 
 def _rank_main(rank: int, work: Callable[[DeviceMesh], Any], world_size: int, port: int, out_dir: str) -> None:
@@ -31,6 +25,6 @@ def _rank_main(rank: int, work: Callable[[DeviceMesh], Any], world_size: int, po
 def on_gloo_ranks(work: Callable[[DeviceMesh], Any], world_size: int, out_dir: Path) -> list[Any]:
     """``work(mesh)`` on each of ``world_size`` spawned ranks (a module-level function: it is
     pickled into them); what each returned, rank 0 first."""
-    mp.start_processes(_rank_main, args=(work, world_size, _free_port(), str(out_dir)), nprocs=world_size,
+    mp.start_processes(_rank_main, args=(work, world_size, free_port(), str(out_dir)), nprocs=world_size,
                        start_method="spawn", join=True)
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from raypipe.comm.matching import ByTag, InOrder
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
 from raypipe.comm.polled_wait import StepWaits
+from raypipe.comm.rendezvous import group_store
 from raypipe.comm.replicas import StageReplicas
 from raypipe.comm.step_messages import StepMessages
 from raypipe.core.topology import Topology
@@ -61,10 +62,13 @@ class GroupMembership:
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
-    def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False) -> None:
+    def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False,
+             store: dist.TCPStore | None = None) -> None:
         """Join the group at ``address:port``, its control channel, and this stage's
         replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
-        (:mod:`raypipe.comm.nccl_emulation`)."""
+        (:mod:`raypipe.comm.nccl_emulation`). ``store``: the group's store, already open
+        (rank 0's, from :class:`~raypipe.comm.rendezvous.Rendezvous`); without it rank 0 opens
+        one at ``port`` and the others connect to it."""
         topology, nccl = self.topology, self.backend == "nccl"
         if emulate_nccl and nccl:
             raise ValueError("cannot emulate NCCL on a CUDA device: NCCL itself runs there")
@@ -72,9 +76,10 @@ class GroupMembership:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         # on NCCL, device_id makes the group's communicator now, with every rank: a batch of sends and
         # receives between two ranks may not be the first use of a group (``dist.batch_isend_irecv``)
-        dist.init_process_group(self.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s),
-                                device_id=self.device if nccl else None)
+        if store is None:
+            store = group_store(address, port, self.rank, topology.world_size, timeout_s)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=topology.world_size,
+                                timeout=timedelta(seconds=timeout_s), device_id=self.device if nccl else None)
         self.waits.aborted.clear()
         self.waits.timeout_s, self.waits.polls = timeout_s, nccl or emulate_nccl
         if self.waits.polls:  # every rank makes the control group first, then the replicas' subgroups

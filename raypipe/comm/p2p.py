@@ -125,12 +125,15 @@ class P2PChannel:
     def _matching(self, matching: ByTag | InOrder) -> None:
         self._group.matching = matching
 
-    def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False) -> None:
+    def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False,
+             store: dist.TCPStore | None = None) -> None:
         """Join the group at ``address:port``, its control channel, and this stage's
         replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
-        (:mod:`raypipe.comm.nccl_emulation`). Learned signatures start afresh."""
+        (:mod:`raypipe.comm.nccl_emulation`); ``store``: the group's store where this rank
+        holds it open (:meth:`raypipe.comm.membership.GroupMembership.join`). Learned
+        signatures start afresh."""
         self._learned.forget()
-        self._group.join(address, port, timeout_s, emulate_nccl)
+        self._group.join(address, port, timeout_s, emulate_nccl, store)
 
     def leave(self) -> None:
         """Drop pending operations and leave the group, closing its connections;

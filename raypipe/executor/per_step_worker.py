@@ -29,7 +29,7 @@ import torch
 
 from raypipe.comm.call_socket import AnswersCalls
 from raypipe.comm.p2p import P2PChannel
-from raypipe.comm.rendezvous import rendezvous_address
+from raypipe.comm.rendezvous import Rendezvous, open_rendezvous
 from raypipe.core import ops
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.errors import RaypipeError
@@ -94,8 +94,10 @@ class PerStepWorker(StageWorker, AnswersCalls):
         return self.snapshot()
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Where the other stages meet this one (called on stage 0)."""
-        return rendezvous_address()
+        """Where the other stages meet this one (called on the group's rank 0): the group's store,
+        opened here now and held until this worker joins it."""
+        self._rendezvous: Rendezvous | None = open_rendezvous(self.config.p2p_timeout_s)
+        return self._rendezvous.address, self._rendezvous.port
 
     def join_group(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False,
                    group: int = 0) -> None:
@@ -111,7 +113,9 @@ class PerStepWorker(StageWorker, AnswersCalls):
                 f"tensor_parallel={self.config.tensor_parallel}: the process groups cannot be re-formed yet (after a "
                 "failed step, a heal or a resize): the run cannot go on past a failure (issue 59)")
         self._group_joined = None  # an abort that comes while joining is for the group left
-        self._channel.join(address, port, timeout_s, emulate_nccl)
+        rendezvous, self._rendezvous = getattr(self, "_rendezvous", None), None
+        held = rendezvous is not None and (rendezvous.address, rendezvous.port) == (address, port)
+        self._channel.join(address, port, timeout_s, emulate_nccl, rendezvous.take_store() if held else None)
         if self._channel.tensor_mesh is not None:
             self.tensor_parallelize(self._channel.tensor_mesh)
         self._group_joined = group

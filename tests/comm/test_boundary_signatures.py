@@ -19,8 +19,9 @@ from raypipe.core import ops
 from raypipe.core.topology import Topology
 from raypipe.errors import BoundaryShapeChanged, StageError, StepAborted
 from tests.comm.spawned_ranks import shared_ranks
-from tests.comm.test_p2p import (CHUNKED, CHUNKED_M, CHUNKED_P, CHUNKED_V, free_port, keys_of, run_ops,
+from tests.comm.test_p2p import (CHUNKED, CHUNKED_M, CHUNKED_P, CHUNKED_V, keys_of, run_ops,
                                  tree_activation)
+from tests.ports import free_port
 
 # "headers" under NCCL's emulation is test_p2p's (the channel's default)
 MODES = [(LEARNED, False), (LEARNED, True), (HEADERS, False)]

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.comm.test_p2p import free_port
+from tests.ports import free_ports
 
 SPIN_SECONDS = 10.0  # how long the device is kept busy ahead of the pending all-reduce
 ABORT_AFTER_S = 1.0
@@ -45,7 +45,7 @@ def reported(run: Callable, processes: int, reports: int) -> dict[str, Any]:
     """What ``run`` (rank, queue, port, rejoin port) put on its queue, as (what, value) pairs, once
     ``processes`` of it (one a GPU) have ended."""
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(run, args=(results, free_port(), free_port()), nprocs=processes, start_method="spawn")
+    mp.start_processes(run, args=(results, *free_ports(2)), nprocs=processes, start_method="spawn")
     return dict(results.get(timeout=10) for _ in range(reports))
 
 

@@ -20,7 +20,8 @@ from raypipe.comm.nccl_emulation import EmulatedStream
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
-from tests.comm.test_p2p import free_port, key
+from tests.comm.test_p2p import key
+from tests.ports import free_port
 
 MESSAGE = 1000  # elements; the emulation treats every message as beyond NCCL's buffering
 

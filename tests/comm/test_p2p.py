@@ -8,7 +8,6 @@ deliver each message under its key (raypipe.core.ops.message_key). The ranks are
 processes reused from test to test (tests/comm/spawned_ranks.py), each run joining its groups afresh."""
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 
 import pytest
@@ -18,6 +17,7 @@ from raypipe.comm.p2p import P2PChannel
 from raypipe.core import ops
 from raypipe.core.topology import Topology
 from tests.comm.spawned_ranks import shared_ranks
+from tests.ports import free_port
 
 # per step, the activations of micro-batches 0..2 (shape, dtype): step 2 repeats
 # step 1 (all predicted), step 3 changes micro-batch 1's shape and micro-batch 2's
@@ -79,12 +79,6 @@ def keys_of(stage: int, num_stages: int, num_chunks: int = 1,
         return ops.message_key(op.micro_batch, boundary, num_stages * num_chunks)
 
     return key_of
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_stage(rank: int, port: int) -> list[tuple[int, int]]:

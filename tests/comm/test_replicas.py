@@ -16,7 +16,7 @@ from raypipe.comm.p2p import P2PChannel
 from raypipe.comm.replicas import StageReplicas, _FlatBucket
 from raypipe.core.topology import Topology
 from tests.comm.spawned_ranks import shared_ranks
-from tests.comm.test_p2p import free_port
+from tests.ports import free_port
 
 REPLICAS = 3
 SHAPES = [(5, 3), (7,), (2, 2, 2), (1,), (4, 4)]  # unequal: padded owner segments

@@ -8,7 +8,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.ports import free_ports
 
 HEAD_START_TIMEOUT_S = 120
 # a head whose autoscaler runs Ray's fake multi-node provider, its monitor looping every second instead of
@@ -31,25 +32,9 @@ HEAD_PORTS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-age
               "object-manager-port")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def head_ports() -> dict[str, int]:
-    """A free port for each of HEAD_PORTS, all different: every socket stays bound until all are
-    chosen (one free_port() after another may return a port twice, and ``ray start`` refuses that)."""
-    sockets = []
-    try:
-        for _ in HEAD_PORTS:
-            sock = socket.socket()
-            sockets.append(sock)
-            sock.bind(("127.0.0.1", 0))
-        return {name: sock.getsockname()[1] for name, sock in zip(HEAD_PORTS, sockets)}
-    finally:
-        for sock in sockets:
-            sock.close()
+    """A free port for each of HEAD_PORTS, all different (``ray start`` refuses a port twice)."""
+    return dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS))))
 
 
 def ray_cli() -> str:

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from raypipe.observability.metrics import METRIC_NAMES
+from tests.ports import free_port
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "raypipe" / "dashboards" / "raypipe.json"
 
@@ -77,12 +77,6 @@ def prometheus_binary() -> str:
     return path
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.loads(response.read())
@@ -107,7 +101,7 @@ class Prometheus:
     scrapes it sooner."""
 
     def __init__(self, binary: str, target: str | None, directory: Path) -> None:
-        self.port = free_loopback_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.targets = directory / "targets.json"
         if target is not None:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from raypipe.runtime.autoscaling import ResourceRequest
-from tests.deployment.ray_head import FAKE_AUTOSCALER_ENV, HEAD_PORTS, fake_autoscaling_head, free_port, ray_cli, token_env
+from tests.deployment.ray_head import FAKE_AUTOSCALER_ENV, fake_autoscaling_head, head_ports, ray_cli, token_env
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 120
@@ -117,7 +117,7 @@ def tell(driver: subprocess.Popen, command: str) -> str:
 @pytest.fixture(scope="module")
 def fake_cluster():
     temp_dir = tempfile.mkdtemp(prefix="rpa-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ports = {name: free_port() for name in HEAD_PORTS}
+    ports = head_ports()
     config = yaml.safe_load((REPO / "clusters" / "local-fake-multinode.yaml").read_text())
     config["provider"]["gcs_address"] = f"127.0.0.1:{ports['port']}"  # the provider assumes 6379 otherwise
     config["max_workers"] = 3
