@@ -59,10 +59,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from jobs.job_summary import print_summary  # noqa: E402
-from raypipe.config import (activation_arguments, add_activation_arguments,  # noqa: E402
-                            add_schedule_arguments, add_tensor_parallel_arguments, max_replicas, parse_balance,
-                            parse_replicas, replicas_for_config, schedule_arguments, tensor_parallel_arguments)
+from raypipe.config import (PipelineConfig, activation_arguments, add_activation_arguments,  # noqa: E402
+                            add_schedule_arguments, add_slow_worker_arguments, add_tensor_parallel_arguments,
+                            max_replicas, parse_balance, parse_replicas, replicas_for_config, schedule_arguments,
+                            slow_worker_arguments, tensor_parallel_arguments)
 from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
+from raypipe.errors import ConfigError  # noqa: E402
 from raypipe.core.result import StepResult  # noqa: E402
 from raypipe.models.llama import get_config  # noqa: E402
 from raypipe.run import RunConfig, dataset_path, train  # noqa: E402
@@ -139,6 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replace-timeout", type=float, default=60.0,
                         help="seconds to wait for the resources of a replacement worker, e.g. while Ray declares a "
                              "lost node dead and the autoscaler adds one (default: 60)")
+    add_slow_worker_arguments(parser)
     parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
@@ -229,6 +232,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--keep-last must be >= 1, got {args.keep_last}")
     if args.spare_workers < 0:
         parser.error(f"--spare-workers must be >= 0, got {args.spare_workers}")
+    try:  # the config's own checks of the slow-worker knobs, as usage errors
+        PipelineConfig(spare_workers=args.spare_workers, **slow_worker_arguments(args)).validate()
+    except ConfigError as error:
+        parser.error(f"--{error.field.replace('_', '-')}: {error}")
     if args.max_failures < -1 or args.snapshot_every < 0 or not args.hang_timeout > 0 or not args.replace_timeout > 0:
         parser.error("--max-failures must be >= -1, --snapshot-every >= 0, --hang-timeout and --replace-timeout > 0, "
                      f"got {args.max_failures}, {args.snapshot_every}, {args.hang_timeout} and {args.replace_timeout}")
@@ -255,6 +262,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   "max_failures": None if args.max_failures == -1 else args.max_failures,
                   "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
                   "replace_timeout_s": args.replace_timeout, "spare_workers": args.spare_workers,
+                  **slow_worker_arguments(args),
                   "boundary_shapes": args.boundary_shapes})
 
 

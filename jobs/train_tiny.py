@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from jobs.job_summary import print_summary  # noqa: E402
 from raypipe.config import (STEP_CALLS, TRANSPORTS, PipelineConfig, activation_arguments,  # noqa: E402
-                            add_activation_arguments, add_schedule_arguments, add_tensor_parallel_arguments,
-                            parse_balance, parse_replicas, replicas_for_config, schedule_arguments,
-                            tensor_parallel_arguments)
+                            add_activation_arguments, add_schedule_arguments, add_slow_worker_arguments,
+                            add_tensor_parallel_arguments, parse_balance, parse_replicas, replicas_for_config,
+                            schedule_arguments, slow_worker_arguments, tensor_parallel_arguments)
 from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
                              "extra replica (default: 0)")
+    add_slow_worker_arguments(parser)
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")
     parser.add_argument("--pack", action="store_true",
@@ -101,7 +102,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   "balance": args.balance, **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port,
                   "boundary_shapes": args.boundary_shapes,
-                  "spare_workers": args.spare_workers})
+                  "spare_workers": args.spare_workers, **slow_worker_arguments(args)})
 
 
 def main(argv: list[str] | None = None) -> int:

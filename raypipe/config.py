@@ -20,6 +20,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "raise")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
 STEP_CALLS = ("connections", "tasks")
+ON_SLOW = ("report", "replace")  # what a worker found slow does (raypipe/control/stragglers.py)
+ON_SLOW_NOT_BUILT = ("rebalance",)  # refused by name until built (issue 61)
+_NOT_BUILT = "not built yet (layers moved off a slow worker's stage): use 'report' or 'replace'"
 BALANCE_MODES = ("parameters", "time")  # PipelineConfig.balance other than a list: what the stages balance
 # Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
 _RENAMED: dict[str, str] = {
@@ -90,6 +93,14 @@ class PipelineConfig:
     # instead of starting a process (see raypipe/runtime/spares.py); they never add a replica
     spare_workers: int = 0
     hang_timeout_s: float = 30.0  # a worker that does not answer a heartbeat for this long is hung
+    # slow workers (docs/guide.md, "Slow workers"): a worker whose own compute (its F, B, I, W ops) stays at least
+    # slow_factor x its baseline, the same stage in the other replicas and its tensor-parallel peers, for slow_steps
+    # steps in a row, is found slow: a WARNING line names it, its node and the factor (the gauge
+    # raypipe_worker_slowdown has every worker's ratio); on_slow="replace" (needs spare_workers) then swaps it for
+    # a warm spare between steps, its state moved from it, nothing replayed; "report": nothing more
+    slow_factor: float = 1.3
+    slow_steps: int = 10
+    on_slow: str = "report"
     # fp16 dynamic loss scaling
     initial_loss_scale: float = 2.0**16
     min_loss_scale: float = 1.0
@@ -156,6 +167,7 @@ class PipelineConfig:
         check_int("spare_workers", self.spare_workers, 0, None, "must be an int >= 0 (0: no warm spares)")
         for name in ("replace_timeout_s", "hang_timeout_s"):
             check_positive_number(name, getattr(self, name), "must be a number of seconds > 0")
+        self._validate_slow_workers()
         check_positive_number("initial_loss_scale", self.initial_loss_scale)
         check_number("min_loss_scale", self.min_loss_scale, lambda scale: 0 < scale <= self.initial_loss_scale,
                      "must be a number > 0 and <= initial_loss_scale")
@@ -167,20 +179,29 @@ class PipelineConfig:
         if num_layers is not None:
             self._validate_against_layers(num_layers)
 
+    def _validate_slow_workers(self) -> None:
+        """``slow_factor`` > 1, ``slow_steps`` >= 1, and ``on_slow`` one that is built ("report", or "replace"
+        with warm spares to swap a slow worker for)."""
+        check_number("slow_factor", self.slow_factor, lambda factor: factor > 1,
+                     "must be a number > 1 (a worker this many times slower than its baseline is slow)")
+        check_positive_int("slow_steps", self.slow_steps)
+        if self.on_slow in ON_SLOW_NOT_BUILT:
+            raise ConfigError("on_slow", self.on_slow, _NOT_BUILT)
+        check_choice("on_slow", self.on_slow, ON_SLOW)
+        if self.on_slow == "replace" and self.spare_workers == 0:
+            raise ConfigError("on_slow", self.on_slow, "swaps a slow worker for a warm spare: set spare_workers >= 1")
+
     def _validate_tensor_parallel(self) -> None:
         """What runs with ``tensor_parallel > 1`` so far: every schedule, precision, recompute mode and
-        ZeRO-1, on the per-step executor, with a fixed number of replicas; no offload, snapshots or warm
-        spares (each refused by name: a heal, a resize and an offloaded activation are not done with
-        split layers yet)."""
+        ZeRO-1, activation offload, snapshots and the heals from them, elastic replicas, on the
+        per-step executor; no warm spares (refused by name: a spare taking one rank of a split stage's
+        place would sit on another node than its peers). A re-partition onto fewer stages is not
+        chosen at t > 1 (the failure policy raises instead)."""
         t = self.tensor_parallel
         if t == 1:
             return
         refused = [
             ("transport", self.transport, self.transport != "p2p", "the per-step executor (transport='p2p')"),
-            ("num_replicas", self.num_replicas, self.elastic, "a fixed num_replicas (an elastic run resizes)"),
-            ("offload_activations", self.offload_activations, self.offload_activations, "offload_activations=False"),
-            ("snapshot_every", self.snapshot_every, self.snapshot_every != 0,
-             "snapshot_every=0 (a failure is then fatal: heals are not done with tensor parallelism yet)"),
             ("spare_workers", self.spare_workers, self.spare_workers != 0, "spare_workers=0"),
         ]
         for name, value, wrong, runs in refused:
@@ -378,6 +399,36 @@ def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 def tensor_parallel_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The PipelineConfig fields of :func:`add_tensor_parallel_arguments`' flags."""
     return {"tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel}
+
+
+def add_slow_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--slow-factor``, ``--slow-steps`` and ``--on-slow`` (the jobs' flags of ``slow_factor``, ``slow_steps``
+    and ``on_slow``); an ``--on-slow`` not built yet is a usage error naming it."""
+    parser.add_argument("--slow-factor", type=float, default=PipelineConfig.slow_factor, metavar="F",
+                        help="a worker whose own compute (its forward and backward ops, not its waits) stays F x its "
+                             "baseline, the same stage in the other replicas and its tensor-parallel peers for "
+                             f"--slow-steps steps is slow (default: {PipelineConfig.slow_factor})")
+    parser.add_argument("--slow-steps", type=int, default=PipelineConfig.slow_steps, metavar="N",
+                        help="steps in a row a worker must stay --slow-factor behind to be found slow "
+                             f"(default: {PipelineConfig.slow_steps})")
+    parser.add_argument("--on-slow", type=_on_slow_flag, default=PipelineConfig.on_slow, metavar="report|replace",
+                        help="what a slow worker found does: 'report', a WARNING line naming it, its node and its "
+                             "factor (every worker's ratio is the gauge raypipe_worker_slowdown), or 'replace': that, "
+                             "then it is swapped for a warm spare between steps (needs --spare-workers; its state "
+                             f"moved from it, nothing replayed) (default: {PipelineConfig.on_slow})")
+
+
+def _on_slow_flag(text: str) -> str:
+    if text in ON_SLOW_NOT_BUILT:
+        raise argparse.ArgumentTypeError(f"{text!r} is {_NOT_BUILT}")
+    if text not in ON_SLOW:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be one of {list(ON_SLOW)}")
+    return text
+
+
+def slow_worker_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The PipelineConfig fields of :func:`add_slow_worker_arguments`' flags."""
+    return {"slow_factor": args.slow_factor, "slow_steps": args.slow_steps, "on_slow": args.on_slow}
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:

@@ -145,17 +145,25 @@ class CheckpointMismatchError(CheckpointError):
         return (type(self), (self.path, self.where, self.problem))
 
 
+def place_name(place: tuple[int, ...]) -> str:
+    """``replica 0 stage 1``, with ``tp_rank 1`` after it for a tensor-parallel worker's place:
+    how errors and failure events name a worker."""
+    replica, stage, *tensor_parallel = place
+    return f"replica {replica} stage {stage}" + "".join(f" tp_rank {tp_rank}" for tp_rank in tensor_parallel)
+
+
 class WorkersFailed(RaypipeError):
     """Workers died, became unreachable or hung during a step. Nothing of the step
     was kept; the trainer heals this (replaces them, rolls every worker back to a
     snapshot, redoes the step) while ``max_failures`` allows.
 
-    ``workers`` maps each failed worker's (replica, stage) to why: "died",
-    "unreachable" or "hung"."""
+    ``workers`` maps each failed worker's place to why: "died", "unreachable" or "hung";
+    a place is (replica, stage), and (replica, stage, tp_rank) with tensor parallelism
+    (:meth:`raypipe.core.topology.Topology.place`)."""
 
-    def __init__(self, step: int, workers: dict[tuple[int, int], str], detail: str = "") -> None:
+    def __init__(self, step: int, workers: dict[tuple[int, ...], str], detail: str = "") -> None:
         self.step, self.workers, self.detail = step, dict(workers), detail
-        named = ", ".join(f"replica {replica} stage {stage} {why}" for (replica, stage), why in sorted(workers.items()))
+        named = ", ".join(f"{place_name(place)} {why}" for place, why in sorted(workers.items()))
         super().__init__(f"step {step}: {named}" + (f" ({detail})" if detail else ""))
 
     def __reduce__(self):

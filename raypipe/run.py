@@ -306,8 +306,8 @@ def _write_outputs(out: Path, results: list, summary: dict[str, Any]) -> None:
     _plot_losses(out / "loss.png", results)
     from raypipe.observability.trace import plot_gantt, write_chrome_trace
 
-    write_chrome_trace(results[-1].timeline, out / "trace.json")
-    plot_gantt(results[-1].timeline, out / "timeline.png", title=f"step {results[-1].step}")
+    write_chrome_trace(results[-1].timeline, out / "trace.json", results[-1].marks)
+    plot_gantt(results[-1].timeline, out / "timeline.png", title=f"step {results[-1].step}", marks=results[-1].marks)
 
 
 def _plot_losses(path: Path, results: list) -> None:

@@ -41,22 +41,33 @@ _CONTEXT.set_forkserver_preload(_PRELOADED)
 JOIN_TIMEOUT_S = 60.0
 
 
+def _send(connection: multiprocessing.connection.Connection, value: Any) -> None:
+    """``value`` through ``connection`` by value, as Ray ships a call's arguments and result: a
+    connection's own pickler would share a tensor's storage between the processes, so what a
+    worker returned (a state dict of its live parameters) would change with its next step."""
+    connection.send_bytes(cloudpickle.dumps(value))
+
+
+def _receive(connection: multiprocessing.connection.Connection) -> Any:
+    return cloudpickle.loads(connection.recv_bytes())
+
+
 def _worker_main(spec_bytes: bytes, connection: multiprocessing.connection.Connection) -> None:
     """One worker: build it from its spec, then answer ``(method, arguments)`` calls until ``None``."""
     from raypipe.executor.per_step_worker import PerStepWorker
 
     try:
         worker = PerStepWorker(cloudpickle.loads(spec_bytes))
-        connection.send((True, None))
+        _send(connection, (True, None))
     except BaseException:  # noqa: BLE001 - the parent raises it with the worker's traceback
-        connection.send((False, traceback.format_exc()))
+        _send(connection, (False, traceback.format_exc()))
         return
-    while (call := connection.recv()) is not None:
+    while (call := _receive(connection)) is not None:
         method, arguments = call
         try:
-            connection.send((True, getattr(worker, method)(*arguments)))
+            _send(connection, (True, getattr(worker, method)(*arguments)))
         except BaseException:  # noqa: BLE001
-            connection.send((False, traceback.format_exc()))
+            _send(connection, (False, traceback.format_exc()))
 
 
 class GlooPipeline:
@@ -89,36 +100,77 @@ class GlooPipeline:
         self._connections: list[multiprocessing.connection.Connection] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
         try:
-            for spec in self.specs:
-                ours, theirs = _CONTEXT.Pipe()
-                process = _CONTEXT.Process(target=_worker_main, args=(cloudpickle.dumps(spec), theirs), daemon=True)
-                process.start()
-                theirs.close()
-                self._connections.append(ours)
-                self._processes.append(process)
+            for rank in range(len(self.specs)):
+                self._connections.append(None)
+                self._processes.append(None)
+                self._start_worker(rank)
             self._answers(range(len(self.specs)))  # every worker built
-            address, port = self.call(0, "rendezvous_address")
-            self._calls(lambda rank: ("join_group", (address, port, JOIN_TIMEOUT_S)))
+            self._join()
         except BaseException:
             self.close()
             raise
 
+    def _start_worker(self, rank: int) -> None:
+        """Worker ``rank``'s process, started (its answer, once built, is read by the caller)."""
+        ours, theirs = _CONTEXT.Pipe()
+        process = _CONTEXT.Process(target=_worker_main, args=(cloudpickle.dumps(self.specs[rank]), theirs),
+                                   daemon=True)
+        process.start()
+        theirs.close()
+        self._connections[rank], self._processes[rank] = ours, process
+
+    def _join(self) -> None:
+        address, port = self.call(0, "rendezvous_address")
+        self._calls(lambda rank: ("join_group", (address, port, JOIN_TIMEOUT_S)))
+
+    def reform_groups(self) -> None:
+        """Every worker leaves the group and all join a new one, as the executor re-forms them
+        after a failed step or a heal."""
+        self._calls(lambda rank: ("leave_group", ()))
+        self._join()
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """Every worker's in-memory snapshot, by rank."""
+        return self._calls(lambda rank: ("snapshot", ()))
+
+    def restore(self, snapshots: Sequence[dict[str, Any]]) -> None:
+        """Every worker back to its snapshot (of :meth:`snapshots`)."""
+        self._calls(lambda rank: ("restore", (snapshots[rank],)))
+
+    def replace_workers(self, ranks: Sequence[int], snapshots: Sequence[dict[str, Any]]) -> None:
+        """What a heal from a snapshot does for lost workers (a node lost takes a whole stage's
+        tensor-parallel ranks): their processes killed (SIGKILL), the others leave the group and
+        restore their ``snapshots`` (by rank), a new process of each lost one's spec restores its
+        snapshot, and all join a new group."""
+        for rank in ranks:
+            self._processes[rank].kill()
+            self._processes[rank].join()
+            self._connections[rank].close()
+        survivors = [other for other in range(len(self.specs)) if other not in ranks]
+        self._calls(lambda other: ("leave_group", ()), survivors)
+        self._calls(lambda other: ("restore", (snapshots[other],)), survivors)
+        for rank in ranks:
+            self._start_worker(rank)
+        self._answers(ranks)
+        self._calls(lambda rank: ("restore", (snapshots[rank],)), ranks)
+        self._join()
+
     def call(self, rank: int, method: str, *arguments: Any) -> Any:
         """Worker ``rank``'s ``method(*arguments)``."""
-        self._connections[rank].send((method, arguments))
+        _send(self._connections[rank], (method, arguments))
         return self._answers([rank])[0]
 
     def _calls(self, call_of: Callable[[int], tuple[str, tuple]], ranks: Sequence[int] | None = None) -> list[Any]:
         """``call_of(rank)`` on every one of ``ranks`` (all by default) at once; their answers."""
         ranks = range(len(self.specs)) if ranks is None else ranks
         for rank in ranks:
-            self._connections[rank].send(call_of(rank))
+            _send(self._connections[rank], call_of(rank))
         return self._answers(ranks)
 
     def _answers(self, ranks: Sequence[int]) -> list[Any]:
         answers, failures = [], []
         for rank in ranks:
-            ok, value = self._connections[rank].recv()
+            ok, value = _receive(self._connections[rank])
             answers.append(value)
             if not ok:
                 failures.append(f"worker {rank} ({self._name(rank)}):\n{value}")
@@ -190,17 +242,18 @@ class GlooPipeline:
 
     def close(self) -> None:
         """End every worker process (idempotent)."""
-        for connection in self._connections:
+        connections = [connection for connection in self._connections if connection is not None]
+        for connection in connections:
             try:
-                connection.send(None)
+                _send(connection, None)
             except OSError:
                 pass
-        for process in self._processes:
+        for process in filter(None, self._processes):
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
                 process.join()
-        for connection in self._connections:
+        for connection in connections:
             connection.close()
         self._connections, self._processes = [], []
 

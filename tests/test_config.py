@@ -441,3 +441,44 @@ def test_the_old_name_of_a_step_calls_value_still_works_with_a_deprecation_warni
     with pytest.warns(DeprecationWarning):
         assert PipelineConfig.from_dict({"step_calls": "direct"}).step_calls == "connections"
     assert PipelineConfig().step_calls == "connections"
+
+
+def test_slow_worker_knobs_from_yaml_and_the_jobs_flags(tmp_path, capsys):
+    config = PipelineConfig()
+    assert (config.slow_factor, config.slow_steps, config.on_slow) == (1.3, 10, "report")
+    shipped = load_yaml(REPO / "configs" / "tiny.yaml")["pipeline"]
+    assert (shipped["slow_factor"], shipped["slow_steps"], shipped["on_slow"]) == (1.3, 10, "report")
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\npipeline:\n  slow_factor: 1.5\n  slow_steps: 20\n  on_slow: report\n")
+    loaded = PipelineConfig.from_dict(RunConfig.from_dict(load_yaml(path)).pipeline)
+    assert (loaded.slow_factor, loaded.slow_steps, loaded.on_slow) == (1.5, 20, "report")
+    for name, extra in (("train_tiny", []), ("train_7b", ["--preset", "tiny"])):
+        job = load_job(name)
+        pipeline = job["run_config"](job["parse_args"](extra)).pipeline
+        assert (pipeline["slow_factor"], pipeline["slow_steps"], pipeline["on_slow"]) == (1.3, 10, "report")
+        args = job["parse_args"]([*extra, "--slow-factor", "2", "--slow-steps", "5"])
+        assert PipelineConfig.from_dict(job["run_config"](args).pipeline).slow_factor == 2.0
+        args = job["parse_args"]([*extra, "--on-slow", "replace", "--spare-workers", "1"])
+        assert PipelineConfig.from_dict(job["run_config"](args).pipeline).on_slow == "replace"
+        with pytest.raises(SystemExit):  # a usage error naming what is not built
+            job["parse_args"]([*extra, "--on-slow", "rebalance"])
+        assert "'rebalance' is not built yet" in capsys.readouterr().err
+    for flags in (["--slow-factor", "1"], ["--on-slow", "replace"]):  # replace without a spare to swap in
+        with pytest.raises(SystemExit):
+            load_job("train_7b")["parse_args"](["--preset", "tiny", *flags])
+
+
+@pytest.mark.parametrize("changes,allowed", [
+    ({"slow_factor": 1.0}, "must be a number > 1"),
+    ({"slow_factor": "2"}, "must be a number > 1"),
+    ({"slow_steps": 0}, ">= 1"),
+    ({"on_slow": "replace"}, "swaps a slow worker for a warm spare: set spare_workers >= 1"),
+    ({"on_slow": "rebalance"}, "not built yet"),
+    ({"on_slow": "ignore"}, "must be one of ['report', 'replace']"),
+])
+def test_slow_worker_knobs_are_checked_naming_the_field(changes, allowed):
+    with pytest.raises(ConfigError) as error:
+        PipelineConfig(**changes).validate()
+    (field,) = changes
+    first_line = str(error.value).splitlines()[0]
+    assert error.value.field == field and first_line.startswith(f"invalid {field}=") and allowed in first_line

@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("planning and observability", ("raypipe.planning", "raypipe.observability")),
     # the failure and scaling policies: pure decisions over a frozen view (no Ray, no I/O), asked
     # by the controller; below every mechanism (storage, comm, stage, runtime, executor) so they stay pure
-    ("control decisions", ("raypipe.control.view", "raypipe.control.policy")),
+    ("control decisions", ("raypipe.control.view", "raypipe.control.policy", "raypipe.control.stragglers")),
     ("checkpoint storage", ("raypipe.checkpoint",)),  # store, parts, hf_export (reads files, writes HF shards)
     ("comm", ("raypipe.comm",)),
     ("stage", ("raypipe.stage",)),

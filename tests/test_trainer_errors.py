@@ -1,11 +1,13 @@
 """Failures are clear: where they happened, what was asked, and nothing hangs."""
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import raypipe
 from raypipe import ConfigError, PlacementError, StageError
-from tests.reference import ReplaceGradientIf, assert_parameters_match, reference_step
+from tests.reference import ReplaceGradientIf, assert_parameters_match, in_process, on_ray, reference_step
 
 MARK = -100.0  # an input value no real sample has: the backward tripwire's signal
 
@@ -125,14 +127,17 @@ def test_unplaceable_pipeline_fails_with_what_was_asked_and_what_exists(ray_clus
     assert held() <= held_before  # what the failed start asked for is removed
 
 
+# Ray Direct Transport over gloo (the per-op executor's other tensor transfers) trains every bit as the step
+# runner does in one process on the same config (the per-op executor over the object store against one
+# process: tests/executor/test_equivalence.py and the other executor tests)
 def test_gloo_direct_transport_gives_the_same_training(ray_cluster):
     torch.manual_seed(0)
     layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)]
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     states = []
-    for transport in ("object_store", "gloo"):
-        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, transport=transport)
-        with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, sgd, config) as trainer:
+    for trainer_of in (in_process, on_ray):
+        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, transport="gloo")
+        with trainer_of(copy.deepcopy(layers), nn.functional.mse_loss, sgd, config) as trainer:
             losses = [trainer.step(x, y).loss for _ in range(2)]
             states.append((losses, trainer.state_dict()))
     assert states[0][0] == states[1][0]

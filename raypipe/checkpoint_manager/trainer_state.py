@@ -193,10 +193,13 @@ class TrainerState:
         prepare_output(str(uri))
         n_blocks = self._llama["llama_config"]["n_layers"]
         layout = self._controller.layout
-        stages = layout.topology.num_stages
-        others = [actor.sole_main_weights.remote() for actor in self._other_replicas(layout)]
-        written = self._controller.get([actor.export_hf.remote(str(uri), dtype, n_blocks, *others[stage::stages])
-                                        for stage, actor in enumerate(layout.first_replica)])
+        stages, t = layout.topology.num_stages, layout.topology.tensor_parallel
+        # every worker of a split stage gathers its layers whole together (collectives): all are asked,
+        # tp_rank 0's copy is used, and tp_rank 0 writes
+        others = [actor.sole_main_weights.remote() for actor in self._other_replicas(layout)][::t]
+        written = self._controller.get([actor.export_hf.remote(str(uri), dtype, n_blocks,
+                                                               *others[rank // t::stages])
+                                        for rank, actor in enumerate(layout.first_replica)])
         write_index_and_config(str(uri), self._llama, dtype, [shard for shards in written for shard in shards])
         return str(uri)
 
@@ -204,7 +207,8 @@ class TrainerState:
     def _other_replicas(layout: Any) -> list:
         """Workers beyond the first replica that hold main weights no one else keeps
         (ZeRO-1; in rank order); none unsharded."""
-        return list(layout.actors[layout.topology.num_stages:]) if layout.config.shard_optimizer else []
+        topology = layout.topology
+        return list(layout.actors[topology.num_stages * topology.tensor_parallel:]) if layout.config.shard_optimizer else []
 
     @staticmethod
     def _optimizer_parts(layout: Any) -> int:

@@ -17,6 +17,7 @@ releases a blocked step (:mod:`raypipe.comm.polled_wait`): :class:`~raypipe.erro
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -99,6 +100,7 @@ class GroupMembership:
         topology = self.topology
         if topology.tensor_parallel == 1:
             return
+        forget_mesh_placements()
         own = None
         for replica in range(topology.num_replicas):
             for stage in range(topology.num_stages):
@@ -151,3 +153,16 @@ class GroupMembership:
     def stop_stream(self) -> None:
         if self.in_order and self.matching.stream is not None:
             self.matching.stream.stop()
+
+
+def forget_mesh_placements() -> None:
+    """Drop DTensor's caches of where each op's output is placed (its sharding propagation, in
+    Python and in its C++ fast path). They key a placement by its mesh, and meshes compare equal
+    by their ranks, not their process groups: once the groups re-form, a cached placement would
+    carry the old mesh, whose group is gone (or, named alike, another group of the new ones).
+    Nothing to drop before DTensor is imported."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

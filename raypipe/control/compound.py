@@ -41,7 +41,7 @@ def lost_workers(actors: list[Any], hang_timeout_s: float, num_stages: int, step
         return None
     topology = Topology(num_stages, len(actors) // (num_stages * tensor_parallel), tensor_parallel)
     detail = detail if len(detail) <= 160 else detail[:157] + "..."  # Ray's texts run to paragraphs
-    return WorkersFailed(step, {topology.coordinates(index)[:2]: why for index, why in failed.items()}, detail)
+    return WorkersFailed(step, {topology.place(index): why for index, why in failed.items()}, detail)
 
 
 @contextmanager

@@ -23,6 +23,10 @@ served::
     any --Raise (too many failures, below min, nothing to heal from)--> failed
     any --shutdown--> stopped
 
+Slow workers are found after every step from the workers' own compute
+(:mod:`raypipe.control.stragglers`): each is reported, and with ``on_slow="replace"``
+swapped for a warm spare at the next step boundary, its state moved from it.
+
 Every change reads: controller state -> policy (a pure decision of
 :mod:`raypipe.control.policy` over a frozen :class:`~raypipe.control.view.LayoutView`)
 -> mechanism (:mod:`~raypipe.control.compound` replaces workers,
@@ -62,7 +66,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
@@ -78,12 +82,15 @@ from raypipe.control.snapshots import LoggedStep, Snapshots
 from raypipe.control.state_transfer import CopyLost, Load, StateTransfer, survivors_that_ended
 from raypipe.control.states import (GROW, SHRINK, STATES, ControllerState, Failed, Healing, Recovered,
                                     Repartitioned, Resizing, Running, Starting, State, Stopped, heal_under_way)
+from raypipe.control.stragglers import (ComputeHistory, ReplaceSlow, SlowView, SlowWorker, decide_slow, find_slow,
+                                        slowdowns)
 from raypipe.control.view import FailedWorker, LayoutView, repartitioned
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.partition import worker_chunks
 from raypipe.core.schedule import make_schedule
 from raypipe.core.topology import Topology
-from raypipe.errors import BoundaryShapeChanged, PlacementError, RaypipeError, TooManyFailures, WorkersFailed
+from raypipe.errors import (BoundaryShapeChanged, PlacementError, RaypipeError, TooManyFailures, WorkersFailed,
+                            place_name)
 from raypipe.executor import make_executor
 from raypipe.executor.base import Executor, StepOutcome
 from raypipe.runtime import cluster
@@ -104,6 +111,25 @@ class StageModel:
     loss_fn: Callable
     lr_scheduler: Callable | None
     loss_count_fn: Callable
+
+
+class SlowFound(NamedTuple):
+    """A worker found slow (:mod:`~raypipe.control.stragglers`): at which data step, which and by how
+    much, on which node, and when (the end of its last compute op in that step, ``time.time()``)."""
+
+    data_step: int
+    worker: SlowWorker
+    node_id: str
+    at: float
+
+
+class SlowReplaced(NamedTuple):
+    """Workers found slow and swapped for warm spares (``on_slow="replace"``): their ranks, which spare
+    took each place, and the seconds the swap took between two steps."""
+
+    ranks: tuple[int, ...]
+    spares: dict[int, str]
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -167,6 +193,11 @@ class Controller:
         self._failures: list[str] = []  # each failure event, as the error named it
         self._commits = 0  # the steps every worker's state had ended after the last step that returned
         self._last_reports: list | None = None  # the last step's reports (a re-partition sizes stages by them)
+        # the workers' own compute per step, against which a slow worker is found (control/stragglers.py)
+        self._compute = ComputeHistory(config.slow_factor, config.slow_steps)
+        self.slow_workers: list[SlowFound] = []  # every worker found slow, in order
+        self.slow_replaced: list[SlowReplaced] = []  # every swap of slow workers for spares (on_slow="replace")
+        self._slow_to_replace: tuple[int, ...] = ()  # ranks to swap for spares at the next step boundary
         self._datasets: tuple[Any, Any] | None = None
         self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
         self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
@@ -224,6 +255,8 @@ class Controller:
     def _settled(self, reason: str) -> None:
         """A layout change (a heal too) is over: steps run on the configured partition, or on fewer stages."""
         reason = f"{reason}; {self.topology.num_replicas} replica(s) of {self._config.num_stages} stage(s)"
+        self._compute.clear()  # other workers, or other layers on them: baselines start again
+        self._slow_to_replace = ()  # of the layout before
         self._enter(Repartitioned(reason=reason) if self.layout.repartitioned else Running(reason=reason))
 
     # -- start and stop -------------------------------------------------------
@@ -401,11 +434,14 @@ class Controller:
         self.executor.mark_dynamic(changed.keys)
 
     def _change_layout(self) -> None:
-        """At a step boundary, the one layout change due: the heal under way, else an elastic
-        run's grow, else a re-partitioned run's way back to its configured stages."""
+        """At a step boundary, the one layout change due: the heal under way, else the slow workers
+        to swap for spares, else an elastic run's grow, else a re-partitioned run's way back to its
+        configured stages."""
         healing = heal_under_way(self.current_state)
         if healing is not None:
             self._heal(healing)
+        elif self._slow_to_replace:
+            self._replace_slow()
         elif self.resizer is not None:
             self._grow()
         elif self.partition_return is not None and self._return_to_configured():
@@ -426,7 +462,62 @@ class Controller:
         outcome = self.executor.run_step(data_step, batch, loss_scale)
         self._commits = outcome.reports[0].commits
         self._last_reports = outcome.reports
+        self._watch_speed(data_step, outcome.reports)
         return outcome
+
+    def _watch_speed(self, data_step: int, reports: list) -> None:
+        """Each worker's own compute in the step against its baseline, its stage in the other
+        replicas and its tensor-parallel peers (:mod:`~raypipe.control.stragglers`): every
+        worker's ratio to the metrics, one WARNING line for each worker newly found slow, and with
+        ``on_slow="replace"`` the policy's :func:`~raypipe.control.stragglers.decide_slow` asked which
+        to swap for spares at the next step boundary."""
+        history, events = self._compute, [event for report in reports for event in report.events]
+        history.record(events)
+        view = history.view()
+        if self._metrics is not None:
+            self._metrics.record_slowdowns(slowdowns(view))
+        topology, workers, found = self._group_topology(), self.executor.group.workers, find_slow(view)
+        for slow in history.newly_slow(found):
+            rank = topology.rank(slow.replica, slow.stage, slow.tp_rank)
+            node = workers[rank].node_id
+            at = max(event.end for event in events if (event.replica, event.stage, event.tp_rank) == slow.worker)
+            self.slow_workers.append(SlowFound(data_step, slow, node, at))
+            logger.warning("raypipe: slow worker replica %d stage %d tp_rank %d on node %s: its own compute is %.2fx "
+                           "its baseline, %d steps in a row (slow_factor=%g, on_slow=%r)", slow.replica, slow.stage,
+                           slow.tp_rank, node, slow.factor, self._config.slow_steps, self._config.slow_factor,
+                           self._config.on_slow)
+        if self._config.on_slow == "replace" and found:
+            spares = self.spares
+            decision = decide_slow(SlowView(found, self._config.on_slow, 0 if spares is None else spares.up_count(),
+                                            topology.num_stages, topology.num_replicas, topology.tensor_parallel))
+            if isinstance(decision, ReplaceSlow):
+                self._slow_to_replace = decision.ranks
+
+    def _replace_slow(self) -> None:
+        """``on_slow="replace"``, between two steps: each worker found slow is swapped for a warm
+        spare that is up. A checkpoint save in flight is finished first; then its state is copied
+        from it (alive, at the same step as every worker) into the spare through the object store,
+        as a heal copies a sibling's, so nothing is replayed; the group is re-formed, the readers
+        among them get their datasets, and a fresh snapshot is taken. The baselines start again
+        (other workers)."""
+        ranks, self._slow_to_replace = self._slow_to_replace, ()
+        group, started = self.executor.group, time.monotonic()
+        self.settle_saves()  # a checkpoint save in flight reads the workers about to go
+        states = {rank: group.actors[rank].snapshot.remote() for rank in ranks}
+        ray.wait(list(states.values()), num_returns=len(states), fetch_local=False)  # copied before the workers go
+        survivors = [actor for rank, actor in enumerate(group.actors) if rank not in ranks]
+        spares = replace_within(group, list(ranks), self._config.replace_timeout_s)
+        self.executor.get([group.actors[rank].restore.remote(states[rank]) for rank in ranks])
+        self.executor.reconnect(survivors)
+        self.give_datasets(ranks)
+        self.snapshots.fresh()
+        self._compute.clear()
+        topology = self._group_topology()
+        replaced = SlowReplaced(tuple(ranks), spares, time.monotonic() - started)
+        self.slow_replaced.append(replaced)
+        logger.warning("raypipe: swapped slow %s for %s in %.1fs, its state moved from it, no step replayed",
+                       ", ".join("replica {} stage {} tp_rank {}".format(*topology.coordinates(rank)) for rank in ranks),
+                       ", ".join(spares.get(rank, "a new process") for rank in ranks), replaced.seconds)
 
     def _ending_on_error(self, run: Callable[[], Any]) -> Any:
         try:
@@ -460,7 +551,9 @@ class Controller:
             failed=tuple(FailedWorker(rank, *topology.coordinates(rank)[:2], why)
                          for rank, why in sorted((failed or {}).items())),
             failures=len(self._failures), max_failures=config.max_failures, snapshot_every=config.snapshot_every,
-            snapshots=self.snapshots.views(), checkpoint_step=self._persisted.newest_step, can_repartition=True,
+            snapshots=self.snapshots.views(), checkpoint_step=self._persisted.newest_step,
+            # a re-partition adopts other stages' layers: not done with split layers (a rank's snapshot is its part)
+            can_repartition=config.tensor_parallel == 1,
             placement_timeout_s=config.placement_timeout_s, **facts)
 
     def _group_topology(self) -> Topology:
@@ -485,8 +578,7 @@ class Controller:
         if under_way is None:  # a new heal; a grow cut short left workers with the grown layout's specs
             relayout = GROW if isinstance(state, Resizing) and state.direction == GROW else None
             under_way = Healing({}, frozenset(), time.monotonic(), relayout)
-        reason = ", ".join(f"replica {replica} stage {stage} {why}"
-                           for (replica, stage), why in sorted(failure.workers.items()))
+        reason = ", ".join(f"{place_name(place)} {why}" for place, why in sorted(failure.workers.items()))
         self._enter(replace(under_way, failed={**known, **failed}, reason=reason))
         self.executor.group.kill(list(failed))
         failed.update(self.executor.drain(failed))
@@ -555,7 +647,7 @@ class Controller:
         if isinstance(decision, CopyFromSiblings):
             return self._transfer.transfer_state(decision, self.snapshots.held)
         if isinstance(decision, RestoreSnapshot) and decision.reshard:
-            replay, source = self._restore(view, self._transfer.reshard(self._config.num_stages), as_taken=True)
+            replay, source = self._restore(view, self._transfer.reshard(self._config.num_stages * self._config.tensor_parallel), as_taken=True)
             return replay, f"{source}, resharded"
         return self._restore(view)
 
@@ -618,7 +710,7 @@ class Controller:
         self.snapshots.fresh()  # of the healed state: a lost one is never fallen back to again
         seconds = time.monotonic() - healing.since
         topology = self._group_topology()
-        replaced = ["replica {} stage {}".format(*topology.coordinates(index)) for index in failed]
+        replaced = [place_name(topology.place(index)) for index in failed]
         logger.warning("raypipe: healed in %.1fs (replaced %s) from the %s, replayed %d step(s)",
                        seconds, replaced or "none", source, len(replay))
         recovered = Recovered(sorted(healing.reasons), seconds, len(replay), source)
@@ -834,4 +926,4 @@ class Controller:
             self.executor.connect(group)
 
 
-__all__ = ["STATES", "Controller", "ControllerState", "Layout", "StageModel"]
+__all__ = ["STATES", "Controller", "ControllerState", "Layout", "SlowFound", "SlowReplaced", "StageModel"]

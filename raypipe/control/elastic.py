@@ -76,7 +76,9 @@ class Resizer:
     def __init__(self, config: PipelineConfig, executor: Executor, stages: list[WorkerSpec],
                  bundle: dict[str, float], pending: list[Any] | None) -> None:
         self.config, self.executor, self.stages = config, executor, stages
-        self._bundles = [bundle] * config.num_stages
+        # a replica's placement group: a bundle of t workers' resources per stage (one node each)
+        self._bundles = [cluster.stage_bundle(bundle, config.tensor_parallel)] * config.num_stages
+        self._per_replica = config.num_stages * config.tensor_parallel  # workers a replica
         self._pending: list[tuple[Any, Any]] = []  # asked for, not placed yet
         if pending is None:
             self._ask_for(config.max_replicas - 1)
@@ -95,7 +97,7 @@ class Resizer:
     @property
     def running(self) -> int:
         """The replicas running now."""
-        return len(self.executor.group.actors) // self.config.num_stages
+        return len(self.executor.group.actors) // self._per_replica
 
     def _replicas_of(self, ranks: tuple[int, ...]) -> set[int]:
         return {self.executor.group.spec(rank).replica for rank in ranks}
@@ -139,7 +141,7 @@ class Resizer:
                 running_nodes = {worker.node_id for worker in self.executor.group.workers}
                 placement = spread.relocate(placement, self._bundles, running_nodes)
                 new_layout = self.specs(self.running + 1)
-                self._starting = self.executor.group.start_replica(placement, new_layout[-self.config.num_stages:])
+                self._starting = self.executor.group.start_replica(placement, new_layout[-self._per_replica:])
         return 0
 
     def admit(self) -> list[int] | None:
@@ -155,9 +157,9 @@ class Resizer:
             if sharded:  # every replica's state, before the new layout moves parameters to other owners
                 snapshots = [actor.snapshot.remote() for actor in old]
                 ray.wait(snapshots, num_returns=len(snapshots), fetch_local=False)
-            else:  # each new worker restores the same stage of the first replica, worker to worker
-                ray.get([actor.restore.remote(old[stage].snapshot.remote())
-                         for stage, actor in enumerate(starting.actors)])
+            else:  # each new worker restores the same (stage, tp_rank) of the first replica, worker to worker
+                ray.get([actor.restore.remote(old[rank].snapshot.remote())
+                         for rank, actor in enumerate(starting.actors)])
             ray.get([actor.committed_steps.remote() for actor in old])  # a lost one fails the grow, not the layout
         except ray.exceptions.RayError as error:
             logger.warning("raypipe: a worker failed before the new replica joined (%s); asking for another "
@@ -169,10 +171,9 @@ class Resizer:
         group.set_specs(self.specs(self.running))
         try:
             self.executor.relayout(old)
-            if sharded:  # ZeRO-1: every worker adopts its stage's parts from every old replica
-                stages = self.config.num_stages
-                ray.get([actor.adopt.remote(*snapshots[rank % stages::stages])
-                         for rank, actor in enumerate(group.actors)])
+            if sharded:  # ZeRO-1: every worker adopts its (stage, tp_rank)'s parts from every old replica
+                per = self._per_replica
+                ray.get([actor.adopt.remote(*snapshots[rank % per::per]) for rank, actor in enumerate(group.actors)])
         except ray.exceptions.RayError as error:
             return self._undo_admit(old, snapshots if sharded else None, error)
         logger.warning("raypipe: grew from %d to %d replica(s)", self.running - 1, self.running)

@@ -115,15 +115,16 @@ def decide_failure(view: LayoutView) -> FailureDecision:
 
 
 def siblings(view: LayoutView) -> dict[int, int] | None:
-    """For each failed worker, a survivor of the same stage in another replica to copy its
-    state from (the first one); None when the replicas do not hold copies (one replica,
+    """For each failed worker, a survivor of the same stage and tp_rank in another replica to
+    copy its state from (the first one); None when the replicas do not hold copies (one replica,
     or ZeRO-1), when the survivors were not asked or any ended the failed step (then only
     a snapshot rolls every worker back alike), or when a stage has no survivor."""
     if not replicas_hold_copies(view) or view.survivors_ended_step is None or view.survivors_ended_step:
         return None
     sources, topology, alive = {}, view.topology, set(view.survivors)
     for rank in view.failed_ranks:
-        same_stage = [other for other in topology.stage_ranks(topology.coordinates(rank).stage) if other in alive]
+        place = topology.coordinates(rank)
+        same_stage = [other for other in topology.stage_ranks(place.stage, place.tp_rank) if other in alive]
         if not same_stage:
             return None
         sources[rank] = same_stage[0]

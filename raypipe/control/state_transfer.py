@@ -63,11 +63,11 @@ class StateTransfer:
         return lambda refs, layers: [actor.adopt.remote(*holding(refs[:needed], layers[:needed], spec.layer_indices))
                                      for actor, spec in zip(group.actors, group.specs)]
 
-    def reshard(self, num_stages: int) -> Load:
-        """ZeRO-1 after a shrink: each worker adopts its stage's snapshots of every replica of the old layout."""
-        actors = self.executor.group.actors
-        return lambda refs, _: [actor.adopt.remote(*refs[rank % num_stages::num_stages])
-                                for rank, actor in enumerate(actors)]
+    def reshard(self, workers_per_replica: int) -> Load:
+        """ZeRO-1 after a shrink: each worker adopts the snapshots of its place in a replica (its
+        stage, and tp_rank with tensor parallelism) in every replica of the old layout."""
+        actors, per = self.executor.group.actors, workers_per_replica
+        return lambda refs, _: [actor.adopt.remote(*refs[rank % per::per]) for rank, actor in enumerate(actors)]
 
     def transfer_state(self, decision: CopyFromSiblings | RestoreSnapshot | LoadCheckpoint,
                        snapshots: list[Snapshot], position: int | None = None, load: Load | None = None,

@@ -13,7 +13,7 @@ from raypipe.control.controller import Controller
 from raypipe.control.snapshots import LoggedStep
 from raypipe.core.micro_batches import MicroBatches, loss_weights, split_micro_batches
 from raypipe.core.packed import is_packed
-from raypipe.core.result import StepResult
+from raypipe.core.result import StepResult, TimelineMark
 from raypipe.core.step_decision import NONFINITE, OVERFLOW, StepDecision
 from raypipe.errors import ConfigError, NonFiniteError
 from raypipe.observability.step_report import build_step_result
@@ -43,8 +43,8 @@ class TrainerStep:
         The executor ships them as task arguments (see :mod:`raypipe.comm.task_tensors`).
         """
         config = self._controller.config
-        if config.tensor_parallel > 1 and config.sequence_parallel:
-            check_sequence_length(inputs, config.tensor_parallel)
+        if config.tensor_parallel > 1 and (config.sequence_parallel or config.num_stages > 1):
+            check_sequence_length(inputs, config.tensor_parallel, sequence_parallel=config.sequence_parallel)
         input_parts, target_parts = split_micro_batches(inputs, targets, config.micro_batches_per_step)
         weights = loss_weights([self._loss_count_fn(part) for part in target_parts])
         return MicroBatches(input_parts, target_parts, weights)
@@ -55,7 +55,7 @@ class TrainerStep:
         and commit it; ``start`` is when the caller began it (``time.time()``)."""
         scaler = self._progress.scaler
         loss_scale = scaler.scale if scaler else None
-        failures_before = len(self._controller.failures)
+        failures_before, slow_before = len(self._controller.failures), len(self._controller.slow_workers)
         outcome = self._controller.run_step(data_step, batch, loss_scale)
         failures = self._controller.failures[failures_before:]
         decision = outcome.decision
@@ -70,6 +70,8 @@ class TrainerStep:
             reports=outcome.reports, num_parameters=num_parameters, peak_flops=peak_flops,
             num_devices=self._controller.topology.world_size)
         result.recovered, result.failures = bool(failures), failures
+        result.marks = [TimelineMark(*found.worker.worker, found.at, f"slow {found.worker.factor:.2f}x")
+                        for found in self._controller.slow_workers[slow_before:]]
         self._progress.step_count += 1
         self._controller.committed(self._progress.step_count, LoggedStep(data_step, batch, loss_scale))
         metrics = self._metrics()
@@ -97,13 +99,19 @@ class TrainerStep:
         return loss
 
 
-def check_sequence_length(inputs: Any, tensor_parallel: int) -> None:
+def check_sequence_length(inputs: Any, tensor_parallel: int, *, sequence_parallel: bool = True) -> None:
     """Raise :class:`ConfigError` unless a batch's sequence (dimension 1; a packed batch's last)
-    divides by ``tensor_parallel``: sequence parallelism shards it over a stage's ranks."""
+    divides by ``tensor_parallel``: sequence parallelism shards it over a stage's ranks, and without
+    it each rank sends its ``1/tensor_parallel`` slice of it across a stage boundary."""
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
         return
     length = inputs.shape[-1] if is_packed(inputs) else inputs.shape[1]
+    if length % tensor_parallel and not sequence_parallel:
+        raise ConfigError("tensor_parallel", tensor_parallel, f"without sequence parallelism each tensor-parallel "
+                          f"rank sends its 1/{tensor_parallel} slice of the sequence across a stage boundary, and "
+                          f"the batch's sequence length {length} does not divide by it (use a sequence length "
+                          "that divides)")
     if length % tensor_parallel:
         raise ConfigError("tensor_parallel", tensor_parallel, f"sequence parallelism shards the sequence, and the "
-                          f"batch's sequence length {length} does not divide by it (use sequence_parallel=False, "
-                          "or a sequence length that divides)")
+                          f"batch's sequence length {length} does not divide by it (use a sequence length that "
+                          "divides, or, on one stage, sequence_parallel=False)")

@@ -22,6 +22,18 @@ class OpEvent:
     tp_rank: int = 0  # which of the stage's tensor-parallel workers ran it
 
 
+@dataclass(frozen=True)
+class TimelineMark:
+    """A moment on one worker's row of a step's timeline and what happened then (a worker found slow:
+    "slow 2.00x"), at a wall-clock time in ``time.time()`` seconds, as :class:`OpEvent`'s."""
+
+    replica: int
+    stage: int
+    tp_rank: int
+    time: float
+    what: str
+
+
 @dataclass
 class StageStats:
     """Per-stage measurements of one step."""
@@ -75,6 +87,7 @@ class StepResult:
     learning_rate: float | None = None  # after this step (first stage's first parameter group)
     stages: list[StageStats] = field(default_factory=list)  # one per worker, in (replica, stage, tp_rank) order
     timeline: list[OpEvent] = field(default_factory=list)
+    marks: list[TimelineMark] = field(default_factory=list)  # moments on the timeline: a worker found slow
     bubble_fraction: list[float] = field(default_factory=list)  # measured, per stage (mean over replicas)
     num_replicas: int = 1  # pipeline replicas that ran this step
     recovered: bool = False  # workers failed during this step; they were healed and the step redone

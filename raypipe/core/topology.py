@@ -64,6 +64,12 @@ class Topology:
         stage_worker, tp_rank = divmod(rank, self.tensor_parallel)
         return WorkerCoordinates(*divmod(stage_worker, self.num_stages), tp_rank)
 
+    def place(self, rank: int) -> tuple[int, ...]:
+        """Worker ``rank``'s place as failures name it: (replica, stage), and (replica, stage,
+        tp_rank) with tensor parallelism (:func:`raypipe.errors.place_name`)."""
+        coordinates = self.coordinates(rank)
+        return tuple(coordinates) if self.tensor_parallel > 1 else tuple(coordinates)[:2]
+
     def pipeline_ranks(self, replica: int, tp_rank: int = 0) -> list[int]:
         """The ranks of one replica's stages at ``tp_rank``, first stage first: the
         workers that pass activations to each other."""

@@ -227,8 +227,9 @@ class Executor(ABC):
 
     def workers_failed(self, step: int, failed: dict[int, str], detail: str) -> WorkersFailed:
         """The error of ``failed`` workers (rank -> why) found during ``step``, to be healed."""
-        num_stages = self.config.num_stages
-        return WorkersFailed(step, {divmod(index, num_stages): why for index, why in failed.items()}, detail)
+        num_stages, t = self.config.num_stages, self.config.tensor_parallel
+        topology = Topology(num_stages, len(self.group.actors) // (num_stages * t), t)
+        return WorkersFailed(step, {topology.place(index): why for index, why in failed.items()}, detail)
 
     @staticmethod
     def _finished(refs: list) -> list:

@@ -104,14 +104,9 @@ class PerStepWorker(StageWorker, AnswersCalls):
         """Join the group, the driver's ``group``-th (``emulate_nccl``: on gloo under
         NCCL's rules, as the driver was asked, :func:`raypipe.comm.nccl_emulation.requested`).
 
-        With tensor parallelism the stage's layers are split over its tensor-parallel mesh at
-        the first join. A later one (the groups re-formed after a failed step, a heal or a
-        resize) is refused: the split parameters, their optimizer state and the layers' hooks
-        are bound to the first group's mesh, and re-binding them to a new one is not done yet."""
-        if self.tensor_mesh is not None:  # split over the first group's mesh (there is one only at t > 1)
-            raise NotImplementedError(
-                f"tensor_parallel={self.config.tensor_parallel}: the process groups cannot be re-formed yet (after a "
-                "failed step, a heal or a resize): the run cannot go on past a failure (issue 59)")
+        With tensor parallelism the stage's layers are split over the new group's tensor-parallel
+        mesh at every join (the first split, or the state moved onto the new mesh after the groups
+        re-formed: :meth:`~raypipe.stage.worker.StageWorker.tensor_parallelize`)."""
         self._group_joined = None  # an abort that comes while joining is for the group left
         rendezvous, self._rendezvous = getattr(self, "_rendezvous", None), None
         held = rendezvous is not None and (rendezvous.address, rendezvous.port) == (address, port)

@@ -112,11 +112,21 @@ class LayerSpec:
         return spec
 
     def build(self, device: torch.device | str | None = None) -> nn.Module:
-        """Construct the layer (on ``device`` when given; "meta" allocates nothing)."""
+        """Construct the layer (on ``device`` when given; "meta" allocates nothing) with the weights
+        it is to start from: for a plain spec its class's initial ones (:meth:`construct`)."""
+        return self.construct(device)
+
+    def construct(self, device: torch.device | str | None = None) -> nn.Module:
+        """The layer as its class constructs it (on ``device`` when given), nothing read into it."""
         if device is None:
             return self.cls(*self.args, **self.kwargs)
         with torch.device(device):
             return self.cls(*self.args, **self.kwargs)
+
+    def load_weights(self, module: nn.Module) -> None:
+        """Read the weights this layer starts from into ``module`` (:meth:`construct`'s, possibly
+        split over a tensor-parallel mesh since): nothing for a plain spec, whose class's initial
+        weights are its own; a pretrained layer reads each parameter's part that ``module`` holds."""
 
     def num_parameters(self) -> int:
         """Parameter count, computed on the meta device without allocating weights."""
@@ -133,15 +143,17 @@ def layer_parameter_count(layer: nn.Module | LayerSpec) -> int:
     return sum(p.numel() for p in layer.parameters())
 
 
-def build_layer(layer: nn.Module | LayerSpec, index: int, seed: int) -> nn.Module:
+def build_layer(layer: nn.Module | LayerSpec, index: int, seed: int, read_weights: bool = True) -> nn.Module:
     """The module for global layer ``index``; a spec is built with a seed derived
-    from ``(seed, "init", index)``, so initial weights do not depend on the partition."""
+    from ``(seed, "init", index)``, so initial weights do not depend on the partition.
+    ``read_weights=False``: a spec's layer is only constructed; its weights are read later
+    (:meth:`LayerSpec.load_weights`, e.g. once split over a tensor-parallel mesh)."""
     if not isinstance(layer, LayerSpec):
         return layer
     from raypipe.core.seeding import derive_seed
 
     torch.manual_seed(derive_seed(seed, "init", index))
-    return layer.build()
+    return layer.build() if read_weights else layer.construct()
 
 
 def model_layers(model: Any) -> tuple[list, list[str]]:

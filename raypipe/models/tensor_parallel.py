@@ -18,11 +18,16 @@ module gives the stage:
   the step reduces, clips or steps on them.
 - :func:`full_state_dict`: whole tensors, keys as without tensor parallelism.
 
-The layout between layers (and across stage boundaries): every layer takes and returns
-*local* tensors. With sequence parallelism the floating-point activations are sharded
-along the sequence (dimension 1: rank ``i`` holds the ``i``-th ``T/t`` positions, so ``T``
-must divide by ``t``); without it they are whole and identical on every rank. Integer
-leaves of a tuple (a packed micro-batch's positions and document ids) always travel whole.
+The layout between layers: every layer takes and returns *local* tensors. With sequence
+parallelism the floating-point activations are sharded along the sequence (dimension 1:
+rank ``i`` holds the ``i``-th ``T/t`` positions, so ``T`` must divide by ``t``); without it
+they are whole and identical on every rank. Across a stage boundary they are sharded either
+way, so each rank sends ``1/t`` of the floating-point bytes: without sequence parallelism
+the layer before the boundary cuts the rank's slice of the whole activation and the layer
+after it gathers the slices over the stage's mesh (Megatron's scatter-gather; the gradient
+crossing back is a slice too, gathered by the cut's backward), and ``T`` must divide by
+``t`` where there is a boundary. Integer leaves of a tuple (a packed micro-batch's positions
+and document ids) always travel whole.
 The model's input (the micro-batch) reaches its first layer whole on every rank, and the
 loss reads its last layer's output as that layer returns it: the LLaMA's embedding takes
 the token ids whole and its head returns the logits as a ``Shard(-1)`` DTensor (the
@@ -97,7 +102,8 @@ def resolve_tp_plan(plan: TensorParallelPlan | None, sequence_parallel: bool) ->
 
 
 def parallelize_layer(module: nn.Module, plan: TensorParallelPlan | None, mesh: DeviceMesh, *,
-                      sequence_parallel: bool, first_layer: bool = False, final_layer: bool = False) -> nn.Module:
+                      sequence_parallel: bool, first_layer: bool = False, final_layer: bool = False,
+                      after_boundary: bool = False, before_boundary: bool = False) -> nn.Module:
     """Split ``module`` (one built pipeline layer, its full initial weights on every rank)
     over the tensor-parallel ``mesh`` (1-D: the stage's ``t`` ranks), in place; returns it.
 
@@ -107,8 +113,20 @@ def parallelize_layer(module: nn.Module, plan: TensorParallelPlan | None, mesh: 
     sequence before it, unless it is the model's ``first_layer`` (the micro-batch comes
     whole), and its outputs sharded after it, unless it is the model's ``final_layer`` (the
     loss reads its output whole). ``first_layer`` and ``final_layer`` are the model's ends,
-    not a stage's. Every rank of ``mesh`` must call this for the same layers in the same
-    order (it may issue collectives).
+    not a stage's.
+
+    ``after_boundary``: the layer's input comes from another worker (it starts its stage, or
+    a chunk whose previous virtual stage is elsewhere); ``before_boundary``: its output goes
+    to another worker. Without ``sequence_parallel`` the activation there is whole on every
+    rank, and each rank sends only its ``1/t`` slice along the sequence (Megatron's
+    scatter-gather): the output is cut to the rank's slice after a ``before_boundary`` layer
+    (not after the model's ``final_layer``) and gathered over ``mesh`` before an
+    ``after_boundary`` one (not before the model's ``first_layer``); the gradient crossing
+    back is a slice too, gathered on the sending side by the cut's backward. Under
+    ``sequence_parallel`` the activation there is a shard already, and nothing is added.
+
+    Every rank of ``mesh`` must call this for the same layers in the same order (it may
+    issue collectives).
     """
     if mesh.ndim != 1:
         raise ValueError(f"parallelize_layer needs the stage's 1-D tensor-parallel mesh, got {mesh.ndim} dimensions")
@@ -124,8 +142,13 @@ def parallelize_layer(module: nn.Module, plan: TensorParallelPlan | None, mesh: 
         if not final_layer:
             module.register_forward_hook(
                 lambda _module, _args, output: _map_activations(output, _shard_sequence, mesh))
-    # registered last, so it runs after the hooks above: the layer returns plain tensors
+    scatter_gather = not sequence_parallel and mesh.size() > 1
+    if scatter_gather and after_boundary and not first_layer:
+        module.register_forward_pre_hook(lambda _module, args: _map_activations(args, _gather_sequence, mesh))
+    # registered after the hooks above: the layer returns plain tensors
     module.register_forward_hook(lambda _module, _args, output: _completed(output))
+    if scatter_gather and before_boundary and not final_layer:
+        module.register_forward_hook(lambda _module, _args, output: _map_activations(output, _boundary_slice, mesh))
     return module
 
 
@@ -180,6 +203,17 @@ def _shard_sequence(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     # autograd: the shards' gradients are gathered, so the layer's backward sees the whole one
     replicated = DTensor.from_local(whole, mesh, (Replicate(),), run_check=False)
     return replicated.redistribute(mesh, (Shard(SEQUENCE_DIM),)).to_local()
+
+
+def _boundary_slice(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's slice of a whole (replicated) activation that crosses a stage boundary."""
+    length, t = whole.shape[SEQUENCE_DIM], mesh.size()
+    if length % t:  # the receiving ranks could not tell the slices' lengths apart to gather them
+        raise ConfigError("tensor_parallel", t, f"each tensor-parallel rank sends its 1/{t} of a stage boundary's "
+                          f"activation, sliced along the sequence (dimension {SEQUENCE_DIM}), and its length "
+                          f"{length} does not divide by it (use a sequence length that divides)")
+    # contiguous: a p2p send takes the slice's own storage
+    return _shard_sequence(whole, mesh).contiguous()
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -338,8 +372,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 def split_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``whole`` laid out as the DTensor ``like`` is (its mesh and placements; on ``like``'s
     device, in ``whole``'s dtype): each rank keeps its own part of the ``whole`` it holds, with
-    no communication. ``whole`` itself when ``like`` is no DTensor."""
-    if not isinstance(like, DTensor):
+    no communication. ``whole`` itself when ``like`` is no DTensor or ``whole`` is not of its
+    shape (an optimizer's scalar step)."""
+    if not isinstance(like, DTensor) or whole.shape != like.shape:
         return whole
     return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
@@ -351,6 +386,15 @@ def load_split_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     module.load_state_dict({name: split_like(value, current[name]) for name, value in state.items()})
 
 
+def local_region(tensor: DTensor) -> tuple[slice, ...]:
+    """The part of ``tensor``'s whole value this rank holds, one slice per dimension (what a rank
+    reads of a checkpoint's whole tensor to fill its shard)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
 def local_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """Each parameter's shape on this rank (its shard's, for a DTensor)."""
     return {name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)
@@ -358,5 +402,5 @@ def local_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 __all__ = ["SEQUENCE_DIM", "check_tensor_parallel", "full_state_dict", "load_split_state", "local_loss",
-           "local_shapes", "loss_parallel_active", "loss_parallel_scope", "parallelize_layer",
+           "local_region", "local_shapes", "loss_parallel_active", "loss_parallel_scope", "parallelize_layer",
            "redistribute_gradients", "resolve_tp_plan", "split_like"]

@@ -47,7 +47,7 @@ METRIC_NAMES = frozenset({
     "raypipe_recovery_seconds", "raypipe_resizes_total", "raypipe_replicas", "raypipe_controller_state",
     "raypipe_eval_loss", "raypipe_loss", "raypipe_grad_norm", "raypipe_clip_coefficient", "raypipe_step_seconds",
     "raypipe_tokens_per_second", "raypipe_loss_scale", "raypipe_mfu", "raypipe_bubble_fraction",
-    "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes",
+    "raypipe_stage_busy_seconds", "raypipe_stage_memory_bytes", "raypipe_worker_slowdown",
 })
 """Every metric family the exporter publishes once all its values are known (a step, an eval, a
 controller state recorded): the one list the dashboard and its tests check against."""
@@ -68,6 +68,7 @@ class _TrainingCollector(Collector):
         self._resizes = {direction: 0 for direction in RESIZE_DIRECTIONS}
         self._replicas: int | None = None  # unknown until the first step or resize
         self._controller_state: tuple[str, tuple[str, ...]] | None = None  # (current, every state); None: no controller
+        self._slowdowns: dict[tuple[int, int, int], float] = {}  # (replica, stage, tp_rank): own compute / baseline
 
     def record_step(self, result: StepResult) -> None:
         with self._lock:
@@ -103,9 +104,13 @@ class _TrainingCollector(Collector):
         with self._lock:
             self._controller_state = (state, tuple(states))
 
+    def record_slowdowns(self, slowdowns: dict[tuple[int, int, int], float]) -> None:
+        with self._lock:
+            self._slowdowns = dict(slowdowns)
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            controller_state = self._controller_state
+            controller_state, slowdowns = self._controller_state, dict(self._slowdowns)
             last, eval_loss = self._last, self._eval_loss
             steps, skipped, restarts = self._steps, dict(self._skipped), dict(self._restarts)
             recovery_seconds, replayed = self._recovery_seconds, self._replayed_steps
@@ -154,6 +159,8 @@ class _TrainingCollector(Collector):
             yield _gauge("raypipe_eval_loss", "Latest evaluation loss.", eval_loss)
         if last is not None:
             yield from _step_families(last)
+        if slowdowns:
+            yield _slowdown_family(slowdowns)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -169,6 +176,18 @@ def _controller_state_family(current: str, states: tuple[str, ...]) -> GaugeMetr
     )
     for state in states:
         family.add_metric([state], 1.0 if state == current else 0.0)
+    return family
+
+
+def _slowdown_family(slowdowns: dict[tuple[int, int, int], float]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "raypipe_worker_slowdown",
+        "Each worker's own compute (its F, B, I and W ops) over its baseline, the median of the last slow_steps "
+        "steps (1: as fast as when well; a worker found slow at >= slow_factor is also named in a WARNING line).",
+        labels=STAGE_LABELS,
+    )
+    for (replica, stage, tp_rank), ratio in sorted(slowdowns.items()):
+        family.add_metric(_stage_labels(stage, replica, tp_rank), float(ratio))
     return family
 
 
@@ -308,6 +327,11 @@ class MetricsExporter:
         """Publish the controller's ``state`` (1) among all its ``states`` (0); raises
         ValueError when ``state`` is not one of them."""
         self._collector.record_controller_state(state, states)
+
+    def record_slowdowns(self, slowdowns: dict[tuple[int, int, int], float]) -> None:
+        """Publish each worker's slowdown, by (replica, stage, tp_rank): its own compute over its baseline
+        (:func:`raypipe.control.stragglers.slowdowns`); workers left out are no longer reported."""
+        self._collector.record_slowdowns(slowdowns)
 
     def close(self) -> None:
         """Stop serving and release the port. Idempotent."""

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from raypipe.core.result import OpEvent
+from raypipe.core.result import OpEvent, TimelineMark
 
 # Colours for the Gantt chart. A backward split into its input-gradient (I) and
 # weight-gradient (W) halves (the zero-bubble schedules) is drawn in two shades of
@@ -28,6 +28,8 @@ WAIT_STYLE = {"facecolor": "white", "edgecolor": "#B0B0B0", "hatch": "////", "li
 # With several model chunks a worker (interleaved_1f1b, zbv), a chunk's ops are drawn the
 # paler the later the chunk, so that which half of a V, or which loop, an op belongs to shows.
 CHUNK_ALPHAS = (1.0, 0.55, 0.35, 0.25)
+# A mark (a worker found slow) is a red tick across its worker's row, labelled with what happened.
+MARK_COLOUR = "#D62728"
 
 
 def _check_events(events: Sequence[OpEvent]) -> None:
@@ -40,9 +42,11 @@ def _check_events(events: Sequence[OpEvent]) -> None:
             )
 
 
-def _rows(events: Sequence[OpEvent]) -> dict[tuple[int, int, int], tuple[int, str]]:
-    """One row per worker, (replica, stage, tp_rank) -> (row index, name), in rank order."""
-    workers = sorted({_worker(event) for event in events})
+def _rows(events: Sequence[OpEvent], marks: Sequence[TimelineMark] = ()
+          ) -> dict[tuple[int, int, int], tuple[int, str]]:
+    """One row per worker (of an event or a mark), (replica, stage, tp_rank) -> (row index, name), in rank order."""
+    workers = sorted({_worker(event) for event in events} | {(mark.replica, mark.stage, mark.tp_rank)
+                                                             for mark in marks})
     replicated = any(replica for replica, _, _ in workers)
     split = any(tp_rank for _, _, tp_rank in workers)  # tensor parallelism: a stage's t workers, a row each
 
@@ -73,17 +77,19 @@ def _chunk_alpha(chunk: int) -> float:
     return CHUNK_ALPHAS[min(chunk, len(CHUNK_ALPHAS) - 1)]
 
 
-def chrome_trace(events: Sequence[OpEvent]) -> dict:
+def chrome_trace(events: Sequence[OpEvent], marks: Sequence[TimelineMark] = ()) -> dict:
     """Chrome trace-event JSON (a dict) for Perfetto or ``chrome://tracing``.
 
     Each op is a complete ("X") event; ``pid`` is the worker's row (named
     "stage N", or "replica R, stage N" with several replicas), ``ts``/``dur``
     are microseconds since the first event's start, and ``args`` holds the
     micro-batch (and, with several model chunks a worker, the chunk, also in the
-    name: "F3 chunk 1"). Events keep the order they are given in.
+    name: "F3 chunk 1"). Events keep the order they are given in. Each of ``marks``
+    (:attr:`~raypipe.core.result.StepResult.marks`) is an instant ("i") event on its
+    worker's row, named by what happened.
     """
     _check_events(events)
-    rows = _rows(events)
+    rows = _rows(events, marks)
     chunked = _chunked(events)
     trace_events: list[dict] = []
     for row, name in rows.values():
@@ -92,7 +98,11 @@ def chrome_trace(events: Sequence[OpEvent]) -> dict:
         trace_events.append(
             {"name": "process_sort_index", "ph": "M", "pid": row, "tid": 0, "args": {"sort_index": row}}
         )
-    origin = min((event.start for event in events), default=0.0)
+    origin = min((event.start for event in events), default=min((mark.time for mark in marks), default=0.0))
+    for mark in marks:
+        trace_events.append({"name": mark.what, "cat": "mark", "ph": "i", "s": "p",
+                             "pid": rows[(mark.replica, mark.stage, mark.tp_rank)][0], "tid": 0,
+                             "ts": (mark.time - origin) * 1e6})
     for event in events:
         trace_events.append(
             {
@@ -109,20 +119,23 @@ def chrome_trace(events: Sequence[OpEvent]) -> dict:
     return {"traceEvents": trace_events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(events: Sequence[OpEvent], path: str | os.PathLike) -> None:
-    """Write :func:`chrome_trace` of ``events`` to ``path`` as JSON."""
+def write_chrome_trace(events: Sequence[OpEvent], path: str | os.PathLike,
+                       marks: Sequence[TimelineMark] = ()) -> None:
+    """Write :func:`chrome_trace` of ``events`` (and ``marks``) to ``path`` as JSON."""
     with open(path, "w", encoding="utf-8") as file:
-        json.dump(chrome_trace(events), file)
+        json.dump(chrome_trace(events, marks), file)
 
 
-def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | None = None) -> None:
+def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | None = None,
+               marks: Sequence[TimelineMark] = ()) -> None:
     """Draw the timeline as a Gantt chart PNG: one row per worker (stage, or
     replica and stage), time in ms.
 
     F, B, I and W ops are coloured (labelled with their micro-batch where wide
     enough), a later model chunk's paler (:data:`CHUNK_ALPHAS`); a receive is drawn
     hatched, as the stage waiting for its neighbour; other ops are grey; white space
-    in a row is that stage idling.
+    in a row is that stage idling. Each of ``marks`` is a red tick across its worker's
+    row, labelled with what happened ("slow 2.00x").
     """
     # The object-oriented API with an Agg canvas: no pyplot global state, no
     # display needed, safe to call from any thread.
@@ -135,7 +148,7 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
         raise ValueError("plot_gantt: the timeline has no events to draw")
     origin = min(event.start for event in events)
     span_ms = max(event.end for event in events) * 1e3 - origin * 1e3
-    rows = _rows(events)
+    rows = _rows(events, marks)
     figure = Figure(figsize=(11, 1.0 + 0.7 * len(rows)), dpi=120, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
@@ -157,6 +170,10 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
             axes.text(start_ms + width_ms / 2, row, label, ha="center", va="center", fontsize=8,
                       color="white" if event.chunk == 0 else "black")
 
+    for mark in marks:
+        row, at_ms = rows[(mark.replica, mark.stage, mark.tp_rank)][0], (mark.time - origin) * 1e3
+        axes.vlines(at_ms, row - 0.45, row + 0.45, colors=MARK_COLOUR, linewidth=2)
+        axes.text(at_ms, row - 0.45, mark.what, ha="right", va="bottom", fontsize=8, color=MARK_COLOUR)
     axes.set_yticks(range(len(rows)), [name for _, name in rows.values()])
     axes.set_ylim(len(rows) - 0.5, -0.5)  # stage 0 on top, as a pipeline is usually drawn
     axes.set_xlim(0, span_ms * 1.01 if span_ms > 0 else 1)
@@ -174,6 +191,8 @@ def plot_gantt(events: Sequence[OpEvent], path: str | os.PathLike, title: str | 
     if drawn - OP_COLOURS.keys() - WAIT_OPS:
         handles.append(Patch(facecolor=OTHER_COLOUR, label="other (send, grad stats, reduce, optimizer)"))
     handles.append(Patch(facecolor="white", edgecolor="#444444", label="idle (bubble)"))
+    if marks:
+        handles.append(Patch(facecolor=MARK_COLOUR, label="mark (a worker found slow)"))
     figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=8)
     axes.set_title(title or "pipeline timeline, one step")
     figure.savefig(path, format="png")

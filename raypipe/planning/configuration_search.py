@@ -18,8 +18,8 @@ dropped. A configuration at t > 1 whose pipeline (p, m, b, schedule, v) fits at 
 no more is not checked: under the model it is no faster (the same bubble, each op's compute halved
 but its collectives not, the messages, reduction and optimizer step about the same share of the
 step); searching t = 1, 2, 4, 8 still takes the 405B on 16384 GPUs ~4x the CPU time of t = 1 alone
-(~60 s against ~13 s on 2026-12-05). A candidate at t > 1 runs without snapshots
-(``snapshot_every=0``: tensor parallelism has none yet). Candidates are simulated in order of an
+(~60 s against ~13 s on 2026-12-05). A candidate at t > 1 snapshots as one at t = 1 does (each
+rank its local shards: 1/t of a split layer's state). Candidates are simulated in order of an
 optimistic step time (the busiest stage's compute, plus the F and B of the stages before it and
 the messages between, plus the optimizer tail; a chunked schedule's:
 :func:`raypipe.planning.predict._chunked_pipeline_bound`), which no simulated step undercuts, and
@@ -253,13 +253,12 @@ def candidate_shapes(num_gpus: int, num_layers: int, *, seq_len: int, precision:
                      schedules: Sequence[str] = SEARCH_SCHEDULES, tensor_parallels: Sequence[int] = (1,),
                      sequence_parallel: bool | None = None) -> list[StepShape]:
     """Every configuration the search considers for ``num_gpus`` (see the module docstring), for
-    each tensor-parallel degree of ``tensor_parallels`` that divides ``num_gpus`` (at t > 1 without
-    snapshots: raypipe runs tensor parallelism with ``snapshot_every=0`` so far)."""
+    each tensor-parallel degree of ``tensor_parallels`` that divides ``num_gpus``."""
     shapes = []
     for t in tensor_parallels:
         if num_gpus % t == 0:
             shapes += _shapes_at(num_gpus // t, num_layers, seq_len, precision, global_batch,
-                                 snapshot_every if t == 1 else 0, schedules, t, sequence_parallel)
+                                 snapshot_every, schedules, t, sequence_parallel)
     return shapes
 
 
@@ -313,11 +312,6 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
     else:
         check_tensor_parallel_degree(config, cluster, num_gpus, seq_len, tensor_parallel, sequence_parallel)
         degrees = (tensor_parallel,)
-    if snapshot_every and any(t > 1 for t in degrees):
-        if tensor_parallel is not None:
-            raise ValueError(f"tensor_parallel={tensor_parallel} runs without snapshots so far (snapshot_every=0), "
-                             f"not snapshot_every={snapshot_every}")
-        degrees = (1,)
     collectives = {t: llama_layer_collectives(config, seq_len, precision, None, sequence_parallel is not False)
                    for t in degrees if t > 1}
     shapes = candidate_shapes(num_gpus, num_layers, seq_len=seq_len, precision=precision,
@@ -432,7 +426,8 @@ def check_tensor_parallel_degree(config: LlamaConfig, cluster: Cluster, num_gpus
                          "(replicas x stages x tensor-parallel ranks)")
     if tensor_parallel > 1 and sequence_parallel is not False and seq_len % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel}: sequence parallelism shards the sequence, and "
-                         f"seq_len={seq_len} does not divide by it (or --no-sequence-parallel)")
+                         f"seq_len={seq_len} does not divide by it (or --no-sequence-parallel, on one stage: "
+                         "between stages each rank sends a 1/t slice of the sequence either way)")
 
 
 def worker_bytes(bytes_of: LlamaStageBytes, shape: StepShape, split: Sequence[int]) -> list[int]:

@@ -21,7 +21,8 @@ from raypipe.models.layers import LayerCost
 from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.pipeline_timing import PipelineTiming, time_buffered_pipeline
 from raypipe.planning.step_shape import StepShape, stage_bounds
-from raypipe.planning.tensor_parallel_collectives import LayerCollectives, block_collectives, collective_seconds
+from raypipe.planning.tensor_parallel_collectives import (ALL_GATHER, LayerCollectives, block_collectives,
+                                                          collective_seconds)
 
 
 def schedule_ops(name: str, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> list[list[Op]]:
@@ -97,8 +98,10 @@ def stage_times(costs: Sequence[LayerCost], split: Sequence[int], shape: StepSha
     At ``shape.tensor_parallel`` t > 1 each op is one rank's: its layers' flops / t, plus their
     tensor-parallel ``collectives`` (default: :func:`block_collectives` of each layer) over the
     node's link, not overlapped (forward's in F and in a recompute, backward's in B and a split
-    backward's I); a message is what rank i sends rank i of the next stage: a 1/t sequence shard
-    with sequence parallelism, else the whole activation (each rank sends it, as raypipe does)."""
+    backward's I); a message is what rank i sends rank i of the next stage: 1/t of the activation
+    along the sequence, its shard with sequence parallelism; without it, its slice of the whole
+    activation, which the next stage's first layer all-gathers over its ranks in forward (and the
+    sending stage's last layer gathers the gradient's slices in backward), added to those ops."""
     t, rate = shape.tensor_parallel, cluster.flops_per_s(shape.precision)
     b = shape.micro_batch_size
     if t > 1 and collectives is None:
@@ -115,7 +118,15 @@ def stage_times(costs: Sequence[LayerCost], split: Sequence[int], shape: StepSha
         backward.append(b * sum(cost.bwd_input_flops + cost.bwd_weight_flops for cost in part) / (rate * t)
                         + received)
         boundary = b * costs[end - 1].output_bytes
-        message.append(boundary / t if shape.sequence_sharded else boundary)
+        message.append(boundary / t)
+        if t > 1 and not shape.sequence_sharded:  # Megatron's scatter-gather across the boundaries
+            if start > 0:
+                forward[-1] += collective_seconds([(ALL_GATHER, costs[start - 1].output_bytes)], t,
+                                                  cluster.intra_node, b)
+            if end < len(costs):
+                gathered = collective_seconds([(ALL_GATHER, costs[end - 1].output_bytes)], t, cluster.intra_node, b)
+                backward[-1] += gathered
+                backward_input[-1] += gathered
     recompute = forward if shape.activation_checkpoint != "never" else [0.0] * len(forward)
     return StageTimes(tuple(forward), tuple(backward), tuple(recompute), tuple(message), tuple(backward_input))
 

@@ -478,11 +478,8 @@ def render_table(plan: dict) -> str:
                                for i, (cell, width) in enumerate(zip(cells, widths))))
     if plan["balances"] is not None:
         lines.extend(describe_balances(plan["balances"]))
-    if "tensor_parallel" in settings:
-        lines.append("snapshots and checkpoints: not done with tensor parallelism yet (snapshot_every=0)")
-    else:
-        lines.append(describe_snapshots(plan))
-        lines.append(describe_background_saves(plan))
+    lines.append(describe_snapshots(plan))
+    lines.append(describe_background_saves(plan))
     if plan["gpu_memory_bytes"] is not None:
         verdict = "fits" if plan["fits"] else "does NOT fit"
         lines.append(f"largest stage {format_bytes(plan['max_total_bytes'])} {verdict} in "
@@ -644,7 +641,7 @@ def _tensor_parallel(item: dict) -> str:
 
 def _cadence(snapshot_every: int) -> str:
     if snapshot_every == 0:
-        return "; no snapshots: tensor parallelism runs with --snapshot-every 0 so far, a failure ends the run"
+        return "; no snapshots (--snapshot-every 0): a failure rolls back to the newest checkpoint"
     return (f" a step: one snapshot every {snapshot_every} steps, so a heal redoes up to {snapshot_every - 1}; "
             "every step would cost more than 3%")
 

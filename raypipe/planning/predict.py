@@ -14,7 +14,8 @@ link (:mod:`raypipe.planning.tensor_parallel_collectives`: a block's two all-red
 activation in forward and two in backward, or with sequence parallelism an all-gather and a
 reduce-scatter for each; the embedding's and the head's vocabulary-parallel ones), not overlapped
 with compute (conservative: they count as the op's busy time); rank i of a stage sends rank i of
-the next a 1/t sequence shard with sequence parallelism, the whole activation without. The
+the next 1/t of the activation along the sequence either way (without sequence parallelism the
+receiving stage all-gathers the slices, and the sending stage the gradient's, over the node). The
 reduction, the optimizer step, the snapshot and the memory are one rank's (its share of the
 parameters), each rank's ring over the replicas on its own GPU's link; MFU divides by d x p x t GPUs.
 

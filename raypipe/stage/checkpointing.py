@@ -24,6 +24,7 @@ from raypipe.stage.checkpoint_writer import CheckpointWriter, WrittenFiles, on_h
 from raypipe.stage.concurrency_groups import CHECKPOINT_GROUP
 from raypipe.stage.gradients import whole_tensor
 from raypipe.stage.host_copy import HostBuffers, HostCopy, copy_path, load_optimizer_in_place, stage_to_host
+from raypipe.stage.local_shards import as_local, copy_local_state, local_split_like, split_optimizer_state
 from raypipe.stage.optimizer_state import gather_optimizer_state, scatter_optimizer_state
 
 
@@ -56,12 +57,6 @@ class StageCheckpointing:
         else:
             state = layer.state_dict()
         return {k: v for k, v in state.items() if k not in without}
-
-    def _refuse_tensor_parallel(self, what: str) -> None:
-        """Raise unless ``what`` (a state operation that reads or writes local shards) is done at t = 1."""
-        if self.tensor_mesh is not None:
-            raise NotImplementedError(f"{what} is not done with tensor_parallel={self.config.tensor_parallel} yet "
-                                      "(state_dict, checkpoints and loading are; snapshots, heals and export are not)")
 
     def _sole_mains(self, position: int) -> dict[str, torch.Tensor]:
         only_here = self.weights.mains_only_here(position)
@@ -107,7 +102,6 @@ class StageCheckpointing:
         is shipped, and on a GPU before it reaches the host: the device's current
         stream, the one the steps compute on, waits for the copy first): e.g. to let
         the next step's commit go (:mod:`raypipe.stage.step_gate`)."""
-        self._refuse_tensor_parallel("a snapshot")
         staged = self.host_snapshot()
         if copied is not None:
             if copy_path(self.device) == "cuda":
@@ -130,24 +124,39 @@ class StageCheckpointing:
         return self._snapshot_copy
 
     def _snapshot_state(self) -> dict[str, Any]:
-        """What :meth:`snapshot` holds, as the live tensors."""
-        return {
+        """What :meth:`snapshot` holds, as the live tensors (split over a tensor-parallel mesh:
+        this rank's local shards, which only the same stage and tp_rank can restore)."""
+        if self._restored_before_split is not None:  # a replacement not split yet holds only this
+            return self._restored_before_split
+        return as_local({
             "layers": self.layers.state_dict(), "commits": self.commits,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             # what makes it readable by any partition and number of ZeRO-1 replicas (see adopt)
             "layer_indices": list(self.layer_indices), "parameter_names": self._optimizer_parameter_names(),
-            "compute_only": [sorted(self.weights.without_main(position)) for position in range(len(self.layers))]}
+            "compute_only": [sorted(self.weights.without_main(position)) for position in range(len(self.layers))]})
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Drop any partial step and return to ``snapshot`` (see :meth:`snapshot`): its
         host tensors are copied into the parameters, buffers and optimizer state there
-        are (no second copy of the state on the device), bitwise."""
-        self._refuse_tensor_parallel("restoring a snapshot")
+        are (no second copy of the state on the device), bitwise.
+
+        With tensor parallelism the snapshot holds one rank's local shards (of the same stage and
+        tp_rank): each is copied into its own part, no collective. A worker whose layers are not
+        split yet (a replacement, before it joins the group) keeps the snapshot and loads it once
+        they are (:meth:`~raypipe.stage.worker.StageWorker.tensor_parallelize`)."""
         self.abort_step()
-        self.layers.load_state_dict(snapshot["layers"])  # copies into the parameters and buffers
+        if self.config.tensor_parallel > 1 and self.tensor_mesh is None:
+            self._restored_before_split, self.commits = snapshot, snapshot["commits"]
+            return
+        if self.tensor_mesh is not None:
+            copy_local_state(self.layers, snapshot["layers"])
+        else:
+            self.layers.load_state_dict(snapshot["layers"])  # copies into the parameters and buffers
         if self.optimizer is not None:
-            load_optimizer_in_place(self.optimizer, snapshot["optimizer"])
+            saved = snapshot["optimizer"]
+            load_optimizer_in_place(self.optimizer, saved if self.tensor_mesh is None
+                                    else split_optimizer_state(self.optimizer, saved))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(snapshot["scheduler"])
         self.commits = snapshot["commits"]
@@ -159,8 +168,8 @@ class StageCheckpointing:
         every replica of them (an elastic run resizing: parameters change owners).
         Weights (each parameter's main weight from whichever snapshot keeps it),
         optimizer state per layer and parameter name, hyper-parameters, schedule
-        and commits."""
-        self._refuse_tensor_parallel("adopting snapshots")
+        and commits. Split over a tensor-parallel mesh, the snapshots are of workers of the
+        same tp_rank (their local parts)."""
         self.abort_step()
         weights: dict[int, dict[str, torch.Tensor]] = {}
         optimizer: dict[int, dict[str, Any]] = {}
@@ -168,10 +177,19 @@ class StageCheckpointing:
             for merged, part in zip((weights, optimizer), snapshot_by_layer(snapshot)):
                 for index, named in part.items():
                     merged.setdefault(index, {}).update(named)
-        self.load_state_dict(weights)
+        if self.tensor_mesh is not None:  # snapshots of the same tp_rank: local parts, each into its own
+            copy_local_state(self.layers, {f"{position}.{name}": tensor
+                                           for position, index in enumerate(self.layer_indices)
+                                           for name, tensor in weights.get(index, {}).items()})
+            self.weights.refresh()
+        else:
+            self.load_state_dict(weights)
         if self.optimizer is not None:
             self.optimizer.state.clear()  # as the snapshot had it: a parameter without state gets none
-            self.load_optimizer_state(optimizer)
+            if self.tensor_mesh is not None:
+                scatter_optimizer_state(self.optimizer, self.layers, self.layer_indices, optimizer, local_split_like)
+            else:
+                self.load_optimizer_state(optimizer)
         # every stage's schedule steps alike; a ZeRO-1 replica that owns nothing has none
         schedules = [snapshot["scheduler"] for snapshot in snapshots if snapshot["scheduler"] is not None]
         if self.scheduler is not None and schedules:
@@ -255,11 +273,14 @@ class StageCheckpointing:
                   *other_mains: dict[int, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Write this stage's layers of a LLaMA as Hugging Face safetensors shards, one per
         layer (``dtype`` None: as trained, the fp32 main weights); ``other_mains``: the other
-        replicas' :meth:`sole_main_weights` (ZeRO-1 in bf16)."""
-        self._refuse_tensor_parallel("a Hugging Face export")
+        replicas' :meth:`sole_main_weights` (ZeRO-1 in bf16). Split over a tensor-parallel mesh,
+        every rank of the stage gathers the layers whole (collectives) and tp_rank 0 writes them
+        (the others return no shard)."""
         from raypipe.models.hf.export import write_layer_shard
 
         states = add_sole_mains(self.state_dict(), *other_mains)
+        if self.spec.tp_rank:
+            return []
         return [write_layer_shard(out_uri, index, n_blocks, state, dtype) for index, state in states.items()]
 
     def _saved_parts(self, on_host: bool = True) -> dict[int, dict[str, Any]]:

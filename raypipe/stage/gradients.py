@@ -18,26 +18,27 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from raypipe.core.step_decision import StageGradStats
 
 
-def _is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (split over a tensor-parallel mesh)."""
     dtensors = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (seconds of import)
     return dtensors is not None and isinstance(tensor, dtensors.DTensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s local shard when it is a DTensor (sharing its storage: writes go through), else itself."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` gathered whole when it is a DTensor (a collective every rank of its mesh joins, in the
     same order), else itself."""
-    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def split_over_tensor_ranks(parameter: torch.Tensor) -> bool:
     """Whether ``parameter`` is split over the tensor-parallel ranks (each holds a different part;
     "sharded" is ZeRO-1's word, :mod:`raypipe.stage.zero`)."""
-    if not _is_dtensor(parameter):
+    if not is_dtensor(parameter):
         return False
     from torch.distributed.tensor import Shard
 
@@ -88,7 +89,7 @@ def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: Any, owned: list[
         # the norm filled on the gradients' device: a host tensor would be copied to it, a host sync
         device = next((p.grad.device for p in owned if p.grad is not None), torch.device("cpu"))
         norm = torch.full((), grad_norm, dtype=torch.float32, device=device)
-        if any(_is_dtensor(p.grad) for p in owned):  # the same coefficient, on the local shards
+        if any(is_dtensor(p.grad) for p in owned):  # the same coefficient, on the local shards
             torch._foreach_mul_([local_tensor(p.grad) for p in owned if p.grad is not None],
                                 torch.clamp(clip_grad_norm / (norm + 1e-6), max=1.0))
         else:

@@ -42,8 +42,10 @@ def scatter_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.
 
     Every tensor is placed where torch's own ``Optimizer.load_state_dict`` would place it
     (see :func:`place_state`): a fused or capturable AdamW finds its ``step`` on the
-    parameter's device, a plain one on the host. ``split(whole, parameter)``: a whole state
-    tensor of the parameter's shape laid out as the parameter is (split over a tensor-parallel mesh).
+    parameter's device, a plain one on the host. ``split(value, parameter)``: a state tensor laid
+    out as the parameter is (split over a tensor-parallel mesh), or left as it is when it is not
+    shaped like the parameter (a scalar step): a whole one or, adopted from a snapshot, this
+    rank's local part.
     """
     if optimizer is None or not states:
         return
@@ -58,8 +60,8 @@ def scatter_optimizer_state(optimizer: torch.optim.Optimizer | None, layers: nn.
         if state is not None and group is not None:
             placed = place_state(parameter, state, group)
             if split is not None:
-                placed = {key: split(value, parameter) if torch.is_tensor(value) and value.shape == parameter.shape
-                          else value for key, value in placed.items()}
+                placed = {key: split(value, parameter) if torch.is_tensor(value) else value
+                          for key, value in placed.items()}
             optimizer.state[parameter] = placed
 
 

@@ -7,6 +7,7 @@ An executor (:mod:`raypipe.executor`) makes it a Ray actor and drives it.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from raypipe.stage.data_reader import StageData
 from raypipe.stage.device import stage_device, warm_up_spare_process, where_it_runs
 from raypipe.stage.gradients import clip_and_step, local_tensor, owned_grad_stats
 from raypipe.stage.layer_run import layer_seeds, run_layers
+from raypipe.stage.local_shards import adopt_local_tensors, as_local, held_tensors, split_optimizer_state
 from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers
 from raypipe.stage.offload import Offloader, check_offloadable
 from raypipe.stage.precision import autocast, compute_weights
@@ -78,10 +80,16 @@ class StageWorker(StageCheckpointing):
         owns (all of them, unsharded), and only their main weights where those are not
         the compute weights (bf16). Built afresh (seeded weights, no optimizer state)."""
         config = spec.config
-        self.layers = nn.ModuleList(build_layer(layer, index, config.seed)
+        # split over a tensor-parallel mesh later, a pretrained layer reads only this rank's part then
+        read_now = config.tensor_parallel == 1
+        self.layers = nn.ModuleList(build_layer(layer, index, config.seed, read_weights=read_now)
                                     for layer, index in zip(spec.layers, spec.layer_indices))
         self.layers.to(self.device)
         self.tensor_mesh = None  # the stage's tensor-parallel mesh once the layers are split over it
+        self._restored_before_split: dict[str, Any] | None = None  # a replacement's snapshot, loaded once split
+        if config.tensor_parallel > 1:  # a module given as it is is split in place: keep it unsplit for a re-split
+            self._unsplit = {position: copy.deepcopy(layer).to("meta") for position, layer in enumerate(self.layers)
+                             if not isinstance(spec.layers[position], LayerSpec)}
         self._take_parameters(spec)
 
     def _take_parameters(self, spec: WorkerSpec) -> None:
@@ -109,15 +117,22 @@ class StageWorker(StageCheckpointing):
 
     def tensor_parallelize(self, mesh: DeviceMesh) -> None:
         """Split the stage's layers over its tensor-parallel ``mesh`` (each planned layer by its
-        ``tp_plan``, the others kept whole), once, after the group is joined and before any step:
-        each rank keeps its shard of the seeded initial weights, and the optimizer is built afresh
-        over the split parameters (no step has run, so there is no state to keep). Every rank of
-        the mesh calls this (it may issue collectives)."""
-        if self.tensor_mesh is not None:
-            raise RuntimeError(f"stage {self.stage_index}: its layers are split over a tensor-parallel mesh already")
-        if self.commits:
-            raise RuntimeError(f"stage {self.stage_index}: its layers are split before its first step, not after "
-                               f"{self.commits}")
+        ``tp_plan``, the others kept whole), after each joining of the group. Every rank of the
+        mesh calls this (it may issue collectives).
+
+        The first time (layers just built: before the first step, or rebuilt for a ZeRO-1 layout
+        whose state :meth:`adopt` brings), each rank keeps its shard of the seeded initial weights
+        (before the first step a pretrained layer reads only its part of the checkpoint's tensors
+        now) and the optimizer is built afresh over the split parameters; a snapshot restored
+        before the split (a replacement's state, :meth:`restore`) is loaded then.
+        Later (the groups re-formed after a failed step, a heal), the split parameters, their
+        optimizer state and the layers' hooks are bound to the old mesh's process group: the
+        layers are rebuilt (on the meta device, no initialisation), split over the new mesh, and
+        given this rank's own local tensors of every parameter, buffer and optimizer state (the same
+        storage: no copy), bitwise as they were; nothing crosses between ranks."""
+        held = self._held_for_resplit() if self.tensor_mesh is not None else None
+        if held is not None:
+            self.layers = self._unsplit_on_meta()
         from raypipe.models.tensor_parallel import parallelize_layer  # DTensor: seconds of import, only where used
 
         spec, config = self.spec, self.config
@@ -125,9 +140,46 @@ class StageWorker(StageCheckpointing):
         for position, (layer, index) in enumerate(zip(spec.layers, spec.layer_indices)):
             parallelize_layer(self.layers[position], layer.tp_plan if isinstance(layer, LayerSpec) else None, mesh,
                               sequence_parallel=config.sequence_parallel, first_layer=index == 0,
-                              final_layer=position == final)
+                              final_layer=position == final, after_boundary=index - 1 not in spec.layer_indices,
+                              before_boundary=index + 1 not in spec.layer_indices)
         self.tensor_mesh = mesh
+        if held is not None:  # the rebuilt layers take this rank's own tensors: no copy, no second allocation
+            adopt_local_tensors(self.layers, held["tensors"])
+        elif self._restored_before_split is None and not self.commits:  # the weights to start from: its part
+            # (past the first step the state comes from a snapshot: a ZeRO-1 layout change rebuilt the layers)
+            for layer, module in zip(spec.layers, self.layers):
+                if isinstance(layer, LayerSpec):
+                    layer.load_weights(module)
         self._take_parameters(spec)
+        if held is not None:
+            self._load_held(held)
+        restored, self._restored_before_split = self._restored_before_split, None
+        if restored is not None:
+            self.restore(restored)
+
+    def _held_for_resplit(self) -> dict[str, Any]:
+        """This rank's whole state as local shards (sharing storage), for :meth:`tensor_parallelize`
+        to put back after splitting rebuilt layers over a new mesh."""
+        return {"tensors": held_tensors(self.layers),
+                "optimizer": as_local(self.optimizer.state_dict()) if self.optimizer is not None else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def _unsplit_on_meta(self) -> nn.ModuleList:
+        """The stage's layers as built, unsplit, on the meta device (no memory, no initialisation):
+        a spec's layer built again, a module given as it is copied from its unsplit template."""
+        with torch.device("meta"):  # a pretrained layer built on "meta" reads no checkpoint
+            return nn.ModuleList(layer.build("meta") if isinstance(layer, LayerSpec)
+                                 else copy.deepcopy(self._unsplit[position])
+                                 for position, layer in enumerate(self.spec.layers))
+
+    def _load_held(self, held: dict[str, Any]) -> None:
+        """Put :meth:`_held_for_resplit`'s optimizer and scheduler state into those built over the
+        rebuilt, split layers (which hold its tensors already), and recast the compute weights."""
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(split_optimizer_state(self.optimizer, held["optimizer"]))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(held["scheduler"])
+        self.weights.refresh()
 
     def step_scope(self) -> contextlib.AbstractContextManager:
         """What a step (or an evaluation) runs inside: on a tensor-parallel worker holding the

@@ -11,12 +11,18 @@ the named workers die. A dead worker's calls fail with Ray's own
 ``ActorDiedError``, as they do in a cluster, so the mechanisms meet exactly the
 errors they meet there, at a point a test picks.
 
+A :class:`Slowdown` makes one worker slow instead of dead: from a data step on, its
+fabricated compute (one timed F op a step, ``FakeExecutor.compute_s``) takes a factor longer;
+the worker that replaces it is as fast as the others. ``FakeGroup.spares_up`` warm spares take
+replaced workers' places.
+On real processes, :func:`slow_down_worker` does the same to a Ray worker running timed layers.
+
 Each worker's state is the list of data steps it committed, so a test compares
 every worker's history with an uninterrupted run's (``0, 1, ..., n-1``): a heal
 that loses, repeats or mixes a step shows as a wrong history, the logical form
 of "bitwise equal".
 
-Only errors, core and ray's exception types are imported (the testing layer);
+Only errors, core, the timed layers and ray are imported (the testing layer);
 the test installs the fakes into the executor and control modules.
 """
 from __future__ import annotations
@@ -28,8 +34,10 @@ from typing import Any
 
 import ray
 
-from raypipe.core.result import StageReport, StageStats
+from raypipe.core.result import OpEvent, StageReport, StageStats
+from raypipe.core.topology import Topology
 from raypipe.errors import PlacementError, RaypipeError, WorkersFailed
+from raypipe.testing.timed_layers import slow_down
 
 CALLER = "caller"  # a fault that kills the worker called (a replacement dying while it starts)
 
@@ -37,16 +45,39 @@ CALLER = "caller"  # a fault that kills the worker called (a replacement dying w
 @dataclass
 class Fault:
     """At the ``nth`` call of ``method`` (on the worker at ``on``, (replica, stage) in
-    the running group, or on any), the workers at ``kill`` die: coordinates in the
-    running group, or :data:`CALLER`. ``times``: how many calls in a row it fires on."""
+    the running group -- (replica, stage, tp_rank) with tensor parallelism -- or on any), the
+    workers at ``kill`` die: places in the running group, or :data:`CALLER`. ``times``: how
+    many calls in a row it fires on."""
 
     method: str
-    kill: Sequence[tuple[int, int]] | str = CALLER
+    kill: Sequence[tuple[int, ...]] | str = CALLER
     nth: int = 1
-    on: tuple[int, int] | None = None
+    on: tuple[int, ...] | None = None
     times: int = 1
     seen: int = 0  # matching calls so far
     fired: int = 0
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """From data step ``from_step`` on, the worker at ``on`` ((replica, stage) in the running group
+    at that step, (replica, stage, tp_rank) with tensor parallelism) computes ``factor`` times as
+    long: slow, not dead (one that replaces it is not)."""
+
+    on: tuple[int, ...]
+    from_step: int
+    factor: float
+
+
+def slow_down_worker(actor: Any, factor: float) -> None:
+    """Make the Ray worker ``actor`` slow, not dead: every timed layer in its process sleeps
+    ``factor`` times its times from its next op on (:func:`raypipe.testing.timed_layers.slow_down`).
+    Call it between steps: it runs as one of the actor's calls (Ray's ``__ray_call__``)."""
+    ray.get(actor.__ray_call__.remote(_slow_down_in, factor))
+
+
+def _slow_down_in(worker: Any, factor: float) -> None:
+    slow_down(factor)
 
 
 class FakeRef:
@@ -113,11 +144,11 @@ class FakeRay:
         self.created += 1
         return FakeActor(self, f"{prefix}-{self.created}")
 
-    def where(self, actor: FakeActor) -> tuple[int, int] | None:
+    def where(self, actor: FakeActor) -> tuple[int, ...] | None:
         group = None if self.executor is None else self.executor.group
         if group is None or actor not in group.actors:
             return None
-        return divmod(group.actors.index(actor), self.executor.config.num_stages)
+        return self.executor.topology().place(group.actors.index(actor))
 
     def call(self, actor: FakeActor, method: str, args: tuple) -> FakeRef:
         self.calls.append((actor.name, method))
@@ -144,9 +175,9 @@ class FakeRay:
         if fault.kill == CALLER:
             caller.alive = False
             return
-        group = self.executor.group
-        for replica, stage in fault.kill:
-            group.actors[replica * self.executor.config.num_stages + stage].alive = False
+        group, topology = self.executor.group, self.executor.topology()
+        for place in fault.kill:
+            group.actors[topology.rank(*place)].alive = False
 
     # -- the ray API the mechanisms use ----------------------------------------------------
     def get(self, refs: Any, timeout: float | None = None) -> Any:
@@ -183,6 +214,7 @@ class FakeWorkerInfo:
     stage: int
     node_id: str
     pid: int
+    tp_rank: int = 0
 
 
 class FakeGroup:
@@ -192,6 +224,7 @@ class FakeGroup:
 
     fake_ray: FakeRay | None = None  # set by the test: the class is what the controller constructs
     no_room = 0
+    spares_up = 0  # warm spares up: a replacement takes one while any is
 
     def __init__(self, actor_class: Any, specs: list, bundle: Any = None, timeout_s: float = 0,
                  placed: Any = None) -> None:
@@ -202,7 +235,12 @@ class FakeGroup:
 
     @property
     def workers(self) -> list[FakeWorkerInfo]:
-        return [FakeWorkerInfo(spec.replica, spec.stage, "node", rank) for rank, spec in enumerate(self.specs)]
+        return [FakeWorkerInfo(spec.replica, spec.stage, "node", rank, spec.tp_rank)
+                for rank, spec in enumerate(self.specs)]
+
+    @property
+    def spares(self) -> Any:
+        return types.SimpleNamespace(up_count=lambda: FakeGroup.spares_up)
 
     def wait_ready(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         return ray.get([actor.ready.remote() for actor in self.actors])
@@ -222,11 +260,15 @@ class FakeGroup:
             FakeGroup.no_room -= 1
             raise PlacementError("no room", tuple(indices))
         self.kill(indices)
+        spares = {}
         for index in indices:
-            self.actors[index] = self.fake_ray.actor("replacement")
+            if FakeGroup.spares_up:
+                FakeGroup.spares_up -= 1
+                spares[index] = f"spare {len(self.replaced) + len(spares)}"
+            self.actors[index] = self.fake_ray.actor("spare" if index in spares else "replacement")
         self.replaced += indices
         ray.get([self.actors[index].ready.remote() for index in indices])  # a dead one raises, as in Ray
-        return {}
+        return spares
 
     def drop_replicas(self, replicas: set[int]) -> list[int]:
         kept = [rank for rank, spec in enumerate(self.specs) if spec.replica not in replicas]
@@ -272,6 +314,10 @@ class FakeExecutor:
     group: Any = None
     in_flight: Any = None
     steps_run: list[int] = field(default_factory=list)
+    compute_s: float = 0.01  # each worker's fabricated compute a step (one F op on its timeline)
+    slowdowns: list[Slowdown] = field(default_factory=list)
+    slowed: dict[int, FakeActor] = field(default_factory=dict)  # slowdowns (by position) -> the worker they slow
+
     def __post_init__(self) -> None:
         FakeGroup.fake_ray.executor = self
 
@@ -289,9 +335,14 @@ class FakeExecutor:
         if not self.usable:
             raise RaypipeError("the pipeline cannot be made whole again")
 
-    def _dead(self) -> dict[tuple[int, int], str]:
-        return {divmod(rank, self.config.num_stages): "died"
-                for rank, actor in enumerate(self.group.actors) if not actor.alive}
+    def topology(self) -> Topology:
+        """The running group's ranks, ``tensor_parallel`` workers a stage."""
+        stages, t = self.config.num_stages, self.config.tensor_parallel
+        return Topology(stages, len(self.group.actors) // (stages * t), t)
+
+    def _dead(self) -> dict[tuple[int, ...], str]:
+        topology = self.topology()
+        return {topology.place(rank): "died" for rank, actor in enumerate(self.group.actors) if not actor.alive}
 
     def run_step(self, data_step: int, batch: Any, loss_scale: Any) -> Any:
         started = [actor.run_step.remote(data_step) for actor in self.group.actors]
@@ -301,9 +352,20 @@ class FakeExecutor:
         for actor in self.group.actors:  # committed everywhere
             actor.steps = (*actor.steps, data_step)
         self.steps_run.append(data_step)
-        return types.SimpleNamespace(decision=None, reports=[
-            StageReport([], StageStats(rank % self.config.num_stages), None, commits=len(actor.steps))
-            for rank, actor in enumerate(self.group.actors)])
+        reports, topology = [], self.topology()
+        for rank, actor in enumerate(self.group.actors):
+            place, (replica, stage, tp_rank) = topology.place(rank), topology.coordinates(rank)
+            seconds = self.compute_s
+            for position, slowdown in enumerate(self.slowdowns):
+                if slowdown.on == place and data_step >= slowdown.from_step:
+                    self.slowed.setdefault(position, actor)  # the worker there when it starts: it, not its place
+                if self.slowed.get(position) is actor:
+                    seconds *= slowdown.factor
+            start = float(data_step)  # a fabricated clock: a second a step
+            reports.append(StageReport([OpEvent(stage, "F", 0, start, start + seconds, replica, tp_rank=tp_rank)],
+                                       StageStats(stage, replica=replica, tp_rank=tp_rank), None,
+                                       commits=len(actor.steps)))
+        return types.SimpleNamespace(decision=None, reports=reports)
 
     def evaluate(self, step: int, batch: Any) -> float:
         return sum(self.get([actor.evaluate.remote(step) for actor in self.group.actors]))
@@ -373,4 +435,4 @@ def fake_resource_request(bundles: Any) -> types.SimpleNamespace:
 
 
 __all__ = ["CALLER", "FakeActor", "FakeExecutor", "FakeGroup", "FakePlacement", "FakeRay", "FakeRef", "Fault",
-           "fake_cluster", "fake_resource_request", "fake_spread"]
+           "Slowdown", "fake_cluster", "fake_resource_request", "fake_spread", "slow_down_worker"]

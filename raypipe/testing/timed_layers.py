@@ -15,6 +15,11 @@ and another on the weight path sleeps ``weight_grad_s``, so
 and ``torch.autograd.grad(out, weights)`` (a W op) only the weight-gradient time;
 a plain ``loss.backward()`` (an unsplit B) pays both.
 
+A slow worker (a throttled device, a noisy neighbour) is :func:`slow_down`: every timed
+sleep in the process it runs in takes a factor longer from then on, the arithmetic unchanged,
+so a run's losses do not move (``raypipe.testing.fault_injection.slow_down_worker`` runs it
+inside one Ray worker).
+
 Caveats: ``time.sleep`` overshoots by its granularity (about 0.1 ms on Linux, more
 on a loaded machine), and Python and autograd overhead add to every op, so a
 measured op takes a little longer than its nominal time, never less.
@@ -27,9 +32,21 @@ import torch
 from torch import nn
 
 
+_slowdown = 1.0  # every timed sleep of this process is this many times its nominal time (slow_down)
+
+
+def slow_down(factor: float) -> None:
+    """From now on every timed layer in this process sleeps ``factor`` times its nominal times
+    (1: as built); the layers' arithmetic, and so every result, is unchanged."""
+    global _slowdown
+    if not factor > 0:  # also rejects NaN
+        raise ValueError(f"slowdown factor={factor!r}: must be > 0")
+    _slowdown = float(factor)
+
+
 def _sleep(seconds: float) -> None:
     if seconds > 0:
-        time.sleep(seconds)
+        time.sleep(seconds * _slowdown)
 
 
 class _TimedInputPath(torch.autograd.Function):

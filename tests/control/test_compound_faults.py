@@ -24,7 +24,7 @@ from raypipe.control.controller import Controller, ControllerState, StageModel
 from raypipe.control import compound, elastic
 from raypipe.control.snapshots import LoggedStep
 from raypipe.testing.fault_injection import (CALLER, FakeExecutor, FakeGroup, FakePlacement, FakeRay, Fault,
-                                             fake_cluster, fake_resource_request, fake_spread)
+                                             Slowdown, fake_cluster, fake_resource_request, fake_spread)
 
 
 @pytest.fixture
@@ -34,6 +34,7 @@ def fake_ray(monkeypatch) -> FakeRay:
     fake.install(monkeypatch.setattr)
     monkeypatch.setattr(FakeGroup, "fake_ray", fake)
     monkeypatch.setattr(FakeGroup, "no_room", 0)
+    monkeypatch.setattr(FakeGroup, "spares_up", 0)
     monkeypatch.setattr(FakePlacement, "condition", lambda: True)
     cluster = fake_cluster()
     for module in (controller_module, partitioning_module, elastic):
@@ -130,6 +131,31 @@ def test_a_worker_lost_while_the_group_is_formed_again_is_the_same_heal(fake_ray
     assert decided(fake_ray)[-2:] == ["ReplaceWorkers", "CopyFromSiblings"]
 
 
+def test_a_tensor_parallel_rank_heals_from_the_same_shard_of_a_sibling_and_a_lost_stage_from_snapshots(
+        fake_ray) -> None:
+    """t = 2: workers are (replica, stage, tp_rank). A rank lost with the replicas holding copies
+    copies the same (stage, tp_rank) of the other replica; then both ranks of a stage (what a lost
+    node takes) lost in a run of one replica, and the second during the restore, roll every worker
+    back to the snapshot."""
+    controller = controller_for(num_replicas=2, tensor_parallel=2)
+    controller.start()
+    assert len(controller.layout.actors) == 8
+    run(controller, range(1))
+    arm(fake_ray, Fault("run_step", kill=[(1, 1, 1)]))
+    run(controller, range(1, 3))
+    assert_healed(controller, 3)
+    assert fake_ray.decisions[-1].sources == ((7, 3),)  # replica 1 stage 1 tp_rank 1 <- replica 0's
+    assert "replica 1 stage 1 tp_rank 1 died" in controller.failures[0]
+
+    single = controller_for(tensor_parallel=2)
+    single.start()
+    run(single, range(2))
+    arm(fake_ray, Fault("run_step", kill=[(0, 1, 0), (0, 1, 1)]), Fault("restore", kill=[(0, 0, 1)]))
+    run(single, range(2, 4))
+    assert_healed(single, 4)
+    assert decided(fake_ray)[-4:] == ['ReplaceWorkers', 'RestoreSnapshot', 'ReplaceWorkers', 'RestoreSnapshot']
+
+
 def test_a_worker_lost_during_the_replay_is_the_same_heal(fake_ray) -> None:
     controller = controller_for(snapshot_every=3)
     controller.start()
@@ -197,6 +223,30 @@ def test_a_worker_lost_during_a_grows_admission_is_healed(fake_ray, monkeypatch,
     assert decided(fake_ray) == ["ReplaceWorkers", "RestoreSnapshot"] * heals
     assert controller.layout.topology.num_replicas == 2 and controller.state is ControllerState.RUNNING
     assert [direction for _, direction, _ in controller.resizes] == ["grow"]
+
+
+@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["copies", "zero1"])
+def test_an_elastic_run_at_t2_shrinks_and_grows_in_whole_replicas(fake_ray, monkeypatch, shard_optimizer) -> None:
+    """t = 2: a replica is its p x t workers. One rank's replacement finds no room: its replica is
+    dropped (with ZeRO-1 every worker adopts its (stage, tp_rank)'s parts of both old replicas),
+    and a placed replica joins again, 4 workers at once; a worker lost during the shrink is healed."""
+    monkeypatch.setattr(controller_module, "cluster", fake_cluster(num_replicas_placed=2))
+    controller = controller_for(num_replicas=(1, 2), tensor_parallel=2, shard_optimizer=shard_optimizer)
+    controller.start()
+    run(controller, range(1))
+    assert len(controller.layout.actors) == 8
+    FakeGroup.no_room = 1
+    arm(fake_ray, Fault("run_step", kill=[(1, 0, 1)]), Fault("take_layout", kill=[(0, 1, 1)]))
+    run(controller, range(1, 3))
+    assert len(controller.layout.actors) == 4 and controller.layout.topology.num_replicas == 1
+    assert decided(fake_ray)[:2] == ['ReplaceWorkers', 'Shrink']
+    adopted = [name for name, method in fake_ray.calls if method == "adopt"]
+    assert len(adopted) == (4 if shard_optimizer else 0)  # each of the 4 workers once, from both replicas
+    run(controller, range(3, 8))  # the replica asked for again is placed, starts and joins
+    assert_healed(controller, 8)
+    assert len(controller.layout.actors) == 8 and [d for _, d, _ in controller.resizes] == ["shrink", "grow"]
+    assert [(w.replica, w.stage, w.tp_rank) for w in controller.layout.workers] == [
+        (r, s, t) for r in range(2) for s in range(2) for t in range(2)]
 
 
 def repartitioned(fake_ray: FakeRay, **options: Any) -> Controller:
@@ -318,3 +368,52 @@ def test_a_worker_lost_during_the_snapshot_copy_heals_from_the_snapshot_before(f
     last = fake_ray.decisions[-1]  # the newest snapshot lost with the worker: the one before
     assert type(last).__name__ == "RestoreSnapshot" and (last.step, last.older) == (2, True)
 
+
+
+def test_a_slowed_worker_is_reported_once_and_the_run_goes_on_unchanged(fake_ray, caplog) -> None:
+    """Replica 1's stage 0 at half speed from step 10 (slow_steps=5): found at step 14 with its node and
+    factor, in one WARNING line; nothing else is found, no layout changes, every step commits as without it."""
+    controller = controller_for(num_replicas=2, slow_steps=5)
+    controller.start()
+    controller.executor.slowdowns.append(Slowdown(on=(1, 0), from_step=10, factor=2.0))
+    with caplog.at_level("WARNING", logger="raypipe"):
+        run(controller, range(30))
+    assert histories(controller) == {tuple(range(30))} and controller.state is ControllerState.RUNNING
+    ((step, slow, node, at),) = controller.slow_workers
+    assert (step, slow.worker, round(slow.factor, 6), node) == (14, (1, 0, 0), 2.0, "node")
+    assert at == 14 + 0.02  # the end of its F in step 14 (the fabricated clock: a second a step, 2 x 0.01 s)
+    lines = [record.getMessage() for record in caplog.records if "slow worker" in record.getMessage()]
+    assert lines == ["raypipe: slow worker replica 1 stage 0 tp_rank 0 on node node: its own compute is 2.00x its "
+                     "baseline, 5 steps in a row (slow_factor=1.3, on_slow='report')"]
+    assert not controller.failures and not controller.resizes
+
+
+def test_with_on_slow_replace_a_slowed_worker_is_swapped_for_a_spare_with_its_state(fake_ray, caplog) -> None:
+    """on_slow="replace": found at step 14, the worker is swapped for the spare up before step 15, its
+    state copied from it (no step replayed, no failure counted); its replacement is not slow, so nothing
+    more is found, and every worker's history is that of a run without the slowdown."""
+    controller = controller_for(num_replicas=2, slow_steps=5, on_slow="replace", spare_workers=1)
+    controller.start()
+    controller.executor.slowdowns.append(Slowdown(on=(1, 0), from_step=10, factor=2.0))
+    FakeGroup.spares_up = 1
+    slow_actor = controller.layout.actors[2]
+    with caplog.at_level("WARNING", logger="raypipe"):
+        run(controller, range(40))
+    assert histories(controller) == {tuple(range(40))} and controller.state is ControllerState.RUNNING
+    assert [(found.data_step, found.worker.worker) for found in controller.slow_workers] == [(14, (1, 0, 0))]
+    ((ranks, spares, _seconds),) = controller.slow_replaced
+    assert (ranks, spares) == ((2,), {2: "spare 0"}) and not slow_actor.alive
+    assert controller.layout.actors[2].steps == tuple(range(40))  # the spare went on from the slow worker's state
+    assert not controller.failures and not controller.recoveries
+    assert controller.executor.steps_run == list(range(40))  # nothing replayed
+    assert any(record.getMessage().startswith("raypipe: swapped slow replica 1 stage 0 tp_rank 0 for spare 0 in ")
+               for record in caplog.records)
+
+
+def test_with_on_slow_replace_and_no_spare_up_a_slowed_worker_is_only_reported(fake_ray) -> None:
+    controller = controller_for(num_replicas=2, slow_steps=5, on_slow="replace", spare_workers=1)
+    controller.start()
+    controller.executor.slowdowns.append(Slowdown(on=(0, 1), from_step=10, factor=2.0))
+    run(controller, range(30))
+    assert [found.worker.worker for found in controller.slow_workers] == [(0, 1, 0)] and not controller.slow_replaced
+    assert histories(controller) == {tuple(range(30))}

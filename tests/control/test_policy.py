@@ -77,6 +77,13 @@ def test_a_sibling_heals_when_no_survivor_ended_the_step():
     assert decide_failure(three) == CopyFromSiblings(((0, 2), (5, 1)))  # the first survivor of the stage
 
 
+def test_a_tensor_parallel_ranks_sibling_holds_the_same_shard():
+    # 2 replicas x 2 stages x t = 2: rank 7 is replica 1, stage 1, tp_rank 1; rank 3 holds the same shard
+    lost = (FailedWorker(7, 1, 1, "died"), FailedWorker(4, 1, 0, "died"))
+    split = view(tensor_parallel=2, failed=lost, survivors_ended_step=frozenset(), replaced=True)
+    assert decide_failure(split) == CopyFromSiblings(((4, 0), (7, 3)))
+
+
 @pytest.mark.parametrize("facts", [
     dict(survivors_ended_step=frozenset({2})),  # a survivor ended the step (or did not answer)
     dict(survivors_ended_step=None),  # not asked (one replica, ZeRO-1)

@@ -123,3 +123,13 @@ def test_bad_tensor_parallel_sizes_and_indices_are_named():
         Topology(2, 2, 2).coordinates(8)
     with pytest.raises(IndexError, match="^stage 2 is outside 0..1"):
         Topology(2, 1, 2).tensor_ranks(0, 2)
+
+
+def test_a_failed_workers_place_names_its_tp_rank_only_with_tensor_parallelism():
+    from raypipe.errors import WorkersFailed
+
+    assert Topology(2, 2).place(3) == (1, 1)
+    assert Topology(2, 2, 2).place(7) == (1, 1, 1)
+    assert str(WorkersFailed(4, {Topology(2, 2, 2).place(7): "died", (0, 0, 0): "hung"})) \
+        == "step 4: replica 0 stage 0 tp_rank 0 hung, replica 1 stage 1 tp_rank 1 died"
+    assert str(WorkersFailed(4, {Topology(2, 2).place(3): "died"})) == "step 4: replica 1 stage 1 died"

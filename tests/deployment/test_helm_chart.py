@@ -346,6 +346,20 @@ def test_entrypoint_passes_the_failure_policy(chart) -> None:
             [str(failures)], [str(every)], ["90"])
 
 
+def test_entrypoint_passes_the_slow_worker_knobs_only_when_set(chart) -> None:
+    _command, flags = entrypoint_flags(only(render(chart, {}), "RayJob"))
+    assert not {"--slow-factor", "--slow-steps", "--on-slow"} & set(flags)  # train_7b.py's defaults: 1.3, 10, report
+    overrides = {"training": {"slowFactor": 1.5, "slowSteps": 20}}
+    _command, flags = entrypoint_flags(only(render(chart, overrides), "RayJob"))
+    assert (flags["--slow-factor"], flags["--slow-steps"]) == (["1.5"], ["20"])
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"onSlow": "replace", "spareWorkers": 1}}),
+                                            "RayJob"))
+    assert (flags["--on-slow"], flags["--spare-workers"]) == (["replace"], ["1"])
+    for bad in ({"slowFactor": 1}, {"slowSteps": 0}, {"onSlow": "rebalance"}):  # rebalance is not built yet
+        report = helm_python.lint(CHART_DIR, {"training": bad}, strict=True, namespace=NAMESPACE)
+        assert any(f"/training/{next(iter(bad))}" in error for error in report["errors"]), report["errors"]
+
+
 def test_spare_workers_are_passed_and_counted_in_the_worker_pods(chart) -> None:
     manifests = render(chart, {})
     assert "--spare-workers" not in entrypoint_flags(only(manifests, "RayJob"))[1]  # none by default

@@ -43,19 +43,20 @@ def poisoned(x):
     return x
 
 
-# Each policy on p2p, bf16's raise on Ray, fp32's skip through the per-step executor's step runner in one
-# process (the checkpoints written and loaded by its stage workers, as on Ray); the per-op executor once,
-# under fp16's skip: both decide with core.step_decision.decide_step and raise in the trainer, and differ
-# only in who gathers the stages' statistics (fp16: the case that also moves the loss scale; its raise at
-# the floor is tested below). The raise on a NaN is the trainer's, whatever the precision (bf16's below;
-# fp16's decision, "nonfinite" and not an overflow, is tests/core/test_step_decision.py's and the in-process
-# matrix's; fp16 with nonfinite="raise": test_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor).
+# Each policy on p2p, bf16's raise on Ray, fp32's and fp16's skip through the per-step executor's step runner
+# in one process (the checkpoints written and loaded by its stage workers, as on Ray). The per-op executor
+# decides with core.step_decision.decide_step and raises in the trainer as the per-step one does, and differs
+# only in who gathers the stages' statistics (the driver): on Ray under fp16, skipping an overflow (which
+# also moves the loss scale) and raising at the floor, below. The raise on a NaN is the trainer's, whatever
+# the precision (bf16's below; fp16's decision, "nonfinite" and not an overflow, is
+# tests/core/test_step_decision.py's and the in-process matrix's; fp16 with nonfinite="raise":
+# test_fp16_overflow_lowers_the_scale_and_raises_only_at_its_floor).
 # Every precision under skip (fp16's on the per-step executor among them), with and without clipping, runs
 # the same step runner in one process with the same checks (skipped, NaN loss, every worker's weights and
 # optimizer state bitwise as before, the next clean step the uninterrupted run's):
 # tests/testing/test_op_interpreter.py.
-CASES = [("p2p", "bf16", 1.0, "raise"), ("object_store", "fp16", None, "skip")]
-IN_PROCESS_CASES = [("p2p", "fp32", None, "skip")]
+CASES = [("p2p", "bf16", 1.0, "raise")]
+IN_PROCESS_CASES = [("p2p", "fp32", None, "skip"), ("p2p", "fp16", None, "skip")]
 
 
 @pytest.mark.parametrize("transport,precision,clip,policy", CASES)

@@ -10,10 +10,11 @@ within 1e-5 relative in norm, not bitwise. The LLaMA tiny preset is dropout-free
 The matrix runs through :class:`tests.gloo_pipeline.GlooPipeline`: the Ray actors' class
 (the per-step worker: the step runner over the p2p channel) in forked processes joined in real
 gloo groups, no Ray (DTensor needs a process group per rank, so the threads of the in-process
-harness cannot run it). A real-Ray subset of six cells (the trainer, the driver's calls, the
-evaluation) runs on the session's Ray instance (6 logical CPUs: up to 2 replicas x 1 stage or
-1 replica x 2 stages at t = 2), plus 2 x 2 x 2 on a cluster of its own, marked ``cluster``.
-Three steps each.
+harness cannot run it). A real-Ray subset of five cells (the trainer, the driver's calls, the
+evaluation; one also saves a checkpoint, which the same layout in processes continues bitwise)
+runs on the session's Ray instance (6 logical CPUs: up to 2 replicas x 1 stage or 1 replica x 2
+stages at t = 2), plus 2 x 2 x 2 on a cluster of its own, marked ``cluster``: six in all. Three
+steps each.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def adamw(params) -> torch.optim.AdamW:
 CELLS = [(1, 1, "gpipe", True, {}), (1, 1, "1f1b", False, {}),
          (1, 2, "zbv", False, {"activation_checkpoint": "always"}), (1, 2, "1f1b", True, {}),
          (2, 1, "1f1b", True, {"shard_optimizer": True})]
+# the cell whose trainer also saves before its last step, loaded outside Ray (the checkpoint's test there)
+SAVING_CELL = (1, 2, "1f1b", True, {})
 
 
 def _config(replicas: int, stages: int, schedule: str, sequence_parallel: bool) -> raypipe.PipelineConfig:
@@ -92,9 +95,11 @@ def _reference_of(count: int, clip: float, seed: int) -> tuple[list[tuple[float,
     return steps, model.state_dict(), evaluated
 
 
-def run_cell(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor], float]:
+def run_cell(config: raypipe.PipelineConfig, checkpoint_root=None) -> tuple[list[tuple[float, float]],
+                                                                           dict[str, torch.Tensor], float]:
     """Each step's (loss, pre-clip norm), the final whole state and the first batch's evaluated
-    loss after the steps, of a Ray trainer."""
+    loss after the steps, of a Ray trainer; with ``checkpoint_root``, its checkpoint saved there
+    before the last step (a save changes nothing)."""
     before = set(ray.util.placement_group_table())
     trainer = raypipe.PipelineTrainer(llama_layers("tiny"), llama_loss, adamw, config)
     try:
@@ -106,7 +111,9 @@ def run_cell(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]],
         for group in created:
             assert list(group["bundles"].values()) == [bundle] * config.num_stages
         steps = []
-        for x, y in _batches():
+        for step, (x, y) in enumerate(_batches()):
+            if checkpoint_root is not None and step == STEPS - 1:
+                trainer.save_checkpoint(str(checkpoint_root))
             result = trainer.step(x, y)
             steps.append((result.loss, result.grad_norm))
         return steps, trainer.state_dict(), trainer.evaluate(*_batches()[0])
@@ -146,9 +153,14 @@ def _cell_id(replicas, stages, schedule, sequence_parallel, fields) -> str:
 
 @pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel, fields", CELLS,
                          ids=[_cell_id(*cell) for cell in CELLS])
-def test_tensor_parallel_steps_equal_one_process(ray_cluster, replicas, stages, schedule, sequence_parallel, fields):
+def test_tensor_parallel_steps_equal_one_process(ray_cluster, tmp_path, replicas, stages, schedule,
+                                                 sequence_parallel, fields):
     config = _cell_config(replicas, stages, schedule, sequence_parallel, fields)
-    _assert_matches_one_process(config, *run_cell(config))
+    saves = (replicas, stages, schedule, sequence_parallel, fields) == SAVING_CELL
+    steps, state, evaluated = run_cell(config, tmp_path if saves else None)
+    _assert_matches_one_process(config, steps, state, evaluated)
+    if saves:
+        _assert_a_checkpoint_saved_on_ray_continues_bitwise_where_it_is_loaded(config, tmp_path, steps[-1], state)
 
 
 # (replicas, stages): the issue's layouts at t = 2, each with gpipe and 1f1b, sequence parallelism on for
@@ -157,13 +169,38 @@ def test_tensor_parallel_steps_equal_one_process(ray_cluster, replicas, stages, 
 LAYOUTS = [(1, 1), (1, 2), (2, 2), (1, 3)]
 MATRIX = [(d, p, schedule, (schedule == "gpipe") == (index % 2 == 0)) for index, (d, p) in enumerate(LAYOUTS)
           for schedule in ("gpipe", "1f1b")]
+# the matrix's cells that the real-Ray subset (CELLS) runs, with the same assertions and the evaluation, run
+# there only; but (1, 2, 1f1b, sp), whose run in processes the tests after it read too (one_by_two)
+ON_RAY_ONLY = [cell for cell in MATRIX if (*cell, {}) in CELLS and cell != (1, 2, "1f1b", True)]
+IN_PROCESSES = [cell for cell in MATRIX if cell not in ON_RAY_ONLY]
 
 
-@pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel", MATRIX,
-                         ids=[f"d{d}-p{p}-t2-{s}-{'sp' if sp else 'nosp'}" for d, p, s, sp in MATRIX])
-def test_tensor_parallel_steps_in_processes_equal_one_process(replicas, stages, schedule, sequence_parallel):
+@pytest.fixture(scope="module")
+def one_by_two(tmp_path_factory) -> dict:
+    """The (1, 2, 2) run of 1f1b under sequence parallelism in processes, read by the tests that need it
+    (its matrix cell, the boundary's bytes, the checkpoint's layouts): each step's result, its checkpoint
+    saved after 2 steps (a save changes nothing) and the whole state after the steps."""
+    root = tmp_path_factory.mktemp("one_by_two")
+    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, _config(1, 2, "1f1b", True)) as pipeline:
+        results = []
+        for step, (x, y) in enumerate(_batches()):
+            if step == 2:
+                assert pipeline.save_checkpoint(root) == 2
+            results.append(pipeline.step(x, y))
+        return {"results": results, "checkpoint": root, "state": pipeline.state_dict()}
+
+
+@pytest.mark.parametrize("replicas, stages, schedule, sequence_parallel", IN_PROCESSES,
+                         ids=[f"d{d}-p{p}-t2-{s}-{'sp' if sp else 'nosp'}" for d, p, s, sp in IN_PROCESSES])
+def test_tensor_parallel_steps_in_processes_equal_one_process(request, replicas, stages, schedule,
+                                                              sequence_parallel):
     config = _config(replicas, stages, schedule, sequence_parallel)
-    _assert_matches_one_process(config, *run_cell_in_processes(config))
+    if config == _config(1, 2, "1f1b", True):
+        run = request.getfixturevalue("one_by_two")
+        steps = [(result.loss, result.grad_norm) for result in run["results"]]
+        _assert_matches_one_process(config, steps, run["state"], None)
+    else:
+        _assert_matches_one_process(config, *run_cell_in_processes(config))
 
 
 # the other schedules (the chunked ones with 2 chunks per worker), recompute and ZeRO-1: each schedule on
@@ -234,13 +271,11 @@ def test_two_replicas_of_two_stages_at_t2_equal_one_process(tmp_path, schedule, 
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"offload_activations": True, "activation_checkpoint": "always"}, "offload_activations"),
-    ({"snapshot_every": 1}, "snapshot_every"),
-    ({"num_replicas": (1, 2)}, "num_replicas"), ({"transport": "object_store"}, "transport"),
+    ({"transport": "object_store"}, "transport"),
     ({"spare_workers": 1}, "spare_workers"),
 ])
 def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name(change, field):
-    config = raypipe.PipelineConfig(tensor_parallel=2, snapshot_every=0).replace(**change)
+    config = raypipe.PipelineConfig(tensor_parallel=2).replace(**change)
     with pytest.raises(ConfigError) as error:
         config.validate()
     first_line = str(error.value).splitlines()[0]
@@ -298,15 +333,19 @@ def test_a_models_own_plan_and_a_replicated_layer_train_as_one_process(schedule,
         assert float((state[key] - value).norm()) <= TOLERANCE * float(value.norm()), key
 
 
-def test_each_tensor_parallel_rank_sends_its_shard_of_the_boundary_and_reports_as_itself():
+def test_each_tensor_parallel_rank_sends_its_shard_of_the_boundary_and_reports_as_itself(one_by_two):
     """Sequence parallelism: each of a stage's t = 2 ranks sends half the floating-point bytes a
     t = 1 worker sends across the boundary (activations and gradients: the LLaMA's boundary is one
-    fp32 tensor), measured by the channel; every worker's stats and timeline carry its tp_rank."""
+    fp32 tensor), measured by the channel; every worker's stats and timeline carry its tp_rank. (t = 2:
+    the first step of the shared (1, 2, 2) run.)"""
     sent = {}
     for t in (1, 2):
-        config = _config(1, 2, "1f1b", t > 1).replace(tensor_parallel=t)
-        with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
-            result = pipeline.step(*_batches()[0])
+        if t == 1:
+            config = _config(1, 2, "1f1b", False).replace(tensor_parallel=1)
+            with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
+                result = pipeline.step(*_batches()[0])
+        else:
+            result = one_by_two["results"][0]
         sent[t] = {(stats.stage, stats.tp_rank): stats.sent_bytes for stats in result.stages}
         assert {(event.stage, event.tp_rank) for event in result.timeline} == set(sent[t])
     # a step of 2 micro-batches of (4 / 2 rows x 8 positions x the tiny preset's width) fp32 each way
@@ -334,21 +373,17 @@ def test_two_stages_each_split_over_two_gpus_train_as_one_process(ray_cluster):
     _assert_matches_one_process(config, *run_cell(config), tolerance=GPU_TOLERANCE)
 
 
-def test_a_checkpoint_at_t2_holds_whole_layers_and_loads_into_other_layouts(tmp_path):
-    """A (1, 2, 2) run's checkpoint after 2 steps: each layer's file holds whole tensors (a stage's
-    ranks gather, tp_rank 0 writes); loaded into (1, 1, 2) and into one process's layout of 4 stages
-    (t = 1, in-process), its next step equals one process's within 1e-5 (loaded into its own layout it
-    continues bitwise: the next test, from a save on Ray). AdamW's moments carry over (a lost part
-    would restart them and miss the reference)."""
+def test_a_checkpoint_at_t2_holds_whole_layers_and_loads_into_other_layouts(one_by_two):
+    """A (1, 2, 2) run's checkpoint after 2 steps (the shared run's): each layer's file holds whole
+    tensors (a stage's ranks gather, tp_rank 0 writes); loaded into (1, 1, 2) and into one process's
+    layout of 4 stages (t = 1, in-process), its next step equals one process's within 1e-5 (loaded into
+    its own layout it continues bitwise: the Ray cell that saves, SAVING_CELL). AdamW's moments carry
+    over (a lost part would restart them and miss the reference)."""
     from raypipe.checkpoint.store import read_layer
     from tests.reference import InterpretedTrainer
 
     config = _config(1, 2, "1f1b", True)
-    batches = _batches()
-    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
-        for x, y in batches[:2]:
-            pipeline.step(x, y)
-        assert pipeline.save_checkpoint(tmp_path) == 2
+    batches, tmp_path = _batches(), one_by_two["checkpoint"]
     expected_steps, expected_state, _ = _reference(config)
     for key, expected in expected_state.items():  # whole tensors, the moments too
         index, name = key.split(".", 1)
@@ -372,21 +407,12 @@ def test_a_checkpoint_at_t2_holds_whole_layers_and_loads_into_other_layouts(tmp_
             assert float((state[key] - expected).norm()) <= TOLERANCE * float(expected.norm()), key
 
 
-def test_a_checkpoint_saved_on_ray_at_t2_continues_bitwise_where_it_is_loaded(ray_cluster, tmp_path):
-    """The trainer's save on Ray at (1, 2, 2), its files layout-free: loaded into the same
-    layout of per-step workers (tests/gloo_pipeline.py), the next step is bitwise the Ray run's."""
-    config = _config(1, 2, "1f1b", True)
-    batches = _batches()
-    trainer = raypipe.PipelineTrainer(llama_layers("tiny"), llama_loss, adamw, config)
-    try:
-        for x, y in batches[:2]:
-            trainer.step(x, y)
-        trainer.save_checkpoint(str(tmp_path))
-        on_ray = trainer.step(*batches[2]), trainer.state_dict()
-    finally:
-        trainer.shutdown()
+def _assert_a_checkpoint_saved_on_ray_continues_bitwise_where_it_is_loaded(config, root, last_step, state) -> None:
+    """The trainer's save on Ray at (1, 2, 2) before its last step (:data:`SAVING_CELL`), its files
+    layout-free: loaded into the same layout of per-step workers (tests/gloo_pipeline.py), the next
+    step is bitwise the Ray run's ``last_step`` (loss, pre-clip norm) and ``state`` after it."""
     with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
-        pipeline.load_checkpoint(tmp_path, 2)
-        resumed = pipeline.step(*batches[2]), pipeline.state_dict()
-    assert (resumed[0].loss, resumed[0].grad_norm) == (on_ray[0].loss, on_ray[0].grad_norm)
-    assert all(torch.equal(resumed[1][key], value) for key, value in on_ray[1].items())
+        pipeline.load_checkpoint(root, STEPS - 1)
+        resumed = pipeline.step(*_batches()[-1]), pipeline.state_dict()
+    assert (resumed[0].loss, resumed[0].grad_norm) == last_step
+    assert all(torch.equal(resumed[1][key], value) for key, value in state.items())

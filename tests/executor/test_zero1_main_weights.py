@@ -26,7 +26,7 @@ def token_batches(batch=9):  # 9 sequences: uneven over the step's 4 micro-batch
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def config(num_replicas=2, num_stages=2, shard=False):
+def config(num_replicas=2, num_stages=1, shard=False):
     return raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=4 // num_replicas, precision="bf16",
                                   num_replicas=num_replicas, shard_optimizer=shard, use_gpu=False)
 
@@ -39,7 +39,10 @@ def exported(directory):
 
 
 def run(shard, tmp_path):
-    """Train STEPS steps at d=2, p=2, saving a checkpoint after SAVED_AT; what the run gives."""
+    """Train STEPS steps at d=2, p=1, saving a checkpoint after SAVED_AT; what the run gives. (One stage:
+    ZeRO-1 shards each stage over its replicas alone, so a stage's sharding is the same with others beside
+    it; replicas of two stages under ZeRO-1 on Ray: tests/executor/test_equivalence.py's zbv cell and
+    tests/executor/test_elastic.py's run.)"""
     batches, name = token_batches(), "sharded" if shard else "replicated"
     with raypipe.PipelineTrainer(llama_layers(LLAMA), llama_loss, adamw, config(shard=shard)) as trainer:
         results = []
@@ -85,7 +88,7 @@ def test_bf16_zero1_shards_main_weights_and_changes_no_bit(runs):
             assert stats.weights_bytes == pytest.approx(predicted.parameters_bytes + predicted.master_bytes,
                                                         rel=0.10), where
             assert stats.optimizer_bytes == pytest.approx(predicted.optimizer_bytes, rel=0.10), where
-    for stage in range(2):
+    for stage in range(len(sharded["balance"])):
         whole = [s.weights_bytes for s in replicated["stats"] if s.stage == stage]
         parts = [s.weights_bytes for s in sharded["stats"] if s.stage == stage]
         assert all(part < whole[0] for part in parts)

@@ -125,8 +125,9 @@ def in_process_llama(layers, loss_fn, optimizer_factory, config: raypipe.Pipelin
 
 
 def test_import_train_export_matches_transformers(ray_cluster, tmp_path):
-    """LLaMA 3's rotary scaling, on Ray."""
-    assert_import_train_export_matches_transformers(on_ray, tmp_path, LLAMA3)
+    """LLaMA 3's rotary scaling, on Ray, each stage split over two tensor-parallel workers (their
+    layers gathered whole for the export, tp_rank 0 writing)."""
+    assert_import_train_export_matches_transformers(on_ray, tmp_path, LLAMA3, tensor_parallel=2)
 
 
 def test_import_train_export_matches_transformers_in_process(tmp_path):
@@ -134,13 +135,14 @@ def test_import_train_export_matches_transformers_in_process(tmp_path):
     assert_import_train_export_matches_transformers(in_process_llama, tmp_path, None)
 
 
-def assert_import_train_export_matches_transformers(trainer_of, tmp_path, rope_scaling: dict | None) -> None:
+def assert_import_train_export_matches_transformers(trainer_of, tmp_path, rope_scaling: dict | None,
+                                                    tensor_parallel: int = 1) -> None:
     source = hf_model(rope_scaling)
     save(source, tmp_path / "hf")
     assert len(json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())["weight_map"]) == 3 * 9 + 3
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2  # several shards, tensors of a layer split
     tokens = rows()
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2)
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, tensor_parallel=tensor_parallel)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     layers = from_pretrained(tmp_path / "hf")  # rotary tables for max_position_embeddings, one per stage
     with trainer_of(layers, llama_loss, adamw, config, loss_count_fn=llama_count_tokens) as trainer:
@@ -310,6 +312,11 @@ def test_ranged_reads_equal_safetensors(tmp_path, dtype):
         got = read_tensor_ranges(pafs.LocalFileSystem(), str(shard), sorted(expected))
         assert expected and all(torch.equal(got[name], tensor) and got[name].dtype == dtype
                                 for name, tensor in expected.items())
+        # a tensor-parallel rank's part: a range of rows (its bytes only) or of columns
+        matrices = [name for name, tensor in expected.items() if tensor.dim() == 2]
+        for region in [(slice(1, 3),), (slice(None), slice(2, 5))]:
+            parts = read_tensor_ranges(pafs.LocalFileSystem(), str(shard), matrices, dict.fromkeys(matrices, region))
+            assert all(torch.equal(parts[name], expected[name][region]) for name in matrices)
     with pytest.raises(KeyError, match="has no tensor nope"):
         read_tensor_ranges(pafs.LocalFileSystem(), str(shard), ["nope"])
 

@@ -84,6 +84,7 @@ def test_step_values_labels_and_help(exporter):
     exporter.record_eval(2.75)
     exporter.record_recovery(["died"], 3.5, 0)
     exporter.record_controller_state("running", ("starting", "running"))
+    exporter.record_slowdowns({(0, 0, 0): 1.0, (0, 1, 0): 2.5})
     scraped = scrape(exporter)
 
     assert set(scraped["samples"]) == METRIC_NAMES  # every name the module lists, and none it does not
@@ -104,6 +105,10 @@ def test_step_values_labels_and_help(exporter):
     assert scraped["samples"]["raypipe_bubble_fraction"] == {
         frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 0.2,
         frozenset({"stage": "1", "replica": "0", "tp_rank": "0"}.items()): 0.4,
+    }
+    assert scraped["samples"]["raypipe_worker_slowdown"] == {
+        frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 1.0,
+        frozenset({"stage": "1", "replica": "0", "tp_rank": "0"}.items()): 2.5,
     }
     assert scraped["samples"]["raypipe_stage_busy_seconds"] == {
         frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 0.2,
@@ -299,3 +304,11 @@ def test_a_stages_tensor_parallel_workers_are_told_apart_by_their_tp_rank(export
         frozenset({"stage": "0", "replica": "0", "tp_rank": "0"}.items()): 0.2,
         frozenset({"stage": "0", "replica": "0", "tp_rank": "1"}.items()): 0.3,
     }
+
+
+def test_slowdowns_are_replaced_by_the_latest_and_absent_before_any(exporter):
+    assert "raypipe_worker_slowdown" not in scrape(exporter)["samples"]  # no baseline yet: absent, not 1
+    exporter.record_slowdowns({(1, 2, 1): 1.5})
+    exporter.record_slowdowns({(0, 2, 0): 1.1})  # workers left out (a layout changed) are no longer reported
+    assert scrape(exporter)["samples"]["raypipe_worker_slowdown"] == {
+        frozenset({"stage": "2", "replica": "0", "tp_rank": "0"}.items()): 1.1}

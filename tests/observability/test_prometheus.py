@@ -214,6 +214,7 @@ def test_dashboard_queries_against_the_exporter(scraped_exporter):
         ))
     exporter.record_eval(0.9)
     exporter.record_controller_state("running", ("starting", "running", "healing", "stopped"))
+    exporter.record_slowdowns({(0, 0, 0): 1.0, (0, 1, 0): 1.4})
     assert_every_dashboard_expr_has_data(prometheus, target, min_steps=3)
 
 
@@ -259,7 +260,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(ray_cluster, 
     import raypipe
 
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, metrics_port=0, peak_flops_per_second=1e12)
+    # slow_steps=1: every worker has a baseline (and a slowdown on its panel) after the first step
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, metrics_port=0, peak_flops_per_second=1e12,
+                                    slow_steps=1)
     generator = torch.Generator().manual_seed(0)
     inputs, targets = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
 

@@ -196,3 +196,21 @@ def test_measured_timeline_follows_the_gpipe_schedule(ray_cluster, tmp_path):
             assert earlier["ts"] + earlier["dur"] <= later["ts"] + 1.0  # 1 us of clock rounding
     plot_gantt(result.timeline, tmp_path / "step.png")
     assert png_size(tmp_path / "step.png")[0] >= 800
+
+
+def test_a_mark_is_an_instant_event_and_a_tick_on_its_workers_row(tmp_path):
+    """A worker found slow (StepResult.marks): an instant event on its row in the trace, named by what
+    happened, and a red tick on the chart; a mark's worker has its row even without an event."""
+    from raypipe.core.result import TimelineMark
+    from raypipe.observability.trace import MARK_COLOUR
+
+    timeline = [OpEvent(0, "F", 0, T0, T0 + 0.02), OpEvent(1, "F", 0, T0 + 0.02, T0 + 0.06)]
+    marks = [TimelineMark(0, 1, 0, T0 + 0.06, "slow 2.00x"), TimelineMark(1, 1, 0, T0 + 0.03, "slow 1.50x")]
+    trace = chrome_trace(timeline, marks)["traceEvents"]
+    names = [event["args"]["name"] for event in trace if event["name"] == "process_name"]
+    assert names == ["replica 0, stage 0", "replica 0, stage 1", "replica 1, stage 1"]
+    instants = [(event["name"], event["pid"], event["ts"], event["s"]) for event in trace if event["ph"] == "i"]
+    assert instants == [("slow 2.00x", 1, pytest.approx(60_000), "p"), ("slow 1.50x", 2, pytest.approx(30_000), "p")]
+    assert [event["ph"] for event in chrome_trace(timeline)["traceEvents"]].count("i") == 0
+    plot_gantt(timeline, tmp_path / "marked.png", marks=marks)
+    assert pixels_of_colour(tmp_path / "marked.png")[MARK_COLOUR.lower()] > 50

@@ -154,3 +154,27 @@ def test_two_threads_overlap():
 def test_bad_arguments_name_the_cause(make):
     with pytest.raises(ValueError, match=r"^(forward_s|input_grad_s|width|seconds|num_layers)="):
         make()
+
+
+def test_slow_down_scales_every_sleep_of_the_process_and_not_the_math(monkeypatch):
+    """A slow worker: each forward, input-gradient and weight-gradient sleep takes ``factor`` times its
+    time; the outputs and gradients are those of the unslowed layer, bitwise."""
+    taken: list[float] = []
+    monkeypatch.setattr(timed_layers.time, "sleep", taken.append)
+    monkeypatch.setattr(timed_layers, "_slowdown", 1.0)  # undone after the test, whatever it set
+    torch.manual_seed(0)
+    layer = TimedLayer(0.01, 0.02, 0.03, WIDTH)
+    inputs, targets = _batch()
+    grads = []
+    for factor in (1.0, 2.5):
+        timed_layers.slow_down(factor)
+        layer.zero_grad()
+        nn.functional.mse_loss(layer(inputs.clone().requires_grad_()), targets).backward()
+        grads.append([parameter.grad.clone() for parameter in layer.parameters()])
+    # per step: the forward's sleep first, then the two gradients' (in autograd's order)
+    assert [taken[0], *sorted(taken[1:3])] == pytest.approx([0.01, 0.02, 0.03])
+    assert [taken[3], *sorted(taken[4:])] == pytest.approx([0.025, 0.05, 0.075])
+    assert all(torch.equal(unslowed, slowed) for unslowed, slowed in zip(*grads))
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="must be > 0"):
+            timed_layers.slow_down(bad)
