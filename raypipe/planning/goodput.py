@@ -280,6 +280,36 @@ def raypipe_snapshot_every(shape: RunShape, mttf_s: float, assumptions: GoodputA
     return max(1, round(young_interval_s(shape.snapshot_exposed_s, mttf_s) / plain_step))
 
 
+STRAGGLER_POLICIES = ("report", "replace")  # ``on_slow``'s built values; "rebalance" is not built
+
+
+def straggler_goodput(shape: RunShape, assumptions: GoodputAssumptions, slow_share: float, slow_factor: float,
+                      slow_steps: int = 10, run_hours: float = 24.0) -> dict[str, float]:
+    """Goodput (the share of the unslowed pace) of a run whose nodes are each, independently, slow
+    by ``slow_factor`` with probability ``slow_share`` for the whole run (a persistent straggler:
+    a throttled GPU, a bad NIC), under each policy of :data:`STRAGGLER_POLICIES` over ``run_hours``.
+
+    A slow node slows every worker on it, and a pipeline runs at the pace of its slowest stage (the
+    replicas wait for each other at the reduction): with any slow node the whole step takes
+    ``slow_factor`` times as long. ``report`` keeps that pace: ``(1 - P) + P / f`` in expectation,
+    ``P = 1 - (1 - share)^nodes``. ``replace`` finds each slow node's workers after ``slow_steps``
+    slow steps and swaps them for warm spares (a heal's replacement with a spare and its state
+    transfer, no step redone): each of the ``share x nodes`` slow nodes costs
+    ``slow_steps x step x (f - 1) + swap`` once; a spare is assumed healthy."""
+    if not 0 <= slow_share <= 1:
+        raise ValueError(f"slow_share={slow_share!r} must be in [0, 1]")
+    if not slow_factor >= 1:
+        raise ValueError(f"slow_factor={slow_factor!r} must be >= 1")
+    nodes = num_nodes(shape.num_gpus, assumptions.gpus_per_node)
+    any_slow = 1 - (1 - slow_share) ** nodes
+    report = (1 - any_slow) + any_slow / slow_factor
+    swap_s = (assumptions.detection_s + assumptions.replacement_with_spare_s
+              + shape.largest_worker_state_bytes / shape.inter_node_bytes_per_s)
+    lost_s = slow_share * nodes * (slow_steps * shape.step_s * (slow_factor - 1) + swap_s)
+    run_s = run_hours * HOUR_S
+    return {"report": report, "replace": run_s / (run_s + lost_s)}
+
+
 def goodput_by_method(shape: RunShape, assumptions: GoodputAssumptions) -> dict[str, MethodGoodput]:
     """Goodput of each method of :data:`METHODS` for ``shape`` (see the module docstring)."""
     mttf_s = job_mttf_hours(shape.num_gpus, assumptions.node_mtbf_hours, assumptions.gpus_per_node) * HOUR_S

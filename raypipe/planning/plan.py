@@ -31,7 +31,8 @@ from raypipe.models.llama_costs import llama_layer_costs
 from raypipe.models.llama_memory import layer_parameter_counts
 from raypipe.planning.balance import balance_by_time, layer_step_flops, llama_stage_bytes, stage_times
 from raypipe.planning.cluster_spec import Cluster
-from raypipe.planning.goodput import METHODS, GoodputAssumptions, RunShape, goodput_by_method, job_mttf_hours
+from raypipe.planning.goodput import (METHODS, STRAGGLER_POLICIES, GoodputAssumptions, RunShape, goodput_by_method,
+                                      job_mttf_hours, straggler_goodput)
 from raypipe.planning.memory import (AMP_STYLES, PRECISIONS, RAYPIPE_AMP, StageMemory, amp_style, balanced_partition,
                                      estimate_pipeline, static_bytes_per_parameter)
 from raypipe.planning.predict import stage_bounds, worker_sums
@@ -153,6 +154,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                               "configuration's goodput per recovery method (raypipe's stage replacement with and "
                               "without warm spares, a full restart from checkpoints, dropping the failed replica's "
                               "step); arXiv 2410.21680's 7.9 h job MTTF at 1,024 GPUs is H ~ 1011")
+    cluster.add_argument("--slow-node-share", type=float, default=None, metavar="S",
+                         help="with --node-mtbf-hours: the share of nodes slow for the whole run (a persistent "
+                              "straggler), adding each configuration's goodput under on_slow report and replace")
+    cluster.add_argument("--slow-node-factor", type=float, default=2.0, metavar="F",
+                         help="how many times slower a slow node's workers compute (default 2)")
 
 
 # -- the memory plan: the knobs that make a stage fit ----------------------------------
@@ -517,6 +523,13 @@ def build_cluster_plan(args: argparse.Namespace) -> dict:
     mtbf = getattr(args, "node_mtbf_hours", None)
     if mtbf is not None and not 0 < mtbf < float("inf"):
         raise ValueError(f"--node-mtbf-hours must be a number of hours > 0, got {mtbf}")
+    slow_share, slow_factor = getattr(args, "slow_node_share", None), getattr(args, "slow_node_factor", 2.0)
+    if slow_share is not None and mtbf is None:
+        raise ValueError("--slow-node-share adds rows to the goodput table: it needs --node-mtbf-hours")
+    if slow_share is not None and not 0 <= slow_share <= 1:
+        raise ValueError(f"--slow-node-share must be a share of nodes in [0, 1], got {slow_share}")
+    if not 1 <= slow_factor < float("inf"):
+        raise ValueError(f"--slow-node-factor must be a factor >= 1, got {slow_factor}")
     cluster = load_cluster(args.cluster)
     config = get_config(args.model)
     precision = args.precision or "bf16"
@@ -542,8 +555,13 @@ def build_cluster_plan(args: argparse.Namespace) -> dict:
     if mtbf is not None:  # each configuration's goodput per recovery method; the best one's at the top
         for item, candidate in zip(out["candidates"], result.best):
             item["goodput"] = candidate_goodput(config, candidate, cluster, mtbf)
+            if slow_share is not None:
+                item["straggler_goodput"] = candidate_straggler_goodput(config, candidate, cluster, slow_share,
+                                                                        slow_factor)
         out["goodput"] = {method: value["goodput"] for method, value in out["candidates"][0]["goodput"].items()}
         out["goodput_model"] = goodput_summary(args.gpus, cluster, mtbf)
+        if slow_share is not None:
+            out["goodput_model"]["straggler"] = {"slow_node_share": slow_share, "slow_node_factor": slow_factor}
     return out
 
 
@@ -739,6 +757,14 @@ def candidate_goodput(config: LlamaConfig, candidate, cluster: Cluster, node_mtb
     return {method: results[method].to_dict() for method in METHODS}
 
 
+def candidate_straggler_goodput(config: LlamaConfig, candidate, cluster: Cluster, slow_share: float,
+                                slow_factor: float) -> dict[str, float]:
+    """``{policy: goodput}`` of one configuration with a persistent straggler
+    (:func:`~raypipe.planning.goodput.straggler_goodput`, nodes counted as :func:`candidate_goodput` does)."""
+    assumptions = GoodputAssumptions(gpus_per_node=cluster.slots_per_node(candidate.shape.tensor_parallel))
+    return straggler_goodput(run_shape(config, candidate, cluster), assumptions, slow_share, slow_factor)
+
+
 def goodput_summary(num_gpus: int, cluster: Cluster, node_mtbf_hours: float) -> dict:
     """The plan's top-level goodput fields: the failure model and its assumptions."""
     assumptions = GoodputAssumptions(node_mtbf_hours=node_mtbf_hours, gpus_per_node=cluster.gpus_per_node)
@@ -762,6 +788,14 @@ def describe_goodput(plan: dict) -> list[str]:
             cells.append("n/a".rjust(20) if result["goodput"] is None else
                          f"{result['goodput']:.2%} [{result['closed_form']:.2%}]".rjust(20))
         lines.append("  " + METHOD_LABELS[method].ljust(width) + "".join(cells))
+    straggler = summary.get("straggler")
+    if straggler is not None:  # a persistent straggler: the share of the unslowed pace, over a day
+        for policy in STRAGGLER_POLICIES:
+            label = (f"{straggler['slow_node_share']:.3g} of nodes {straggler['slow_node_factor']:g}x slow, "
+                     f"on_slow={policy}")
+            lines.append("  " + label.ljust(width) + "".join(
+                f"{item['straggler_goodput'][policy]:.2%}".rjust(20) for item in plan["candidates"]))
+        lines.append("  " + "... on_slow=rebalance".ljust(width) + "not built".rjust(20))
     best = plan["candidates"][0]["goodput"]
     lines.append("  1.: " + "; ".join(f"{method} {best[method]['note']}" for method in METHODS if best[method]["note"]))
     lines.append("  (raypipe's seconds from bench_recovery on CPU; a checkpoint's relaunch 5 min assumed: see "

@@ -28,6 +28,8 @@ from tests.executor.test_tensor_parallel_steps import _batches, adamw
 from tests.gloo_pipeline import GlooPipeline
 from tests.reference import reference_step
 
+pytestmark = pytest.mark.cluster  # every test kills worker processes (SIGKILL, SIGSTOP)
+
 
 def _assert_same(step, again, state, state_again) -> None:
     assert (again.loss, again.grad_norm) == (step.loss, step.grad_norm)

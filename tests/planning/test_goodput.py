@@ -15,7 +15,7 @@ import pytest
 from raypipe.planning.goodput import (BENCH_SPARE_REFILL_DELAY_S, PAPER_NODE_MTBF_HOURS, GoodputAssumptions,
                                       RunShape, goodput_by_method, job_mttf_hours, node_mtbf_from_job_mttf,
                                       replica_drop_goodput, replicas_per_node, simulate_replica_drop,
-                                      young_interval_s)
+                                      straggler_goodput, young_interval_s)
 from raypipe.planning.segment_model import segment_goodput, simulate_segments
 from raypipe.planning.spare_availability import (block_failures_within, poisson_failures_within,
                                                  poisson_spare_ready_fraction, spare_mixed_recovery_s,
@@ -119,6 +119,33 @@ def test_plan_node_mtbf_hours_adds_goodput(capsys):
     assert "goodput with node MTBF 1,011 h" in text and "full restart from a checkpoint" in text
     assert plan_main(["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--node-mtbf-hours", "0"]) == 2
     assert capsys.readouterr().err.startswith("raypipe plan: error: --node-mtbf-hours must be")
+
+
+def test_a_persistent_straggler_by_hand_and_in_the_plan(capsys):
+    # 128 nodes, each 2x slow with probability 1%: some node is slow in 1 - 0.99^128 = 72.4% of runs, which then
+    # go at half pace under on_slow="report"; "replace" pays each of the 1.28 expected slow nodes once: 10 slow
+    # steps (8 s each, 8 s extra each) and a swap (detection + a spare's start + 20 GB at 50 GB/s) in a day
+    shape, assumptions = _shape_70b_1024(), GoodputAssumptions()
+    result = straggler_goodput(shape, assumptions, 0.01, 2.0)
+    any_slow = 1 - 0.99 ** 128
+    assert result["report"] == pytest.approx(1 - any_slow + any_slow / 2)
+    swap = assumptions.detection_s + assumptions.replacement_with_spare_s + 20e9 / 50e9
+    lost = 1.28 * (10 * 8.0 + swap)
+    assert result["replace"] == pytest.approx(86400 / (86400 + lost))
+    assert straggler_goodput(shape, assumptions, 0.0, 2.0) == {"report": 1.0, "replace": 1.0}
+    with pytest.raises(ValueError, match="slow_factor=0.5 must be >= 1"):
+        straggler_goodput(shape, assumptions, 0.01, 0.5)
+    argv = ["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--node-mtbf-hours", "1011", "--top", "1"]
+    assert plan_main([*argv, "--slow-node-share", "0.02", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["goodput_model"]["straggler"] == {"slow_node_share": 0.02, "slow_node_factor": 2.0}
+    straggling = plan["candidates"][0]["straggler_goodput"]
+    assert 0.5 < straggling["report"] < straggling["replace"] < 1
+    assert plan_main([*argv, "--slow-node-share", "0.02", "--slow-node-factor", "1.5"]) == 0
+    text = capsys.readouterr().out
+    assert "0.02 of nodes 1.5x slow, on_slow=report" in text and "on_slow=rebalance" in text
+    assert plan_main(["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--slow-node-share", "0.1"]) == 2
+    assert capsys.readouterr().err.startswith("raypipe plan: error: --slow-node-share adds rows to the goodput table")
 
 
 def test_raypipe_heals_from_a_sibling_or_redoes_the_steps_since_its_snapshot():
