@@ -39,7 +39,7 @@ def lost_workers(actors: list[Any], hang_timeout_s: float, num_stages: int, step
     failed = Watchdog(hang_timeout_s).probe(actors)
     if not failed:
         return None
-    topology = Topology(num_stages, len(actors) // (num_stages * tensor_parallel), tensor_parallel)
+    topology = Topology.of_workers(num_stages, len(actors), tensor_parallel)
     detail = detail if len(detail) <= 160 else detail[:157] + "..."  # Ray's texts run to paragraphs
     return WorkersFailed(step, {topology.place(index): why for index, why in failed.items()}, detail)
 

@@ -558,8 +558,8 @@ class Controller:
 
     def _group_topology(self) -> Topology:
         """The ranks of the running group (a shrink changes it before the topology in force)."""
-        stages, t = self._config.num_stages, self._config.tensor_parallel
-        return Topology(stages, len(self.executor.group.actors) // (stages * t), t)
+        config = self._config
+        return Topology.of_workers(config.num_stages, len(self.executor.group.actors), config.tensor_parallel)
 
     def _note(self, failure: WorkersFailed) -> None:
         """A failure event: count it, ask the policy, kill its workers and let the step end on
@@ -647,7 +647,8 @@ class Controller:
         if isinstance(decision, CopyFromSiblings):
             return self._transfer.transfer_state(decision, self.snapshots.held)
         if isinstance(decision, RestoreSnapshot) and decision.reshard:
-            replay, source = self._restore(view, self._transfer.reshard(self._config.num_stages * self._config.tensor_parallel), as_taken=True)
+            per_replica = self._config.num_stages * self._config.tensor_parallel
+            replay, source = self._restore(view, self._transfer.reshard(per_replica), as_taken=True)
             return replay, f"{source}, resharded"
         return self._restore(view)
 

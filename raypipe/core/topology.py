@@ -51,6 +51,12 @@ class Topology:
         """The number of workers."""
         return self.num_replicas * self.num_stages * self.tensor_parallel
 
+    @classmethod
+    def of_workers(cls, num_stages: int, num_workers: int, tensor_parallel: int = 1) -> Topology:
+        """The ranks of a group of ``num_workers`` workers, ``tensor_parallel`` a stage: as many
+        replicas as they make (a group resized before the layout in force counts its own)."""
+        return cls(num_stages, num_workers // (num_stages * tensor_parallel), tensor_parallel)
+
     def rank(self, replica: int, stage: int, tp_rank: int = 0) -> int:
         """The rank of tensor-parallel rank ``tp_rank`` of ``stage`` of ``replica``."""
         self._check("replica", replica, self.num_replicas)

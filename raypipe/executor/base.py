@@ -225,10 +225,13 @@ class Executor(ABC):
         """The heartbeat watchdog that finds a dead or hung worker while the driver waits."""
         return Watchdog(self.config.hang_timeout_s)
 
+    def topology(self) -> Topology:
+        """The ranks of the group running now (a resize changes it before the layout in force)."""
+        return Topology.of_workers(self.config.num_stages, len(self.group.actors), self.config.tensor_parallel)
+
     def workers_failed(self, step: int, failed: dict[int, str], detail: str) -> WorkersFailed:
         """The error of ``failed`` workers (rank -> why) found during ``step``, to be healed."""
-        num_stages, t = self.config.num_stages, self.config.tensor_parallel
-        topology = Topology(num_stages, len(self.group.actors) // (num_stages * t), t)
+        topology = self.topology()
         return WorkersFailed(step, {topology.place(index): why for index, why in failed.items()}, detail)
 
     @staticmethod
@@ -243,8 +246,7 @@ class Executor(ABC):
         their collectives together: each worker runs its calls in the order sent), and the
         loss is tp_rank 0's (every rank's is the same)."""
         config = self.config
-        num_stages, last, t = config.num_stages, config.num_virtual_stages - 1, config.tensor_parallel
-        topology = Topology(num_stages, len(self.group.actors) // (num_stages * t), t)
+        last, t, topology = config.num_virtual_stages - 1, config.tensor_parallel, self.topology()
         losses, others = [], []
         for replica in range(topology.num_replicas):
             for tp_rank in range(t):
@@ -253,7 +255,7 @@ class Executor(ABC):
                 for micro_batch, index in enumerate(self.group.spec(ranks[0]).block):
                     hidden = None if batch is None else as_task_argument(batch.inputs[index])
                     for virtual_stage in range(last + 1):  # through every chunk, in model order
-                        stage, chunk = worker_and_chunk(virtual_stage, num_stages, config.placement)
+                        stage, chunk = worker_and_chunk(virtual_stage, topology.num_stages, config.placement)
                         targets, weight = (None, None) if batch is None or virtual_stage < last else (
                             as_task_argument(batch.targets[index]), batch.weights[index])
                         hidden = pipeline[stage].evaluate.remote(micro_batch, hidden, targets, weight, step, chunk)

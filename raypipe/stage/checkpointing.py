@@ -149,14 +149,9 @@ class StageCheckpointing:
         if self.config.tensor_parallel > 1 and self.tensor_mesh is None:
             self._restored_before_split, self.commits = snapshot, snapshot["commits"]
             return
-        if self.tensor_mesh is not None:
-            copy_local_state(self.layers, snapshot["layers"])
-        else:
-            self.layers.load_state_dict(snapshot["layers"])  # copies into the parameters and buffers
+        copy_local_state(self.layers, snapshot["layers"])  # into the parameters and buffers (their local parts)
         if self.optimizer is not None:
-            saved = snapshot["optimizer"]
-            load_optimizer_in_place(self.optimizer, saved if self.tensor_mesh is None
-                                    else split_optimizer_state(self.optimizer, saved))
+            load_optimizer_in_place(self.optimizer, split_optimizer_state(self.optimizer, snapshot["optimizer"]))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(snapshot["scheduler"])
         self.commits = snapshot["commits"]

@@ -337,8 +337,7 @@ class FakeExecutor:
 
     def topology(self) -> Topology:
         """The running group's ranks, ``tensor_parallel`` workers a stage."""
-        stages, t = self.config.num_stages, self.config.tensor_parallel
-        return Topology(stages, len(self.group.actors) // (stages * t), t)
+        return Topology.of_workers(self.config.num_stages, len(self.group.actors), self.config.tensor_parallel)
 
     def _dead(self) -> dict[tuple[int, ...], str]:
         topology = self.topology()
