@@ -145,7 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
-                             "extra replica (default: 0)")
+                             "extra replica. With --tensor-parallel T a multiple of T: spares come in groups of T "
+                             "on one node, each taking a whole stage's place (default: 0)")
     parser.add_argument("--boundary-shapes", default="learned", choices=BOUNDARY_SHAPES,
                         help="each boundary's dtype and shape sent once and learned, or a header before every "
                              "activation (for models whose boundary shapes change) (default: learned)")

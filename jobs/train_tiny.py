@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
-                             "extra replica (default: 0)")
+                             "extra replica. With --tensor-parallel T a multiple of T: spares come in groups of T "
+                             "on one node, each taking a whole stage's place (default: 0)")
     add_slow_worker_arguments(parser)
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")

@@ -20,9 +20,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "raise")
 TRANSPORTS = ("object_store", "gloo", "nccl", "p2p")
 STEP_CALLS = ("connections", "tasks")
-ON_SLOW = ("report", "replace")  # what a worker found slow does (raypipe/control/stragglers.py)
-ON_SLOW_NOT_BUILT = ("rebalance",)  # refused by name until built (issue 61)
-_NOT_BUILT = "not built yet (layers moved off a slow worker's stage): use 'report' or 'replace'"
+ON_SLOW = ("report", "replace", "rebalance")  # what a worker found slow does (raypipe/control/stragglers.py)
 BALANCE_MODES = ("parameters", "time")  # PipelineConfig.balance other than a list: what the stages balance
 # Old keywords of activation recomputation -> the new name (and why): "checkpoint" means saved training state now.
 _RENAMED: dict[str, str] = {
@@ -90,14 +88,19 @@ class PipelineConfig:
     snapshot_every: int = 1  # steps between in-memory snapshots of every worker; 0: none (a failure is fatal)
     replace_timeout_s: float = 60.0  # how long to wait for resources to place a replacement worker
     # idle stage processes kept started (a worker bundle each): a heal hands one the failed worker's spec
-    # instead of starting a process (see raypipe/runtime/spares.py); they never add a replica
+    # instead of starting a process (see raypipe/runtime/spares.py); they never add a replica. At tensor_parallel
+    # t > 1 a multiple of t: spares come in groups of t on one node, each taking a whole stage's place (its t
+    # ranks). It counts processes, not groups, so that it means one thing at every t, as the resources it asks
+    # for (a CPU or GPU share each, the Helm chart's worker pods) are counted
     spare_workers: int = 0
     hang_timeout_s: float = 30.0  # a worker that does not answer a heartbeat for this long is hung
     # slow workers (docs/guide.md, "Slow workers"): a worker whose own compute (its F, B, I, W ops) stays at least
     # slow_factor x its baseline, the same stage in the other replicas and its tensor-parallel peers, for slow_steps
     # steps in a row, is found slow: a WARNING line names it, its node and the factor (the gauge
     # raypipe_worker_slowdown has every worker's ratio); on_slow="replace" (needs spare_workers) then swaps it for
-    # a warm spare between steps, its state moved from it, nothing replayed; "report": nothing more
+    # a warm spare between steps, its state moved from it, nothing replayed; "rebalance" splits the layers again
+    # between steps, away from its stage in every replica (the same stages; not at tensor_parallel > 1 nor with
+    # model chunks), its state moved, nothing replayed; "report": nothing more
     slow_factor: float = 1.3
     slow_steps: int = 10
     on_slow: str = "report"
@@ -180,33 +183,40 @@ class PipelineConfig:
             self._validate_against_layers(num_layers)
 
     def _validate_slow_workers(self) -> None:
-        """``slow_factor`` > 1, ``slow_steps`` >= 1, and ``on_slow`` one that is built ("report", or "replace"
-        with warm spares to swap a slow worker for)."""
+        """``slow_factor`` > 1, ``slow_steps`` >= 1, and ``on_slow`` one of "report", "replace" (with warm
+        spares to swap a slow worker for) and "rebalance" (one chunk of layers per worker: it moves whole
+        layers between stages, as a re-partition does)."""
         check_number("slow_factor", self.slow_factor, lambda factor: factor > 1,
                      "must be a number > 1 (a worker this many times slower than its baseline is slow)")
         check_positive_int("slow_steps", self.slow_steps)
-        if self.on_slow in ON_SLOW_NOT_BUILT:
-            raise ConfigError("on_slow", self.on_slow, _NOT_BUILT)
         check_choice("on_slow", self.on_slow, ON_SLOW)
+        if self.on_slow == "rebalance" and self.virtual_stages > 1:
+            raise ConfigError("on_slow", self.on_slow, f"moves the layers of whole stages, not of model chunks "
+                              f"(virtual_stages={self.virtual_stages}): use 'report' or 'replace'")
         if self.on_slow == "replace" and self.spare_workers == 0:
             raise ConfigError("on_slow", self.on_slow, "swaps a slow worker for a warm spare: set spare_workers >= 1")
 
     def _validate_tensor_parallel(self) -> None:
         """What runs with ``tensor_parallel > 1`` so far: every schedule, precision, recompute mode and
-        ZeRO-1, activation offload, snapshots and the heals from them, elastic replicas, on the
-        per-step executor; no warm spares (refused by name: a spare taking one rank of a split stage's
-        place would sit on another node than its peers). A re-partition onto fewer stages is not
-        chosen at t > 1 (the failure policy raises instead)."""
+        ZeRO-1, activation offload, snapshots and the heals from them, elastic replicas, warm spares,
+        on the per-step executor. ``spare_workers`` must be a multiple of t: a spare is a group of t
+        processes in one bundle (one node) that takes a whole stage's place, as one rank alone would
+        sit on another node than its peers; it still counts processes, as every resource count does.
+        ``on_slow="replace"`` swaps a slow rank's whole stage for a spare group. A re-partition onto
+        fewer stages is not chosen at t > 1 (the failure policy raises instead)."""
         t = self.tensor_parallel
         if t == 1:
             return
         refused = [
             ("transport", self.transport, self.transport != "p2p", "the per-step executor (transport='p2p')"),
-            ("spare_workers", self.spare_workers, self.spare_workers != 0, "spare_workers=0"),
         ]
         for name, value, wrong, runs in refused:
             if wrong:
                 raise ConfigError(name, value, f"tensor_parallel={t} runs only with {runs} so far")
+        if self.spare_workers % t:
+            raise ConfigError("spare_workers", self.spare_workers,
+                              f"must be a multiple of tensor_parallel={t}: a spare is a group of {t} processes on one "
+                              f"node that takes a whole stage's place (e.g. {t * max(1, self.spare_workers // t)})")
 
     def _validate_chunks(self) -> None:
         """``virtual_stages`` against the schedule, the transport and the micro-batches."""
@@ -403,7 +413,7 @@ def tensor_parallel_arguments(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_slow_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``--slow-factor``, ``--slow-steps`` and ``--on-slow`` (the jobs' flags of ``slow_factor``, ``slow_steps``
-    and ``on_slow``); an ``--on-slow`` not built yet is a usage error naming it."""
+    and ``on_slow``)."""
     parser.add_argument("--slow-factor", type=float, default=PipelineConfig.slow_factor, metavar="F",
                         help="a worker whose own compute (its forward and backward ops, not its waits) stays F x its "
                              "baseline, the same stage in the other replicas and its tensor-parallel peers for "
@@ -411,16 +421,17 @@ def add_slow_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-steps", type=int, default=PipelineConfig.slow_steps, metavar="N",
                         help="steps in a row a worker must stay --slow-factor behind to be found slow "
                              f"(default: {PipelineConfig.slow_steps})")
-    parser.add_argument("--on-slow", type=_on_slow_flag, default=PipelineConfig.on_slow, metavar="report|replace",
+    parser.add_argument("--on-slow", type=_on_slow_flag, default=PipelineConfig.on_slow,
+                        metavar="report|replace|rebalance",
                         help="what a slow worker found does: 'report', a WARNING line naming it, its node and its "
                              "factor (every worker's ratio is the gauge raypipe_worker_slowdown), or 'replace': that, "
                              "then it is swapped for a warm spare between steps (needs --spare-workers; its state "
-                             f"moved from it, nothing replayed) (default: {PipelineConfig.on_slow})")
+                             "moved from it, nothing replayed), or 'rebalance': that, then the layers are split again "
+                             "away from its stage in every replica, by the stages' measured times (not with "
+                             f"--tensor-parallel > 1; nothing replayed) (default: {PipelineConfig.on_slow})")
 
 
 def _on_slow_flag(text: str) -> str:
-    if text in ON_SLOW_NOT_BUILT:
-        raise argparse.ArgumentTypeError(f"{text!r} is {_NOT_BUILT}")
     if text not in ON_SLOW:
         raise argparse.ArgumentTypeError(f"{text!r}: must be one of {list(ON_SLOW)}")
     return text

@@ -12,7 +12,8 @@
 #           flash-attn vs SDPA at 7B shapes, each backward run twice and compared bitwise;
 #           a Ray run at p=1 with snapshots on and off (step time of each)
 #        4. with --calibrate (scripts/gpu_calibrate.py): a LLaMA 1B's per-layer F, I and W times in bf16,
-#           whole-model MFU and pinned host<->device bandwidth, each beside the predictor's figure
+#           whole-model MFU and pinned host<->device bandwidth, each beside the predictor's figure; where
+#           two GPUs exist, also one block split over both (--tensor-parallel 2: F/I/W and its collectives)
 # Tests marked gpus2 need two GPUs: run them where there are two with
 #   python -m pytest -q -m gpus2 tests (and -m gpus4 where there are four)
 # The dry run lists the tests, imports the probes (naming them) and runs the CPU path of the
@@ -120,6 +121,7 @@ if [ "$DRY_RUN" -eq 1 ]; then
     echo "   timeout $CALIBRATE_TIMEOUT_S $PYTHON scripts/gpu_calibrate.py --out $OUT/calibrate.json"
     step "calibration, CPU path" timeout "$CALIBRATE_TIMEOUT_S" "$PYTHON" scripts/gpu_calibrate.py --cpu \
       --out "$OUT/calibrate_cpu.json"
+    echo "   timeout $CALIBRATE_TIMEOUT_S $PYTHON scripts/gpu_calibrate.py --tensor-parallel 2 --out $OUT/calibrate_tp2.json  (two GPUs only)"
   fi
 else
   if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -131,6 +133,12 @@ else
   step probes timeout "$PROBES_TIMEOUT_S" "$PYTHON" scripts/gpu_probes.py --out "$OUT/probes.json"
   if [ "$CALIBRATE" -eq 1 ]; then
     step calibration timeout "$CALIBRATE_TIMEOUT_S" "$PYTHON" scripts/gpu_calibrate.py --out "$OUT/calibrate.json"
+    if "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)'; then
+      step "tensor-parallel calibration (2 GPUs)" timeout "$CALIBRATE_TIMEOUT_S" "$PYTHON" scripts/gpu_calibrate.py \
+        --tensor-parallel 2 --out "$OUT/calibrate_tp2.json"
+    else
+      echo "   tensor-parallel calibration: skipped (one GPU; --tensor-parallel 2 needs two on this node)"
+    fi
   fi
 fi
 

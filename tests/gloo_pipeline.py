@@ -155,6 +155,25 @@ class GlooPipeline:
         self._calls(lambda rank: ("restore", (snapshots[rank],)), ranks)
         self._join()
 
+    def shrink(self, replicas: int, snapshots: Sequence[dict[str, Any]]) -> None:
+        """What an elastic run's shrink to its first ``replicas`` replicas does (a node lost with a
+        worker of each other one, no room to replace it): the other replicas' processes killed
+        (SIGKILL), the survivors leave the group, take the smaller layout's specs (the step's
+        micro-batches over fewer replicas), join a new group (fewer groups than before: their
+        names move) and restore their ``snapshots`` (by rank), in the controller's order."""
+        kept = replicas * self.config.num_stages * self.config.tensor_parallel
+        for rank in range(kept, len(self.specs)):
+            self._processes[rank].kill()
+            self._processes[rank].join()
+            self._connections[rank].close()
+        stages = [spec for spec in self.specs[:kept] if spec.replica == 0 and spec.tp_rank == 0]
+        self.specs = replica_specs(stages, replicas, self.config.micro_batches_per_step)
+        self._processes, self._connections = self._processes[:kept], self._connections[:kept]
+        self._calls(lambda rank: ("leave_group", ()))
+        self._calls(lambda rank: ("take_layout", (self.specs[rank],)))
+        self._join()
+        self.restore(snapshots[:kept])
+
     def call(self, rank: int, method: str, *arguments: Any) -> Any:
         """Worker ``rank``'s ``method(*arguments)``."""
         _send(self._connections[rank], (method, arguments))
@@ -262,3 +281,15 @@ class GlooPipeline:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def uninterrupted_run(layers: Sequence[nn.Module | raypipe.LayerSpec], loss_fn: Callable,
+                      optimizer_factory: Callable, config: raypipe.PipelineConfig,
+                      batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[list[list[float]], dict[str, list]]:
+    """The steps of ``batches`` in a :class:`GlooPipeline`, as a run with faults on Ray records them
+    (tests/executor/cluster_run.py's ``as_lists``): each step's ``[loss, grad_norm]`` and the final
+    state's tensors as lists (floats compare exactly)."""
+    with GlooPipeline(layers, loss_fn, optimizer_factory, config) as pipeline:
+        steps = [[result.loss, result.grad_norm] for result in (pipeline.step(x, y) for x, y in batches)]
+        return steps, {name: tensor.tolist() for name, tensor in pipeline.state_dict().items()}

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from raypipe.comm.headers import DTYPES, Signature
+from raypipe.comm.headers import DTYPES, MessageSignature
 from raypipe.comm.tree_messages import TreeStructure
 from raypipe.core.ops import BOUNDARY_SHAPES, HEADERS, LEARNED
 
@@ -35,16 +35,17 @@ __all__ = ["BOUNDARY_SHAPES", "HEADERS", "LEARNED", "BoundarySignature", "Learne
 
 @dataclass(frozen=True)
 class BoundarySignature:
-    """What one message key carried: its payload's dtype code and shape, and a tree's structure
-    (None for a single tensor; with a structure, the payload is the tree's packed bytes)."""
+    """What one message key carried: each part's dtype code and shape (a single tensor is a message
+    of one part), and a tree's structure (None for a single tensor; with a structure, the parts are
+    the tree's: :func:`raypipe.comm.tree_messages.part_signatures`)."""
 
-    payload: Signature
+    payload: MessageSignature
     structure: TreeStructure | None = None
 
     def describe(self) -> str:
         """The signature as a person reads it: ``float32[4, 16, 64]``, or a tree's leaves."""
         if self.structure is None:
-            return _tensor(*self.payload)
+            return _tensor(*self.payload[0])
         leaves = [_tensor(leaf.dtype, leaf.shape) if leaf.kind == "tensor" else
                   ("None" if leaf.kind == "none" else repr(leaf.value)) for leaf in self.structure.leaves]
         return f"a tree of ({', '.join(leaves)})"

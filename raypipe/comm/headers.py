@@ -18,16 +18,17 @@ HEADER_LENGTH = 64  # ndim, dtype code, shape (MAX_DIMS), then a tree's structur
 INLINE_STRUCTURE_BYTES = (HEADER_LENGTH - 2 - MAX_DIMS) * 8
 
 Signature = tuple[int, tuple[int, ...]]  # dtype code, shape
-# the code of a tree's header (:mod:`raypipe.comm.tree_messages`): its "shape" is (payload bytes,
-# structure bytes); the payload is uint8 and the structure is in the header (at most INLINE_STRUCTURE_BYTES)
+# each part's signature, of a message that travels as several parts (a tree: raypipe.comm.tree_messages)
+MessageSignature = tuple[Signature, ...]
+# the code of a tree's header (:mod:`raypipe.comm.tree_messages`): its "shape" is (packed part's bytes,
+# structure bytes); the parts follow from the structure, which is in the header (at most INLINE_STRUCTURE_BYTES)
 # or follows it on the control channel
 TREE = len(DTYPES)
-PAYLOAD_OF_TREE = DTYPES.index(torch.uint8)
 
 
-def tree_signature(payload_bytes: int, structure_bytes: int) -> Signature:
-    """The header's signature of a tree whose payload and structure have these sizes."""
-    return TREE, (payload_bytes, structure_bytes)
+def tree_signature(packed_bytes: int, structure_bytes: int) -> Signature:
+    """The header's signature of a tree whose packed part and structure have these sizes."""
+    return TREE, (packed_bytes, structure_bytes)
 
 
 def empty_buffer(signature: Signature, device: torch.device) -> torch.Tensor:
@@ -36,8 +37,18 @@ def empty_buffer(signature: Signature, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=DTYPES[code], device=device)
 
 
+def empty_buffers(signature: MessageSignature, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Uninitialised tensors of each part's ``signature``: the receives' buffers of a message."""
+    return tuple(empty_buffer(part, device) for part in signature)
+
+
 def signature_of(tensor: torch.Tensor) -> Signature:
     return DTYPES.index(tensor.dtype), tuple(tensor.shape)
+
+
+def message_signature(parts: tuple[torch.Tensor, ...]) -> MessageSignature:
+    """Each part's signature."""
+    return tuple(signature_of(part) for part in parts)
 
 
 def structure_inline(structure_bytes: int) -> bool:

@@ -14,9 +14,14 @@ their key. Peer stages become ranks through :meth:`~raypipe.core.topology.Topolo
 
 An activation travels as a fixed-size header (its dtype and shape,
 :mod:`raypipe.comm.headers`) and a payload, so micro-batches of any shape flow without
-a fixed-shape agreement; a tree of tensors travels as one payload with its structure
+a fixed-shape agreement; a tree of tensors travels as a payload of a few parts (each
+large leaf as it is, with no copy, the small ones packed into one) with its structure
 inside the header (:mod:`raypipe.comm.tree_messages`). A gradient has the shape and
-dtype of the payload sent under the same key, so it needs no header. With
+dtype of the payload sent under the same key (a tree's: its floating-point leaves'
+parts), so it needs no header. A payload's parts are one message to everything that
+orders messages: they are sent, posted and waited for together, in one batch on NCCL,
+always in the same order on both ends, so the lowering and its dry-run count a payload
+as one message whatever its parts (:mod:`raypipe.core.simulator`). With
 ``boundary_shapes="learned"`` the header goes only the first time a key crosses: both
 ends record its signature, later steps send the payload alone into a receive posted on
 the recorded buffer (in the exchange's batch under NCCL's rules), and an activation
@@ -64,12 +69,12 @@ import torch.distributed as dist
 
 from raypipe.comm import tree_messages
 from raypipe.comm.boundary_signatures import HEADERS, BoundarySignature, LearnedSignatures, changed
-from raypipe.comm.headers import (HEADER_LENGTH, PAYLOAD_OF_TREE, TREE, Signature, decode, empty_buffer, encode,
-                                  inline_structure, structure_inline, signature_of, tree_signature)
+from raypipe.comm.headers import (HEADER_LENGTH, TREE, MessageSignature, decode, empty_buffers, encode,
+                                  inline_structure, message_signature, structure_inline, tree_signature)
 from raypipe.comm.matching import GRADIENT, HEADER, LAYOUT, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
 from raypipe.comm.membership import GroupMembership
 from raypipe.comm.tree_messages import TreeStructure
-from raypipe.comm.polled_wait import WaitedOnThread
+from raypipe.comm.polled_wait import WaitedOnThread, work_of_parts
 from raypipe.comm.step_messages import StepMessages
 from raypipe.core.ops import RECEIVES, RECV_ACT, SEND_ACT, SENDS, LoweredOp, micro_batch_of_key
 from raypipe.core.topology import Topology
@@ -187,59 +192,66 @@ class P2PChannel:
             learned = self._learned.to_receive(key)
             if learned is not None:
                 if self._matching.predicts:
-                    payload = empty_buffer(learned.payload, self.device)
-                    self._messages.payloads[key] = self._matching.post(payload, peer_rank, PREDICTED, key), payload
+                    self._messages.payloads[key] = self._posted(learned.payload, peer_rank, PREDICTED, key)
                 continue
             header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._control_device)
             self._messages.headers[key] = self._control_op(dist.irecv, header, peer_rank, key), header
             predicted = self._messages.received.get(key)
             if predicted is not None:
-                payload = empty_buffer(predicted, self.device)
-                self._messages.payloads[key] = self._matching.post(payload, peer_rank, PREDICTED, key), payload
+                self._messages.payloads[key] = self._posted(predicted, peer_rank, PREDICTED, key)
+
+    def _posted(self, signature: MessageSignature, peer_rank: int, kind: int,
+                key: int) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """The receives of a message of ``signature``'s parts, posted ahead where messages match by tag
+        (gloo), into new buffers: their Work (None under NCCL's rules: received when reached) and buffers."""
+        buffers = empty_buffers(signature, self.device)
+        works = [self._matching.post(buffer, peer_rank, kind, key) for buffer in buffers]
+        return (work_of_parts(works) if self._matching.predicts else None), buffers
 
     def send_activation(self, tensor: Any, key: int, peer: int) -> None:
         """Start sending an activation (header, then payload; the payload alone once its
         key's signature is learned) to stage ``peer`` under ``key``, and post the receive of
         its gradient (which comes back under the same key). A tree of tensors (not a single
-        tensor) goes as one payload, its structure in the header (:mod:`raypipe.comm.tree_messages`).
-        An activation whose signature differs from the one learned for ``key`` is not sent:
-        :class:`~raypipe.errors.BoundaryShapeChanged`."""
+        tensor) goes as a few parts, its large leaves as they are, its structure in the header
+        (:mod:`raypipe.comm.tree_messages`). An activation whose signature differs from the one
+        learned for ``key`` is not sent: :class:`~raypipe.errors.BoundaryShapeChanged`."""
         peer_rank = self._peer_rank(peer)
-        payload, structure = tree_messages.outgoing(tensor, self.stage, self.device)
-        signature = signature_of(payload)
+        parts, structure = tree_messages.outgoing(tensor, self.stage, self.device)
+        outgoing = BoundarySignature(message_signature(parts), structure)
         learned = self._learned.to_send(key)
         if learned is not None:
-            if learned != BoundarySignature(signature, structure):
-                raise self._shape_changed(key, peer, learned, BoundarySignature(signature, structure))
-            self._send(payload, peer_rank, PREDICTED, key)
+            if learned != outgoing:
+                raise self._shape_changed(key, peer, learned, outgoing)
+            self._send(parts, peer_rank, PREDICTED, key)
         else:
-            self._send_with_header(payload, signature, structure, peer_rank, key)
+            self._send_with_header(parts, outgoing, peer_rank, key)
         if structure is not None:
             self._messages.sent_structures[key] = structure
-        gradient = torch.empty_like(payload)
-        self._messages.gradients[key] = self._matching.post(gradient, peer_rank, GRADIENT, key), gradient
+        gradient = outgoing.payload if structure is None else tree_messages.part_signatures(
+            tree_messages.gradient_structure(structure))
+        self._messages.gradients[key] = self._posted(gradient, peer_rank, GRADIENT, key)
 
-    def _send_with_header(self, payload: torch.Tensor, signature: Signature, structure: TreeStructure | None,
-                          peer_rank: int, key: int) -> None:
-        """Send ``payload``'s header (with a tree's ``structure``, or followed by it where it is too large),
-        then the payload; on gloo under the tag of its prediction (a stale prediction's receive
-        consumed by a filler). With learned shapes, the signature is recorded."""
-        predicted = self._messages.sent.get(key)
+    def _send_with_header(self, parts: tuple[torch.Tensor, ...], outgoing: BoundarySignature, peer_rank: int,
+                          key: int) -> None:
+        """Send the header of ``outgoing`` (with a tree's structure, or followed by it where it is too large),
+        then its ``parts``; on gloo under the tag of its prediction (a stale prediction's receives
+        consumed by fillers). With learned shapes, the signature is recorded."""
+        predicted, signature, structure = self._messages.sent.get(key), outgoing.payload, outgoing.structure
         described = b"" if structure is None else structure.to_bytes()
         inline = structure_inline(len(described))
-        header = encode(signature if structure is None else tree_signature(structure.nbytes, len(described)),
+        header = encode(signature[0] if structure is None else tree_signature(structure.nbytes, len(described)),
                         self._control_device, described if inline else b"")
         self._messages.sends.append((self._control_op(dist.isend, header, peer_rank, key), header))
         if not inline:  # on the control channel, right after its header
             follows = torch.frombuffer(bytearray(described), dtype=torch.uint8).to(self._control_device)
             self._messages.sends.append((self._control_op(dist.isend, follows, peer_rank, key, LAYOUT), follows))
-        if predicted is not None and predicted != signature:  # consume the receive posted on the prediction
-            self._send(empty_buffer(predicted, self.device), peer_rank, PREDICTED, key)
-        self._send(payload, peer_rank, PREDICTED if predicted == signature else UNPREDICTED, key)
+        if predicted is not None and predicted != signature:  # consume the receives posted on the prediction
+            self._send(empty_buffers(predicted, self.device), peer_rank, PREDICTED, key)
+        self._send(parts, peer_rank, PREDICTED if predicted == signature else UNPREDICTED, key)
         if self._matching.predicts:
             self._messages.sent[key] = signature
         if self._learned.learns(key):
-            self._learned.sent[key] = BoundarySignature(signature, structure)
+            self._learned.sent[key] = outgoing
 
     def _shape_changed(self, key: int, peer: int, learned: BoundarySignature,
                        outgoing: BoundarySignature) -> BoundaryShapeChanged:
@@ -253,47 +265,47 @@ class P2PChannel:
         learned = self._learned.to_receive(key)
         if learned is not None:  # no header: in the receive posted ahead (gloo), or in one posted now
             posted = self._messages.payloads.pop(key, None)
-            payload = self._receive(posted, learned.payload, self._peer_rank(peer), PREDICTED, key)
-            return self._activation(payload, learned.structure, key)
+            parts = self._receive(posted, learned.payload, self._peer_rank(peer), PREDICTED, key)
+            return self._activation(parts, learned.structure, key)
         signature, structure = self._await_header(key, peer)
-        payload = self._receive_payload(signature, self._peer_rank(peer), key)
-        return self._activation(payload, structure, key)
+        parts = self._receive_payload(signature, self._peer_rank(peer), key)
+        return self._activation(parts, structure, key)
 
-    def _await_header(self, key: int, peer: int) -> tuple[Signature, TreeStructure | None]:
-        """The payload's signature of the activation sent under ``key`` by stage ``peer``, and the
+    def _await_header(self, key: int, peer: int) -> tuple[MessageSignature, TreeStructure | None]:
+        """The parts' signature of the activation sent under ``key`` by stage ``peer``, and the
         structure of a tree (None for a tensor), once its header (and structure) came in."""
         peer_rank = self._peer_rank(peer)
         if key not in self._messages.headers:
             self.expect_activations([(key, peer)])
         work, header = self._messages.headers.pop(key)
         self._waits.wait(work, peer_rank, self._micro_batch(key), "activation")
-        signature = decode(header)
-        structure = None
-        if signature[0] == TREE:
-            size = signature[1][1]
+        code, shape = decode(header)
+        structure, signature = None, ((code, shape),)
+        if code == TREE:
+            size = shape[1]
             structure = (TreeStructure.from_bytes(inline_structure(header, size)) if structure_inline(size)
-                      else self._receive_structure(size, peer_rank, key))
-            signature = (PAYLOAD_OF_TREE, (signature[1][0],))
+                         else self._receive_structure(size, peer_rank, key))
+            signature = tree_messages.part_signatures(structure)
         if self._matching.predicts:
             self._messages.received[key] = signature
         if self._learned.learns(key):
             self._learned.received[key] = BoundarySignature(signature, structure)
         return signature, structure
 
-    def _activation(self, payload: torch.Tensor, structure: TreeStructure | None, key: int) -> Any:
-        """A received payload as what was sent: the tensor, or the tree ``structure`` describes."""
+    def _activation(self, parts: tuple[torch.Tensor, ...], structure: TreeStructure | None, key: int) -> Any:
+        """A received message's parts as what was sent: the tensor, or the tree ``structure`` describes."""
         if structure is None:
-            return payload
+            return parts[0]
         self._messages.received_structures[key] = structure
-        return tree_messages.unpack(payload, structure)
+        return tree_messages.tree_of(parts, structure, self.device)
 
-    def _receive_payload(self, signature: Signature, peer_rank: int, key: int) -> torch.Tensor:
-        """The payload of ``signature``: in the receive posted ahead on its predicted shape (gloo;
-        consumed even when stale), or else in one posted now."""
+    def _receive_payload(self, signature: MessageSignature, peer_rank: int, key: int) -> tuple[torch.Tensor, ...]:
+        """The parts of ``signature``: in the receives posted ahead on their predicted shapes (gloo;
+        consumed even when stale), or else in ones posted now."""
         posted = self._messages.payloads.pop(key, None)
         if posted is not None:
             predicted = self._receive(posted, None, peer_rank, PREDICTED, key)
-            if signature_of(predicted) == signature:
+            if message_signature(predicted) == signature:
                 return predicted
         return self._receive(None, signature, peer_rank, UNPREDICTED, key)
 
@@ -308,10 +320,10 @@ class P2PChannel:
         """The gradient, from stage ``peer``, of the activation sent to it under ``key``
         (for a tree: a tree of its structure, ``None`` where a leaf is not floating-point)."""
         peer_rank = self._peer_rank(peer)
-        work, gradient = self._messages.gradients.pop(key)
-        gradient = self._receive((work, gradient), None, peer_rank, GRADIENT, key)
+        parts = self._receive(self._messages.gradients.pop(key), None, peer_rank, GRADIENT, key)
         structure = self._messages.sent_structures.pop(key, None)
-        return gradient if structure is None else tree_messages.unpack_gradient(gradient, structure)
+        return parts[0] if structure is None else tree_messages.tree_of(
+            parts, tree_messages.gradient_structure(structure), self.device)
 
     def send_gradient(self, gradient: Any, key: int, peer: int) -> None:
         """Start sending to stage ``peer`` the gradient of the activation it sent under
@@ -319,12 +331,13 @@ class P2PChannel:
         gradient)."""
         peer_rank = self._peer_rank(peer)
         structure = self._messages.received_structures.pop(key, None)
-        if structure is not None:
-            gradient = tree_messages.pack_gradient(gradient, structure, self.device)
+        if structure is not None:  # its floating-point leaves' gradients (zeros where a leaf has none)
+            self._send(tree_messages.gradient_parts(gradient, structure, self.device), peer_rank, GRADIENT, key)
+            return
         if gradient is None:
             raise RuntimeError(f"stage {self.stage} has no gradient for its input of micro-batch "
                                f"{self._micro_batch(key)}: the stage does not use its input")
-        self._send(gradient.detach().contiguous(), peer_rank, GRADIENT, key)
+        self._send((gradient.detach().contiguous(),), peer_rank, GRADIENT, key)
 
     def exchange(self, sends: list[tuple[LoweredOp, Any]], receives: list[LoweredOp],
                  key_of: Callable[[LoweredOp], int], header_first: Collection[LoweredOp] = ()) -> list[Any]:
@@ -362,7 +375,7 @@ class P2PChannel:
                 raise ValueError(f"stage {self.stage} cannot await the header of {part!r} first: it is not one of "
                                  f"the exchange's activation receives")
         self._batch = []
-        structures: dict[int, TreeStructure | None] = {}  # per key of a payload received in the batch: a tree's structure
+        structures: dict[int, TreeStructure | None] = {}  # per key of a payload received in the batch: its structure
         try:
             for op, tensor in sends:  # the headers go out now, the payloads with the batch
                 (self.send_activation if op.kind == SEND_ACT else self.send_gradient)(tensor, key_of(op), op.peer)
@@ -383,20 +396,21 @@ class P2PChannel:
                         signature, structures[key], tag = learned.payload, learned.structure, PREDICTED
                     else:
                         (signature, structures[key]), tag = self._await_header(key, op.peer), UNPREDICTED
-                    buffer, kept = empty_buffer(signature, self.device), self._messages.payloads
+                    buffers, kept = empty_buffers(signature, self.device), self._messages.payloads
                 else:
-                    work, buffer = self._messages.gradients[key]
+                    work, buffers = self._messages.gradients[key]
                     if work is not None or op.peer in received_after:  # gloo: posted ahead; NCCL: behind
                         continue
                     kept, tag = self._messages.gradients, GRADIENT
-                posted.append((kept, key, buffer, len(operations)))  # NCCL: posted now, with the sends
-                operations.append((dist.irecv, buffer, peer_rank, self._matching.tag(tag, key)))
+                first = len(operations)  # NCCL: posted now, with the sends, each part in order
+                operations.extend((dist.irecv, buffer, peer_rank, self._matching.tag(tag, key)) for buffer in buffers)
+                posted.append((kept, key, buffers, range(first, len(operations))))
             works = self._started(operations) if operations else []
             for work, (function, tensor, _, _) in zip(works, operations):
                 if function is dist.isend:
                     self._messages.sends.append((work, tensor))
-            for kept, key, buffer, index in posted:
-                kept[key] = works[index], buffer
+            for kept, key, buffers, indices in posted:
+                kept[key] = work_of_parts([works[index] for index in indices]), buffers
         finally:
             self._batch = None
         received = []
@@ -410,9 +424,9 @@ class P2PChannel:
 
     def _received_in_batch(self, key: int, peer: int, structure: TreeStructure | None) -> Any:
         """The activation whose payload an exchange received in its batch, its header awaited first."""
-        work, payload = self._messages.payloads.pop(key)
+        work, parts = self._messages.payloads.pop(key)
         self._waits.wait(work, self._peer_rank(peer), self._micro_batch(key), "activation")
-        return self._activation(payload, structure, key)
+        return self._activation(parts, structure, key)
 
     def finish_sends(self) -> None:
         """Wait until every started send has completed (the buffers live until then)."""
@@ -457,13 +471,14 @@ class P2PChannel:
         # gloo's point-to-point Work never says it completed until waited for: waited on a thread when polled
         return WaitedOnThread(work, self._waits.pool) if self._waits.polls else work
 
-    def _send(self, tensor: torch.Tensor, peer_rank: int, kind: int, key: int) -> None:
-        self.sent_bytes += tensor.numel() * tensor.element_size()
-        operation = (dist.isend, tensor, peer_rank, self._matching.tag(kind, key))
+    def _send(self, parts: tuple[torch.Tensor, ...], peer_rank: int, kind: int, key: int) -> None:
+        """Start sending a message's ``parts`` (in order: its receives are posted in that order)."""
+        self.sent_bytes += sum(part.numel() * part.element_size() for part in parts)
+        operations = [(dist.isend, part, peer_rank, self._matching.tag(kind, key)) for part in parts]
         if self._batch is not None:  # an exchange's: started with its receives
-            self._batch.append(operation)
-        else:
-            self._messages.sends.append((self._started([operation])[0], tensor))
+            self._batch.extend(operations)
+        elif operations:  # together: one NCCL batch
+            self._messages.sends.extend(zip(self._started(operations), parts))
 
     def _started(self, operations: list[Operation]) -> list[Any]:
         """Start ``operations``; the Work of each (NCCL's batch has one Work for all)."""
@@ -472,11 +487,13 @@ class P2PChannel:
         works = self._matching.start(operations)
         return works if len(works) == len(operations) else [works[0]] * len(operations)
 
-    def _receive(self, posted: tuple[Any, torch.Tensor] | None, signature: Signature | None, peer_rank: int,
-                 kind: int, key: int) -> torch.Tensor:
-        """Wait for a posted receive, or post one into a new buffer of ``signature`` and wait."""
-        work, buffer = posted if posted is not None else (None, empty_buffer(signature, self.device))
+    def _receive(self, posted: tuple[Any, tuple[torch.Tensor, ...]] | None, signature: MessageSignature | None,
+                 peer_rank: int, kind: int, key: int) -> tuple[torch.Tensor, ...]:
+        """Wait for a message's posted receives, or post them (together: one NCCL batch) into new
+        buffers of ``signature`` and wait; its parts."""
+        work, buffers = posted if posted is not None else (None, empty_buffers(signature, self.device))
         if work is None:
-            work = self._started([(dist.irecv, buffer, peer_rank, self._matching.tag(kind, key))])[0]
+            operations = [(dist.irecv, buffer, peer_rank, self._matching.tag(kind, key)) for buffer in buffers]
+            work = work_of_parts(self._started(operations) if operations else [])
         self._waits.wait(work, peer_rank, self._micro_batch(key), "gradient" if kind == GRADIENT else "activation")
-        return buffer
+        return buffers

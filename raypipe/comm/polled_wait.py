@@ -136,3 +136,26 @@ class StepWaits:
     def step_aborted(self, peer_rank: int | None, micro_batch: int | None, what: str, why: str) -> StepAborted:
         return StepAborted(self.stage, "recv" if what in ("activation", "gradient") else what, micro_batch, why,
                            replica=self.replica if self.topology.num_replicas > 1 else None)
+
+
+class WorkOfParts:
+    """The Work of a message of several parts (:mod:`raypipe.comm.tree_messages`), one Work each:
+    completed once every part's is; :meth:`wait` waits for each (raising the first error)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
+def work_of_parts(works: list[Any]) -> Any:
+    """One Work for a message's parts' ``works``: the one Work itself where they are one (a single
+    part, or an NCCL batch's one Work for all), else a :class:`WorkOfParts`."""
+    distinct = list({id(work): work for work in works}.values())
+    return distinct[0] if len(distinct) == 1 else WorkOfParts(distinct)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from raypipe.comm.headers import Signature
+from raypipe.comm.headers import MessageSignature
 from raypipe.comm.tree_messages import TreeStructure
 
 
@@ -15,19 +15,20 @@ from raypipe.comm.tree_messages import TreeStructure
 class StepMessages:
     """Per message key (a key names one message of the step, whichever peer it is with).
 
-    ``sends``, ``headers``, ``payloads`` and ``gradients``: the running step's unfinished sends and
-    posted receives (Work and buffer); a pending operation keeps the group's connections open, so
-    leaving drops them all. ``sent`` and ``received``: the shape each key's activation had last step,
+    ``sends``: the running step's unfinished sends (Work and buffer, one per part of a message);
+    ``headers``, ``payloads`` and ``gradients``: its posted receives (Work, and the header, or each
+    part's buffer: :mod:`raypipe.comm.tree_messages`); a pending operation keeps the group's connections
+    open, so leaving drops them all. ``sent`` and ``received``: the shape each key's activation had last step,
     as sent and as received, the same on both ends of a message, as its key is. ``sent_structures`` and
     ``received_structures``: the running step's trees (:mod:`raypipe.comm.tree_messages`): a sent one
-    unpacks its gradient, a received one packs the gradient sent back."""
+    gives its gradient's parts, a received one the parts of the gradient sent back."""
 
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     headers: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
-    payloads: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
-    gradients: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
-    sent: dict[int, Signature] = field(default_factory=dict)
-    received: dict[int, Signature] = field(default_factory=dict)
+    payloads: dict[int, tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    gradients: dict[int, tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    sent: dict[int, MessageSignature] = field(default_factory=dict)
+    received: dict[int, MessageSignature] = field(default_factory=dict)
     sent_structures: dict[int, TreeStructure] = field(default_factory=dict)
     received_structures: dict[int, TreeStructure] = field(default_factory=dict)
 

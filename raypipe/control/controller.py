@@ -25,7 +25,10 @@ served::
 
 Slow workers are found after every step from the workers' own compute
 (:mod:`raypipe.control.stragglers`): each is reported, and with ``on_slow="replace"``
-swapped for a warm spare at the next step boundary, its state moved from it.
+swapped for a warm spare at the next step boundary, its state moved from it; with
+``on_slow="rebalance"`` the layers are split again at the same number of stages, away
+from its stage in every replica, the workers started again in their bundles and
+adopting their new layers from a snapshot taken then (as a re-partition's do).
 
 Every change reads: controller state -> policy (a pure decision of
 :mod:`raypipe.control.policy` over a frozen :class:`~raypipe.control.view.LayoutView`)
@@ -43,9 +46,11 @@ when a step raises :class:`~raypipe.errors.WorkersFailed`,
    workers are killed, the step's tasks on the others end, and the controller
    is :class:`~raypipe.control.states.Healing` (its workers, reasons, start);
 2. at the next step boundary the failed workers are replaced from their specs,
-   in their bundles (Ray re-places a bundle whose node was lost), within
-   ``replace_timeout_s``; with no room the policy shrinks, re-partitions onto
-   fewer stages, or raises;
+   by warm spares where they are up, else in their bundles (Ray re-places a bundle
+   whose node was lost), within ``replace_timeout_s``; with no room the policy
+   shrinks, re-partitions onto fewer stages, or raises. At tensor_parallel t > 1 a
+   spare is a group of t on one node and takes a whole stage's place: the stage's
+   surviving ranks are released and replaced too;
 3. the replacements get their state from the smallest source the policy picks: a
    data-parallel sibling (nothing replayed), else every worker restores the newest
    snapshot (an older one when it was lost; resharded with ZeRO-1 after a shrink),
@@ -73,17 +78,18 @@ import ray
 from raypipe.config import PipelineConfig
 from raypipe.control.compound import folded, lost_workers, replace_within
 from raypipe.control.elastic import Resizer, replica_specs
-from raypipe.control.partitioning import PartitionReturn, fewer_stages_config, fewer_stages_that_fit, room
+from raypipe.control.partitioning import (PartitionReturn, fewer_stages_config, fewer_stages_that_fit, layer_step_costs,
+                                          room)
 from raypipe.control.persisted import PersistedCheckpoints
-from raypipe.control.policy import (BELOW_MINIMUM, TOO_MANY_FAILURES, CopyFromSiblings, Grow, LoadCheckpoint, Raise,
-                                    Repartition, RestoreSnapshot, ReturnToConfigured, Shrink, WaitForRoom,
-                                    decide_failure, decide_scaling, replicas_hold_copies)
+from raypipe.control.policy import (BELOW_MINIMUM, RELEASED, TOO_MANY_FAILURES, CopyFromSiblings, Grow, LoadCheckpoint,
+                                    Raise, Repartition, RestoreSnapshot, ReturnToConfigured, Shrink, WaitForRoom,
+                                    decide_failure, decide_scaling, replicas_hold_copies, spare_stages)
 from raypipe.control.snapshots import LoggedStep, Snapshots
 from raypipe.control.state_transfer import CopyLost, Load, StateTransfer, survivors_that_ended
 from raypipe.control.states import (GROW, SHRINK, STATES, ControllerState, Failed, Healing, Recovered,
                                     Repartitioned, Resizing, Running, Starting, State, Stopped, heal_under_way)
-from raypipe.control.stragglers import (ComputeHistory, ReplaceSlow, SlowView, SlowWorker, decide_slow, find_slow,
-                                        slowdowns)
+from raypipe.control.stragglers import (ComputeHistory, RebalanceSlow, ReplaceSlow, SlowView, SlowWorker, decide_slow,
+                                        find_slow, slowdowns, well_stage_seconds)
 from raypipe.control.view import FailedWorker, LayoutView, repartitioned
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.partition import worker_chunks
@@ -129,6 +135,18 @@ class SlowReplaced(NamedTuple):
 
     ranks: tuple[int, ...]
     spares: dict[int, str]
+    seconds: float
+
+
+class SlowRebalanced(NamedTuple):
+    """Layers moved away from slow workers' stages (``on_slow="rebalance"``): after how many committed
+    steps, the decision (the new layers per stage, the slowest stage's predicted seconds before and
+    after, the slowdowns balanced for), the layers per stage before, and the seconds it took between
+    two steps."""
+
+    commits: int
+    decision: RebalanceSlow
+    balance_before: tuple[int, ...]
     seconds: float
 
 
@@ -198,6 +216,11 @@ class Controller:
         self.slow_workers: list[SlowFound] = []  # every worker found slow, in order
         self.slow_replaced: list[SlowReplaced] = []  # every swap of slow workers for spares (on_slow="replace")
         self._slow_to_replace: tuple[int, ...] = ()  # ranks to swap for spares at the next step boundary
+        self.slow_rebalanced: list[SlowRebalanced] = []  # every rebalance away from slow workers (on_slow="rebalance")
+        self._slow_to_rebalance: RebalanceSlow | None = None  # the partition to take at the next step boundary
+        # the slowdowns the partition in force was balanced for (their workers stay slow in their places), until
+        # the workers change
+        self._rebalanced_for: tuple[SlowWorker, ...] = ()
         self._datasets: tuple[Any, Any] | None = None
         self._ship_limit = DEFAULT_SHIP_DATA_LIMIT_BYTES
         self._shipped: dict[int, Any] = {}  # shipped copies: the driver holds them while the stages read them
@@ -256,7 +279,7 @@ class Controller:
         """A layout change (a heal too) is over: steps run on the configured partition, or on fewer stages."""
         reason = f"{reason}; {self.topology.num_replicas} replica(s) of {self._config.num_stages} stage(s)"
         self._compute.clear()  # other workers, or other layers on them: baselines start again
-        self._slow_to_replace = ()  # of the layout before
+        self._slow_to_replace, self._slow_to_rebalance, self._rebalanced_for = (), None, ()  # of the layout before
         self._enter(Repartitioned(reason=reason) if self.layout.repartitioned else Running(reason=reason))
 
     # -- start and stop -------------------------------------------------------
@@ -435,13 +458,15 @@ class Controller:
 
     def _change_layout(self) -> None:
         """At a step boundary, the one layout change due: the heal under way, else the slow workers
-        to swap for spares, else an elastic run's grow, else a re-partitioned run's way back to its
-        configured stages."""
+        to swap for spares, else the rebalance away from slow workers, else an elastic run's grow,
+        else a re-partitioned run's way back to its configured stages."""
         healing = heal_under_way(self.current_state)
         if healing is not None:
             self._heal(healing)
         elif self._slow_to_replace:
             self._replace_slow()
+        elif self._slow_to_rebalance is not None:
+            self._rebalance_slow()
         elif self.resizer is not None:
             self._grow()
         elif self.partition_return is not None and self._return_to_configured():
@@ -470,14 +495,17 @@ class Controller:
         replicas and its tensor-parallel peers (:mod:`~raypipe.control.stragglers`): every
         worker's ratio to the metrics, one WARNING line for each worker newly found slow, and with
         ``on_slow="replace"`` the policy's :func:`~raypipe.control.stragglers.decide_slow` asked which
-        to swap for spares at the next step boundary."""
+        to swap for spares at the next step boundary; with ``"rebalance"``, as workers are newly found,
+        which partition to take there (each stage's time when well from the baselines, each layer's
+        share from its cost)."""
         history, events = self._compute, [event for report in reports for event in report.events]
         history.record(events)
         view = history.view()
         if self._metrics is not None:
             self._metrics.record_slowdowns(slowdowns(view))
         topology, workers, found = self._group_topology(), self.executor.group.workers, find_slow(view)
-        for slow in history.newly_slow(found):
+        newly = history.newly_slow(found)
+        for slow in newly:
             rank = topology.rank(slow.replica, slow.stage, slow.tp_rank)
             node = workers[rank].node_id
             at = max(event.end for event in events if (event.replica, event.stage, event.tp_rank) == slow.worker)
@@ -492,6 +520,18 @@ class Controller:
                                             topology.num_stages, topology.num_replicas, topology.tensor_parallel))
             if isinstance(decision, ReplaceSlow):
                 self._slow_to_replace = decision.ranks
+        elif self._config.on_slow == "rebalance" and newly and not self.layout.repartitioned:
+            # asked once as workers are newly found slow (not at every step they stay slow): after a rebalance
+            # their baselines start again at their slow pace, so they are found again only if they slow further
+            decision = decide_slow(SlowView(
+                found, self._config.on_slow, 0, topology.num_stages, topology.num_replicas, topology.tensor_parallel,
+                balance=tuple(self._balance),
+                stage_seconds=well_stage_seconds(view.baselines, topology.num_stages, self._rebalanced_for),
+                layer_costs=tuple(layer_step_costs(self.model.layers, self._config)), rebalanced=self._rebalanced_for))
+            if isinstance(decision, RebalanceSlow):
+                self._slow_to_rebalance = decision
+            else:
+                logger.warning("raypipe: on_slow='rebalance' leaves the layers where they are: %s", decision.why)
 
     def _replace_slow(self) -> None:
         """``on_slow="replace"``, between two steps: each worker found slow is swapped for a warm
@@ -517,7 +557,47 @@ class Controller:
         self.slow_replaced.append(replaced)
         logger.warning("raypipe: swapped slow %s for %s in %.1fs, its state moved from it, no step replayed",
                        ", ".join("replica {} stage {} tp_rank {}".format(*topology.coordinates(rank)) for rank in ranks),
-                       ", ".join(spares.get(rank, "a new process") for rank in ranks), replaced.seconds)
+                       # a spare group (t > 1) is named once for its stage's ranks
+                       ", ".join(dict.fromkeys(spares.get(rank, "a new process") for rank in ranks)), replaced.seconds)
+
+    def _rebalance_slow(self) -> None:
+        """``on_slow="rebalance"``, between two steps: the layers split as the decision says, the
+        same stages in every replica, carried out as a re-partition is (:meth:`_relaunch`): a
+        checkpoint save in flight is finished, every worker snapshotted, started again in its own
+        bundle (its node: the slow place keeps a worker, now with its fewer layers) from its new
+        spec, and adopts its layers from that snapshot; nothing is replayed and no failure is
+        charged. The partition becomes the configured one (a run re-partitioned later returns to
+        it), the baselines start again (other layers), and the slowdowns balanced for are kept
+        until the workers change, so a later rebalance for another worker counts them."""
+        decision, self._slow_to_rebalance = self._slow_to_rebalance, None
+        started, before = time.monotonic(), tuple(self._balance)
+        balance = list(decision.balance)
+        config = self._config.replace(balance=balance)
+        self.settle_saves()  # a checkpoint save in flight reads the workers about to go
+
+        def restart_in_place() -> None:
+            self._config, self._balance, self._configured = config, balance, (config, balance)
+            self.executor.config = config  # the executor's own copy
+            group = self.executor.group
+            group.set_specs(replica_specs(self.stage_specs(), self._group_topology().num_replicas,
+                                          config.micro_batches_per_step))
+            if self.resizer is not None:  # a replica it adds takes the new layers
+                self.resizer.take_partition(config, self.stage_specs())
+            replace_within(group, list(range(len(group.actors))), config.replace_timeout_s)
+            self._last_reports = None  # of the old layers: a re-partition must not size stages by them
+            self.executor.connect(group)
+
+        source = self._relaunch(restart_in_place)
+        self.snapshots.fresh()
+        self._compute.clear()
+        self._rebalanced_for = decision.slowed
+        rebalanced = SlowRebalanced(self._commits, decision, before, time.monotonic() - started)
+        self.slow_rebalanced.append(rebalanced)
+        logger.warning("raypipe: rebalanced away from slow %s: layers per stage %s -> %s in every replica, the "
+                       "slowest stage predicted %.4gs -> %.4gs a step; in %.1fs, from the %s, no step replayed",
+                       ", ".join(f"replica {slow.replica} stage {slow.stage} tp_rank {slow.tp_rank} "
+                                 f"({slow.factor:.2f}x)" for slow in decision.slowed),
+                       list(before), balance, decision.before, decision.after, rebalanced.seconds, source)
 
     def _ending_on_error(self, run: Callable[[], Any]) -> Any:
         try:
@@ -552,8 +632,8 @@ class Controller:
                          for rank, why in sorted((failed or {}).items())),
             failures=len(self._failures), max_failures=config.max_failures, snapshot_every=config.snapshot_every,
             snapshots=self.snapshots.views(), checkpoint_step=self._persisted.newest_step,
-            # a re-partition adopts other stages' layers: not done with split layers (a rank's snapshot is its part)
-            can_repartition=config.tensor_parallel == 1,
+            # a re-partition keeps t: each new rank adopts the layers' parts of the same tp_rank's snapshots
+            can_repartition=True,
             placement_timeout_s=config.placement_timeout_s, **facts)
 
     def _group_topology(self) -> Topology:
@@ -590,11 +670,13 @@ class Controller:
         them their state, re-form communication, replay, and settle."""
         failed = sorted(healing.failed)
         group = self.executor.group
-        survivors = [actor for index, actor in enumerate(group.actors) if index not in failed]
         ended = self._survivors_ended(failed)
         decision = decide_failure(self._view(dict(healing.failed), survivors_ended_step=ended))
         if isinstance(decision, Raise):
             raise self._cannot_heal(decision, self._failures[-1])
+        healing, released = self._release_for_spares(healing)
+        failed, ended = sorted(healing.failed), None if ended is None else ended - released
+        survivors = [actor for index, actor in enumerate(group.actors) if index not in failed]
         spares: dict[int, str] = {}  # the failed workers whose place a warm spare took
         try:
             spares = replace_within(group, failed, self._config.replace_timeout_s)
@@ -626,8 +708,28 @@ class Controller:
             self.executor.reconnect(survivors)
             self.give_datasets(failed)
         if spares:
-            source += f" (replaced by {', '.join(spares[index] for index in sorted(spares))})"
+            source += f" (replaced by {', '.join(dict.fromkeys(spares[index] for index in sorted(spares)))})"
         self._healed(healing, replay, source, failed)
+
+    def _release_for_spares(self, healing: Healing) -> tuple[Healing, frozenset[int]]:
+        """With warm spares up at tensor_parallel > 1 (each a group of t: a stage's place), the
+        stages the policy gives them (:func:`~raypipe.control.policy.spare_stages`) are swapped
+        whole: their surviving ranks are killed and replaced with the failed ones (the state
+        source restores them as any replacement). The heal with them, and their ranks."""
+        if self._config.tensor_parallel == 1 or not self._config.spare_workers or self.spares is None:
+            return healing, frozenset()
+        swap = spare_stages(self._view(dict(healing.failed), spares_up=self.spares.up_count()))
+        if not swap.released:
+            return healing, frozenset()
+        self.executor.group.kill(list(swap.released))
+        healing = replace(healing, failed={**healing.failed, **dict.fromkeys(swap.released, RELEASED)})
+        self._enter(healing)
+        topology = self._group_topology()
+        logger.warning("raypipe: %s swapped whole for warm spares: released %s",
+                       ", ".join("replica {} stage {}".format(*topology.coordinates(first)[:2])
+                                 for first in swap.stages),
+                       ", ".join(place_name(topology.place(rank)) for rank in swap.released))
+        return healing, frozenset(swap.released)
 
     def _survivors_ended(self, failed: list[int]) -> frozenset[int] | None:
         """The survivors whose state ended the failed step (all of them when one does not
@@ -794,8 +896,9 @@ class Controller:
         self._enter(Repartitioned(healing, reason=f"re-partitioned from {old_stages} to {config.num_stages} "
                                                   "stage(s): no room for a whole pipeline"))
         self.give_datasets(range(len(self.executor.group.actors)))
-        # every replica's snapshots with ZeRO-1 (each holds the optimizer part of the parameters it owned)
-        needed = None if config.shard_optimizer else old_stages
+        # every replica's snapshots with ZeRO-1 (each holds the optimizer part of the parameters it owned),
+        # else one replica's: its p x t workers
+        needed = None if config.shard_optimizer else old_stages * config.tensor_parallel
         replay, source = self._restore(load=self._transfer.adopt_layers(needed), needed=needed, as_taken=True)
         return replay, f"{source}, re-partitioned onto {config.num_stages} stage(s)"
 
@@ -809,7 +912,7 @@ class Controller:
         running = list(self.group.workers)  # every worker's bundle is freed for the new partition
         started = time.monotonic()
         while True:
-            decision = decide_failure(replace(view, room=room(bundle, running),
+            decision = decide_failure(replace(view, room=room(bundle, running, config.tensor_parallel),
                                               stage_counts_that_fit=tuple(fewer.balances),
                                               waited_for_room_s=time.monotonic() - started))
             if isinstance(decision, Repartition):
@@ -927,4 +1030,5 @@ class Controller:
             self.executor.connect(group)
 
 
-__all__ = ["STATES", "Controller", "ControllerState", "Layout", "SlowFound", "SlowReplaced", "StageModel"]
+__all__ = ["STATES", "Controller", "ControllerState", "Layout", "SlowFound", "SlowRebalanced", "SlowReplaced",
+           "StageModel"]

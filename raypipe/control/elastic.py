@@ -195,6 +195,16 @@ class Resizer:
             ray.get([actor.restore.remote(snapshot) for actor, snapshot in zip(old, snapshots)])
         return None
 
+    def take_partition(self, config: PipelineConfig, stages: list[WorkerSpec]) -> None:
+        """The running replicas' layers moved to other stages (a rebalance: ``config``'s balance, the
+        same stages): new replicas are built from ``stages``; one already starting with the old
+        layers is cancelled and asked for again."""
+        self.config, self.stages = config, stages
+        if self._starting is not None:
+            self._starting.cancel()
+            self._starting = None
+            self._ask_for(1)
+
     # -- lifecycle ------------------------------------------------------------
     def _ask_for(self, count: int) -> None:
         for _ in range(count):

@@ -50,7 +50,8 @@ from raypipe.config import PipelineConfig
 from raypipe.control.snapshots import holding
 from raypipe.control.view import Room
 from raypipe.core.partition import worker_layers
-from raypipe.models.layers import layer_parameter_count
+from raypipe.models.layers import LayerSpec, layer_parameter_count
+from raypipe.planning.balance import layer_step_flops
 from raypipe.planning.repartition import fewer_stages, layer_bytes
 from raypipe.runtime import cluster, spread
 from raypipe.runtime.group import StageGroup, WorkerInfo
@@ -73,10 +74,12 @@ class FewerStages:
 def fewer_stages_that_fit(layers: Sequence[Any], reports: list | None, config: PipelineConfig,
                           balance: list[int], device_memory: int | None) -> FewerStages:
     """Each count of stages below ``config.num_stages`` whose stages the memory model says
-    fit a worker (the running stages' ``reports`` measure what each layer holds; without
-    them, 8 bytes per parameter), and its balance."""
+    fit a worker (the running stages' ``reports`` measure what each layer holds, one rank's part
+    of it at ``tensor_parallel`` t > 1, which a re-partition keeps; without them, 8 bytes per
+    parameter, counted whole at any t: an over-estimate), and its balance."""
     costs = [layer_parameter_count(layer) for layer in layers]
-    stats = [report.stats for report in reports[:config.num_stages]] if reports else None
+    t = config.tensor_parallel  # reports in rank order, a stage's t ranks adjacent: each stage's tp_rank 0 measures
+    stats = [report.stats for report in reports[:config.num_stages * t:t]] if reports else None
     running = worker_layers(balance, config.num_stages, config.placement)
     predicted = layer_bytes(running, [4 * cost for cost in costs], stats) if stats else [8.0 * cost for cost in costs]
     capacity = cluster.worker_memory_bytes(device_memory)
@@ -88,10 +91,23 @@ def fewer_stages_that_fit(layers: Sequence[Any], reports: list | None, config: P
     return FewerStages(balances, sum(predicted), capacity)
 
 
-def room(bundle: dict[str, float], running: Sequence[WorkerInfo]) -> Room:
-    """The room for workers of ``bundle`` now, and once the ``running`` workers went (a
-    bundle each; a lost node's frees none)."""
-    return Room(cluster.placeable_workers(bundle), cluster.placeable_workers(bundle, [w.node_id for w in running]))
+def layer_step_costs(layers: Sequence[Any], config: PipelineConfig) -> list[float]:
+    """Each layer's share of its stage's time, for a rebalance away from a slow worker
+    (:func:`raypipe.control.stragglers.rebalance`): its flops in one step (its ``LayerCost``'s,
+    with the recomputed forwards) where every layer has a cost, else its parameter count (what
+    ``balance="parameters"`` splits by)."""
+    costs = [layer.cost if isinstance(layer, LayerSpec) else None for layer in layers]
+    if all(cost is not None for cost in costs):
+        return [layer_step_flops(cost, config.activation_checkpoint, config.num_micro_batches) for cost in costs]
+    return [float(layer_parameter_count(layer)) for layer in layers]
+
+
+def room(bundle: dict[str, float], running: Sequence[WorkerInfo], tensor_parallel: int = 1) -> Room:
+    """The room for stages of ``tensor_parallel`` workers of ``bundle`` each, a stage's on one node,
+    now and once the ``running`` workers went (a stage's bundle each; a lost node's frees none)."""
+    stage = cluster.stage_bundle(bundle, tensor_parallel)
+    stages_on = [worker.node_id for worker in running if worker.tp_rank == 0]  # a stage's t workers share a node
+    return Room(cluster.placeable_workers(stage), cluster.placeable_workers(stage, stages_on))
 
 
 def fewer_stages_config(config: PipelineConfig, balance: list[int]) -> PipelineConfig:
@@ -109,13 +125,15 @@ class PartitionReturn:
 
     def __init__(self, actor_class: Any, specs: list[WorkerSpec], bundle: dict[str, float]) -> None:
         self._actor_class, self._specs, self._bundle = actor_class, list(specs), bundle
+        self._tensor_parallel = specs[0].config.tensor_parallel  # a stage's t workers share its bundle
         self._group: StageGroup | None = None
         self._ready: list = []
         self.in_place = True  # until a swap in place found the room gone
         self._ask()
 
     def _ask(self) -> None:
-        self._placement = spread.replica_group([self._bundle] * len(self._specs))
+        self._placement = spread.replica_group([cluster.stage_bundle(self._bundle, self._tensor_parallel)]
+                                               * self.num_stages)
         self._placed = self._placement.ready()
 
     def poll(self) -> StageGroup | None:
@@ -136,8 +154,8 @@ class PartitionReturn:
 
     @property
     def num_stages(self) -> int:
-        """The configured pipeline's stages (one worker each)."""
-        return len(self._specs)
+        """The configured pipeline's stages (``tensor_parallel`` workers each)."""
+        return len(self._specs) // self._tensor_parallel
 
     @property
     def started(self) -> bool:
@@ -145,8 +163,8 @@ class PartitionReturn:
         return self._group is not None
 
     def room(self, running: list[WorkerInfo]) -> Room:
-        """The room for workers of its bundle now, and once the ``running`` workers went (a bundle each)."""
-        return room(self._bundle, running)
+        """The room for its stages now, and once the ``running`` workers went (a stage's bundle each)."""
+        return room(self._bundle, running, self._tensor_parallel)
 
     def start_in_place(self, timeout_s: float) -> StageGroup | None:
         """Once the running workers went: the configured pipeline's group, its workers
@@ -174,7 +192,8 @@ class PartitionReturn:
         layers = [spec.layer_indices for spec in running.specs]
         try:
             self._group.wait_ready()
-            ray.get([actor.adopt.remote(*holding(snapshots, layers, spec.layer_indices))
+            ray.get([actor.adopt.remote(*holding(snapshots, layers, spec.layer_indices, spec.tp_rank,
+                                                 self._tensor_parallel))
                      for actor, spec in zip(self._group.actors, self._group.specs)])
         except ray.exceptions.RayError as error:
             logger.warning("raypipe: a worker failed while the configured pipeline took over (%s); asking for "

@@ -7,7 +7,9 @@ decision returned (modelled on Ray Train v2's ``FailurePolicy.make_decision`` an
 facts may change the way on:
 
 1. a failure was noted (the survivors not asked yet): raise, or replace the failed workers;
-2. the survivors said whether they ended the failed step: raise, or replace;
+2. the survivors said whether they ended the failed step: raise, or replace; with warm
+   spares up, :func:`spare_stages` says which stages they take whole (at tensor_parallel
+   t > 1 a spare is a group of t: a stage's place, its surviving ranks released);
 3. a replacement found no room: shrink, re-partition onto fewer stages, wait for room, or raise;
 4. the replacements run: the smallest source of their state (a data-parallel
    sibling, the newest snapshot, an older one when a newer one was lost, the
@@ -192,6 +194,36 @@ def _state_source(view: LayoutView) -> FailureDecision:
     if view.checkpoint_step is not None and not view.checkpoint_lost:
         return LoadCheckpoint(view.checkpoint_step)
     return Raise(EVERY_COPY_LOST, "no snapshot or checkpoint to restore")
+
+
+# -- warm spares -------------------------------------------------------------------
+RELEASED = "released: its stage went to a warm spare"  # a survivor's why in a heal (SpareStages.released)
+
+
+@dataclass(frozen=True)
+class SpareStages:
+    """The stages a failure touched that warm spares take whole, by their first rank, and
+    ``released``: those stages' surviving workers, let go with them (at t = 1 none)."""
+
+    stages: tuple[int, ...]
+    released: tuple[int, ...]
+
+
+def spare_stages(view: LayoutView) -> SpareStages:
+    """Which stages the ``spares_up`` warm spares take. At ``tensor_parallel`` t > 1 a spare is a
+    group of t processes on one node, so it takes a whole stage's place (each process one tp_rank;
+    one rank alone would sit on another node than its peers): a stage where some ranks failed
+    has its survivors released and every rank restored as a heal restores any worker. Stages
+    whose every worker failed (a node lost) come first, as a spare saves them the most (their
+    bundle need not be placed again, nor room found for it), then the rest in rank order; stages
+    beyond the spares up have only their failed workers replaced, by new processes."""
+    topology, failed = view.topology, set(view.failed_ranks)
+    touched = sorted({topology.tensor_ranks(*topology.coordinates(rank)[:2])[0] for rank in failed})
+    t = topology.tensor_parallel
+    whole = [first for first in touched if failed.issuperset(range(first, first + t))]
+    chosen = sorted((whole + [first for first in touched if first not in whole])[:max(view.spares_up, 0)])
+    released = tuple(rank for first in chosen for rank in range(first, first + t) if rank not in failed)
+    return SpareStages(tuple(chosen), released)
 
 
 # -- scaling decisions ------------------------------------------------------------

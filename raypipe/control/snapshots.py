@@ -36,11 +36,16 @@ class LoggedStep:
     loss_scale: float | None
 
 
-def holding(refs: list, layers: list[tuple[int, ...]], wanted: tuple[int, ...]) -> list:
-    """The snapshots among ``refs`` (of workers that held ``layers``, in the same order)
-    that hold any of the global layers ``wanted``: what a worker of another partition
-    adopts, so that it fetches its own layers' stages and not the whole model."""
-    return [ref for ref, held in zip(refs, layers, strict=True) if not set(held).isdisjoint(wanted)]
+def holding(refs: list, layers: list[tuple[int, ...]], wanted: tuple[int, ...], tp_rank: int = 0,
+            tensor_parallel: int = 1) -> list:
+    """The snapshots among ``refs`` (of workers that held ``layers``, in the same order: rank
+    order) that hold any of the global layers ``wanted``: what a worker of another partition
+    adopts, so that it fetches its own layers' stages and not the whole model. With
+    ``tensor_parallel`` t > 1 (kept by a re-partition), only those of its own ``tp_rank``: a
+    rank's snapshot holds its part of each layer, and the same tp_rank's part is the same slice
+    on any stage."""
+    return [ref for position, (ref, held) in enumerate(zip(refs, layers, strict=True))
+            if position % tensor_parallel == tp_rank and not set(held).isdisjoint(wanted)]
 
 
 @dataclass

@@ -58,9 +58,11 @@ class StateTransfer:
 
     def adopt_layers(self, needed: int | None = None) -> Load:
         """Each worker of the group (of another partition than the snapshot's) adopts the
-        snapshots, of the first ``needed`` workers snapshotted, that hold its layers."""
-        group = self.executor.group
-        return lambda refs, layers: [actor.adopt.remote(*holding(refs[:needed], layers[:needed], spec.layer_indices))
+        snapshots, of the first ``needed`` workers snapshotted, that hold its layers (of its
+        tp_rank with tensor parallelism)."""
+        group, t = self.executor.group, self.executor.config.tensor_parallel
+        return lambda refs, layers: [actor.adopt.remote(*holding(refs[:needed], layers[:needed], spec.layer_indices,
+                                                                 spec.tp_rank, t))
                                      for actor, spec in zip(group.actors, group.specs)]
 
     def reshard(self, workers_per_replica: int) -> Load:
@@ -108,8 +110,9 @@ class StateTransfer:
         ray.get(copies + dropped)
         if not sources:  # a shrink dropped every failed worker's replica
             return "surviving replicas"
-        num_stages = self.executor.config.num_stages
-        return "replica " + ", ".join(sorted({str(source // num_stages) for source in sources.values()}))
+        config = self.executor.config
+        per_replica = config.num_stages * config.tensor_parallel  # a replica's ranks: p * t
+        return "replica " + ", ".join(sorted({str(source // per_replica) for source in sources.values()}))
 
     def _of_another_partition(self, snapshot: Snapshot) -> bool:
         """Whether ``snapshot``'s workers held other layers than the group's now do."""

@@ -70,6 +70,7 @@ class LayoutView:
     unplaced: tuple[int, ...] = ()  # failed workers whose replacement found no room within replace_timeout_s
     replaced: bool = False  # the failed workers' replacements run (or a shrink dropped them): state comes next
     shrunk: bool = False  # this heal dropped replicas (ZeRO-1 then moves optimizer parts: a reshard)
+    spares_up: int = 0  # warm spares started and alive (at tensor_parallel > 1, each a group of t: a stage's place)
     # what a heal can restore from
     snapshot_every: int = 1
     snapshots: tuple[SnapshotView, ...] = ()  # the newest last

@@ -48,6 +48,10 @@ from raypipe.core.timed_simulation import simulate_timed
 # Per compute kind: the receive of its input and the send of its output (W needs and makes
 # nothing another worker has: it only adds to this worker's weight gradients).
 _COMMUNICATION = {F: (RECV_ACT, SEND_ACT), B: (RECV_GRAD, SEND_GRAD), I: (RECV_GRAD, SEND_GRAD)}
+_MESSAGES = frozenset(SENDS + RECEIVES)
+# LoweredOp(...) from all six fields, without a NamedTuple constructor's keyword handling: a big
+# pipeline's lowering makes millions
+_lowered_op = functools.partial(tuple.__new__, LoweredOp)
 
 
 def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[LoweredOp]]:
@@ -157,8 +161,11 @@ def _interleaved(schedule: list[list[Op]], num_stages: int, num_chunks: int, pla
     if steps is not None and steps[0] <= simulate_timed(lowered, EVEN_COST, buffered_sends=True,
                                                         placement=placement).step_s:
         return lowered
+    if steps is not None:  # the steady state's step is timed: the first step's is left
+        first_step = _even_cost_steps(lowered, placement, modes=(HEADERS,))
+        steps = None if first_step is None else steps + first_step
     alone = [_communicating(stage, ops, num_stages, placement, num_chunks) for stage, ops in enumerate(schedule)]
-    candidates = [(_even_cost_steps(lowered, placement), lowered)]
+    candidates = [(steps, lowered)]
     for drafted in (paired, alone):
         candidate = _defer_waiting_sends(receives_in_send_order(drafted, num_stages, num_chunks, placement),
                                          placement, num_chunks)
@@ -279,17 +286,26 @@ def _communicating(stage: int, ops: Sequence[Op], num_stages: int, placement: st
             raise ValueError(f"stage {stage}: {op!r} names chunk {op.chunk}, outside 0..{num_chunks - 1}")
     lowered = []
     index = 0
+    others: dict[tuple[int, str], tuple[int, int] | None] = {}  # neighbour() per (chunk, message kind)
+
+    def message(op: Op, kind: str) -> None:
+        # the ``kind`` message of ``op``, or none where its virtual stage's neighbour is missing (an end of
+        # the pipeline) or on this worker (used directly); the neighbour looked up once per chunk and kind
+        if (op.chunk, kind) not in others:
+            others[(op.chunk, kind)] = neighbour(stage, op.chunk, kind, num_stages, num_chunks, placement)
+        other = others[(op.chunk, kind)]
+        if other is not None and other[0] != stage:
+            lowered.append(_lowered_op((kind, op.micro_batch, other[0], (), op.chunk, ())))
+
     while index < len(ops):
         segment = ops[index:index + 2] if index in paired else ops[index:index + 1]
         for op in segment:
-            recv, _ = _COMMUNICATION.get(op.kind, (None, None))
-            if recv is not None:
-                lowered.extend(_message(stage, op, recv, num_stages, num_chunks, placement))
-        lowered.extend(LoweredOp(op.kind, op.micro_batch, chunk=op.chunk) for op in segment)
+            if op.kind in _COMMUNICATION:
+                message(op, _COMMUNICATION[op.kind][0])
+        lowered.extend(_lowered_op((op.kind, op.micro_batch, None, (), op.chunk, ())) for op in segment)
         for op in segment:
-            _, send = _COMMUNICATION.get(op.kind, (None, None))
-            if send is not None:
-                lowered.extend(_message(stage, op, send, num_stages, num_chunks, placement))
+            if op.kind in _COMMUNICATION:
+                message(op, _COMMUNICATION[op.kind][1])
         index += len(segment)
     return lowered
 
@@ -352,15 +368,6 @@ def _forward_backward_pairs(schedule: list[list[Op]], num_stages: int, num_chunk
     return pairs
 
 
-def _message(stage: int, op: Op, kind: str, num_stages: int, num_chunks: int, placement: str) -> list[LoweredOp]:
-    """The ``kind`` message of ``op`` on ``stage``, or none where its virtual stage's neighbour
-    is missing (an end of the pipeline) or on this worker (used directly)."""
-    other = neighbour(stage, op.chunk, kind, num_stages, num_chunks, placement)
-    if other is None or other[0] == stage:
-        return []
-    return [LoweredOp(kind, op.micro_batch, other[0], chunk=op.chunk)]
-
-
 def _batch_exchanges(lowered: list[LoweredOp], every_run: bool = False) -> list[LoweredOp]:
     """``lowered`` with each run of consecutive sends and receives that sends to a
     peer it also receives from made one EXCHANGE (with ``every_run``, each run of two
@@ -369,12 +376,15 @@ def _batch_exchanges(lowered: list[LoweredOp], every_run: bool = False) -> list[
     batched: list[LoweredOp] = []
     run: list[LoweredOp] = []
     for op in lowered + [None]:
-        if op is not None and op.kind in SENDS + RECEIVES:
+        if op is not None and op.kind in _MESSAGES:
             run.append(op)
             continue
-        sent_to = {part.peer for part in run if part.kind in SENDS}
-        received_from = {part.peer for part in run if part.kind in RECEIVES}
-        batched.extend([exchange(*run)] if sent_to & received_from or (every_run and len(run) > 1) else run)
+        if len(run) == 1 and not every_run:
+            batched.append(run[0])  # one message neither sends to a peer it receives from nor makes a run
+        elif run:
+            sent_to = {part.peer for part in run if part.kind in SENDS}
+            received_from = {part.peer for part in run if part.kind in RECEIVES}
+            batched.extend([exchange(*run)] if sent_to & received_from or (every_run and len(run) > 1) else run)
         run = []
         if op is not None:
             batched.append(op)

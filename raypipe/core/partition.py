@@ -17,9 +17,12 @@ def partition_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
 
 
 def min_max_partition(times: Sequence[float], num_stages: int,
-                      fits: Callable[[int, int, int], bool] | None = None) -> list[int]:
+                      fits: Callable[[int, int, int], bool] | None = None,
+                      stage_weights: Sequence[float] | None = None) -> list[int]:
     """Layers per stage of the contiguous split minimising the largest stage's summed time,
     among those where ``fits(stage_index, first, end)`` holds for every stage (None: all).
+    ``stage_weights``: each stage's summed time is multiplied by its weight (a stage on a
+    worker that runs ``w`` times slower; None: 1 each).
 
     Every stage gets at least one layer; ties favour earlier stages taking fewer layers.
     Raises ValueError when no split fits.
@@ -27,6 +30,8 @@ def min_max_partition(times: Sequence[float], num_stages: int,
     num_layers = len(times)
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    if stage_weights is not None and len(stage_weights) != num_stages:
+        raise ValueError(f"{len(stage_weights)} stage weights for {num_stages} stages")
     prefix = [0]
     for time in times:
         prefix.append(prefix[-1] + time)
@@ -43,18 +48,25 @@ def min_max_partition(times: Sequence[float], num_stages: int,
         # the layers after ``end`` must leave one for each later stage; the last stage ends at the
         # last layer (no other end of it is read back)
         first_end = num_layers if stages == num_stages else stages
+        weight = 1.0 if stage_weights is None else stage_weights[stages - 1]
         for end in range(first_end, num_layers - (num_stages - stages) + 1):
-            pairs = [(max(previous[start], prefix[end] - prefix[start]), start)
-                     for start in reachable if start < end]
-            if not pairs:
-                continue
             # the smallest bottleneck, then the smallest start; with ``fits``, the first of that
             # order which fits, a stage's memory asked only until one does. The smallest pair is
-            # the first in that order: most often it fits, and the rest need not be sorted
-            chosen = min(pairs)
+            # the first in that order: most often it fits, and the rest need not be made and sorted
+            chosen = None
+            for start in reachable:  # in increasing order: the first of equal bottlenecks is kept
+                if start >= end:
+                    break
+                bottleneck = max(previous[start], weight * (prefix[end] - prefix[start]))
+                if chosen is None or bottleneck < chosen[0]:
+                    chosen = (bottleneck, start)
+            if chosen is None:
+                continue
             if chosen[0] == inf:  # no finite bottleneck: the cell stays unreachable
                 continue
             if fits is not None and not fits(stages - 1, chosen[1], end):
+                pairs = [(max(previous[start], weight * (prefix[end] - prefix[start])), start)
+                         for start in reachable if start < end]
                 chosen = None
                 for pair in sorted(pairs)[1:]:
                     if pair[0] == inf:

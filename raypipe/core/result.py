@@ -40,7 +40,9 @@ class StageStats:
 
     stage: int
     busy_seconds: float = 0.0
-    held_for_backward_bytes: int = 0  # peak bytes kept for backward in this step
+    # peak bytes kept for backward in this step (metered on a worker's first step, every 100th and at a
+    # new input shape; the figure is reused between: stage/measure.py's SavedBytes)
+    held_for_backward_bytes: int = 0
     offloaded_bytes: int = 0  # peak bytes of kept inputs living in the object store
     device_allocated_bytes: int | None = None  # CUDA only
     device_peak_bytes: int | None = None  # CUDA only

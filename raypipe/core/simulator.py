@@ -35,12 +35,13 @@ runs the same rule with time: the step's length and each stage's bubble.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+import functools
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from raypipe.core.ops import (BOUNDARY_SHAPES, COLLECTIVES, EXCHANGE, HEADERS, LEARNED, LOOPED, RECEIVES, RECV_ACT,
-                              RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, LoweredOp, awaiting_header, neighbour)
+from raypipe.core.ops import (BOUNDARY_SHAPES, COLLECTIVES, COMPUTE, EXCHANGE, HEADERS, LEARNED, LOOPED, RECEIVES,
+                              RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, LoweredOp, awaiting_header, neighbour)
 from raypipe.core.schedule_checks import ScheduleError, check_schedule  # ScheduleError: re-exported
 
 _SEND_MATCHING = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
@@ -67,24 +68,87 @@ def simulate(lowered: list[list[LoweredOp]], placement: str = LOOPED,
     names ("mismatch") and stages that all wait ("deadlock", including sends that wait on each
     other's receives).
     """
-    return _finished_run(lowered, placement, check_schedule(lowered, placement), boundary_shapes).order
+    return list(_finished_run(lowered, placement, boundary_shapes)[0])
 
 
 def simulate_events(lowered: list[list[LoweredOp]], placement: str = LOOPED,
                     boundary_shapes: str = HEADERS) -> list[Event]:
     """What :func:`simulate` does, step by step (see :class:`Event`), for the timed run; the
     same checks and errors."""
-    return _finished_run(lowered, placement, check_schedule(lowered, placement), boundary_shapes).events
+    return list(_finished_run(lowered, placement, boundary_shapes)[1])
 
 
-def _finished_run(lowered: list[list[LoweredOp]], placement: str, num_chunks: int, boundary_shapes: str) -> _Run:
+# The lowering, the timed run and the planner dry-run the same lowerings again and again (each
+# candidate of an interleaved lowering in both boundary-shapes modes, then the chosen one for the
+# trainer's order): the last few checks and runs are kept, keyed by the ops (a run is a pure
+# function of them), errors by their message; only lowerings of at most _RECENT_OPS ops, so that
+# what is kept stays small (a run's events take some hundred bytes an op).
+_RECENT_RUNS, _RECENT_OPS = 16, 1 << 16
+_checked: OrderedDict[tuple, int | str] = OrderedDict()  # (ops, placement) -> num_chunks, or the error
+_runs: OrderedDict[tuple, tuple | str] = OrderedDict()  # (ops, placement, boundary_shapes) -> (order, events)
+_MISSING = object()
+
+
+def _remembered(cache: OrderedDict, key: tuple | None, compute) -> object:
+    """``compute()`` (a value, or the message of a :class:`ScheduleError` it raised), kept in
+    ``cache`` under ``key`` (None: not kept) among the last :data:`_RECENT_RUNS`."""
+    if key is not None:
+        outcome = cache.get(key, _MISSING)
+        if outcome is not _MISSING:
+            return outcome
+    try:
+        outcome = compute()
+    except ScheduleError as error:
+        outcome = str(error)
+    if key is not None:
+        _keep(cache, key, outcome)
+    return outcome
+
+
+def _keep(cache: OrderedDict, key: tuple, outcome: object) -> None:
+    cache[key] = outcome
+    while len(cache) > _RECENT_RUNS:
+        try:
+            cache.popitem(last=False)
+        except KeyError:  # emptied meanwhile by another thread's dry-run
+            break
+
+
+def _frozen(lowered: list[list[LoweredOp]]) -> tuple | None:
+    """``lowered`` as a hashable key, or None where it is too long to keep or an op cannot be
+    hashed (left to the checks)."""
+    if sum(len(ops) for ops in lowered) > _RECENT_OPS:
+        return None
+    key = tuple(tuple(ops) for ops in lowered)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _finished_run(lowered: list[list[LoweredOp]], placement: str,
+                  boundary_shapes: str) -> tuple[tuple[tuple[int, LoweredOp], ...], tuple[Event, ...]]:
+    """The checked run's (order, events); raises as :func:`simulate` says."""
+    frozen = _frozen(lowered)
+    num_chunks = _remembered(_checked, None if frozen is None else (frozen, placement),
+                             lambda: check_schedule(lowered, placement))
+    if isinstance(num_chunks, str):
+        raise ScheduleError(num_chunks)
     if boundary_shapes not in BOUNDARY_SHAPES:
         raise ValueError(f"boundary_shapes={boundary_shapes!r}: expected one of {', '.join(BOUNDARY_SHAPES)}")
-    run = _Run(lowered, placement, num_chunks, boundary_shapes)
-    while not run.finished():
-        if not run.sweep():
-            raise ScheduleError(run.deadlock_message())
-    return run
+
+    def finish() -> tuple[tuple[tuple[int, LoweredOp], ...], tuple[Event, ...]]:
+        run = _Run(lowered, placement, num_chunks, boundary_shapes)
+        while not run.finished():
+            if not run.sweep():
+                raise ScheduleError(run.deadlock_message())
+        return tuple(run.order), tuple(run.events)
+
+    outcome = _remembered(_runs, None if frozen is None else (frozen, placement, boundary_shapes), finish)
+    if isinstance(outcome, str):
+        raise ScheduleError(outcome)
+    return outcome
 
 
 class DraftRun(NamedTuple):
@@ -106,6 +170,7 @@ def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunk
     send (alone or in an EXCHANGE) that waits for a receive not posted; neither if the
     run completes."""
     run = _Run([list(ops) for ops in lowered], placement, num_chunks)
+    amended = False
     while not run.finished():
         if run.sweep():
             continue
@@ -118,6 +183,12 @@ def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunk
             return DraftRun(run.lowered, stuck, sends)
         for stage, _, part in in_time:
             run.await_in_batch(stage, part)
+        amended = True
+    frozen = _frozen(run.lowered)
+    if not amended and frozen is not None and num_chunks == 1 + max(
+            (op.chunk for ops in frozen for op in ops if op.kind in COMPUTE), default=0):
+        # the checked dry-run of this lowering, run from the start as this one was: the lowering times it next
+        _keep(_runs, (frozen, placement, HEADERS), (tuple(run.order), tuple(run.events)))
     return DraftRun(run.lowered, [], [])
 
 
@@ -149,6 +220,12 @@ def postings(op: LoweredOp, boundary_shapes: str = HEADERS) -> tuple[Posting, ..
     from the same peer that is received after the batch comes after it too (a pair's
     messages are issued in part order on both ends). A lone RECV_ACT awaits its header
     too, but that changes nothing here: its payload's send is posted with the header."""
+    return _postings(op, boundary_shapes)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _postings(op: LoweredOp, boundary_shapes: str) -> tuple[Posting, ...]:
+    # every run asks for every op's, and the same ops recur in every candidate lowering
     if op.kind in SENDS + RECEIVES:
         return (Posting((), (op,)),)
     if op.kind != EXCHANGE:
@@ -185,6 +262,10 @@ class Event(NamedTuple):
     headers_from: tuple[tuple[int, int], ...] = ()
 
 
+# Event(...) without the keyword handling of a NamedTuple's constructor: the dry-run makes millions
+_event = functools.partial(tuple.__new__, Event)
+
+
 class _Run:
     """The state of a dry-run: where each stage is and what it has posted."""
 
@@ -209,6 +290,11 @@ class _Run:
         self.order: list[tuple[int, LoweredOp]] = []
         self.events: list[Event] = []
         self.total = sum(len(ops) for ops in lowered)
+        # per stage, whether its next op may go further than when it last stopped: a stage waits on
+        # headers (their senders reaching ops) and on matches (peers posting), so only a peer's
+        # reaching or posting wakes it; a sweep skips the others, which would do nothing
+        self.awake = [True] * len(lowered)
+        self.targets: dict[tuple[int, int, str], tuple[int, int] | None] = {}  # neighbour(), per (stage, chunk, kind)
 
     def next_op(self, stage: int) -> LoweredOp | None:
         ops = self.lowered[stage]
@@ -220,43 +306,70 @@ class _Run:
     def sweep(self) -> bool:
         """One round-robin sweep; False when nothing could run."""
         progressed = False
-        for stage in range(len(self.lowered)):
-            op = self.next_op(stage)
-            if op is None or op.kind in COLLECTIVES:
+        awake, lowered, position, events = self.awake, self.lowered, self.position, self.events
+        for stage in range(len(lowered)):
+            if not awake[stage]:
                 continue
-            progressed = self._advance(stage, op) or progressed
+            ops = lowered[stage]
+            index = position[stage]
+            if index >= len(ops):
+                continue
+            op = ops[index]
+            if op.kind in COLLECTIVES:
+                continue
+            if not self.postings[stage][index]:  # a compute op: _advance reaches and completes it at once
+                events.append(_event((REACHED, stage, index, 0, ())))
+                self._complete(stage, op)
+                progressed = True
+            elif self._advance(stage, op):
+                progressed = True
+            else:
+                awake[stage] = False
         if self._collective_ready():
-            for stage in range(len(self.lowered)):
+            for stage in range(len(lowered)):
                 self._complete(stage, self.next_op(stage))
+            self._wake(range(len(lowered)))
             progressed = True
         return progressed
+
+    def _wake(self, stages) -> None:
+        """Let the next sweeps take ``stages`` (of any numbers: a bad peer is left to the checks) again."""
+        awake = self.awake
+        for stage in stages:
+            if stage is not None and 0 <= stage < len(awake):
+                awake[stage] = True
 
     def _advance(self, stage: int, op: LoweredOp) -> bool:
         """Take ``op`` of ``stage`` as far as it goes: post its postings one after another, each
         once its headers are in and the one before completed; complete it after the last."""
         index = self.position[stage]
         progressed = not self.reached[stage]
+        events = self.events
         if progressed:
             self.reached[stage] = True
-            self.events.append(Event(REACHED, stage, index))
+            events.append(_event((REACHED, stage, index, 0, ())))
+            if op.kind == SEND_ACT or op.kind == EXCHANGE:  # its headers are in
+                self._wake(part.peer for part in op.unbatched() if part.kind == SEND_ACT)
         steps = self.postings[stage][index]
-        while self.posting[stage] < len(steps):
-            step = steps[self.posting[stage]]
+        posting = self.posting
+        while posting[stage] < len(steps):
+            step = steps[posting[stage]]
             if self.posted[stage] is None:
                 sources = tuple(self.header_source(stage, part) for part in step.headers)
                 if not all(source is not None and self._has_reached(*source) for source in sources):
                     return progressed
                 self._post(stage, step.parts)
-                self.events.append(Event(POSTED, stage, index, self.posting[stage], sources))
-                if self.posting[stage] == 0 and len(steps) > 1:
+                events.append(_event((POSTED, stage, index, posting[stage], sources)))
+                if posting[stage] == 0 and len(steps) > 1:
                     self.headers_in_at_batch[stage] = {
                         part for later in steps[1:] for part in later.headers
                         if (source := self.header_source(stage, part)) is not None and self._has_reached(*source)}
                 progressed = True
-            if self.unmatched(stage):
-                return progressed
-            self.events.append(Event(DONE, stage, index, self.posting[stage]))
-            self.posting[stage] += 1
+            for place, other, _ in self.posted[stage]:
+                if place >= len(other):  # a part not matched yet
+                    return progressed
+            events.append(_event((DONE, stage, index, posting[stage], ())))
+            posting[stage] += 1
             self.posted[stage] = None
         self._complete(stage, op)
         return True
@@ -291,23 +404,35 @@ class _Run:
     def _post(self, stage: int, parts: tuple[LoweredOp, ...]) -> None:
         """Post the sends and receives ``parts``, checking each message that now has both ends."""
         posted = []
+        channels = self.channels
         for part in parts:
             if part.kind in SENDS:
-                sender, receiver = stage, part.peer
+                channel = channels[(stage, part.peer)]
+                own, other = channel.sends, channel.receives
             else:
-                sender, receiver = part.peer, stage
-            channel = self.channels[(sender, receiver)]
-            own, other = (channel.sends, channel.receives) if part.kind in SENDS else (channel.receives, channel.sends)
+                channel = channels[(part.peer, stage)]
+                own, other = channel.receives, channel.sends
             own.append(part)
             place = len(own) - 1
             if place < len(other):  # both ends posted: the message is matched
-                self._check_match(channel.sends[place], channel.receives[place], sender, receiver)
+                if part.kind in SENDS:
+                    self._check_match(part, other[place], stage, part.peer)
+                else:
+                    self._check_match(other[place], part, part.peer, stage)
             posted.append((place, other, part))
         self.posted[stage] = posted
+        awake = self.awake
+        for part in parts:  # each peer may now have its part matched
+            if part.peer is not None and 0 <= part.peer < len(awake):
+                awake[part.peer] = True
 
     def _check_match(self, send: LoweredOp, recv: LoweredOp, sender: int, receiver: int) -> None:
         # each end names its own chunk: the send's chunk's neighbour must be the receive's chunk
-        target = neighbour(sender, send.chunk, send.kind, len(self.lowered), self.num_chunks, self.placement)
+        key = (sender, send.chunk, send.kind)
+        if key not in self.targets:
+            self.targets[key] = neighbour(sender, send.chunk, send.kind, len(self.lowered), self.num_chunks,
+                                          self.placement)
+        target = self.targets[key]
         if (send.kind == _SEND_MATCHING[recv.kind] and send.micro_batch == recv.micro_batch
                 and target == (receiver, recv.chunk)):
             return
@@ -327,7 +452,7 @@ class _Run:
 
     def _complete(self, stage: int, op: LoweredOp) -> None:
         self.order.append((stage, op))
-        self.events.append(Event(COMPLETED, stage, self.position[stage]))
+        self.events.append(_event((COMPLETED, stage, self.position[stage], 0, ())))
         self.position[stage] += 1
         self.reached[stage], self.posting[stage], self.posted[stage] = False, 0, None
 
@@ -362,6 +487,7 @@ class _Run:
         already = [part for _, _, part in posted]
         self._post(stage, tuple(part for part in self.postings[stage][index][0].parts if part not in already))
         self.posted[stage] = posted + self.posted[stage]
+        self._wake([stage])
 
     def payloads_behind_stuck_batches(self) -> list[tuple[int, int, LoweredOp]]:
         """Of a run that cannot go on: each ``(stage, index of its EXCHANGE, RECV_ACT part)`` of an

@@ -38,6 +38,7 @@ with the same :class:`~raypipe.core.simulator.ScheduleError` where none can.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +65,10 @@ class TimedOp(NamedTuple):
     op: LoweredOp
     start: float
     end: float
+
+
+# TimedOp(...) without a NamedTuple constructor's keyword handling: a big pipeline's run makes many
+_timed_op = functools.partial(tuple.__new__, TimedOp)
 
 
 @dataclass(frozen=True)
@@ -121,20 +126,23 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
     timeline: list[TimedOp] = []
     collectives = [0] * num_stages  # per worker, how many collectives it has run
     collective_starts: list[float] = []  # when the n-th collective started (on every worker)
-    for event in simulate_events(lowered, placement, boundary_shapes) if events is None else events:
-        stage, index = event.stage, event.index
-        if event.kind == REACHED:
+    steps: dict[tuple[int, int], tuple] = {}  # postings() of each op posted, per (stage, index)
+    for kind, stage, index, posting, headers_from in (simulate_events(lowered, placement, boundary_shapes)
+                                                      if events is None else events):
+        if kind == REACHED:
             reached_at[(stage, index)] = now[stage] = free_at[stage]
-        elif event.kind == POSTED:
-            posted = max([now[stage]] + [reached_at[source] for source in event.headers_from])
+        elif kind == POSTED:
+            posted = max([now[stage]] + [reached_at[source] for source in headers_from])
             messages = []
-            for part in postings(lowered[stage][index], boundary_shapes)[event.posting].parts:
+            if (stage, index) not in steps:
+                steps[(stage, index)] = postings(lowered[stage][index], boundary_shapes)
+            for part in steps[(stage, index)][posting].parts:
                 peer, is_send = part.peer, part.kind in SENDS
                 own = channels[(stage, peer) if is_send else (peer, stage)][0 if is_send else 1]
                 own.append((posted, part))
                 messages.append((part, peer, len(own) - 1, posted))
             in_flight[stage] = posted, messages
-        elif event.kind == DONE:
+        elif kind == DONE:
             now[stage] = _posting_end(stage, *in_flight.pop(stage), channels, message_time, buffered_sends)
         else:
             op = lowered[stage][index]
@@ -153,7 +161,7 @@ def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
                 end = start + seconds
                 busy[stage] += seconds
             free_at[stage] = end
-            timeline.append(TimedOp(stage, op, start, end))
+            timeline.append(_timed_op((stage, op, start, end)))
     step = max(free_at, default=0.0)
     return TimedRun(step_s=step, busy_s=tuple(busy),
                     bubble_fraction=tuple((step - time) / step if step > 0 else 0.0 for time in busy),
@@ -200,7 +208,10 @@ def _op_time(op_seconds: OpSeconds) -> Callable[[int, LoweredOp], float]:
                         f"seconds, not {type(op_seconds).__name__}")
 
     def checked(stage: int, op: LoweredOp) -> float:
-        return _checked_seconds(given(stage, op), "op_seconds", f"{op!r} on stage {stage}")
+        seconds = given(stage, op)
+        if type(seconds) is float and 0.0 <= seconds < math.inf:  # the common case, its subject not printed
+            return seconds
+        return _checked_seconds(seconds, "op_seconds", f"{op!r} on stage {stage}")
 
     return checked
 
@@ -214,8 +225,10 @@ def _message_time(message_seconds: MessageSeconds) -> Callable[[int, int, Lowere
         return lambda sender, receiver, op: constant
 
     def checked(sender: int, receiver: int, op: LoweredOp) -> float:
-        return _checked_seconds(given(sender, receiver, op), "message_seconds",
-                                f"{op!r} from stage {sender} to stage {receiver}")
+        seconds = given(sender, receiver, op)
+        if type(seconds) is float and 0.0 <= seconds < math.inf:  # the common case, its subject not printed
+            return seconds
+        return _checked_seconds(seconds, "message_seconds", f"{op!r} from stage {sender} to stage {receiver}")
 
     return checked
 

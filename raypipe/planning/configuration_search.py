@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -55,7 +56,8 @@ from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.pipeline_prediction import shared_schedule_ops
 from raypipe.planning.predict import (Prediction, StepShape, optimistic_step_s, pipeline_runs, predict_split,
                                       stage_bounds, worker_sums)
-from raypipe.planning.tensor_parallel_collectives import llama_layer_collectives
+from raypipe.planning.step_shape import check_shape
+from raypipe.planning.tensor_parallel_collectives import LayerCollectives, llama_layer_collectives
 
 # the chunked schedules at v = 2: zbv holds exactly 2; interleaving's bubble shrinks as 1/v for v times the
 # messages, and v = 2 takes most of the gain (1/2 of 1F1B's bubble) at the least traffic and fewest shapes to time
@@ -231,7 +233,7 @@ def _undominated_many(points: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ..
     ordered = sorted(points, key=sum, reverse=True)  # a dominating point has the larger sum: it comes first
     kept: list[tuple[int, ...]] = []
     for point in ordered:
-        if not any(all(a >= b for a, b in zip(other, point)) for other in kept):
+        if not any(all(map(operator.ge, other, point)) for other in kept):  # no kept one is >= in every count
             kept.append(point)
     return tuple(kept)
 
@@ -395,6 +397,39 @@ def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_le
         best.sort(key=lambda c: -c.prediction.tokens_per_s)
         del best[top:]
     return SearchResult(best, len(shapes), simulated)
+
+
+def predict_llama_layout(config: LlamaConfig, cluster: Cluster, shape: StepShape, *, fused_attention: bool = True,
+                         gpu_memory_bytes: int | None = None, hide_tensor_parallel_collectives: bool = False
+                         ) -> Prediction:
+    """The predicted step of ``config`` in one given configuration ``shape`` on ``cluster``, as the search
+    predicts that candidate with its split by time (each (virtual) stage's layers balanced by their step
+    flops), whether it fits or not (``Prediction.fits`` says, against ``gpu_memory_bytes``, default the
+    cluster's memory; the search would drop it or split it within memory). The entry point for a layout
+    chosen elsewhere, e.g. a published one (:mod:`raypipe.planning.published_layouts`).
+    ``hide_tensor_parallel_collectives``: a what-if, the layers' tensor-parallel collectives costing
+    nothing, as if an implementation hid them all under compute (Megatron's ``--tp-comm-overlap``,
+    torchtitan's async TP aim at it): a bound, not what raypipe's stages do."""
+    num_layers = config.n_layers + 2
+    check_shape(shape, num_layers)
+    t = shape.tensor_parallel
+    if t > 1:
+        check_tensor_parallel_degree(config, cluster, shape.num_gpus, shape.seq_len, t, shape.sequence_parallel)
+    costs = llama_layer_costs(config, shape.seq_len, shape.precision, fused_attention, amp=shape.amp)
+    bytes_of = LlamaStageBytes(config, shape, fused_attention)
+    split = min_max_partition([layer_step_flops(cost, shape.activation_checkpoint) for cost in costs],
+                              shape.num_virtual_stages)
+    parameters = worker_sums([bytes_of.parameters(start, end) for start, end in stage_bounds(split)], shape)
+    limit = cluster.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes
+    if t == 1:
+        collectives = None
+    elif hide_tensor_parallel_collectives:
+        collectives = [LayerCollectives()] * num_layers
+    else:
+        collectives = llama_layer_collectives(config, shape.seq_len, shape.precision, shape.amp,
+                                              shape.sequence_sharded)
+    return predict_split(costs, split, parameters, worker_bytes(bytes_of, shape, split), limit, shape, cluster,
+                         collectives=collectives)
 
 
 def tensor_parallel_degrees(config: LlamaConfig, cluster: Cluster, num_gpus: int, seq_len: int,

@@ -280,11 +280,12 @@ def raypipe_snapshot_every(shape: RunShape, mttf_s: float, assumptions: GoodputA
     return max(1, round(young_interval_s(shape.snapshot_exposed_s, mttf_s) / plain_step))
 
 
-STRAGGLER_POLICIES = ("report", "replace")  # ``on_slow``'s built values; "rebalance" is not built
+STRAGGLER_POLICIES = ("report", "replace", "rebalance")  # ``on_slow``'s values
 
 
 def straggler_goodput(shape: RunShape, assumptions: GoodputAssumptions, slow_share: float, slow_factor: float,
-                      slow_steps: int = 10, run_hours: float = 24.0) -> dict[str, float]:
+                      slow_steps: int = 10, run_hours: float = 24.0, can_rebalance: bool = True
+                      ) -> dict[str, float | None]:
     """Goodput (the share of the unslowed pace) of a run whose nodes are each, independently, slow
     by ``slow_factor`` with probability ``slow_share`` for the whole run (a persistent straggler:
     a throttled GPU, a bad NIC), under each policy of :data:`STRAGGLER_POLICIES` over ``run_hours``.
@@ -295,7 +296,12 @@ def straggler_goodput(shape: RunShape, assumptions: GoodputAssumptions, slow_sha
     ``P = 1 - (1 - share)^nodes``. ``replace`` finds each slow node's workers after ``slow_steps``
     slow steps and swaps them for warm spares (a heal's replacement with a spare and its state
     transfer, no step redone): each of the ``share x nodes`` slow nodes costs
-    ``slow_steps x step x (f - 1) + swap`` once; a spare is assumed healthy."""
+    ``slow_steps x step x (f - 1) + swap`` once; a spare is assumed healthy. ``rebalance`` pays the
+    same slow steps and a restart of every worker in its bundle (a replacement without a spare and
+    the state transfer) once per slow node, and then runs at :func:`rebalanced_pace` for the
+    ``k = min(p, gpus_per_node)`` stages a slow node holds (in stage slots at t > 1) (as if the slow nodes' stages were one
+    node's: the likely case while ``share x nodes`` is small); None where raypipe does not rebalance
+    (``can_rebalance`` False: model chunks)."""
     if not 0 <= slow_share <= 1:
         raise ValueError(f"slow_share={slow_share!r} must be in [0, 1]")
     if not slow_factor >= 1:
@@ -303,11 +309,28 @@ def straggler_goodput(shape: RunShape, assumptions: GoodputAssumptions, slow_sha
     nodes = num_nodes(shape.num_gpus, assumptions.gpus_per_node)
     any_slow = 1 - (1 - slow_share) ** nodes
     report = (1 - any_slow) + any_slow / slow_factor
-    swap_s = (assumptions.detection_s + assumptions.replacement_with_spare_s
-              + shape.largest_worker_state_bytes / shape.inter_node_bytes_per_s)
-    lost_s = slow_share * nodes * (slow_steps * shape.step_s * (slow_factor - 1) + swap_s)
+    transfer_s = shape.largest_worker_state_bytes / shape.inter_node_bytes_per_s
+    swap_s = assumptions.detection_s + assumptions.replacement_with_spare_s + transfer_s
+    slow_s = slow_steps * shape.step_s * (slow_factor - 1)
     run_s = run_hours * HOUR_S
-    return {"report": report, "replace": run_s / (run_s + lost_s)}
+    lost_s = slow_share * nodes * (slow_s + swap_s)
+    out: dict[str, float | None] = {"report": report, "replace": run_s / (run_s + lost_s), "rebalance": None}
+    if can_rebalance:
+        restart_s = assumptions.detection_s + assumptions.replacement_without_spare_s + transfer_s
+        pace = rebalanced_pace(shape.num_stages, min(shape.num_stages, assumptions.gpus_per_node), slow_factor)
+        lost_s = slow_share * nodes * (slow_s + restart_s)
+        out["rebalance"] = ((1 - any_slow) + any_slow * pace) * run_s / (run_s + lost_s)
+    return out
+
+
+def rebalanced_pace(num_stages: int, stages_slowed: int, slow_factor: float) -> float:
+    """The share of the unslowed pace once the layers moved away from ``stages_slowed`` of ``num_stages``
+    stages slowed ``slow_factor`` times: with layers as finely divisible, each slow stage keeps ``1/f`` of a
+    well stage's work and every stage takes the same time, ``(p - k + k/f) / p``; ``1/f`` when every stage
+    is slowed (a whole replica slowed alike: no worker is blamed)."""
+    if stages_slowed >= num_stages:
+        return 1 / slow_factor
+    return (num_stages - stages_slowed + stages_slowed / slow_factor) / num_stages
 
 
 def goodput_by_method(shape: RunShape, assumptions: GoodputAssumptions) -> dict[str, MethodGoodput]:

@@ -14,6 +14,8 @@ balance against the time balance (:func:`compare_balances`).
 and Helm values that run them, the best one's stages and balances; with
 ``--node-mtbf-hours H`` each configuration's goodput per recovery method
 (:mod:`raypipe.planning.goodput`), from its predicted step and its stages' state.
+``--published`` predicts published runs at their own layouts beside their measured throughput
+(:mod:`raypipe.planning.published_layouts`).
 """
 from __future__ import annotations
 
@@ -149,6 +151,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                          help="fix sequences per step (replicas x micro-batches x micro-batch size); default: "
                               "micro-batches from {stages, 2 x stages, 4 x stages}")
     cluster.add_argument("--top", type=int, default=3, metavar="K", help="configurations printed (default 3)")
+    cluster.add_argument("--published", action="store_true",
+                         help="instead of a search: predict published runs (the Llama 3 paper's, Megatron-LM's and "
+                              "torchtitan's on H100s) at their own layouts, beside their published tokens/s per GPU "
+                              "and the reason for each difference, on --cluster (default h100); the rows fix their "
+                              "own models and layouts: --gpus, --global-batch and --node-mtbf-hours are errors")
     cluster.add_argument("--node-mtbf-hours", type=float, default=None, metavar="H",
                          help="mean hours between failures of one node (a Poisson process per node): adds each "
                               "configuration's goodput per recovery method (raypipe's stage replacement with and "
@@ -156,7 +163,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                               "step); arXiv 2410.21680's 7.9 h job MTTF at 1,024 GPUs is H ~ 1011")
     cluster.add_argument("--slow-node-share", type=float, default=None, metavar="S",
                          help="with --node-mtbf-hours: the share of nodes slow for the whole run (a persistent "
-                              "straggler), adding each configuration's goodput under on_slow report and replace")
+                              "straggler), adding each configuration's goodput under on_slow report, replace and "
+                              "rebalance")
     cluster.add_argument("--slow-node-factor", type=float, default=2.0, metavar="F",
                          help="how many times slower a slow node's workers compute (default 2)")
 
@@ -762,7 +770,9 @@ def candidate_straggler_goodput(config: LlamaConfig, candidate, cluster: Cluster
     """``{policy: goodput}`` of one configuration with a persistent straggler
     (:func:`~raypipe.planning.goodput.straggler_goodput`, nodes counted as :func:`candidate_goodput` does)."""
     assumptions = GoodputAssumptions(gpus_per_node=cluster.slots_per_node(candidate.shape.tensor_parallel))
-    return straggler_goodput(run_shape(config, candidate, cluster), assumptions, slow_share, slow_factor)
+    shape = candidate.shape  # raypipe rebalances one chunk of whole layers a worker (config.py refuses the rest)
+    return straggler_goodput(run_shape(config, candidate, cluster), assumptions, slow_share, slow_factor,
+                             can_rebalance=shape.virtual_stages == 1)
 
 
 def goodput_summary(num_gpus: int, cluster: Cluster, node_mtbf_hours: float) -> dict:
@@ -793,9 +803,9 @@ def describe_goodput(plan: dict) -> list[str]:
         for policy in STRAGGLER_POLICIES:
             label = (f"{straggler['slow_node_share']:.3g} of nodes {straggler['slow_node_factor']:g}x slow, "
                      f"on_slow={policy}")
-            lines.append("  " + label.ljust(width) + "".join(
-                f"{item['straggler_goodput'][policy]:.2%}".rjust(20) for item in plan["candidates"]))
-        lines.append("  " + "... on_slow=rebalance".ljust(width) + "not built".rjust(20))
+            lines.append("  " + label.ljust(width) + "".join(  # None: not at t > 1, nor with model chunks
+                ("n/a (model chunks)" if item["straggler_goodput"][policy] is None
+                 else f"{item['straggler_goodput'][policy]:.2%}").rjust(20) for item in plan["candidates"]))
     best = plan["candidates"][0]["goodput"]
     lines.append("  1.: " + "; ".join(f"{method} {best[method]['note']}" for method in METHODS if best[method]["note"]))
     lines.append("  (raypipe's seconds from bench_recovery on CPU; a checkpoint's relaunch 5 min assumed: see "
@@ -805,10 +815,28 @@ def describe_goodput(plan: dict) -> list[str]:
 
 # -- the command -----------------------------------------------------------------------
 
+def build_published_plan(args: argparse.Namespace) -> dict:
+    """``raypipe plan --published``: each published run's prediction at its own layout
+    (:func:`raypipe.planning.published_layouts.predict_published`) on ``--cluster`` (default h100)."""
+    from raypipe.planning.cluster_spec import load_cluster
+    from raypipe.planning.published_layouts import PUBLISHED_CLUSTER, TOLERANCE, predict_published
+
+    given = [flag for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch),
+                                      ("--node-mtbf-hours", getattr(args, "node_mtbf_hours", None)))
+             if value is not None]
+    if given:
+        raise ValueError(f"--published predicts the published runs' own layouts: it takes no {', '.join(given)}")
+    cluster = load_cluster(args.cluster or PUBLISHED_CLUSTER)
+    return {"published_on": cluster.name, "tolerance": TOLERANCE,
+            "rows": [item.to_dict() for item in predict_published(cluster)]}
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Entry point of ``raypipe plan``; returns the exit status."""
     try:
-        if getattr(args, "cluster", None) is not None:
+        if getattr(args, "published", False):
+            plan = build_published_plan(args)
+        elif getattr(args, "cluster", None) is not None:
             plan = build_cluster_plan(args)
         elif getattr(args, "gpus", None) is not None or getattr(args, "global_batch", None) is not None:
             raise ValueError("--gpus and --global-batch need --cluster (h100, h200 or a JSON file)")
@@ -819,6 +847,10 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps(plan, indent=2))
+    elif "published_on" in plan:
+        from raypipe.planning.published_layouts import render_published_plan
+
+        print(render_published_plan(plan))
     else:
         print(render_cluster_plan(plan) if "cluster" in plan else render_table(plan))
     return 0

@@ -54,7 +54,9 @@ class NewReplica:
 class StageGroup:
     """Workers of ``actor_class``, one per spec; each replica's in its own PACK
     placement group (bundle = stage), until a warm spare takes a failed worker's
-    place: that worker then runs in the spare's bundle (see :mod:`raypipe.runtime.spares`)."""
+    place: that worker then runs in the spare's bundle (see :mod:`raypipe.runtime.spares`).
+    A stage's ``tensor_parallel`` workers always share one bundle: at t > 1 a spare (a group
+    of t) takes only the place of a whole stage."""
 
     def __init__(self, actor_class: Any, specs: list[WorkerSpec], bundle: dict[str, float],
                  placement_timeout_s: float, placements: list[Any] | None = None,
@@ -71,7 +73,10 @@ class StageGroup:
         self._where: list[Location] = [(self._placements[spec.replica], spec.bundle_index) for spec in specs]
         self.actors: list[Any] = [self._create(index) for index in range(len(specs))]
         self._owns_spares = spares is None
-        self.spares = spares if spares is not None else SparePool(actor_class, bundle, specs[0].config.spare_workers)
+        tensor_parallel = self._tensor_parallel = specs[0].config.tensor_parallel
+        # spare_workers counts processes: at t > 1 a multiple of t, each spare a group of t (a stage's place)
+        self.spares = spares if spares is not None else SparePool(
+            actor_class, bundle, specs[0].config.spare_workers // tensor_parallel, size=tensor_parallel)
         self._ready: list[dict[str, Any]] = []
 
     def wait_ready(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
@@ -115,20 +120,25 @@ class StageGroup:
         """Kill workers ``indices`` (those still alive) and put new ones built from their
         specs in their place: a warm spare where one is up (it runs on in its bundle,
         and a new spare starts in the freed one), else a new process in the same
-        bundle. Waits until all are ready, or raises :class:`PlacementError` after
-        ``timeout_s`` (e.g. no node has room for a bundle whose node was lost).
-        Returns which spare took each place (index: "spare N"), if any did."""
+        bundle. At tensor_parallel t > 1 a spare (t processes, one bundle) takes only a
+        stage all of whose t workers are in ``indices``, each process one tp_rank's spec;
+        the workers of a stage partly replaced are new processes in its bundle. Waits until
+        all are ready, or raises :class:`PlacementError` after ``timeout_s`` (e.g. no node
+        has room for a bundle whose node was lost). Returns which spare took each place
+        (index: "spare N"), if any did."""
         self.kill(indices)
         pings, taken, freed = {}, {}, []
-        for index in indices:
-            spare = self.spares.take()
+        for stage in self._stages_of(indices):
+            spare = self.spares.take() if len(stage) == self._tensor_parallel else None
             if spare is None:
-                self.actors[index] = self._create(index)
-                pings[self.actors[index].ready.remote()] = index
+                for index in stage:
+                    self.actors[index] = self._create(index)
+                    pings[self.actors[index].ready.remote()] = index
                 continue
-            freed.append(self._where[index])
-            self._where[index], self.actors[index], taken[index] = spare.location, spare.actor, spare.name
-            pings[spare.actor.become.remote(self._specs[index])] = index
+            freed.append(self._where[stage[0]])  # the stage's bundle: its workers share it
+            for index, actor in zip(stage, spare.actors, strict=True):
+                self._where[index], self.actors[index], taken[index] = spare.location, actor, spare.name
+                pings[actor.become.remote(self._specs[index])] = index
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pings:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -155,6 +165,18 @@ class StageGroup:
                                  f"(replace_timeout_s): the cluster has {cluster.describe_available()} available",
                                  tuple(unplaced))
         return taken
+
+    def _stages_of(self, indices: list[int]) -> list[list[int]]:
+        """``indices`` by stage (its workers in tp_rank order), stages in rank order: a stage's
+        ``tensor_parallel`` workers are adjacent ranks."""
+        stages: dict[int, list[int]] = {}
+        for index in sorted(indices):
+            stages.setdefault(index // self._tensor_parallel, []).append(index)
+        return list(stages.values())
+
+    def _bundles(self, indices: list[int]) -> list[Location]:
+        """The distinct locations of workers ``indices`` (a stage's workers share one), in order."""
+        return list(dict.fromkeys(self._where[index] for index in indices))
 
     def index_of(self, error: ray.exceptions.RayActorError) -> int | None:
         """Which worker a Ray actor error is about, if any of ours."""
@@ -205,11 +227,11 @@ class StageGroup:
         adopts that one. The dropped workers' bundles elsewhere may hold new spares."""
         for group in placements:
             if any(self._where[index][0] == group for index in kept) or self.spares.located_in(group):
-                free = [self._where[index][1] for index in dropped if self._where[index][0] == group]
+                free = [where[1] for where in self._bundles(dropped) if where[0] == group]
                 self.spares.adopt(group, free)
             else:
                 cluster.release([group])
-        self.spares.start_in([self._where[index] for index in dropped if self._where[index][0] not in placements])
+        self.spares.start_in([where for where in self._bundles(dropped) if where[0] not in placements])
 
     def admit(self, replica: NewReplica) -> None:
         """Make a started replica (whose workers are ready) the group's last."""
@@ -229,7 +251,8 @@ class StageGroup:
         else:  # a pool that outlives this group: spares it started in our bundles go with them, and
             # the bundles of its own where our workers ran (having taken a spare's place) are its again
             self.spares.forget(self._placements)
-            self.spares.start_in([where for where in self._where if where[0] not in self._placements])
+            self.spares.start_in([where for where in self._bundles(list(range(len(self._where))))
+                                  if where[0] not in self._placements])
         cluster.release(self._placements)
         self._placements = []
 

@@ -11,6 +11,13 @@ the failed worker's spec; it runs on in the spare's bundle, and a new spare star
 in the background in the failed worker's bundle (:meth:`SparePool.start_in`).
 Spares only ever stand in for failed workers: they never add a replica.
 
+With ``tensor_parallel`` t > 1 a stage's t workers share one bundle (one node: their
+collectives stay on its interconnect), so a spare is a *group* of t idle processes in one
+bundle holding t workers' resources: a whole node's worth is the spare. It takes the place
+of a whole stage (each process becoming one tp_rank's spec), never of one rank, which
+would sit on another node than its peers; ``spare_workers`` (a multiple of t) counts the
+processes, so the pool keeps ``spare_workers / t`` spares.
+
 Where every process runs is a *location*: a placement group and a bundle index.
 The group and the pool trade locations at each take, so a worker may run in the
 pool's placement group and a spare in a replica's; whoever owns a placement group
@@ -42,12 +49,12 @@ REFILL_DELAY_S = 3.0
 
 @dataclass
 class Spare:
-    """One idle process."""
+    """One idle process, or at tensor_parallel t > 1 a group of t in one bundle (a whole stage's place)."""
 
     number: int  # names it in a heal's report: "spare N" (counted over the pool's life)
-    actor: Any
+    actors: tuple  # its processes, the one that becomes tp_rank 0 first
     location: Location
-    started: Any  # its first heartbeat's reference: done once the process is up
+    started: list  # each process's first heartbeat's reference: all done once the spare is up
 
     @property
     def name(self) -> str:
@@ -55,12 +62,14 @@ class Spare:
 
 
 class SparePool:
-    """``count`` idle workers of ``actor_class``, each in one ``bundle``; started at once
-    and never waited for (a spare not up yet is simply not taken)."""
+    """``count`` spares, each ``size`` idle workers of ``actor_class`` (a stage's tensor_parallel)
+    in one bundle holding ``size`` times a worker's ``bundle``; started at once and never waited for
+    (a spare not up yet is simply not taken)."""
 
     def __init__(self, actor_class: Any, bundle: dict[str, float], count: int,
-                 refill_delay_s: float = REFILL_DELAY_S) -> None:
-        self._actor_class, self._bundle, self.count = actor_class, dict(bundle), count
+                 refill_delay_s: float = REFILL_DELAY_S, size: int = 1) -> None:
+        self._actor_class, self._bundle, self.count, self.size = actor_class, dict(bundle), count, size
+        self._spare_bundle = cluster.stage_bundle(self._bundle, size)  # one node holds a spare's processes
         self._refill_delay_s = refill_delay_s
         self._lock = threading.RLock()  # a delayed refill runs on a timer's thread
         self._timers: list[threading.Timer] = []
@@ -69,7 +78,7 @@ class SparePool:
         self._owned: list[Any] = []  # the placement groups the pool frees
         self._numbered = 0
         if count > 0:
-            own = self._placement([self._bundle] * count, "SPREAD")
+            own = self._placement([self._spare_bundle] * count, "SPREAD")
             self._owned.append(own)
             self._free = [(own, index) for index in range(count)]
         self.refill()
@@ -97,7 +106,8 @@ class SparePool:
 
     def take(self) -> Spare | None:
         """A spare that is up, out of the pool (its location the caller's now); None when none is.
-        Spares found dead are dropped (their bundles kept for new ones)."""
+        Spares found dead are dropped (their bundles kept for new ones; a group's live
+        processes killed with it)."""
         with self._lock:
             return self._take()
 
@@ -112,14 +122,15 @@ class SparePool:
                 if up:
                     return spare
                 logger.warning("raypipe: %s died idle; starting another", spare.name)
+                self._stop(spare)  # a group's other processes hold its bundle
                 dead.append(spare.location)
             return None
         finally:
             self.start_in(dead)
 
     def start_in(self, locations: list[Location]) -> None:
-        """Bundles freed by workers that spares replaced: new spares start there, in the background
-        after ``refill_delay_s`` (see :data:`REFILL_DELAY_S`)."""
+        """Bundles freed by workers (a whole stage's, at tensor_parallel > 1) that spares replaced: new
+        spares start there, in the background after ``refill_delay_s`` (see :data:`REFILL_DELAY_S`)."""
         if not locations:
             return
         with self._lock:
@@ -141,7 +152,7 @@ class SparePool:
     def _refill(self) -> None:
         while len(self._spares) < self.count:
             if not self._free:
-                extra = self._placement([self._bundle], "PACK")
+                extra = self._placement([self._spare_bundle], "PACK")
                 self._owned.append(extra)
                 self._free.append((extra, 0))
             self._spares.append(self._start(self._free.pop(0)))
@@ -159,7 +170,7 @@ class SparePool:
         with self._lock:
             for spare in [spare for spare in self._spares if spare.location[0] in gone]:
                 self._spares.remove(spare)
-                self._kill(spare.actor)
+                self._stop(spare)
             self._free = [location for location in self._free if location[0] not in gone]
 
     def located_in(self, placement: Any) -> bool:
@@ -173,31 +184,35 @@ class SparePool:
             for timer in self._timers:
                 timer.cancel()
             for spare in self._spares:
-                self._kill(spare.actor)
+                self._stop(spare)
             self._spares, self._free, self._timers, self.count = [], [], [], 0
             self._release(self._owned)
             self._owned = []
+
+    def _stop(self, spare: Spare) -> None:
+        """Kill every process of ``spare``."""
+        for actor in spare.actors:
+            self._kill(actor)
 
     # -- Ray (replaced in the unit tests) --------------------------------------
     def _start(self, location: Location) -> Spare:
         placement, index = location
         strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=index)
-        actor = self._actor_class.options(num_cpus=self._bundle["CPU"], num_gpus=self._bundle.get("GPU", 0),
-                                          scheduling_strategy=strategy, max_restarts=0).remote(None)
+        options = self._actor_class.options(num_cpus=self._bundle["CPU"], num_gpus=self._bundle.get("GPU", 0),
+                                            scheduling_strategy=strategy, max_restarts=0)
+        actors = tuple(options.remote(None) for _ in range(self.size))  # each its worker's share of the bundle
         self._numbered += 1
-        return Spare(self._numbered - 1, actor, location, actor.heartbeat.remote())
+        return Spare(self._numbered - 1, actors, location, [actor.heartbeat.remote() for actor in actors])
 
     @staticmethod
     def _is_up(spare: Spare) -> bool | None:
-        """True: started and alive when last asked; False: died; None: still starting."""
-        done, _ = ray.wait([spare.started], timeout=0)
-        if not done:
-            return None
+        """True: every process started and alive when last asked; False: one died; None: still starting."""
+        done, _ = ray.wait(spare.started, num_returns=len(spare.started), timeout=0)
         try:
-            ray.get(spare.started)
+            ray.get(done)
         except ray.exceptions.RayError:
             return False
-        return True
+        return len(done) == len(spare.started) or None
 
     @staticmethod
     def _placement(bundles: list[dict[str, float]], strategy: str) -> Any:

@@ -5,6 +5,7 @@ replicas or the activation-checkpoint mode; optionally in segments that
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 import torch
 from torch import nn
@@ -26,12 +27,13 @@ def run_layers(layers: nn.ModuleList, weights: object, hidden: Boundary, seeds: 
     positions = range(len(layers)) if positions is None else positions
 
     def run(run_positions: range, hidden: Boundary) -> Boundary:
-        for position in run_positions:
+        # the modules walked, not indexed: ModuleList's indexing costs microseconds a layer (a str key, two len())
+        for position, layer in zip(run_positions, islice(layers, run_positions.start, run_positions.stop), strict=True):
             seed = seeds[position - positions.start]
             torch.default_generator.manual_seed(seed)  # ~1 us; torch.manual_seed costs ~80 us
             if device.type == "cuda":
                 torch.cuda.default_generators[device.index].manual_seed(seed)
-            hidden = weights.run(position, layers[position], hidden)
+            hidden = weights.run(position, layer, hidden)
         return hidden
 
     if not segment_size:

@@ -1,7 +1,7 @@
 """Measure what a stage holds for backward: tensors saved by autograd."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -15,10 +15,12 @@ class SavedTensorMeter:
     counted once however many views of them are saved.
     """
 
-    def __init__(self, parameter_storages: set[int], counted: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(self, parameter_storages: set[int], counted: tuple[torch.Tensor, ...] = (),
+                 record: Callable[[int], None] | None = None) -> None:
         # parameters are static memory (see storage_pointers); ``counted`` tensors are
-        # already accounted for elsewhere
-        self._parameter_storages = parameter_storages | storage_pointers(counted)
+        # already accounted for elsewhere; ``record(bytes)`` once the context ends without an error
+        self._parameter_storages = parameter_storages | storage_pointers(counted) if counted else parameter_storages
+        self._record = record
         self._seen: set[int] = set()
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -45,6 +47,67 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+        if self._record is not None and exc[0] is None:
+            self._record(self.bytes)
+
+
+# a step's forwards are metered every this many steps (the first one included); the steps between
+# recall what the same micro-batch saved last time it was metered
+SAVED_BYTES_EVERY = 100
+
+
+class SavedBytes:
+    """What each micro-batch's forward saves for backward, metered by a :class:`SavedTensorMeter`
+    on a stage's first step and every :data:`SAVED_BYTES_EVERY`-th after it, and recalled on the
+    steps between (a hook on every saved tensor costs microseconds each, every micro-batch).
+
+    A figure is recalled only for the same forward (``key``: e.g. its chunk, micro-batch and
+    whether it is a recompute) on tensors of the same shapes, dtypes and devices as when it was
+    metered; a new shape is metered at once. So the figure is exact for a model whose saved
+    tensors follow from its inputs' shapes, and at most ``SAVED_BYTES_EVERY - 1`` steps old
+    for one whose saved sizes depend on the data's values (e.g. a data-dependent mask or routing).
+    """
+
+    def __init__(self, parameter_storages: set[int], every: int | None = None) -> None:
+        self._parameter_storages = parameter_storages
+        self._every = every or SAVED_BYTES_EVERY
+        self._steps = 0  # steps begun
+        self._recorded: dict[Hashable, tuple[tuple, int]] = {}  # key: (signature, bytes) when metered
+
+    def new_step(self) -> None:
+        """A step begins: on the first and every ``every``-th (default :data:`SAVED_BYTES_EVERY`), each
+        forward is metered again."""
+        if self._steps % self._every == 0:
+            self._recorded.clear()
+        self._steps += 1
+
+    def meter(self, key: Hashable, tensors: Sequence[torch.Tensor],
+              counted: tuple[torch.Tensor, ...] = ()) -> SavedTensorMeter | RecalledBytes:
+        """The context to run forward ``key`` in, on ``tensors`` (its inputs and targets): a
+        :class:`SavedTensorMeter` that records what it counts, or the bytes recalled for it."""
+        # a view's storage may be larger than the view (a micro-batch split from its batch): counted whole
+        signature = tuple((t.shape, t.dtype, t.device, tuple(s.nbytes() for s in _storages(t))) for t in tensors)
+        recorded = self._recorded.get(key)
+        if recorded is not None and recorded[0] == signature:
+            return RecalledBytes(recorded[1])
+        return SavedTensorMeter(self._parameter_storages, counted,
+                                record=lambda nbytes: self._recorded.__setitem__(key, (signature, nbytes)))
+
+
+class RecalledBytes:
+    """:class:`SavedTensorMeter`'s interface without its hooks: the bytes a meter counted before."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.bytes = nbytes
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        """Counted when the figure was metered."""
+
+    def __enter__(self) -> RecalledBytes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def storage_pointers(tensors) -> set[int]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed already (DTensor is not)
 
+from raypipe.comm.membership import forget_mesh_placements
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide_step
 from raypipe.core.topology import Topology
@@ -31,7 +32,7 @@ from raypipe.stage.device import stage_device, warm_up_spare_process, where_it_r
 from raypipe.stage.gradients import clip_and_step, local_tensor, owned_grad_stats
 from raypipe.stage.layer_run import layer_seeds, run_layers
 from raypipe.stage.local_shards import adopt_local_tensors, as_local, held_tensors, split_optimizer_state
-from raypipe.stage.measure import SavedTensorMeter, storage_bytes, storage_pointers
+from raypipe.stage.measure import SavedBytes, storage_bytes, storage_pointers
 from raypipe.stage.offload import Offloader, check_offloadable
 from raypipe.stage.precision import autocast, compute_weights
 from raypipe.stage.running_step import RunningStep
@@ -85,6 +86,7 @@ class StageWorker(StageCheckpointing):
         self.layers = nn.ModuleList(build_layer(layer, index, config.seed, read_weights=read_now)
                                     for layer, index in zip(spec.layers, spec.layer_indices))
         self.layers.to(self.device)
+        self._layers_training: bool | None = None  # the mode train() last set on every layer (None: not yet)
         self.tensor_mesh = None  # the stage's tensor-parallel mesh once the layers are split over it
         self._restored_before_split: dict[str, Any] | None = None  # a replacement's snapshot, loaded once split
         if config.tensor_parallel > 1:  # a module given as it is is split in place: keep it unsplit for a re-split
@@ -106,6 +108,7 @@ class StageWorker(StageCheckpointing):
                                        (lambda parameter: id(parameter) in owned) if self.ownership.sharded else None)
         # parameters and compute weights: static memory, excluded from held bytes
         self._parameter_storages = storage_pointers(self.layers.parameters()) | self.weights.storages()
+        self._saved_bytes = SavedBytes(self._parameter_storages)  # what each forward saves for backward
         self._weights_bytes = storage_bytes([*self.layers.parameters(), *self.weights.copies()])
         self._compute_weights = [self.weights.compute_weight(p) for p in self._trainable]  # what ZeRO-1 shares
         # each chunk's, for its split backward's weight gradient (a chunk's graph reaches only its own)
@@ -132,7 +135,10 @@ class StageWorker(StageCheckpointing):
         storage: no copy), bitwise as they were; nothing crosses between ranks."""
         held = self._held_for_resplit() if self.tensor_mesh is not None else None
         if held is not None:
-            self.layers = self._unsplit_on_meta()
+            # taking the held state ran DTensor ops on the old mesh: their cached placements would give the
+            # new split's parameters that mesh (equal by ranks), its process groups gone
+            forget_mesh_placements()
+            self.layers, self._layers_training = self._unsplit_on_meta(), None
         from raypipe.models.tensor_parallel import parallelize_layer  # DTensor: seconds of import, only where used
 
         spec, config = self.spec, self.config
@@ -276,9 +282,9 @@ class StageWorker(StageCheckpointing):
             self.store.keep_input(key, inputs, boundary.nbytes(inputs), extra=(targets, loss_weight))
         else:
             leaf = self._as_leaf(inputs, chunk)
-            with SavedTensorMeter(self._parameter_storages) as meter:
+            with self._saved_bytes.meter(("graph", *key), self._forward_tensors(leaf, targets)) as meter:
                 outputs = self._run(leaf, micro_batch, targets, loss_weight, chunk=chunk)
-            meter.add(*boundary.tensors(outputs))  # the graph's roots stay alive until backward
+                meter.add(*boundary.tensors(outputs))  # the graph's roots stay alive until backward
             self.store.keep_graph(key, leaf, outputs, meter.bytes)
         if last:
             self._running.add_loss(outputs)
@@ -334,9 +340,10 @@ class StageWorker(StageCheckpointing):
             inputs = self._as_leaf(inputs, chunk)
             targets, loss_weight = kept.extra
             # the kept input is still counted in the store until release()
-            with SavedTensorMeter(self._parameter_storages, counted=tuple(boundary.tensors(inputs))) as meter:
+            with self._saved_bytes.meter(("rebuilt", chunk, micro_batch), self._forward_tensors(inputs, targets),
+                                         counted=tuple(boundary.tensors(inputs))) as meter:
                 outputs = self._run(inputs, micro_batch, targets, loss_weight, chunk=chunk)
-            meter.add(*boundary.tensors(outputs))
+                meter.add(*boundary.tensors(outputs))
             kept.rebuilt_bytes = meter.bytes + kept.offloaded_bytes  # + the fetched-back input
             self.store.note_transient(kept.rebuilt_bytes)
         return kept, inputs, outputs
@@ -467,12 +474,18 @@ class StageWorker(StageCheckpointing):
     def _begin_step(self, step: int) -> None:
         if self._running.begin(step):
             self.store.reset_peaks()
+            self._saved_bytes.new_step()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
 
     def _recomputes(self, micro_batch: int) -> bool:
         mode = self.config.activation_checkpoint
         return mode == "always" or (mode == "except_last" and micro_batch != self._last_micro_batch)
+
+    @staticmethod
+    def _forward_tensors(inputs: boundary.Boundary, targets: boundary.Boundary) -> list[torch.Tensor]:
+        """What a forward's saved tensors follow from: its inputs' and targets' tensors."""
+        return boundary.tensors(inputs) + ([] if targets is None else boundary.tensors(targets))
 
     def _as_leaf(self, inputs: boundary.Boundary, chunk: int) -> boundary.Boundary:
         """The received input whose floating-point tensors are autograd leaves (the first stage's data is not)."""
@@ -482,7 +495,9 @@ class StageWorker(StageCheckpointing):
              loss_weight: float | None, training: bool = True, chunk: int = 0) -> torch.Tensor:
         """Chunk ``chunk``'s layers (and the loss, on the last virtual stage), seeded per layer. The
         loss takes a single-tensor output in fp32, a tree output as it is."""
-        self.layers.train(training)
+        if self._layers_training is not training or self.layers.training is not training:
+            self.layers.train(training)  # a walk over every module: only when the mode changes, not every op
+            self._layers_training = training
         with autocast(self.config.precision, self.device.type):
             hidden = self._run_layers(hidden, micro_batch, training, chunk)
         if chunk != self.chunks.last:

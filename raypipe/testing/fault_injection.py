@@ -13,8 +13,12 @@ errors they meet there, at a point a test picks.
 
 A :class:`Slowdown` makes one worker slow instead of dead: from a data step on, its
 fabricated compute (one timed F op a step, ``FakeExecutor.compute_s``) takes a factor longer;
-the worker that replaces it is as fast as the others. ``FakeGroup.spares_up`` warm spares take
-replaced workers' places.
+the worker that replaces it is as fast as the others, unless the slowdown is its place's (a
+throttled device: whatever worker runs there is slow). ``FakeGroup.spares_up`` warm spares take
+replaced workers' places. With ``FakeExecutor.layer_s`` (each layer's seconds per micro-batch, as
+timed layers sleep them) a worker's compute is that of the layers its spec holds, and each step's
+time (``FakeExecutor.step_times``) is the schedule's timed run (:mod:`raypipe.core.timed_simulation`)
+with those times, the slowest replica's: a partition's and a slowdown's effect on the step, cheaply.
 On real processes, :func:`slow_down_worker` does the same to a Ray worker running timed layers.
 
 Each worker's state is the list of data steps it committed, so a test compares
@@ -34,7 +38,9 @@ from typing import Any
 
 import ray
 
+from raypipe.core.lowering import lower
 from raypipe.core.result import OpEvent, StageReport, StageStats
+from raypipe.core.timed_simulation import simulate_timed
 from raypipe.core.topology import Topology
 from raypipe.errors import PlacementError, RaypipeError, WorkersFailed
 from raypipe.testing.timed_layers import slow_down
@@ -62,11 +68,14 @@ class Fault:
 class Slowdown:
     """From data step ``from_step`` on, the worker at ``on`` ((replica, stage) in the running group
     at that step, (replica, stage, tp_rank) with tensor parallelism) computes ``factor`` times as
-    long: slow, not dead (one that replaces it is not)."""
+    long: slow, not dead. ``of_place``: the cause is the place's (its device, its node), so whatever
+    worker runs there is slow (one started again there too); else the worker's own (one that
+    replaces it is not)."""
 
     on: tuple[int, ...]
     from_step: int
     factor: float
+    of_place: bool = False
 
 
 def slow_down_worker(actor: Any, factor: float) -> None:
@@ -261,11 +270,15 @@ class FakeGroup:
             raise PlacementError("no room", tuple(indices))
         self.kill(indices)
         spares = {}
-        for index in indices:
-            if FakeGroup.spares_up:
+        t = self.specs[0].config.tensor_parallel if self.specs else 1  # a spare: a group of t taking a whole stage
+        for stage in sorted({index // t for index in indices}):
+            ranks = [index for index in sorted(indices) if index // t == stage]
+            if FakeGroup.spares_up and len(ranks) == t:
                 FakeGroup.spares_up -= 1
-                spares[index] = f"spare {len(self.replaced) + len(spares)}"
-            self.actors[index] = self.fake_ray.actor("spare" if index in spares else "replacement")
+                name = f"spare {len(self.replaced) + len(spares)}"
+                spares.update({index: name for index in ranks})
+            for index in ranks:
+                self.actors[index] = self.fake_ray.actor("spare" if index in spares else "replacement")
         self.replaced += indices
         ray.get([self.actors[index].ready.remote() for index in indices])  # a dead one raises, as in Ray
         return spares
@@ -315,6 +328,8 @@ class FakeExecutor:
     in_flight: Any = None
     steps_run: list[int] = field(default_factory=list)
     compute_s: float = 0.01  # each worker's fabricated compute a step (one F op on its timeline)
+    layer_s: tuple[float, ...] | None = None  # else: each layer's compute per micro-batch (F a third, B the rest)
+    step_times: list[float] = field(default_factory=list)  # with layer_s: each step's timed run, in seconds
     slowdowns: list[Slowdown] = field(default_factory=list)
     slowed: dict[int, FakeActor] = field(default_factory=dict)  # slowdowns (by position) -> the worker they slow
 
@@ -352,19 +367,49 @@ class FakeExecutor:
             actor.steps = (*actor.steps, data_step)
         self.steps_run.append(data_step)
         reports, topology = [], self.topology()
+        per_micro_batch: dict[tuple[int, int], float] = {}  # (replica, stage): a micro-batch's compute (layer_s)
         for rank, actor in enumerate(self.group.actors):
             place, (replica, stage, tp_rank) = topology.place(rank), topology.coordinates(rank)
-            seconds = self.compute_s
-            for position, slowdown in enumerate(self.slowdowns):
-                if slowdown.on == place and data_step >= slowdown.from_step:
-                    self.slowed.setdefault(position, actor)  # the worker there when it starts: it, not its place
-                if self.slowed.get(position) is actor:
-                    seconds *= slowdown.factor
+            factor = self._slowdown(actor, place, data_step)
+            seconds = self.compute_s * factor
+            if self.layer_s is not None:
+                per_micro_batch[replica, stage] = factor * sum(self.layer_s[i] for i in self.group.spec(rank)
+                                                               .layer_indices)
+                seconds = self.config.num_micro_batches * per_micro_batch[replica, stage]
             start = float(data_step)  # a fabricated clock: a second a step
             reports.append(StageReport([OpEvent(stage, "F", 0, start, start + seconds, replica, tp_rank=tp_rank)],
                                        StageStats(stage, replica=replica, tp_rank=tp_rank), None,
                                        commits=len(actor.steps)))
+        if self.layer_s is not None:
+            self.step_times.append(self._step_time(per_micro_batch, topology.num_replicas))
         return types.SimpleNamespace(decision=None, reports=reports)
+
+    def _slowdown(self, actor: FakeActor, place: tuple[int, ...], data_step: int) -> float:
+        """How many times slower ``actor``, at ``place``, computes at ``data_step``."""
+        factor = 1.0
+        for position, slowdown in enumerate(self.slowdowns):
+            if slowdown.on == place and data_step >= slowdown.from_step:
+                if slowdown.of_place:
+                    factor *= slowdown.factor
+                    continue
+                self.slowed.setdefault(position, actor)  # the worker there when it starts: it, not its place
+            if self.slowed.get(position) is actor:
+                factor *= slowdown.factor
+        return factor
+
+    def _step_time(self, per_micro_batch: dict[tuple[int, int], float], num_replicas: int) -> float:
+        """The step's seconds: the schedule's timed run with each stage's compute (F a third of a
+        micro-batch's, B two, I and W one each), of the slowest replica (they meet at the reduction)."""
+        lowered = lower(self.schedule, self.config.placement)
+        runs = []
+        for replica in range(num_replicas):
+            op_seconds = {}
+            for stage in range(self.config.num_stages):
+                third = per_micro_batch[replica, stage] / 3
+                op_seconds.update({(stage, "F"): third, (stage, "B"): 2 * third, (stage, "I"): third,
+                                   (stage, "W"): third})
+            runs.append(simulate_timed(lowered, op_seconds).step_s)
+        return max(runs)
 
     def evaluate(self, step: int, batch: Any) -> float:
         return sum(self.get([actor.evaluate.remote(step) for actor in self.group.actors]))

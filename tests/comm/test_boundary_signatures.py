@@ -50,7 +50,8 @@ def run_step(channel: P2PChannel, stage_ops: list[ops.LoweredOp], key_of, tensor
 def run_lowered_stage(rank: int, ports: list[int], mode: str, emulate_nccl: bool) -> list[tuple]:
     """Worker ``rank`` of 1F1B (p = 3) and of each of CHUNKED (p = 3, v = 2), three steps each, then the
     group left and joined afresh and two steps more: every receive gets exactly what its sender sent;
-    returns each step's control messages (headers sent and received)."""
+    returns each step's control messages (headers sent and received), the bytes it sent and the bytes
+    of its activations and gradients, and the threads its polled control waits were made on so far."""
     from raypipe.core.lowering import lower
     from raypipe.core.schedule import make_schedule
 
@@ -71,12 +72,14 @@ def run_lowered_stage(rank: int, ports: list[int], mode: str, emulate_nccl: bool
                                                                               placement))
                         return sent if op.kind in (ops.SEND_ACT, ops.RECV_ACT) else -sent
 
-                    before = channel.control_messages
+                    before, sent = channel.control_messages, channel.sent_bytes
                     received = run_step(channel, stage_ops, key_of, tensor)
                     for op, got in received.items():
                         torch.testing.assert_close(got, tensor(op), rtol=0, atol=0, msg=f"{name} {step} {op!r}")
                     activations = sum(op.kind in (ops.SEND_ACT, ops.RECV_ACT) for op in ops.unbatch(stage_ops))
-                    counts.append((name, phase, step, rank, channel.control_messages - before, activations))
+                    payloads = sum(tensor(op).numel() * 4 for op in ops.unbatch(stage_ops) if op.kind in ops.SENDS)
+                    counts.append((name, phase, step, rank, channel.control_messages - before, activations,
+                                   channel.sent_bytes - sent, payloads, channel._waits.pool.started))
                 channel.leave()
     finally:
         channel.leave()
@@ -89,11 +92,17 @@ def test_a_steady_state_step_sends_no_header_once_signatures_are_learned(ranks, 
     seen = [count for counts in ranks.run(run_lowered_stage, ports, mode, emulate_nccl, nprocs=CHUNKED_P)
             for count in counts]
     assert len(seen) == 3 * CHUNKED_P * (3 + 2)
-    for name, phase, step, rank, control, activations in seen:
+    for name, phase, step, rank, control, activations, sent, payloads, _ in seen:
         if mode == LEARNED and step > 0:  # the steady state: the payloads alone
             assert control == 0, (name, phase, step, rank)
         else:  # a header sent or received per activation (a tensor's: one message each)
             assert control == activations > 0, (name, phase, step, rank, control, activations)
+        assert sent == payloads, (name, phase, step, rank)  # no filler message: no prediction was stale
+    # under NCCL's rules each control operation (a header sent or received) is waited for on a thread of the
+    # channel's pool, made once and reused, not one thread each; on gloo, in gloo's own wait
+    operations = sum(control for *_, control, _, _, _, _ in seen)
+    threads = max(made for *_, made in seen)
+    assert (0 < threads <= 3 < operations) if emulate_nccl else threads == 0, (threads, operations)
 
 
 def run_changing_stage(rank: int, ports: tuple[int, int], keys) -> list[tuple]:
@@ -182,7 +191,7 @@ def test_a_changed_signature_raises_before_anything_starts_and_names_what_change
     """In one process: a learned signature, then an activation of another shape, dtype or tree."""
     channel = P2PChannel(Topology(num_stages=4), 0, 2, torch.device("cpu"), num_chunks=1, boundary_shapes=LEARNED)
     key = ops.message_key(5, 3, 4)
-    channel._learned.sent[key] = BoundarySignature(signature_of(torch.zeros(4, 16, 64)))
+    channel._learned.sent[key] = BoundarySignature((signature_of(torch.zeros(4, 16, 64)),))
     with pytest.raises(BoundaryShapeChanged) as raised:
         channel.send_activation(torch.zeros(4, 12, 64), key, 3)
     assert str(raised.value).splitlines()[0] == ("stage 2's output to stage 3, micro-batch 5, changed from "
@@ -201,7 +210,7 @@ def test_a_changed_signature_raises_before_anything_starts_and_names_what_change
 
 def test_signatures_are_learned_per_key_dropped_when_forgotten_and_dynamic_keys_kept():
     learned = LearnedSignatures(LEARNED)
-    tensor = BoundarySignature(signature_of(torch.zeros(2, 3)))
+    tensor = BoundarySignature((signature_of(torch.zeros(2, 3)),))
     learned.sent[1] = learned.received[2] = tensor
     assert learned.to_send(1) == tensor and learned.to_receive(2) == tensor and learned.to_send(2) is None
     learned.mark_dynamic([1])

@@ -98,7 +98,7 @@ def run_stage(rank: int, port: int) -> list[tuple[int, int]]:
                     torch.testing.assert_close(gradient, -activation(step, micro_batch), rtol=0, atol=0)
             else:
                 channel.expect_activations([(key(micro_batch), 0) for micro_batch in micro_batches])
-                posted = {message: buffer for message, (_, buffer) in channel._messages.payloads.items()}
+                posted = {message: parts[0] for message, (_, parts) in channel._messages.payloads.items()}
                 for micro_batch in micro_batches:
                     received = channel.recv_activation(key(micro_batch), 0)
                     torch.testing.assert_close(received, activation(step, micro_batch), rtol=0, atol=0)
@@ -338,7 +338,7 @@ def run_chunked_stage(rank: int, port: int, emulated_port: int) -> None:
                 for step in range(CHUNKED_STEPS):
                     expected = [(key_of(op), op.peer) for op in ops.unbatch(stage_ops) if op.kind == ops.RECV_ACT]
                     channel.expect_activations(expected)
-                    posted = {message: buffer for message, (_, buffer) in channel._messages.payloads.items()}
+                    posted = {message: parts[0] for message, (_, parts) in channel._messages.payloads.items()}
                     received = run_ops(channel, stage_ops, key_of, lambda op: tensor(op, step))
                     assert len(received) == sum(part.kind in ops.RECEIVES for part in ops.unbatch(stage_ops)) > 0
                     for op, got in received.items():

@@ -410,6 +410,32 @@ def test_with_on_slow_replace_a_slowed_worker_is_swapped_for_a_spare_with_its_st
                for record in caplog.records)
 
 
+def test_at_t2_a_stage_slowed_alike_is_swapped_whole_for_a_spare_group_with_each_ranks_state(fake_ray, caplog
+                                                                                              ) -> None:
+    """(2, 2, 2), on_slow="replace", one spare group of 2: replica 0's stage 1 slowed 2x on both ranks
+    from step 10 (a slow rank's peer waits inside its F and B: neither stands out), found whole at step
+    14, and both ranks swapped for the spare group before step 15, each with its own state, nothing
+    replayed; the replacements are not slow, nothing more is found."""
+    controller = controller_for(num_replicas=2, tensor_parallel=2, slow_steps=5, on_slow="replace",
+                                spare_workers=2)
+    controller.start()
+    for tp_rank in range(2):
+        controller.executor.slowdowns.append(Slowdown(on=(0, 1, tp_rank), from_step=10, factor=2.0))
+    FakeGroup.spares_up = 1  # one group of 2 (the pool counts groups at t > 1)
+    slow_actors = controller.layout.actors[2:4]
+    with caplog.at_level("WARNING", logger="raypipe"):
+        run(controller, range(30))
+    assert histories(controller) == {tuple(range(30))} and controller.state is ControllerState.RUNNING
+    assert [(found.data_step, found.worker.worker) for found in controller.slow_workers] == [(14, (0, 1, 0)),
+                                                                                            (14, (0, 1, 1))]
+    ((ranks, spares, _seconds),) = controller.slow_replaced
+    assert (ranks, spares) == ((2, 3), {2: "spare 0", 3: "spare 0"}) and not any(a.alive for a in slow_actors)
+    assert all(actor.steps == tuple(range(30)) for actor in controller.layout.actors[2:4])  # each its own state
+    assert not controller.failures and not controller.recoveries and controller.executor.steps_run == list(range(30))
+    assert any(record.getMessage().startswith("raypipe: swapped slow replica 0 stage 1 tp_rank 0, replica 0 stage 1 "
+                                              "tp_rank 1 for spare 0 in ") for record in caplog.records)
+
+
 def test_with_on_slow_replace_and_no_spare_up_a_slowed_worker_is_only_reported(fake_ray) -> None:
     controller = controller_for(num_replicas=2, slow_steps=5, on_slow="replace", spare_workers=1)
     controller.start()
@@ -417,3 +443,140 @@ def test_with_on_slow_replace_and_no_spare_up_a_slowed_worker_is_only_reported(f
     run(controller, range(30))
     assert [found.worker.worker for found in controller.slow_workers] == [(0, 1, 0)] and not controller.slow_replaced
     assert histories(controller) == {tuple(range(30))}
+
+
+def rebalancing_run(steps: int, slowed: bool, **options: Any) -> Controller:
+    """The acceptance's run through the fakes, with timed layers' times: p = 4, d = 2, 16 layers of 10 ms
+    a micro-batch (4 a stage), m = 4, 1F1B, ``on_slow="rebalance"`` and no spare; with ``slowed``, replica
+    0's stage 2 twice as slow from step 20 on, its place's cause (its device: whatever worker runs there)."""
+    config = PipelineConfig(**{"num_stages": 4, "num_replicas": 2, "num_micro_batches": 4, "schedule": "1f1b",
+                               "snapshot_every": 1, "on_slow": "rebalance", **options})
+    layers = tuple(nn.Linear(4, 4) for _ in range(16))  # equal parameter counts: equal shares of a stage's time
+    controller = Controller(config, [4, 4, 4, 4], StageModel(layers, None, nn.functional.mse_loss, None, len))
+    controller.start()
+    controller.executor.layer_s = (0.01,) * 16
+    if slowed:  # at t > 1 every rank of the stage (a slow rank's peers wait inside their F and B)
+        places = [(0, 2)] if config.tensor_parallel == 1 else [(0, 2, k) for k in range(config.tensor_parallel)]
+        controller.executor.slowdowns.extend(Slowdown(on=place, from_step=20, factor=2.0, of_place=True)
+                                             for place in places)
+    run(controller, range(steps))
+    return controller
+
+
+def test_with_on_slow_rebalance_layers_move_off_the_slow_stage_and_the_step_wins_back_most_of_its_loss(
+        fake_ray, caplog) -> None:
+    """Issue 61's acceptance through the fault-injection harness: found at step 29 (slow_steps + 0), the
+    layers are split again before step 30, the same in both replicas, away from stage 2 (its slowdown
+    stays with its place, so its new worker is as slow); the state moved from a snapshot taken then (no
+    step replayed, no failure charged), every worker's history that of the unslowed run; the step time
+    (the 1F1B schedule's timed run) wins back at least half of what the slowdown cost (here 62%: 413 ->
+    330 ms against 280 unslowed; the slowest stage 80 -> 50 ms a micro-batch against 40), and the worker
+    is not found again (its baseline started again at its slow pace)."""
+    unslowed = rebalancing_run(80, slowed=False)
+    with caplog.at_level("WARNING", logger="raypipe"):
+        controller = rebalancing_run(80, slowed=True)
+    assert histories(controller) == {tuple(range(80))} and controller.state is ControllerState.RUNNING
+    assert [(found.data_step, found.worker.worker) for found in controller.slow_workers] == [(29, (0, 2, 0))]
+    ((data_step, decision, before, _seconds),) = controller.slow_rebalanced  # once: no rebalance in a loop
+    assert (data_step, before) == (30, (4, 4, 4, 4))
+    assert decision.balance == (4, 5, 2, 5) and controller.balance == [4, 5, 2, 5]  # ties: earlier stages fewer
+    # a step's own compute, m = 4: 4 layers x 4 x 10 ms x 2 on the slow stage -> 5 layers x 4 x 10 ms
+    assert (round(decision.before, 6), round(decision.after, 6)) == (0.32, 0.2)
+    assert [spec.layer_indices for spec in controller.executor.group.specs[4:]] == [
+        tuple(range(0, 4)), tuple(range(4, 9)), (9, 10), tuple(range(11, 16))]  # replica 1 alike
+    assert controller.configured[1] == [4, 5, 2, 5]
+    assert not controller.failures and not controller.recoveries
+    assert controller.executor.steps_run == list(range(80))  # nothing replayed
+    times, well = controller.executor.step_times, unslowed.executor.step_times
+    lost, won = times[25] - well[25], times[25] - times[40]
+    assert (round(well[25], 3), round(times[25], 3), round(times[40], 3)) == (0.28, 0.413, 0.33)
+    assert lost > 0 and won >= 0.5 * lost and times[30:] == [times[30]] * 50
+    assert any(record.getMessage().startswith("raypipe: rebalanced away from slow replica 0 stage 2 tp_rank 0 (2.00x): "
+                                              "layers per stage [4, 4, 4, 4] -> [4, 5, 2, 5] in every replica")
+               for record in caplog.records)
+
+
+def test_on_slow_rebalance_leaves_the_layers_where_a_move_gains_too_little(fake_ray, caplog) -> None:
+    """A stage of one layer each (p = 4, 4 layers) slowed: no split at 4 stages moves its layer: reported, the
+    layers where they are, and asked once (not at every step it stays slow)."""
+    config = PipelineConfig(num_stages=4, num_replicas=2, num_micro_batches=4, schedule="1f1b", on_slow="rebalance",
+                            slow_steps=5)
+    controller = Controller(config, [1, 1, 1, 1], StageModel(tuple(nn.Linear(4, 4) for _ in range(4)), None,
+                                                             nn.functional.mse_loss, None, len))
+    controller.start()
+    controller.executor.slowdowns.append(Slowdown(on=(1, 1), from_step=10, factor=2.0, of_place=True))
+    with caplog.at_level("WARNING", logger="raypipe"):
+        run(controller, range(30))
+    assert not controller.slow_rebalanced and controller.balance == [1, 1, 1, 1]
+    lines = [record.getMessage() for record in caplog.records if "leaves the layers" in record.getMessage()]
+    assert lines == ["raypipe: on_slow='rebalance' leaves the layers where they are: moving layers would not speed "
+                     "the slowest stage by 5% (0.02s -> 0.02s predicted)"]
+
+
+def test_an_elastic_run_grows_with_the_rebalanced_partition(fake_ray, monkeypatch) -> None:
+    """num_replicas=(1, 2), the second replica placed at the step boundary before the slow worker is found
+    (slowed from step 20, slow_steps=5: found at step 24): its workers start with the old layers, so the
+    rebalance before step 25 cancels them and asks again; the replica then added is built with the new
+    layers (the resizer takes the partition), and every worker's history is whole."""
+    monkeypatch.setattr(controller_module, "cluster", fake_cluster(num_replicas_placed=1))
+    FakePlacement.condition = lambda: False
+    controller = rebalancing_run(24, slowed=True, num_replicas=(1, 2), slow_steps=5)
+    FakePlacement.condition = lambda: True
+    run(controller, range(24, 25))  # the boundary before step 24 starts the replica; step 24 finds the worker
+    started = [actor for actor in controller.resizer._starting.actors]
+    run(controller, range(25, 30))
+    assert controller.balance == [4, 5, 2, 5] and controller.topology.num_replicas == 2
+    assert not any(actor.alive for actor in started)  # cancelled: built with the old layers
+    specs = controller.executor.group.specs
+    assert [spec.layer_indices for spec in specs[4:]] == [spec.layer_indices for spec in specs[:4]]
+    assert [len(spec.layer_indices) for spec in specs[:4]] == [4, 5, 2, 5]
+    assert histories(controller) == {tuple(range(30))}
+
+
+def test_at_t2_a_stage_with_no_room_re_partitions_keeping_t_and_comes_back(fake_ray, monkeypatch) -> None:
+    """(1, 2, 2): stage 1's rank 1 lost with no room for its replacement: the run goes on with one stage of
+    the same t = 2 (the room counted in whole stages' bundles), each new rank adopting the layers of its own
+    tp_rank's snapshots (a rank's snapshot holds its part of each layer), and returns to 2 x 2 once there is
+    room, every worker's history as without the failure."""
+    from raypipe.control import snapshots as snapshots_module
+
+    adopted: list[tuple[int, int]] = []  # (tp_rank asked for, positions of the snapshots given)
+    holding = snapshots_module.holding
+
+    def recording(refs, layers, wanted, tp_rank=0, tensor_parallel=1):
+        chosen = holding(refs, layers, wanted, tp_rank, tensor_parallel)
+        adopted.append((tp_rank, tuple(position for position, ref in enumerate(refs) if ref in chosen)))
+        return chosen
+
+    monkeypatch.setattr("raypipe.control.state_transfer.holding", recording)
+    controller = controller_for(tensor_parallel=2)
+    controller.start()
+    run(controller, range(1))
+    FakeGroup.no_room = 1
+    arm(fake_ray, Fault("run_step", kill=[(0, 1, 1)]))
+    run(controller, range(1, 2))
+    assert controller.layout.repartitioned and controller.state is ControllerState.REPARTITIONED
+    assert (controller.config.num_stages, controller.config.tensor_parallel, controller.balance) == (1, 2, [4])
+    assert [(w.stage, w.tp_rank) for w in controller.layout.workers] == [(0, 0), (0, 1)]
+    # the old ranks 0-3 are (stage 0, tp 0), (0, 1), (1, 0), (1, 1): each new rank takes both stages' of its tp_rank
+    assert adopted == [(0, (0, 2)), (1, (1, 3))]
+    assert decided(fake_ray) == ['ReplaceWorkers', 'WaitForRoom', 'Repartition', 'RestoreSnapshot']
+    run(controller, range(2, 5))
+    assert not controller.layout.repartitioned and controller.config.num_stages == 2
+    assert [(w.stage, w.tp_rank) for w in controller.layout.workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert histories(controller) == {tuple(range(5))}
+
+
+def test_at_t2_a_rebalance_moves_layers_off_a_slow_stage_each_rank_adopting_its_own_tp_rank(fake_ray) -> None:
+    """The rebalance at t = 2 (p = 4, d = 2): replica 0's stage 2 slowed 2x on both ranks (a slow rank's peer
+    waits inside its F and B) is found whole; the layers move off it in every replica as at t = 1, each new
+    rank adopting its own tp_rank's snapshots, every worker's history that of the unslowed run, and the step
+    wins back time."""
+    controller = rebalancing_run(60, slowed=True, tensor_parallel=2)
+    (rebalanced,) = controller.slow_rebalanced
+    assert rebalanced.balance_before == (4, 4, 4, 4) and rebalanced.decision.balance[2] < 4
+    assert {slow.worker for slow in rebalanced.decision.slowed} == {(0, 2, 0), (0, 2, 1)}
+    assert controller.config.tensor_parallel == 2 and len(controller.layout.actors) == 16
+    assert histories(controller) == {tuple(range(60))}
+    assert not controller.failures and controller.executor.steps_run == list(range(60))
+    assert controller.executor.step_times[-1] < 0.9 * max(controller.executor.step_times[20:30])

@@ -1,6 +1,7 @@
 """scripts/gpu_calibrate.py's CPU path: every measurement runs and sits beside the predictor's figure
 for the same shapes (the GPU figures themselves come from `scripts/gpu_check.sh --calibrate`)."""
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -57,14 +58,53 @@ def test_another_shape_is_predicted_at_its_own_sequence_length_and_layers_can_ru
     assert "whole model: not run (--layers-only)" in capsys.readouterr().out
 
 
-def test_a_bad_shape_is_named_before_anything_runs(capsys):
-    calibrate = load_script()
-    for argv, named in ((["--cpu", "--model", "llama-9b"], "unknown model 'llama-9b'"),
-                        (["--cpu", "--seq-len", "0"], "--seq-len must be at least 1, got 0")):
+def assert_refused(main, cases, capsys) -> None:
+    """Each ``(argv, named)``: ``main(argv)`` exits 2 with ``named`` on stderr, before anything runs."""
+    for argv, named in cases:
         try:
-            calibrate.main(argv)
+            main(argv)
         except SystemExit as exit_:
             assert exit_.code == 2
         else:
             raise AssertionError(f"{argv} was accepted")
         assert named in capsys.readouterr().err
+
+
+def test_a_bad_shape_is_named_before_anything_runs(capsys):
+    assert_refused(load_script().main, [(["--cpu", "--model", "llama-9b"], "unknown model 'llama-9b'"),
+                                        (["--cpu", "--seq-len", "0"], "--seq-len must be at least 1, got 0")], capsys)
+
+
+def test_the_tensor_parallel_path_times_a_split_block_and_its_collectives_beside_the_model(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """--cpu --tensor-parallel 2: one block split over two processes over gloo (as a stage splits
+    it), each op's slowest rank beside the predictor's flops / t plus the block's collectives on
+    the preset's NVLink, and the collectives alone beside the ring model. (Run as the script: its
+    ranks are spawned processes, which import the script by its module name: scripts/ on the path.)"""
+    from raypipe.planning.tensor_parallel_collectives import collective_seconds, llama_layer_collectives
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the spawned ranks get the parent's path
+    gpu_calibrate = importlib.import_module("gpu_calibrate")
+    out = tmp_path / "calibrate_tp2.json"
+    assert gpu_calibrate.main(["--cpu", "--tensor-parallel", "2", "--cluster", "h100", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "block F" in printed and "reduce_scatter" in printed
+    results = json.loads(out.read_text())
+    shape, cluster = results["shape"], load_cluster("h100")
+    cost = llama_layer_cost(get_config("tiny"), "block", shape["seq_len"], shape["precision"])
+    block = llama_layer_collectives(get_config("tiny"), shape["seq_len"], "fp32", sequence_parallel=True)[1]
+    communicated = {"F": collective_seconds(block.forward, 2, cluster.intra_node, shape["micro_batch_size"]),
+                    "I": collective_seconds(block.backward, 2, cluster.intra_node, shape["micro_batch_size"]),
+                    "W": 0.0}
+    for op, flops in (("F", cost.fwd_flops), ("I", cost.bwd_input_flops), ("W", cost.bwd_weight_flops)):
+        row = results["block"][op]
+        compute = shape["micro_batch_size"] * flops / cluster.flops_per_s("fp32") / 2
+        assert math.isclose(row["predicted_s"], compute + communicated[op]) and row["measured_s"] > 0
+    assert set(results["collectives"]) == {"all_gather", "reduce_scatter"}  # sequence parallel: no all-reduce
+    hidden = shape["micro_batch_size"] * shape["seq_len"] * get_config("tiny").dim * 4
+    for name, row in results["collectives"].items():
+        assert row["bytes"] == hidden and row["measured_s"] > 0
+        assert math.isclose(row["predicted_s"], cluster.intra_node.ring_seconds(1, hidden, 2))
+    assert_refused(gpu_calibrate.main, [
+        (["--cpu", "--tensor-parallel", "0"], "--tensor-parallel must be at least 1, got 0"),
+        (["--cpu", "--tensor-parallel", "3"], "--seq-len 64 must divide by --tensor-parallel 3")], capsys)

@@ -355,7 +355,9 @@ def test_entrypoint_passes_the_slow_worker_knobs_only_when_set(chart) -> None:
     _command, flags = entrypoint_flags(only(render(chart, {"training": {"onSlow": "replace", "spareWorkers": 1}}),
                                             "RayJob"))
     assert (flags["--on-slow"], flags["--spare-workers"]) == (["replace"], ["1"])
-    for bad in ({"slowFactor": 1}, {"slowSteps": 0}, {"onSlow": "rebalance"}):  # rebalance is not built yet
+    _command, flags = entrypoint_flags(only(render(chart, {"training": {"onSlow": "rebalance"}}), "RayJob"))
+    assert flags["--on-slow"] == ["rebalance"]
+    for bad in ({"slowFactor": 1}, {"slowSteps": 0}, {"onSlow": "ignore"}):
         report = helm_python.lint(CHART_DIR, {"training": bad}, strict=True, namespace=NAMESPACE)
         assert any(f"/training/{next(iter(bad))}" in error for error in report["errors"]), report["errors"]
 
@@ -369,6 +371,10 @@ def test_spare_workers_are_passed_and_counted_in_the_worker_pods(chart) -> None:
     assert worker_group(manifests) == (2, 2, 2)  # 8 stages + 2 spares: ceil(10 / 8) pods
     with pytest.raises(Exception, match="spareWorkers"):
         render(chart, {"training": {"spareWorkers": -1}})
+    tensor_parallel = {"spareWorkers": 2, "tensorParallel": 2, "stages": 4}  # one spare group: a whole stage's place
+    assert entrypoint_flags(only(render(chart, {"training": tensor_parallel}), "RayJob"))[1]["--spare-workers"] == ["2"]
+    with pytest.raises(Exception, match="spareWorkers=3 must be a multiple of training.tensorParallel=2"):
+        render(chart, {"training": {**tensor_parallel, "spareWorkers": 3}})
 
 
 def test_entrypoint_runs_train_7b_with_the_training_values(chart) -> None:

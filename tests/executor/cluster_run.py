@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
@@ -83,9 +83,16 @@ def as_lists(state: dict) -> dict:
     return {key: value.tolist() for key, value in state.items()}
 
 
-def run_in_subprocess(module: str, out: Path, timeout_s: float) -> dict:
-    """Run ``python -m module OUT`` from the repository root; what it wrote."""
-    done = subprocess.run([sys.executable, "-m", module, str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
+def run_in_subprocess(module: str, out: Path, timeout_s: float, arguments: Sequence[str] = ()) -> dict:
+    """Run ``python -m module OUT *arguments`` from the repository root; what it wrote. Past
+    ``timeout_s`` it fails with what the run printed (keep it below pytest's own timeout)."""
+    try:
+        done = subprocess.run([sys.executable, "-m", module, str(out), *arguments], cwd=REPO, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as expired:
+        printed = [stream if isinstance(stream, str) else (stream or b"").decode(errors="replace")
+                   for stream in (expired.stdout, expired.stderr)]  # bytes so far, even with text=True
+        raise AssertionError(f"{module} ran past {timeout_s:g}s; stdout:\n{printed[0][-3000:]}\n"
+                             f"stderr:\n{printed[1][-6000:]}") from None
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
     return json.loads(out.read_text())

@@ -1,10 +1,10 @@
-"""Two runs that lose nodes, one after another in one multi-node Ray cluster with
+"""Four runs that lose nodes, one after another in one multi-node Ray cluster with
 shortened health checks (run by tests/executor/test_lost_nodes.py in a subprocess):
-``python -m tests.executor.lost_nodes_run OUT.json``. (The third, node_loss_run.py,
+``python -m tests.executor.lost_nodes_run OUT.json``. (The fifth, node_loss_run.py,
 runs on a cluster of its own with Ray's default health checks.)
 
 One ``ray.cluster_utils.Cluster`` (a head with no CPUs and four 1-CPU worker
-nodes) serves both, so the suite starts one cluster instead of two:
+nodes) serves all four, so the suite starts one cluster instead of four:
 
 1. elastic_run.py: two replicas of two stages fill the four nodes; one node is
    lost with no room for a replacement (the run shrinks), then a node is added
@@ -18,6 +18,12 @@ nodes) serves both, so the suite starts one cluster instead of two:
    stage that can be placed; one node is added and the run goes back to its
    two stages in place of the one, then two more and it grows to a second
    replica.
+3. tp_node_loss_run.py: three 2-CPU nodes are added (room for a stage of two
+   tensor-parallel workers each); (1, 2, 2) fills two, loses stage 1's node with
+   both its ranks, and heals on the third.
+4. tp_elastic_run.py: two more 2-CPU nodes make four; an elastic (2, 2, 2) fills
+   them, loses one with no spare (it shrinks to (1, 2, 2)), and grows back when a
+   node is added.
 
 Each part's record goes under its name, with the nodes alive when it ended.
 """
@@ -29,7 +35,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from tests.executor import elastic_run, repartition_run
+from tests.executor import elastic_run, repartition_run, tp_elastic_run, tp_node_loss_run
 from tests.executor.cluster_run import remove_node, run_on_cluster
 
 
@@ -43,6 +49,8 @@ def lose_every_node(cluster: Cluster) -> dict:
     for node in workers[:2]:  # of the four worker nodes: two stages on two, no spare
         remove_node(cluster, node)
     record["repartition"] = repartition_run.train(cluster)
+    record["tp_node_loss"] = tp_node_loss_run.train(cluster)
+    record["tp_elastic"] = tp_elastic_run.train(cluster)
     return record
 
 

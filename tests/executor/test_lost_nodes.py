@@ -3,22 +3,36 @@ health checks: its replacement first dies in the lost node's bundle), a run with
 no room for a replacement shrinks and grows back when a node is added (ZeRO-1,
 its optimizer shards moved each time), and a
 pipeline with no room for a stage goes on with fewer stages and back to its own
-when a node is added (a new worker killed during that swap in place is healed).
+when a node is added (a new worker killed during that swap in place is healed); at
+t = 2, a node lost with a whole tensor-parallel stage (both its ranks) is healed on a
+spare node bitwise, and an elastic run shrinks and grows by whole replicas of such stages.
 
-The elastic and re-partitioning runs share one multi-node ``ray.cluster_utils.Cluster``
-with shortened health checks, run once in a subprocess (lost_nodes_run.py:
-elastic_run.py and repartition_run.py in turn); the node loss runs in a cluster of
-its own with Ray's default ones (node_loss_run.py). Each test checks its part."""
+The elastic, re-partitioning and tensor-parallel runs share one multi-node
+``ray.cluster_utils.Cluster`` with shortened health checks, run once in a subprocess
+(lost_nodes_run.py: elastic_run.py, repartition_run.py, tp_node_loss_run.py and
+tp_elastic_run.py in turn);
+the node loss runs in a cluster of its own with Ray's default ones (node_loss_run.py).
+Each test checks its part."""
 import pytest
+import torch
 
+from raypipe.models.llama import llama_layers, llama_loss
+from tests.executor import tp_elastic_run, tp_node_loss_run
 from tests.executor.cluster_run import run_in_subprocess
+from tests.executor.tp_kills_run import adamw, batches, one_process
+from tests.gloo_pipeline import uninterrupted_run
 from tests.reference import assert_mlp_run_matches_one_process
+
+
+# the shared cluster's four runs take minutes, more on a loaded machine: past pytest's own 600 s, and the
+# subprocess's limit below this one, so that a run cut short reports what it printed
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lost_nodes") / "lost_nodes.json"
-    return run_in_subprocess("tests.executor.lost_nodes_run", out, timeout_s=900)
+    return run_in_subprocess("tests.executor.lost_nodes_run", out, timeout_s=840)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +116,55 @@ def test_a_pipeline_with_no_room_for_a_stage_goes_on_with_fewer_stages_and_back_
     # the weights and AdamW's moments went 2 stages -> 1 -> 2 -> 2 replicas: a lost part would miss the reference
     assert_mlp_run_matches_one_process(run["losses"], run["state"], 8, 4, clip_grad_norm=0.5)
     print(f"node added to the first step on the configured stages: {run['return_seconds']:.1f} s")
+
+
+@pytest.mark.cluster
+def test_a_lost_node_taking_a_whole_tensor_parallel_stage_is_healed_on_a_spare_one_bitwise(runs):
+    """(1, 2, 2), a stage's two workers in one bundle, so on one node: the node of stage 1 lost with
+    both its ranks, the stage is replaced on the spare node, each new rank restoring its lost
+    one's snapshot (the keeper's copy), and the run goes on bitwise the run without the loss (the
+    same workers in processes over gloo)."""
+    run = runs["tp_node_loss"]
+    stage0, stage0_too, stage1, stage1_too = run["nodes_before"]
+    assert stage0 == stage0_too and stage1 == stage1_too and stage0 != stage1  # a stage's ranks on one node
+    assert stage1 not in run["alive_tensor_parallel_nodes"]  # the node is gone ...
+    assert run["nodes_after"][:2] == [stage0] * 2  # ... stage 0 stayed where it was ...
+    spare = run["nodes_after"][2]
+    assert run["nodes_after"][3] == spare and spare not in (stage0, stage1)  # ... stage 1 moved to the spare node
+    assert spare in run["alive_tensor_parallel_nodes"]
+    assert not set(run["lost_pids"]) & set(run["pids_after"])
+    lost_at = tp_node_loss_run.LOST_AT
+    assert run["recovered"] == [step == lost_at for step in range(tp_node_loss_run.STEPS)]
+    assert run["failures"] and all(failure.startswith(f"step {lost_at}: ") and "replica 0 stage 1 tp_rank" in failure
+                                   for failure in run["failures"]), run["failures"]
+    steps, state = uninterrupted_run(llama_layers("tiny"), llama_loss, adamw, tp_node_loss_run.config(),
+                                     batches(tp_node_loss_run.STEPS))
+    assert run["steps"] == steps  # no step lost, none redone differently
+    assert run["state"] == state  # bitwise (floats compared exactly)
+    print(f"node loss with a tensor-parallel stage to step done: {run['seconds']:.1f} s; healed from "
+          f"{run['sources']}; {run['failures']}")
+
+
+@pytest.mark.cluster
+def test_an_elastic_run_at_t2_shrinks_by_a_whole_replica_when_a_node_goes_and_grows_back_as_one_process(runs):
+    """(2, 2, 2) -> (1, 2, 2) -> (2, 2, 2): a stage's two ranks on one node, that node lost with no
+    room to replace them drops its replica (every survivor's state moved onto the smaller layout's
+    meshes), and a node added brings the replica back; every step equals one process within 1e-4."""
+    run = runs["tp_elastic"]
+    replicas = run["num_replicas"]
+    assert run["replicas_at_start"] == 2 and replicas[:2] == [2, 2]
+    lost_at = tp_elastic_run.LOST_AT
+    assert replicas[lost_at] == 1 and run["recovered"][lost_at]  # the lost node's step returned, on one replica
+    assert replicas[lost_at + 1] == 1 and replicas[-3:] == [2, 2, 2]  # ... and the added node brought it back
+    assert [direction for _, direction, _ in run["resizes"]] == ["shrink", "grow"]
+    assert len(run["failures"]) == 1  # the shrink is one failure event: both ranks of the stage
+    assert all(f"replica 1 stage 1 tp_rank {tp_rank} died" in run["failures"][0] for tp_rank in range(2))
+    assert run["workers_at_end"] == [[r, s, t] for r in range(2) for s in range(2) for t in range(2)]
+    nodes = run["nodes_at_end"]
+    assert all(nodes[rank] == nodes[rank + 1] for rank in range(0, 8, 2))  # each stage on one node
+    assert run["lost_node"] in run["nodes_at_start"] and run["lost_node"] not in nodes
+    steps, state = one_process(tp_elastic_run.config(), batches(len(replicas)))
+    for (loss, norm), (expected_loss, expected_norm) in zip(run["steps"], steps, strict=True):
+        assert (loss, norm) == (pytest.approx(expected_loss, rel=1e-4), pytest.approx(expected_norm, rel=1e-4))
+    for name, expected in state.items():
+        assert float((torch.tensor(run["state"][name]) - expected).norm()) <= 1e-4 * float(expected.norm()), name

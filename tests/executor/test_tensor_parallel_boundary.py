@@ -115,15 +115,16 @@ def test_boundary_slices_train_as_one_process(cell):
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_each_rank_sends_its_slice_of_the_boundary(cell):
     """Each rank sends 1/t of a t = 1 worker's floating-point bytes, every step; a packed row's
-    positions and document ids go whole (and a tree's gradient payload has the tree's layout, its
-    integer leaves' places zero: raypipe.comm.tree_messages.pack_gradient)."""
+    positions and document ids go whole, forward only (a tree's gradient is its floating-point
+    leaves' alone: raypipe.comm.tree_messages.gradient_parts)."""
     schedule, _, packed = CELLS[cell]
     # the messages each worker sends per micro-batch: one (an activation or a gradient) across the one
     # boundary of 2 stages; zbv's V crosses between the workers twice (0 -> 1 and 2 -> 3) and turns on worker 1
     messages = 2 if schedule == "zbv" else 1
     whole = MICRO_BATCHES * messages * HIDDEN_BYTES  # a t = 1 worker's floating-point bytes a step
     indices = MICRO_BATCHES * 2 * INDEX_BYTES if packed else 0  # positions and document ids, whole
-    expected = {(stage, tp_rank): whole // 2 + indices for stage in (0, 1) for tp_rank in (0, 1)}
+    expected = {(stage, tp_rank): whole // 2 + (indices if stage == 0 else 0) for stage in (0, 1)
+                for tp_rank in (0, 1)}
     assert run(cell)[2] == [expected] * STEPS
 
 

@@ -5,14 +5,14 @@ Split over a stage's tensor-parallel mesh, the parameters, their optimizer state
 hooks are bound to that mesh's process group. Every heal and every retried step re-forms all
 groups, so each worker moves its state onto the new mesh from its own local shards, and a
 replacement restores the lost rank's snapshot (its local shards) once its layers are split.
-The runs here are :class:`tests.gloo_pipeline.GlooPipeline` (the per-step workers in forked
-processes over real gloo groups, no Ray), compared with themselves: the same steps, with and
-without the failure, must agree bit for bit."""
+The reference is :class:`tests.gloo_pipeline.GlooPipeline` (the per-step workers in forked
+processes over real gloo groups, no Ray) without the failure: the same steps, with and without
+it, must agree bit for bit. There the heal's parts run one by one; on Ray (tp_kills_run.py) a
+trainer of (1, 2, 2) and one of (2, 2, 2) each take six SIGKILLs of seeded ranks at seeded
+moments inside steps, and a SIGSTOP. A node lost with a whole stage's two ranks:
+tests/executor/test_lost_nodes.py."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import pytest
@@ -24,8 +24,10 @@ from torch import nn
 import raypipe
 from raypipe.models.layers import build_layer
 from raypipe.models.llama import llama_layers, llama_loss
+from tests.executor import tp_kills_run
+from tests.executor.cluster_run import run_in_subprocess
 from tests.executor.test_tensor_parallel_steps import _batches, adamw
-from tests.gloo_pipeline import GlooPipeline
+from tests.gloo_pipeline import GlooPipeline, uninterrupted_run
 from tests.reference import reference_step
 
 
@@ -70,41 +72,81 @@ def test_a_retried_step_and_a_replaced_rank_at_t2_repeat_the_step_bitwise():
 
 
 @pytest.mark.cluster  # kills worker processes
-def test_a_killed_and_a_stopped_tensor_parallel_rank_on_ray_cost_no_step_and_no_bit(ray_cluster):
-    """(1, 2, 2) on Ray, the default per-step snapshot, recompute with the kept inputs offloaded: stage 1's tp_rank 1 SIGKILLed inside step 1,
-    stage 0's tp_rank 0 (which holds the group's rendezvous) SIGSTOPped inside step 2. Each time the
-    controller replaces the worker, every worker restores its snapshot of the step before (the
-    replacement its lost rank's local shards), the groups re-form with every worker's state moved
-    onto the new meshes, and the step runs again: each step's loss and norm and the final state are
-    bitwise the uninterrupted run's (the same workers in processes over gloo, no failure)."""
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, schedule="1f1b", tensor_parallel=2,
-                                    clip_grad_norm=0.5, hang_timeout_s=5.0, max_failures=None,
-                                    activation_checkpoint="always")
-    batches = _batches()
-    # the kept stage inputs go to Ray's object store on Ray (the same arithmetic: recomputed from them)
-    with GlooPipeline(llama_layers("tiny"), llama_loss, adamw, config) as pipeline:
-        expected = [pipeline.step(x, y) for x, y in batches]
-        expected_state = pipeline.state_dict()
-    faults = {1: ((1, 1), signal.SIGKILL, "died"), 2: ((0, 0), signal.SIGSTOP, "hung")}
-    with raypipe.PipelineTrainer(llama_layers("tiny"), llama_loss, adamw,
-                                 config.replace(offload_activations=True)) as trainer:
-        results, victims = [], []
-        for step, (x, y) in enumerate(batches):
-            if step in faults:
-                place, signal_number, _ = faults[step]
-                victim = next(worker for worker in trainer.workers if (worker.stage, worker.tp_rank) == place)
-                victims.append(victim.pid)
-                threading.Timer(0.01, os.kill, (victim.pid, signal_number)).start()
-            results.append(trainer.step(x, y))
-        state = trainer.state_dict()
-        assert [(r.loss, r.grad_norm) for r in results] == [(e.loss, e.grad_norm) for e in expected]
-        for step, ((stage, tp_rank), _, why) in faults.items():
-            # (a loaded machine may add a heal of its own: a busy worker's heartbeat late; the bits stay)
-            assert results[step].recovered and any(f"replica 0 stage {stage} tp_rank {tp_rank} {why}" in failure
-                                                   for failure in results[step].failures)
-        assert not set(victims) & {worker.pid for worker in trainer.workers}
-    for name, tensor in expected_state.items():
-        assert torch.equal(tensor, state[name]), name
+def test_a_shrink_at_t2_moves_each_survivors_state_onto_the_smaller_layouts_meshes():
+    """(2, 2, 2) -> (1, 2, 2) as an elastic run shrinks when a node goes with no room to replace its
+    workers: replica 1's four workers killed, the survivors take the smaller layout, re-form the
+    groups (fewer of them than before, so the new ones are named otherwise: a parameter left on an
+    old mesh finds no group) and restore the snapshot before; every step, before and after, equals
+    one process on the same global batches within 1e-5 (the reduction order differs)."""
+    config = tp_kills_run.config(2)
+    data = tp_kills_run.batches(4)
+    with GlooPipeline(llama_layers("tiny"), llama_loss, tp_kills_run.adamw, config) as pipeline:
+        steps = [pipeline.step(x, y) for x, y in data[:2]]
+        pipeline.shrink(1, pipeline.snapshots())
+        steps += [pipeline.step(x, y) for x, y in data[2:]]
+        state = pipeline.state_dict()
+    expected_steps, expected_state = tp_kills_run.one_process(config, data)
+    for step, (loss, norm) in zip(steps, expected_steps, strict=True):
+        assert (step.loss, step.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
+    for name, expected in expected_state.items():
+        assert float((state[name] - expected).norm()) <= 1e-5 * float(expected.norm()), name
+
+
+def _assert_bitwise_the_uninterrupted_run(config: raypipe.PipelineConfig, faults: list[tp_kills_run.Fault],
+                                          run: dict) -> None:
+    """``run`` (tp_kills_run's record of ``config`` with ``faults``): each step's loss and norm and the
+    final state bitwise the same layout's run without them (the same workers in processes over gloo);
+    each fault healed in its step or the next (a late one lands after its step's end), its worker gone."""
+    steps, state = uninterrupted_run(llama_layers("tiny"), llama_loss, tp_kills_run.adamw, config,
+                                     tp_kills_run.batches(tp_kills_run.steps_of(faults)))
+    for fault, hit in zip(faults, run["hits"], strict=True):
+        print(f"step {fault.step}: {fault.signal_name} of replica {fault.place[0]} stage {fault.place[1]} "
+              f"tp_rank {fault.place[2]} {hit['delay_s']:.3f} s in (a step: {run['step_seconds'][1]:.3f} s); "
+              f"healed: {hit['failures'] or 'in the next step'}")
+    assert run["steps"] == steps
+    assert run["state"].keys() == state.keys()
+    for name, values in state.items():
+        assert run["state"][name] == values, name  # floats compared exactly
+    for fault in faults:
+        # (a loaded machine may add a heal of its own: a busy worker's heartbeat late; the bits stay)
+        named = "replica {} stage {} tp_rank {} ".format(*fault.place) + (
+            "hung" if fault.signal_name == "SIGSTOP" else "died")
+        assert any(failure.startswith((f"step {fault.step}: ", f"step {fault.step + 1}: ")) and named in failure
+                   for failure in run["failures"]), (fault, run["failures"])
+    assert not {hit["pid"] for hit in run["hits"]} & set(run["pids_at_end"])
+    for source in run["sources"]:  # a copy from another replica names it
+        if source.startswith("replica "):
+            assert {int(replica) for replica in source.removeprefix("replica ").split(", ")} <= set(
+                range(config.num_replicas)), run["sources"]
+
+
+@pytest.mark.cluster  # kills worker processes
+def test_six_seeded_kills_and_a_hang_of_tensor_parallel_ranks_at_1_2_2_on_ray_cost_no_step_and_no_bit(
+        ray_cluster):
+    """(1, 2, 2) on Ray, the default per-step snapshot, recompute with the kept inputs offloaded (to
+    Ray's object store: the same arithmetic): in each of six steps a seeded worker SIGKILLed a seeded
+    moment into the step, then stage 0's tp_rank 0 (which holds the group's rendezvous) SIGSTOPped.
+    Each time the controller replaces the worker, every worker restores its snapshot of the step
+    before (the replacement its lost rank's local shards; a snapshot lost with its worker, the
+    keeper's copy of the one before, and the step between replayed), the groups re-form with every
+    worker's state moved onto the new meshes, and the step runs again: each step's loss and norm and
+    the final state are bitwise the uninterrupted run's."""
+    config = tp_kills_run.config(1, activation_checkpoint="always")
+    faults = tp_kills_run.seeded_faults(1, stopped=(0, 0, 0))
+    run = tp_kills_run.train(config.replace(offload_activations=True), faults)
+    _assert_bitwise_the_uninterrupted_run(config, faults, run)
+
+
+@pytest.mark.cluster  # kills worker processes
+def test_six_seeded_kills_and_a_hang_of_tensor_parallel_ranks_at_2_2_2_on_ray_cost_no_step_and_no_bit(tmp_path):
+    """(2, 2, 2): eight workers, more than the session's Ray instance has CPUs for, so on a Ray
+    instance of its own, in a process of its own (tp_kills_run.py). Six seeded kills as at
+    (1, 2, 2), then replica 1's stage 0 tp_rank 1 SIGSTOPped: every heal also re-forms the
+    replicas' groups of each (stage, tp_rank), and the other replica restores its snapshot too."""
+    stopped = (1, 0, 1)
+    run = run_in_subprocess("tests.executor.tp_kills_run", tmp_path / "kills.json", timeout_s=540,
+                            arguments=("2", ",".join(map(str, stopped))))
+    _assert_bitwise_the_uninterrupted_run(tp_kills_run.config(2), tp_kills_run.seeded_faults(2, stopped), run)
 
 
 def sgd_momentum(params) -> torch.optim.SGD:

@@ -272,7 +272,6 @@ def test_two_replicas_of_two_stages_at_t2_equal_one_process(tmp_path, schedule, 
 
 @pytest.mark.parametrize("change, field", [
     ({"transport": "object_store"}, "transport"),
-    ({"spare_workers": 1}, "spare_workers"),
 ])
 def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name(change, field):
     config = raypipe.PipelineConfig(tensor_parallel=2).replace(**change)

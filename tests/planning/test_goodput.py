@@ -132,7 +132,15 @@ def test_a_persistent_straggler_by_hand_and_in_the_plan(capsys):
     swap = assumptions.detection_s + assumptions.replacement_with_spare_s + 20e9 / 50e9
     lost = 1.28 * (10 * 8.0 + swap)
     assert result["replace"] == pytest.approx(86400 / (86400 + lost))
-    assert straggler_goodput(shape, assumptions, 0.0, 2.0) == {"report": 1.0, "replace": 1.0}
+    # "rebalance": the same 10 slow steps and a restart of every worker (no spare) per slow node, then the 8 stages
+    # of 16 a slow node holds keep half their work each: (16 - 8 + 8 / 2) / 16 = 3/4 of the pace while one is slow
+    restart = assumptions.detection_s + assumptions.replacement_without_spare_s + 20e9 / 50e9
+    lost = 1.28 * (10 * 8.0 + restart)
+    assert result["rebalance"] == pytest.approx((1 - any_slow + any_slow * 0.75) * 86400 / (86400 + lost))
+    assert straggler_goodput(shape, assumptions, 0.01, 2.0, can_rebalance=False)["rebalance"] is None  # t > 1, v > 1
+    assert straggler_goodput(replace(shape, num_stages=4), assumptions, 0.01, 2.0)["rebalance"] == pytest.approx(
+        result["report"] * 86400 / (86400 + lost))  # a node holds whole replicas: slowed alike, no worker blamed
+    assert straggler_goodput(shape, assumptions, 0.0, 2.0) == {"report": 1.0, "replace": 1.0, "rebalance": 1.0}
     with pytest.raises(ValueError, match="slow_factor=0.5 must be >= 1"):
         straggler_goodput(shape, assumptions, 0.01, 0.5)
     argv = ["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--node-mtbf-hours", "1011", "--top", "1"]

@@ -18,19 +18,21 @@ class FakePool(SparePool):
     """The pool's bookkeeping with Ray's calls replaced: placement groups are names,
     a spare is up when the test says so."""
 
-    def __init__(self, count):
+    def __init__(self, count, size=1):
         self.placements, self.killed, self.released, self.up = [], [], [], {}
-        super().__init__(actor_class=None, bundle={"CPU": 1.0}, count=count, refill_delay_s=0)
+        super().__init__(actor_class=None, bundle={"CPU": 1.0}, count=count, refill_delay_s=0, size=size)
 
     def _start(self, location):
         self._numbered += 1
-        return Spare(self._numbered - 1, f"actor {self._numbered - 1}", location, None)
+        return Spare(self._numbered - 1, tuple(f"actor {self._numbered - 1}" + "abcdefgh"[rank] * (self.size > 1)
+                                               for rank in range(self.size)), location, None)
 
     def _is_up(self, spare):
         return self.up.get(spare.number)
 
     def _placement(self, bundles, strategy):
         self.placements.append((f"group {len(self.placements)}", len(bundles), strategy))
+        self.bundles = bundles
         return self.placements[-1][0]
 
     def _kill(self, actor):
@@ -99,6 +101,16 @@ def test_without_a_free_bundle_a_spare_is_asked_for_wherever_there_is_room():
     assert pool.placements[-1] == ("group 1", 1, "PACK") and locations(pool) == [("group 1", 0)]
 
 
+def test_at_tensor_parallel_2_a_spare_is_two_processes_in_one_bundle_holding_both():
+    pool = FakePool(1, size=2)  # spare_workers=2 at t = 2: one spare, a whole stage's place
+    assert pool.placements == [("group 0", 1, "SPREAD")] and pool.bundles == [{"CPU": 2.0}]
+    assert [(spare.name, spare.actors, spare.location) for spare in pool.spares] == [
+        ("spare 0", ("actor 0a", "actor 0b"), ("group 0", 0))]
+    pool.up[0] = False  # one of its processes died idle: the other goes too, and a new group starts there
+    assert pool.take() is None and pool.killed == ["actor 0a", "actor 0b"]
+    assert [(spare.actors, spare.location) for spare in pool.spares] == [(("actor 1a", "actor 1b"), ("group 0", 0))]
+
+
 def test_placement_groups_given_up_or_freed_by_their_owner():
     pool = FakePool(2)
     pool.forget(["group 0"])  # e.g. a shut-down group's replica group where spares ran
@@ -164,3 +176,17 @@ def test_dropping_a_replica_frees_its_group_unless_a_spare_or_a_kept_worker_runs
     group = group_with([("replica 0", 0), ("replica 1", 0), ("replica 1", 1), ("replica 2", 0)], pool)
     group._give_up(["replica 1", "replica 2"], kept=[0, 1], dropped=[2, 3])  # rank 1 runs in replica 1's bundle 0
     assert released == ["replica 2"] and pool._owned == ["replica 1"]
+
+
+def test_at_tensor_parallel_2_a_dropped_stage_frees_its_one_bundle_once(monkeypatch):
+    from raypipe.runtime import cluster
+
+    monkeypatch.setattr(cluster, "release", lambda placements: None)
+    pool = FakePool(1, size=2)  # spare 0: a group of two in ("group 0", 0)
+    pool.up[0] = True
+    pool.take()  # replica 1's stage 0 took it (both of its ranks)...
+    pool.start_in([("replica 1", 0)])  # ...and spare 1 started in the bundle the stage left
+    # ranks: replica 0 stage 0 tp_ranks 0, 1; replica 1 stage 0 tp_ranks 0, 1 (in the spare's bundle)
+    group = group_with([("replica 0", 0), ("replica 0", 0), ("group 0", 0), ("group 0", 0)], pool)
+    group._give_up(["replica 1"], kept=[0, 1], dropped=[2, 3])
+    assert pool._free == [("group 0", 0)]  # the stage's bundle, once: a group of two starts there, not two

@@ -154,11 +154,14 @@ def test_input_gradient_runs_only_the_input_path_and_weight_gradient_only_the_we
     assert sorted(slept) == ([1.0, 2.0, 2.0] if stage == 0 else [2.0, 2.0])
 
 
-def test_a_split_backward_under_the_meter_leaves_no_graph_behind():
+@pytest.mark.parametrize("metered", [True, False], ids=["metered", "recalled"])
+def test_a_split_backward_under_the_meter_leaves_no_graph_behind(metered):
     """I retains the graph and W runs on it; the stage's meter packs what autograd saves. A saved output
     (tanh saves its result) packed as itself held its own node: a cycle through autograd's C++ graph that
     the garbage collector never frees, so every micro-batch's graph stayed (~125 MB a step on the tiny
-    LLaMA). Packed detached, nothing is left once the micro-batch is done."""
+    LLaMA). Packed detached, nothing is left once the micro-batch is done; nor on the steps that recall
+    the metered bytes (no hooks: autograd saves an output without its node)."""
+    import contextlib
     import gc
 
     from raypipe.stage.measure import SavedTensorMeter
@@ -170,7 +173,7 @@ def test_a_split_backward_under_the_meter_leaves_no_graph_behind():
 
     def micro_batch() -> None:
         x = torch.randn(4, 8, requires_grad=True)
-        with SavedTensorMeter(set()):
+        with SavedTensorMeter(set()) if metered else contextlib.nullcontext():
             out = net(x).sum()
         _, pending = input_gradient(out, torch.ones(()), x, weights)
         pending.run()

@@ -126,6 +126,10 @@ the values involved and what is allowed.
 {{- fail "training.preset=7b runs one pipeline stage per GPU, but gpuWorkers.resources.limits has no nvidia.com/gpu; set it (e.g. 8) or use training.preset=tiny" }}
 {{- end }}
 {{- $pods := include "raypipe.workerPods" . | fromJson }}
+{{- $spareGroup := int (.Values.training.tensorParallel | default 1) }}
+{{- if mod (int (.Values.training.spareWorkers | default 0)) $spareGroup }}
+{{- fail (printf "training.spareWorkers=%d must be a multiple of training.tensorParallel=%d: a spare is a group of tensorParallel processes on one pod that takes a whole stage's place" (int .Values.training.spareWorkers) $spareGroup) }}
+{{- end }}
 {{- if and (eq (toString .Values.training.preset) "7b") .Values.job.enabled }}
 {{- $range := include "raypipe.replicaRange" . | fromJson }}
 {{- $tp := int (.Values.training.tensorParallel | default 1) }}
