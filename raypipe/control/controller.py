@@ -736,7 +736,7 @@ class Controller:
         answer); None, without asking, when the replicas do not hold copies anyway."""
         if not replicas_hold_copies(self._view()):
             return None
-        return survivors_that_ended(self.executor.group.actors, failed, self._commits)
+        return survivors_that_ended(self.executor.group.actors, failed, self._commits, self._config.hang_timeout_s)
 
     def _give_state(self, failed: list[int], ended: frozenset[int] | None, shrunk: bool = False
                     ) -> tuple[list[LoggedStep], str]:

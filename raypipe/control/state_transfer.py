@@ -33,16 +33,18 @@ class CopyLost(Exception):
         self.why = why
 
 
-def survivors_that_ended(actors: list[Any], failed: list[int], commits: int) -> frozenset[int]:
+def survivors_that_ended(actors: list[Any], failed: list[int], commits: int,
+                         timeout_s: float | None = None) -> frozenset[int]:
     """The surviving workers (by rank, not in ``failed``) whose committed steps differ
     from ``commits``: they ended the failed step, so only a snapshot rolls every worker
-    back alike. Every survivor when one does not answer (another worker is failing: the
-    snapshot path finds out how). Which sibling to copy from is the failure policy's
+    back alike. Every survivor when one does not answer, dead or within ``timeout_s`` (another
+    worker is failing, or hung: the snapshot path finds out how; a hung one, SIGSTOPped in the
+    step after a kill, never answers). Which sibling to copy from is the failure policy's
     choice (:func:`raypipe.control.policy.siblings`)."""
     alive = [index for index in range(len(actors)) if index not in failed]
     try:
-        ended = ray.get([actors[index].committed_steps.remote() for index in alive])
-    except ray.exceptions.RayError:
+        ended = ray.get([actors[index].committed_steps.remote() for index in alive], timeout=timeout_s)
+    except ray.exceptions.RayError:  # GetTimeoutError too
         return frozenset(alive)
     return frozenset(index for index, count in zip(alive, ended) if count != commits)
 

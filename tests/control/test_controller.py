@@ -364,3 +364,19 @@ def test_the_gauge_is_absent_until_a_controller_exports_it_and_bad_states_are_re
         with pytest.raises(ValueError, match="'lost' is not one of"):
             exporter.record_controller_state("lost", STATES)
         assert gauge(exporter) == {}
+
+
+def test_survivors_asked_whether_they_ended_the_step_answer_within_the_hang_timeout_or_all_count(monkeypatch) -> None:
+    """A survivor that never answers (SIGSTOPped in the step after a kill: not among the failed yet)
+    must not hold the heal: the question waits ``hang_timeout_s`` at most, then every survivor counts
+    as having ended the step, so the snapshot path rolls all back (and its calls find the hung one)."""
+    asked: list[float | None] = []
+
+    def hung_get(refs, timeout=None):
+        asked.append(timeout)
+        raise ray.exceptions.GetTimeoutError("a survivor did not answer")
+
+    monkeypatch.setattr(state_transfer.ray, "get", hung_get)
+    actors = [types.SimpleNamespace(committed_steps=types.SimpleNamespace(remote=lambda: None)) for _ in range(4)]
+    assert state_transfer.survivors_that_ended(actors, [1], commits=3, timeout_s=5.0) == frozenset({0, 2, 3})
+    assert asked == [5.0]
