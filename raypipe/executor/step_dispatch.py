@@ -185,12 +185,19 @@ class Connections(StepDispatch):
 
     def drain(self, failed: Collection[int]) -> dict[int, str]:
         """After :class:`~raypipe.errors.WorkersFailed` (workers ``failed``, killed):
-        close the connections, which waits for the other workers' step to end."""
+        close the connections, which waits for the other workers' step to end. Closed
+        with no step in flight too (a worker lost between steps), without waiting (no step
+        runs; a survivor hung meanwhile would hold the wait): each survivor's snapshot waits
+        for the next step's first wait over its connection (:meth:`snapshot_workers`), no
+        step comes before the heal restores that snapshot, and the closed connection lets it
+        go (else it waited ``p2p_timeout_s``)."""
         executor = self.executor
         submitted, executor.in_flight = executor.in_flight, None
         if submitted is not None:
             executor.abort_communication(failed)  # on NCCL nothing else ends their step
             self._teardown()
+        else:
+            self._teardown(wait=False)
         return {}
 
     def _connected(self) -> ConnectionCalls:

@@ -42,11 +42,17 @@ def node_cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache" / "decoded"
 
 
+RAY_FILES = str(Path(ray.__file__).parent / "*")
+
+
 def live_bytes() -> int:
     """Bytes this process holds allocated now: numpy's and Python's (traced), and Arrow's pool's. A mapped
     file is not among them (its pages are page cache, which the kernel may drop). Allocators' caches are
-    not either: they come and go with the machine, not with what the reader holds."""
-    return tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes()
+    not either: they come and go with the machine, not with what the reader holds. Nor is what Ray's own
+    threads allocate meanwhile (any allocation with a frame of Ray's package): in the suite a test before
+    this one may have started Ray in this process, and its threads' buffers are not the reader's."""
+    traced = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, RAY_FILES, all_frames=True)])
+    return sum(trace.size for trace in traced.traces) + pa.total_allocated_bytes()
 
 
 def shard_of(reader: TokenDataset, step: int) -> int:
@@ -78,7 +84,7 @@ def rows_from_parquet(path: Path, reader: TokenDataset, steps) -> dict[int, np.n
 def test_a_readers_memory_does_not_grow_with_the_split(dataset, node_cache):
     reader = TokenDataset(dataset, micro_batch_size=1, num_micro_batches=1)
     reader.get(0, 0)  # the epoch's permutation (a row number per row of the split)
-    tracemalloc.start()
+    tracemalloc.start(32)  # frames enough to see Ray's in a background thread's allocation
     try:
         before = live_bytes()
         rows = read_every_shard(reader)
