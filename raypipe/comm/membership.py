@@ -110,15 +110,18 @@ class GroupMembership:
         self.tensor_mesh = DeviceMesh.from_group(own, self.device.type)
 
     def leave(self, messages: StepMessages) -> None:
-        """Drop ``messages``' pending operations and leave the group, closing its connections;
-        forget the predicted shapes (every member leaves before a group re-forms).
-        On NCCL, with operations pending or after an abort, the communicators are
-        aborted: a destroy would wait for the pending work."""
+        """Drop ``messages``' pending operations and leave the group, closing its connections
+        (the tensor-parallel group's too, though the split parameters keep their mesh:
+        :func:`release_mesh_group`); forget the predicted shapes (every member leaves before a
+        group re-forms). On NCCL, with operations pending or after an abort, the communicators
+        are aborted: a destroy would wait for the pending work."""
         with self._lock:
             pending = messages.pending
             messages.clear()
             self.stop_stream()
             self.replicas.leave()
+            if self.tensor_mesh is not None:
+                release_mesh_group(self.tensor_mesh)
             self.control = self.tensor_mesh = None
             if dist.is_initialized():
                 if self.backend == "nccl" and (pending or self.waits.aborted.is_set()):
@@ -153,6 +156,21 @@ class GroupMembership:
     def stop_stream(self) -> None:
         if self.in_order and self.matching.stream is not None:
             self.matching.stream.stop()
+
+
+def release_mesh_group(mesh: DeviceMesh) -> None:
+    """Let ``mesh``'s process group go when the group is destroyed.
+
+    A DeviceMesh holds its process group (in ``_pg_registry``, torch's private field: the mesh
+    has no public way to drop it), and every parameter split over the mesh, and its optimizer
+    state, holds the mesh. While they live (a worker keeps its layers across a heal, and moves
+    them onto the next group's mesh only when it joins) the group object outlives
+    ``destroy_process_group`` and gloo keeps its connections open: a tensor-parallel peer
+    blocked in a collective with this rank -- it went on into the collective while this rank
+    stopped at the abort, or failed before it -- is released only by the group's timeout
+    (``p2p_timeout_s``), not at once, as a peer that leaves releases it. Without the mesh's
+    reference the destroy closes the connections and the peer's collective fails at once."""
+    mesh._pg_registry.clear()
 
 
 def forget_mesh_placements() -> None:

@@ -31,16 +31,6 @@ from tests.gloo_pipeline import GlooPipeline, uninterrupted_run
 from tests.reference import reference_step
 
 
-# A known open bug, recorded rather than hidden (the test runs and reports XFAIL or XPASS): on a clean-clone
-# suite run (2026-12-05 15:52, d3b09c9) a kill of stage 0's tp_rank 0 mid-step held its heal 300 s (p2p_timeout_s:
-# the survivors' snapshots of that step never taken), and after the hang's heal from an older snapshot (the newer
-# one lost with the hung worker) and one replayed step, step 8's loss and norm differed from the uninterrupted
-# run's. Alone it passes bitwise in 45-51 s (once it ran past 300 s); neither cause is found yet. Only this test:
-# the (2, 2, 2) one passed bitwise in every run (~100 s), and stays a plain test.
-HEAL_STALL_AND_REPLAY_BUG = pytest.mark.xfail(strict=False, reason="a heal stalled p2p_timeout_s and a replay from "
-                                              "an older snapshot at t > 1 differed once: open bug")
-
-
 def _assert_same(step, again, state, state_again) -> None:
     assert (again.loss, again.grad_norm) == (step.loss, step.grad_norm)
     assert state.keys() == state_again.keys()
@@ -130,7 +120,6 @@ def _assert_bitwise_the_uninterrupted_run(config: raypipe.PipelineConfig, faults
                 range(config.num_replicas)), run["sources"]
 
 
-@HEAL_STALL_AND_REPLAY_BUG
 @pytest.mark.cluster  # kills worker processes
 def test_six_seeded_kills_and_a_hang_of_tensor_parallel_ranks_at_1_2_2_on_ray_cost_no_step_and_no_bit(
         ray_cluster):
