@@ -1,11 +1,20 @@
 """One shared local Ray instance per test session (per xdist worker); GPU tests only where CUDA is (two
-GPUs for gpus2); the longest files first, so that two xdist workers finish together."""
+GPUs for gpus2); the longest files first, so that two xdist workers finish together; one torch thread in
+each test process."""
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # Two xdist workers share the machine's cores, and the in-process runner's stage workers set the
+    # process's thread count to their cpus_per_stage (1) when they start: without this a test's speed
+    # (and its reduction order) depended on whether one ran before it in the same worker. One thread from
+    # the start: on a loaded 2-core machine a tiny LLaMA reference took 0.1 s on one thread, 6 s on two.
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

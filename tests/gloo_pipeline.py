@@ -64,8 +64,9 @@ def _worker_main(spec_bytes: bytes, connection: multiprocessing.connection.Conne
         return
     while (call := _receive(connection)) is not None:
         method, arguments = call
-        try:
-            _send(connection, (True, getattr(worker, method)(*arguments)))
+        try:  # a function (run_in) takes the worker first, as a Ray actor's __ray_call__ does
+            _send(connection, (True, method(worker, *arguments) if callable(method)
+                               else getattr(worker, method)(*arguments)))
         except BaseException:  # noqa: BLE001
             _send(connection, (False, traceback.format_exc()))
 
@@ -177,6 +178,12 @@ class GlooPipeline:
     def call(self, rank: int, method: str, *arguments: Any) -> Any:
         """Worker ``rank``'s ``method(*arguments)``."""
         _send(self._connections[rank], (method, arguments))
+        return self._answers([rank])[0]
+
+    def run_in(self, rank: int, function: Callable, *arguments: Any) -> Any:
+        """``function(worker, *arguments)`` in worker ``rank``'s process (what Ray's ``__ray_call__`` runs
+        in an actor: e.g. :func:`raypipe.testing.timed_layers.slow_down` there alone)."""
+        _send(self._connections[rank], (function, arguments))
         return self._answers([rank])[0]
 
     def _calls(self, call_of: Callable[[int], tuple[str, tuple]], ranks: Sequence[int] | None = None) -> list[Any]:

@@ -7,7 +7,7 @@ from torch import nn
 
 import raypipe
 from raypipe import ConfigError, PlacementError, StageError
-from tests.reference import ReplaceGradientIf, assert_parameters_match, in_process, on_ray, reference_step
+from tests.reference import InterpretedTrainer, ReplaceGradientIf, assert_parameters_match, reference_step
 
 MARK = -100.0  # an input value no real sample has: the backward tripwire's signal
 
@@ -43,20 +43,19 @@ KNOWN_STATE = {"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "3.weight": t
                "3.bias": torch.zeros(2)}
 
 
-@pytest.fixture(scope="module")
-def started(ray_cluster):
-    """One trainer of LAYERS (default executor, 2 stages, 3 micro-batches) for the tests that make a step fail:
-    each failure leaves it usable, and each test loads KNOWN_STATE first (``trainer``)."""
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, balance=[2, 2])
-    with raypipe.PipelineTrainer(list(LAYERS), nn.functional.mse_loss, sgd, config) as trainer:
-        yield trainer
-
-
 @pytest.fixture
-def trainer(started):
-    """The shared trainer with KNOWN_STATE's weights (SGD keeps no state)."""
-    started.load_state_dict(KNOWN_STATE)
-    return started
+def trainer():
+    """A trainer of LAYERS with KNOWN_STATE's weights (default executor, 2 stages, 3 micro-batches) for the tests
+    that make a step fail, through the step runner the workers run, in one process. On Ray the same failures
+    (a forward's and a backward's, each named by stage, op and micro-batch with its cause, changing nothing,
+    the next step as one process's) are tests/executor/test_atomic_steps.py's, on every executor, and a batch
+    smaller than the step's micro-batches refused there too: tests/executor/test_data_parallel.py."""
+    layers = copy.deepcopy(list(LAYERS))
+    for index, layer in enumerate(layers):
+        layer.load_state_dict({name.split(".", 1)[1]: value for name, value in KNOWN_STATE.items()
+                               if name.startswith(f"{index}.")})
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, balance=[2, 2])
+    return InterpretedTrainer(layers, nn.functional.mse_loss, sgd, config)
 
 
 def test_stage_failure_names_stage_micro_batch_and_op_with_cause(trainer):
@@ -115,7 +114,7 @@ def test_config_errors_are_raised_before_any_actor_starts(ray_cluster):
 def test_unplaceable_pipeline_fails_with_what_was_asked_and_what_exists(ray_cluster):
     import ray
 
-    def held():  # the placement groups not removed (the shared trainer above keeps its own)
+    def held():  # the placement groups not removed
         return {key for key, group in ray.util.placement_group_table().items() if group["state"] != "REMOVED"}
 
     held_before = held()
@@ -125,21 +124,3 @@ def test_unplaceable_pipeline_fails_with_what_was_asked_and_what_exists(ray_clus
     message = str(error.value)
     assert "1 replica(s) of 2 stage(s) of {'CPU': 64.0}" in message and "'CPU': 6.0" in message
     assert held() <= held_before  # what the failed start asked for is removed
-
-
-# Ray Direct Transport over gloo (the per-op executor's other tensor transfers) trains every bit as the step
-# runner does in one process on the same config (the per-op executor over the object store against one
-# process: tests/executor/test_equivalence.py and the other executor tests)
-def test_gloo_direct_transport_gives_the_same_training(ray_cluster):
-    torch.manual_seed(0)
-    layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)]
-    x, y = torch.randn(6, 4), torch.randn(6, 2)
-    states = []
-    for trainer_of in (in_process, on_ray):
-        config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=3, transport="gloo")
-        with trainer_of(copy.deepcopy(layers), nn.functional.mse_loss, sgd, config) as trainer:
-            losses = [trainer.step(x, y).loss for _ in range(2)]
-            states.append((losses, trainer.state_dict()))
-    assert states[0][0] == states[1][0]
-    for key, value in states[0][1].items():
-        assert torch.equal(value, states[1][1][key]), key

@@ -5,6 +5,15 @@ neighbour): a pipeline runs at its slowest stage's pace, and every replica waits
 the gradient reduction. A worker's *own compute* in a step is the time of its compute ops
 (F, B, I, W) from its timeline, not the step's wall time: receives, the step gate and the
 reduction are waiting, and a worker that waits for a slow neighbour is not slow itself.
+With tensor parallelism a rank also waits for a slow peer *inside* its F and B, in the
+stage's collectives: each op then carries the host's time in them
+(:attr:`~raypipe.core.result.OpEvent.collective_wait`, :mod:`raypipe.stage.collective_wait`),
+and its own compute is its time less that wait. That is measured on CPU (the host blocks in
+a gloo collective until every rank has arrived) at one step in ``COLLECTIVE_WAIT_EVERY`` (10;
+:mod:`raypipe.stage.stage_op`), and only those steps are recorded: at t > 1 on CPU
+``slow_steps`` counts measured steps. On CUDA it is not measured (the host only queues the
+collectives' kernels; the device timer's op time includes the waits), so a slow rank's peers
+look as slow as it, and its stage is named whole (below).
 
 A worker is *found* slow when, over the last ``slow_steps`` steps,
 
@@ -18,10 +27,11 @@ and its *typical* compute over them (their median) is at least ``slow_factor`` t
   same layers on the same micro-batch sizes), where there are other replicas, and
 - its tensor-parallel peers' typical compute (their median), where its stage has several
   ranks: a slow rank makes its peers wait inside their F and B (their collectives), and only
-  the rank whose own compute stands out from theirs is blamed; where none stands out and every
-  rank of the stage is behind (on GPUs the waits sit inside the collectives' kernels, so a slow
-  rank's peers look as slow as it), the stage is named whole, all its ranks: which of them is
-  slow cannot be told from their timings, and a spare takes a whole stage's place anyway;
+  the rank whose own compute stands out from theirs is blamed (on CPU, their measured waits
+  left out, the slow rank alone stands out); where none stands out and every rank of the stage
+  is behind (on GPUs the waits are not measured, so a slow rank's peers look as slow as it),
+  the stage is named whole, all its ranks: which of them is slow cannot be told from their
+  timings, and a spare takes a whole stage's place anyway;
 
 while its replica's other workers are not slowed alike (the median of their typical compute
 over their baselines below ``slow_factor``): a whole replica slowed by one cause (its node's
@@ -80,13 +90,17 @@ Worker = tuple[int, int, int]
 """A worker by its (replica, stage, tp_rank)."""
 
 
-def own_compute(events: Iterable[OpEvent]) -> dict[Worker, float]:
-    """Each worker's seconds in its compute ops (F, B, I, W) of one step's timeline."""
+def own_compute(events: Iterable[OpEvent]) -> dict[Worker, float] | None:
+    """Each worker's seconds in its compute ops (F, B, I, W) of one step's timeline, less what it spent in
+    them waiting in its tensor-parallel collectives (:attr:`OpEvent.collective_wait`); None where a compute
+    op's wait was not measured at this step (sampled at other steps: its time holds waits for its peers)."""
     seconds: dict[Worker, float] = {}
     for event in events:
         if event.op in COMPUTE_OPS:
+            if event.collective_wait is None:
+                return None
             worker = (event.replica, event.stage, event.tp_rank)
-            seconds[worker] = seconds.get(worker, 0.0) + (event.end - event.start)
+            seconds[worker] = seconds.get(worker, 0.0) + (event.end - event.start - event.collective_wait)
     return seconds
 
 
@@ -343,8 +357,13 @@ class ComputeHistory:
     reported: frozenset[Worker] = frozenset()
 
     def record(self, events: Sequence[OpEvent]) -> None:
-        """One step's timeline (every worker's events); its workers' baselines updated."""
-        self.steps.append(MappingProxyType(own_compute(events)))
+        """One step's timeline (every worker's events); its workers' baselines updated. A step whose own
+        compute is not known (:func:`own_compute`: a tensor-parallel CPU run's waits are measured at one
+        step in ``COLLECTIVE_WAIT_EVERY``) is left out: ``slow_steps`` counts the steps measured."""
+        seconds = own_compute(events)
+        if seconds is None:
+            return
+        self.steps.append(MappingProxyType(seconds))
         while len(self.steps) > self.slow_steps:
             self.steps.popleft()
         if len(self.steps) < self.slow_steps:

@@ -7,6 +7,12 @@ only queues the op's kernels and returns, so host times would measure the queuei
 the op records a CUDA event pair around its work instead, and the step's device
 times are read back once, when the step's last op (the optimizer's) ends, in one
 wait on the last event (:class:`DeviceTimer`).
+
+With tensor parallelism a compute op (F, B, I, W) also records the seconds its host spent in the
+stage's collectives (:attr:`OpEvent.collective_wait`, :mod:`raypipe.stage.collective_wait`): the
+waiting for a slow peer, which is not this rank's own compute. On CPU only, and sampled: at the
+steps whose number divides by :data:`COLLECTIVE_WAIT_EVERY` (the same on every worker); at the
+others it is None, not measured. On a GPU the host does not wait in them, and the wait is 0.
 """
 from __future__ import annotations
 
@@ -23,6 +29,10 @@ from raypipe.errors import StageError
 # every step ends with this op (StageWorker.commit runs it, stepped or skipped): when it
 # ends, the step's device times are resolved
 STEP_END_OP = "optimizer"
+# a tensor-parallel CPU worker's collective wait is measured at the steps whose number divides by this: the
+# dispatch mode that measures it costs a Python call per ATen op (10-30% of the tiny LLaMA's F and B CPU time),
+# and every worker samples the same steps, so each sampled step's own compute is known for all of them
+COLLECTIVE_WAIT_EVERY = 10
 
 
 def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step: bool = False) -> Callable:
@@ -34,7 +44,8 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
     """
 
     def decorate(method: Callable) -> Callable:
-        chunk_of = _chunk_argument(method)
+        chunk_of = _argument(method, "chunk", 0)
+        step_of = _argument(method, "step", None)  # a forward's step (it begins the step); else the running one
 
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -42,11 +53,15 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
             if per_micro_batch:
                 micro_batch = kwargs["micro_batch"] if "micro_batch" in kwargs else (args[0] if args else None)
             timer = device_timer(self) if timed else None
+            waits, wait = (collective_waits(self, step_of(args, kwargs)) if timed and in_step else (None, 0.0))
             start, device_start = time.time(), None
             try:
                 if timer is not None:
                     device_start = timer.mark()
-                return method(self, *args, **kwargs)
+                if waits is None:
+                    return method(self, *args, **kwargs)
+                with waits:
+                    return method(self, *args, **kwargs)
             except StageError as error:
                 if in_step:
                     self._running.note_failure(error)
@@ -62,7 +77,8 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
                 self.ops_done += 1
                 if timed:
                     event = OpEvent(self.stage_index, op, micro_batch, start, time.time(), self.replica,
-                                    chunk_of(args, kwargs), self.spec.tp_rank)
+                                    chunk_of(args, kwargs), self.spec.tp_rank,
+                                    wait if waits is None else waits.seconds)
                     self._events.append(event)
                     if timer is not None and device_start is not None:
                         try:
@@ -77,22 +93,38 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
     return decorate
 
 
-def _chunk_argument(method: Callable) -> Callable[[tuple, dict], int]:
-    """How to read the model chunk a call of ``method`` names (its ``chunk`` argument, given by
-    position or keyword, else its default); 0 for a method without one. Found once, at decoration:
-    binding every call's arguments would cost each op microseconds for one number."""
+def _argument(method: Callable, name: str, absent: Any) -> Callable[[tuple, dict], Any]:
+    """How to read argument ``name`` of a call of ``method`` (given by position or keyword, else its
+    default); ``absent`` for a method without one. Found once, at decoration: binding every call's
+    arguments would cost each op microseconds for one number."""
     parameters = list(inspect.signature(method).parameters.values())[1:]  # after self
     names = [parameter.name for parameter in parameters]
-    if "chunk" not in names:
-        return lambda args, kwargs: 0
-    position, default = names.index("chunk"), parameters[names.index("chunk")].default
+    if name not in names:
+        return lambda args, kwargs: absent
+    position, default = names.index(name), parameters[names.index(name)].default
 
-    def chunk_of(args: tuple, kwargs: dict) -> int:
+    def argument_of(args: tuple, kwargs: dict) -> Any:
         if len(args) > position:
             return args[position]
-        return kwargs.get("chunk", 0 if default is inspect.Parameter.empty else default)
+        return kwargs.get(name, absent if default is inspect.Parameter.empty else default)
 
-    return chunk_of
+    return argument_of
+
+
+def collective_waits(worker: Any, step: int | None) -> tuple[Any, float | None]:
+    """How one compute op of ``worker`` in step ``step`` (None: its running step) records its
+    collective wait: ``(meter, None)``, a fresh :class:`~raypipe.stage.collective_wait.CollectiveWait`
+    to run it in, at a tensor-parallel CPU worker's step sampled (every
+    :data:`COLLECTIVE_WAIT_EVERY`-th); ``(None, None)`` at its other steps (not measured); ``(None,
+    0.0)`` where there is nothing to measure: a stage of one tensor-parallel rank (no collective to
+    wait in), or a CUDA device (the host does not wait in collectives: its kernels are queued)."""
+    if getattr(worker, "tensor_mesh", None) is None or worker.device.type == "cuda":
+        return None, 0.0
+    if (worker._running.number if step is None else step) % COLLECTIVE_WAIT_EVERY:
+        return None, None
+    from raypipe.stage.collective_wait import CollectiveWait  # DTensor: imported only where there is one
+
+    return CollectiveWait(), None
 
 
 def device_timer(worker: Any) -> DeviceTimer | None:

@@ -140,29 +140,35 @@ def test_keep_last_keeps_only_the_newest_checkpoints(trainer, tmp_path):
         trainer.save_checkpoint(tmp_path / "other", keep_last=0)
 
 
-def test_a_checkpoint_of_another_model_names_the_stage_layer_and_tensor(straight, caplog):
-    _, _, tmp_path = straight  # make_mlp()'s checkpoint, of step 2
-    step = 2
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=1, balance=[3, 4])
+def test_a_checkpoint_of_another_model_names_the_stage_layer_and_tensor(trainer, tmp_path, caplog):
+    """Checkpoints of other models (written by stage workers through the step runner in one process, the
+    files a Ray worker writes) loaded into the trainer of make_mlp() on two stages (balance [2, 5])."""
+    def saved_by_one_worker(model, root):
+        config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
+        generator = torch.Generator().manual_seed(6)
+        with in_process(model, nn.functional.mse_loss, adamw, config) as other:  # a step: its optimizer state too
+            other.step(torch.randn(12, 8, generator=generator), torch.randn(12, model[-1].out_features,
+                                                                            generator=generator))
+            return other.save_checkpoint(root)
+
     other_head = make_mlp(seed=1)
-    other_head[6] = nn.Linear(16, 5)  # stage 1's last layer: (5, 16) where the checkpoint has (4, 16)
-    with raypipe.PipelineTrainer(other_head, nn.functional.mse_loss, adamw, config) as trainer:
-        before = trainer.state_dict()
-        with caplog.at_level("WARNING", logger="raypipe"):
-            with pytest.raises(raypipe.CheckpointError) as error:
-                trainer.load_checkpoint(tmp_path)  # the newest: intact files of another model, no fallback
-        assert str(error.value).splitlines()[0] == (
-            f"stage 1 (layers 3–6): layer 6 'weight' is (4, 16) in the checkpoint, (5, 16) in the model "
-            f"(checkpoint {tmp_path} step {step}; is it of another model?)")
-        assert "damaged" not in caplog.text
-        # the stage that found the misfit changed nothing (stage 0, which fits, loaded its layers)
-        stage_1 = [key for key in before if int(key.split(".")[0]) >= 3]
-        assert_parameters_match({key: trainer.state_dict()[key] for key in stage_1},
-                                {key: before[key] for key in stage_1}, rtol=0, atol=0)
-    config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=1)
-    with raypipe.PipelineTrainer(make_mlp()[:5], nn.functional.mse_loss, adamw, config) as trainer:
-        with pytest.raises(raypipe.CheckpointError, match=r"^the model \(5 layers\): the checkpoint holds 7 layers"):
-            trainer.load_checkpoint(tmp_path, step=step)
+    other_head[6] = nn.Linear(16, 5)  # stage 1's last layer: (5, 16) in the checkpoint where the model has (4, 16)
+    step = saved_by_one_worker(other_head, tmp_path / "other_head")
+    before = trainer.state_dict()
+    with caplog.at_level("WARNING", logger="raypipe"):
+        with pytest.raises(raypipe.CheckpointError) as error:
+            trainer.load_checkpoint(tmp_path / "other_head")  # the newest: intact files of another model, no fallback
+    assert str(error.value).splitlines()[0] == (
+        f"stage 1 (layers 2–6): layer 6 'weight' is (5, 16) in the checkpoint, (4, 16) in the model "
+        f"(checkpoint {tmp_path / 'other_head'} step {step}; is it of another model?)")
+    assert "damaged" not in caplog.text
+    # the stage that found the misfit changed nothing (stage 0, which fits, loaded its layers)
+    stage_1 = [key for key in before if int(key.split(".")[0]) >= 2]
+    assert_parameters_match({key: trainer.state_dict()[key] for key in stage_1},
+                            {key: before[key] for key in stage_1}, rtol=0, atol=0)
+    step = saved_by_one_worker(make_mlp()[:5], tmp_path / "five_layers")
+    with pytest.raises(raypipe.CheckpointError, match=r"^the model \(7 layers\): the checkpoint holds 5 layers"):
+        trainer.load_checkpoint(tmp_path / "five_layers", step=step)
 
 
 def test_layer_misfit_names_a_missing_an_unexpected_and_a_misshapen_tensor():

@@ -87,6 +87,29 @@ def test_own_compute_counts_only_the_compute_ops_of_each_worker():
     assert own_compute(events) == {(0, 1, 0): 0.5, (1, 1, 0): 0.5}
 
 
+def test_own_compute_leaves_out_the_waits_in_tensor_parallel_collectives():
+    """At t > 1 an op's time less its measured wait in the stage's collectives (a waiting peer's F is
+    mostly wait); a step where a compute op's wait was not measured (sampled at other steps) has no
+    known own compute."""
+    events = [OpEvent(0, "F", 0, 1.0, 1.5, tp_rank=0, collective_wait=0.375),
+              OpEvent(0, "B", 0, 2.0, 2.5, tp_rank=0, collective_wait=0.25),
+              OpEvent(0, "F", 0, 1.0, 1.5, tp_rank=1, collective_wait=0.0),
+              OpEvent(0, "recv", 0, 0.0, 1.0, tp_rank=1, collective_wait=None)]  # not a compute op: not read
+    assert own_compute(events) == {(0, 0, 0): 0.375, (0, 0, 1): 0.5}
+    events.append(OpEvent(0, "B", 1, 3.0, 3.5, tp_rank=1, collective_wait=None))
+    assert own_compute(events) is None
+
+
+def test_the_history_counts_only_the_steps_whose_own_compute_was_measured():
+    """The steps sampled: slow_steps counts them, and those between leave the history as it was."""
+    history = ComputeHistory(slow_steps=2)
+    measured = timeline({(0, 0, 0): 1.0, (0, 0, 1): 1.0})
+    unmeasured = [dataclasses.replace(event, collective_wait=None) for event in measured]
+    for events in (measured, unmeasured, unmeasured, measured, unmeasured):
+        history.record(events)
+    assert len(history.steps) == 2 and history.baselines == {(0, 0, 0): 1.0, (0, 0, 1): 1.0}
+
+
 def test_one_worker_slowed_2x_from_step_20_of_80_is_found_within_slow_steps():
     """The acceptance's run (p = 4, d = 2, replica 0's stage 2 at half speed from step 20): found
     at the 10th slow step, 29 (within slow_steps + 2), once, with its factor; nothing before."""

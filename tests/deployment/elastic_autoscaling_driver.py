@@ -39,7 +39,7 @@ def wait_for_worker_nodes(count: int, timeout_s: float) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while len(nodes := alive_worker_nodes()) < count:
         assert time.monotonic() < deadline, f"only {len(nodes)} of the {count} initial worker nodes came up"
-        time.sleep(1)
+        time.sleep(0.25)
     return nodes
 
 

@@ -45,7 +45,8 @@ def run_on_cluster(out: str, num_nodes: int, body: Callable[[Cluster], dict],
         for name in FAST_HEALTH_CHECKS:
             os.environ.pop(name, None)
         os.environ["RAY_kill_worker_timeout_milliseconds"] = str(WORKER_KILL_GRACE_MS)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    # no dashboard (as raypipe starts Ray): nothing here reads it, and its processes take CPU from the run
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     for num_cpus in node_cpus:
         cluster.add_node(num_cpus=num_cpus)
     try:
@@ -83,16 +84,40 @@ def as_lists(state: dict) -> dict:
     return {key: value.tolist() for key, value in state.items()}
 
 
+class Subprocess:
+    """``python -m module OUT *arguments`` started from the repository root, running beside
+    the caller (its output to ``OUT.log``, so that two at once never block on a full pipe)
+    until :meth:`result`."""
+
+    def __init__(self, module: str, out: Path, timeout_s: float, arguments: Sequence[str] = ()) -> None:
+        self.module, self.out, self.timeout_s = module, out, timeout_s
+        self.log = out.with_name(out.name + ".log")
+        self._deadline = time.monotonic() + timeout_s
+        with open(self.log, "w") as log:
+            self._process = subprocess.Popen([sys.executable, "-m", module, str(out), *arguments], cwd=REPO,
+                                             stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def result(self) -> dict:
+        """What the run wrote, once it ended. Past ``timeout_s`` from its start it is killed and
+        fails with what it printed (keep ``timeout_s`` below pytest's own timeout)."""
+        try:
+            self._process.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"{self.module} ran past {self.timeout_s:g}s; its output:\n"
+                                 f"{self.log.read_text(errors='replace')[-9000:]}") from None
+        assert self._process.returncode == 0, f"{self.module} exited with {self._process.returncode}; its output:\n" \
+                                              f"{self.log.read_text(errors='replace')[-9000:]}"
+        return json.loads(self.out.read_text())
+
+    def stop(self) -> None:
+        """Kill the run if it still runs (a test that failed before it needed its result)."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+
 def run_in_subprocess(module: str, out: Path, timeout_s: float, arguments: Sequence[str] = ()) -> dict:
     """Run ``python -m module OUT *arguments`` from the repository root; what it wrote. Past
     ``timeout_s`` it fails with what the run printed (keep it below pytest's own timeout)."""
-    try:
-        done = subprocess.run([sys.executable, "-m", module, str(out), *arguments], cwd=REPO, capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as expired:
-        printed = [stream if isinstance(stream, str) else (stream or b"").decode(errors="replace")
-                   for stream in (expired.stdout, expired.stderr)]  # bytes so far, even with text=True
-        raise AssertionError(f"{module} ran past {timeout_s:g}s; stdout:\n{printed[0][-3000:]}\n"
-                             f"stderr:\n{printed[1][-6000:]}") from None
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return Subprocess(module, out, timeout_s, arguments).result()

@@ -4,18 +4,19 @@ a subprocess: ``python -m tests.executor.node_loss_run OUT.json``).
 
 ``ray.cluster_utils.Cluster``: a head with no CPUs (the driver's node) and
 three 1-CPU worker nodes, so the two stages sit on two nodes and the third is
-spare. The same steps run twice: without failures, then with the node of
-stage 1 removed (``allow_graceful=False``, its raylet and workers killed)
-before step 2, under NCCL's emulation (``RAYPIPE_EMULATE_NCCL=1``: no transfer
-raises when a peer goes, only the driver's abort releases the survivor). In the
-second run the keeper of snapshots on the driver's node copies the first
-snapshot and is then stopped (SIGSTOP) until the node is gone,
+spare. The steps run with the node of stage 1 removed (``allow_graceful=False``,
+its raylet and workers killed) before step 2, under NCCL's emulation
+(``RAYPIPE_EMULATE_NCCL=1``: no transfer raises when a peer goes, only the
+driver's abort releases the survivor). The keeper of snapshots on the driver's
+node copies the first snapshot and is then stopped (SIGSTOP) until the node is gone,
 as a keeper lags on a busy machine or with a large state over a slow link: it
 never gets the snapshot of step 1 off the node, and the heal falls back to its
 copy of step 0's. The GCS declares the node dead only ~15-30 s later, so the
 replacement is first started into the lost node's bundle, not yet re-placed, and
 dies as it starts: it is started again until Ray re-places the bundle on the
-spare node. Writes what the test checks as JSON, with the heal's warnings.
+spare node. Writes what the test checks as JSON, with the heal's warnings. (The
+same steps without failures, which the test compares them with bitwise, are the
+step runner's in the test's process: :func:`uninterrupted`, no cluster needed.)
 """
 from __future__ import annotations
 
@@ -33,13 +34,29 @@ from torch import nn
 
 import raypipe
 from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
-from tests.reference import adamw, make_mlp, random_batches
+from tests.reference import adamw, in_process, make_mlp, random_batches
 
 STEPS, LOST_AT = 4, 2
 
 
-def train(cluster: Cluster | None, emulate_nccl: bool = False) -> dict:
-    """The run (``cluster`` None: without failures); ``emulate_nccl``: its workers'
+def config() -> raypipe.PipelineConfig:
+    return raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, hang_timeout_s=5, replace_timeout_s=60)
+
+
+def model() -> nn.Sequential:
+    return make_mlp(width=256)  # snapshots of ~0.5 MB: in the object store of the node, not inline
+
+
+def uninterrupted() -> dict:
+    """The run without failures on the step runner in process (tests.reference.InterpretedTrainer),
+    whose every bit a Ray run of this layout repeats: the losses and final state the lost run must equal."""
+    with in_process(model(), nn.functional.mse_loss, adamw, config()) as trainer:
+        losses = [trainer.step(x, y).loss for x, y in random_batches(8, STEPS)]
+        return {"losses": losses, "state": as_lists(trainer.state_dict())}
+
+
+def train(cluster: Cluster, emulate_nccl: bool = False) -> dict:
+    """The run that loses a node of ``cluster``; ``emulate_nccl``: its workers'
     transfers under NCCL's emulation (raypipe.comm.nccl_emulation), so that only the
     driver's abort releases stage 0 when stage 1's node goes."""
     before = os.environ.get("RAYPIPE_EMULATE_NCCL")
@@ -57,22 +74,20 @@ def train(cluster: Cluster | None, emulate_nccl: bool = False) -> dict:
             os.environ["RAYPIPE_EMULATE_NCCL"] = before
 
 
-def _train(cluster: Cluster | None) -> dict:
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, hang_timeout_s=5, replace_timeout_s=60)
-    model = make_mlp(width=256)  # snapshots of ~0.5 MB: in the object store of the node, not inline
-    with raypipe.PipelineTrainer(model, nn.functional.mse_loss, adamw, config) as trainer:
+def _train(cluster: Cluster) -> dict:
+    with raypipe.PipelineTrainer(model(), nn.functional.mse_loss, adamw, config()) as trainer:
         nodes_before = [worker.node_id for worker in trainer.workers]
         losses, seconds = [], None
-        keeper = None if cluster is None else the_keeper(cluster)
+        keeper = the_keeper(cluster)
         for step, (x, y) in enumerate(random_batches(8, STEPS)):
-            if keeper is not None and step == 0:
+            if step == 0:
                 keeper.send_signal(signal.SIGSTOP)
-            if cluster is not None and step == LOST_AT:
+            if step == LOST_AT:
                 remove_node(cluster, nodes_before[1], wait=False)
                 keeper.send_signal(signal.SIGCONT)
                 start = time.monotonic()
             losses.append(trainer.step(x, y).loss)
-            if cluster is not None and step == LOST_AT:
+            if step == LOST_AT:
                 seconds = time.monotonic() - start
         return {"losses": losses, "state": as_lists(trainer.state_dict()), "nodes_before": nodes_before,
                 "nodes_after": [worker.node_id for worker in trainer.workers], "failures": trainer.failures,
@@ -106,6 +121,5 @@ def the_keeper(cluster: Cluster) -> psutil.Process:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    run_on_cluster(sys.argv[1], 3, lambda cluster: {"uninterrupted": train(None),
-                                                     "lost": train(cluster, emulate_nccl=True)},
+    run_on_cluster(sys.argv[1], 3, lambda cluster: {"lost": train(cluster, emulate_nccl=True)},
                    fast_health_checks=False)

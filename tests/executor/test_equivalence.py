@@ -19,22 +19,14 @@ def batches(seed=1):
     return random_batches(BATCH, STEPS, seed)
 
 
-# (stages, micro-batches) on Ray: the per-op executor under 1F1B (GPipe, the default, runs on it in
-# tests/executor/test_atomic_steps.py, test_nonfinite.py and tests/stage/test_precision.py), with more
-# micro-batches than stages (4 splits BATCH unevenly), clipping (odd sums); the default executor on Ray,
-# three stages and clipping: the chunked cells below (a ring of three under NCCL's emulation). Fewer
-# micro-batches than stages (3 x 2), one stage with accumulation and an uneven 2 x 3 run the same step
+# The per-op executor on Ray (one trainer over the object store under 1F1B and one over Ray Direct Transport
+# under zb_h1, three stages, more micro-batches than stages with 10 rows split unevenly in 4, the global clip
+# biting): tests/executor/test_packed_pipeline.py's cells of a model passing trees (GPipe, the default, runs on
+# it in tests/executor/test_atomic_steps.py, test_nonfinite.py and tests/stage/test_precision.py); the default
+# executor on Ray, three stages and clipping: the chunked cells below (a ring of three under NCCL's emulation).
+# Fewer micro-batches than stages (3 x 2), one stage with accumulation and an uneven 2 x 3 run the same step
 # runner in one process (the in-process test below, with the same assertions), as does every size of
-# tests/testing/test_op_interpreter.py's matrix; here the executors' plumbing is what is tested.
-
-
-@pytest.mark.parametrize("transport,num_stages,num_micro_batches", [("object_store", 3, 4)])
-def test_matches_single_process_reference(ray_cluster, transport, num_stages, num_micro_batches):
-    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches, transport=transport,
-                                    schedule="1f1b")
-    assert_matches_single_process_reference(on_ray, config)
-
-
+# tests/testing/test_op_interpreter.py's matrix.
 @pytest.mark.parametrize("num_stages,num_micro_batches", [(1, 4), (2, 3), (3, 2)])
 def test_matches_single_process_reference_in_process(num_stages, num_micro_batches):
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=num_micro_batches)
@@ -61,7 +53,7 @@ def assert_matches_single_process_reference(trainer_of, config: raypipe.Pipeline
 
 
 # clipping by value is the stage's, alike under every executor: in one process through the step runner the
-# per-step executor runs (the per-op executor's 1F1B on Ray: test_matches_single_process_reference)
+# per-step executor runs (the per-op executor's 1F1B on Ray: tests/executor/test_packed_pipeline.py)
 def test_1f1b_and_clip_by_value_match_reference_in_process():
     assert_1f1b_and_clip_by_value_match_reference(in_process, {})
 
@@ -153,18 +145,13 @@ def assert_state_round_trips(trainer, keys: set) -> None:
         trainer.load_state_dict({**zeros, "9.weight": torch.zeros(1)})
 
 
-# three stages (a middle one) on Ray with the split backward (zb_h1: I and W ops, W deferred): the per-op
-# executor over Ray Direct Transport. The per-op executor over the object store runs 1f1b with the global
-# clip in test_matches_single_process_reference; the default executor on Ray runs a ring of three with the
+# three stages (a middle one) with the split backward (zb_h1: I and W ops, W deferred) on Ray: the per-op
+# executor over Ray Direct Transport, in tests/executor/test_packed_pipeline.py (its model passing trees,
+# with these assertions and the clip coefficient); the default executor on Ray runs a ring of three with the
 # global clip (and its measured receives) in the chunked cells below. 1f1b on three stages under the default
 # executor's step runner runs in one process (the in-process test below, its receives measured too), as do
 # every schedule and activation-checkpoint mode (tests/testing/test_op_interpreter.py) and two stages
 # under zb_h1, with the same assertions.
-@pytest.mark.parametrize("num_stages,transport,schedule", [(3, "gloo", "zb_h1")])
-def test_1f1b_with_global_clipping_matches_single_process_reference(ray_cluster, num_stages, transport, schedule):
-    assert_global_clipping_matches_single_process_reference(on_ray, num_stages, transport, schedule)
-
-
 @pytest.mark.parametrize("num_stages,schedule", [(2, "zb_h1"), (3, "1f1b")])
 def test_global_clipping_matches_single_process_reference_in_process(num_stages, schedule):
     assert_global_clipping_matches_single_process_reference(in_process, num_stages, "p2p", schedule)

@@ -192,8 +192,9 @@ def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, 
         assert "max_failures=1" in str(raised) and "2." in str(raised)
         with pytest.raises(raypipe.RaypipeError, match="cannot be made whole"):
             trainer.step(x, y)
-    # the persisted checkpoint is intact and a new trainer resumes from it
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config()) as resumed:
+    # the persisted checkpoint is intact and a new trainer resumes from it (the step runner in process: its
+    # workers load the files the Ray workers wrote as a Ray worker does, without starting two more)
+    with in_process(make_mlp(), nn.functional.mse_loss, adamw, config()) as resumed:
         resumed.load_checkpoint(tmp_path)
         assert resumed.step_count == saved == 1
         assert resumed.step(x, y).loss > 0

@@ -11,14 +11,16 @@ The elastic, re-partitioning and tensor-parallel runs share one multi-node
 ``ray.cluster_utils.Cluster`` with shortened health checks, run once in a subprocess
 (lost_nodes_run.py: elastic_run.py, repartition_run.py, tp_node_loss_run.py and
 tp_elastic_run.py in turn);
-the node loss runs in a cluster of its own with Ray's default ones (node_loss_run.py).
+the node loss runs in a cluster of its own with Ray's default ones (node_loss_run.py;
+the run without the loss it is compared with bitwise is the step runner's, in this process),
+beside the shared cluster's runs: most of its time is a wait for Ray to declare the node dead.
 Each test checks its part."""
 import pytest
 import torch
 
 from raypipe.models.llama import llama_layers, llama_loss
-from tests.executor import tp_elastic_run, tp_node_loss_run
-from tests.executor.cluster_run import run_in_subprocess
+from tests.executor import node_loss_run, tp_elastic_run, tp_node_loss_run
+from tests.executor.cluster_run import Subprocess
 from tests.executor.tp_kills_run import adamw, batches, one_process
 from tests.gloo_pipeline import uninterrupted_run
 from tests.reference import assert_mlp_run_matches_one_process
@@ -30,15 +32,31 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lost_nodes") / "lost_nodes.json"
-    return run_in_subprocess("tests.executor.lost_nodes_run", out, timeout_s=840)
+def node_loss_started(tmp_path_factory):
+    """node_loss_run.py, started: it waits ~15-30 s with both cores idle for Ray's default health
+    checks to declare the lost node dead, so it runs beside the shared cluster's runs when both are
+    to run (in its own cluster: the two share no process, port or setting)."""
+    run = Subprocess("tests.executor.node_loss_run", tmp_path_factory.mktemp("node_loss") / "node_loss.json",
+                     timeout_s=600)
+    yield run
+    run.stop()
 
 
 @pytest.fixture(scope="module")
-def node_loss(tmp_path_factory):
-    out = tmp_path_factory.mktemp("node_loss") / "node_loss.json"
-    return run_in_subprocess("tests.executor.node_loss_run", out, timeout_s=600)
+def runs(request, tmp_path_factory):
+    if any("node_loss" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("node_loss_started")  # its idle wait overlaps these runs
+    run = Subprocess("tests.executor.lost_nodes_run", tmp_path_factory.mktemp("lost_nodes") / "lost_nodes.json",
+                     timeout_s=840)
+    try:
+        return run.result()
+    finally:
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def node_loss(node_loss_started):
+    return node_loss_started.result()
 
 
 @pytest.mark.cluster
@@ -70,7 +88,7 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back_resharding_zero
 def test_a_lost_node_is_replaced_on_a_spare_one_bitwise_after_its_replacement_died_in_the_lost_bundle(node_loss):
     """Ray's default health checks: the node is declared dead ~15-30 s after it went, and
     until then its placement-group bundle is still placed there."""
-    uninterrupted, lost = node_loss["uninterrupted"], node_loss["lost"]
+    uninterrupted, lost = node_loss_run.uninterrupted(), node_loss["lost"]
     stage0, stage1 = lost["nodes_before"]
     assert stage0 != stage1 and node_loss["head"] not in (stage0, stage1)  # a stage per worker node
     assert stage1 not in node_loss["alive_nodes"]  # the node is gone ...

@@ -17,13 +17,14 @@ from raypipe.models.llama import llama_loss
 from raypipe.run import llama_count_tokens
 from tests.reference import in_process, on_ray
 from tests.models.test_packed_documents import CONFIG, model, packed_batch
-from tests.reference import adamw, assert_parameters_match, executor_options, random_batches, reference_step
-from tests.stage.test_tree_boundaries import BATCH as TREE_BATCH
+from tests.reference import (adamw, assert_bitwise_equal, assert_parameters_match, executor_options, random_batches,
+                             reference_step)
 from tests.stage.test_tree_boundaries import CLIP as TREE_CLIP
 from tests.stage.test_tree_boundaries import MICRO_BATCHES as TREE_MICRO_BATCHES
 from tests.stage.test_tree_boundaries import tree_loss, tree_model
 
 MICRO_BATCHES = 2
+UNEVEN_BATCH = 10  # the tree model's rows on the other executors: uneven over its 4 micro-batches
 
 
 def sgd(params) -> torch.optim.SGD:
@@ -71,21 +72,35 @@ def assert_packed_rows_on_two_stages_train_as_one_process(trainer_of) -> None:
         assert_parameters_match(trainer.state_dict(), reference.state_dict())
 
 
-@pytest.mark.parametrize("transport", ["object_store", "gloo"])  # the per-op executor, and Ray Direct Transport
-def test_stages_passing_trees_train_as_one_process_on_the_other_executors(ray_cluster, transport):
+# The per-op executor's Ray cells of tests/executor/test_equivalence.py too (one trainer each): over the object
+# store under 1f1b, over Ray Direct Transport (gloo) under zb_h1, the global clip biting, on micro-batches of
+# uneven sizes (10 rows in 4: 3, 3, 2, 2); over gloo also every bit as the step runner in one process on the
+# same config
+@pytest.mark.parametrize("transport, schedule", [("object_store", "1f1b"), ("gloo", "zb_h1")])
+def test_stages_passing_trees_train_as_one_process_on_the_other_executors(ray_cluster, transport, schedule):
     # dicts and tuples (a float leaf with a gradient, an int leaf, a float mask, None, a constant) over 3 stages
-    config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=TREE_MICRO_BATCHES, schedule="1f1b",
+    config = raypipe.PipelineConfig(num_stages=3, num_micro_batches=TREE_MICRO_BATCHES, schedule=schedule,
                                     clip_grad_norm=TREE_CLIP, **executor_options(transport))
     net = tree_model()
     reference = copy.deepcopy(net)
     reference_optimizer = adamw(reference.parameters())
-    with raypipe.PipelineTrainer(net, tree_loss, adamw, config) as trainer:
-        for x, y in random_batches(TREE_BATCH, 2):
-            result = trainer.step(x, y)
+    batches = random_batches(UNEVEN_BATCH, 2)
+    with raypipe.PipelineTrainer(copy.deepcopy(net), tree_loss, adamw, config) as trainer:
+        results = []
+        for x, y in batches:
+            results.append(result := trainer.step(x, y))
             loss, norm = reference_step(reference, reference_optimizer, tree_loss, x, y, TREE_MICRO_BATCHES,
                                         TREE_CLIP)
             assert (result.loss, result.grad_norm) == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5))
-        assert_parameters_match(trainer.state_dict(), reference.state_dict())
+            assert result.clip_coefficient == pytest.approx(min(1.0, TREE_CLIP / (norm + 1e-6)), rel=1e-5)
+            assert result.clip_coefficient < 1.0  # the clip really bites
+        state = trainer.state_dict()
+        assert_parameters_match(state, reference.state_dict())
+    if transport == "gloo":
+        with in_process(net, tree_loss, adamw, config) as one_process:
+            again = [one_process.step(x, y) for x, y in batches]
+            assert [(r.loss, r.grad_norm) for r in again] == [(r.loss, r.grad_norm) for r in results]
+            assert_bitwise_equal(state, one_process.state_dict())
 
 
 # each replica's block weighs by its predicted tokens: the step runner's arithmetic, in one process (the

@@ -4,7 +4,9 @@ workers: the suite's time (the other replicas' comparison, and on_slow="report" 
 without Ray in tests/control/). The driver names it, its node and its factor in one WARNING line
 once it stayed behind for slow_steps steps, marks it on that step's timeline, and swaps it for the
 spare before the next step, its state moved from it; every step's loss is the plain one-process
-loop's (tests/reference.py): neither the slow worker nor its swap changes a result."""
+loop's (tests/reference.py): neither the slow worker nor its swap changes a result. A slow rank at
+tensor_parallel=2, named alone and not its waiting peer, runs on real processes without Ray:
+tests/control/test_slow_tensor_parallel_rank.py."""
 from __future__ import annotations
 
 import copy

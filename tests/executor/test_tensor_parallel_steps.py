@@ -86,13 +86,20 @@ def _reference(config: raypipe.PipelineConfig) -> tuple[list[tuple[float, float]
 @functools.cache
 def _reference_of(count: int, clip: float, seed: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor],
                                                                 float]:
-    """:func:`_reference` of a step split into ``count`` micro-batches (computed once: the cells share it)."""
-    model = nn.Sequential(*(build_layer(spec, index, seed) for index, spec in enumerate(llama_layers("tiny"))))
-    optimizer = adamw(model.parameters())
-    steps = [reference_step(model, optimizer, llama_loss, x, y, count, clip) for x, y in _batches()]
-    with torch.no_grad():
-        evaluated = float(llama_loss(model(_batches()[0][0]), _batches()[0][1]))
-    return steps, model.state_dict(), evaluated
+    """:func:`_reference` of a step split into ``count`` micro-batches (computed once: the cells share it), on
+    one thread, as a stage computes (cpus_per_stage=1): the suite's processes share their cores, and a
+    second thread that waits for one makes this step tens of times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = nn.Sequential(*(build_layer(spec, index, seed) for index, spec in enumerate(llama_layers("tiny"))))
+        optimizer = adamw(model.parameters())
+        steps = [reference_step(model, optimizer, llama_loss, x, y, count, clip) for x, y in _batches()]
+        with torch.no_grad():
+            evaluated = float(llama_loss(model(_batches()[0][0]), _batches()[0][1]))
+        return steps, model.state_dict(), evaluated
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_cell(config: raypipe.PipelineConfig, checkpoint_root=None) -> tuple[list[tuple[float, float]],

@@ -125,9 +125,10 @@ def in_process_llama(layers, loss_fn, optimizer_factory, config: raypipe.Pipelin
 
 
 def test_import_train_export_matches_transformers(ray_cluster, tmp_path):
-    """LLaMA 3's rotary scaling, on Ray, each stage split over two tensor-parallel workers (their
-    layers gathered whole for the export, tp_rank 0 writing)."""
-    assert_import_train_export_matches_transformers(on_ray, tmp_path, LLAMA3, tensor_parallel=2)
+    """LLaMA 3's rotary scaling, on Ray, one stage split over two tensor-parallel workers (their
+    layers gathered whole for the export, tp_rank 0 writing; two stages' workers each writing theirs:
+    the test below, through the stage workers in one process)."""
+    assert_import_train_export_matches_transformers(on_ray, tmp_path, LLAMA3, tensor_parallel=2, num_stages=1)
 
 
 def test_import_train_export_matches_transformers_in_process(tmp_path):
@@ -136,13 +137,13 @@ def test_import_train_export_matches_transformers_in_process(tmp_path):
 
 
 def assert_import_train_export_matches_transformers(trainer_of, tmp_path, rope_scaling: dict | None,
-                                                    tensor_parallel: int = 1) -> None:
+                                                    tensor_parallel: int = 1, num_stages: int = 2) -> None:
     source = hf_model(rope_scaling)
     save(source, tmp_path / "hf")
     assert len(json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())["weight_map"]) == 3 * 9 + 3
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2  # several shards, tensors of a layer split
     tokens = rows()
-    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, tensor_parallel=tensor_parallel)
+    config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=2, tensor_parallel=tensor_parallel)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     layers = from_pretrained(tmp_path / "hf")  # rotary tables for max_position_embeddings, one per stage
     with trainer_of(layers, llama_loss, adamw, config, loss_count_fn=llama_count_tokens) as trainer:

@@ -16,25 +16,15 @@ from tests.reference import in_process
 
 TINY = get_config("tiny")
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN = 4, 2, 64
-# (activation_checkpoint, offload_activations, precision): measured by the stage worker in a trainer,
-# for offload (it needs Ray's object store; on Ray) and one mode without it (through the step runner in
-# one process); checkpointing without offload is measured without Ray below, for each mode in fp32 and bf16
+# (activation_checkpoint, offload_activations, precision): measured by the stage workers of a step through
+# the step runner in one process (offload's kept inputs in the driver's object store: Ray's, as a worker's;
+# offload on Ray's workers is tests/stage/test_recompute.py's); checkpointing without offload is measured
+# by the stage's meter alone below, for each mode in fp32 and bf16
 MODES = [("never", False, "fp32"), ("always", True, "fp32"), ("except_last", True, "fp32"), ("always", True, "bf16")]
 
 
 def mode_id(mode):
     return f"{mode[0]}{'-offload' if mode[1] else ''}-{mode[2]}"
-
-
-def measure(activation_checkpoint, offload_activations, precision):
-    """One step's result, the balance, and the tensor bytes of each worker's snapshot after it."""
-    import ray
-
-    config, tokens = _measured_config(activation_checkpoint, offload_activations, precision), _tokens()
-    with raypipe.PipelineTrainer(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p), config) as trainer:
-        result = trainer.step(tokens[:, :-1], tokens[:, 1:])  # the optimizer state exists from the first step
-        snapshots = [_tensor_bytes(ray.get(actor.snapshot.remote())) for actor in trainer.layout.actors]
-        return result, trainer.balance, snapshots
 
 
 def _measured_config(activation_checkpoint, offload_activations, precision):
@@ -48,18 +38,21 @@ def _tokens():
     return torch.randint(0, TINY.vocab_size, (MICRO_BATCHES * MICRO_BATCH_SIZE, SEQ_LEN + 1), generator=generator)
 
 
-def measure_in_process(activation_checkpoint, offload_activations, precision):
-    """One step's result through the step runner in one process, and the balance (no snapshots)."""
+def measure(activation_checkpoint, offload_activations, precision):
+    """One step's result through the step runner in one process, the balance, and the tensor bytes of
+    each worker's snapshot after it (its host copy: what a worker's snapshot task ships)."""
     tokens = _tokens()
     with in_process(llama_layers(TINY), llama_loss, lambda p: torch.optim.AdamW(p),
                     _measured_config(activation_checkpoint, offload_activations, precision)) as trainer:
-        result = trainer.step(tokens[:, :-1], tokens[:, 1:])
-        return result, [len(worker.layer_indices) for worker in trainer.pipeline.workers], None
+        result = trainer.step(tokens[:, :-1], tokens[:, 1:])  # the optimizer state exists from the first step
+        workers = trainer.pipeline.workers
+        return result, [len(worker.layer_indices) for worker in workers], [
+            _tensor_bytes(worker.host_snapshot().wait()) for worker in workers]
 
 
 @pytest.fixture(scope="module")
-def measurements(ray_cluster):
-    return {mode: measure(*mode) if mode[1] else measure_in_process(*mode) for mode in MODES}
+def measurements(ray_cluster):  # ray_cluster: offload's object store
+    return {mode: measure(*mode) for mode in MODES}
 
 
 def predict(layers, stage, activation_checkpoint="never", offload_activations=False, precision="fp32",

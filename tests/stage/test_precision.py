@@ -422,8 +422,8 @@ BF16_CASES = [  # transport, schedule, activation checkpointing, clip_grad_norm:
     ("object_store", "gpipe", {}, None),
 ]
 # the rest of the matrix runs the same step runner in one process, one thread as a stage runs (the per-step
-# executor's bf16 steps on Ray: test_bf16_checkpoint_loads_into_fp32_and_back, bitwise against its own
-# repeated step)
+# executor's bf16 steps on Ray: tests/executor/test_nonfinite.py's NaN step, bitwise unchanged, and
+# tests/executor/test_zero1_main_weights.py's replicas, bitwise the unsharded run)
 BF16_IN_PROCESS_CASES = [
     # the recompute replays the forward with the same compute weights (the kept inputs offloaded into the
     # driver's object store)
@@ -439,10 +439,13 @@ def _bf16_id(v):
             else f"clip={v}")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport, schedule, recompute, clip", BF16_CASES, ids=_bf16_id)
-def test_bf16_pipeline_matches_main_weights_reference(ray_cluster, transport, schedule, recompute, clip):
-    assert_bf16_pipeline_matches_main_weights_reference(on_ray, transport, schedule, recompute, clip)
+def test_bf16_pipeline_matches_main_weights_reference(ray_cluster, tmp_path, transport, schedule, recompute, clip):
+    """Then, on the same trainer: :func:`assert_a_bf16_checkpoint_loads_into_fp32_and_back`."""
+    assert_bf16_pipeline_matches_main_weights_reference(
+        on_ray, transport, schedule, recompute, clip,
+        then=lambda trainer: assert_a_bf16_checkpoint_loads_into_fp32_and_back(trainer, tmp_path))
 
 
 @pytest.mark.parametrize("transport, schedule, recompute, clip", BF16_IN_PROCESS_CASES, ids=_bf16_id)
@@ -457,7 +460,8 @@ def test_bf16_pipeline_matches_main_weights_reference_in_process(request, transp
         torch.set_num_threads(threads)
 
 
-def assert_bf16_pipeline_matches_main_weights_reference(trainer_of, transport, schedule, recompute, clip):
+def assert_bf16_pipeline_matches_main_weights_reference(trainer_of, transport, schedule, recompute, clip, then=None):
+    """``then(trainer)``, if given, runs on the trainer after its steps, before it shuts down."""
     batches = bf16_batches(BF16_EXACT_STEPS)
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=BF16_MICRO_BATCHES, precision="bf16",
                                     transport=transport, schedule=schedule, clip_grad_norm=clip, use_gpu=False,
@@ -466,6 +470,8 @@ def assert_bf16_pipeline_matches_main_weights_reference(trainer_of, transport, s
         initial = trainer.state_dict()
         results = [trainer.step(x, y) for x, y in batches]
         params = trainer.state_dict()
+        if then is not None:
+            then(trainer)
     # GPipe runs the backwards last micro-batch first, 1F1B first to last (on every stage):
     # the order in which each parameter's fp32 main gradient sums them
     order = list(range(BF16_MICRO_BATCHES))
@@ -492,31 +498,30 @@ def assert_bf16_pipeline_matches_main_weights_reference(trainer_of, transport, s
     assert not all(torch.equal(params[k], v) for k, v in initial.items())  # it trained
 
 
-# the bf16 trainer on Ray; the fp32 one (loading the files the Ray workers wrote, saving its own for them)
-# through the same stage workers in one process
-@pytest.mark.timeout(180)
-def test_bf16_checkpoint_loads_into_fp32_and_back(ray_cluster, tmp_path):
+# the bf16 trainer on Ray (the per-op executor's: test_bf16_pipeline_matches_main_weights_reference's, after its
+# steps, each asserting nothing of where it started); the fp32 one (loading the files the Ray workers wrote,
+# saving its own for them) through the same stage workers in one process
+def assert_a_bf16_checkpoint_loads_into_fp32_and_back(trainer, tmp_path) -> None:
     (x1, y1), (x2, y2), (x3, y3) = bf16_batches(3)
-    bf16 = raypipe.PipelineConfig(num_stages=2, num_micro_batches=BF16_MICRO_BATCHES, precision="bf16",
+    fp32 = raypipe.PipelineConfig(num_stages=1, num_micro_batches=BF16_MICRO_BATCHES, precision="fp32",
                                   use_gpu=False)
-    with raypipe.PipelineTrainer(llama_layers(LLAMA), llama_loss, adamw, bf16) as trainer:
-        trainer.step(x1, y1)
-        trainer.step(x2, y2)
-        saved = trainer.state_dict()
-        assert {value.dtype for value in saved.values()} == {torch.float32}
-        trainer.save_checkpoint(str(tmp_path / "bf16"))
-        after = trainer.step(x3, y3)
-        stepped = trainer.state_dict()
+    trainer.step(x1, y1)
+    trainer.step(x2, y2)
+    saved = trainer.state_dict()
+    assert {value.dtype for value in saved.values()} == {torch.float32}
+    trainer.save_checkpoint(str(tmp_path / "bf16"))
+    after = trainer.step(x3, y3)
+    stepped = trainer.state_dict()
 
-        with in_process(llama_layers(LLAMA), llama_loss, adamw, bf16.replace(precision="fp32", num_stages=1)) as full:
-            full.load_checkpoint(str(tmp_path / "bf16"))
-            assert_bitwise_equal(saved, full.state_dict(), "fp32 trainer")
-            full.save_checkpoint(str(tmp_path / "fp32"))
+    with in_process(llama_layers(LLAMA), llama_loss, adamw, fp32) as full:
+        full.load_checkpoint(str(tmp_path / "bf16"))
+        assert_bitwise_equal(saved, full.state_dict(), "fp32 trainer")
+        full.save_checkpoint(str(tmp_path / "fp32"))
 
-        # back into the bf16 trainer, which has stepped since: its compute weights are
-        # recast from the loaded main weights, so the next step repeats exactly
-        trainer.load_checkpoint(str(tmp_path / "fp32"))
-        assert_bitwise_equal(saved, trainer.state_dict(), "bf16 trainer")
-        again = trainer.step(x3, y3)
-        assert again.loss == after.loss
-        assert_bitwise_equal(stepped, trainer.state_dict(), "after the repeated step")
+    # back into the bf16 trainer, which has stepped since: its compute weights are
+    # recast from the loaded main weights, so the next step repeats exactly
+    trainer.load_checkpoint(str(tmp_path / "fp32"))
+    assert_bitwise_equal(saved, trainer.state_dict(), "bf16 trainer")
+    again = trainer.step(x3, y3)
+    assert again.loss == after.loss
+    assert_bitwise_equal(stepped, trainer.state_dict(), "after the repeated step")
