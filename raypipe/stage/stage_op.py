@@ -45,7 +45,7 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
 
     def decorate(method: Callable) -> Callable:
         chunk_of = _argument(method, "chunk", 0)
-        step_of = _argument(method, "step", None)  # a forward's step (it begins the step); else the running one
+        step_of = _argument(method, "step", None)
 
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -53,7 +53,10 @@ def stage_op(op: str, per_micro_batch: bool = True, timed: bool = True, in_step:
             if per_micro_batch:
                 micro_batch = kwargs["micro_batch"] if "micro_batch" in kwargs else (args[0] if args else None)
             timer = device_timer(self) if timed else None
-            waits, wait = (collective_waits(self, step_of(args, kwargs)) if timed and in_step else (None, 0.0))
+            waits, wait = None, 0.0
+            if timed and in_step:
+                step = step_of(args, kwargs)  # a forward's own (it begins the step), else the running one's
+                waits, wait = collective_waits(self, self._running.number if step is None else step)
             start, device_start = time.time(), None
             try:
                 if timer is not None:
@@ -111,8 +114,8 @@ def _argument(method: Callable, name: str, absent: Any) -> Callable[[tuple, dict
     return argument_of
 
 
-def collective_waits(worker: Any, step: int | None) -> tuple[Any, float | None]:
-    """How one compute op of ``worker`` in step ``step`` (None: its running step) records its
+def collective_waits(worker: Any, step: int) -> tuple[Any, float | None]:
+    """How one compute op of ``worker`` in step ``step`` records its
     collective wait: ``(meter, None)``, a fresh :class:`~raypipe.stage.collective_wait.CollectiveWait`
     to run it in, at a tensor-parallel CPU worker's step sampled (every
     :data:`COLLECTIVE_WAIT_EVERY`-th); ``(None, None)`` at its other steps (not measured); ``(None,
@@ -120,7 +123,7 @@ def collective_waits(worker: Any, step: int | None) -> tuple[Any, float | None]:
     wait in), or a CUDA device (the host does not wait in collectives: its kernels are queued)."""
     if getattr(worker, "tensor_mesh", None) is None or worker.device.type == "cuda":
         return None, 0.0
-    if (worker._running.number if step is None else step) % COLLECTIVE_WAIT_EVERY:
+    if step % COLLECTIVE_WAIT_EVERY:
         return None, None
     from raypipe.stage.collective_wait import CollectiveWait  # DTensor: imported only where there is one
 
