@@ -11,8 +11,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import ray
@@ -77,6 +78,45 @@ def remove_node(cluster: Cluster, node_id: str, wait: bool = True) -> None:
     while wait and any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes()):
         assert time.monotonic() < deadline, f"node {node_id} is still alive"
         time.sleep(0.2)
+
+
+def through_a_node_lost_and_added(trainer: Any, cluster: Cluster, batches: Iterable[tuple], lost_node: Callable[[], str],
+                                  node_cpus: int, lost_at: int, added_at: int, grow_deadline_s: float, pause_s: float,
+                                  on_result: Callable[[Any], None] = lambda result: None) -> dict:
+    """An elastic run of two replicas through a lost node and a new one: ``trainer`` steps over
+    ``batches``; before step ``lost_at`` the node ``lost_node()`` names is removed (:func:`remove_node`),
+    before step ``added_at`` a node of ``node_cpus`` CPUs is added, and the run ends once three steps
+    in a row ran on two replicas after that (failing after ``grow_deadline_s`` without), ``pause_s``
+    between those steps giving the new replica's workers time to start. ``on_result(result)`` after
+    each step. What the tests read: the start, each step's replicas and heal flag, the seconds the
+    shrink and the grow took, and the end (resizes, failures, heal sources, workers, nodes, state)."""
+    record: dict = {"replicas_at_start": trainer.num_replicas, "nodes_at_start": [w.node_id for w in trainer.workers],
+                    "num_replicas": [], "recovered": []}
+    for step, (x, y) in enumerate(batches):
+        if step == lost_at:
+            lost_since, record["lost_node"] = time.monotonic(), lost_node()
+            remove_node(cluster, record["lost_node"])
+        if step == added_at:
+            cluster.add_node(num_cpus=node_cpus)
+            added_since = time.monotonic()
+        result = trainer.step(x, y)
+        on_result(result)
+        record["num_replicas"].append(result.num_replicas)
+        record["recovered"].append(result.recovered)
+        if step == lost_at:
+            record["shrink_seconds"] = time.monotonic() - lost_since
+        if step >= added_at:
+            if result.num_replicas == 2:
+                record.setdefault("grow_seconds", time.monotonic() - added_since)
+            if record["num_replicas"][-3:] == [2, 2, 2]:
+                break
+            assert time.monotonic() - added_since < grow_deadline_s, "the run never grew back"
+            time.sleep(pause_s)
+    record.update(resizes=trainer.resizes, failures=trainer.failures,
+                  sources=[recovered.source for recovered in trainer.recoveries],
+                  workers_at_end=[(w.replica, w.stage, w.tp_rank) for w in trainer.workers],
+                  nodes_at_end=[w.node_id for w in trainer.workers], state=as_lists(trainer.state_dict()))
+    return record
 
 
 def as_lists(state: dict) -> dict:

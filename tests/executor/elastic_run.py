@@ -15,14 +15,13 @@ the lost node), and every resize moves parameters to other owners.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 from ray.cluster_utils import Cluster
 from torch import nn
 
 import raypipe
-from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
+from tests.executor.cluster_run import run_on_cluster, through_a_node_lost_and_added
 from tests.reference import adamw, make_mlp, random_batches
 
 LOST_AT, ADDED_AT, MAX_STEPS, GROW_DEADLINE_S = 2, 4, 300, 120  # the deadline ends a slow grow, not MAX_STEPS
@@ -35,37 +34,19 @@ def train(cluster: Cluster, shard_optimizer: bool = False) -> dict:
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, num_replicas=(1, 2), clip_grad_norm=0.5,
                                     hang_timeout_s=5, replace_timeout_s=1, placement_timeout_s=60,
                                     shard_optimizer=shard_optimizer)
-    record: dict = {"losses": [], "num_replicas": [], "recovered": [], "optimizer_bytes": []}
+    losses, optimizer_bytes = [], []
+
+    def keep(result) -> None:
+        losses.append(result.loss)
+        optimizer_bytes.append([[stage.replica, stage.stage, stage.optimizer_bytes] for stage in result.stages])
+
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config) as trainer:
-        record["replicas_at_start"] = trainer.num_replicas
-        record["nodes_at_start"] = [worker.node_id for worker in trainer.workers]
-        for step, (x, y) in enumerate(random_batches(BATCH, MAX_STEPS)):
-            if step == LOST_AT:
-                lost_at = time.monotonic()
-                remove_node(cluster, trainer.workers[3].node_id)  # replica 1's stage 1
-            if step == ADDED_AT:
-                cluster.add_node(num_cpus=1)
-                added_at = time.monotonic()
-            result = trainer.step(x, y)
-            record["losses"].append(result.loss)
-            record["num_replicas"].append(result.num_replicas)
-            record["recovered"].append(result.recovered)
-            record["optimizer_bytes"].append([[s.replica, s.stage, s.optimizer_bytes] for s in result.stages])
-            if step == LOST_AT:
-                record["shrink_seconds"] = time.monotonic() - lost_at
-            if step >= ADDED_AT and result.num_replicas == 2:
-                record.setdefault("grow_seconds", time.monotonic() - added_at)
-                if record["num_replicas"][-3:] == [2, 2, 2]:
-                    break
-            if step >= ADDED_AT:
-                assert time.monotonic() - added_at < GROW_DEADLINE_S, "the run never grew back"
-                time.sleep(0.5)  # steps of this model take milliseconds: give the new replica time to start
-        record["resizes"] = trainer.resizes
-        record["failures"] = trainer.failures
-        record["sources"] = [recovered.source for recovered in trainer.recoveries]
-        record["nodes_at_end"] = [worker.node_id for worker in trainer.workers]
-        record["state"] = as_lists(trainer.state_dict())
-    return record
+        record = through_a_node_lost_and_added(
+            trainer, cluster, random_batches(BATCH, MAX_STEPS), lambda: trainer.workers[3].node_id,  # replica 1's stage 1
+            node_cpus=1, lost_at=LOST_AT, added_at=ADDED_AT, grow_deadline_s=GROW_DEADLINE_S,
+            pause_s=0.5,  # steps of this model take milliseconds: give the new replica time to start
+            on_result=keep)
+    return {**record, "losses": losses, "optimizer_bytes": optimizer_bytes}
 
 
 if __name__ == "__main__":

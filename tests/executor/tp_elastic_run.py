@@ -13,7 +13,6 @@ step and the final state with one process within 1e-4 (the reduction order diffe
 from __future__ import annotations
 
 import sys
-import time
 
 import ray
 import torch
@@ -21,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 import raypipe
 from raypipe.models.llama import llama_layers, llama_loss
-from tests.executor.cluster_run import as_lists, remove_node, run_on_cluster
+from tests.executor.cluster_run import run_on_cluster, through_a_node_lost_and_added
 from tests.executor.tp_kills_run import adamw, batches
 
 LOST_AT, ADDED_AT, MAX_STEPS, GROW_DEADLINE_S = 2, 4, 200, 120  # the deadline ends a slow grow, not MAX_STEPS
@@ -45,35 +44,16 @@ def train(cluster: Cluster) -> dict:
     for _ in range(4 - len(tensor_parallel_nodes())):
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    record: dict = {"steps": [], "num_replicas": [], "recovered": []}
+    steps = []
     with raypipe.PipelineTrainer(llama_layers("tiny"), llama_loss, adamw, config()) as trainer:
-        record["replicas_at_start"] = trainer.num_replicas
-        record["nodes_at_start"] = [worker.node_id for worker in trainer.workers]
-        for step, (x, y) in enumerate(batches(MAX_STEPS)):
-            if step == LOST_AT:
-                lost = next(worker for worker in trainer.workers if (worker.replica, worker.stage) == (1, 1))
-                record["lost_node"] = lost.node_id
-                remove_node(cluster, lost.node_id)  # both of the stage's ranks
-            if step == ADDED_AT:
-                cluster.add_node(num_cpus=2)
-                added_at = time.monotonic()
-            result = trainer.step(x, y)
-            record["steps"].append([result.loss, result.grad_norm])
-            record["num_replicas"].append(result.num_replicas)
-            record["recovered"].append(result.recovered)
-            if step >= ADDED_AT and record["num_replicas"][-3:] == [2, 2, 2]:
-                break
-            if step >= ADDED_AT:
-                assert time.monotonic() - added_at < GROW_DEADLINE_S, "the run never grew back"
-                # give the new replica's workers time to start: each step taken meanwhile costs the busy cores a
-                # step of the run's four processes and, in the test, a step of the one-process reference
-                time.sleep(2)
-        record["resizes"] = trainer.resizes
-        record["failures"] = trainer.failures
-        record["workers_at_end"] = [(worker.replica, worker.stage, worker.tp_rank) for worker in trainer.workers]
-        record["nodes_at_end"] = [worker.node_id for worker in trainer.workers]
-        record["state"] = as_lists(trainer.state_dict())
-    return record
+        record = through_a_node_lost_and_added(
+            trainer, cluster, batches(MAX_STEPS),
+            lambda: next(w.node_id for w in trainer.workers if (w.replica, w.stage) == (1, 1)),  # both its ranks
+            node_cpus=2, lost_at=LOST_AT, added_at=ADDED_AT, grow_deadline_s=GROW_DEADLINE_S,
+            # each step taken while the new replica's workers start costs the busy cores a step of the run's four
+            # processes and, in the test, a step of the one-process reference
+            pause_s=2, on_result=lambda result: steps.append([result.loss, result.grad_norm]))
+    return {**record, "steps": steps}
 
 
 if __name__ == "__main__":
