@@ -25,6 +25,7 @@ stages) and prints each one's tokens/s over the first's (issue 42's main-job fig
     python benchmarks/bench_job_throughput.py --rounds 4 --steps 40
     python benchmarks/bench_job_throughput.py --rounds 8 --steps 40 --executors p2p object_store --shapes 4x4 8x2
     python benchmarks/bench_job_throughput.py --rounds 3 --steps 40 --schedules 1f1b zbv interleaved_1f1b
+    python benchmarks/bench_job_throughput.py --rounds 4 --steps 40 --executors p2p p2p-no-snapshots
 """
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ from alternate import command_line, print_table, round_ratios, run_rounds, sprea
 from raypipe.core.schedule import SCHEDULES, SINGLE_CHUNK_SCHEDULES
 
 REPO = Path(__file__).resolve().parent.parent
-# executor -> the job's flags: the default (p2p, direct calls), the per-op executor, and actor-task calls
-EXECUTORS = {"p2p": [], "object_store": ["--transport", "object_store"], "p2p-tasks": ["--step-calls", "tasks"]}
+# executor -> the job's flags: the default (p2p, direct calls), the per-op executor, actor-task calls, and the
+# default without its per-step snapshot (what the snapshot costs the main job)
+EXECUTORS = {"p2p": [], "object_store": ["--transport", "object_store"], "p2p-tasks": ["--step-calls", "tasks"],
+             "p2p-no-snapshots": ["--snapshot-every", "0"]}
 
 
 def contenders(executors: list[str], shapes: list[str], schedules: list[str] = ()) -> dict[str, list[str]]:
@@ -102,8 +105,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     add_data_argument(parser)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
-    parser.add_argument("--executors", nargs="+", choices=list(EXECUTORS), default=list(EXECUTORS),
-                        help="contenders (default all; p2p is needed)")
+    parser.add_argument("--executors", nargs="+", choices=list(EXECUTORS), default=["p2p", "object_store", "p2p-tasks"],
+                        help="contenders (default: p2p object_store p2p-tasks; p2p is needed; p2p-no-snapshots: "
+                             "the default without its per-step snapshot)")
     parser.add_argument("--shapes", nargs="*", default=[], metavar="MxB",
                         help="step shapes: M micro-batches of B sequences (default: the job's)")
     parser.add_argument("--schedules", nargs="*", default=[], choices=SCHEDULES,
@@ -163,7 +167,7 @@ def figures(results: dict[str, list[float]], shapes: list[str]) -> dict[str, lis
     ratios = {}
     for shape in shapes:
         p2p = results[name("p2p", shape)]
-        for other in ("object_store", "p2p-tasks"):
+        for other in ("object_store", "p2p-tasks", "p2p-no-snapshots"):
             if name(other, shape) in results:
                 ratios[f"{name('p2p', shape)}/{name(other, shape)}"] = round_ratios(p2p, results[name(other, shape)], 1)
     for shape in shapes[1:]:

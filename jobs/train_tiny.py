@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="p2p: each boundary's dtype and shape sent once and learned, or a header before every "
                              f"activation (for models whose boundary shapes change) (default "
                              f"{PipelineConfig.boundary_shapes})")
+    parser.add_argument("--snapshot-every", type=int, default=PipelineConfig.snapshot_every, metavar="N",
+                        help="steps between in-memory snapshots that failures heal from; 0: none, a failure ends "
+                             f"the run (default: {PipelineConfig.snapshot_every})")
     parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
                         help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
                              "place is taken by one instead of a process started then (a faster heal); never an "
@@ -102,7 +105,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   **schedule_arguments(args), **tensor_parallel_arguments(args),
                   "balance": args.balance, **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port,
-                  "boundary_shapes": args.boundary_shapes,
+                  "boundary_shapes": args.boundary_shapes, "snapshot_every": args.snapshot_every,
                   "spare_workers": args.spare_workers, **slow_worker_arguments(args)})
 
 

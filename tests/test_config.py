@@ -138,6 +138,17 @@ def test_spare_workers_from_yaml_and_the_jobs_flags(tmp_path):
         load_job("train_7b")["parse_args"](["--preset", "tiny", "--spare-workers", "-1"])
 
 
+def test_snapshot_every_from_the_jobs_flags():
+    for name, extra in (("train_tiny", []), ("train_7b", ["--preset", "tiny"])):
+        job = load_job(name)
+        assert job["run_config"](job["parse_args"](extra)).pipeline["snapshot_every"] == PipelineConfig.snapshot_every
+        args = job["parse_args"]([*extra, "--snapshot-every", "0"])
+        assert PipelineConfig.from_dict(job["run_config"](args).pipeline).snapshot_every == 0
+    with pytest.raises(ConfigError, match=r"^invalid snapshot_every=-1: must be an int >= 0"):
+        job = load_job("train_tiny")
+        PipelineConfig.from_dict(job["run_config"](job["parse_args"](["--snapshot-every", "-1"])).pipeline).validate()
+
+
 def test_boundary_shapes_from_yaml_and_the_jobs_flags(tmp_path):
     assert PipelineConfig().boundary_shapes == "learned"
     assert load_yaml(REPO / "configs" / "tiny.yaml")["pipeline"]["boundary_shapes"] == "learned"

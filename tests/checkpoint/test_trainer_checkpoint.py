@@ -161,7 +161,9 @@ def test_a_checkpoint_of_another_model_names_the_stage_layer_and_tensor(trainer,
     assert str(error.value).splitlines()[0] == (
         f"stage 1 (layers 2–6): layer 6 'weight' is (5, 16) in the checkpoint, (4, 16) in the model "
         f"(checkpoint {tmp_path / 'other_head'} step {step}; is it of another model?)")
-    assert "damaged" not in caplog.text
+    # no fallback to an older checkpoint (the warning says "trying an older one"); not `"damaged" not in`:
+    # caplog also holds Ray's "Unhandled error" lines of earlier tests' calls, logged when collected
+    assert "trying an older one" not in caplog.text
     # the stage that found the misfit changed nothing (stage 0, which fits, loaded its layers)
     stage_1 = [key for key in before if int(key.split(".")[0]) >= 2]
     assert_parameters_match({key: trainer.state_dict()[key] for key in stage_1},
