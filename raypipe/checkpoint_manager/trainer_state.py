@@ -7,11 +7,13 @@ Hugging Face export. The checkpoint manager of a
 from the trainer's :class:`TrainingProgress`."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import ray
 import torch
 
 from raypipe.checkpoint.parts import add_sole_mains
@@ -222,7 +224,8 @@ class TrainerState:
         checkpoint, with a warning naming the file; with ``step`` it raises
         :class:`~raypipe.CheckpointError` naming it. A checkpoint of another model (other
         layers, or tensors of other shapes) raises a :class:`~raypipe.CheckpointError` whose
-        first line names the stage, layer and tensor that do not fit."""
+        first line names the stage, layer and tensor that do not fit. Either way no worker's
+        state changed: every worker reads and checks its layers before any loads them."""
         from raypipe.checkpoint.store import list_checkpoints
 
         self.wait_for_checkpoint()
@@ -252,8 +255,14 @@ class TrainerState:
                                           f"the checkpoint holds {manifest['num_layers']} layers")
         extra = manifest.get("extra", {})
         parts = extra.get("optimizer_parts", 1)
-        self._controller.get([actor.load_checkpoint.remote(str(root_uri), step, parts)
-                              for actor in self._controller.layout.actors])
+        actors = self._controller.layout.actors
+        try:  # every worker reads and checks its layers first: one that refuses them leaves every worker as it was
+            self._controller.get([actor.read_checkpoint.remote(str(root_uri), step, parts) for actor in actors])
+        except BaseException:
+            with contextlib.suppress(RaypipeError, ray.exceptions.RayError):  # a worker lost meanwhile: healed later
+                self._controller.get([actor.drop_read_checkpoint.remote() for actor in actors])
+            raise
+        self._controller.get([actor.load_read_checkpoint.remote() for actor in actors])
         self._progress.step_count = extra.get("step_count", step)
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])

@@ -236,10 +236,21 @@ class StageCheckpointing:
 
     def load_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
         """Load this stage's layers from a checkpoint written by any partition and
-        any number of optimizer parts (ZeRO-1 replicas). A checkpoint that does not fit
-        this stage's layers (a missing, unexpected or differently shaped tensor) raises
-        :class:`~raypipe.errors.CheckpointMismatchError` naming the stage, layer and
-        tensor, before this stage's state changes."""
+        any number of optimizer parts (ZeRO-1 replicas): :meth:`read_checkpoint`, then
+        :meth:`load_read_checkpoint`. A checkpoint that does not fit this stage's layers
+        raises before this stage's state changes."""
+        self.read_checkpoint(root_uri, step, optimizer_parts)
+        self.load_read_checkpoint()
+
+    def read_checkpoint(self, root_uri: str, step: int, optimizer_parts: int = 1) -> None:
+        """Read this stage's layers of checkpoint ``step`` and check that they fit, changing
+        nothing: held until :meth:`load_read_checkpoint` loads them (or
+        :meth:`drop_read_checkpoint` drops them). A checkpoint that does not fit this stage's
+        layers (a missing, unexpected or differently shaped tensor) raises
+        :class:`~raypipe.errors.CheckpointMismatchError` naming the stage, layer and tensor; a
+        damaged file raises :class:`~raypipe.errors.CheckpointError` naming it. The trainer has
+        every worker read before any loads, so a checkpoint that one stage refuses changes no stage."""
+        self._read_state = None
         where, checkpoint = stage_and_layers(self.stage_index, self.layer_indices), f"{root_uri} step {step}"
         held = read_manifest(root_uri, step)["num_layers"]
         absent = [index for index in self.layer_indices if index >= held]
@@ -252,7 +263,6 @@ class StageCheckpointing:
             problem = layer_misfit(index, layer.state_dict(), weights[index])
             if problem is not None:
                 raise CheckpointMismatchError(checkpoint, where, problem)
-        self.load_state_dict(weights)
         optimizer = {index: {name: state for part in parts[index] for name, state in part["optimizer"].items()}
                      for index in self.layer_indices}
         # hyper-parameters and schedule: the same in every part whose replica has an optimizer
@@ -260,9 +270,23 @@ class StageCheckpointing:
         groups = next((part["param_groups"] for part in candidates if part.get("param_groups")), [])
         scheduler = next((part["scheduler"] for part in candidates if part.get("scheduler") is not None), None)
         optimizer[-1] = {"param_groups": groups}
+        self._read_state = (weights, optimizer, scheduler)
+
+    def load_read_checkpoint(self) -> None:
+        """Load what :meth:`read_checkpoint` read: the weights, the optimizer and the
+        LR-scheduler state."""
+        read, self._read_state = getattr(self, "_read_state", None), None
+        if read is None:
+            raise RuntimeError("load_read_checkpoint: no checkpoint was read (read_checkpoint first)")
+        weights, optimizer, scheduler = read
+        self.load_state_dict(weights)
         self.load_optimizer_state(optimizer)
         if self.scheduler is not None and scheduler is not None:
             self.scheduler.load_state_dict(scheduler)
+
+    def drop_read_checkpoint(self) -> None:
+        """Drop what :meth:`read_checkpoint` read (another stage refused the checkpoint)."""
+        self._read_state = None
 
     def export_hf(self, out_uri: str, dtype: str | None, n_blocks: int,
                   *other_mains: dict[int, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
