@@ -23,9 +23,9 @@ and adds p2p's tokens/s at each later shape over the first's.
 stages) and prints each one's tokens/s over the first's (issue 42's main-job figure).
 
     python benchmarks/bench_job_throughput.py --rounds 4 --steps 40
-    python benchmarks/bench_job_throughput.py --rounds 8 --steps 40 --executors p2p object_store --shapes 4x4 8x2
+    python benchmarks/bench_job_throughput.py --rounds 8 --steps 40 --contenders p2p object_store --shapes 4x4 8x2
     python benchmarks/bench_job_throughput.py --rounds 3 --steps 40 --schedules 1f1b zbv interleaved_1f1b
-    python benchmarks/bench_job_throughput.py --rounds 4 --steps 40 --executors p2p p2p-no-snapshots
+    python benchmarks/bench_job_throughput.py --rounds 4 --steps 40 --contenders p2p p2p-no-snapshots
 """
 from __future__ import annotations
 
@@ -42,14 +42,14 @@ from alternate import command_line, print_table, round_ratios, run_rounds, sprea
 from raypipe.core.schedule import SCHEDULES, SINGLE_CHUNK_SCHEDULES
 
 REPO = Path(__file__).resolve().parent.parent
-# executor -> the job's flags: the default (p2p, direct calls), the per-op executor, actor-task calls, and the
-# default without its per-step snapshot (what the snapshot costs the main job)
-EXECUTORS = {"p2p": [], "object_store": ["--transport", "object_store"], "p2p-tasks": ["--step-calls", "tasks"],
-             "p2p-no-snapshots": ["--snapshot-every", "0"]}
+# contender -> the job's flags: the default (p2p, direct calls), the per-op executor, actor-task calls, and the
+# default without its per-step snapshot (what the snapshot costs the main job); each is compared with p2p
+CONTENDERS = {"p2p": [], "object_store": ["--transport", "object_store"], "p2p-tasks": ["--step-calls", "tasks"],
+              "p2p-no-snapshots": ["--snapshot-every", "0"]}
 
 
-def contenders(executors: list[str], shapes: list[str], schedules: list[str] = ()) -> dict[str, list[str]]:
-    """Contender name -> the job's flags: each executor at each shape ("MxB": M
+def contenders(chosen: list[str], shapes: list[str], schedules: list[str] = ()) -> dict[str, list[str]]:
+    """Contender name -> the job's flags: each chosen contender at each shape ("MxB": M
     micro-batches of B sequences), or at the job's default shape when none is given; or with
     ``schedules``, the default executor under each schedule."""
     if schedules:
@@ -57,13 +57,13 @@ def contenders(executors: list[str], shapes: list[str], schedules: list[str] = (
                                                              if schedule not in SINGLE_CHUNK_SCHEDULES else [])]
                 for schedule in schedules}
     if not shapes:
-        return {executor: EXECUTORS[executor] for executor in executors}
+        return {name: CONTENDERS[name] for name in chosen}
     flags = {}
     for shape in shapes:
         micro_batches, size = shape.split("x")
-        for executor in executors:
-            flags[f"{executor} {shape}"] = [*EXECUTORS[executor], "--micro-batches", micro_batches,
-                                            "--micro-batch-size", size]
+        for name in chosen:
+            flags[f"{name} {shape}"] = [*CONTENDERS[name], "--micro-batches", micro_batches,
+                                        "--micro-batch-size", size]
     return flags
 
 
@@ -105,9 +105,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     add_data_argument(parser)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
-    parser.add_argument("--executors", nargs="+", choices=list(EXECUTORS), default=["p2p", "object_store", "p2p-tasks"],
-                        help="contenders (default: p2p object_store p2p-tasks; p2p is needed; p2p-no-snapshots: "
-                             "the default without its per-step snapshot)")
+    parser.add_argument("--contenders", "--executors", dest="contenders", nargs="+", choices=list(CONTENDERS),
+                        default=["p2p", "object_store", "p2p-tasks"],
+                        help="the executors, and p2p-no-snapshots: the default without its per-step snapshot "
+                             "(default: p2p object_store p2p-tasks; p2p is needed)")
     parser.add_argument("--shapes", nargs="*", default=[], metavar="MxB",
                         help="step shapes: M micro-batches of B sequences (default: the job's)")
     parser.add_argument("--schedules", nargs="*", default=[], choices=SCHEDULES,
@@ -115,15 +116,15 @@ def parse_args() -> argparse.Namespace:
                              "each one's tokens/s over the first's")
     parser.add_argument("job_args", nargs="*", help="more flags for the job, after --")
     args = parser.parse_args()
-    if "p2p" not in args.executors:
-        parser.error("--executors needs p2p: every figure is a ratio to it")
+    if "p2p" not in args.contenders:
+        parser.error("--contenders needs p2p: every figure is a ratio to it")
     return args
 
 
 def main() -> None:
     args = parse_args()
     print(command_line())
-    flags = contenders(args.executors, args.shapes, args.schedules)
+    flags = contenders(args.contenders, args.shapes, args.schedules)
     with tempfile.TemporaryDirectory(prefix="raypipe_job_bench_") as scratch:
         runs = {name: 0 for name in flags}
 
@@ -167,7 +168,7 @@ def figures(results: dict[str, list[float]], shapes: list[str]) -> dict[str, lis
     ratios = {}
     for shape in shapes:
         p2p = results[name("p2p", shape)]
-        for other in ("object_store", "p2p-tasks", "p2p-no-snapshots"):
+        for other in list(CONTENDERS)[1:]:
             if name(other, shape) in results:
                 ratios[f"{name('p2p', shape)}/{name(other, shape)}"] = round_ratios(p2p, results[name(other, shape)], 1)
     for shape in shapes[1:]:

@@ -144,9 +144,10 @@ def test_snapshot_every_from_the_jobs_flags():
         assert job["run_config"](job["parse_args"](extra)).pipeline["snapshot_every"] == PipelineConfig.snapshot_every
         args = job["parse_args"]([*extra, "--snapshot-every", "0"])
         assert PipelineConfig.from_dict(job["run_config"](args).pipeline).snapshot_every == 0
+    tiny = load_job("train_tiny")
+    pipeline = tiny["run_config"](tiny["parse_args"](["--snapshot-every", "-1"])).pipeline
     with pytest.raises(ConfigError, match=r"^invalid snapshot_every=-1: must be an int >= 0"):
-        job = load_job("train_tiny")
-        PipelineConfig.from_dict(job["run_config"](job["parse_args"](["--snapshot-every", "-1"])).pipeline).validate()
+        PipelineConfig.from_dict(pipeline).validate()
 
 
 def test_boundary_shapes_from_yaml_and_the_jobs_flags(tmp_path):

@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import ray
 import torch
 
 from raypipe.checkpoint.parts import add_sole_mains
@@ -258,8 +257,8 @@ class TrainerState:
         actors = self._controller.layout.actors
         try:  # every worker reads and checks its layers first: one that refuses them leaves every worker as it was
             self._controller.get([actor.read_checkpoint.remote(str(root_uri), step, parts) for actor in actors])
-        except BaseException:
-            with contextlib.suppress(RaypipeError, ray.exceptions.RayError):  # a worker lost meanwhile: healed later
+        except Exception:
+            with contextlib.suppress(RaypipeError):  # a worker lost meanwhile (the controller's get says so): healed later
                 self._controller.get([actor.drop_read_checkpoint.remote() for actor in actors])
             raise
         self._controller.get([actor.load_read_checkpoint.remote() for actor in actors])
