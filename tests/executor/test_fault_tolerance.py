@@ -55,15 +55,19 @@ class Run:
     healed_seconds: list  # per step with a failure, its step time
     sources: list  # per heal, where the replacements' state came from
     step_seconds: list  # every step's time
+    replayed: list  # per heal, the committed steps it ran again
 
 
-def train(cfg, root, failures: Mapping[int, int] | None = None, seed=0, inside_the_step=True) -> Run:
+def train(cfg, root, failures: Mapping[int, int] | None = None, seed=0, inside_the_step=True,
+          before: Callable[[raypipe.PipelineTrainer, int], None] = lambda trainer, step: None) -> Run:
     """STEPS steps; before each step in ``failures`` (step: signal) a timer sends that
-    signal to a seeded-random worker at a seeded-random moment of that step."""
+    signal to a seeded-random worker at a seeded-random moment of that step, and
+    ``before(trainer, step)`` runs ahead of every step (a fault or a save the test places itself)."""
     chooser, failures = random.Random(seed), failures or {}
     with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
         results, step_seconds, victims, seen = [], [], [], []
         for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+            before(trainer, step)
             if step in failures:
                 victim = chooser.choice(trainer.workers)
                 victims.append(victim.pid)
@@ -82,7 +86,8 @@ def train(cfg, root, failures: Mapping[int, int] | None = None, seed=0, inside_t
         assert seen == trainer.failures  # each failure is reported by the step that healed it
         return Run(results, checkpoint_state(trainer, root, NUM_LAYERS), list(trainer.failures),
                    [step_seconds[step] for step in sorted(failures)],
-                   [recovered.source for recovered in trainer.recoveries], step_seconds)
+                   [recovered.source for recovered in trainer.recoveries], step_seconds,
+                   [recovered.replayed_steps for recovered in trainer.recoveries])
 
 
 _UNINTERRUPTED = {}
@@ -100,7 +105,7 @@ def uninterrupted(cfg, tmp_path) -> Run:
             results = [(result.loss, result.grad_norm)
                        for result in (trainer.step(x, y) for x, y in random_batches(BATCH, STEPS))]
             state = checkpoint_state(trainer, tmp_path / "uninterrupted", NUM_LAYERS)
-        _UNINTERRUPTED[numerics] = Run(results, state, [], [], [], [])
+        _UNINTERRUPTED[numerics] = Run(results, state, [], [], [], [], [])
     return _UNINTERRUPTED[numerics]
 
 
@@ -200,51 +205,38 @@ def test_more_failures_than_allowed_stop_with_every_failure_listed(ray_cluster, 
         assert resumed.step(x, y).loss > 0
 
 
-def steps_with(trainer: raypipe.PipelineTrainer, before: Callable[[int], None]) -> list:
-    """The run's STEPS steps on its batches, ``before(step)`` ahead of each; each step's result."""
-    results = []
-    for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
-        before(step)
-        results.append(trainer.step(x, y))
-    return results
-
-
 @pytest.mark.cluster
 def test_with_snapshots_every_few_steps_the_steps_since_are_replayed(ray_cluster, tmp_path):
     cfg = config(snapshot_every=3)
     expected = uninterrupted(cfg, tmp_path)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        def before(step: int) -> None:
-            if step == 5:  # snapshots at steps 0 and 3: steps 3 and 4 are replayed
-                os.kill(trainer.workers[0].pid, signal.SIGKILL)
 
-        results = [(result.loss, result.grad_norm) for result in steps_with(trainer, before)]
-        assert len(trainer.failures) == 1 and trainer.recoveries[0].replayed_steps == 2
-        state = checkpoint_state(trainer, tmp_path / "replayed", NUM_LAYERS)
-    assert results == expected.results
-    assert_bitwise_equal(expected.state, state)
+    def before(trainer: raypipe.PipelineTrainer, step: int) -> None:
+        if step == 5:  # snapshots at steps 0 and 3: steps 3 and 4 are replayed
+            os.kill(trainer.workers[0].pid, signal.SIGKILL)
+
+    run = train(cfg, tmp_path / "replayed", before=before)
+    assert len(run.failures) == 1 and run.replayed == [2]
+    assert run.results == expected.results
+    assert_bitwise_equal(expected.state, run.state)
 
 
 @pytest.mark.cluster
 def test_without_snapshots_a_worker_heals_from_the_newest_checkpoint_and_the_steps_since(ray_cluster, tmp_path):
     cfg = config(snapshot_every=0)
     expected = uninterrupted(cfg, tmp_path)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        def before(step: int) -> None:
-            if step == 2:
-                trainer.save_checkpoint(tmp_path / "saved", wait=False)
-            if step == 5:  # every worker loads the checkpoint of step 2; steps 2 to 4 are replayed
-                trainer.wait_for_checkpoint()  # on a busy machine it may still be written: a kill then loses it
-                os.kill(trainer.workers[1].pid, signal.SIGKILL)
 
-        stepped = steps_with(trainer, before)
-        results = [(result.loss, result.grad_norm) for result in stepped]
-        assert len(trainer.failures) == 1 and stepped[-1].recovered is False
-        healed = trainer.recoveries[0]
-        assert (healed.source, healed.replayed_steps) == ("checkpoint of step 2", 3)
-        state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
-    assert results == expected.results
-    assert_bitwise_equal(expected.state, state)
+    def before(trainer: raypipe.PipelineTrainer, step: int) -> None:
+        if step == 2:
+            trainer.save_checkpoint(tmp_path / "saved", wait=False)
+        if step == 5:  # every worker loads the checkpoint of step 2; steps 2 to 4 are replayed
+            trainer.wait_for_checkpoint()  # on a busy machine it may still be written: a kill then loses it
+            os.kill(trainer.workers[1].pid, signal.SIGKILL)
+
+    run = train(cfg, tmp_path / "healed", before=before)
+    # steps 2 to 4 replayed: healed in step 5, the one the kill hit
+    assert len(run.failures) == 1 and (run.sources, run.replayed) == (["checkpoint of step 2"], [3])
+    assert run.results == expected.results
+    assert_bitwise_equal(expected.state, run.state)
 
 
 @pytest.mark.cluster

@@ -2,10 +2,12 @@
 (runtime/connection_calls.py over comm/call_socket.py) and the heartbeat checks between
 waits on them (runtime/health.py), with real actors: a returned
 failure, a SIGKILLed actor, a SIGSTOPped one, the key, what cannot be pickled."""
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -70,10 +72,19 @@ def shared_actors(ray_cluster):
         ray.kill(actor)
 
 
-def test_each_actor_gets_its_own_argument_and_other_calls_run_beside_the_connection(shared_actors):
-    actors = shared_actors
+@contextlib.contextmanager
+def connected(actors: list) -> Iterator[ConnectionCalls]:
+    """Connections to ``actors`` for their ``step``, torn down however the test ends."""
     calls = ConnectionCalls(actors, "step")
     try:
+        yield calls
+    finally:
+        calls.teardown()
+
+
+def test_each_actor_gets_its_own_argument_and_other_calls_run_beside_the_connection(shared_actors):
+    actors = shared_actors
+    with connected(actors) as calls:
         assert calls.over(list(actors)) and not calls.over(actors[:1])
         results = calls.results(calls.call([(1, False), (2, False)]))
         assert [value for value, _ in results] == [2, 4]
@@ -82,55 +93,48 @@ def test_each_actor_gets_its_own_argument_and_other_calls_run_beside_the_connect
         failed, fine = calls.results(calls.call([(3, True), (4, False)]))
         assert isinstance(failed, ValueError) and "failed on 3" in str(failed) and fine[0] == 8
         assert [value for value, _ in calls.results(calls.call([(5, False), (6, False)]))] == [10, 12]
-    finally:
-        calls.teardown()
 
 
 @pytest.mark.cluster
 def test_a_killed_actor_breaks_its_connection_at_once_and_the_survivor_can_join_a_new_one(actors):
-    calls = ConnectionCalls(actors, "step")
-    killed = ray.get(actors[1].pid.remote())
-    os.kill(killed, signal.SIGKILL)
-    seconds_until_gone(killed)  # the signal is delivered: the process has exited, its sockets closed
-    start = time.monotonic()
-    try:
-        results = calls.results(calls.call([(1, False), (2, False)]))
-        assert results[0][0] == 2 and isinstance(results[1], CallsBroken)
-    except OSError:  # the closed connection was seen as the call was sent
-        pass
-    assert time.monotonic() - start < 5  # no heartbeat timeout needed: the connection closed
-    calls.teardown()
-    survivor = ConnectionCalls(actors[:1], "step")
-    try:
+    with connected(actors) as calls:
+        killed = ray.get(actors[1].pid.remote())
+        os.kill(killed, signal.SIGKILL)
+        seconds_until_gone(killed)  # the signal is delivered: the process has exited, its sockets closed
+        start = time.monotonic()
+        try:
+            results = calls.results(calls.call([(1, False), (2, False)]))
+            assert results[0][0] == 2 and isinstance(results[1], CallsBroken)
+        except OSError:  # the closed connection was seen as the call was sent
+            pass
+        assert time.monotonic() - start < 5  # no heartbeat timeout needed: the connection closed
+    with connected(actors[:1]) as survivor:
         assert survivor.results(survivor.call([(7, False)]))[0][0] == 14
-    finally:
-        survivor.teardown()
 
 
 @pytest.mark.cluster
 def test_waiting_between_heartbeats_finds_a_stopped_actor_and_its_answer_once_killed(actors):
-    calls = ConnectionCalls(actors, "step")
     pid = ray.get(actors[1].pid.remote())
     watchdog = Watchdog(hang_timeout_s=1.5)
-    pending = calls.call([(1, False), (2, False)])
-    assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {}  # quick
-    assert calls.results(pending)[1][0] == 4
-    try:
-        os.kill(pid, signal.SIGSTOP)
-        start = time.monotonic()
+    with connected(actors) as calls:
         pending = calls.call([(1, False), (2, False)])
-        assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {1: HUNG}
-        assert 1.5 <= time.monotonic() - start < 20
-        assert not calls.answered(pending, 0.1)
-        os.kill(pid, signal.SIGKILL)  # as recovery kills it: its connection closes, which answers at once
-        pid = None
-        assert calls.answered(pending, 10)
-        results = calls.results(pending)
-        assert results[0][0] == 2 and isinstance(results[1], CallsBroken)
-    finally:
-        if pid is not None:
-            os.kill(pid, signal.SIGKILL)
-        calls.teardown()
+        assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {}  # quick
+        assert calls.results(pending)[1][0] == 4
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            start = time.monotonic()
+            pending = calls.call([(1, False), (2, False)])
+            assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {1: HUNG}
+            assert 1.5 <= time.monotonic() - start < 20
+            assert not calls.answered(pending, 0.1)
+            os.kill(pid, signal.SIGKILL)  # as recovery kills it: its connection closes, which answers at once
+            pid = None
+            assert calls.answered(pending, 10)
+            results = calls.results(pending)
+            assert results[0][0] == 2 and isinstance(results[1], CallsBroken)
+        finally:
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_actors_waiting_on_connection_calls_use_no_cpu(shared_actors):
@@ -138,15 +142,12 @@ def test_actors_waiting_on_connection_calls_use_no_cpu(shared_actors):
     core (measured here: ~3 s of CPU in 4 s); blocked on a connection, they use
     only what Ray's own threads do."""
     actors = shared_actors
-    calls = ConnectionCalls(actors, "step")
-    try:
+    with connected(actors) as calls:
         assert [value for value, _ in calls.results(calls.call([(1, False), (2, False)]))] == [2, 4]
         before = ray.get([actor.cpu_seconds.remote() for actor in actors])
         time.sleep(2.0)
         used = [after - start for start, after in zip(before, ray.get([a.cpu_seconds.remote() for a in actors]))]
         assert max(used) < 0.5, used
-    finally:
-        calls.teardown()
 
 
 def test_a_direct_connection_needs_the_key_and_every_reply_arrives(shared_actors):
