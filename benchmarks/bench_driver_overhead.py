@@ -25,8 +25,9 @@ worker per step):
 
 Printed per trainer: the median overhead in ms and its median share of the step
 time, each with the min-max spread of the per-round medians. With the default
-``snapshot_every=1`` every step also submits each worker's snapshot (and, for
-``connections``, its gate call); ``--snapshot-every 0`` leaves them out.
+``snapshot_every=1`` every step also submits each worker's snapshot (for
+``tasks``, with its gate call; for ``connections`` the snapshot is the gate call);
+``--snapshot-every 0`` leaves them out.
 
     python benchmarks/bench_driver_overhead.py --rounds 8 --steps 5
 """

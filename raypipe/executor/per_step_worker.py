@@ -19,6 +19,7 @@ thread while the step is blocked (:meth:`~raypipe.comm.p2p.P2PChannel.abort`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -84,14 +85,19 @@ class PerStepWorker(StageWorker, AnswersCalls):
     def snapshot_at_first_wait(self, count: int) -> dict:
         """:meth:`snapshot`, taken once the step that follows gate call number ``count``
         first waits for a neighbour (or ends): the copy runs while this stage would
-        idle in the pipeline's bubble, instead of beside its first forward. The step's
-        commit still waits for it (:mod:`raypipe.stage.step_gate`)."""
+        idle in the pipeline's bubble, instead of beside its first forward. It is gate
+        call ``count`` itself: the step's commit waits for it, and it opens the gate as
+        soon as the state is copied (before the copy is shipped), so the driver sends no
+        second call to open it (:mod:`raypipe.stage.step_gate`)."""
         try:
-            self._first_waits.wait(count, self.config.p2p_timeout_s)
-        except RaypipeError:  # no step came: the state is still the one to snapshot
-            logger.warning("raypipe: stage %d's next step did not start within %gs; snapshotting now",
-                           self.stage_index, self.config.p2p_timeout_s)
-        return self.snapshot()
+            try:
+                self._first_waits.wait(count, self.config.p2p_timeout_s)
+            except RaypipeError:  # no step came: the state is still the one to snapshot
+                logger.warning("raypipe: stage %d's next step did not start within %gs; snapshotting now",
+                               self.stage_index, self.config.p2p_timeout_s)
+            return self.snapshot(copied=functools.partial(self._step_gate.open, count))
+        finally:  # a snapshot that failed lets the step go too: its error is this call's result
+            self._step_gate.open(count)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the other stages meet this one (called on the group's rank 0): the group's store,

@@ -16,7 +16,10 @@ The same numbering runs the other way for a snapshot taken as the next step
 starts (:meth:`~raypipe.executor.per_step_worker.PerStepWorker.snapshot_at_first_wait`):
 the step opens a second gate with its number when it first waits for a
 neighbour, and the snapshot waits for that, so the copy runs in the stage's
-share of the pipeline's bubble.
+share of the pipeline's bubble. That snapshot is a gate call itself: it opens
+the step's gate as soon as the state is copied (before the copy is shipped), in
+place of a second actor task; the calls submitted before it have run by then,
+as they would have before a separate gate call.
 """
 from __future__ import annotations
 

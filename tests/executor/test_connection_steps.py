@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -183,6 +184,65 @@ def test_the_first_wait_is_the_first_receive_and_never_after_the_gated_op():
             assert first_wait(lowered, 0) == 0  # a forward that changes saved state comes first
     lone = lowering.lower_stage(0, make_schedule("gpipe", num_stages=1, num_micro_batches=2)[0], 1)
     assert first_wait(lone, len(lone) - 1) == 0  # one stage never waits: as the step starts
+
+
+def test_a_snapshot_is_its_workers_gate_call_one_task_a_worker_a_step(monkeypatch):
+    """The driver's side, no Ray: a snapshot taken as the next step starts takes each worker's next
+    gate number and is the only call it submits for it; the step waits for that number."""
+    from raypipe.executor.step_dispatch import Connections
+
+    submitted, sent = [], []
+
+    class Actor:  # records each call submitted to it
+        def __getattr__(self, method: str) -> SimpleNamespace:
+            return SimpleNamespace(remote=lambda *args: submitted.append((self, method, args)))
+
+    actors = [Actor(), Actor()]
+    monkeypatch.setattr(Connections, "_connected", lambda self: SimpleNamespace(call=sent.append))
+    dispatch = Connections(SimpleNamespace(group=SimpleNamespace(actors=actors)))
+    dispatch.before_next_step(actors[:1])  # e.g. a checkpoint's copy on worker 0: its gate call 1
+    dispatch.snapshot_workers(actors)
+    assert [(actors.index(actor), method, args) for actor, method, args in submitted] == [
+        (0, "open_step_gate", (1,)), (0, "snapshot_at_first_wait", (2,)), (1, "snapshot_at_first_wait", (1,))]
+    dispatch.submit(3, [("worker 0's arguments",), ("worker 1's arguments",)])
+    assert sent == [[(2, ("worker 0's arguments",)), (1, ("worker 1's arguments",))]]
+
+
+@pytest.mark.parametrize("copy_fails", [False, True])
+def test_a_snapshot_at_first_wait_opens_its_gate_once_copied_or_when_it_failed(copy_fails):
+    """The worker's side: the gate opens when the state is copied (before it is shipped), and a
+    snapshot that failed opens it too, so the step it holds does not wait p2p_timeout_s."""
+    from raypipe.executor.per_step_worker import PerStepWorker
+    from raypipe.stage.step_gate import StepGate
+
+    class Worker:  # what snapshot_at_first_wait uses of a PerStepWorker
+        config, stage_index = SimpleNamespace(p2p_timeout_s=1.0), 0
+
+        def __init__(self) -> None:
+            self._first_waits, self._step_gate, self.open_while_copying = StepGate(), StepGate(), None
+            self._first_waits.open(7)  # the step that follows gate call 7 reached its first wait
+
+        def snapshot(self, copied) -> dict:
+            self.open_while_copying = opened(self._step_gate)
+            if copy_fails:
+                raise RuntimeError("the copy failed")
+            copied()
+            return {"copied": True}
+
+    def opened(gate: StepGate) -> bool:
+        try:
+            gate.wait(7, 0.0)
+            return True
+        except raypipe.RaypipeError:
+            return False
+
+    worker = Worker()
+    if copy_fails:
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            PerStepWorker.snapshot_at_first_wait(worker, 7)
+    else:
+        assert PerStepWorker.snapshot_at_first_wait(worker, 7) == {"copied": True}
+    assert worker.open_while_copying is False and opened(worker._step_gate)
 
 
 class Scaled(nn.Module):
