@@ -168,7 +168,7 @@ def figures(results: dict[str, list[float]], shapes: list[str]) -> dict[str, lis
     ratios = {}
     for shape in shapes:
         p2p = results[name("p2p", shape)]
-        for other in list(CONTENDERS)[1:]:
+        for other in (contender for contender in CONTENDERS if contender != "p2p"):
             if name(other, shape) in results:
                 ratios[f"{name('p2p', shape)}/{name(other, shape)}"] = round_ratios(p2p, results[name(other, shape)], 1)
     for shape in shapes[1:]:

@@ -60,9 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from jobs.job_summary import print_summary  # noqa: E402
 from raypipe.config import (PipelineConfig, activation_arguments, add_activation_arguments,  # noqa: E402
-                            add_schedule_arguments, add_slow_worker_arguments, add_tensor_parallel_arguments,
-                            max_replicas, parse_balance, parse_replicas, replicas_for_config, schedule_arguments,
-                            slow_worker_arguments, tensor_parallel_arguments)
+                            add_schedule_arguments, add_slow_worker_arguments, add_heal_arguments,
+                            add_tensor_parallel_arguments, max_replicas, parse_balance, parse_replicas,
+                            replicas_for_config, schedule_arguments,
+                            heal_arguments, slow_worker_arguments, tensor_parallel_arguments)
 from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
 from raypipe.errors import ConfigError  # noqa: E402
 from raypipe.core.result import StepResult  # noqa: E402
@@ -134,19 +135,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-failures", type=int, default=3,
                         help="worker failures healed (replaced, rolled back, step redone) before giving up; "
                              "-1: unlimited (default: 3)")
-    parser.add_argument("--snapshot-every", type=int, default=1,
-                        help="steps between in-memory snapshots that failures heal from; 0: none (default: 1)")
+    add_heal_arguments(parser)
     parser.add_argument("--hang-timeout", type=float, default=30.0,
                         help="seconds without a heartbeat before a worker counts as hung (default: 30)")
     parser.add_argument("--replace-timeout", type=float, default=60.0,
                         help="seconds to wait for the resources of a replacement worker, e.g. while Ray declares a "
                              "lost node dead and the autoscaler adds one (default: 60)")
     add_slow_worker_arguments(parser)
-    parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
-                        help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
-                             "place is taken by one instead of a process started then (a faster heal); never an "
-                             "extra replica. With --tensor-parallel T a multiple of T: spares come in groups of T "
-                             "on one node, each taking a whole stage's place (default: 0)")
     parser.add_argument("--boundary-shapes", default="learned", choices=BOUNDARY_SHAPES,
                         help="each boundary's dtype and shape sent once and learned, or a header before every "
                              "activation (for models whose boundary shapes change) (default: learned)")
@@ -261,9 +256,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   "clip_grad_norm": 1.0, "placement_timeout_s": args.placement_timeout,
                   "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                   "max_failures": None if args.max_failures == -1 else args.max_failures,
-                  "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
-                  "replace_timeout_s": args.replace_timeout, "spare_workers": args.spare_workers,
-                  **slow_worker_arguments(args),
+                  "hang_timeout_s": args.hang_timeout, "replace_timeout_s": args.replace_timeout,
+                  **heal_arguments(args), **slow_worker_arguments(args),
                   "boundary_shapes": args.boundary_shapes})
 
 

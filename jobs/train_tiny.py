@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from jobs.job_summary import print_summary  # noqa: E402
 from raypipe.config import (STEP_CALLS, TRANSPORTS, PipelineConfig, activation_arguments,  # noqa: E402
                             add_activation_arguments, add_schedule_arguments, add_slow_worker_arguments,
-                            add_tensor_parallel_arguments, parse_balance, parse_replicas, replicas_for_config,
-                            schedule_arguments, slow_worker_arguments, tensor_parallel_arguments)
+                            add_heal_arguments, add_tensor_parallel_arguments, parse_balance, parse_replicas,
+                            heal_arguments, replicas_for_config, schedule_arguments, slow_worker_arguments,
+                            tensor_parallel_arguments)
 from raypipe.core.ops import BOUNDARY_SHAPES  # noqa: E402
 from raypipe.run import RunConfig, train  # noqa: E402
 
@@ -66,14 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="p2p: each boundary's dtype and shape sent once and learned, or a header before every "
                              f"activation (for models whose boundary shapes change) (default "
                              f"{PipelineConfig.boundary_shapes})")
-    parser.add_argument("--snapshot-every", type=int, default=PipelineConfig.snapshot_every, metavar="N",
-                        help="steps between in-memory snapshots that failures heal from; 0: none, a failure ends "
-                             f"the run (default: {PipelineConfig.snapshot_every})")
-    parser.add_argument("--spare-workers", type=int, default=0, metavar="K",
-                        help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
-                             "place is taken by one instead of a process started then (a faster heal); never an "
-                             "extra replica. With --tensor-parallel T a multiple of T: spares come in groups of T "
-                             "on one node, each taking a whole stage's place (default: 0)")
+    add_heal_arguments(parser)
     add_slow_worker_arguments(parser)
     parser.add_argument("--data", default=None, help="prepared dataset, made from the stdlib if missing "
                                                      "(default: in $RAYPIPE_CACHE or ~/.cache/raypipe)")
@@ -105,8 +99,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                   **schedule_arguments(args), **tensor_parallel_arguments(args),
                   "balance": args.balance, **activation_arguments(args), "precision": args.precision,
                   "transport": args.transport, "step_calls": args.step_calls, "metrics_port": args.metrics_port,
-                  "boundary_shapes": args.boundary_shapes, "snapshot_every": args.snapshot_every,
-                  "spare_workers": args.spare_workers, **slow_worker_arguments(args)})
+                  "boundary_shapes": args.boundary_shapes, **heal_arguments(args),
+                  **slow_worker_arguments(args)})
 
 
 def main(argv: list[str] | None = None) -> int:

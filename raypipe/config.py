@@ -431,6 +431,25 @@ def add_slow_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              f"--tensor-parallel > 1; nothing replayed) (default: {PipelineConfig.on_slow})")
 
 
+def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--snapshot-every`` and ``--spare-workers`` (the jobs' flags of ``snapshot_every`` and ``spare_workers``:
+    what a failed worker's heal starts from, and what takes its place)."""
+    parser.add_argument("--snapshot-every", type=int, default=PipelineConfig.snapshot_every, metavar="N",
+                        help="steps between in-memory snapshots that failures heal from; 0: none, a failure is healed "
+                             f"from the newest checkpoint or ends the run (default: {PipelineConfig.snapshot_every})")
+    parser.add_argument("--spare-workers", type=int, default=PipelineConfig.spare_workers, metavar="K",
+                        help="warm spares: idle stage processes, one worker's resources each; a failed worker's "
+                             "place is taken by one instead of a process started then (a faster heal); never an "
+                             "extra replica. With --tensor-parallel T a multiple of T: spares come in groups of T "
+                             "on one node, each taking a whole stage's place "
+                             f"(default: {PipelineConfig.spare_workers})")
+
+
+def heal_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The PipelineConfig fields of :func:`add_heal_arguments`' flags."""
+    return {"snapshot_every": args.snapshot_every, "spare_workers": args.spare_workers}
+
+
 def _on_slow_flag(text: str) -> str:
     if text not in ON_SLOW:
         raise argparse.ArgumentTypeError(f"{text!r}: must be one of {list(ON_SLOW)}")

@@ -118,8 +118,12 @@ class Connections(StepDispatch):
         each of ``actors`` gets a numbered gate call after what was just submitted to
         it, and its next step waits for that number (:mod:`raypipe.stage.step_gate`)."""
         for actor in actors:
-            self._gate_calls[actor] = self._gate_calls.get(actor, 0) + 1
-            actor.open_step_gate.remote(self._gate_calls[actor])
+            actor.open_step_gate.remote(self._next_gate_call(actor))
+
+    def _next_gate_call(self, actor: Any) -> int:
+        """The number of ``actor``'s gate call about to be submitted (its next step waits for it)."""
+        self._gate_calls[actor] = self._gate_calls.get(actor, 0) + 1
+        return self._gate_calls[actor]
 
     def snapshot_workers(self, actors: list[Any]) -> list:
         """Each worker copies its snapshot once the next step first waits for a
@@ -136,11 +140,7 @@ class Connections(StepDispatch):
             self._connected()
         except (ray.exceptions.RayError, OSError):  # a worker lost between steps: the step's submit finds out
             return super().snapshot_workers(actors)
-        refs = []
-        for actor in actors:
-            self._gate_calls[actor] = self._gate_calls.get(actor, 0) + 1
-            refs.append(actor.snapshot_at_first_wait.remote(self._gate_calls[actor]))
-        return refs
+        return [actor.snapshot_at_first_wait.remote(self._next_gate_call(actor)) for actor in actors]
 
     def submit(self, step: int, arguments: list[tuple]) -> Submitted:
         """Start the step (each worker once the calls it must follow have run); a
