@@ -9,8 +9,10 @@ as a task result owned by the driver, so it outlives the worker that made it,
 and the steps run since (data step, micro-batches, loss scale) are logged.
 It is taken as the next step starts
 (:meth:`~raypipe.executor.base.Executor.snapshot_as_next_step_starts`: the default
-executor copies it in each stage's first wait of that step); a failure before it
-is whole heals from the snapshot before and replays one step more.
+executor copies it in each stage's first wait of that step, lets the step commit
+once it is copied and stores it after, so it may be whole only after that commit:
+each worker's task says so in a small second result); a failure before it is whole
+heals from the snapshot before and replays one step more.
 With workers off the driver's node a keeper copies each snapshot off their
 nodes (:mod:`raypipe.runtime.snapshot_keeper`); the one before stays until then.
 Which snapshot a heal restores is :func:`raypipe.control.policy.decide_failure`'s
@@ -25,6 +27,7 @@ import ray
 
 from raypipe.control.view import SnapshotView
 from raypipe.core.micro_batches import MicroBatches
+from raypipe.executor.base import SnapshotTasks
 
 
 @dataclass
@@ -67,6 +70,9 @@ class Snapshot:
     copied: bool | None = None  # whether that copy was made; None until it is known
     taken: list = field(default_factory=list)
     layers: list[tuple[int, ...]] = field(default_factory=list)
+    # each worker's receipt (read True once its state is stored), by current rank, where the step that took it
+    # may commit before then (SnapshotTasks.stored); None where that commit means stored, or once known
+    stored: list | None = None
 
     def __post_init__(self) -> None:
         self.taken_by = self.taken_by or list(range(len(self.refs)))
@@ -76,6 +82,31 @@ class Snapshot:
         """Only the workers now at the old ranks ``kept`` remain, in that order."""
         self.refs = [self.refs[rank] for rank in kept]
         self.taken_by = [self.taken_by[rank] for rank in kept]
+        if self.stored is not None:
+            self.stored = [self.stored[rank] for rank in kept]
+
+    def stored_by_workers(self) -> bool | None:
+        """Whether every worker's state is stored where it outlives the worker (a task
+        result the driver owns): None while one is being stored, False when one was lost
+        with its worker before. A snapshot taken as the next step starts may be stored
+        after that step commits (its worker lets the commit go once the state is copied):
+        a worker that dies then takes its part, and the snapshot before is needed."""
+        if not self.stored:
+            return True
+        if len(ray.wait(self.stored, num_returns=len(self.stored), timeout=0, fetch_local=False)[0]) < len(self.stored):
+            return None
+        try:
+            ray.get(self.stored)  # small: only what says each state was stored
+        except ray.exceptions.RayError:  # its worker died before its state was stored
+            return False
+        self.stored = None
+        return True
+
+    def whole(self) -> bool | None:
+        """Whether a heal can restore this snapshot: every worker's state stored and, with
+        a keeper, copied off their nodes. None while either is under way."""
+        stored = self.stored_by_workers()
+        return stored if not stored else self.copied_off_node()
 
     def copied_off_node(self) -> bool | None:
         """Whether the keeper's copy of this snapshot was made (True without a keeper;
@@ -102,10 +133,11 @@ class Snapshot:
 
 
 def whole_ones(snapshots: list[Snapshot]) -> list[Snapshot]:
-    """The snapshots a heal may still need: the newest one known to be whole (on its
-    workers' committed steps and, with a keeper, copied off their nodes) and those after."""
+    """The snapshots a heal may still need: the newest one known to be whole (stored
+    by every worker and, with a keeper, copied off their nodes: :meth:`Snapshot.whole`)
+    and those after."""
     for position in range(len(snapshots) - 1, -1, -1):
-        if snapshots[position].copied_off_node():
+        if snapshots[position].whole():
             return snapshots[position:]
     return snapshots
 
@@ -162,13 +194,14 @@ class Snapshots:
         this one is waited for."""
         self._keep(step, self.executor.snapshot_workers, first)
 
-    def _keep(self, step: int, submit: Callable[[list], list], first: bool = False) -> None:
+    def _keep(self, step: int, submit: Callable[[list], SnapshotTasks], first: bool = False) -> None:
         """The snapshot ``submit(actors)`` takes, as the newest."""
         if not self.snapshot_every:
             return
         self._due = None
         group = self.executor.group
-        taken = Snapshot(step, submit(group.actors), layers=[spec.layer_indices for spec in group.specs])
+        tasks = submit(group.actors)
+        taken = Snapshot(step, tasks.states, layers=[spec.layer_indices for spec in group.specs], stored=tasks.stored)
         if self.keeper is not None:
             taken.kept = self.keeper.keep.remote(step, *taken.refs)
         self.held = [taken] if first else whole_ones(self.held) + [taken]
@@ -221,5 +254,6 @@ class Snapshots:
 
     def views(self) -> tuple[SnapshotView, ...]:
         """The snapshots held, oldest first, as the failure policy sees them."""
-        return tuple(SnapshotView(snapshot.step, True if snapshot.kept is None else snapshot.copied,
+        return tuple(SnapshotView(snapshot.step,
+                                  None if snapshot.stored else True if snapshot.kept is None else snapshot.copied,
                                   kept_off_node=snapshot.kept is not None) for snapshot in self.held)

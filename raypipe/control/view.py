@@ -22,7 +22,7 @@ class SnapshotView:
     """One in-memory snapshot of every worker (taken at the start of step ``step``)."""
 
     step: int
-    whole: bool | None = True  # on every worker and, with a keeper, copied off their nodes; None while copying
+    whole: bool | None = True  # stored by every worker and, with a keeper, copied off their nodes; None until known
     kept_off_node: bool = False  # a keeper copies it off the workers' nodes (it outlives a lost node)
     lost: bool = False  # a heal tried it and neither the workers' copy nor the keeper's loaded
 

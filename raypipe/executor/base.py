@@ -59,6 +59,19 @@ class Submitted:
 
 
 @dataclass
+class SnapshotTasks:
+    """Every worker's snapshot task, just submitted: ``states``, each worker's state (a
+    result the driver owns, so it outlives the worker), by rank; ``stored``, where the
+    next step may commit before a state is stored (its worker lets the commit go once the
+    state is copied, and ships it after), each task's second result, small, which reads
+    True once its state is stored (Ray stores a task's results together); None where that
+    commit comes after the state is stored."""
+
+    states: list
+    stored: list | None = None
+
+
+@dataclass
 class StepOutcome:
     """What the workers reported for one committed (or skipped) step."""
 
@@ -106,15 +119,15 @@ class Executor(ABC):
         reports = ray.get(submitted.commits)  # a failure raises (and not every worker may have ended yet)
         return StepOutcome(reports[0].decision, reports)
 
-    def snapshot_workers(self, actors: list[Any]) -> list:
+    def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
         """Submit every one of ``actors``' :meth:`snapshot` (results owned by the driver),
         ordered before their next step's commit. Actor tasks run in submission order, so
-        each is copied at once, before the next step's first op."""
+        each is copied and stored at once, before the next step's first op."""
         refs = [actor.snapshot.remote() for actor in actors]
         self.before_next_step(actors)
-        return refs
+        return SnapshotTasks(refs)
 
-    def snapshot_as_next_step_starts(self, actors: list[Any]) -> list:
+    def snapshot_as_next_step_starts(self, actors: list[Any]) -> SnapshotTasks:
         """:meth:`snapshot_workers`, where the next step is submitted right after: an
         executor may overlap the copy with that step's start (here it cannot)."""
         return self.snapshot_workers(actors)

@@ -14,7 +14,7 @@ from raypipe.comm.task_tensors import as_task_argument
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
-from raypipe.executor.base import Executor, StepOutcome, Submitted
+from raypipe.executor.base import Executor, SnapshotTasks, StepOutcome, Submitted
 from raypipe.executor.per_step_worker import PerStepWorker
 from raypipe.executor.step_dispatch import ActorTasks, Connections, StepDispatch
 from raypipe.runtime.actor_classes import worker_actor_class
@@ -61,7 +61,7 @@ class PerStepExecutor(Executor):
     def before_next_step(self, actors: list[Any]) -> None:
         self.dispatch.before_next_step(actors)
 
-    def snapshot_as_next_step_starts(self, actors: list[Any]) -> list:
+    def snapshot_as_next_step_starts(self, actors: list[Any]) -> SnapshotTasks:
         return self.dispatch.snapshot_workers(actors)
 
     def step_arguments(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> list[tuple]:

@@ -82,20 +82,25 @@ class PerStepWorker(StageWorker, AnswersCalls):
 
         return super().serve_calls(method, authkey, previous_end_s, on_end=ended)
 
-    def snapshot_at_first_wait(self, count: int) -> dict:
+    @ray.method(num_returns=2)
+    def snapshot_at_first_wait(self, count: int) -> tuple[dict, bool]:
         """:meth:`snapshot`, taken once the step that follows gate call number ``count``
         first waits for a neighbour (or ends): the copy runs while this stage would
         idle in the pipeline's bubble, instead of beside its first forward. It is gate
         call ``count`` itself: the step's commit waits for it, and it opens the gate as
         soon as the state is copied (before the copy is shipped), so the driver sends no
-        second call to open it (:mod:`raypipe.stage.step_gate`)."""
+        second call to open it (:mod:`raypipe.stage.step_gate`).
+
+        Returns the snapshot and True: the driver reads the small second result to learn
+        that the first is stored (the step may have committed before), without fetching
+        it (:class:`~raypipe.executor.base.SnapshotTasks`)."""
         try:
             try:
                 self._first_waits.wait(count, self.config.p2p_timeout_s)
             except RaypipeError:  # no step came: the state is still the one to snapshot
                 logger.warning("raypipe: stage %d's next step did not start within %gs; snapshotting now",
                                self.stage_index, self.config.p2p_timeout_s)
-            return self.snapshot(copied=functools.partial(self._step_gate.open, count))
+            return self.snapshot(copied=functools.partial(self._step_gate.open, count)), True
         finally:  # a snapshot that failed lets the step go too: its error is this call's result
             self._step_gate.open(count)
 

@@ -40,7 +40,7 @@ from typing import Any
 import ray
 
 from raypipe.comm import call_socket
-from raypipe.executor.base import Executor, StepOutcome, Submitted
+from raypipe.executor.base import Executor, SnapshotTasks, StepOutcome, Submitted
 from raypipe.executor.failures import first_cause
 from raypipe.runtime.connection_calls import CallsBroken, ConnectionCalls
 
@@ -74,12 +74,12 @@ class StepDispatch(ABC):
     def before_next_step(self, actors: list[Any]) -> None:
         """See :meth:`Executor.before_next_step`."""
 
-    def snapshot_workers(self, actors: list[Any]) -> list:
+    def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
         """Each of ``actors``' snapshot of the state the next step (submitted right
         after) starts from."""
         refs = [actor.snapshot.remote() for actor in actors]
         self.before_next_step(actors)
-        return refs
+        return SnapshotTasks(refs)
 
 
 class ActorTasks(StepDispatch):
@@ -125,22 +125,26 @@ class Connections(StepDispatch):
         self._gate_calls[actor] = self._gate_calls.get(actor, 0) + 1
         return self._gate_calls[actor]
 
-    def snapshot_workers(self, actors: list[Any]) -> list:
+    def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
         """Each worker copies its snapshot once the next step first waits for a
         neighbour (stage 0 after its forwards, the others before their first
         activation arrives), not beside its first forward; the step's commit still
-        waits for it. Over open connections only: a snapshot waiting for a step would
-        hold up the set-up of a new one.
+        waits for the copy. Over open connections only: a snapshot waiting for a step
+        would hold up the set-up of a new one.
 
         The snapshot call is the worker's next gate call itself (it opens the gate once
         the state is copied): one Ray task a worker a step, not two. The driver submits
         them one by one, ~0.2 ms each, before it sends the step, so at a thousand workers
-        a second task each would hold every step's start ~0.2 s more."""
+        a second task each would hold every step's start ~0.2 s more. The copy is stored
+        (shipped into the object store) after the gate opened, beside the rest of the
+        step and possibly past its commit: each task's second result says when it is
+        (:attr:`SnapshotTasks.stored`)."""
         try:
             self._connected()
         except (ray.exceptions.RayError, OSError):  # a worker lost between steps: the step's submit finds out
             return super().snapshot_workers(actors)
-        return [actor.snapshot_at_first_wait.remote(self._next_gate_call(actor)) for actor in actors]
+        tasks = [actor.snapshot_at_first_wait.remote(self._next_gate_call(actor)) for actor in actors]
+        return SnapshotTasks([state for state, _ in tasks], [stored for _, stored in tasks])
 
     def submit(self, step: int, arguments: list[tuple]) -> Submitted:
         """Start the step (each worker once the calls it must follow have run); a

@@ -434,11 +434,14 @@ def describe_bytes_per_parameter(per_parameter: dict, amp: str | None) -> str:
 
 def describe_snapshots(plan: dict) -> str:
     """Host memory that in-memory snapshots (snapshot_every > 0) take: two kept per worker in its
-    node's object store, and on a multi-node cluster a copy of both on the driver's node."""
+    node's object store (three for a step when one is still being stored as the next is taken:
+    the one before stays until it is), and on a multi-node cluster a copy of two on the driver's
+    node (the keeper takes no new one while it copies)."""
     replicas = plan["num_replicas"]
     largest = max(row["snapshot_bytes"] for row in plan["stages"])
     every_worker = replicas * sum(row["snapshot_bytes"] for row in plan["stages"])
-    return (f"snapshots (snapshot_every > 0): host memory up to 2 x {format_bytes(largest)} per worker, and on a "
+    return (f"snapshots (snapshot_every > 0): host memory up to 2 x {format_bytes(largest)} per worker (3 x while "
+            "one is still being stored as the next is taken), and on a "
             f"multi-node cluster 2 x {format_bytes(every_worker)} on the driver's node (disk when it spills)")
 
 

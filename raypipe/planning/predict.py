@@ -60,7 +60,9 @@ headers before posting a batch (``LoweredOp.header_first``), which delays that b
    (``PerStepWorker.snapshot_at_first_wait``) while its compute goes on, and holding only that
    step's commit, which may not change the state before the copy is out (``stage/step_gate.py``).
    What the copy takes beyond the time from the stage's first wait to the step's decision is
-   exposed; the slowest stage's, once per ``snapshot_every`` steps.
+   exposed; the slowest stage's, once per ``snapshot_every`` steps. The worker lets the commit
+   go once the state is in host memory and stores it after, beside the next step (whose own
+   snapshot waits for it), so counting the store as holding the commit is an upper bound.
 
 5. *Fixed overheads* a calibration measured (the cluster's ``op_overhead_s`` and
    ``step_overhead_s``, 0 in the presets): each compute op (F, B, I, W) takes ``op_overhead_s``

@@ -414,8 +414,9 @@ class FakeExecutor:
     def evaluate(self, step: int, batch: Any) -> float:
         return sum(self.get([actor.evaluate.remote(step) for actor in self.group.actors]))
 
-    def snapshot_workers(self, actors: list) -> list:
-        return [actor.snapshot.remote() for actor in actors]
+    def snapshot_workers(self, actors: list) -> types.SimpleNamespace:
+        # the executor's SnapshotTasks (a layer above): each stored with its task, as the tasks path does
+        return types.SimpleNamespace(states=[actor.snapshot.remote() for actor in actors], stored=None)
 
     snapshot_as_next_step_starts = snapshot_workers
 

@@ -21,6 +21,7 @@ from raypipe.control.states import Healing, Running
 from raypipe.core.result import StageReport
 from raypipe.runtime import cluster
 from raypipe.errors import PlacementError, TooManyFailures, WorkersFailed
+from raypipe.executor.base import SnapshotTasks
 from raypipe.control import elastic, snapshots, state_transfer
 from raypipe.observability.metrics import MetricsExporter
 from raypipe.runtime.group import WorkerInfo
@@ -125,8 +126,8 @@ class FakeExecutor:
         report = StageReport([], types.SimpleNamespace(), None, commits=len(self.steps_run))
         return types.SimpleNamespace(decision=None, reports=[report] * len(self.group.actors))
 
-    def snapshot_workers(self, actors: list) -> list:
-        return [actor.snapshot.remote() for actor in actors]
+    def snapshot_workers(self, actors: list) -> SnapshotTasks:
+        return SnapshotTasks([actor.snapshot.remote() for actor in actors])
 
     snapshot_as_next_step_starts = snapshot_workers
 

@@ -36,6 +36,31 @@ class SlowToCopy(nn.Linear):
         return super().state_dict(*args, **kwargs)
 
 
+class SlowToPickle:
+    """A value that takes a second to pickle, as Ray does to ship a task's result, and none to copy."""
+
+    def __deepcopy__(self, memo: dict) -> "SlowToPickle":
+        return SlowToPickle()
+
+    def __reduce__(self) -> tuple:
+        time.sleep(SNAPSHOT_SECONDS)
+        return SlowToPickle, ()
+
+
+def adamw_slow_to_ship(out_features: int):
+    """AdamW, whose state ships a second after it is copied on the stage whose Linear has
+    ``out_features`` outputs (a hyper-parameter that pickles slowly): a snapshot of that stage
+    lets the step commit, and is stored a second later."""
+    def make(parameters):
+        parameters = list(parameters)
+        optimizer = adamw(parameters)
+        if any(parameter.shape[0] == out_features for parameter in parameters if parameter.dim() == 2):
+            optimizer.param_groups[0]["shipped_slowly"] = SlowToPickle()
+        return optimizer
+
+    return make
+
+
 class Stamped(nn.Linear):
     """A Linear whose state dict carries the time its copy began: when a snapshot was copied."""
 
@@ -101,6 +126,33 @@ def test_a_worker_killed_while_its_snapshot_is_copied_out_heals_from_the_snapsho
         assert healed.recovered and len(trainer.failures) == 1, trainer.failures
         assert [recovered.source for recovered in trainer.recoveries] == ["snapshot of step 1"]
         assert trainer.recoveries[0].replayed_steps == 1  # step 2, redone on the snapshot of step 1
+        state = trainer.state_dict()
+    expected = [reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)[0]
+                for x, y in batches]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert_parameters_match(state, reference.state_dict())
+
+
+@pytest.mark.cluster
+def test_a_worker_killed_after_its_step_committed_while_its_snapshot_is_stored_heals_from_the_one_before(
+        ray_cluster):
+    """The snapshot of step 1 lets step 1 commit once copied and ships for a second after; the next
+    snapshot is taken as step 2 starts, and the worker dies in step 2 before either is stored: the
+    snapshot of step 0 is still held (neither newer one was known stored), and step 2 heals from it."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    reference_optimizer = adamw(reference.parameters())
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, balance=[2, 1], hang_timeout_s=5.0)
+    batches = random_batches(8, steps=3)
+    with raypipe.PipelineTrainer(layers, nn.functional.mse_loss, adamw_slow_to_ship(4), config) as trainer:
+        losses = [trainer.step(x, y).loss for x, y in batches[:2]]
+        threading.Timer(SNAPSHOT_SECONDS / 4, os.kill, (trainer.workers[1].pid, signal.SIGKILL)).start()
+        healed = trainer.step(*batches[2])
+        losses.append(healed.loss)
+        assert healed.recovered and len(trainer.failures) == 1, trainer.failures
+        assert [recovered.source for recovered in trainer.recoveries] == ["snapshot of step 0"]
+        assert trainer.recoveries[0].replayed_steps == 2  # steps 0 and 1, redone on the snapshot of step 0
         state = trainer.state_dict()
     expected = [reference_step(reference, reference_optimizer, nn.functional.mse_loss, x, y, 2)[0]
                 for x, y in batches]
@@ -188,22 +240,28 @@ def test_the_first_wait_is_the_first_receive_and_never_after_the_gated_op():
 
 def test_a_snapshot_is_its_workers_gate_call_one_task_a_worker_a_step(monkeypatch):
     """The driver's side, no Ray: a snapshot taken as the next step starts takes each worker's next
-    gate number and is the only call it submits for it; the step waits for that number."""
+    gate number and is the only call it submits for it; the step waits for that number. Each task's
+    second result says when its state is stored (the step may commit before)."""
     from raypipe.executor.step_dispatch import Connections
 
     submitted, sent = [], []
 
-    class Actor:  # records each call submitted to it
+    class Actor:  # records each call submitted to it; its results are named for the call
         def __getattr__(self, method: str) -> SimpleNamespace:
-            return SimpleNamespace(remote=lambda *args: submitted.append((self, method, args)))
+            def remote(*args):
+                submitted.append((self, method, args))
+                return (f"{method} {args} state", f"{method} {args} stored")
+            return SimpleNamespace(remote=remote)
 
     actors = [Actor(), Actor()]
     monkeypatch.setattr(Connections, "_connected", lambda self: SimpleNamespace(call=sent.append))
     dispatch = Connections(SimpleNamespace(group=SimpleNamespace(actors=actors)))
     dispatch.before_next_step(actors[:1])  # e.g. a checkpoint's copy on worker 0: its gate call 1
-    dispatch.snapshot_workers(actors)
+    tasks = dispatch.snapshot_workers(actors)
     assert [(actors.index(actor), method, args) for actor, method, args in submitted] == [
         (0, "open_step_gate", (1,)), (0, "snapshot_at_first_wait", (2,)), (1, "snapshot_at_first_wait", (1,))]
+    assert tasks.states == ["snapshot_at_first_wait (2,) state", "snapshot_at_first_wait (1,) state"]
+    assert tasks.stored == ["snapshot_at_first_wait (2,) stored", "snapshot_at_first_wait (1,) stored"]
     dispatch.submit(3, [("worker 0's arguments",), ("worker 1's arguments",)])
     assert sent == [[(2, ("worker 0's arguments",)), (1, ("worker 1's arguments",))]]
 
@@ -241,7 +299,7 @@ def test_a_snapshot_at_first_wait_opens_its_gate_once_copied_or_when_it_failed(c
         with pytest.raises(RuntimeError, match="the copy failed"):
             PerStepWorker.snapshot_at_first_wait(worker, 7)
     else:
-        assert PerStepWorker.snapshot_at_first_wait(worker, 7) == {"copied": True}
+        assert PerStepWorker.snapshot_at_first_wait(worker, 7) == ({"copied": True}, True)
     assert worker.open_while_copying is False and opened(worker._step_gate)
 
 
