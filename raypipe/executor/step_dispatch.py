@@ -76,10 +76,9 @@ class StepDispatch(ABC):
 
     def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
         """Each of ``actors``' snapshot of the state the next step (submitted right
-        after) starts from."""
-        refs = [actor.snapshot.remote() for actor in actors]
-        self.before_next_step(actors)
-        return SnapshotTasks(refs)
+        after) starts from: :meth:`Executor.snapshot_workers`, ordered before that
+        step through this dispatch's :meth:`before_next_step`."""
+        return self.executor.snapshot_workers(actors)
 
 
 class ActorTasks(StepDispatch):
