@@ -475,11 +475,11 @@ def worker_bytes(bytes_of: LlamaStageBytes, shape: StepShape, split: Sequence[in
 
 
 def snapshot_cadence(every_step: Prediction) -> int:
-    """The smallest of :data:`SNAPSHOT_CADENCES` whose snapshot copy (exposed as ``every_step``
-    predicts it with a snapshot every step, amortized over the cadence) adds at most
-    :data:`SNAPSHOT_OVERHEAD` to the step without it; the largest where none does."""
+    """The smallest of :data:`SNAPSHOT_CADENCES` whose snapshot (as ``every_step``, predicted with
+    a snapshot every step, says it would cost at that cadence: :meth:`Prediction.snapshot_exposed_at`)
+    adds at most :data:`SNAPSHOT_OVERHEAD` to the step without it; the largest where none does."""
     without = every_step.step_s - every_step.snapshot_exposed_s
-    return next((k for k in SNAPSHOT_CADENCES if every_step.snapshot_exposed_s / k <= SNAPSHOT_OVERHEAD * without),
+    return next((k for k in SNAPSHOT_CADENCES if every_step.snapshot_exposed_at(k) <= SNAPSHOT_OVERHEAD * without),
                 SNAPSHOT_CADENCES[-1])
 
 

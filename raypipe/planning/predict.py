@@ -54,15 +54,18 @@ headers before posting a batch (``LoweredOp.header_first``), which delays that b
    of the compute weights, ``(d-1)/d x bytes / bw``, follows.
 4. *The snapshot copy* (``snapshot_every`` > 0): each worker copies its state (weights,
    main weights, optimizer state: what :func:`raypipe.planning.plan.snapshot_bytes` counts) to
-   host memory at the host-copy bandwidth (a side stream on a GPU) and then into Ray's object store
-   at ``object_store_bytes_per_s`` (the task result the keeper and a heal read), as the per-step
-   executor takes it: starting when the stage first waits for a neighbour in the next step
-   (``PerStepWorker.snapshot_at_first_wait``) while its compute goes on, and holding only that
-   step's commit, which may not change the state before the copy is out (``stage/step_gate.py``).
-   What the copy takes beyond the time from the stage's first wait to the step's decision is
-   exposed; the slowest stage's, once per ``snapshot_every`` steps. The worker lets the commit
-   go once the state is in host memory and stores it after, beside the next step (whose own
-   snapshot waits for it), so counting the store as holding the commit is an upper bound.
+   host memory at the host-copy bandwidth (a side stream on a GPU) and then stores it into Ray's
+   object store at ``object_store_bytes_per_s`` (the task result the keeper and a heal read), as
+   the per-step executor takes it (``PerStepWorker.snapshot_at_first_wait``): the copy starts when
+   the stage first waits for a neighbour in the next step, while its compute goes on, and holds
+   only that step's commit, which may not change the state before the copy is in host memory
+   (``stage/step_gate.py``); the store follows, beside the steps after, and the worker's next
+   snapshot starts only once it is done (one task after another). So a snapshot costs a step
+   what its copy takes beyond the time from the stage's first wait to the step's decision, and,
+   where the copy and the store together take longer than the ``snapshot_every`` steps between
+   two snapshots, the steps stretch until they do not (the snapshots then run back to back); the
+   slowest stage's, amortized over ``snapshot_every`` steps (:attr:`Prediction.snapshot_exposed_s`;
+   :func:`snapshot_exposed_at` at another cadence).
 
 5. *Fixed overheads* a calibration measured (the cluster's ``op_overhead_s`` and
    ``step_overhead_s``, 0 in the presets): each compute op (F, B, I, W) takes ``op_overhead_s``
@@ -98,7 +101,7 @@ from raypipe.planning.step_shape import StepShape, check_shape, stage_bounds, wo
 from raypipe.planning.tensor_parallel_collectives import LayerCollectives
 
 __all__ = ["Prediction", "StepShape", "PipelineRun", "predict_step", "predict_split", "pipeline_runs",
-           "optimistic_step_s", "stage_bounds", "worker_sums"]
+           "optimistic_step_s", "stage_bounds", "worker_sums", "snapshot_exposed_at"]
 
 
 # -- one step -----------------------------------------------------------------------
@@ -124,13 +127,17 @@ class Prediction:
     pipeline_s: float  # the simulated pipeline, until every stage's last op
     reduction_exposed_s: float  # what the data-parallel reduction adds after the pipeline
     optimizer_s: float  # the optimizer step (and ZeRO-1's all-gather) of the slowest stage
-    snapshot_exposed_s: float  # per step: the snapshot copy not done by the decision (amortized)
+    snapshot_exposed_s: float  # per step: what the snapshot adds (amortized over snapshot_every)
     stage_compute_s: tuple[float, ...]
     stage_bytes: tuple[int, ...]
     fits: bool | None  # None: no memory limit given
     balance: tuple[int, ...]
     tokens_per_step: int
     model_flops_per_step: float
+    # per snapshot, the slowest stage's: what its copy to host memory holds the commit past the decision,
+    # and its copy and store together (from its start to the end of the store)
+    snapshot_commit_wait_s: float = 0.0
+    snapshot_busy_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_s, "tokens_per_second": self.tokens_per_s, "mfu": self.mfu,
@@ -139,7 +146,26 @@ class Prediction:
                 "optimizer_s": self.optimizer_s, "snapshot_exposed_s": self.snapshot_exposed_s,
                 "stage_compute_s": list(self.stage_compute_s), "stage_bytes": list(self.stage_bytes),
                 "fits": self.fits, "balance": list(self.balance), "tokens_per_step": self.tokens_per_step,
-                "model_flops_per_step": self.model_flops_per_step}
+                "model_flops_per_step": self.model_flops_per_step,
+                "snapshot_commit_wait_s": self.snapshot_commit_wait_s, "snapshot_busy_s": self.snapshot_busy_s}
+
+    def snapshot_exposed_at(self, snapshot_every: int) -> float:
+        """What :attr:`snapshot_exposed_s` would be with a snapshot every ``snapshot_every`` steps
+        (0: none) instead of this prediction's cadence, the rest of the step as it is (see the
+        module docstring, 4). A prediction without snapshots knows no snapshot's cost: 0."""
+        return snapshot_exposed_at(self.step_s - self.snapshot_exposed_s, self.snapshot_commit_wait_s,
+                                   self.snapshot_busy_s, snapshot_every)
+
+
+def snapshot_exposed_at(step_s: float, commit_wait_s: float, busy_s: float, snapshot_every: int) -> float:
+    """What a snapshot every ``snapshot_every`` steps adds to a step of ``step_s`` without it
+    (0: none): per snapshot, its commit's wait for the copy (``commit_wait_s``), or, where
+    the copy and the store (``busy_s``) outlast the ``snapshot_every`` steps until the next
+    snapshot, what they outlast them by (the steps stretch until one snapshot's store ends as
+    the next one's copy starts), the larger; amortized over the steps."""
+    if not snapshot_every:
+        return 0.0
+    return max(0.0, commit_wait_s, busy_s - snapshot_every * step_s) / snapshot_every
 
 
 
@@ -224,8 +250,9 @@ def _collective_link(shape: StepShape, cluster: Cluster, stage: int) -> Link:
 
 
 def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
-                  ) -> tuple[list[float], list[float], list[float]]:
-    """Per stage: the gradient reduction, the optimizer step (with ZeRO-1's all-gather), the snapshot copy."""
+                  ) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """Per stage: the gradient reduction, the optimizer step (with ZeRO-1's all-gather), and the
+    snapshot's copy to host memory and store into Ray's object store (0 for none)."""
     per_param = static_bytes_per_parameter(shape.precision, shape.amp)
     d = shape.num_replicas
     shards = d if shape.shard_optimizer else 1
@@ -252,8 +279,8 @@ def _tail_seconds(parameters: Sequence[int], shape: StepShape, cluster: Cluster
         owned = count * (per_param.master + per_param.optimizer) / shards
         others = count * per_param.weights * ((1 - 1 / shards) if per_param.master else 1.0)
         copied = owned + others
-        snapshot.append(copied / cluster.host_copy_bytes_per_s + copied / cluster.object_store_bytes_per_s
-                        if shape.snapshot_every else 0.0)
+        snapshot.append((copied / cluster.host_copy_bytes_per_s, copied / cluster.object_store_bytes_per_s)
+                        if shape.snapshot_every else (0.0, 0.0))
     return reduce, optimizer, snapshot
 
 
@@ -289,19 +316,22 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
     cluster.slots_per_node(shape.tensor_parallel)  # a stage's t GPUs on one node
     times = stage_times(costs, split, shape, cluster, collectives)
     reduce, optimizer, snapshot = _tail_seconds(parameters, shape, cluster)
-    step = pipeline = reduction_exposed = snapshot_exposed = 0.0
+    step = pipeline = reduction_exposed = snapshot_exposed = commit_wait = busy = 0.0
     pipeline_bubble = 0.0
     for placement in pipeline_runs(costs, split, shape, cluster, collectives) if runs is None else runs:
         run = placement.timing
         decided = max([run.step_s] + [end + seconds for end, seconds in zip(run.last_compute, reduce)])
         tail = max(optimizer)
+        without = decided + tail + cluster.step_overhead_s
         # each stage's copy runs from its first wait; the commit after the decision waits for it
-        exposed = max(max(0.0, (0.0 if start == math.inf else start) + copy - decided)
-                      for copy, start in zip(snapshot, run.first_wait)) / shape.snapshot_every \
-            if shape.snapshot_every else 0.0
-        total = decided + tail + exposed + cluster.step_overhead_s
+        waits = max(max(0.0, (0.0 if start == math.inf else start) + to_host - decided)
+                    for (to_host, _), start in zip(snapshot, run.first_wait))
+        busiest = max(to_host + to_store for to_host, to_store in snapshot)
+        exposed = snapshot_exposed_at(without, waits, busiest, shape.snapshot_every)
+        total = without + exposed
         if total >= step:
             step, pipeline, reduction_exposed, snapshot_exposed = total, run.step_s, decided - run.step_s, exposed
+            commit_wait, busy = (waits, busiest) if shape.snapshot_every else (0.0, 0.0)
             # busy: the ops' compute, not the per-op overhead the simulation put in their times
             overheads = cluster.op_overhead_s * run.compute_ops
             pipeline_bubble = (1 - (sum(run.busy_s) - overheads) / (shape.num_stages * run.step_s)
@@ -320,7 +350,7 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
         pipeline_s=pipeline, reduction_exposed_s=reduction_exposed, optimizer_s=max(optimizer),
         snapshot_exposed_s=snapshot_exposed, stage_compute_s=tuple(compute), stage_bytes=tuple(memory),
         fits=None if limit is None else max(memory) <= limit, balance=tuple(split), tokens_per_step=tokens,
-        model_flops_per_step=model_flops)
+        model_flops_per_step=model_flops, snapshot_commit_wait_s=commit_wait, snapshot_busy_s=busy)
 
 
 def optimistic_step_s(costs: Sequence[LayerCost], split: Sequence[int], parameters: Sequence[int],

@@ -62,33 +62,53 @@ def test_zero1_and_snapshot_by_hand():
                         schedule="gpipe", shard_optimizer=True, seq_len=100, snapshot_every=0)
     assert zero.step_s == pytest.approx(31.25)
     # snapshot of a stage without ZeRO-1: fp32 main weights and Adam moments (12 B/param, 24 GB), to the host
-    # and into the object store: at 8 + 10 GB/s, 5.4 s from the stage's first wait (stage 0: its first
-    # gradient, at 8 s; stage 1: its first input, at 0 s), done long before the decision at 31 s
+    # (8 GB/s: 3 s) from the stage's first wait (stage 0: its first gradient, at 8 s; stage 1: its first input,
+    # at 0 s), then into the object store (10 GB/s: 2.4 s) beside what follows: done long before the decision
+    # at 31 s, and before the next step's snapshot
     snap = predict_step([LAYER] * 4, unit_cluster(), num_replicas=2, num_stages=2, num_micro_batches=4,
                         schedule="gpipe", seq_len=100, snapshot_every=1)
     assert snap.snapshot_exposed_s == 0.0 and snap.step_s == pytest.approx(32.0)
-    # at 1 GB/s to the host and 24 GB/s into the store, 25 s: stage 0's runs from 8 to 33 s, 2 s past the
-    # decision, and its commit waits for it (stage 1's, 0 to 25 s, hides)
+    assert (snap.snapshot_commit_wait_s, snap.snapshot_busy_s) == (0.0, pytest.approx(5.4))
+    # at 1 GB/s to the host (24 s) and 24 GB/s into the store (1 s): stage 0's copy runs from 8 to 32 s, 1 s
+    # past the decision, and its commit waits for it (stage 1's, 0 to 24 s, hides); the store does not
     slow = unit_cluster(host_copy_bytes_per_s=1e9, object_store_bytes_per_s=24e9)
     snap = predict_step([LAYER] * 4, slow, num_replicas=2, num_stages=2, num_micro_batches=4,
                         schedule="gpipe", seq_len=100, snapshot_every=1)
-    assert snap.snapshot_exposed_s == pytest.approx(2.0)
-    assert snap.step_s == pytest.approx(34.0)
+    assert snap.snapshot_exposed_s == pytest.approx(1.0)
+    assert snap.step_s == pytest.approx(33.0)
     every_third = predict_step([LAYER] * 4, slow, num_replicas=2, num_stages=2, num_micro_batches=4,
                                schedule="gpipe", seq_len=100, snapshot_every=3)
-    assert every_third.step_s == pytest.approx(32.0 + 2.0 / 3)
+    assert every_third.step_s == pytest.approx(32.0 + 1.0 / 3)
+    assert snap.snapshot_exposed_at(3) == pytest.approx(1.0 / 3) and snap.snapshot_exposed_at(0) == 0.0
+    # at 8 GB/s to the host (3 s, hidden) but 0.5 GB/s into the store (48 s): a worker's next snapshot starts
+    # once its store is done, so a snapshot every step stretches each step to the 51 s of one copy and store;
+    # every second step, the 64 s of two steps hold them
+    stored_slowly = unit_cluster(object_store_bytes_per_s=0.5e9)
+    snap = predict_step([LAYER] * 4, stored_slowly, num_replicas=2, num_stages=2, num_micro_batches=4,
+                        schedule="gpipe", seq_len=100, snapshot_every=1)
+    assert snap.step_s == pytest.approx(51.0) and snap.snapshot_exposed_s == pytest.approx(19.0)
+    assert snap.snapshot_exposed_at(2) == 0.0
+    every_other = predict_step([LAYER] * 4, stored_slowly, num_replicas=2, num_stages=2, num_micro_batches=4,
+                               schedule="gpipe", seq_len=100, snapshot_every=2)
+    assert every_other.step_s == pytest.approx(32.0)
 
 
 def test_the_search_snapshots_less_often_where_a_copy_every_step_would_cost_more_than_3_percent():
-    # LLaMA-7B on 8 H100 stages at m = 8: a stage's 10 GB copy (1.2 s) against a 0.6 s step
+    # LLaMA-7B on 8 H100 stages at m = 8: a stage's copy to the host and store into the object store (1.35 s)
+    # against a 0.6 s step: a snapshot every step stretches each step to the 1.35 s; every 4th, the 4 steps
+    # between hold the store, and the copy ends before the decision
     costs = llama_layer_costs(get_config("llama-7b"), 4096, "bf16")
     shape = dict(num_stages=8, num_micro_batches=8, schedule="1f1b", precision="bf16", seq_len=4096)
     every_step = predict_step(costs, load_cluster("h100"), snapshot_every=1, **shape)
     without = predict_step(costs, load_cluster("h100"), snapshot_every=0, **shape)
     assert every_step.step_s / without.step_s > 2
+    assert every_step.step_s == pytest.approx(every_step.snapshot_busy_s) and every_step.snapshot_commit_wait_s == 0
     cadence = snapshot_cadence(every_step)
-    assert every_step.snapshot_exposed_s / cadence <= 0.03 * without.step_s
-    assert every_step.snapshot_exposed_s / (cadence // 2) > 0.03 * without.step_s
+    assert cadence == 4
+    assert every_step.snapshot_exposed_at(cadence) <= 0.03 * without.step_s
+    assert every_step.snapshot_exposed_at(cadence // 2) > 0.03 * without.step_s
+    every_fourth = predict_step(costs, load_cluster("h100"), snapshot_every=4, **shape)
+    assert every_fourth.step_s == pytest.approx(without.step_s)
     result = search_plans(get_config("llama-7b"), load_cluster("h100"), 8, top=5, tensor_parallel=1)
     assert any(candidate.shape.snapshot_every > 1 for candidate in result.best)
     for candidate in result.best:
