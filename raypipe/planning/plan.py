@@ -745,10 +745,10 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
         return params * ((per.master + per.optimizer) / shards + per.weights * (1 - 1 / shards))
 
     full = per.master + per.optimizer if per.master else per.weights + per.optimizer
-    # the goodput model picks its own cadence from what one snapshot costs (the prediction's is spread over
-    # the candidate's snapshot_every steps); at a longer cadence the steps between hide more of its store,
-    # so there this cost is an upper bound
-    per_snapshot = prediction.snapshot_exposed_s * max(1, shape.snapshot_every)
+    # the goodput model picks its own cadence from what one snapshot costs, taken as fixed: its cost with a
+    # snapshot every step (the prediction's is at the candidate's cadence, where the steps between may hide
+    # the whole store), which a longer cadence only lowers: an upper bound, never an optimistic one
+    per_snapshot = prediction.snapshot_exposed_at(1)
     # in stage slots (a stage's t GPUs, on one node: GPUs at t = 1), as candidate_goodput's node size counts them
     return RunShape(num_gpus=shape.num_replicas * shape.num_stages, num_replicas=shape.num_replicas,
                     num_stages=shape.num_stages,

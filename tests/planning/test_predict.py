@@ -16,7 +16,7 @@ from raypipe.planning.configuration_search import (LlamaStageBytes, candidate_sh
                                                    snapshot_cadence)
 from raypipe.planning.memory import estimate_stage
 from raypipe.planning.plan import main as plan_main
-from raypipe.planning.plan import run_commands
+from raypipe.planning.plan import run_commands, run_shape
 from raypipe.planning.predict import StepShape, optimistic_step_s, predict_split, predict_step, stage_bounds
 from raypipe.planning.tensor_parallel_collectives import llama_layer_collectives
 
@@ -116,6 +116,15 @@ def test_the_search_snapshots_less_often_where_a_copy_every_step_would_cost_more
         k = candidate.shape.snapshot_every
         assert (f"--snapshot-every {k}" in command["job_command"]) == (k > 1)
         assert command["helm_values"]["training"].get("snapshotEvery", 1) == k
+        # the goodput model picks its own cadence from a snapshot's cost taken as fixed: a snapshot every
+        # step's, not what one costs at the candidate's cadence (where the steps between may hide it all)
+        prediction, goodput_shape = candidate.prediction, run_shape(get_config("llama-7b"), candidate,
+                                                                    load_cluster("h100"))
+        assert goodput_shape.snapshot_exposed_s == pytest.approx(prediction.snapshot_exposed_at(1))
+        assert goodput_shape.step_s == pytest.approx(prediction.step_s - prediction.snapshot_exposed_s
+                                                     + prediction.snapshot_exposed_at(1))
+        if k > 1:
+            assert goodput_shape.snapshot_exposed_s > 0.03 * (prediction.step_s - prediction.snapshot_exposed_s)
     fixed = search_plans(get_config("llama-7b"), load_cluster("h100"), 8, top=5, snapshot_every=1)
     assert all(candidate.shape.snapshot_every == 1 for candidate in fixed.best)
 
