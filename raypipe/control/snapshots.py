@@ -254,6 +254,5 @@ class Snapshots:
 
     def views(self) -> tuple[SnapshotView, ...]:
         """The snapshots held, oldest first, as the failure policy sees them."""
-        return tuple(SnapshotView(snapshot.step,
-                                  None if snapshot.stored else True if snapshot.kept is None else snapshot.copied,
-                                  kept_off_node=snapshot.kept is not None) for snapshot in self.held)
+        return tuple(SnapshotView(snapshot.step, snapshot.whole(), kept_off_node=snapshot.kept is not None)
+                     for snapshot in self.held)

@@ -331,7 +331,7 @@ def predict_split(costs: Sequence[LayerCost], split: Sequence[int], parameters: 
         total = without + exposed
         if total >= step:
             step, pipeline, reduction_exposed, snapshot_exposed = total, run.step_s, decided - run.step_s, exposed
-            commit_wait, busy = (waits, busiest) if shape.snapshot_every else (0.0, 0.0)
+            commit_wait, busy = waits, busiest  # both 0 without snapshots (_tail_seconds)
             # busy: the ops' compute, not the per-op overhead the simulation put in their times
             overheads = cluster.op_overhead_s * run.compute_ops
             pipeline_bubble = (1 - (sum(run.busy_s) - overheads) / (shape.num_stages * run.step_s)
