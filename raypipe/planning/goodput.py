@@ -22,6 +22,17 @@ holds each lost stage's state (d >= 2, no ZeRO-1, no node holding every replica)
 from it and replays nothing (``control/controller.py``): a segment is then one step, the
 snapshot's cost spread over its ``k`` steps, and only the partial step is lost.
 
+**The snapshot keeper** (``RunShape.keeper_state_bytes``, ``keeper_copy_s``): a lost node takes
+the snapshots of its workers with it, so with workers off the driver's node one keeper actor on
+the driver's node copies every worker's snapshot there (``runtime/snapshot_keeper.py``), and a
+new snapshot is not taken before the keeper has the one before (``control/snapshots.py``). So
+snapshots are at least ``ceil(keeper_copy_s / step)`` steps apart, whatever ``k`` asks, and a
+heal from a snapshot (not from a sibling) loads every worker's state from the keeper's copies
+(the workers' own are tried first, and a lost node lost some of them): the state transfer is
+``keeper_state_bytes`` through the driver's node's one link, not one worker's state through
+its own. Both grow with the whole run's state (d copies of the weights), not a worker's:
+at scale the keeper, not the snapshot's copy, sets raypipe's cadence and recovery.
+
 (b) **full restart from a checkpoint** (``checkpoint_restart``): a blocking checkpoint of
 ``C`` seconds every ``tau = sqrt(2 C M)`` seconds of work (Young 1974), so ``T = tau + C``
 and ``R = job relaunch + checkpoint load``. On average half an interval is lost per failure.
@@ -240,6 +251,10 @@ class RunShape:
     model_state_bytes: float  # one copy of the whole model's weights + optimizer state (what a checkpoint holds)
     inter_node_bytes_per_s: float  # per GPU, to another node
     shard_optimizer: bool = False  # ZeRO-1: replicas hold different optimizer parts (no healing from a sibling)
+    # one snapshot of every worker (every replica's weights, all optimizer state), which the snapshot keeper
+    # copies onto the driver's node and a heal from a snapshot loads back from there; 0: no keeper
+    keeper_state_bytes: float = 0.0
+    keeper_copy_s: float = 0.0  # the keeper's copy of one snapshot; the next snapshot waits for it
 
 
 @dataclass(frozen=True)
@@ -271,13 +286,23 @@ def checkpoint_write_s(shape: RunShape, assumptions: GoodputAssumptions) -> floa
 
 
 def raypipe_snapshot_every(shape: RunShape, mttf_s: float, assumptions: GoodputAssumptions) -> int:
-    """Steps between raypipe's snapshots: the assumption's, or Young's interval for the exposed copy."""
-    if assumptions.snapshot_every is not None:
-        return assumptions.snapshot_every
+    """Steps between raypipe's snapshots: the assumption's, or Young's interval for the exposed copy,
+    and never fewer than the keeper's copy of one snapshot lasts (:func:`keeper_snapshot_every`)."""
     plain_step = shape.step_s - shape.snapshot_exposed_s
-    if shape.snapshot_exposed_s <= 0:
-        return 1
-    return max(1, round(young_interval_s(shape.snapshot_exposed_s, mttf_s) / plain_step))
+    if assumptions.snapshot_every is not None:
+        asked = assumptions.snapshot_every
+    elif shape.snapshot_exposed_s <= 0:
+        asked = 1
+    else:
+        asked = max(1, round(young_interval_s(shape.snapshot_exposed_s, mttf_s) / plain_step))
+    return max(asked, keeper_snapshot_every(shape))
+
+
+def keeper_snapshot_every(shape: RunShape) -> int:
+    """The fewest steps between two snapshots that the keeper allows: a new one waits until the keeper
+    has copied the one before (``keeper_copy_s``), and the steps run on meanwhile. 1 without a keeper."""
+    plain_step = shape.step_s - shape.snapshot_exposed_s
+    return max(1, math.ceil(shape.keeper_copy_s / plain_step - 1e-9))
 
 
 STRAGGLER_POLICIES = ("report", "replace", "rebalance")  # ``on_slow``'s values
@@ -346,10 +371,14 @@ def goodput_by_method(shape: RunShape, assumptions: GoodputAssumptions) -> dict[
     from_sibling = shape.num_replicas > 1 and not shape.shard_optimizer and max(hits) < shape.num_replicas
     if from_sibling:  # one step lost at most; the snapshot (a fallback) costs its share of each step
         work, segment = plain_step, plain_step + shape.snapshot_exposed_s / every
-    else:  # the steps since the snapshot are redone
+        heal_transfer_s = transfer_s  # each lost worker's state from a sibling, over its own link
+    else:  # the steps since the snapshot are redone, every worker's state loaded from the keeper's copies
         work, segment = every * plain_step, every * plain_step + shape.snapshot_exposed_s
-    with_spare = assumptions.detection_s + assumptions.replacement_with_spare_s + transfer_s
-    without_spare = assumptions.detection_s + assumptions.replacement_without_spare_s + transfer_s
+        heal_transfer_s = max(transfer_s, shape.keeper_state_bytes / shape.inter_node_bytes_per_s)
+    keeper_note = (f" (the keeper's copy of one snapshot {shape.keeper_copy_s:.3g} s: at least "
+                   f"{keeper_snapshot_every(shape)})" if shape.keeper_copy_s > 0 else "")
+    with_spare = assumptions.detection_s + assumptions.replacement_with_spare_s + heal_transfer_s
+    without_spare = assumptions.detection_s + assumptions.replacement_without_spare_s + heal_transfer_s
     ready = poisson_spare_ready_fraction(rate, assumptions.spare_replenish_s, with_spare, without_spare)
     for method, recovery, spare in (("raypipe_warm_spare", with_spare, True), ("raypipe", without_spare, False)):
         # the same failure stream for both (common random numbers): they differ only by the recovery
@@ -360,8 +389,8 @@ def goodput_by_method(shape: RunShape, assumptions: GoodputAssumptions) -> dict[
         mean_recovery = spare_mixed_recovery_s(ready, with_spare, without_spare) if spare else recovery
         out[method] = MethodGoodput(method, simulated, segment_goodput(work, segment, mean_recovery, rate),
                                     mean_recovery, failures, work,
-                                    f"{'from a sibling, ' if from_sibling else ''}snapshot_every={every}, "
-                                    f"transfer {transfer_s:.3g} s"
+                                    f"{'from a sibling, ' if from_sibling else ''}snapshot_every={every}"
+                                    f"{keeper_note}, transfer {heal_transfer_s:.3g} s"
                                     + (f", a spare up for {ready:.4%} of failures" if spare else ""))
     write = checkpoint_write_s(shape, assumptions)
     load = write  # read back at the same bandwidth

@@ -11,7 +11,8 @@ balance against the time balance (:func:`compare_balances`).
 
 ``--cluster`` prints the predicted step time on a described cluster
 (:mod:`raypipe.planning.configuration_search`): the best configurations, the job command line
-and Helm values that run them, the best one's stages and balances; with
+and Helm values that run them, what the snapshot keeper holds and copies for the best one
+(:func:`snapshot_keeper`), the best one's stages and balances; with
 ``--node-mtbf-hours H`` each configuration's goodput per recovery method
 (:mod:`raypipe.planning.goodput`), from its predicted step and its stages' state.
 ``--published`` predicts published runs at their own layouts beside their measured throughput
@@ -34,7 +35,7 @@ from raypipe.models.llama_memory import layer_parameter_counts
 from raypipe.planning.balance import balance_by_time, layer_step_flops, llama_stage_bytes, stage_times
 from raypipe.planning.cluster_spec import Cluster
 from raypipe.planning.goodput import (METHODS, STRAGGLER_POLICIES, GoodputAssumptions, RunShape, goodput_by_method,
-                                      job_mttf_hours, straggler_goodput)
+                                      job_mttf_hours, keeper_snapshot_every, straggler_goodput)
 from raypipe.planning.memory import (AMP_STYLES, PRECISIONS, RAYPIPE_AMP, StageMemory, amp_style, balanced_partition,
                                      estimate_pipeline, static_bytes_per_parameter)
 from raypipe.planning.predict import stage_bounds, worker_sums
@@ -563,6 +564,8 @@ def build_cluster_plan(args: argparse.Namespace) -> dict:
     out.update(chosen_plan_fields(config, args.model, best, memory, args.fused_attention))
     out.update(fits=True, step_time_s=best.prediction.step_s, tokens_per_second=best.prediction.tokens_per_s,
                mfu=best.prediction.mfu, bubble_fraction=best.prediction.bubble_fraction)
+    if best.shape.snapshot_every:
+        out["snapshot_keeper"] = keeper_plan(run_shape(config, best, cluster))
     if mtbf is not None:  # each configuration's goodput per recovery method; the best one's at the top
         for item, candidate in zip(out["candidates"], result.best):
             item["goodput"] = candidate_goodput(config, candidate, cluster, mtbf)
@@ -701,6 +704,8 @@ def render_cluster_plan(plan: dict) -> str:
         lines.append(f"     {item['job_command']}")
     best = plan["candidates"][0]
     lines.append("helm values of 1.: " + json.dumps(best["helm_values"]))
+    if "snapshot_keeper" in plan:
+        lines.append(describe_keeper(plan["snapshot_keeper"], best["snapshot_every"]))
     lines.append(f"1.'s stages (balance {best['balance']}"
                  + (f"; each row one of its {best['tensor_parallel']} tensor-parallel ranks"
                     if best["tensor_parallel"] > 1 else "") + "):")
@@ -713,6 +718,19 @@ def render_cluster_plan(plan: dict) -> str:
     lines.append("(predicted: see raypipe/planning/predict.py for what the model counts and leaves out; "
                  f"cluster figures: {plan['cluster_source'][:120]}...)")
     return "\n".join(lines)
+
+
+def describe_keeper(keeper: dict, snapshot_every: int) -> str:
+    """The plan's line on the snapshot keeper of the configuration chosen (:func:`keeper_plan`)."""
+    held = format_bytes(keeper["held_bytes"])
+    line = (f"1.'s snapshot keeper (on the driver's node: the chart's head pod, whose object store is its "
+            f"head.shmSize, spilling to its disk beyond): {KEEPER_HELD_SNAPSHOTS} snapshots of every worker, "
+            f"{held} ({format_bytes(keeper['state_bytes'])} each, a third while one is copied), each copied in "
+            f"{keeper['copy_s']:.3g} s")
+    if keeper["min_snapshot_every"] > snapshot_every:
+        return (line + f": a new snapshot waits for it, so one is taken every {keeper['min_snapshot_every']} steps "
+                f"at most, not {snapshot_every}, and a lost node redoes up to {keeper['min_snapshot_every'] - 1}")
+    return line + " (within the steps between two snapshots)"
 
 
 # -- --cluster --node-mtbf-hours: goodput per recovery method --------------------------
@@ -745,6 +763,7 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
         return params * ((per.master + per.optimizer) / shards + per.weights * (1 - 1 / shards))
 
     full = per.master + per.optimizer if per.master else per.weights + per.optimizer
+    keeper = snapshot_keeper(shape, [worker_state(params) for params in rank_params], cluster)
     # the goodput model picks its own cadence from what one snapshot costs, taken as fixed: its cost with a
     # snapshot every step (the prediction's is at the candidate's cadence, where the steps between may hide
     # the whole store), which a longer cadence only lowers: an upper bound, never an optimistic one
@@ -757,7 +776,37 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
                     largest_worker_state_bytes=max(worker_state(params) for params in rank_params),
                     model_state_bytes=sum(stage_params) * full,
                     inter_node_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s,
-                    shard_optimizer=shape.shard_optimizer)
+                    shard_optimizer=shape.shard_optimizer, keeper_state_bytes=keeper["state_bytes"],
+                    keeper_copy_s=keeper["copy_s"])
+
+
+KEEPER_HELD_SNAPSHOTS = 2
+"""The snapshots the keeper holds (``KEPT_SNAPSHOTS`` of ``runtime/snapshot_keeper.py``; not imported from
+there: the planner stays free of Ray, and a test checks that the two agree)."""
+
+
+def snapshot_keeper(shape, worker_snapshot_bytes: list[float], cluster: Cluster) -> dict:
+    """What the snapshot keeper (``runtime/snapshot_keeper.py``) costs a configuration: each snapshot,
+    it copies every worker's (``worker_snapshot_bytes``: one tensor-parallel rank of each stage, every
+    replica alike in size) onto the driver's node, and holds the newest two there. The plan assumes the
+    Helm chart's layout: the driver on a head node that holds no stage, so every worker is off its node.
+
+    ``state_bytes``: one snapshot of every worker; ``copy_s``: one copy, fetched through the driver's
+    node's one link (the cluster's ``inter_node`` bandwidth) and stored by one thread into its object
+    store (``object_store_bytes_per_s``). The next snapshot waits for that copy (:func:`keeper_plan`
+    gives what the driver's node holds and the fewest steps between two snapshots)."""
+    state = shape.num_replicas * shape.tensor_parallel * sum(worker_snapshot_bytes)
+    copy_s = state / cluster.inter_node.bandwidth_bytes_per_s + state / cluster.object_store_bytes_per_s
+    return {"state_bytes": state, "copy_s": copy_s}
+
+
+def keeper_plan(run: RunShape) -> dict:
+    """The plan's ``snapshot_keeper`` fields for a configuration (:func:`snapshot_keeper`): one snapshot of
+    every worker (``state_bytes``), the two the driver's node holds (``held_bytes``; a third arrives while
+    one is copied), one copy's seconds (``copy_s``), and the fewest steps between two snapshots that it
+    allows (``min_snapshot_every``: :func:`~raypipe.planning.goodput.keeper_snapshot_every`)."""
+    return {"state_bytes": run.keeper_state_bytes, "held_bytes": KEEPER_HELD_SNAPSHOTS * run.keeper_state_bytes,
+            "copy_s": run.keeper_copy_s, "min_snapshot_every": keeper_snapshot_every(run)}
 
 
 def candidate_goodput(config: LlamaConfig, candidate, cluster: Cluster, node_mtbf_hours: float) -> dict:

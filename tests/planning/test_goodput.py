@@ -13,14 +13,15 @@ from dataclasses import replace
 import pytest
 
 from raypipe.planning.goodput import (BENCH_SPARE_REFILL_DELAY_S, PAPER_NODE_MTBF_HOURS, GoodputAssumptions,
-                                      RunShape, goodput_by_method, job_mttf_hours, node_mtbf_from_job_mttf,
+                                      RunShape, goodput_by_method, job_mttf_hours, keeper_snapshot_every,
+                                      node_mtbf_from_job_mttf,
                                       replica_drop_goodput, replicas_per_node, simulate_replica_drop,
                                       straggler_goodput, young_interval_s)
 from raypipe.planning.segment_model import segment_goodput, simulate_segments
 from raypipe.planning.spare_availability import (block_failures_within, poisson_failures_within,
                                                  poisson_spare_ready_fraction, spare_mixed_recovery_s,
                                                  spare_ready_fraction)
-from raypipe.planning.plan import main as plan_main
+from raypipe.planning.plan import KEEPER_HELD_SNAPSHOTS, main as plan_main
 
 
 def test_paper_mttf_round_trip_and_first_failure_of_128_nodes():
@@ -111,12 +112,28 @@ def test_plan_node_mtbf_hours_adds_goodput(capsys):
         assert key in plan
     assert set(plan["goodput"]) == {"raypipe_warm_spare", "raypipe", "checkpoint_restart", "replica_drop"}
     assert plan["goodput_model"]["job_mttf_hours"] == pytest.approx(1011 / 8)
+    # the keeper of the best (d=16 p=4, ZeRO-1, bf16): a snapshot of every worker holds one copy of the fp32 main
+    # weights and AdamW's two moments (each worker its 1/16) and, of the weights a worker does not own, their bf16
+    # compute copies (15 replicas' worth): 8.03e9 x (12 + 15 x 2) bytes, fetched through the driver's node's
+    # 50 GB/s and stored at 10 GB/s: 40 s, so at 3.48 s a step a snapshot every 12 steps at most, not 1
+    best, keeper = plan["candidates"][0], plan["snapshot_keeper"]
+    assert (best["num_replicas"], best["num_stages"], best["shard_optimizer"], best["snapshot_every"]) == (16, 4, True, 1)
+    parameters = sum(row["num_parameters"] for row in plan["stages"])
+    assert parameters == pytest.approx(8.03e9, rel=1e-3)
+    assert keeper["state_bytes"] == pytest.approx(parameters * (12 + 15 * 2), rel=1e-6)
+    assert keeper["held_bytes"] == 2 * keeper["state_bytes"]
+    assert keeper["copy_s"] == pytest.approx(keeper["state_bytes"] * (1 / 50e9 + 1 / 10e9))
+    assert keeper["min_snapshot_every"] == math.ceil(keeper["copy_s"] / best["step_time_s"]) == 12
+    assert "snapshot_every=12 (the keeper's copy of one snapshot 40.5 s: at least 12)" in (
+        best["goodput"]["raypipe"]["note"])
     for item in plan["candidates"]:
         for result in item["goodput"].values():
             assert 0.9 < result["goodput"] <= 1 and result["closed_form"] == pytest.approx(result["goodput"], abs=0.01)
     assert plan_main(["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--node-mtbf-hours", "1011"]) == 0
     text = capsys.readouterr().out
     assert "goodput with node MTBF 1,011 h" in text and "full restart from a checkpoint" in text
+    assert ("each copied in 40.5 s: a new snapshot waits for it, so one is taken every 12 steps at most, not 1, and "
+            "a lost node redoes up to 11") in text
     assert plan_main(["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--node-mtbf-hours", "0"]) == 2
     assert capsys.readouterr().err.startswith("raypipe plan: error: --node-mtbf-hours must be")
 
@@ -171,6 +188,31 @@ def test_raypipe_heals_from_a_sibling_or_redoes_the_steps_since_its_snapshot():
     sharded = goodput_by_method(replace(shape, shard_optimizer=True), assumptions)["raypipe_warm_spare"]
     first_order = 1 - (77.3 / 2 + recovery) / mttf - 0.3 / 77
     assert sharded.closed_form == pytest.approx(first_order, abs=2e-4)
+
+    # the keeper: 1.1 TB of snapshots a copy, 100 s of it (12.5 steps of 7.7 s): a snapshot every 10 steps asked
+    # is one every 13, and the heal from a snapshot loads all 1.1 TB from the keeper's node through its 50 GB/s
+    kept = replace(shape, shard_optimizer=True, keeper_state_bytes=1.1e12, keeper_copy_s=100.0)
+    assert keeper_snapshot_every(kept) == 13
+    bounded = goodput_by_method(kept, assumptions)["raypipe_warm_spare"]
+    recovery = assumptions.detection_s + assumptions.replacement_with_spare_s + 1.1e12 / 50e9
+    first_order = 1 - (13 * 7.7 / 2 + 0.3 / 2 + recovery) / mttf - 0.3 / (13 * 7.7 + 0.3)
+    assert bounded.closed_form == pytest.approx(first_order, abs=2e-4)
+    assert bounded.save_interval_s == pytest.approx(13 * 7.7)
+    assert "snapshot_every=13 (the keeper's copy of one snapshot 100 s: at least 13), transfer 22 s" in bounded.note
+    # a sibling's heal loads nothing from the keeper (the cadence still waits for it); dropping a replica neither
+    from_sibling = goodput_by_method(replace(kept, shard_optimizer=False), assumptions)
+    assert from_sibling["raypipe_warm_spare"].note.startswith("from a sibling, snapshot_every=13 ")
+    assert from_sibling["raypipe"].downtime_per_failure_s == pytest.approx(
+        assumptions.detection_s + assumptions.replacement_without_spare_s + 20e9 / 50e9)
+    assert (goodput_by_method(kept, assumptions)["replica_drop"].downtime_per_failure_s
+            == goodput_by_method(replace(kept, keeper_copy_s=0.0, keeper_state_bytes=0.0),
+                                 assumptions)["replica_drop"].downtime_per_failure_s)
+
+
+def test_the_keepers_snapshots_are_the_runtimes():
+    # the planner stays free of Ray, so it keeps its own copy of snapshot_keeper.py's KEPT_SNAPSHOTS
+    source = (Path(__file__).parents[2] / "raypipe" / "runtime" / "snapshot_keeper.py").read_text()
+    assert int(re.search(r"^KEPT_SNAPSHOTS = (\d+)", source, re.M).group(1)) == KEEPER_HELD_SNAPSHOTS
 
 
 # bench_goodput's tiny LLaMA: a spare's recovery and a started process's (detection + replacement)
