@@ -728,8 +728,8 @@ def describe_keeper(keeper: dict, snapshot_every: int) -> str:
             f"{held} ({format_bytes(keeper['state_bytes'])} each, a third while one is copied), each copied in "
             f"{keeper['copy_s']:.3g} s")
     if keeper["min_snapshot_every"] > snapshot_every:
-        return (line + f": a new snapshot waits for it, so one is taken every {keeper['min_snapshot_every']} steps "
-                f"at most, not {snapshot_every}, and a lost node redoes up to {keeper['min_snapshot_every'] - 1}")
+        return (line + f": a new snapshot waits for it, so snapshots are at least {keeper['min_snapshot_every']} steps "
+                f"apart, not {snapshot_every}, and a lost node redoes up to {keeper['min_snapshot_every'] - 1} steps")
     return line + " (within the steps between two snapshots)"
 
 

@@ -115,7 +115,7 @@ def test_plan_node_mtbf_hours_adds_goodput(capsys):
     # the keeper of the best (d=16 p=4, ZeRO-1, bf16): a snapshot of every worker holds one copy of the fp32 main
     # weights and AdamW's two moments (each worker its 1/16) and, of the weights a worker does not own, their bf16
     # compute copies (15 replicas' worth): 8.03e9 x (12 + 15 x 2) bytes, fetched through the driver's node's
-    # 50 GB/s and stored at 10 GB/s: 40 s, so at 3.48 s a step a snapshot every 12 steps at most, not 1
+    # 50 GB/s and stored at 10 GB/s: 40 s, so at 3.48 s a step snapshots at least 12 steps apart, not 1
     best, keeper = plan["candidates"][0], plan["snapshot_keeper"]
     assert (best["num_replicas"], best["num_stages"], best["shard_optimizer"], best["snapshot_every"]) == (16, 4, True, 1)
     parameters = sum(row["num_parameters"] for row in plan["stages"])
@@ -132,8 +132,8 @@ def test_plan_node_mtbf_hours_adds_goodput(capsys):
     assert plan_main(["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--node-mtbf-hours", "1011"]) == 0
     text = capsys.readouterr().out
     assert "goodput with node MTBF 1,011 h" in text and "full restart from a checkpoint" in text
-    assert ("each copied in 40.5 s: a new snapshot waits for it, so one is taken every 12 steps at most, not 1, and "
-            "a lost node redoes up to 11") in text
+    assert ("each copied in 40.5 s: a new snapshot waits for it, so snapshots are at least 12 steps apart, not 1, "
+            "and a lost node redoes up to 11 steps") in text
     assert plan_main(["--cluster", "h100", "--model", "llama3-8b", "--gpus", "64", "--node-mtbf-hours", "0"]) == 2
     assert capsys.readouterr().err.startswith("raypipe plan: error: --node-mtbf-hours must be")
 
