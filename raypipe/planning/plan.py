@@ -12,7 +12,7 @@ balance against the time balance (:func:`compare_balances`).
 ``--cluster`` prints the predicted step time on a described cluster
 (:mod:`raypipe.planning.configuration_search`): the best configurations, the job command line
 and Helm values that run them, what the snapshot keeper holds and copies for the best one
-(:func:`snapshot_keeper`), the best one's stages and balances; with
+(:func:`keeper_plan`), the best one's stages and balances; with
 ``--node-mtbf-hours H`` each configuration's goodput per recovery method
 (:mod:`raypipe.planning.goodput`), from its predicted step and its stages' state.
 ``--published`` predicts published runs at their own layouts beside their measured throughput
@@ -763,7 +763,13 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
         return params * ((per.master + per.optimizer) / shards + per.weights * (1 - 1 / shards))
 
     full = per.master + per.optimizer if per.master else per.weights + per.optimizer
-    keeper = snapshot_keeper(shape, [worker_state(params) for params in rank_params], cluster)
+    # the snapshot keeper (runtime/snapshot_keeper.py) copies every worker's snapshot (each replica's, each
+    # tensor-parallel rank's) onto the driver's node: fetched through that node's one link and stored by one
+    # thread into its object store. The plan assumes the Helm chart's layout, the driver on a head node that
+    # holds no stage, so every worker is off its node
+    keeper_state = shape.num_replicas * shape.tensor_parallel * sum(worker_state(params) for params in rank_params)
+    keeper_copy_s = (keeper_state / cluster.inter_node.bandwidth_bytes_per_s
+                     + keeper_state / cluster.object_store_bytes_per_s)
     # the goodput model picks its own cadence from what one snapshot costs, taken as fixed: its cost with a
     # snapshot every step (the prediction's is at the candidate's cadence, where the steps between may hide
     # the whole store), which a longer cadence only lowers: an upper bound, never an optimistic one
@@ -776,8 +782,8 @@ def run_shape(config: LlamaConfig, candidate, cluster: Cluster) -> RunShape:
                     largest_worker_state_bytes=max(worker_state(params) for params in rank_params),
                     model_state_bytes=sum(stage_params) * full,
                     inter_node_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s,
-                    shard_optimizer=shape.shard_optimizer, keeper_state_bytes=keeper["state_bytes"],
-                    keeper_copy_s=keeper["copy_s"])
+                    shard_optimizer=shape.shard_optimizer, keeper_state_bytes=keeper_state,
+                    keeper_copy_s=keeper_copy_s)
 
 
 KEEPER_HELD_SNAPSHOTS = 2
@@ -785,26 +791,12 @@ KEEPER_HELD_SNAPSHOTS = 2
 there: the planner stays free of Ray, and a test checks that the two agree)."""
 
 
-def snapshot_keeper(shape, worker_snapshot_bytes: list[float], cluster: Cluster) -> dict:
-    """What the snapshot keeper (``runtime/snapshot_keeper.py``) costs a configuration: each snapshot,
-    it copies every worker's (``worker_snapshot_bytes``: one tensor-parallel rank of each stage, every
-    replica alike in size) onto the driver's node, and holds the newest two there. The plan assumes the
-    Helm chart's layout: the driver on a head node that holds no stage, so every worker is off its node.
-
-    ``state_bytes``: one snapshot of every worker; ``copy_s``: one copy, fetched through the driver's
-    node's one link (the cluster's ``inter_node`` bandwidth) and stored by one thread into its object
-    store (``object_store_bytes_per_s``). The next snapshot waits for that copy (:func:`keeper_plan`
-    gives what the driver's node holds and the fewest steps between two snapshots)."""
-    state = shape.num_replicas * shape.tensor_parallel * sum(worker_snapshot_bytes)
-    copy_s = state / cluster.inter_node.bandwidth_bytes_per_s + state / cluster.object_store_bytes_per_s
-    return {"state_bytes": state, "copy_s": copy_s}
-
-
 def keeper_plan(run: RunShape) -> dict:
-    """The plan's ``snapshot_keeper`` fields for a configuration (:func:`snapshot_keeper`): one snapshot of
-    every worker (``state_bytes``), the two the driver's node holds (``held_bytes``; a third arrives while
-    one is copied), one copy's seconds (``copy_s``), and the fewest steps between two snapshots that it
-    allows (``min_snapshot_every``: :func:`~raypipe.planning.goodput.keeper_snapshot_every`)."""
+    """The plan's ``snapshot_keeper`` fields for a configuration (its :func:`run_shape`): one snapshot of
+    every worker, which the keeper copies onto the driver's node (``state_bytes``), the two that node holds
+    (``held_bytes``; a third arrives while one is copied), one copy's seconds (``copy_s``), and the fewest
+    steps between two snapshots that it allows (``min_snapshot_every``:
+    :func:`~raypipe.planning.goodput.keeper_snapshot_every`)."""
     return {"state_bytes": run.keeper_state_bytes, "held_bytes": KEEPER_HELD_SNAPSHOTS * run.keeper_state_bytes,
             "copy_s": run.keeper_copy_s, "min_snapshot_every": keeper_snapshot_every(run)}
 
