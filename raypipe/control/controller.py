@@ -439,7 +439,6 @@ class Controller:
             try:
                 with self._folded("while the layout changed"):  # a worker lost meanwhile: the same heal
                     self._change_layout()
-                    self.snapshots.take_due()
                 return self._run(data_step, batch, loss_scale)
             except WorkersFailed as failure:
                 self._note(failure)
@@ -484,7 +483,11 @@ class Controller:
                 self._note(failure)
 
     def _run(self, data_step: int, batch: MicroBatches | None, loss_scale: float | None) -> StepOutcome:
-        outcome = self.executor.run_step(data_step, batch, loss_scale)
+        # a snapshot due is submitted with the step, which commits only once it is copied
+        submitted, snapshot = self.executor.start_step(data_step, batch, loss_scale, snapshot=self.snapshots.due)
+        if snapshot is not None:
+            self.snapshots.keep_due(snapshot)
+        outcome = self.executor.finish_step(submitted)
         self._commits = outcome.reports[0].commits
         self._last_reports = outcome.reports
         self._watch_speed(data_step, outcome.reports)

@@ -7,10 +7,10 @@ After every ``snapshot_every`` committed steps each worker returns a snapshot
 of its state (:meth:`~raypipe.stage.checkpointing.StageCheckpointing.snapshot`)
 as a task result owned by the driver, so it outlives the worker that made it,
 and the steps run since (data step, micro-batches, loss scale) are logged.
-It is taken as the next step starts
-(:meth:`~raypipe.executor.base.Executor.snapshot_as_next_step_starts`: the default
-executor copies it in each stage's first wait of that step, lets the step commit
-once it is copied and stores it after, so it may be whole only after that commit:
+It is taken with the next step
+(:meth:`~raypipe.executor.base.Executor.start_step`: the default executor submits it
+just after that step, copies it in each stage's first wait of the step, lets the step
+commit once it is copied and stores it after, so it may be whole only after that commit:
 each worker's task says so in a small second result); a failure before it is whole
 heals from the snapshot before and replays one step more.
 With workers off the driver's node a keeper copies each snapshot off their
@@ -185,22 +185,20 @@ class Snapshots:
         self.executor, self.snapshot_every = executor, snapshot_every
         self.keeper: Any = None
         self.held: list[Snapshot] = []
-        self._due: int | None = None  # the committed steps a snapshot is due at, taken as the next step starts
+        self._due: int | None = None  # the committed steps a snapshot is due at, taken with the next step
 
     def take(self, step: int, first: bool = False) -> None:
         """Snapshot every worker at the start of ``step``, keeping the newest whole
         snapshot until this one is known whole. ``first``: the state changed
         outside a step (start, a load, a new layout), so older snapshots are void and
         this one is waited for."""
-        self._keep(step, self.executor.snapshot_workers, first)
+        if self.snapshot_every:
+            self._keep(step, self.executor.snapshot_workers(self.executor.group.actors), first)
 
-    def _keep(self, step: int, submit: Callable[[list], SnapshotTasks], first: bool = False) -> None:
-        """The snapshot ``submit(actors)`` takes, as the newest."""
-        if not self.snapshot_every:
-            return
+    def _keep(self, step: int, tasks: SnapshotTasks, first: bool = False) -> None:
+        """The snapshot whose tasks were just submitted, as the newest."""
         self._due = None
         group = self.executor.group
-        tasks = submit(group.actors)
         taken = Snapshot(step, tasks.states, layers=[spec.layer_indices for spec in group.specs], stored=tasks.stored)
         if self.keeper is not None:
             taken.kept = self.keeper.keep.remote(step, *taken.refs)
@@ -227,12 +225,17 @@ class Snapshots:
         # may need the one before it, so the snapshots pinned on the workers' nodes never pile up
         if newest.copied_off_node() is None:
             return
-        self._due = steps_done  # taken as the next step starts, where the executor can overlap the copy
+        self._due = steps_done  # taken with the next step, where the executor can overlap the copy
 
-    def take_due(self) -> None:
-        """The snapshot due, if any, as the next step starts."""
-        if self._due is not None:
-            self._keep(self._due, self.executor.snapshot_as_next_step_starts)
+    @property
+    def due(self) -> bool:
+        """Whether the next step is to be submitted with a snapshot of the state it starts from."""
+        return self._due is not None
+
+    def keep_due(self, tasks: SnapshotTasks) -> None:
+        """The snapshot due, its tasks submitted with the next step
+        (:meth:`~raypipe.executor.base.Executor.start_step`), as the newest."""
+        self._keep(self._due, tasks)
 
     def now_step(self) -> int | None:
         """The step the workers' state is at (the newest snapshot's and the steps since); None without one."""

@@ -127,11 +127,6 @@ class Executor(ABC):
         self.before_next_step(actors)
         return SnapshotTasks(refs)
 
-    def snapshot_as_next_step_starts(self, actors: list[Any]) -> SnapshotTasks:
-        """:meth:`snapshot_workers`, where the next step is submitted right after: an
-        executor may overlap the copy with that step's start (here it cannot)."""
-        return self.snapshot_workers(actors)
-
     def before_next_step(self, actors: list[Any]) -> None:
         """Calls just submitted to ``actors`` and not waited for (a snapshot, a
         checkpoint's copy of the state) must run before their next step. Actor tasks
@@ -141,10 +136,19 @@ class Executor(ABC):
     def _repair(self) -> None:
         """Make the transport usable again after every worker dropped a failed step."""
 
-    def run_step(self, step: int, batch: MicroBatches | None, loss_scale: float | None = None) -> StepOutcome:
-        """One step, committed on every worker or on none: one wait for the driver."""
-        submitted = self.submit(step, batch, loss_scale)
-        self.in_flight = submitted
+    def start_step(self, step: int, batch: MicroBatches | None, loss_scale: float | None,
+                   snapshot: bool = False) -> tuple[Submitted, SnapshotTasks | None]:
+        """Submit one step (:meth:`submit`) and, with ``snapshot``, every worker's snapshot of the
+        state that step starts from (:meth:`snapshot_workers`: its tasks, for the caller to keep),
+        ordered before the step's commit. Here the snapshot is submitted first: actor tasks run in
+        submission order. :meth:`finish_step` waits for the step."""
+        snapshot_tasks = self.snapshot_workers(self.group.actors) if snapshot else None
+        self.in_flight = self.submit(step, batch, loss_scale)
+        return self.in_flight, snapshot_tasks
+
+    def finish_step(self, submitted: Submitted) -> StepOutcome:
+        """The step :meth:`start_step` submitted, committed on every worker or on none: one wait
+        for the driver."""
         try:
             outcome = self.collect(submitted)
         except ray.exceptions.RayError as error:

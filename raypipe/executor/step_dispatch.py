@@ -25,9 +25,10 @@ The calls run on a thread of each worker's own, beside its actor tasks, so a
 snapshot or checkpoint copy submitted between two steps is ordered before the
 next step's commit by a numbered gate (:mod:`raypipe.stage.step_gate`). That
 lets a snapshot wait for the step too: it is copied once the stage first waits
-in the step (:meth:`Connections.snapshot_workers`). Actor tasks run in
-submission order, so there the same call copies at once, before the step's
-first op: a snapshot is always submitted just before the step it precedes.
+in the step, and submitted just after the step, whose gate number counts it
+(:meth:`Connections.snapshot_workers`). Actor tasks run in submission order, so
+there the snapshot is submitted just before the step it precedes and copies at once,
+before the step's first op.
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ class StepDispatch(ABC):
     (``executor``: the per-step executor, through the :class:`Executor` interface it
     implements, so this module needs nothing of the one that composes it)."""
 
+    #: whether a snapshot of the state a step starts from is submitted after that step (which waits
+    #: for it) rather than before
+    snapshots_follow_the_step = False
+
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
 
@@ -60,8 +65,9 @@ class StepDispatch(ABC):
         """The workers are about to be killed."""
 
     @abstractmethod
-    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
-        """Start ``run_step(*arguments[rank])`` on every worker."""
+    def submit(self, step: int, arguments: list[tuple], gate_calls_to_come: int = 0) -> Submitted:
+        """Start ``run_step(*arguments[rank])`` on every worker; each worker's step also waits for
+        ``gate_calls_to_come`` gate calls submitted after it (a snapshot: :attr:`snapshots_follow_the_step`)."""
 
     @abstractmethod
     def collect(self, submitted: Submitted) -> StepOutcome:
@@ -74,17 +80,13 @@ class StepDispatch(ABC):
     def before_next_step(self, actors: list[Any]) -> None:
         """See :meth:`Executor.before_next_step`."""
 
-    def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
-        """Each of ``actors``' snapshot of the state the next step (submitted right
-        after) starts from: :meth:`Executor.snapshot_workers`, ordered before that
-        step through this dispatch's :meth:`before_next_step`."""
-        return self.executor.snapshot_workers(actors)
-
 
 class ActorTasks(StepDispatch):
     """One ``run_step`` actor task per worker (``step_calls="tasks"``)."""
 
-    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
+    def submit(self, step: int, arguments: list[tuple], gate_calls_to_come: int = 0) -> Submitted:
+        if gate_calls_to_come:  # an actor task runs after the calls submitted before it, never after later ones
+            raise ValueError("a step run as actor tasks cannot wait for calls submitted after it")
         steps = [actor.run_step.remote(*worker_arguments)
                  for actor, worker_arguments in zip(self.executor.group.actors, arguments)]
         return Submitted(steps, steps, step)
@@ -99,6 +101,8 @@ class ActorTasks(StepDispatch):
 class Connections(StepDispatch):
     """The steps' calls over a connection to each worker (``step_calls="connections"``),
     opened again whenever the group's workers change."""
+
+    snapshots_follow_the_step = True
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(executor)
@@ -125,31 +129,33 @@ class Connections(StepDispatch):
         return self._gate_calls[actor]
 
     def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
-        """Each worker copies its snapshot once the next step first waits for a
-        neighbour (stage 0 after its forwards, the others before their first
-        activation arrives), not beside its first forward; the step's commit still
-        waits for the copy. Over open connections only: a snapshot waiting for a step
-        would hold up the set-up of a new one.
+        """Each worker's snapshot of the state the step just submitted starts from (submitted
+        with ``gate_calls_to_come=1``): copied once that step first waits for a neighbour
+        (stage 0 after its forwards, the others before their first activation arrives), not
+        beside its first forward; the step's commit waits for the copy. Over open connections
+        only: a snapshot waiting for a step would hold up the set-up of a new one.
 
         The snapshot call is the worker's next gate call itself (it opens the gate once
         the state is copied): one Ray task a worker a step, not two. The driver submits
-        them one by one, ~0.2 ms each, before it sends the step, so at a thousand workers
-        a second task each would hold every step's start ~0.2 s more. The copy is stored
+        them one by one, ~0.3 ms each, after it has sent the step, so they no longer hold
+        the step's start (at a thousand workers, ~0.3 s a snapshot step); a task reaches its
+        worker long before the step's first state change, which waits for it. The copy is stored
         (shipped into the object store) after the gate opened, beside the rest of the
         step and possibly past its commit: each task's second result says when it is
         (:attr:`SnapshotTasks.stored`)."""
         try:
             self._connected()
-        except (ray.exceptions.RayError, OSError):  # a worker lost between steps: the step's submit finds out
-            return super().snapshot_workers(actors)
+        except (ray.exceptions.RayError, OSError):  # lost since the step was sent: the step's collect finds out
+            return self.executor.snapshot_workers(actors)  # its gate call is the number the step waits for
         tasks = [actor.snapshot_at_first_wait.remote(self._next_gate_call(actor)) for actor in actors]
         return SnapshotTasks([state for state, _ in tasks], [stored for _, stored in tasks])
 
-    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
-        """Start the step (each worker once the calls it must follow have run); a
-        connection broken since the last step (a worker died between steps) is found here."""
+    def submit(self, step: int, arguments: list[tuple], gate_calls_to_come: int = 0) -> Submitted:
+        """Start the step (each worker once the calls it must follow have run, those submitted
+        before and ``gate_calls_to_come`` after); a connection broken since the last step (a
+        worker died between steps) is found here."""
         executor = self.executor
-        gated = [(self._gate_calls.get(actor, 0), worker_arguments)
+        gated = [(self._gate_calls.get(actor, 0) + gate_calls_to_come, worker_arguments)
                  for actor, worker_arguments in zip(executor.group.actors, arguments)]
         try:
             pending = self._connected().call(gated)

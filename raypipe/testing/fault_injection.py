@@ -358,7 +358,16 @@ class FakeExecutor:
         topology = self.topology()
         return {topology.place(rank): "died" for rank, actor in enumerate(self.group.actors) if not actor.alive}
 
+    def start_step(self, data_step: int, batch: Any, loss_scale: Any, snapshot: bool = False) -> tuple[Any, Any]:
+        """The executor's start of a step: here only what :meth:`finish_step` runs, with the snapshot
+        due taken first (as the tasks path orders it)."""
+        return (data_step, batch, loss_scale), self.snapshot_workers(self.group.actors) if snapshot else None
+
+    def finish_step(self, submitted: tuple[int, Any, Any]) -> Any:
+        return self.run_step(*submitted)
+
     def run_step(self, data_step: int, batch: Any, loss_scale: Any) -> Any:
+        """The whole step, run when :meth:`finish_step` waits for it."""
         started = [actor.run_step.remote(data_step) for actor in self.group.actors]
         dead = self._dead()
         if dead or any(ref.error is not None for ref in started):
@@ -417,8 +426,6 @@ class FakeExecutor:
     def snapshot_workers(self, actors: list) -> types.SimpleNamespace:
         # the executor's SnapshotTasks (a layer above): each stored with its task, as the tasks path does
         return types.SimpleNamespace(states=[actor.snapshot.remote() for actor in actors], stored=None)
-
-    snapshot_as_next_step_starts = snapshot_workers
 
     def drain(self, failed: Any) -> dict[int, str]:
         return {rank: "died" for rank, actor in enumerate(self.group.actors) if not actor.alive and rank not in failed}

@@ -117,6 +117,12 @@ class FakeExecutor:
     def check_usable(self) -> None:
         pass
 
+    def start_step(self, data_step: int, batch: Any, loss_scale: Any, snapshot: bool = False) -> tuple[Any, Any]:
+        return (data_step, batch, loss_scale), self.snapshot_workers(self.group.actors) if snapshot else None
+
+    def finish_step(self, submitted: tuple[int, Any, Any]) -> Any:
+        return self.run_step(*submitted)
+
     def run_step(self, data_step: int, batch: Any, loss_scale: Any) -> Any:
         if self.fail_next:
             raise WorkersFailed(data_step, self.fail_next.pop(0))
@@ -128,8 +134,6 @@ class FakeExecutor:
 
     def snapshot_workers(self, actors: list) -> SnapshotTasks:
         return SnapshotTasks([actor.snapshot.remote() for actor in actors])
-
-    snapshot_as_next_step_starts = snapshot_workers
 
     def drain(self, failed: Any) -> dict:
         return {}

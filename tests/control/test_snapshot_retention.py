@@ -55,7 +55,8 @@ class Executor:
             state.store()
         return SnapshotTasks(states)
 
-    def snapshot_as_next_step_starts(self, actors: list) -> SnapshotTasks:
+    def snapshot_with_step(self, actors: list) -> SnapshotTasks:
+        """The tasks of a snapshot submitted with the next step (the per-step executor's, over connections)."""
         self.receipts.append([Result() for _ in actors])
         return SnapshotTasks([Result() for _ in actors], list(self.receipts[-1]))
 
@@ -63,7 +64,8 @@ class Executor:
 def commit_and_take(snapshots: Snapshots, step: int) -> list[int]:
     """Step ``step`` committed and the next one starts: the steps of the snapshots held then."""
     snapshots.committed(step + 1, LoggedStep(step, None, None))
-    snapshots.take_due()
+    if snapshots.due:
+        snapshots.keep_due(snapshots.executor.snapshot_with_step(snapshots.executor.group.actors))
     return [snapshot.step for snapshot in snapshots.held]
 
 

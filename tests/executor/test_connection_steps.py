@@ -95,7 +95,7 @@ def snapshots_taken(monkeypatch) -> list:
 def record_snapshots(monkeypatch) -> list:
     """Every snapshot the driver takes from now on, in order (each new newest one of its :class:`Snapshots`)."""
     taken = []
-    for name in ("take", "take_due"):
+    for name in ("take", "keep_due"):
         def recording(self, *args, _original=getattr(Snapshots, name), **kwargs):
             _original(self, *args, **kwargs)
             if self.held and all(snapshot is not self.held[-1] for snapshot in taken):
