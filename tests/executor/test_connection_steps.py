@@ -239,31 +239,37 @@ def test_the_first_wait_is_the_first_receive_and_never_after_the_gated_op():
 
 
 def test_a_snapshot_is_its_workers_gate_call_one_task_a_worker_a_step(monkeypatch):
-    """The driver's side, no Ray: a snapshot taken as the next step starts takes each worker's next
-    gate number and is the only call it submits for it; the step waits for that number. Each task's
-    second result says when its state is stored (the step may commit before)."""
-    from raypipe.executor.step_dispatch import Connections
+    """The driver's side, no Ray: a snapshot taken with a step is submitted after that step is sent
+    (the driver's tasks do not hold its start), takes each worker's next gate number and is the only
+    call it submits for it; the step waits for that number. Each task's second result says when its
+    state is stored (the step may commit before)."""
+    from raypipe.executor.step_dispatch import ActorTasks, Connections
 
-    submitted, sent = [], []
+    submitted = []  # (worker, method, args) of each call, and ("step", gates) when a step is sent
 
     class Actor:  # records each call submitted to it; its results are named for the call
         def __getattr__(self, method: str) -> SimpleNamespace:
             def remote(*args):
-                submitted.append((self, method, args))
+                submitted.append((actors.index(self), method, args))
                 return (f"{method} {args} state", f"{method} {args} stored")
             return SimpleNamespace(remote=remote)
 
     actors = [Actor(), Actor()]
-    monkeypatch.setattr(Connections, "_connected", lambda self: SimpleNamespace(call=sent.append))
+    step_sent = lambda gated: submitted.append(("step", [gate for gate, _ in gated]))  # noqa: E731
+    monkeypatch.setattr(Connections, "_connected", lambda self: SimpleNamespace(call=step_sent))
     dispatch = Connections(SimpleNamespace(group=SimpleNamespace(actors=actors)))
+    assert dispatch.snapshots_follow_the_step and not ActorTasks.snapshots_follow_the_step
     dispatch.before_next_step(actors[:1])  # e.g. a checkpoint's copy on worker 0: its gate call 1
+    dispatch.submit(3, [("worker 0's arguments",), ("worker 1's arguments",)], gate_calls_to_come=1)
     tasks = dispatch.snapshot_workers(actors)
-    assert [(actors.index(actor), method, args) for actor, method, args in submitted] == [
-        (0, "open_step_gate", (1,)), (0, "snapshot_at_first_wait", (2,)), (1, "snapshot_at_first_wait", (1,))]
+    assert submitted == [(0, "open_step_gate", (1,)), ("step", [2, 1]), (0, "snapshot_at_first_wait", (2,)),
+                         (1, "snapshot_at_first_wait", (1,))]
     assert tasks.states == ["snapshot_at_first_wait (2,) state", "snapshot_at_first_wait (1,) state"]
     assert tasks.stored == ["snapshot_at_first_wait (2,) stored", "snapshot_at_first_wait (1,) stored"]
-    dispatch.submit(3, [("worker 0's arguments",), ("worker 1's arguments",)])
-    assert sent == [[(2, ("worker 0's arguments",)), (1, ("worker 1's arguments",))]]
+    dispatch.submit(4, [("worker 0's arguments",), ("worker 1's arguments",)])  # no snapshot: the same numbers
+    assert submitted[-1] == ("step", [2, 1])
+    with pytest.raises(ValueError, match="cannot wait for calls submitted after it"):
+        ActorTasks(SimpleNamespace(group=SimpleNamespace(actors=actors))).submit(5, [(), ()], gate_calls_to_come=1)
 
 
 @pytest.mark.parametrize("copy_fails", [False, True])
