@@ -442,9 +442,9 @@ class P2PChannel:
         A gather and a broadcast rather than ``all_reduce``: the statistics are a few numbers a
         virtual stage, so the reduction is all latency, and gloo's all-reduce is a ring that passes
         2(n - 1) messages one after another once the last worker (stage 0, after its last backward)
-        arrives. Gathered, the others' numbers are already at the first rank when it arrives: 0.85 ms
-        from the last arrival to every worker's return against the ring's 2.75 at n = 4 (gloo, one
-        2-core machine, medians of 50; benchmarks/RESULTS.md)."""
+        arrives. Gathered, the others' numbers are already at the first rank when it arrives: from
+        that arrival to every worker's return 1.3 ms against the ring's 5.2 at n = 4, 3.2 against
+        17.8 at n = 8 (gloo on one 2-core machine; ``benchmarks/bench_step_decision.py``)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self._control_device)
         self._waits.refuse_after_abort("reduction")
         first = dist.get_rank(self.control) == 0
