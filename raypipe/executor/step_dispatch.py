@@ -138,8 +138,10 @@ class Connections(StepDispatch):
         The snapshot call is the worker's next gate call itself (it opens the gate once
         the state is copied): one Ray task a worker a step, not two. The driver submits
         them one by one, ~0.3 ms each, after it has sent the step, so they no longer hold
-        the step's start (at a thousand workers, ~0.3 s a snapshot step); a task reaches its
-        worker long before the step's first state change, which waits for it. The copy is stored
+        the step's start (at a thousand workers, ~0.3 s a snapshot step): the step's first op that
+        changes saved state waits for the task (the commit, long after it arrives; the first
+        forward where the layers save buffers, which waits about as long as it waited for the
+        step's own call when the tasks went first). The copy is stored
         (shipped into the object store) after the gate opened, beside the rest of the
         step and possibly past its commit: each task's second result says when it is
         (:attr:`SnapshotTasks.stored`)."""
