@@ -142,6 +142,9 @@ def run_replicated_stage(rank: int, port: int) -> None:
         torch.testing.assert_close(gradients[1], torch.arange(4, dtype=torch.float64) * sum(r + 1 for r in others))
         assert torch.all(gradients[2] == sum(others))
         assert channel.all_reduce_sum([1.0, float(rank)]) == [4.0, 6.0]
+        # added in rank order on every worker (the in-process harness's order): another order gives 0.0 or 2.0
+        addends = [1e16, 1.0, -1e16, 1.0]
+        assert channel.all_reduce_sum([addends[rank]]) == [sum(addends)] == [1.0]
     finally:
         channel.leave()
 
