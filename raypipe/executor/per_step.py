@@ -63,13 +63,12 @@ class PerStepExecutor(Executor):
 
     def start_step(self, step: int, batch: MicroBatches | None, loss_scale: float | None,
                    snapshot: bool = False) -> tuple[Submitted, SnapshotTasks | None]:
-        """:meth:`Executor.start_step`; over connections the snapshot's tasks are submitted after
-        the step, which waits for them (:meth:`~raypipe.executor.step_dispatch.Connections.snapshot_workers`),
-        so the driver's one task a worker no longer holds the step's start."""
-        if not (snapshot and self.dispatch.snapshots_follow_the_step):
-            return super().start_step(step, batch, loss_scale, snapshot)
-        self.in_flight = self.dispatch.submit(step, self.step_arguments(step, batch, loss_scale), gate_calls_to_come=1)
-        return self.in_flight, self.dispatch.snapshot_workers(self.group.actors)
+        """:meth:`Executor.start_step`, in the order of the dispatch: over connections the snapshot's
+        tasks go after the step, which waits for them
+        (:meth:`~raypipe.executor.step_dispatch.Connections.start_step`)."""
+        self.in_flight, snapshot_tasks = self.dispatch.start_step(step, self.step_arguments(step, batch, loss_scale),
+                                                                  snapshot)
+        return self.in_flight, snapshot_tasks
 
     def step_arguments(self, step: int, batch: MicroBatches | None, loss_scale: float | None) -> list[tuple]:
         """Each worker's ``run_step`` arguments, in rank order: each replica runs its

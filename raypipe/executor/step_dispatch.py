@@ -51,10 +51,6 @@ class StepDispatch(ABC):
     (``executor``: the per-step executor, through the :class:`Executor` interface it
     implements, so this module needs nothing of the one that composes it)."""
 
-    #: whether a snapshot of the state a step starts from is submitted after that step (which waits
-    #: for it) rather than before
-    snapshots_follow_the_step = False
-
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
 
@@ -65,9 +61,14 @@ class StepDispatch(ABC):
         """The workers are about to be killed."""
 
     @abstractmethod
-    def submit(self, step: int, arguments: list[tuple], gate_calls_to_come: int = 0) -> Submitted:
-        """Start ``run_step(*arguments[rank])`` on every worker; each worker's step also waits for
-        ``gate_calls_to_come`` gate calls submitted after it (a snapshot: :attr:`snapshots_follow_the_step`)."""
+    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
+        """Start ``run_step(*arguments[rank])`` on every worker."""
+
+    def start_step(self, step: int, arguments: list[tuple], snapshot: bool) -> tuple[Submitted, SnapshotTasks | None]:
+        """:meth:`Executor.start_step` with the step's arguments: here the snapshot first, then the
+        step (actor tasks run in submission order)."""
+        snapshot_tasks = self.executor.snapshot_workers(self.executor.group.actors) if snapshot else None
+        return self.submit(step, arguments), snapshot_tasks
 
     @abstractmethod
     def collect(self, submitted: Submitted) -> StepOutcome:
@@ -84,9 +85,7 @@ class StepDispatch(ABC):
 class ActorTasks(StepDispatch):
     """One ``run_step`` actor task per worker (``step_calls="tasks"``)."""
 
-    def submit(self, step: int, arguments: list[tuple], gate_calls_to_come: int = 0) -> Submitted:
-        if gate_calls_to_come:  # an actor task runs after the calls submitted before it, never after later ones
-            raise ValueError("a step run as actor tasks cannot wait for calls submitted after it")
+    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
         steps = [actor.run_step.remote(*worker_arguments)
                  for actor, worker_arguments in zip(self.executor.group.actors, arguments)]
         return Submitted(steps, steps, step)
@@ -101,8 +100,6 @@ class ActorTasks(StepDispatch):
 class Connections(StepDispatch):
     """The steps' calls over a connection to each worker (``step_calls="connections"``),
     opened again whenever the group's workers change."""
-
-    snapshots_follow_the_step = True
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(executor)
@@ -128,9 +125,15 @@ class Connections(StepDispatch):
         self._gate_calls[actor] = self._gate_calls.get(actor, 0) + 1
         return self._gate_calls[actor]
 
+    def start_step(self, step: int, arguments: list[tuple], snapshot: bool) -> tuple[Submitted, SnapshotTasks | None]:
+        """The step first, then (``snapshot``) its snapshot's tasks (:meth:`snapshot_workers`), whose
+        gate numbers the step already counts, so the driver's tasks do not hold the step's start."""
+        if not snapshot:
+            return self.submit(step, arguments), None
+        return self._send(step, arguments, gate_calls_to_come=1), self.snapshot_workers(self.executor.group.actors)
+
     def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
-        """Each worker's snapshot of the state the step just submitted starts from (submitted
-        with ``gate_calls_to_come=1``): copied once that step first waits for a neighbour
+        """Each worker's snapshot of the state the step just sent starts from (:meth:`start_step`): copied once that step first waits for a neighbour
         (stage 0 after its forwards, the others before their first activation arrives), not
         beside its first forward; the step's commit waits for the copy. Over open connections
         only: a snapshot waiting for a step would hold up the set-up of a new one.
@@ -152,7 +155,10 @@ class Connections(StepDispatch):
         tasks = [actor.snapshot_at_first_wait.remote(self._next_gate_call(actor)) for actor in actors]
         return SnapshotTasks([state for state, _ in tasks], [stored for _, stored in tasks])
 
-    def submit(self, step: int, arguments: list[tuple], gate_calls_to_come: int = 0) -> Submitted:
+    def submit(self, step: int, arguments: list[tuple]) -> Submitted:
+        return self._send(step, arguments)
+
+    def _send(self, step: int, arguments: list[tuple], gate_calls_to_come: int = 0) -> Submitted:
         """Start the step (each worker once the calls it must follow have run, those submitted
         before and ``gate_calls_to_come`` after); a connection broken since the last step (a
         worker died between steps) is found here."""

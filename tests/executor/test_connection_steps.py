@@ -258,18 +258,20 @@ def test_a_snapshot_is_its_workers_gate_call_one_task_a_worker_a_step(monkeypatc
     step_sent = lambda gated: submitted.append(("step", [gate for gate, _ in gated]))  # noqa: E731
     monkeypatch.setattr(Connections, "_connected", lambda self: SimpleNamespace(call=step_sent))
     dispatch = Connections(SimpleNamespace(group=SimpleNamespace(actors=actors)))
-    assert dispatch.snapshots_follow_the_step and not ActorTasks.snapshots_follow_the_step
     dispatch.before_next_step(actors[:1])  # e.g. a checkpoint's copy on worker 0: its gate call 1
-    dispatch.submit(3, [("worker 0's arguments",), ("worker 1's arguments",)], gate_calls_to_come=1)
-    tasks = dispatch.snapshot_workers(actors)
+    _, tasks = dispatch.start_step(3, [("worker 0's arguments",), ("worker 1's arguments",)], snapshot=True)
     assert submitted == [(0, "open_step_gate", (1,)), ("step", [2, 1]), (0, "snapshot_at_first_wait", (2,)),
                          (1, "snapshot_at_first_wait", (1,))]
     assert tasks.states == ["snapshot_at_first_wait (2,) state", "snapshot_at_first_wait (1,) state"]
     assert tasks.stored == ["snapshot_at_first_wait (2,) stored", "snapshot_at_first_wait (1,) stored"]
-    dispatch.submit(4, [("worker 0's arguments",), ("worker 1's arguments",)])  # no snapshot: the same numbers
-    assert submitted[-1] == ("step", [2, 1])
-    with pytest.raises(ValueError, match="cannot wait for calls submitted after it"):
-        ActorTasks(SimpleNamespace(group=SimpleNamespace(actors=actors))).submit(5, [(), ()], gate_calls_to_come=1)
+    _, tasks = dispatch.start_step(4, [("worker 0's arguments",), ("worker 1's arguments",)], snapshot=False)
+    assert tasks is None and submitted[-1] == ("step", [2, 1])  # no snapshot: the same numbers
+    # as actor tasks, which run in submission order, the snapshot goes first (the executor's, then the step)
+    del submitted[:]
+    executor = SimpleNamespace(group=SimpleNamespace(actors=actors),
+                               snapshot_workers=lambda workers: submitted.append("snapshot") or "tasks")
+    assert ActorTasks(executor).start_step(5, [(), ()], snapshot=True)[1] == "tasks"
+    assert submitted == ["snapshot", (0, "run_step", ()), (1, "run_step", ())]
 
 
 @pytest.mark.parametrize("copy_fails", [False, True])
