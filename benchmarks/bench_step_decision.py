@@ -1,11 +1,12 @@
 """The step decision's reduction of gradient statistics over gloo: a ring all-reduce against
-the gather and broadcast that ``P2PChannel.all_reduce_sum`` runs.
+``P2PChannel.all_reduce_sum`` itself (a gather to rank 0 and a broadcast).
 
 Every worker adds a few float64 numbers a virtual stage (squared norm, overflow flag, loss
 share), so the reduction is all latency. In a 1F1B step stage 0 ends last (its last
 backward), while the others already wait in the reduction: what the step pays is the time
 from that last arrival to every worker's return. Here ``n`` processes on gloo (no Ray), the
-last rank arriving ``--late-ms`` after the others each round; per contender the median
+ranks a one-replica pipeline of ``n`` stages, each its own ``P2PChannel``, rank 0 arriving
+``--late-ms`` after the others each round; per contender the median
 [min-max] over the rounds of (the last worker's return - the late rank's start), in ms.
 The contenders alternate round by round in one process group.
 
@@ -14,7 +15,6 @@ The contenders alternate round by round in one process group.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import time
@@ -23,34 +23,26 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raypipe.comm.p2p import P2PChannel
+from raypipe.core.topology import Topology
+
 NUMBERS = 12  # 3 numbers a virtual stage, 4 virtual stages
 
 
-def ring_all_reduce(values: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(values)
-    return values
+def ring_all_reduce(_: P2PChannel, values: list[float]) -> list[float]:
+    """What ``all_reduce_sum`` ran before: gloo's all-reduce (a ring) over the same group."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
 
 
-def gather_and_broadcast(values: torch.Tensor) -> torch.Tensor:
-    """As ``P2PChannel.all_reduce_sum``: summed in rank order by rank 0, broadcast from it."""
-    first = dist.get_rank() == 0
-    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())] if first else None
-    dist.gather(values, parts, group_dst=0)
-    if first:
-        values = parts[0]
-        for part in parts[1:]:
-            values += part
-    dist.broadcast(values, group_src=0)
-    return values
-
-
-CONTENDERS = {"gloo ring all_reduce": ring_all_reduce, "gather + broadcast (raypipe)": gather_and_broadcast}
+CONTENDERS = {"gloo ring all_reduce": ring_all_reduce, "P2PChannel.all_reduce_sum (raypipe)": P2PChannel.all_reduce_sum}
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    channel = P2PChannel(Topology(num_stages=world), 0, rank, torch.device("cpu"))
+    channel.join("127.0.0.1", port, timeout_s=60)
     late = 0  # stage 0 after its last backward: rank 0 of raypipe's control group, where the gather ends
     seconds = {name: [] for name in CONTENDERS}
     for round_index in range(args.warmup + args.rounds):
@@ -59,16 +51,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
             if rank == late:
                 time.sleep(args.late_ms / 1e3)
             start = time.perf_counter()
-            total = reduce(torch.full((NUMBERS,), float(rank), dtype=torch.float64))
+            total = reduce(channel, [float(rank)] * NUMBERS)
             end = time.perf_counter()
-            assert total[0].item() == world * (world - 1) / 2
+            assert total[0] == world * (world - 1) / 2
             stamps = [torch.empty(2, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(stamps, torch.tensor([start, end], dtype=torch.float64))
             if rank == 0 and round_index >= args.warmup:  # one clock: the processes share the machine's
                 seconds[name].append(max(stamp[1].item() for stamp in stamps) - stamps[late][0].item())
     if rank == 0:
         results.put(seconds)
-    dist.destroy_process_group()
+    channel.leave()
 
 
 def _free_port() -> int:

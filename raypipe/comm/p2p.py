@@ -443,8 +443,8 @@ class P2PChannel:
         virtual stage, so the reduction is all latency, and gloo's all-reduce is a ring that passes
         2(n - 1) messages one after another once the last worker (stage 0, after its last backward)
         arrives. Gathered, the others' numbers are already at the first rank when it arrives: from
-        that arrival to every worker's return 1.3 ms against the ring's 5.2 at n = 4, 3.2 against
-        17.8 at n = 8 (gloo on one 2-core machine; ``benchmarks/bench_step_decision.py``)."""
+        that arrival to every worker's return 1.0 ms against the ring's 5.8 at n = 4, 2.0 against
+        17.7 at n = 8 (gloo on one 2-core machine; ``benchmarks/bench_step_decision.py``)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self._control_device)
         self._waits.refuse_after_abort("reduction")
         first = dist.get_rank(self.control) == 0
