@@ -1,10 +1,13 @@
 """Measure what a stage holds for backward: tensors saved by autograd."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # statm counts pages
 
 
 class SavedTensorMeter:
@@ -137,11 +140,24 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now."""
-    import psutil
+_statm: tuple[int, int] | None = None  # (pid, a descriptor of that process's /proc/<pid>/statm), kept open
 
-    return psutil.Process().memory_info().rss
+
+def rss_bytes() -> int:
+    """Resident set size of this process now. Read every step by every worker, so on Linux
+    it is one ``pread`` of ``/proc/<pid>/statm`` on a descriptor kept open (~1.5 us, against
+    ~25 us for a new ``psutil.Process().memory_info()``: 2-4% of a small stage's whole step in
+    one process); opened again in a forked child, whose pid differs. Elsewhere psutil's."""
+    global _statm
+    pid = os.getpid()
+    if _statm is None or _statm[0] != pid:
+        try:
+            _statm = pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+        except OSError:  # no procfs (not Linux)
+            import psutil
+
+            return psutil.Process().memory_info().rss
+    return int(os.pread(_statm[1], 256, 0).split()[1]) * _PAGE_BYTES
 
 
 def device_memory_bytes(device: torch.device) -> dict[str, int | None]:

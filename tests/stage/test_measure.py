@@ -60,3 +60,32 @@ def test_a_new_shape_is_metered_at_once(counted):
     alone, _ = held_bytes(large)
     assert held[1] == alone[0] != held[0]
     assert held[2] == held[0]
+
+
+def test_the_resident_set_is_this_process_own_read_again_in_a_forked_child():
+    """rss_bytes() reads /proc/<pid>/statm on a descriptor it keeps: psutil's figure, and a forked
+    child (the gloo harness forks stage processes) reads its own file, not its parent's."""
+    import gc
+    import os
+
+    import psutil
+
+    assert measure.rss_bytes() == pytest.approx(psutil.Process().memory_info().rss, rel=0.05)
+    grown = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched: resident in this process
+    parent = measure.rss_bytes()
+    assert parent >= 64 * 2**20
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child frees the 64 MiB its copy of the parent holds, then reads its own figure
+        try:
+            del grown  # nothing is imported in the child: another thread may have held the import lock at the fork
+            gc.collect()
+            own = measure.rss_bytes()
+            os.write(write, f"{own} {psutil.Process().memory_info().rss} {measure._statm[0] == os.getpid()}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    own, by_psutil, reopened = os.read(read, 200).decode().split()
+    os.waitpid(child, 0)
+    assert reopened == "True" and int(own) == pytest.approx(int(by_psutil), rel=0.05)
+    del grown
