@@ -133,21 +133,21 @@ class Connections(StepDispatch):
         return self._send(step, arguments, gate_calls_to_come=1), self.snapshot_workers(self.executor.group.actors)
 
     def snapshot_workers(self, actors: list[Any]) -> SnapshotTasks:
-        """Each worker's snapshot of the state the step just sent starts from (:meth:`start_step`): copied once that step first waits for a neighbour
-        (stage 0 after its forwards, the others before their first activation arrives), not
-        beside its first forward; the step's commit waits for the copy. Over open connections
-        only: a snapshot waiting for a step would hold up the set-up of a new one.
+        """Each worker's snapshot of the state the step just sent starts from (:meth:`start_step`):
+        copied once that step first waits for a neighbour (stage 0 after its forwards, the others
+        before their first activation arrives), not beside its first forward; the step's commit
+        waits for the copy. Over open connections only: a snapshot waiting for a step would hold
+        up the set-up of a new one.
 
-        The snapshot call is the worker's next gate call itself (it opens the gate once
-        the state is copied): one Ray task a worker a step, not two. The driver submits
-        them one by one, ~0.3 ms each, after it has sent the step, so they no longer hold
-        the step's start (at a thousand workers, ~0.3 s a snapshot step): the step's first op that
-        changes saved state waits for the task (the commit, long after it arrives; the first
-        forward where the layers save buffers, which waits about as long as it waited for the
-        step's own call when the tasks went first). The copy is stored
-        (shipped into the object store) after the gate opened, beside the rest of the
-        step and possibly past its commit: each task's second result says when it is
-        (:attr:`SnapshotTasks.stored`)."""
+        The snapshot call is the worker's next gate call itself (it opens the gate once the
+        state is copied): one Ray task a worker a step, not two. The driver submits them one by
+        one, ~0.3 ms each, after it has sent the step, so they do not hold the step's start (at a
+        thousand workers, ~0.3 s a snapshot step): the step's first op that changes saved state
+        waits for the task (the commit, long after it arrives; the first forward where the layers
+        save buffers, which waits about as long as it waited for the step's own call when the
+        tasks went first). The copy is stored (shipped into the object store) after the gate
+        opened, beside the rest of the step and possibly past its commit: each task's second
+        result says when it is (:attr:`SnapshotTasks.stored`)."""
         try:
             self._connected()
         except (ray.exceptions.RayError, OSError):  # lost since the step was sent: the step's collect finds out
