@@ -96,7 +96,9 @@ CONFIGS = [
     Config("p4-m8-gpipe", 4, 8, "gpipe"),
     Config("p4-m8-1f1b", 4, 8, "1f1b"),
     Config("p4-m8-zb_h1", 4, 8, "zb_h1"),
+    Config("p4-m16-gpipe", 4, 16, "gpipe"),
     Config("p4-m16-1f1b", 4, 16, "1f1b"),
+    Config("p4-m16-zb_h1", 4, 16, "zb_h1"),
     Config("p4-m8-1f1b-link8ms", 4, 8, "1f1b", boundary_ms=8.0),
     Config("d2-p2-m8-1f1b", 2, 8, "1f1b", replicas=2),
     Config("d2-p4-m4-gpipe", 4, 4, "gpipe", replicas=2),
@@ -104,6 +106,7 @@ CONFIGS = [
     Config("p8-m16-zb_h1", 8, 16, "zb_h1"),
     Config("p4-m8-interleaved_1f1b", 4, 8, "interleaved_1f1b", chunks=2),
     Config("p4-m8-zbv", 4, 8, "zbv", chunks=2),
+    Config("p4-m16-interleaved_1f1b", 4, 16, "interleaved_1f1b", chunks=2),
     Config("p4-m16-zbv", 4, 16, "zbv", chunks=2),
     Config("p8-m8-zbv", 8, 8, "zbv", chunks=2),  # below 2m = 3p - 1: zbv's list-scheduled order
 ]

@@ -3,7 +3,7 @@
 An executor submits one step (:meth:`Executor.submit`), collects its outcome
 (:meth:`Executor.collect`), and on failure aborts it (:meth:`Executor.abort`):
 every worker drops the step, the transport is made whole, and the cause is
-raised. :meth:`Executor.run_step` is that path.
+raised. :meth:`Executor.start_step` and :meth:`Executor.finish_step` are that path.
 
 A failed worker's neighbours are released by gloo at once (a receive from a
 peer that left raises), but not by NCCL: there a neighbour blocked on the failed
