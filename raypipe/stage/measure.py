@@ -140,7 +140,8 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-_statm: tuple[int, int] | None = None  # (pid, a descriptor of that process's /proc/self/statm), kept open
+# (pid, a descriptor of that process's /proc/self/statm kept open, or None where there is no procfs)
+_statm: tuple[int, int | None] | None = None
 
 
 def rss_bytes() -> int:
@@ -148,16 +149,20 @@ def rss_bytes() -> int:
     it is one ``pread`` of ``/proc/self/statm`` on a descriptor kept open (~1.5 us, against
     ~25 us for a new ``psutil.Process().memory_info()``: 2-4% of a small stage's whole step in
     one process); "self" is resolved when it is opened, so a forked child, whose pid differs,
-    opens its own. Elsewhere psutil's."""
+    closes the descriptor it inherited and opens its own. Without procfs, psutil's."""
     global _statm
     pid = os.getpid()
     if _statm is None or _statm[0] != pid:
+        if _statm is not None and _statm[1] is not None:
+            os.close(_statm[1])  # the parent's, inherited across the fork
         try:
             _statm = pid, os.open("/proc/self/statm", os.O_RDONLY)
-        except OSError:  # no procfs (not Linux)
-            import psutil
+        except OSError:  # no procfs (not Linux): asked once a process
+            _statm = pid, None
+    if _statm[1] is None:
+        import psutil
 
-            return psutil.Process().memory_info().rss
+        return psutil.Process().memory_info().rss
     return int(os.pread(_statm[1], 256, 0).split()[1]) * _PAGE_BYTES
 
 

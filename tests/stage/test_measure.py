@@ -63,8 +63,8 @@ def test_a_new_shape_is_metered_at_once(counted):
 
 
 def test_the_resident_set_is_this_process_own_read_again_in_a_forked_child():
-    """rss_bytes() reads /proc/<pid>/statm on a descriptor it keeps: psutil's figure, and a forked
-    child (the gloo harness forks stage processes) reads its own file, not its parent's."""
+    """rss_bytes() reads /proc/self/statm on a descriptor it keeps: psutil's figure, and a forked
+    child (the gloo harness forks stage processes) opens and reads its own file, not its parent's."""
     import gc
     import os
 
