@@ -170,6 +170,23 @@ class WorkersFailed(RaypipeError):
         return (type(self), (self.step, self.workers, self.detail))
 
 
+class WorkersLost(RaypipeError):
+    """Workers of the running group found dead, unreachable or hung while the driver waited on
+    calls to them outside a step (a heal's state transfer, a group re-formed, a grow):
+    ``ranks`` maps each one's rank in the group to why ("died", "unreachable" or "hung").
+    A layout change folds it into the heal under way as :class:`WorkersFailed`. Without the
+    watch, a call to a stopped (SIGSTOPped, wedged) worker returns only once gRPC's keepalive
+    gives up on it, minutes later."""
+
+    def __init__(self, ranks: dict[int, str]) -> None:
+        self.ranks = dict(ranks)
+        super().__init__("workers found lost while the driver waited on calls to them: " + ", ".join(
+            f"rank {rank} {why}" for rank, why in sorted(self.ranks.items())))
+
+    def __reduce__(self):
+        return (type(self), (self.ranks,))
+
+
 class TooManyFailures(RaypipeError):
     """More failure events than ``max_failures``; ``failures`` lists every one."""
 
@@ -181,6 +198,8 @@ class TooManyFailures(RaypipeError):
 
     def __reduce__(self):
         return (type(self), (self.max_failures, self.failures))
+
+
 class DataAccessError(RaypipeError):
     """A worker that reads the dataset cannot use it where it runs; raised before step 0.
 

@@ -2,7 +2,10 @@
 swap) that itself meets a lost worker goes on, never ending in a raw Ray error.
 
 - A worker lost while the change runs makes one of its calls raise Ray's error (or
-  raypipe's, from :meth:`~raypipe.executor.base.Executor.get`). :func:`folded` probes
+  raypipe's, from :meth:`~raypipe.executor.base.Executor.get`), or the heartbeats that
+  watch every wait on the workers' calls find it dead or hung first
+  (:class:`~raypipe.errors.WorkersLost`: a stopped worker's call would otherwise wait
+  until gRPC's keepalive gave up on it, minutes later). :func:`folded` probes
   the workers then and raises :class:`~raypipe.errors.WorkersFailed` naming the lost
   ones, which the :class:`~raypipe.control.controller.Controller` folds into the heal under
   way (its failed workers are added to those being replaced, and the heal starts over
@@ -24,7 +27,7 @@ from typing import Any
 import ray
 
 from raypipe.core.topology import Topology
-from raypipe.errors import PlacementError, RaypipeError, WorkersFailed
+from raypipe.errors import PlacementError, RaypipeError, WorkersFailed, WorkersLost
 from raypipe.runtime.health import Watchdog
 
 logger = logging.getLogger("raypipe")
@@ -33,10 +36,12 @@ RETRY_PAUSE_S = 0.5  # between starts of a replacement that died while it starte
 
 
 def lost_workers(actors: list[Any], hang_timeout_s: float, num_stages: int, step: int, detail: str,
-                 tensor_parallel: int = 1) -> WorkersFailed | None:
+                 tensor_parallel: int = 1, known: dict[int, str] | None = None) -> WorkersFailed | None:
     """The workers among ``actors`` (``tensor_parallel`` per stage) found dead or hung now (a
-    heartbeat each, up to ``hang_timeout_s``), as a failure after step ``step``; None when every one answers."""
-    failed = Watchdog(hang_timeout_s).probe(actors)
+    heartbeat each, up to ``hang_timeout_s``), as a failure after step ``step``, with those
+    ``known`` lost already (by rank: not asked again); None when every one answers."""
+    known = known or {}
+    failed = {**Watchdog(hang_timeout_s).probe(actors, skip=known), **known}
     if not failed:
         return None
     topology = Topology.of_workers(num_stages, len(actors), tensor_parallel)
@@ -45,9 +50,11 @@ def lost_workers(actors: list[Any], hang_timeout_s: float, num_stages: int, step
 
 
 @contextmanager
-def folded(probe: Callable[[str], WorkersFailed | None], during: str, usable: Callable[[], bool]) -> Iterator[None]:
+def folded(probe: Callable[[str, dict[int, str]], WorkersFailed | None], during: str,
+           usable: Callable[[], bool]) -> Iterator[None]:
     """Run the block; a Ray or raypipe error it raises becomes the :class:`WorkersFailed`
-    that ``probe(detail)`` finds (the workers lost ``during`` the block), for the heal to
+    that ``probe(detail, known)`` finds (the workers lost ``during`` the block; ``known``:
+    those a :class:`~raypipe.errors.WorkersLost` already named, by rank), for the heal to
     fold in. Passed unchanged: a WorkersFailed, a placement error (the policy's to decide),
     an error once the group is not ``usable()`` (a heal gave up), and any error no lost
     worker explains."""
@@ -59,7 +66,8 @@ def folded(probe: Callable[[str], WorkersFailed | None], during: str, usable: Ca
         if isinstance(error, PlacementError) or not usable():
             raise
         lines = str(error).strip().splitlines() or [type(error).__name__]
-        failure = probe(f"{during}: {lines[-1] if isinstance(error, ray.exceptions.RayError) else lines[0]}")
+        known = error.ranks if isinstance(error, WorkersLost) else {}
+        failure = probe(f"{during}: {lines[-1] if isinstance(error, ray.exceptions.RayError) else lines[0]}", known)
         if failure is None:
             raise
         raise failure from error

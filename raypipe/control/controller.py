@@ -611,16 +611,17 @@ class Controller:
                 self._enter(Failed(type(error).__name__, reason=first_line.rstrip(":")[:200]))
             raise
 
-    def _probe(self, step: int, detail: str) -> WorkersFailed | None:
-        """The workers found dead or hung now, as a failure after step ``step``; None when every one answers."""
+    def _probe(self, step: int, detail: str, known: dict[int, str] | None = None) -> WorkersFailed | None:
+        """The workers found dead or hung now (with those ``known`` lost, by rank), as a failure
+        after step ``step``; None when every one answers."""
         return lost_workers(self.executor.group.actors, self._config.hang_timeout_s, self._config.num_stages, step,
-                            detail, self._config.tensor_parallel)
+                            detail, self._config.tensor_parallel, known)
 
     def _folded(self, during: str, step: int | None = None) -> Any:
         """A worker lost ``during`` a layout change (or a call after step ``step``) raises
         :class:`WorkersFailed` (see :mod:`raypipe.control.compound`)."""
-        return folded(lambda detail: self._probe(self._commits if step is None else step, detail), during,
-                      lambda: self.executor.usable)
+        return folded(lambda detail, known: self._probe(self._commits if step is None else step, detail, known),
+                      during, lambda: self.executor.usable)
 
     # -- the heal: state -> policy -> mechanism -> state --------------------------------
     def _view(self, failed: dict[int, str] | None = None, **facts: Any) -> LayoutView:

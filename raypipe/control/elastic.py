@@ -45,11 +45,12 @@ import ray
 
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import replica_blocks
-from raypipe.errors import PlacementError
+from raypipe.errors import PlacementError, WorkersLost
 from raypipe.executor.base import Executor
 from raypipe.runtime import cluster, spread
 from raypipe.runtime.autoscaling import ResourceRequest
 from raypipe.runtime.group import NewReplica
+from raypipe.runtime.health import get_watched
 from raypipe.stage.spec import WorkerSpec
 
 logger = logging.getLogger("raypipe")
@@ -154,14 +155,17 @@ class Resizer:
         sharded = self.config.shard_optimizer
         try:
             ray.get(starting.ready)
+            # from here on the workers answer heartbeats: a stopped one is found hung (WorkersLost), not waited for
+            watched = old + list(starting.actors)
             if sharded:  # every replica's state, before the new layout moves parameters to other owners
                 snapshots = [actor.snapshot.remote() for actor in old]
                 ray.wait(snapshots, num_returns=len(snapshots), fetch_local=False)
             else:  # each new worker restores the same (stage, tp_rank) of the first replica, worker to worker
-                ray.get([actor.restore.remote(old[rank].snapshot.remote())
-                         for rank, actor in enumerate(starting.actors)])
-            ray.get([actor.committed_steps.remote() for actor in old])  # a lost one fails the grow, not the layout
-        except ray.exceptions.RayError as error:
+                self._get_watched([actor.restore.remote(old[rank].snapshot.remote())
+                                   for rank, actor in enumerate(starting.actors)], watched)
+            # a lost one fails the grow, not the layout
+            self._get_watched([actor.committed_steps.remote() for actor in old], watched)
+        except (ray.exceptions.RayError, WorkersLost) as error:
             logger.warning("raypipe: a worker failed before the new replica joined (%s); asking for another "
                            "replica", str(error).strip().splitlines()[-1])
             starting.cancel()
@@ -173,8 +177,9 @@ class Resizer:
             self.executor.relayout(old)
             if sharded:  # ZeRO-1: every worker adopts its (stage, tp_rank)'s parts from every old replica
                 per = self._per_replica
-                ray.get([actor.adopt.remote(*snapshots[rank % per::per]) for rank, actor in enumerate(group.actors)])
-        except ray.exceptions.RayError as error:
+                self._get_watched([actor.adopt.remote(*snapshots[rank % per::per])
+                                   for rank, actor in enumerate(group.actors)], group.actors)
+        except (ray.exceptions.RayError, WorkersLost) as error:
             return self._undo_admit(old, snapshots if sharded else None, error)
         logger.warning("raypipe: grew from %d to %d replica(s)", self.running - 1, self.running)
         return list(range(len(old), len(group.actors)))
@@ -183,7 +188,8 @@ class Resizer:
         """A worker was lost while every worker took the grown layout: the new replica
         goes (asked for again) and the old workers take their layout back (with ZeRO-1
         their own state too: some may have adopted new parts). One of them lost raises
-        Ray's error here, which the heal folds in (re-giving every worker its spec)."""
+        Ray's error here (or :class:`~raypipe.errors.WorkersLost`, stopped), which the heal
+        folds in (re-giving every worker its spec)."""
         logger.warning("raypipe: a worker failed while the new replica joined (%s); undoing the grow and "
                        "asking for another replica", str(error).strip().splitlines()[-1])
         group = self.executor.group
@@ -192,8 +198,14 @@ class Resizer:
         self._ask_for(1)
         self.executor.relayout(old)
         if snapshots is not None:
-            ray.get([actor.restore.remote(snapshot) for actor, snapshot in zip(old, snapshots)])
+            self._get_watched([actor.restore.remote(snapshot) for actor, snapshot in zip(old, snapshots)], old)
         return None
+
+    def _get_watched(self, refs: list, actors: list[Any]) -> list:
+        """``ray.get`` of calls to ``actors``, whose heartbeats are watched meanwhile: a stopped one
+        raises :class:`~raypipe.errors.WorkersLost` within ``hang_timeout_s``, not when gRPC's
+        keepalive gives up on its call, minutes later."""
+        return get_watched(refs, actors, self.config.hang_timeout_s)
 
     def take_partition(self, config: PipelineConfig, stages: list[WorkerSpec]) -> None:
         """The running replicas' layers moved to other stages (a rebalance: ``config``'s balance, the

@@ -67,18 +67,21 @@ class PersistedCheckpoints:
         """The step of the newest checkpoint a heal can replay from; None when there is none."""
         return next((state.step for state in reversed(self._states) if state.since is not None), None)
 
-    def restore(self, actors: list, settle: Callable[[], None]) -> PersistedState:
+    def restore(self, actors: list, settle: Callable[[], None], get: Callable[[list], list] = ray.get
+                ) -> PersistedState:
         """Every worker drops any partial step and loads the newest intact checkpoint;
-        returns it (the caller replays ``since``). ``settle()`` first finishes a save in flight."""
+        returns it (the caller replays ``since``). ``settle()`` first finishes a save in flight;
+        ``get`` waits for the workers' calls (the controller's watches them: one found lost
+        raises past this)."""
         settle()
         problems = []
         for state in reversed(self._states):
             if state.since is None:
                 continue
             try:
-                ray.get([actor.abort_step.remote() for actor in actors])
-                ray.get([actor.load_checkpoint.remote(state.root_uri, state.step, state.optimizer_parts)
-                         for actor in actors])
+                get([actor.abort_step.remote() for actor in actors])
+                get([actor.load_checkpoint.remote(state.root_uri, state.step, state.optimizer_parts)
+                     for actor in actors])
                 return state
             except ray.exceptions.RayTaskError as error:  # not complete (a save lost mid-write) or damaged
                 problems.append(f"step {state.step}: {str(error).strip().splitlines()[-1]}")

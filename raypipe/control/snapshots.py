@@ -143,12 +143,13 @@ def whole_ones(snapshots: list[Snapshot]) -> list[Snapshot]:
 
 
 def load_snapshot(snapshot: Snapshot, keeper: Any, load: Callable[[list, list], list], needed: int | None,
-                  as_taken: bool) -> str | None:
+                  as_taken: bool, get: Callable[[list], list] = ray.get) -> str | None:
     """Give the workers ``snapshot``: ``load(refs, layers)`` with its workers' references,
     else the ``keeper``'s copies of them. ``refs``: of at least ``needed`` workers, by
     current rank (``as_taken``: every worker's, in the order taken); ``layers``: the
     global layers each held. None when it loaded; else why not (lost with its worker or
-    node, no copy kept). Which snapshot to try is the failure policy's choice."""
+    node, no copy kept). ``get`` waits for the load calls (the controller's watches the workers:
+    one found lost raises past this). Which snapshot to try is the failure policy's choice."""
     lost = None
     if as_taken and needed is not None and snapshot.layers:
         # one replica of the layout that took it: a snapshot taken before a partition swap (the swap's
@@ -162,7 +163,7 @@ def load_snapshot(snapshot: Snapshot, keeper: Any, load: Callable[[list, list], 
         if len(refs) < (needed or len(copies[0])):  # no copies kept
             continue
         try:
-            ray.get(load(refs, layers))
+            get(load(refs, layers))
             return None
         except ray.exceptions.RayError as error:  # a snapshot lost with its worker or node
             lost = lost or str(error).strip().splitlines()[-1]

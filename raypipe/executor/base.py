@@ -21,10 +21,9 @@ reaches no optimizer, and the driver waits once per step.
 """
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, NoReturn
 
 import ray
@@ -39,7 +38,7 @@ from raypipe.core.topology import Topology
 from raypipe.errors import RaypipeError, WorkersFailed
 from raypipe.executor.failures import as_raypipe_error, first_failure, original_cause
 from raypipe.runtime.group import StageGroup
-from raypipe.runtime.health import Watchdog
+from raypipe.runtime.health import Watchdog, ended_or_failed, get_watched
 
 
 @dataclass
@@ -113,7 +112,7 @@ class Executor(ABC):
 
     def collect_task_results(self, submitted: Submitted) -> StepOutcome:
         """:meth:`collect` of a step whose commits are Ray task results."""
-        failed = self.watchdog().wait_until(_ended_or_failed(submitted.commits), self.group.actors)
+        failed = self.watchdog().wait_until(ended_or_failed(submitted.commits), self.group.actors)
         if failed:
             raise self.workers_failed(submitted.step, failed, "found while waiting on the step")
         reports = ray.get(submitted.commits)  # a failure raises (and not every worker may have ended yet)
@@ -179,9 +178,9 @@ class Executor(ABC):
         try:
             if not ended_everywhere:
                 raise TimeoutError("a stage never finished the failed step")
-            ray.get([actor.abort_step.remote() for actor in self.group.actors])
+            self.get([actor.abort_step.remote() for actor in self.group.actors])
             self._repair()
-        except (ray.exceptions.RayError, TimeoutError):
+        except (ray.exceptions.RayError, RaypipeError, TimeoutError):  # a worker lost meanwhile: WorkersLost too
             self.usable = False
         raise as_raypipe_error(cause, self.group.index_of) from original_cause(cause)
 
@@ -288,9 +287,12 @@ class Executor(ABC):
         return self.get(refs)
 
     def get(self, refs: list) -> list:
-        """``ray.get`` that raises raypipe's errors."""
+        """``ray.get`` of calls to the workers, raising raypipe's errors; the group's workers are
+        watched meanwhile (:func:`~raypipe.runtime.health.get_watched`): one found dead or hung
+        first raises :class:`~raypipe.errors.WorkersLost` (a heal folds it in) instead of a wait
+        that a stopped worker's call ends only when gRPC's keepalive gives up on it."""
         try:
-            return ray.get(refs)
+            return get_watched(refs, self.group.actors, self.config.hang_timeout_s)
         except ray.exceptions.RayError as error:
             raise as_raypipe_error(error, self.group.index_of) from original_cause(error)
 
@@ -308,22 +310,3 @@ class Executor(ABC):
         if not self.usable:
             raise RaypipeError("a stage died or never finished a failed step, so the pipeline cannot be made "
                                "whole again: shut this trainer down and start a new one (load_checkpoint resumes)")
-
-
-def _ended_or_failed(refs: list) -> Callable[[float], bool]:
-    """For :meth:`Watchdog.wait_until`: whether every one of ``refs`` is done, or one
-    that is done failed (the others may then wait on it forever: NCCL raises nothing)."""
-    def done(timeout_s: float) -> bool:
-        end, pending = time.monotonic() + timeout_s, list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()),
-                                      fetch_local=False)
-            if not ready:
-                return False
-            try:
-                ray.get(ready[0])
-            except ray.exceptions.RayError:
-                return True
-        return True
-
-    return done

@@ -7,15 +7,20 @@ a long step still answers; one that is stopped (SIGSTOP), wedged or cut off
 does not. A :class:`Watchdog` keeps one heartbeat in flight per worker and
 declares a worker hung when its heartbeat has stayed unanswered for
 ``hang_timeout_s``, unreachable likewise when Ray keeps saying it is
-unavailable, and dead at once when Ray says so.
+unavailable, and dead at once when Ray says so. The driver's other waits on calls to
+the workers (a heal's state transfer, a group re-formed) are watched the same way
+(:func:`get_watched`): a plain ``ray.get`` of a call to a stopped worker returns only
+once gRPC's keepalive gives up on it, about seven minutes later.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ray
+
+from raypipe.errors import WorkersLost
 
 DIED, HUNG, UNREACHABLE = "died", "hung", "unreachable"
 
@@ -59,10 +64,10 @@ class Watchdog:
                 failed[index] = HUNG
         return failed
 
-    def probe(self, actors: list[Any]) -> dict[int, str]:
-        """Heartbeat every worker and wait for every answer (up to ``hang_timeout_s``):
-        the workers that are dead, unreachable or hung. Quick when all are well."""
-        sent = {actor.heartbeat.remote(): index for index, actor in enumerate(actors)}
+    def probe(self, actors: list[Any], skip: Collection[int] = ()) -> dict[int, str]:
+        """Heartbeat every worker but those ``skip`` (by index) and wait for every answer (up to
+        ``hang_timeout_s``): the workers that are dead, unreachable or hung. Quick when all are well."""
+        sent = {actor.heartbeat.remote(): index for index, actor in enumerate(actors) if index not in skip}
         deadline = time.monotonic() + self.hang_timeout_s
         failed: dict[int, str] = {}
         unavailable: set[int] = set()
@@ -102,3 +107,33 @@ class Watchdog:
             failed = self.check(actors)
             if failed:
                 return failed
+
+
+def ended_or_failed(refs: list) -> Callable[[float], bool]:
+    """For :meth:`Watchdog.wait_until`: whether every one of ``refs`` is done, or one
+    that is done failed (the others may then wait on it forever: NCCL raises nothing)."""
+    def done(timeout_s: float) -> bool:
+        end, pending = time.monotonic() + timeout_s, list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()),
+                                      fetch_local=False)
+            if not ready:
+                return False
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayError:
+                return True
+        return True
+
+    return done
+
+
+def get_watched(refs: list, actors: list[Any], hang_timeout_s: float) -> list:
+    """``ray.get(refs)`` of calls to workers among ``actors``, whose heartbeats a :class:`Watchdog`
+    watches meanwhile as it does a step's: raises :class:`~raypipe.errors.WorkersLost` naming the
+    workers found dead, unreachable or hung before every call ended (or one failed: its error is
+    raised then, as ``ray.get`` raises it)."""
+    failed = Watchdog(hang_timeout_s).wait_until(ended_or_failed(refs), actors)
+    if failed:
+        raise WorkersLost(failed)
+    return ray.get(refs)

@@ -23,6 +23,7 @@ from raypipe.control import partitioning as partitioning_module
 from raypipe.control.controller import Controller, ControllerState, StageModel
 from raypipe.control import compound, elastic
 from raypipe.control.snapshots import LoggedStep
+from raypipe.errors import WorkersFailed, WorkersLost
 from raypipe.testing.fault_injection import (CALLER, FakeExecutor, FakeGroup, FakePlacement, FakeRay, Fault,
                                              Slowdown, fake_cluster, fake_resource_request, fake_spread)
 
@@ -580,3 +581,24 @@ def test_at_t2_a_rebalance_moves_layers_off_a_slow_stage_each_rank_adopting_its_
     assert histories(controller) == {tuple(range(60))}
     assert not controller.failures and controller.executor.steps_run == list(range(60))
     assert controller.executor.step_times[-1] < 0.9 * max(controller.executor.step_times[20:30])
+
+
+def test_workers_a_watched_wait_found_lost_are_folded_in_as_named_without_being_asked_again() -> None:
+    """A wait on the workers' calls that their heartbeats cut short (WorkersLost: a stopped
+    worker, found hung in hang_timeout_s) becomes the heal's failure with those workers as it
+    named them; only the others are probed (none here: every worker is named, so no heartbeat
+    is sent and a second hang_timeout_s is not spent on one already found hung)."""
+    probed = []
+
+    def probe(detail: str, known: dict[int, str]) -> Any:
+        probed.append((detail, known))
+        return compound.lost_workers([object(), object(), object(), object()], 3.0, 2, 5, detail, known=known)
+
+    with pytest.raises(WorkersFailed) as raised:
+        with compound.folded(probe, "while the layout changed", lambda: True):
+            raise WorkersLost({1: "hung", 0: "died", 2: "hung", 3: "unreachable"})
+    assert probed == [("while the layout changed: workers found lost while the driver waited on calls to them: "
+                       "rank 0 died, rank 1 hung, rank 2 hung, rank 3 unreachable",
+                       {0: "died", 1: "hung", 2: "hung", 3: "unreachable"})]
+    assert raised.value.step == 5
+    assert raised.value.workers == {(0, 0): "died", (0, 1): "hung", (1, 0): "hung", (1, 1): "unreachable"}

@@ -19,7 +19,7 @@ from raypipe.control import partitioning as partitioning_module
 from raypipe.control.controller import STATES, Controller, ControllerState, Layout, StageModel
 from raypipe.control.states import Healing, Running
 from raypipe.core.result import StageReport
-from raypipe.runtime import cluster
+from raypipe.runtime import cluster, health
 from raypipe.errors import PlacementError, TooManyFailures, WorkersFailed
 from raypipe.executor.base import SnapshotTasks
 from raypipe.control import elastic, snapshots, state_transfer
@@ -178,7 +178,7 @@ def fake_cluster(monkeypatch):
     monkeypatch.setattr(controller_module, "StageGroup", FakeGroup)
     monkeypatch.setattr(controller_module, "make_executor", FakeExecutor)
     monkeypatch.setattr(controller_module, "ray", FAKE_RAY)
-    for module in (snapshots, state_transfer, elastic, partitioning_module):
+    for module in (snapshots, state_transfer, elastic, partitioning_module, health):
         monkeypatch.setattr(module, "ray", FAKE_RAY)
     monkeypatch.setattr(elastic, "spread", fake_spread)
     monkeypatch.setattr(partitioning_module, "spread", fake_spread)

@@ -326,39 +326,57 @@ def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_r
 
 
 @pytest.mark.cluster
-def test_a_second_sigkill_while_a_heal_restores_state_is_healed_in_the_same_heal(ray_cluster, tmp_path, monkeypatch):
+@pytest.mark.parametrize("second_fault, replicas", [(KILL, 1), (STOP, 1), (STOP, 2)],
+                         ids=["sigkill-snapshot", "sigstop-snapshot", "sigstop-siblings"])
+def test_a_second_fault_while_a_heal_restores_state_is_healed_in_the_same_heal(ray_cluster, tmp_path, monkeypatch,
+                                                                                second_fault, replicas):
     """Stage 0 is killed before step 3; while the heal gives the replacement its state, the
-    survivor (stage 1) is killed too (the moment is the heal's own, so the test is exact).
-    The second loss is folded into the same heal (both replaced, every worker back to the
-    snapshot), never a raw ActorDiedError, and the run is bitwise the uninterrupted one."""
+    survivor (stage 1) is killed or stopped too (the moment is the heal's own, so the test is
+    exact), with one replica (the heal restores the snapshot) or two (the replacement copies
+    its sibling in the other replica). The second loss is folded into the same heal (both
+    replaced, every worker back to the snapshot), never a raw ActorDiedError; a stopped survivor is found hung by its
+    heartbeats within ``hang_timeout_s``, not after the minutes gRPC's keepalive takes to give
+    up on its call (a heal's every wait on a worker is watched as a step's is). The run is
+    bitwise the uninterrupted one."""
     from raypipe.control.state_transfer import StateTransfer
 
-    cfg = config()
+    cfg = config(num_replicas=replicas)
     expected = uninterrupted(cfg, tmp_path)
     original, second = StateTransfer.transfer_state, []
 
-    def killing_a_survivor_first(self, *args, **kwargs):
+    def faulting_a_survivor_first(self, *args, **kwargs):
         if second and not second[-1][1]:  # once: the heal of the first kill
-            os.kill(second[-1][0], signal.SIGKILL)
-            seconds_until_gone(second[-1][0])
+            os.kill(second[-1][0], second_fault)
+            if second_fault == KILL:
+                seconds_until_gone(second[-1][0])
             second[-1] = (second[-1][0], True)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(StateTransfer, "transfer_state", killing_a_survivor_first)
-    with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-        results = []
-        for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
-            if step == 3:
-                first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
-                second.append((survivor, False))
-                os.kill(first, signal.SIGKILL)
-                seconds_until_gone(first)
-            result = trainer.step(x, y)
-            results.append((result.loss, result.grad_norm))
-        assert second == [(survivor, True)]
-        assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
-        assert len(trainer.failures) == 2 and len(trainer.recoveries) == 1, trainer.failures
-        assert "replica 0 stage 1 died" in trainer.failures[1]
-        state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
+    monkeypatch.setattr(StateTransfer, "transfer_state", faulting_a_survivor_first)
+    try:
+        with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+            results = []
+            for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+                if step == 3:
+                    first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
+                    second.append((survivor, False))
+                    os.kill(first, signal.SIGKILL)
+                    seconds_until_gone(first)
+                start = time.monotonic()
+                result = trainer.step(x, y)
+                if step == 3:
+                    healed_s = time.monotonic() - start
+                results.append((result.loss, result.grad_norm))
+            assert second == [(survivor, True)]
+            assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
+            assert len(trainer.failures) == 2 and len(trainer.recoveries) == 1, trainer.failures
+            assert f"replica 0 stage 1 {FOUND[second_fault]}" in trainer.failures[1]
+            # a step, the first heal's start, hang_timeout_s and the second heal: well below gRPC's ~7 minutes
+            assert healed_s < 4 * cfg.hang_timeout_s + 30, healed_s
+            state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
+    finally:
+        if second:
+            with contextlib.suppress(ProcessLookupError):  # a stopped survivor the heal did not kill
+                os.kill(second[-1][0], signal.SIGKILL)
     assert results == expected.results
     assert_bitwise_equal(expected.state, state)
