@@ -50,11 +50,13 @@ from raypipe.config import PipelineConfig
 from raypipe.control.snapshots import holding
 from raypipe.control.view import Room
 from raypipe.core.partition import worker_layers
+from raypipe.errors import WorkersLost
 from raypipe.models.layers import LayerSpec, layer_parameter_count
 from raypipe.planning.balance import layer_step_flops
 from raypipe.planning.repartition import fewer_stages, layer_bytes
 from raypipe.runtime import cluster, spread
 from raypipe.runtime.group import StageGroup, WorkerInfo
+from raypipe.runtime.health import get_watched
 from raypipe.stage.spec import WorkerSpec
 
 logger = logging.getLogger("raypipe")
@@ -192,10 +194,12 @@ class PartitionReturn:
         layers = [spec.layer_indices for spec in running.specs]
         try:
             self._group.wait_ready()
-            ray.get([actor.adopt.remote(*holding(snapshots, layers, spec.layer_indices, spec.tp_rank,
-                                                 self._tensor_parallel))
-                     for actor, spec in zip(self._group.actors, self._group.specs)])
-        except ray.exceptions.RayError as error:
+            # both groups watched: a stopped worker is found hung in hang_timeout_s, not when gRPC gives up on it
+            get_watched([actor.adopt.remote(*holding(snapshots, layers, spec.layer_indices, spec.tp_rank,
+                                                     self._tensor_parallel))
+                         for actor, spec in zip(self._group.actors, self._group.specs)],
+                        list(running.actors) + list(self._group.actors), self._specs[0].config.hang_timeout_s)
+        except (ray.exceptions.RayError, WorkersLost) as error:
             logger.warning("raypipe: a worker failed while the configured pipeline took over (%s); asking for "
                            "it again", str(error).strip().splitlines()[-1])
             self.close()
