@@ -41,6 +41,7 @@ from typing import Any
 import ray
 
 from raypipe.comm import call_socket
+from raypipe.errors import WorkersLost
 from raypipe.executor.base import Executor, SnapshotTasks, StepOutcome, Submitted
 from raypipe.executor.failures import first_cause
 from raypipe.runtime.connection_calls import CallsBroken, ConnectionCalls
@@ -150,7 +151,7 @@ class Connections(StepDispatch):
         result says when it is (:attr:`SnapshotTasks.stored`)."""
         try:
             self._connected()
-        except (ray.exceptions.RayError, OSError):  # lost since the step was sent: the step's collect finds out
+        except (ray.exceptions.RayError, OSError, WorkersLost):  # lost since the step was sent: its collect finds out
             return self.executor.snapshot_workers(actors)  # its gate call is the number the step waits for
         tasks = [actor.snapshot_at_first_wait.remote(self._next_gate_call(actor)) for actor in actors]
         return SnapshotTasks([state for state, _ in tasks], [stored for _, stored in tasks])
@@ -167,9 +168,11 @@ class Connections(StepDispatch):
                  for actor, worker_arguments in zip(executor.group.actors, arguments)]
         try:
             pending = self._connected().call(gated)
-        except (ray.exceptions.RayError, OSError) as error:
+        except (ray.exceptions.RayError, OSError, WorkersLost) as error:
             self._teardown()
-            failed = executor.watchdog().probe(executor.group.actors)
+            # a worker that did not answer while its connection opened was found lost then: not asked again
+            failed = (error.ranks if isinstance(error, WorkersLost)
+                      else executor.watchdog().probe(executor.group.actors))
             if failed:
                 raise executor.workers_failed(step, failed, f"found starting the step: {error}") from error
             pending = self._connected().call(gated)
@@ -228,7 +231,9 @@ class Connections(StepDispatch):
         actors = self.executor.group.actors
         if self._calls is None or not self._calls.over(actors):
             self._teardown()
-            self._calls = ConnectionCalls(actors, "run_step_returning_failure", self.executor.config.p2p_timeout_s)
+            config = self.executor.config
+            self._calls = ConnectionCalls(actors, "run_step_returning_failure", config.p2p_timeout_s,
+                                          config.hang_timeout_s)
         return self._calls
 
     def _teardown(self, wait: bool = True) -> None:

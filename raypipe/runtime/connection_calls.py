@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from raypipe.comm import call_socket
+from raypipe.runtime.health import get_watched
 
 
 class CallsBroken(Exception):
@@ -33,13 +34,18 @@ class CallsBroken(Exception):
 class ConnectionCalls:
     """``method`` on every one of ``actors`` (in rank order) per :meth:`call`, over
     one connection each; :meth:`teardown` waits up to ``end_timeout_s`` for a call
-    still running on a worker."""
+    still running on a worker. Opening them, a worker that does not answer its
+    heartbeats for ``hang_timeout_s`` (stopped, wedged) raises
+    :class:`~raypipe.errors.WorkersLost`: its ``serve_calls`` would not return until
+    gRPC's keepalive gave up on it, minutes later."""
 
-    def __init__(self, actors: list[Any], method: str, end_timeout_s: float = 30.0) -> None:
+    def __init__(self, actors: list[Any], method: str, end_timeout_s: float = 30.0,
+                 hang_timeout_s: float = 30.0) -> None:
         self.actors, self._end_timeout_s = list(actors), end_timeout_s
         self._open = True
         authkey = secrets.token_bytes(32)
-        addresses = ray.get([actor.serve_calls.remote(method, authkey, end_timeout_s) for actor in self.actors])
+        addresses = get_watched([actor.serve_calls.remote(method, authkey, end_timeout_s) for actor in self.actors],
+                                self.actors, hang_timeout_s)
         self._connections = []
         try:
             for address in addresses:

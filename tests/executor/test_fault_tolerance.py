@@ -281,8 +281,9 @@ class Sleep(nn.Module):
 @pytest.mark.cluster
 def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_read_or_saved(ray_cluster, tmp_path):
     """A worker killed or stopped after a step, before evaluate, then before the state is read
-    or saved (the state of the run's last step, bitwise), then a hung one at shutdown: one
-    trainer through all of them, each loss found by the call that meets it."""
+    or saved (the state of the run's last step, bitwise), then before the step that connects
+    to the replaced workers afresh, then a hung one at shutdown: one trainer through all of
+    them, each loss found by the call that meets it."""
     (x, y), = random_batches(BATCH, 1)
     trainer = raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, config(), lr_scheduler=halving)
     hung = None
@@ -309,7 +310,13 @@ def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_r
         assert len(trainer.failures) == 4, trainer.failures
         assert "stage 0 hung" in trainer.failures[3] and "before a checkpoint save" in trainer.failures[3]
         assert len(trainer.recoveries) == 4
+        # the next step connects to the replaced worker afresh: a worker stopped before it is found
+        # hung in hang_timeout_s, not when gRPC's keepalive gives up on its call (~7 minutes)
+        os.kill(trainer.workers[1].pid, signal.SIGSTOP)
+        start = time.monotonic()
         assert trainer.step(x, y).loss > 0
+        assert time.monotonic() - start < 3 * config().hang_timeout_s + 30
+        assert len(trainer.failures) == 5 and "stage 1 hung" in trainer.failures[4], trainer.failures
         # shutdown does not wait on a hung worker's call or its leaving the group for more than
         # hang_timeout_s (it waited p2p_timeout_s, 300 s, before), and the worker is gone
         hung = trainer.workers[1].pid
