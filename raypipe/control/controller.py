@@ -547,7 +547,7 @@ class Controller:
         group, started = self.executor.group, time.monotonic()
         self.settle_saves()  # a checkpoint save in flight reads the workers about to go
         states = {rank: group.actors[rank].snapshot.remote() for rank in ranks}
-        ray.wait(list(states.values()), num_returns=len(states), fetch_local=False)  # copied before the workers go
+        self.executor.wait(list(states.values()))  # copied before the workers go
         survivors = [actor for rank, actor in enumerate(group.actors) if rank not in ranks]
         spares = replace_within(group, list(ranks), self._config.replace_timeout_s)
         self.executor.get([group.actors[rank].restore.remote(states[rank]) for rank in ranks])

@@ -50,7 +50,7 @@ from raypipe.executor.base import Executor
 from raypipe.runtime import cluster, spread
 from raypipe.runtime.autoscaling import ResourceRequest
 from raypipe.runtime.group import NewReplica
-from raypipe.runtime.health import get_watched
+from raypipe.runtime.health import get_watched, wait_watched
 from raypipe.stage.spec import WorkerSpec
 
 logger = logging.getLogger("raypipe")
@@ -159,7 +159,7 @@ class Resizer:
             watched = old + list(starting.actors)
             if sharded:  # every replica's state, before the new layout moves parameters to other owners
                 snapshots = [actor.snapshot.remote() for actor in old]
-                ray.wait(snapshots, num_returns=len(snapshots), fetch_local=False)
+                wait_watched(snapshots, watched, self.config.hang_timeout_s)
             else:  # each new worker restores the same (stage, tp_rank) of the first replica, worker to worker
                 self._get_watched([actor.restore.remote(old[rank].snapshot.remote())
                                    for rank, actor in enumerate(starting.actors)], watched)

@@ -207,11 +207,11 @@ class Snapshots:
         if first:
             self.wait(taken)
 
-    @staticmethod
-    def wait(taken: Snapshot) -> None:
-        """Until ``taken`` is on every worker's (and the keeper's) side."""
+    def wait(self, taken: Snapshot) -> None:
+        """Until ``taken`` is on every worker's (and the keeper's) side; a worker found dead or
+        hung meanwhile raises :class:`~raypipe.errors.WorkersLost` (a layout change folds it in)."""
         waited = taken.refs if taken.kept is None else [*taken.refs, taken.kept]
-        ray.wait(waited, num_returns=len(waited), fetch_local=False)
+        self.executor.wait(waited)
 
     def committed(self, steps_done: int, logged: LoggedStep) -> None:
         """After a committed step: a snapshot is due when ``snapshot_every`` steps were

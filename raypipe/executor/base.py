@@ -38,7 +38,7 @@ from raypipe.core.topology import Topology
 from raypipe.errors import RaypipeError, WorkersFailed
 from raypipe.executor.failures import as_raypipe_error, first_failure, original_cause
 from raypipe.runtime.group import StageGroup
-from raypipe.runtime.health import Watchdog, ended_or_failed, get_watched
+from raypipe.runtime.health import Watchdog, ended_or_failed, get_watched, wait_watched
 
 
 @dataclass
@@ -295,6 +295,11 @@ class Executor(ABC):
             return get_watched(refs, self.group.actors, self.config.hang_timeout_s)
         except ray.exceptions.RayError as error:
             raise as_raypipe_error(error, self.group.index_of) from original_cause(error)
+
+    def wait(self, refs: list) -> None:
+        """Until calls to the workers are done (their results not fetched), the group's workers
+        watched meanwhile as :meth:`get` watches them."""
+        wait_watched(refs, self.group.actors, self.config.hang_timeout_s)
 
     #: message keys that keep headers under boundary_shapes="learned" (only the per-step executor learns signatures)
     dynamic_keys: frozenset[int] = frozenset()

@@ -137,3 +137,12 @@ def get_watched(refs: list, actors: list[Any], hang_timeout_s: float) -> list:
     if failed:
         raise WorkersLost(failed)
     return ray.get(refs)
+
+
+def wait_watched(refs: list, actors: list[Any], hang_timeout_s: float) -> None:
+    """Return once every one of ``refs`` (results of calls to workers among ``actors``) is done,
+    without fetching it; the workers' heartbeats are watched meanwhile as :func:`get_watched`
+    watches them (:class:`~raypipe.errors.WorkersLost` names the workers found dead or hung first)."""
+    failed = Watchdog(hang_timeout_s).wait(refs, actors)
+    if failed:
+        raise WorkersLost(failed)

@@ -448,6 +448,9 @@ class FakeExecutor:
         except ray.exceptions.RayError as error:
             raise RaypipeError(f"stage worker ? died: {error}") from None
 
+    def wait(self, refs: list) -> None:
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+
 
 class FakePlacement:
     """A placement group asked for: placed once ``FakePlacement.condition()`` holds

@@ -150,6 +150,9 @@ class FakeExecutor:
     def get(self, refs: list) -> list:
         return refs
 
+    def wait(self, refs: list) -> None:
+        pass
+
 
 FAKE_RAY = types.SimpleNamespace(get=lambda refs, timeout=None: refs, kill=lambda actor: None,
                                  wait=lambda refs, num_returns=1, timeout=None, fetch_local=True: (list(refs), []),

@@ -55,6 +55,9 @@ class Executor:
             state.store()
         return SnapshotTasks(states)
 
+    def wait(self, refs: list) -> None:
+        assert all(ref.ready for ref in refs), "a first snapshot is stored before its step"
+
     def snapshot_with_step(self, actors: list) -> SnapshotTasks:
         """The tasks of a snapshot submitted with the next step (the per-step executor's, over connections)."""
         self.receipts.append([Result() for _ in actors])
