@@ -16,6 +16,7 @@ multi-node clusters too (tp_node_loss_run.py, tp_elastic_run.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -97,6 +98,13 @@ def steps_of(faults: list[Fault]) -> int:
     return max(fault.step for fault in faults) + 2
 
 
+def _signal(pid: int, signum: int) -> None:
+    """``os.kill``, where the victim may be gone already: a heal of the fault before (landed late,
+    in this step) replaced it before its moment came."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
 def train(config: raypipe.PipelineConfig, faults: list[Fault]) -> dict:
     """The run with ``faults``; each fault's delay is its fraction of step 1's wall time (step 1
     has no fault; a step's time on the driver, so a late fault may land in the step's snapshot or
@@ -110,7 +118,7 @@ def train(config: raypipe.PipelineConfig, faults: list[Fault]) -> dict:
                 victim = next(worker for worker in trainer.workers
                               if (worker.replica, worker.stage, worker.tp_rank) == fault.place)
                 delay = fault.fraction * record["step_seconds"][1]
-                timer = threading.Timer(delay, os.kill, (victim.pid, getattr(signal, fault.signal_name)))
+                timer = threading.Timer(delay, _signal, (victim.pid, getattr(signal, fault.signal_name)))
                 timer.start()
             start = time.monotonic()
             result = trainer.step(x, y)
