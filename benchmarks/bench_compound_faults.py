@@ -105,7 +105,7 @@ def second_kill_while_healing(first: int, second: int) -> Callable:
 
 
 def replacement_dies_while_it_starts(trainer, step_once):
-    original = StageGroup._create
+    original = StageGroup.start_worker
     created = []
 
     def dying(self, index):
@@ -115,14 +115,14 @@ def replacement_dies_while_it_starts(trainer, step_once):
             ray.kill(actor)  # before it is ready, as one started into a lost node's bundle
         return actor
 
-    StageGroup._create = dying
+    StageGroup.start_worker = dying
     try:
         start = time.monotonic()
         kill(trainer.workers[0].pid)
         step_once()
         return time.monotonic() - start
     finally:
-        StageGroup._create = original
+        StageGroup.start_worker = original
 
 
 def kill_during_evaluate_and_its_heal(trainer, step_once):

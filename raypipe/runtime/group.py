@@ -71,7 +71,7 @@ class StageGroup:
                                                          placement_timeout_s)
         # where each worker runs: its replica's bundle of its stage, or a spare's bundle it took
         self._where: list[Location] = [(self._placements[spec.replica], spec.bundle_index) for spec in specs]
-        self.actors: list[Any] = [self._create(index) for index in range(len(specs))]
+        self.actors: list[Any] = [self.start_worker(index) for index in range(len(specs))]
         self._owns_spares = spares is None
         tensor_parallel = self._tensor_parallel = specs[0].config.tensor_parallel
         # spare_workers counts processes: at t > 1 a multiple of t, each spare a group of t (a stage's place)
@@ -132,7 +132,7 @@ class StageGroup:
             spare = self.spares.take() if len(stage) == self._tensor_parallel else None
             if spare is None:
                 for index in stage:
-                    self.actors[index] = self._create(index)
+                    self.actors[index] = self.start_worker(index)
                     pings[self.actors[index].ready.remote()] = index
                 continue
             freed.append(self._where[stage[0]])  # the stage's bundle: its workers share it
@@ -155,7 +155,7 @@ class StageGroup:
                     # the spare died before it became the worker (e.g. with its node): a new process in its bundle
                     logger.warning("raypipe: %s died taking a failed worker's place; starting a new process",
                                    taken.pop(index))
-                    self.actors[index] = self._create(index)
+                    self.actors[index] = self.start_worker(index)
                     pings[self.actors[index].ready.remote()] = index
         self.spares.start_in(freed)  # after the heal's critical path: the new spares start in the background
         unplaced = sorted(pings.values())
@@ -256,7 +256,10 @@ class StageGroup:
         cluster.release(self._placements)
         self._placements = []
 
-    def _create(self, index: int) -> Any:
+    def start_worker(self, index: int) -> Any:
+        """A new process for worker ``index`` (its spec) in its bundle, not waited for: what starting
+        the group and a replacement run for each worker (where a fault can be injected as one starts:
+        benchmarks/bench_compound_faults.py kills one before it is ready)."""
         placement, bundle_index = self._where[index]
         return self._create_in(placement, self._specs[index], bundle_index)
 
