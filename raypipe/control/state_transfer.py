@@ -20,7 +20,6 @@ from raypipe.control.persisted import PersistedCheckpoints
 from raypipe.control.policy import CopyFromSiblings, LoadCheckpoint, RestoreSnapshot
 from raypipe.control.snapshots import LoggedStep, Snapshot, holding, load_snapshot, replay_since
 from raypipe.errors import RaypipeError
-from raypipe.runtime.health import get_watched
 
 Load = Callable[[list, list], list]  # (snapshot refs, the layers each held) -> the workers' load calls
 
@@ -94,12 +93,14 @@ class StateTransfer:
             other = own and self._of_another_partition(snapshot)  # a swap in place that a failure cut short
             load = self.adopt_layers() if other else load or (
                 lambda refs, _: [actor.restore.remote(ref) for actor, ref in zip(actors, refs)])
-            why = load_snapshot(snapshot, self.keeper, load, needed, as_taken or other, get=self._get_watched)
+            why = load_snapshot(snapshot, self.keeper, load, needed, as_taken or other,
+                                get=self.executor.get_watched)
             if why is not None:
                 raise CopyLost(why)
             return replay_since(snapshots, position), f"snapshot of step {decision.step}"
         try:
-            state = self.persisted.restore(self.executor.group.actors, self.settle_saves, get=self._get_watched)
+            state = self.persisted.restore(self.executor.group.actors, self.settle_saves,
+                                           get=self.executor.get_watched)
         except RaypipeError as error:
             raise CopyLost(str(error)) from error
         return list(state.since), f"checkpoint of step {state.step}"
@@ -110,18 +111,12 @@ class StateTransfer:
         actors = self.executor.group.actors
         copies = [actors[index].restore.remote(actors[source].snapshot.remote()) for index, source in sources.items()]
         dropped = [actor.abort_step.remote() for index, actor in enumerate(actors) if index not in sources]
-        self._get_watched(copies + dropped)
+        self.executor.get_watched(copies + dropped)
         if not sources:  # a shrink dropped every failed worker's replica
             return "surviving replicas"
         config = self.executor.config
         per_replica = config.num_stages * config.tensor_parallel  # a replica's ranks: p * t
         return "replica " + ", ".join(sorted({str(source // per_replica) for source in sources.values()}))
-
-    def _get_watched(self, refs: list) -> list:
-        """``ray.get`` of calls to the group's workers, which are watched meanwhile: one stopped
-        (SIGSTOPped, wedged) raises :class:`~raypipe.errors.WorkersLost` within ``hang_timeout_s``
-        (the heal folds it in) instead of when gRPC's keepalive gives up on its call, minutes later."""
-        return get_watched(refs, self.executor.group.actors, self.executor.config.hang_timeout_s)
 
     def _of_another_partition(self, snapshot: Snapshot) -> bool:
         """Whether ``snapshot``'s workers held other layers than the group's now do."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, NoReturn
 
 import ray
@@ -35,7 +35,7 @@ from raypipe.core.ops import Op, worker_and_chunk
 from raypipe.core.result import StageReport
 from raypipe.core.step_decision import StepDecision
 from raypipe.core.topology import Topology
-from raypipe.errors import RaypipeError, WorkersFailed
+from raypipe.errors import RaypipeError, WorkersFailed, WorkersLost
 from raypipe.executor.failures import as_raypipe_error, first_failure, original_cause
 from raypipe.runtime.group import StageGroup
 from raypipe.runtime.health import Watchdog, ended_or_failed, get_watched, wait_watched
@@ -178,9 +178,9 @@ class Executor(ABC):
         try:
             if not ended_everywhere:
                 raise TimeoutError("a stage never finished the failed step")
-            self.get([actor.abort_step.remote() for actor in self.group.actors])
+            self.get_watched([actor.abort_step.remote() for actor in self.group.actors])
             self._repair()
-        except (ray.exceptions.RayError, RaypipeError, TimeoutError):  # a worker lost meanwhile: WorkersLost too
+        except (ray.exceptions.RayError, WorkersLost, TimeoutError):
             self.usable = False
         raise as_raypipe_error(cause, self.group.index_of) from original_cause(cause)
 
@@ -284,15 +284,23 @@ class Executor(ABC):
         failed = self.watchdog().wait(refs, self.group.actors)
         if failed:
             raise self.workers_failed(step, failed, during)
-        return self.get(refs)
+        return self._raypipe_errors(ray.get, refs)  # every call done: watched already
 
     def get(self, refs: list) -> list:
-        """``ray.get`` of calls to the workers, raising raypipe's errors; the group's workers are
-        watched meanwhile (:func:`~raypipe.runtime.health.get_watched`): one found dead or hung
-        first raises :class:`~raypipe.errors.WorkersLost` (a heal folds it in) instead of a wait
-        that a stopped worker's call ends only when gRPC's keepalive gives up on it."""
+        """:meth:`get_watched`, raising raypipe's errors."""
+        return self._raypipe_errors(self.get_watched, refs)
+
+    def get_watched(self, refs: list) -> list:
+        """``ray.get`` of calls to the workers, the group's workers watched meanwhile
+        (:func:`~raypipe.runtime.health.get_watched`): one found dead or hung first raises
+        :class:`~raypipe.errors.WorkersLost` (a heal folds it in) instead of a wait that a
+        stopped worker's call ends only when gRPC's keepalive gives up on it; Ray's errors
+        are raised as they are."""
+        return get_watched(refs, self.group.actors, self.config.hang_timeout_s)
+
+    def _raypipe_errors(self, get: Callable[[list], list], refs: list) -> list:
         try:
-            return get_watched(refs, self.group.actors, self.config.hang_timeout_s)
+            return get(refs)
         except ray.exceptions.RayError as error:
             raise as_raypipe_error(error, self.group.index_of) from original_cause(error)
 

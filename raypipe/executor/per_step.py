@@ -19,7 +19,6 @@ from raypipe.executor.per_step_worker import PerStepWorker
 from raypipe.executor.step_dispatch import ActorTasks, Connections, StepDispatch
 from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.group import StageGroup
-from raypipe.runtime.health import get_watched
 
 
 class PerStepExecutor(Executor):
@@ -94,31 +93,26 @@ class PerStepExecutor(Executor):
         every worker takes its new spec, and all join a new group. The message keys marked
         dynamic named the old layout's boundaries and micro-batches: they are learned again."""
         self.dynamic_keys = frozenset()
-        self._get_watched([actor.leave_group.remote() for actor in survivors])
-        self._get_watched([actor.take_layout.remote(self.group.spec(rank))
-                           for rank, actor in enumerate(self.group.actors)])
+        self.get_watched([actor.leave_group.remote() for actor in survivors])
+        self.get_watched([actor.take_layout.remote(self.group.spec(rank))
+                          for rank, actor in enumerate(self.group.actors)])
         self._join(self.group.actors)
 
     def _repair(self) -> None:
         """A failed step leaves the group broken (its failing stage left it): every
         worker leaves, and all join a new one under a fresh rendezvous."""
-        self._get_watched([actor.leave_group.remote() for actor in self.group.actors])
+        self.get_watched([actor.leave_group.remote() for actor in self.group.actors])
         self._join(self.group.actors)
 
     def reconnect(self, survivors: list[Any]) -> None:
         """Survivors leave the broken group (locally: a gloo group with a dead member
         is never waited on), then every worker joins a new one."""
-        self._get_watched([actor.leave_group.remote() for actor in survivors])
+        self.get_watched([actor.leave_group.remote() for actor in survivors])
         self._join(self.group.actors)
 
-    def _get_watched(self, refs: list) -> list:
-        """``ray.get`` of calls that re-form the group, its workers watched meanwhile: one stopped
-        (SIGSTOPped, wedged) is found hung within ``hang_timeout_s`` (:class:`~raypipe.errors.WorkersLost`)."""
-        return get_watched(refs, self.group.actors, self.config.hang_timeout_s)
-
     def _join(self, actors: list[Any]) -> None:
-        address, port = self._get_watched([actors[0].rendezvous_address.remote()])[0]
+        address, port = self.get_watched([actors[0].rendezvous_address.remote()])[0]
         emulate_nccl = nccl_emulation.requested()  # the driver's environment decides for every worker
         self.groups_formed += 1
-        self._get_watched([actor.join_group.remote(address, port, self.config.p2p_timeout_s, emulate_nccl,
-                                                   self.groups_formed) for actor in actors])
+        self.get_watched([actor.join_group.remote(address, port, self.config.p2p_timeout_s, emulate_nccl,
+                                                  self.groups_formed) for actor in actors])

@@ -112,8 +112,10 @@ class Watchdog:
 def ended_or_failed(refs: list) -> Callable[[float], bool]:
     """For :meth:`Watchdog.wait_until`: whether every one of ``refs`` is done, or one
     that is done failed (the others may then wait on it forever: NCCL raises nothing)."""
+    read: set = set()  # the done ones already read and not failed: not fetched again at the next look
+
     def done(timeout_s: float) -> bool:
-        end, pending = time.monotonic() + timeout_s, list(refs)
+        end, pending = time.monotonic() + timeout_s, [ref for ref in refs if ref not in read]
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()),
                                       fetch_local=False)
@@ -123,6 +125,7 @@ def ended_or_failed(refs: list) -> Callable[[float], bool]:
                 ray.get(ready[0])
             except ray.exceptions.RayError:
                 return True
+            read.add(ready[0])
         return True
 
     return done

@@ -451,6 +451,9 @@ class FakeExecutor:
     def wait(self, refs: list) -> None:
         ray.wait(refs, num_returns=len(refs), fetch_local=False)
 
+    def get_watched(self, refs: list) -> list:
+        return ray.get(refs)
+
 
 class FakePlacement:
     """A placement group asked for: placed once ``FakePlacement.condition()`` holds

@@ -153,6 +153,9 @@ class FakeExecutor:
     def wait(self, refs: list) -> None:
         pass
 
+    def get_watched(self, refs: list) -> list:
+        return refs
+
 
 FAKE_RAY = types.SimpleNamespace(get=lambda refs, timeout=None: refs, kill=lambda actor: None,
                                  wait=lambda refs, num_returns=1, timeout=None, fetch_local=True: (list(refs), []),
