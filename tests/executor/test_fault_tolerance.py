@@ -33,7 +33,7 @@ from torch import nn
 import raypipe
 from raypipe.errors import TooManyFailures
 from tests.executor.test_nonfinite import halving
-from tests.processes import seconds_until_gone
+from tests.processes import seconds_until_gone, stop
 from tests.reference import adamw, assert_bitwise_equal, checkpoint_state, in_process, make_mlp, random_batches
 
 STEPS, BATCH = 7, 12
@@ -294,7 +294,7 @@ def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_r
         os.kill(trainer.workers[1].pid, signal.SIGKILL)
         assert trainer.evaluate(x, y) == expected
         assert len(trainer.failures) == 1 and "during evaluate" in trainer.failures[0]
-        os.kill(trainer.workers[0].pid, signal.SIGSTOP)  # a hang is found by the heartbeat
+        stop(trainer.workers[0].pid)  # a hang is found by the heartbeat
         assert trainer.evaluate(x, y) == expected
         assert len(trainer.failures) == 2 and "stage 0 hung" in trainer.failures[1], trainer.failures
         # after the last step: the state read or saved is that step's, bitwise
@@ -305,14 +305,14 @@ def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_r
         seconds_until_gone(victim)
         assert_bitwise_equal(parameters, trainer.state_dict())
         assert len(trainer.failures) == 3 and "during state_dict" in trainer.failures[2], trainer.failures
-        os.kill(trainer.workers[0].pid, signal.SIGSTOP)
+        stop(trainer.workers[0].pid)
         assert_bitwise_equal(saved, checkpoint_state(trainer, tmp_path / "after", NUM_LAYERS))
         assert len(trainer.failures) == 4, trainer.failures
         assert "stage 0 hung" in trainer.failures[3] and "before a checkpoint save" in trainer.failures[3]
         assert len(trainer.recoveries) == 4
         # the next step connects to the replaced worker afresh: a worker stopped before it is found
         # hung in hang_timeout_s, not when gRPC's keepalive gives up on its call (~7 minutes)
-        os.kill(trainer.workers[1].pid, signal.SIGSTOP)
+        stop(trainer.workers[1].pid)
         start = time.monotonic()
         assert trainer.step(x, y).loss > 0
         assert time.monotonic() - start < 3 * config().hang_timeout_s + 30
@@ -320,7 +320,7 @@ def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_r
         # shutdown does not wait on a hung worker's call or its leaving the group for more than
         # hang_timeout_s (it waited p2p_timeout_s, 300 s, before), and the worker is gone
         hung = trainer.workers[1].pid
-        os.kill(hung, signal.SIGSTOP)
+        stop(hung)
         start = time.monotonic()
         trainer.shutdown()
         assert time.monotonic() - start < config().hang_timeout_s + 10

@@ -17,7 +17,7 @@ from raypipe.comm.call_socket import AnswersCalls
 from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.connection_calls import CallsBroken, ConnectionCalls
 from raypipe.runtime.health import HUNG, Watchdog
-from tests.processes import seconds_until_gone
+from tests.processes import seconds_until_gone, stop
 
 
 class Echo(AnswersCalls):
@@ -121,7 +121,7 @@ def test_waiting_between_heartbeats_finds_a_stopped_actor_and_its_answer_once_ki
         assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {}  # quick
         assert calls.results(pending)[1][0] == 4
         try:
-            os.kill(pid, signal.SIGSTOP)
+            stop(pid)  # every thread stopped: none answers the call below
             start = time.monotonic()
             pending = calls.call([(1, False), (2, False)])
             assert watchdog.wait_until(lambda timeout_s: calls.answered(pending, timeout_s), actors) == {1: HUNG}
