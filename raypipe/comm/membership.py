@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from raypipe.comm.matching import ByTag, InOrder
 from raypipe.comm.nccl_emulation import EmulatedStream, SilentCollective
 from raypipe.comm.polled_wait import StepWaits
-from raypipe.comm.rendezvous import group_store
+from raypipe.comm.rendezvous import group_store, wait_for_every_rank
 from raypipe.comm.replicas import StageReplicas
 from raypipe.comm.step_messages import StepMessages
 from raypipe.core.topology import Topology
@@ -64,12 +65,14 @@ class GroupMembership:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False,
-             store: dist.TCPStore | None = None) -> None:
+             store: dist.TCPStore | None = None, abandoned: Callable[[], bool] = lambda: False) -> None:
         """Join the group at ``address:port``, its control channel, and this stage's
         replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
         (:mod:`raypipe.comm.nccl_emulation`). ``store``: the group's store, already open
         (rank 0's, from :class:`~raypipe.comm.rendezvous.Rendezvous`); without it rank 0 opens
-        one at ``port`` and the others connect to it."""
+        one at ``port`` and the others connect to it. Until every rank has come, the join ends
+        (:class:`~raypipe.errors.RaypipeError`) as soon as ``abandoned()``
+        (:func:`~raypipe.comm.rendezvous.wait_for_every_rank`)."""
         topology, nccl = self.topology, self.backend == "nccl"
         if emulate_nccl and nccl:
             raise ValueError("cannot emulate NCCL on a CUDA device: NCCL itself runs there")
@@ -79,6 +82,7 @@ class GroupMembership:
         # receives between two ranks may not be the first use of a group (``dist.batch_isend_irecv``)
         if store is None:
             store = group_store(address, port, self.rank, topology.world_size, timeout_s)
+        wait_for_every_rank(store, topology.world_size, timeout_s, abandoned)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=topology.world_size,
                                 timeout=timedelta(seconds=timeout_s), device_id=self.device if nccl else None)
         self.waits.aborted.clear()

@@ -131,14 +131,14 @@ class P2PChannel:
         self._group.matching = matching
 
     def join(self, address: str, port: int, timeout_s: float, emulate_nccl: bool = False,
-             store: dist.TCPStore | None = None) -> None:
+             store: dist.TCPStore | None = None, abandoned: Callable[[], bool] = lambda: False) -> None:
         """Join the group at ``address:port``, its control channel, and this stage's
         replica subgroup. ``emulate_nccl``: on gloo, under NCCL's rules
         (:mod:`raypipe.comm.nccl_emulation`); ``store``: the group's store where this rank
-        holds it open (:meth:`raypipe.comm.membership.GroupMembership.join`). Learned
-        signatures start afresh."""
+        holds it open; ``abandoned``: polled until every rank has come, ends the join once true
+        (:meth:`raypipe.comm.membership.GroupMembership.join`). Learned signatures start afresh."""
         self._learned.forget()
-        self._group.join(address, port, timeout_s, emulate_nccl, store)
+        self._group.join(address, port, timeout_s, emulate_nccl, store, abandoned)
 
     def leave(self) -> None:
         """Drop pending operations and leave the group, closing its connections;

@@ -114,5 +114,12 @@ class PerStepExecutor(Executor):
         address, port = self.get_watched([actors[0].rendezvous_address.remote()])[0]
         emulate_nccl = nccl_emulation.requested()  # the driver's environment decides for every worker
         self.groups_formed += 1
-        self.get_watched([actor.join_group.remote(address, port, self.config.p2p_timeout_s, emulate_nccl,
-                                                  self.groups_formed) for actor in actors])
+        try:
+            self.get_watched([actor.join_group.remote(address, port, self.config.p2p_timeout_s, emulate_nccl,
+                                                      self.groups_formed) for actor in actors])
+        except BaseException:
+            # a worker lost (or failing) before it joined: the others would wait for it in the
+            # rendezvous until p2p_timeout_s, and the heal's next calls to them behind that
+            for actor in actors:
+                actor.abort_communication.remote(self.groups_formed)
+            raise

@@ -117,11 +117,17 @@ class PerStepWorker(StageWorker, AnswersCalls):
 
         With tensor parallelism the stage's layers are split over the new group's tensor-parallel
         mesh at every join (the first split, or the state moved onto the new mesh after the groups
-        re-formed: :meth:`~raypipe.stage.worker.StageWorker.tensor_parallelize`)."""
-        self._group_joined = None  # an abort that comes while joining is for the group left
+        re-formed: :meth:`~raypipe.stage.worker.StageWorker.tensor_parallelize`).
+
+        Until every rank has come, :meth:`abort_communication` for ``group`` (the driver found a
+        peer lost meanwhile) ends the join at once (a :class:`~raypipe.errors.RaypipeError`), as
+        it ends a step: the worker is free for the heal's next call, not held in the rendezvous
+        until ``timeout_s``."""
+        self._group_joined = None  # an abort for the group left must not reach the one joined next
         rendezvous, self._rendezvous = getattr(self, "_rendezvous", None), None
         held = rendezvous is not None and (rendezvous.address, rendezvous.port) == (address, port)
-        self._channel.join(address, port, timeout_s, emulate_nccl, rendezvous.take_store() if held else None)
+        self._channel.join(address, port, timeout_s, emulate_nccl, rendezvous.take_store() if held else None,
+                           abandoned=lambda: getattr(self, "_abandoned_group", 0) >= group)
         if self._channel.tensor_mesh is not None:
             self.tensor_parallelize(self._channel.tensor_mesh)
         self._group_joined = group
@@ -132,7 +138,9 @@ class PerStepWorker(StageWorker, AnswersCalls):
         it runs while the step blocks): a step of another worker failed. The step
         raises :class:`~raypipe.errors.StepAborted`; the group is joined afresh after.
         Only while in the driver's ``group``-th group: a call that comes after the
-        next one was formed is for the group left."""
+        next one was formed is for the group left. While the worker joins the ``group``-th, it
+        ends the join (the abort may come before the join does: it is kept)."""
+        self._abandoned_group = max(getattr(self, "_abandoned_group", 0), group)
         channel = getattr(self, "_channel", None)
         if channel is not None and getattr(self, "_group_joined", None) == group:
             channel.abort()

@@ -387,3 +387,52 @@ def test_a_second_fault_while_a_heal_restores_state_is_healed_in_the_same_heal(r
                 os.kill(second[-1][0], signal.SIGKILL)
     assert results == expected.results
     assert_bitwise_equal(expected.state, state)
+
+
+@pytest.mark.cluster
+def test_a_survivor_stopped_before_the_heal_forms_the_group_does_not_hold_the_others_in_its_rendezvous(
+        ray_cluster, tmp_path, monkeypatch):
+    """Stage 0 is killed before step 3; as the heal forms the new group, the survivor (stage 1) is
+    stopped before its join arrives, so the replacement (the group's rank 0, which holds the
+    rendezvous) waits for it there. The survivor is found hung by its heartbeats and replaced
+    in the same heal, and the replacement's join is aborted at once rather than waiting for
+    the stopped rank until ``p2p_timeout_s`` (300 s by default): the heal's next call to it
+    would queue behind that join. The run is bitwise the uninterrupted one."""
+    from raypipe.executor.per_step import PerStepExecutor
+
+    cfg = config(num_replicas=2)
+    expected = uninterrupted(cfg, tmp_path)
+    original, stopped = PerStepExecutor._join, []
+
+    def stopping_a_survivor_first(self, actors):
+        if stopped and not stopped[-1][1]:  # once: the heal of the first kill
+            stop(stopped[-1][0])
+            stopped[-1] = (stopped[-1][0], True)
+        return original(self, actors)
+
+    monkeypatch.setattr(PerStepExecutor, "_join", stopping_a_survivor_first)
+    try:
+        with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+            results = []
+            for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+                if step == 3:
+                    first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
+                    stopped.append((survivor, False))
+                    os.kill(first, signal.SIGKILL)
+                    seconds_until_gone(first)
+                start = time.monotonic()
+                result = trainer.step(x, y)
+                if step == 3:
+                    healed_s = time.monotonic() - start
+                results.append((result.loss, result.grad_norm))
+            assert stopped == [(survivor, True)]
+            assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
+            assert len(trainer.failures) == 2 and "replica 0 stage 1 hung" in trainer.failures[1], trainer.failures
+            assert healed_s < 4 * cfg.hang_timeout_s + 30, healed_s
+            state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped[-1][0], signal.SIGKILL)
+    assert results == expected.results
+    assert_bitwise_equal(expected.state, state)
