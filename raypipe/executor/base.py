@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import ray
 
+from raypipe.comm.object_store import ByReference
 from raypipe.comm.task_tensors import as_task_argument
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
@@ -274,7 +275,10 @@ class Executor(ABC):
                         stage, chunk = worker_and_chunk(virtual_stage, topology.num_stages, config.placement)
                         targets, weight = (None, None) if batch is None or virtual_stage < last else (
                             as_task_argument(batch.targets[index]), batch.weights[index])
-                        hidden = pipeline[stage].evaluate.remote(micro_batch, hidden, targets, weight, step, chunk)
+                        # the previous stage's output by reference, fetched in the call: a call
+                        # waiting for its argument would hold back the worker's heartbeats
+                        passed = ByReference(hidden) if isinstance(hidden, ray.ObjectRef) else hidden
+                        hidden = pipeline[stage].evaluate.remote(micro_batch, passed, targets, weight, step, chunk)
                     (others if tp_rank else losses).append(hidden)
         return sum(self.gather(losses + others, step, "during evaluate")[:len(losses)])
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed already (DTensor is not)
 
 from raypipe.comm.membership import forget_mesh_placements
+from raypipe.comm.object_store import fetched
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.step_decision import StageGradStats, StepDecision, decide_step
 from raypipe.core.topology import Topology
@@ -460,9 +461,11 @@ class StageWorker(StageCheckpointing):
     @stage_op("eval", timed=False)
     def evaluate(self, micro_batch: int, inputs: boundary.Boundary, targets: torch.Tensor | None = None,
                  loss_weight: float | None = None, step: int = 0, chunk: int = 0) -> boundary.Boundary | float:
-        """Forward only through chunk ``chunk``, keeping nothing: activation or weighted loss."""
+        """Forward only through chunk ``chunk``, keeping nothing: activation or weighted loss.
+        ``inputs`` may be the previous stage's output by reference
+        (:class:`~raypipe.comm.object_store.ByReference`), fetched here."""
         last = chunk == self.chunks.last
-        inputs = boundary.to_device(self.data.inputs(step, micro_batch, "validation", inputs), self.device)
+        inputs = boundary.to_device(self.data.inputs(step, micro_batch, "validation", fetched(inputs)), self.device)
         if last:
             targets, loss_weight = self.data.targets_and_weight(step, micro_batch, "validation", targets, loss_weight)
             targets = boundary.to_device(targets, self.device)
