@@ -21,7 +21,11 @@ from raypipe.testing import timed_model
 from raypipe.testing.fault_injection import slow_down_worker
 from tests.reference import reference_step
 
-STEPS, SLOWED_FROM, SLOW_STEPS = 10, 4, 3
+# found after SLOW_STEPS slowed steps (step 6) when quiet and swapped before the next; under the suite's load
+# a window where the other stage's own compute rose too reads as the whole replica slowed (a shared cause,
+# not this worker), which can put the finding later: once, with 10 steps, no swap came (the step it was found
+# at not recorded then): steps to spare, and the step is in the message now
+STEPS, SLOWED_FROM, SLOW_STEPS = 14, 4, 3
 SWAP_LINE = re.compile(r"raypipe: swapped slow replica 0 stage 1 tp_rank 0 for spare \d+ in [\d.]+s, its state moved "
                        r"from it, no step replayed")
 SLOW_LINE = re.compile(r"raypipe: slow worker replica (\d+) stage (\d+) tp_rank (\d+) on node (\S+): its own compute "
@@ -41,7 +45,7 @@ def test_a_worker_slowed_mid_run_is_named_swapped_for_a_spare_and_the_losses_do_
                for _ in range(STEPS)]
     config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=2, slow_steps=SLOW_STEPS, on_slow="replace",
                                     spare_workers=1)
-    losses, marks = [], []
+    losses, marks, found_at = [], [], []
     with caplog.at_level(logging.WARNING, logger="raypipe"), \
             raypipe.PipelineTrainer(layers, nn.functional.mse_loss, sgd, config) as trainer:
         slowed = trainer.layout.topology.rank(0, 1)
@@ -53,6 +57,7 @@ def test_a_worker_slowed_mid_run_is_named_swapped_for_a_spare_and_the_losses_do_
             result = trainer.step(inputs, targets)
             losses.append(result.loss)
             marks += [(mark.replica, mark.stage, mark.tp_rank, mark.what.split()[0]) for mark in result.marks]
+            found_at += [step] if any((m.replica, m.stage, m.tp_rank) == (0, 1, 0) for m in result.marks) else []
     found = [match.groups() for record in caplog.records if (match := SLOW_LINE.search(record.getMessage()))]
     named = [(int(replica), int(stage), int(tp_rank), where) for replica, stage, tp_rank, where, _, _ in found]
     assert (0, 1, 0, node) in named, found
@@ -62,7 +67,7 @@ def test_a_worker_slowed_mid_run_is_named_swapped_for_a_spare_and_the_losses_do_
     assert factor > 1.5  # above slow_factor=1.3, by which it was named
     assert (0, 1, 0, "slow") in marks  # on the timeline of the step it was found at
     swaps = [record.getMessage() for record in caplog.records if SWAP_LINE.search(record.getMessage())]
-    assert len(swaps) == 1, [record.getMessage() for record in caplog.records]
+    assert len(swaps) == 1, (found_at, [record.getMessage() for record in caplog.records])
 
     optimizer = sgd(reference.parameters())
     expected = [reference_step(reference, optimizer, nn.functional.mse_loss, inputs, targets, 2)[0]
