@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from raypipe.errors import RaypipeError
 
-_ARRIVED, _EVERY_RANK = "raypipe/arrived", "raypipe/every_rank_arrived"  # beside torch's own keys, which it prefixes
-_LOOK_EVERY = timedelta(milliseconds=100)  # how soon an abandoned join ends
+_ARRIVED = "raypipe/arrived"  # beside the process group's own keys, which torch prefixes
 
 
 class Rendezvous:
@@ -57,26 +56,17 @@ def group_store(address: str, port: int, rank: int, world_size: int, timeout_s: 
 
 
 def wait_for_every_rank(store: dist.Store, world_size: int, timeout_s: float, abandoned: Callable[[], bool]) -> None:
-    """Count this rank in at the group's store and return once all ``world_size`` have come (the
-    last to come sets a key the others wait on: the store tells them at once, no polling of the
-    count). Raises :class:`~raypipe.errors.RaypipeError` within ``_LOOK_EVERY`` of ``abandoned()``
-    (set from another thread), or after ``timeout_s``, saying how many came; a store gone (rank 0
-    lost) raises torch's error at once."""
-    if store.add(_ARRIVED, 1) == world_size:
-        store.set(_EVERY_RANK, b"1")
-        return
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Count this rank in at the group's store and return once all ``world_size`` have come.
+    Raises :class:`~raypipe.errors.RaypipeError` as soon as ``abandoned()`` (polled here, set from
+    another thread), or after ``timeout_s``, saying how many came."""
+    arrived, deadline, pause_s = store.add(_ARRIVED, 1), time.monotonic() + timeout_s, 0.002
+    while arrived < world_size:
         if abandoned():
-            raise RaypipeError(f"joining the group was abandoned with {store.add(_ARRIVED, 0)} of its {world_size} "
-                               "ranks arrived (a peer was found lost before it joined)")
-        left_s = deadline - time.monotonic()
-        if left_s <= 0:
-            raise RaypipeError(f"only {store.add(_ARRIVED, 0)} of the group's {world_size} ranks arrived at its "
-                               f"rendezvous within p2p_timeout_s={timeout_s:g}s")
-        try:  # a wait that times out is cancelled with the server (torch's TCPStore), the connection kept
-            # at least 10 ms: a store takes a timeout under 1 ms (0 once in milliseconds) as none at all
-            store.wait([_EVERY_RANK], timedelta(seconds=min(_LOOK_EVERY.total_seconds(), max(left_s, 0.01))))
-            return
-        except dist.DistStoreError:  # not yet: look at abandoned() again
-            continue
+            raise RaypipeError(f"joining the group was abandoned with {arrived} of its {world_size} ranks arrived "
+                               "(a peer was found lost before it joined)")
+        if time.monotonic() > deadline:
+            raise RaypipeError(f"only {arrived} of the group's {world_size} ranks arrived at its rendezvous "
+                               f"within p2p_timeout_s={timeout_s:g}s")
+        time.sleep(pause_s)
+        pause_s = min(0.1, pause_s * 2)  # quick when the ranks arrive together; light on a large group's store
+        arrived = store.add(_ARRIVED, 0)
