@@ -335,6 +335,56 @@ def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_r
                 os.kill(hung, signal.SIGKILL)
 
 
+def healed_with_the_survivor_faulted_in_the_heal(cfg, tmp_path, monkeypatch, owner: type, method: str,
+                                                fault: Callable[[int], None], found: str) -> None:
+    """Stage 0 killed before step 3; the survivor (stage 1) faulted by ``fault(pid)`` as the heal of
+    that kill first calls ``owner.method``. Both are replaced in one heal, the survivor's failure
+    named ``found``, within a few ``hang_timeout_s`` (not gRPC's minutes, nor ``p2p_timeout_s``), and
+    the run is bitwise the uninterrupted one."""
+    expected = uninterrupted(cfg, tmp_path)
+    original, survivors = getattr(owner, method), []  # (pid, faulted yet)
+
+    def faulting_the_survivor_first(self, *args, **kwargs):
+        if survivors and not survivors[-1][1]:  # once: the heal of the first kill
+            fault(survivors[-1][0])
+            survivors[-1] = (survivors[-1][0], True)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, method, faulting_the_survivor_first)
+    try:
+        with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
+            results = []
+            for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
+                if step == 3:
+                    first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
+                    survivors.append((survivor, False))
+                    os.kill(first, signal.SIGKILL)
+                    seconds_until_gone(first)
+                start = time.monotonic()
+                result = trainer.step(x, y)
+                if step == 3:
+                    healed_s = time.monotonic() - start
+                results.append((result.loss, result.grad_norm))
+            assert survivors == [(survivor, True)]
+            assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
+            assert len(trainer.failures) == 2 and len(trainer.recoveries) == 1, trainer.failures
+            assert f"replica 0 stage 1 {found}" in trainer.failures[1], trainer.failures
+            # a step, the first heal's start, hang_timeout_s and the second heal: well below gRPC's ~7 minutes
+            assert healed_s < 4 * cfg.hang_timeout_s + 30, healed_s
+            state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
+    finally:
+        if survivors:
+            with contextlib.suppress(ProcessLookupError):  # a stopped survivor the heal did not kill
+                os.kill(survivors[-1][0], signal.SIGKILL)
+    assert results == expected.results
+    assert_bitwise_equal(expected.state, state)
+
+
+def _killed(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    seconds_until_gone(pid)
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("second_fault, replicas", [(KILL, 1), (STOP, 1), (STOP, 2)],
                          ids=["sigkill-snapshot", "sigstop-snapshot", "sigstop-siblings"])
@@ -350,46 +400,9 @@ def test_a_second_fault_while_a_heal_restores_state_is_healed_in_the_same_heal(r
     bitwise the uninterrupted one."""
     from raypipe.control.state_transfer import StateTransfer
 
-    cfg = config(num_replicas=replicas)
-    expected = uninterrupted(cfg, tmp_path)
-    original, second = StateTransfer.transfer_state, []
-
-    def faulting_a_survivor_first(self, *args, **kwargs):
-        if second and not second[-1][1]:  # once: the heal of the first kill
-            os.kill(second[-1][0], second_fault)
-            if second_fault == KILL:
-                seconds_until_gone(second[-1][0])
-            second[-1] = (second[-1][0], True)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(StateTransfer, "transfer_state", faulting_a_survivor_first)
-    try:
-        with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-            results = []
-            for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
-                if step == 3:
-                    first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
-                    second.append((survivor, False))
-                    os.kill(first, signal.SIGKILL)
-                    seconds_until_gone(first)
-                start = time.monotonic()
-                result = trainer.step(x, y)
-                if step == 3:
-                    healed_s = time.monotonic() - start
-                results.append((result.loss, result.grad_norm))
-            assert second == [(survivor, True)]
-            assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
-            assert len(trainer.failures) == 2 and len(trainer.recoveries) == 1, trainer.failures
-            assert f"replica 0 stage 1 {FOUND[second_fault]}" in trainer.failures[1]
-            # a step, the first heal's start, hang_timeout_s and the second heal: well below gRPC's ~7 minutes
-            assert healed_s < 4 * cfg.hang_timeout_s + 30, healed_s
-            state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
-    finally:
-        if second:
-            with contextlib.suppress(ProcessLookupError):  # a stopped survivor the heal did not kill
-                os.kill(second[-1][0], signal.SIGKILL)
-    assert results == expected.results
-    assert_bitwise_equal(expected.state, state)
+    healed_with_the_survivor_faulted_in_the_heal(config(num_replicas=replicas), tmp_path, monkeypatch, StateTransfer,
+                                                 "transfer_state", _killed if second_fault == KILL else stop,
+                                                 FOUND[second_fault])
 
 
 @pytest.mark.cluster
@@ -403,39 +416,5 @@ def test_a_survivor_stopped_before_the_heal_forms_the_group_does_not_hold_the_ot
     would queue behind that join. The run is bitwise the uninterrupted one."""
     from raypipe.executor.per_step import PerStepExecutor
 
-    cfg = config(num_replicas=2)
-    expected = uninterrupted(cfg, tmp_path)
-    original, stopped = PerStepExecutor._join, []
-
-    def stopping_a_survivor_first(self, actors):
-        if stopped and not stopped[-1][1]:  # once: the heal of the first kill
-            stop(stopped[-1][0])
-            stopped[-1] = (stopped[-1][0], True)
-        return original(self, actors)
-
-    monkeypatch.setattr(PerStepExecutor, "_join", stopping_a_survivor_first)
-    try:
-        with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
-            results = []
-            for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
-                if step == 3:
-                    first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
-                    stopped.append((survivor, False))
-                    os.kill(first, signal.SIGKILL)
-                    seconds_until_gone(first)
-                start = time.monotonic()
-                result = trainer.step(x, y)
-                if step == 3:
-                    healed_s = time.monotonic() - start
-                results.append((result.loss, result.grad_norm))
-            assert stopped == [(survivor, True)]
-            assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
-            assert len(trainer.failures) == 2 and "replica 0 stage 1 hung" in trainer.failures[1], trainer.failures
-            assert healed_s < 4 * cfg.hang_timeout_s + 30, healed_s
-            state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
-    finally:
-        if stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped[-1][0], signal.SIGKILL)
-    assert results == expected.results
-    assert_bitwise_equal(expected.state, state)
+    healed_with_the_survivor_faulted_in_the_heal(config(num_replicas=2), tmp_path, monkeypatch, PerStepExecutor,
+                                                 "_join", stop, "hung")
