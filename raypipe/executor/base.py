@@ -206,7 +206,8 @@ class Executor(ABC):
 
     def abort_communication(self, failed: Collection[int] = ()) -> None:
         """Release every worker but ``failed`` from a step blocked on a peer (NCCL
-        releases no one when a peer fails; see the module's docstring). The calls run
+        releases no one when a peer fails; see the module's docstring), or from joining the
+        group being formed while a peer was lost before it joined. The calls run
         on the workers' health threads; a worker that does not answer within a second
         (hung, or gone) is not waited for: the heartbeats find it. Workers without a
         group of their own (the per-op executor's) have nothing to abort."""

@@ -120,6 +120,5 @@ class PerStepExecutor(Executor):
         except BaseException:
             # a worker lost (or failing) before it joined: the others would wait for it in the
             # rendezvous until p2p_timeout_s, and the heal's next calls to them behind that
-            for actor in actors:
-                actor.abort_communication.remote(self.groups_formed)
+            self.abort_communication()
             raise

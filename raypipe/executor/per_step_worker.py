@@ -54,6 +54,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         # with no connection no step comes, so nothing waits
         self._first_waits = StepGate()
         self._first_waits.open(math.inf)
+        self._abandoned_group = -1  # the newest group the driver gave up forming or running (abort_communication)
 
     def take_layout(self, spec: WorkerSpec) -> None:
         """The layout's ops and place in the group (joined by :meth:`join_group`, after
@@ -127,7 +128,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         rendezvous, self._rendezvous = getattr(self, "_rendezvous", None), None
         held = rendezvous is not None and (rendezvous.address, rendezvous.port) == (address, port)
         self._channel.join(address, port, timeout_s, emulate_nccl, rendezvous.take_store() if held else None,
-                           abandoned=lambda: getattr(self, "_abandoned_group", -1) >= group)
+                           abandoned=lambda: self._abandoned_group >= group)
         if self._channel.tensor_mesh is not None:
             self.tensor_parallelize(self._channel.tensor_mesh)
         self._group_joined = group
@@ -140,7 +141,7 @@ class PerStepWorker(StageWorker, AnswersCalls):
         Only while in the driver's ``group``-th group: a call that comes after the
         next one was formed is for the group left. While the worker joins the ``group``-th, it
         ends the join (the abort may come before the join does: it is kept)."""
-        self._abandoned_group = max(getattr(self, "_abandoned_group", -1), group)
+        self._abandoned_group = max(self._abandoned_group, group)
         channel = getattr(self, "_channel", None)
         if channel is not None and getattr(self, "_group_joined", None) == group:
             channel.abort()
