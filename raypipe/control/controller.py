@@ -647,7 +647,8 @@ class Controller:
 
     def _note(self, failure: WorkersFailed) -> None:
         """A failure event: count it, ask the policy, kill its workers and let the step end on
-        the others; the heal under way (if any) takes them in."""
+        the others (a survivor found lost meanwhile is a failure event of its own); the heal
+        under way (if any) takes them in."""
         under_way = heal_under_way(self.current_state)
         self._failures.append(str(failure))
         logger.warning("raypipe: %s; healing (failure %d of max_failures=%s)", failure, len(self._failures),
@@ -665,9 +666,11 @@ class Controller:
         reason = ", ".join(f"{place_name(place)} {why}" for place, why in sorted(failure.workers.items()))
         self._enter(replace(under_way, failed={**known, **failed}, reason=reason))
         self.executor.group.kill(list(failed))
-        failed.update(self.executor.drain(failed))
+        more = {rank: why for rank, why in self.executor.drain(failed).items() if rank not in failed}
         self._enter(replace(under_way, failed={**known, **failed}, reasons=under_way.reasons | set(failed.values()),
                             reason=reason))
+        if more:  # survivors found dead or hung as the failed step ended (one stopped meanwhile): their own failure
+            self._note(self.executor.workers_failed(failure.step, more, "found as the failed step ended"))
 
     def _heal(self, healing: Healing) -> None:
         """Replace the failed workers (or shrink, or re-partition, as the policy says), give

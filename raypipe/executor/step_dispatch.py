@@ -169,10 +169,10 @@ class Connections(StepDispatch):
         try:
             pending = self._connected().call(gated)
         except (ray.exceptions.RayError, OSError, WorkersLost) as error:
-            self._teardown()
+            found = self._teardown()
             # a worker that did not answer while its connection opened was found lost then: not asked again
-            failed = (error.ranks if isinstance(error, WorkersLost)
-                      else executor.watchdog().probe(executor.group.actors))
+            failed = ({**error.ranks, **found} if isinstance(error, WorkersLost)
+                      else found or executor.watchdog().probe(executor.group.actors))
             if failed:
                 raise executor.workers_failed(step, failed, f"found starting the step: {error}") from error
             pending = self._connected().call(gated)
@@ -196,7 +196,9 @@ class Connections(StepDispatch):
                 cause = first_cause([f for f in failures if not isinstance(f, CallsBroken)]) or broken[0].error
                 raise executor.workers_failed(submitted.step, failed, str(cause))
             executor.abort_communication()
-            self._teardown()  # broken with every worker alive: close, connect afresh next step
+            found = self._teardown()  # broken with every worker alive: close, connect afresh next step
+            if found:  # ... unless one stopped meanwhile
+                raise executor.workers_failed(submitted.step, found, str(broken[0].error))
             executor.drop_failed_step(broken[0].error, ended_everywhere=True)
         if failures:
             if len(answers) < len(pending):  # the others may wait on the failed one forever (NCCL): release them
@@ -212,19 +214,20 @@ class Connections(StepDispatch):
 
     def drain(self, failed: Collection[int]) -> dict[int, str]:
         """After :class:`~raypipe.errors.WorkersFailed` (workers ``failed``, killed):
-        close the connections, which waits for the other workers' step to end. Closed
-        with no step in flight too (a worker lost between steps), without waiting (no step
-        runs; a survivor hung meanwhile would hold the wait): each survivor's snapshot waits
-        for the next step's first wait over its connection (:meth:`snapshot_workers`), no
-        step comes before the heal restores that snapshot, and the closed connection lets it
-        go (else it waited ``p2p_timeout_s``)."""
+        close the connections, which waits for the other workers' step to end, their
+        heartbeats watched: a survivor found dead or hung meanwhile (stopped as the step
+        failed: its step never ends) is returned, not waited for until ``p2p_timeout_s``.
+        Closed with no step in flight too (a worker lost between steps), without waiting (no
+        step runs; a survivor hung meanwhile would hold the wait): each survivor's snapshot
+        waits for the next step's first wait over its connection (:meth:`snapshot_workers`),
+        no step comes before the heal restores that snapshot, and the closed connection lets
+        it go (else it waited ``p2p_timeout_s``)."""
         executor = self.executor
         submitted, executor.in_flight = executor.in_flight, None
         if submitted is not None:
             executor.abort_communication(failed)  # on NCCL nothing else ends their step
-            self._teardown()
-        else:
-            self._teardown(wait=False)
+            return self._teardown(skip=failed)
+        self._teardown(wait=False)
         return {}
 
     def _connected(self) -> ConnectionCalls:
@@ -236,10 +239,11 @@ class Connections(StepDispatch):
                                           config.hang_timeout_s)
         return self._calls
 
-    def _teardown(self, wait: bool = True) -> None:
+    def _teardown(self, wait: bool = True, skip: Collection[int] = ()) -> dict[int, str]:
+        """The connections closed (:meth:`ConnectionCalls.teardown`): the workers found dead or hung
+        waiting for their calls to end."""
         calls, self._calls = self._calls, None
-        if calls is not None:
-            calls.teardown(wait)
+        return {} if calls is None else calls.teardown(wait, skip)
 
 
 def _read_answers(pending: list[Any], answers: dict[int, Any], timeout_s: float, until_failure: bool = False) -> bool:

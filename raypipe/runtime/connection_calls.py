@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Collection
 from multiprocessing import connection as connections
 from typing import Any
 
 import ray
 
 from raypipe.comm import call_socket
-from raypipe.runtime.health import get_watched
+from raypipe.runtime.health import Watchdog, get_watched
 
 
 class CallsBroken(Exception):
@@ -34,14 +35,14 @@ class CallsBroken(Exception):
 class ConnectionCalls:
     """``method`` on every one of ``actors`` (in rank order) per :meth:`call`, over
     one connection each; :meth:`teardown` waits up to ``end_timeout_s`` for a call
-    still running on a worker. Opening them, a worker that does not answer its
-    heartbeats for ``hang_timeout_s`` (stopped, wedged) raises
-    :class:`~raypipe.errors.WorkersLost`: its ``serve_calls`` would not return until
-    gRPC's keepalive gave up on it, minutes later."""
+    still running on a worker. Opening them, or waiting at the teardown, a worker that
+    does not answer its heartbeats for ``hang_timeout_s`` (stopped, wedged) is found
+    hung: opening raises :class:`~raypipe.errors.WorkersLost` (its ``serve_calls``
+    would not return until gRPC's keepalive gave up on it, minutes later)."""
 
     def __init__(self, actors: list[Any], method: str, end_timeout_s: float = 30.0,
                  hang_timeout_s: float = 30.0) -> None:
-        self.actors, self._end_timeout_s = list(actors), end_timeout_s
+        self.actors, self._end_timeout_s, self._hang_timeout_s = list(actors), end_timeout_s, hang_timeout_s
         self._open = True
         authkey = secrets.token_bytes(32)
         addresses = get_watched([actor.serve_calls.remote(method, authkey, end_timeout_s) for actor in self.actors],
@@ -86,21 +87,35 @@ class ConnectionCalls:
                 values.append(CallsBroken(rank, error if str(error) else EOFError("the connection was closed")))
         return values
 
-    def teardown(self, wait: bool = True) -> None:
-        """Close every connection, then (with ``wait``) wait for each live worker's
-        call to end (a dead worker's wait fails at once; an unreachable one's is given
-        up after ``end_timeout_s``); idempotent."""
+    def teardown(self, wait: bool = True, skip: Collection[int] = ()) -> dict[int, str]:
+        """Close every connection, then (with ``wait``) wait for each live worker's call to
+        end, but those ``skip`` (ranks known lost): a dead worker's wait fails at once, one
+        whose call does not end is given up after ``end_timeout_s``, and one found dead or hung
+        by its heartbeats (a stopped worker's call never ends) is not waited for further while
+        the others' calls end. Returns those found (rank ->
+        :data:`~raypipe.runtime.health.DIED` | ``HUNG`` | ``UNREACHABLE``); idempotent."""
         if not self._open:
-            return
+            return {}
         self._open = False
         for connection in self._connections:
             connection.close()
         if not wait:
-            return
-        ended = [actor.end_calls.remote(self._end_timeout_s) for actor in self.actors]
-        done, _ = ray.wait(ended, num_returns=len(ended), timeout=self._end_timeout_s + 5, fetch_local=False)
+            return {}
+        ended = {rank: actor.end_calls.remote(self._end_timeout_s) for rank, actor in enumerate(self.actors)
+                 if rank not in skip}
+        found: dict[int, str] = {}
+        deadline = time.monotonic() + self._end_timeout_s + 5
+        while (waiting := [rank for rank in ended if rank not in found]) and time.monotonic() < deadline:
+            lost = Watchdog(self._hang_timeout_s).wait([ended[rank] for rank in waiting],
+                                                       [self.actors[rank] for rank in waiting],
+                                                       deadline_s=deadline - time.monotonic())
+            if not lost:  # every call ended, or the deadline passed
+                break
+            found.update({waiting[index]: why for index, why in lost.items()})
+        done, _ = ray.wait(list(ended.values()), num_returns=len(ended), timeout=0, fetch_local=False)
         for reference in done:
             try:
                 ray.get(reference)
             except Exception:  # noqa: BLE001 - a dead worker, or a call that did not end (its next step fails)
                 pass
+        return found

@@ -418,3 +418,16 @@ def test_a_survivor_stopped_before_the_heal_forms_the_group_does_not_hold_the_ot
 
     healed_with_the_survivor_faulted_in_the_heal(config(num_replicas=2), tmp_path, monkeypatch, PerStepExecutor,
                                                  "_join", stop, "hung")
+
+
+@pytest.mark.cluster
+def test_a_survivor_stopped_as_the_failed_step_ends_is_found_hung_not_waited_for(ray_cluster, tmp_path, monkeypatch):
+    """Stage 0 is killed before step 3; as the failed step ends (the driver closes the step's
+    connections and waits for the survivors' calls to end), the survivor (stage 1) is stopped, so
+    its call never ends. It is found hung by its heartbeats and replaced in the same heal, a
+    failure of its own, not waited for until ``p2p_timeout_s`` (60 s here; with the default 300 s
+    a (2, 2, 2) run of the suite waited five minutes there). The run is bitwise the uninterrupted one."""
+    from raypipe.executor.step_dispatch import Connections
+
+    healed_with_the_survivor_faulted_in_the_heal(config(p2p_timeout_s=60.0), tmp_path, monkeypatch, Connections,
+                                                 "drain", stop, "hung")

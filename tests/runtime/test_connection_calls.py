@@ -137,6 +137,23 @@ def test_waiting_between_heartbeats_finds_a_stopped_actor_and_its_answer_once_ki
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.cluster
+def test_a_teardown_finds_an_actor_stopped_in_its_call_instead_of_waiting_for_the_call(actors):
+    """As a failed step ends: the driver closes the connections and waits for each call to end.
+    A worker stopped inside its call never ends it; the wait finds it hung by its heartbeats
+    (in hang_timeout_s, not end_timeout_s) and still waits for the other worker's call."""
+    pid = ray.get(actors[1].pid.remote())
+    calls = ConnectionCalls(actors, "step", end_timeout_s=120.0, hang_timeout_s=1.5)
+    try:
+        calls.call([(1, False, 4.0), (2, False, 60.0)])  # worker 0's call ends in 4 s, worker 1's would in 60
+        stop(pid)
+        start = time.monotonic()
+        assert calls.teardown() == {1: HUNG}
+        assert 3.0 <= time.monotonic() - start < 20  # worker 0's call ended first, worker 1's was not waited for
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_actors_waiting_on_connection_calls_use_no_cpu(shared_actors):
     """The point of the connection: a Ray compiled graph's idle actors each spin a
     core (measured here: ~3 s of CPU in 4 s); blocked on a connection, they use
