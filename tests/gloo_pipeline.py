@@ -7,8 +7,8 @@ the controller) is left out; what it computes is all there.
 
 The tensor-parallel exactness matrix runs here: DTensor needs a process group per rank, so
 the in-process harness (threads over an in-memory channel) cannot run ``t > 1``. The
-processes are forked from a forkserver that has imported torch and raypipe once, so a
-layout of 8 workers starts in well under a second of CPU instead of eight imports of torch
+processes are forked from a forkserver that has imported torch and raypipe once (tests/forked.py),
+so a layout of 8 workers starts in well under a second of CPU instead of eight imports of torch
 (a Ray actor's start)."""
 from __future__ import annotations
 
@@ -30,14 +30,9 @@ from raypipe.core.partition import partition_by_cost, worker_chunks
 from raypipe.core.result import StepResult
 from raypipe.core.step_decision import OVERFLOW
 from raypipe.stage.spec import WorkerSpec
+from tests.forked import CONTEXT
 from tests.reference import trainer_loss_scaler, trainer_step_result
 
-# torch._dynamo: a torch optimizer's first construction imports it (its __init__ is wrapped to keep dynamo
-# out), ~1.2 s of CPU here, which each worker would pay again
-_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-              "raypipe.executor.per_step_worker", "raypipe.models.tensor_parallel", "raypipe.models.llama"]
-_CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(_PRELOADED)
 JOIN_TIMEOUT_S = 60.0
 
 
@@ -113,8 +108,8 @@ class GlooPipeline:
 
     def _start_worker(self, rank: int) -> None:
         """Worker ``rank``'s process, started (its answer, once built, is read by the caller)."""
-        ours, theirs = _CONTEXT.Pipe()
-        process = _CONTEXT.Process(target=_worker_main, args=(cloudpickle.dumps(self.specs[rank]), theirs),
+        ours, theirs = CONTEXT.Pipe()
+        process = CONTEXT.Process(target=_worker_main, args=(cloudpickle.dumps(self.specs[rank]), theirs),
                                    daemon=True)
         process.start()
         theirs.close()

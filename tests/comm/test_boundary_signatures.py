@@ -5,7 +5,7 @@ exactly, the lowered exchanges of 1F1B, interleaved and ZBV included; a changed 
 the sender before anything of it goes on the data channel, with BoundaryShapeChanged naming
 what changed; keys marked dynamic keep headers; signatures are dropped on leaving and joining;
 ``boundary_shapes="headers"`` sends a header before every activation, as before. The ranks are
-spawned processes reused from test to test (tests/comm/spawned_ranks.py), each run joining its
+forked processes reused from test to test (tests/comm/shared_ranks.py), each run joining its
 groups afresh: every transport's count is taken on a group of its own."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from raypipe.comm.p2p import P2PChannel
 from raypipe.core import ops
 from raypipe.core.topology import Topology
 from raypipe.errors import BoundaryShapeChanged, StageError, StepAborted
-from tests.comm.spawned_ranks import shared_ranks
+from tests.comm.shared_ranks import shared_ranks
 from tests.comm.test_p2p import (CHUNKED, CHUNKED_M, CHUNKED_P, CHUNKED_V, keys_of, run_ops,
                                  tree_activation)
 from tests.ports import free_port
@@ -30,7 +30,7 @@ MODE_IDS = ["learned-gloo", "learned-nccl-emulation", "headers-gloo"]
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Spawned ranks (tests/comm/spawned_ranks.py's, shared with the other modules that use them)."""
+    """Forked ranks (tests/comm/shared_ranks.py's, shared with the other modules that use them)."""
     return shared_ranks()
 
 

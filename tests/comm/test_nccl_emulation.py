@@ -21,6 +21,7 @@ from raypipe.comm.p2p import P2PChannel
 from raypipe.core.topology import Topology
 from raypipe.errors import StepAborted
 from tests.comm.test_p2p import key
+from tests.forked import CONTEXT
 from tests.ports import free_port
 
 MESSAGE = 1000  # elements; the emulation treats every message as beyond NCCL's buffering
@@ -53,8 +54,8 @@ def run_crossed_sends(rank: int, port: int, results: mp.Queue) -> None:
 
 
 def test_crossed_sends_wait_forever_and_paired_ones_complete():
-    results = mp.get_context("spawn").Queue()
-    mp.start_processes(run_crossed_sends, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+    results = CONTEXT.Queue()
+    mp.start_processes(run_crossed_sends, args=(free_port(), results), nprocs=2, start_method="forkserver", join=True)
     seen = sorted(results.get(timeout=5) for _ in range(4))
     assert seen == [("crossed", 0, False, False), ("crossed", 1, False, False),
                     ("paired", 0, True, True), ("paired", 1, True, True)]
@@ -93,9 +94,8 @@ def run_pair(rank: int, port: int, killed: mp.Event, results: mp.Queue) -> None:
 
 @pytest.mark.cluster
 def test_a_survivor_of_a_sigkilled_peer_is_released_only_by_abort_within_10s():
-    context = mp.get_context("spawn")
-    killed, results = context.Event(), context.Queue()
-    processes = [context.Process(target=run_pair, args=(rank, port, killed, results))
+    killed, results = CONTEXT.Event(), CONTEXT.Queue()
+    processes = [CONTEXT.Process(target=run_pair, args=(rank, port, killed, results))
                  for port in [free_port()] for rank in (0, 1)]
     for process in processes:
         process.start()

@@ -4,8 +4,8 @@ on a payload of unchanged shape lands in a receive posted before it was needed;
 the lowered ops of interleaved (looped) and ZBV (V-shaped) schedules, whose
 messages go to peers other than the next and previous stage and carry one
 micro-batch across several chunk boundaries between the same two workers,
-deliver each message under its key (raypipe.core.ops.message_key). The ranks are spawned
-processes reused from test to test (tests/comm/spawned_ranks.py), each run joining its groups afresh."""
+deliver each message under its key (raypipe.core.ops.message_key). The ranks are forked
+processes reused from test to test (tests/comm/shared_ranks.py), each run joining its groups afresh."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,7 +16,7 @@ import torch
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core import ops
 from raypipe.core.topology import Topology
-from tests.comm.spawned_ranks import shared_ranks
+from tests.comm.shared_ranks import shared_ranks
 from tests.ports import free_port
 
 # per step, the activations of micro-batches 0..2 (shape, dtype): step 2 repeats
@@ -32,7 +32,7 @@ STEPS = [
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Spawned ranks (tests/comm/spawned_ranks.py's, shared with the other modules that use them)."""
+    """Forked ranks (tests/comm/shared_ranks.py's, shared with the other modules that use them)."""
     return shared_ranks()
 
 

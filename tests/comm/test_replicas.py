@@ -3,7 +3,7 @@ ZeRO-1's reduce-scatter onto owners and all-gather from them, in chunks small
 enough that every chunk boundary cuts a tensor, match sums computed in one
 process, on plain gloo and under NCCL's emulation (each wait polled, as the
 channel waits); and the flat layout reads and writes exactly the elements it names. The ranks are
-spawned processes reused from test to test (tests/comm/spawned_ranks.py), each run joining its
+forked processes reused from test to test (tests/comm/shared_ranks.py), each run joining its
 group afresh."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from raypipe.comm import replicas
 from raypipe.comm.p2p import P2PChannel
 from raypipe.comm.replicas import StageReplicas, _FlatBucket
 from raypipe.core.topology import Topology
-from tests.comm.spawned_ranks import shared_ranks
+from tests.comm.shared_ranks import shared_ranks
 from tests.ports import free_port
 
 REPLICAS = 3
@@ -25,7 +25,7 @@ OWNERS = (0, 1, 2, 2, 0)
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Spawned ranks (tests/comm/spawned_ranks.py's, shared with the other modules that use them)."""
+    """Forked ranks (tests/comm/shared_ranks.py's, shared with the other modules that use them)."""
     return shared_ranks()
 
 

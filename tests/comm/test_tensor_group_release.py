@@ -7,7 +7,7 @@ mesh holds the mesh: before ``GroupMembership.leave`` dropped the mesh's referen
 and gloo's connections, alive, and a peer that had gone on into a DTensor collective while this rank
 stopped at an abort waited the group's whole timeout (``p2p_timeout_s``, 300 s by default): a heal
 held five minutes (found by the seeded TP kills on Ray, tests/executor/test_tensor_parallel_faults.py).
-The ranks are real processes over real gloo (tests/comm/spawned_ranks.py)."""
+The ranks are real processes over real gloo (tests/comm/shared_ranks.py)."""
 from __future__ import annotations
 
 import queue
@@ -17,7 +17,7 @@ import torch
 
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core.topology import Topology
-from tests.comm.spawned_ranks import shared_ranks
+from tests.comm.shared_ranks import shared_ranks
 from tests.ports import free_port
 
 GROUP_TIMEOUT_S = 120.0  # a wait released by this timeout is the bug, not a release

@@ -4,8 +4,8 @@ buffer its receive was posted with; the small leaves share one packed part; the 
 back as the floating-point leaves' parts only. Over gloo between real processes and under NCCL's
 emulation, with ``boundary_shapes="headers"`` (a shape that changes: stale predictions consumed
 part by part) and ``"learned"`` (no header from the second step), every leaf arrives bitwise as
-sent, and the counters say how many messages and bytes went. The ranks are spawned processes
-reused from test to test (tests/comm/spawned_ranks.py)."""
+sent, and the counters say how many messages and bytes went. The ranks are forked processes
+reused from test to test (tests/comm/shared_ranks.py)."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,7 @@ from raypipe.comm.boundary_signatures import HEADERS, LEARNED
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core import ops
 from raypipe.core.topology import Topology
-from tests.comm.spawned_ranks import shared_ranks
+from tests.comm.shared_ranks import shared_ranks
 from tests.comm.test_p2p import key
 from tests.ports import free_port
 
@@ -27,7 +27,7 @@ WIDTH = 16384  # hidden[2, 5, 16384] float32: 640 KiB, above ALONE_BYTES
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Spawned ranks (tests/comm/spawned_ranks.py's, shared with the other modules that use them)."""
+    """Forked ranks (tests/comm/shared_ranks.py's, shared with the other modules that use them)."""
     return shared_ranks()
 
 

@@ -1,6 +1,6 @@
 """Tensor parallelism inside a stage (raypipe.models.tensor_parallel), over real gloo groups.
 
-Two processes (torch.multiprocessing, spawned once for the whole module: a module-scoped
+Two processes (forked once for the whole module, tests/gloo_ranks.py: a module-scoped
 fixture runs every case in one pair and hands back the results) each build a stage's
 layers with the per-layer seeding, split them with their plans over a 1-D CPU mesh of
 2, run one forward and backward and gather the gradients whole. The reference is this

@@ -1,6 +1,6 @@
 """The memory model at t = 2 against what a tensor-parallel rank holds (tiny LLaMA, CPU, gloo).
 
-Two processes (spawned once for the module) each build the whole tiny LLaMA as one stage, split
+Two processes (forked once for the module, tests/gloo_ranks.py) each build the whole tiny LLaMA as one stage, split
 every layer with its plan (:func:`~raypipe.models.tensor_parallel.parallelize_layer`, the LLaMA's
 ``llama_tp_plan``) over a 1-D mesh of 2, and run one micro-batch's forward, loss (vocabulary
 parallel) and backward, with and without sequence parallelism. Each rank reports the bytes of

@@ -1,14 +1,13 @@
-"""Ranks of the communication tests' process groups: spawned processes that the test modules of
-one pytest process start once and reuse (:func:`shared_ranks`), each test running a module-level
-function on some of them (:meth:`SpawnedRanks.run`) as ``torch.multiprocessing.start_processes``
-would on fresh ones.
+"""Ranks of the communication tests' process groups: processes forked from the tests' forkserver
+(tests/forked.py) that the test modules of one pytest process start once and reuse
+(:func:`shared_ranks`), each test running a module-level function on some of them
+(:meth:`SharedRanks.run`) as ``torch.multiprocessing.start_processes`` would on fresh ones.
 
-A spawned process imports torch and raypipe before it can join a group (seconds of CPU each,
-more than most of these tests' runs): reused, the modules pay it once per rank, not once per
-rank per test. Every run joins its groups afresh on ports of its own and leaves them at the end,
+A rank is forked with torch and raypipe imported, and reused: the modules pay a rank's start
+(a fork, a fraction of a second) once per rank, not once per rank per test. Every run joins its groups afresh on ports of its own and leaves them at the end,
 and puts back any setting it changed, as the functions did in processes of their own. A rank that
 fails, or a run that outlasts its timeout, ends every rank (a peer left blocked on it would never
-serve another run): the next run spawns them afresh."""
+serve another run): the next run starts them afresh."""
 from __future__ import annotations
 
 import io
@@ -20,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from tests.forked import CONTEXT
 
 
 def _serve(rank: int, tasks: mp.Queue, answers: mp.Queue, shared: mp.Queue) -> None:
@@ -39,12 +40,12 @@ def _serve(rank: int, tasks: mp.Queue, answers: mp.Queue, shared: mp.Queue) -> N
             return
 
 
-class SpawnedRanks:
-    """Spawned processes, each started at the first :meth:`run` that needs it (and again after a
+class SharedRanks:
+    """Forked processes, each started at the first :meth:`run` that needs it (and again after a
     failure)."""
 
     def __init__(self) -> None:
-        self._context = mp.get_context("spawn")
+        self._context = CONTEXT
         self._processes: list = []
         self._tasks: list = []
 
@@ -102,10 +103,10 @@ class SpawnedRanks:
             process.join()
 
 
-_SHARED = SpawnedRanks()
+_SHARED = SharedRanks()
 
 
-def shared_ranks() -> SpawnedRanks:
+def shared_ranks() -> SharedRanks:
     """This pytest process's ranks: idle between runs, and ended with the process (daemons, which
     multiprocessing stops at exit)."""
     return _SHARED
