@@ -411,6 +411,25 @@ def test_with_on_slow_replace_a_slowed_worker_is_swapped_for_a_spare_with_its_st
                for record in caplog.records)
 
 
+def test_with_on_slow_replace_and_no_spare_up_a_slowed_worker_is_left_in_place_with_one_line_saying_why(
+        fake_ray, caplog) -> None:
+    """on_slow="replace" with no warm spare up: the worker found slow at step 14 stays, said once (not at
+    every step it stays slow), and the run goes on as the reporting one does."""
+    controller = controller_for(num_replicas=2, slow_steps=5, on_slow="replace", spare_workers=1)
+    controller.start()
+    controller.executor.slowdowns.append(Slowdown(on=(1, 0), from_step=10, factor=2.0))
+    FakeGroup.spares_up = 0
+    slow_actor = controller.layout.actors[2]
+    with caplog.at_level("WARNING", logger="raypipe"):
+        run(controller, range(30))
+    assert histories(controller) == {tuple(range(30))} and controller.state is ControllerState.RUNNING
+    assert [(found.data_step, found.worker.worker) for found in controller.slow_workers] == [(14, (1, 0, 0))]
+    assert not controller.slow_replaced and slow_actor.alive and controller.layout.actors[2] is slow_actor
+    lines = [record.getMessage() for record in caplog.records if "in place" in record.getMessage()]
+    assert lines == ["raypipe: on_slow='replace' leaves replica 1 stage 0 in place: no warm spare is up to take a "
+                     "slow worker's place"]
+
+
 def test_at_t2_a_stage_slowed_alike_is_swapped_whole_for_a_spare_group_with_each_ranks_state(fake_ray, caplog
                                                                                               ) -> None:
     """(2, 2, 2), on_slow="replace", one spare group of 2: replica 0's stage 1 slowed 2x on both ranks
