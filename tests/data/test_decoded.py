@@ -241,15 +241,18 @@ def test_threads_opening_copies_while_garbage_is_collected_all_get_them(node_cac
     """A stage's read-ahead thread and its step open shards at once. With garbage collected inside
     np.load's header parse, unserialized opens failed one of them (SystemError: AST constructor
     recursion depth mismatch) in each of 5 runs of this test (3 of them with
-    these 200 opens a thread); in CI it failed a data-reader test once."""
+    these 200 opens a thread), and with the garbage paced in each of 25; in CI it failed a data-reader
+    test once."""
     open_decoded("a" * 64, 17, lambda: np.zeros((4, 17), np.int64), "shard-0")
     thresholds = gc.get_threshold()
     failures, stop = [], threading.Event()
 
     def make_garbage():
+        # paced: a collection inside a parse needs one finalizer to let the others run, not hundreds (each
+        # sleep(0) takes ~60 us: unpaced, the finalizers made the 600 opens take ~10 s, not ~1.3)
         while not stop.is_set():
             _CollectedWithAFinalizer()
-            time.sleep(0)
+            time.sleep(0.001)
 
     def open_many():
         try:
