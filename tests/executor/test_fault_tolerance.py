@@ -430,4 +430,4 @@ def test_a_survivor_stopped_as_the_failed_step_ends_is_found_hung_not_waited_for
     from raypipe.executor.step_dispatch import Connections
 
     healed_with_the_survivor_faulted_in_the_heal(config(p2p_timeout_s=60.0), tmp_path, monkeypatch, Connections,
-                                                 "drain", stop, "hung")
+                                                 "drain", stop, "hung (found as the failed step ended)")
