@@ -3,9 +3,10 @@
 (:func:`shared_ranks`), each test running a module-level function on some of them
 (:meth:`SharedRanks.run`) as ``torch.multiprocessing.start_processes`` would on fresh ones.
 
-A rank is forked with torch and raypipe imported, and reused: the modules pay a rank's start
-(a fork, a fraction of a second) once per rank, not once per rank per test. Every run joins its groups afresh on ports of its own and leaves them at the end,
-and puts back any setting it changed, as the functions did in processes of their own. A rank that
+A rank is forked with torch and raypipe imported, and reused: the modules pay a rank's start (a
+fork, a fraction of a second) once per rank, not once per rank per test. Every run joins its groups
+afresh on ports of its own and leaves them at the end, and puts back any setting it changed, as the
+functions did in processes of their own. A rank that
 fails, or a run that outlasts its timeout, ends every rank (a peer left blocked on it would never
 serve another run): the next run starts them afresh."""
 from __future__ import annotations
@@ -45,7 +46,6 @@ class SharedRanks:
     failure)."""
 
     def __init__(self) -> None:
-        self._context = CONTEXT
         self._processes: list = []
         self._tasks: list = []
 
@@ -85,10 +85,10 @@ class SharedRanks:
     def _start(self, nprocs: int) -> None:
         """Ranks up to ``nprocs - 1`` running."""
         if not self._processes:
-            self._answers, self._shared = self._context.Queue(), self._context.Queue()
+            self._answers, self._shared = CONTEXT.Queue(), CONTEXT.Queue()
         for rank in range(len(self._processes), nprocs):
-            self._tasks.append(self._context.Queue())
-            self._processes.append(self._context.Process(
+            self._tasks.append(CONTEXT.Queue())
+            self._processes.append(CONTEXT.Process(
                 target=_serve, args=(rank, self._tasks[rank], self._answers, self._shared), daemon=True))
             self._processes[rank].start()
 

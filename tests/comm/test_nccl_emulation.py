@@ -55,7 +55,8 @@ def run_crossed_sends(rank: int, port: int, results: mp.Queue) -> None:
 
 def test_crossed_sends_wait_forever_and_paired_ones_complete():
     results = CONTEXT.Queue()
-    mp.start_processes(run_crossed_sends, args=(free_port(), results), nprocs=2, start_method="forkserver", join=True)
+    mp.start_processes(run_crossed_sends, args=(free_port(), results), nprocs=2,
+                       start_method=CONTEXT.get_start_method(), join=True)
     seen = sorted(results.get(timeout=5) for _ in range(4))
     assert seen == [("crossed", 0, False, False), ("crossed", 1, False, False),
                     ("paired", 0, True, True), ("paired", 1, True, True)]
