@@ -389,19 +389,27 @@ def test_a_slowed_worker_is_reported_once_and_the_run_goes_on_unchanged(fake_ray
     assert not controller.failures and not controller.resizes
 
 
+def replacing_run(caplog, spares_up: int, steps: int) -> tuple[Controller, Any]:
+    """on_slow="replace", (2, 2), replica 1's stage 0 slowed 2x from step 10 (found at step 14, slow_steps=5),
+    ``spares_up`` warm spares up, ``steps`` steps with the WARNING lines captured: the controller and the
+    slowed worker's actor. Every worker's history is whole and the run goes on."""
+    controller = controller_for(num_replicas=2, slow_steps=5, on_slow="replace", spare_workers=1)
+    controller.start()
+    controller.executor.slowdowns.append(Slowdown(on=(1, 0), from_step=10, factor=2.0))
+    FakeGroup.spares_up = spares_up
+    slow_actor = controller.layout.actors[2]
+    with caplog.at_level("WARNING", logger="raypipe"):
+        run(controller, range(steps))
+    assert histories(controller) == {tuple(range(steps))} and controller.state is ControllerState.RUNNING
+    assert [(found.data_step, found.worker.worker) for found in controller.slow_workers] == [(14, (1, 0, 0))]
+    return controller, slow_actor
+
+
 def test_with_on_slow_replace_a_slowed_worker_is_swapped_for_a_spare_with_its_state(fake_ray, caplog) -> None:
     """on_slow="replace": found at step 14, the worker is swapped for the spare up before step 15, its
     state copied from it (no step replayed, no failure counted); its replacement is not slow, so nothing
     more is found, and every worker's history is that of a run without the slowdown."""
-    controller = controller_for(num_replicas=2, slow_steps=5, on_slow="replace", spare_workers=1)
-    controller.start()
-    controller.executor.slowdowns.append(Slowdown(on=(1, 0), from_step=10, factor=2.0))
-    FakeGroup.spares_up = 1
-    slow_actor = controller.layout.actors[2]
-    with caplog.at_level("WARNING", logger="raypipe"):
-        run(controller, range(40))
-    assert histories(controller) == {tuple(range(40))} and controller.state is ControllerState.RUNNING
-    assert [(found.data_step, found.worker.worker) for found in controller.slow_workers] == [(14, (1, 0, 0))]
+    controller, slow_actor = replacing_run(caplog, spares_up=1, steps=40)
     ((ranks, spares, _seconds),) = controller.slow_replaced
     assert (ranks, spares) == ((2,), {2: "spare 0"}) and not slow_actor.alive
     assert controller.layout.actors[2].steps == tuple(range(40))  # the spare went on from the slow worker's state
@@ -415,15 +423,7 @@ def test_with_on_slow_replace_and_no_spare_up_a_slowed_worker_is_left_in_place_w
         fake_ray, caplog) -> None:
     """on_slow="replace" with no warm spare up: the worker found slow at step 14 stays, said once (not at
     every step it stays slow), and the run goes on as the reporting one does."""
-    controller = controller_for(num_replicas=2, slow_steps=5, on_slow="replace", spare_workers=1)
-    controller.start()
-    controller.executor.slowdowns.append(Slowdown(on=(1, 0), from_step=10, factor=2.0))
-    FakeGroup.spares_up = 0
-    slow_actor = controller.layout.actors[2]
-    with caplog.at_level("WARNING", logger="raypipe"):
-        run(controller, range(30))
-    assert histories(controller) == {tuple(range(30))} and controller.state is ControllerState.RUNNING
-    assert [(found.data_step, found.worker.worker) for found in controller.slow_workers] == [(14, (1, 0, 0))]
+    controller, slow_actor = replacing_run(caplog, spares_up=0, steps=30)
     assert not controller.slow_replaced and slow_actor.alive and controller.layout.actors[2] is slow_actor
     lines = [record.getMessage() for record in caplog.records if "in place" in record.getMessage()]
     assert lines == ["raypipe: on_slow='replace' leaves replica 1 stage 0 in place: no warm spare is up to take a "
