@@ -4,6 +4,7 @@ between neighbours over ``torch.distributed``. How the calls reach the workers
 (a connection to each, or actor tasks) is its :mod:`~raypipe.executor.step_dispatch`."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from typing import Any
 
@@ -14,11 +15,15 @@ from raypipe.comm.task_tensors import as_task_argument
 from raypipe.config import PipelineConfig
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.ops import Op
+from raypipe.errors import WorkersLost
 from raypipe.executor.base import Executor, SnapshotTasks, StepOutcome, Submitted
 from raypipe.executor.per_step_worker import PerStepWorker
 from raypipe.executor.step_dispatch import ActorTasks, Connections, StepDispatch
 from raypipe.runtime.actor_classes import worker_actor_class
 from raypipe.runtime.group import StageGroup
+from raypipe.runtime.health import HUNG
+
+logger = logging.getLogger("raypipe")
 
 
 class PerStepExecutor(Executor):
@@ -111,14 +116,43 @@ class PerStepExecutor(Executor):
         self._join(self.group.actors)
 
     def _join(self, actors: list[Any]) -> None:
+        """Every worker of ``actors`` (the group's, in rank order) joins a new group, the
+        first one's rendezvous. When the join fails (a worker lost before or while it
+        joined), the others are released from it; where a worker was lost, those whose join does
+        not end within ``hang_timeout_s`` even so are named lost too (:class:`~raypipe.errors.WorkersLost`):
+        past the rendezvous, a rank waits inside torch's group formation for a peer (or for
+        the store of rank 0) that is gone or stopped, in a call nothing interrupts before
+        ``p2p_timeout_s``, and the heal's next calls to it would queue behind it. Replaced,
+        they cost a worker start instead."""
         address, port = self.get_watched([actors[0].rendezvous_address.remote()])[0]
         emulate_nccl = nccl_emulation.requested()  # the driver's environment decides for every worker
         self.groups_formed += 1
+        joins = [actor.join_group.remote(address, port, self.config.p2p_timeout_s, emulate_nccl, self.groups_formed)
+                 for actor in actors]
         try:
-            self.get_watched([actor.join_group.remote(address, port, self.config.p2p_timeout_s, emulate_nccl,
-                                                      self.groups_formed) for actor in actors])
-        except BaseException:
+            self.get_watched(joins)
+        except BaseException as error:
             # a worker lost (or failing) before it joined: the others would wait for it in the
             # rendezvous until p2p_timeout_s, and the heal's next calls to them behind that
             self.abort_communication()
+            if not isinstance(error, (WorkersLost, ray.exceptions.RayActorError)):  # no worker lost: no one held
+                raise
+            lost = error.ranks if isinstance(error, WorkersLost) else {}
+            blocked = self._joins_not_ending(joins, skip=lost)
+            if blocked:
+                ranks = ", ".join(f"rank {rank}" for rank in sorted(blocked))
+                why = (str(error).strip().splitlines() or [repr(error)])[0]
+                logger.warning("raypipe: %s still joining the group %gs after its formation failed (%s): held there "
+                               "by a lost peer; replaced as hung", ranks, self.config.hang_timeout_s, why)
+                raise WorkersLost({**blocked, **lost}) from error
             raise
+
+    def _joins_not_ending(self, joins: list, skip: Collection[int]) -> dict[int, str]:
+        """The ranks (but ``skip``) whose call of ``joins`` has not ended ``hang_timeout_s`` after
+        the others were released from the join: each "hung" (in the join)."""
+        waiting = {ref: rank for rank, ref in enumerate(joins) if rank not in skip}
+        if not waiting:
+            return {}
+        _, pending = ray.wait(list(waiting), num_returns=len(waiting), timeout=self.config.hang_timeout_s,
+                              fetch_local=False)
+        return {waiting[ref]: HUNG for ref in pending}

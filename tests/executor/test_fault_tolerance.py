@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import ray
@@ -335,29 +336,32 @@ def test_a_worker_lost_between_steps_is_healed_before_evaluate_or_its_state_is_r
                 os.kill(hung, signal.SIGKILL)
 
 
-def healed_with_the_survivor_faulted_in_the_heal(cfg, tmp_path, monkeypatch, owner: type, method: str,
-                                                fault: Callable[[int], None], found: str) -> None:
-    """Stage 0 killed before step 3; the survivor (stage 1) faulted by ``fault(pid)`` as the heal of
-    that kill first calls ``owner.method``. Both are replaced in one heal, the survivor's failure
-    named ``found``, within a few ``hang_timeout_s`` (not gRPC's minutes, nor ``p2p_timeout_s``), and
-    the run is bitwise the uninterrupted one."""
+def healed_with_a_worker_faulted_in_the_heal(cfg, tmp_path, monkeypatch, owner: Any, method: str,
+                                             fault: Callable[[int], None], found: str, faulted_stage: int = 1
+                                             ) -> list[str]:
+    """Stage 0 (of two) killed before step 3; as the heal of that kill first calls ``owner.method``
+    (a class's method or a module's function), the worker then at stage ``faulted_stage`` (1: the
+    survivor; 0: the killed one's replacement) is faulted by ``fault(pid)``. Both are replaced in one
+    heal, the faulted one's failure named ``found``, within a few ``hang_timeout_s`` (not gRPC's
+    minutes, nor ``p2p_timeout_s``), and the run is bitwise the uninterrupted one. The run's failure
+    events."""
     expected = uninterrupted(cfg, tmp_path)
-    original, survivors = getattr(owner, method), []  # (pid, faulted yet)
+    original, faulted = getattr(owner, method), []  # the faulted worker's pid, once armed by the kill
 
-    def faulting_the_survivor_first(self, *args, **kwargs):
-        if survivors and not survivors[-1][1]:  # once: the heal of the first kill
-            fault(survivors[-1][0])
-            survivors[-1] = (survivors[-1][0], True)
-        return original(self, *args, **kwargs)
+    def faulting_a_worker_first(*args, **kwargs):
+        if faulted == [None]:  # once: the heal of the first kill
+            faulted[0] = trainer.workers[faulted_stage].pid
+            fault(faulted[0])
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(owner, method, faulting_the_survivor_first)
+    monkeypatch.setattr(owner, method, faulting_a_worker_first)
     try:
         with raypipe.PipelineTrainer(make_mlp(), nn.functional.mse_loss, adamw, cfg, lr_scheduler=halving) as trainer:
             results = []
             for step, (x, y) in enumerate(random_batches(BATCH, STEPS)):
                 if step == 3:
                     first, survivor = trainer.workers[0].pid, trainer.workers[1].pid
-                    survivors.append((survivor, False))
+                    faulted.append(None)
                     os.kill(first, signal.SIGKILL)
                     seconds_until_gone(first)
                 start = time.monotonic()
@@ -365,19 +369,20 @@ def healed_with_the_survivor_faulted_in_the_heal(cfg, tmp_path, monkeypatch, own
                 if step == 3:
                     healed_s = time.monotonic() - start
                 results.append((result.loss, result.grad_norm))
-            assert survivors == [(survivor, True)]
-            assert not {first, survivor} & {worker.pid for worker in trainer.workers}, "a victim was not replaced"
+            assert faulted[0] not in (None, first)
+            assert not {first, survivor, *faulted} & {worker.pid for worker in trainer.workers}, "a victim stayed"
             assert len(trainer.failures) == 2 and len(trainer.recoveries) == 1, trainer.failures
-            assert f"replica 0 stage 1 {found}" in trainer.failures[1], trainer.failures
+            assert f"replica 0 stage {faulted_stage} {found}" in trainer.failures[1], trainer.failures
             # a step, the first heal's start, hang_timeout_s and the second heal: well below gRPC's ~7 minutes
             assert healed_s < 4 * cfg.hang_timeout_s + 30, healed_s
-            state = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS)
+            state, failures = checkpoint_state(trainer, tmp_path / "healed", NUM_LAYERS), trainer.failures
     finally:
-        if survivors:
-            with contextlib.suppress(ProcessLookupError):  # a stopped survivor the heal did not kill
-                os.kill(survivors[-1][0], signal.SIGKILL)
+        if faulted and faulted[0] is not None:
+            with contextlib.suppress(ProcessLookupError):  # a stopped worker the heal did not kill
+                os.kill(faulted[0], signal.SIGKILL)
     assert results == expected.results
     assert_bitwise_equal(expected.state, state)
+    return failures
 
 
 def _killed(pid: int) -> None:
@@ -400,7 +405,7 @@ def test_a_second_fault_while_a_heal_restores_state_is_healed_in_the_same_heal(r
     bitwise the uninterrupted one."""
     from raypipe.control.state_transfer import StateTransfer
 
-    healed_with_the_survivor_faulted_in_the_heal(config(num_replicas=replicas), tmp_path, monkeypatch, StateTransfer,
+    healed_with_a_worker_faulted_in_the_heal(config(num_replicas=replicas), tmp_path, monkeypatch, StateTransfer,
                                                  "transfer_state", _killed if second_fault == KILL else stop,
                                                  FOUND[second_fault])
 
@@ -416,8 +421,26 @@ def test_a_survivor_stopped_before_the_heal_forms_the_group_does_not_hold_the_ot
     would queue behind that join. The run is bitwise the uninterrupted one."""
     from raypipe.executor.per_step import PerStepExecutor
 
-    healed_with_the_survivor_faulted_in_the_heal(config(num_replicas=2), tmp_path, monkeypatch, PerStepExecutor,
+    healed_with_a_worker_faulted_in_the_heal(config(num_replicas=2), tmp_path, monkeypatch, PerStepExecutor,
                                                  "_join", stop, "hung")
+
+
+@pytest.mark.cluster
+def test_a_survivor_held_in_the_group_formation_by_a_stopped_replacement_is_replaced_too(ray_cluster, tmp_path,
+                                                                                        monkeypatch):
+    """Stage 0 is killed before step 3; as the heal forms the new group, its replacement (the group's
+    rank 0, whose process holds the rendezvous' store) is stopped just after it opened that store, so
+    the survivor's join waits on the store inside torch, where nothing interrupts it before
+    ``p2p_timeout_s`` (60 s here, 300 s by default), and the heal's next calls to it would queue behind
+    that. The replacement is found hung; the survivor, still joining ``hang_timeout_s`` after the others
+    were released, is replaced too in the same heal instead of waited for; the run is bitwise the
+    uninterrupted one."""
+    from raypipe.executor import per_step
+
+    failures = healed_with_a_worker_faulted_in_the_heal(
+        config(p2p_timeout_s=60.0), tmp_path, monkeypatch, per_step.nccl_emulation, "requested", stop, "hung",
+        faulted_stage=0)
+    assert "replica 0 stage 1 hung" in failures[1], failures  # the survivor, held in the join
 
 
 @pytest.mark.cluster
@@ -429,5 +452,5 @@ def test_a_survivor_stopped_as_the_failed_step_ends_is_found_hung_not_waited_for
     a (2, 2, 2) run of the suite waited five minutes there). The run is bitwise the uninterrupted one."""
     from raypipe.executor.step_dispatch import Connections
 
-    healed_with_the_survivor_faulted_in_the_heal(config(p2p_timeout_s=60.0), tmp_path, monkeypatch, Connections,
+    healed_with_a_worker_faulted_in_the_heal(config(p2p_timeout_s=60.0), tmp_path, monkeypatch, Connections,
                                                  "drain", stop, "hung (found as the failed step ended)")
