@@ -97,7 +97,10 @@ def _train(cluster: Cluster, config: raypipe.PipelineConfig, record: dict) -> di
                 break
             if step >= ADDED_AT:
                 assert time.monotonic() - added_at < DEADLINE_S, "the run never went back to two stages and replicas"
-                time.sleep(0.5)  # steps of this model take milliseconds: give the new workers time to start
+                # steps of this model take milliseconds: give the new workers time to start (once the second
+                # replica is in, the steps left need none)
+                if record["num_replicas"][-1] < 2:
+                    time.sleep(0.5)
         record["balance_at_end"] = list(trainer.balance)
         record["workers_at_end"] = [(worker.replica, worker.stage) for worker in trainer.workers]
         record["sources"] = [recovered.source for recovered in trainer.recoveries]
