@@ -189,13 +189,21 @@ class Resizer:
         goes (asked for again) and the old workers take their layout back (with ZeRO-1
         their own state too: some may have adopted new parts). One of them lost raises
         Ray's error here (or :class:`~raypipe.errors.WorkersLost`, stopped), which the heal
-        folds in (re-giving every worker its spec)."""
+        folds in (re-giving every worker its spec); old workers ``error`` already names lost
+        go to the heal at once."""
         logger.warning("raypipe: a worker failed while the new replica joined (%s); undoing the grow and "
                        "asking for another replica", str(error).strip().splitlines()[-1])
         group = self.executor.group
         group.drop_replicas({self.running - 1})
         group.set_specs(self.specs(self.running))
         self._ask_for(1)
+        # old workers already named lost (one held in the grown group's formation by a lost peer among
+        # them: alive, its next call would queue behind that join until p2p_timeout_s) go to the heal as
+        # they are, not into the old layout's group first; the old workers' ranks are the grown group's first
+        lost = error.ranks if isinstance(error, WorkersLost) else {}
+        held = {rank: why for rank, why in lost.items() if rank < len(old)}
+        if held:
+            raise WorkersLost(held) from error
         self.executor.relayout(old)
         if snapshots is not None:
             self._get_watched([actor.restore.remote(snapshot) for actor, snapshot in zip(old, snapshots)], old)

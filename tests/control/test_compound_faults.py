@@ -226,6 +226,32 @@ def test_a_worker_lost_during_a_grows_admission_is_healed(fake_ray, monkeypatch,
     assert [direction for _, direction, _ in controller.resizes] == ["grow"]
 
 
+def test_an_old_worker_named_lost_as_a_grow_forms_its_group_goes_to_the_heal_at_once(fake_ray, monkeypatch) -> None:
+    """The grown group's formation fails naming an old worker lost (one held in torch's group formation
+    by a lost peer is alive: its next call would queue behind that join until ``p2p_timeout_s``): the
+    grow is undone without forming the old layout's group with it first, the heal replaces it, and the
+    replica asked for again joins later."""
+    monkeypatch.setattr(controller_module, "cluster", fake_cluster(num_replicas_placed=1))
+    controller = controller_for(num_replicas=(1, 2))
+    controller.start()
+    run(controller, range(1))  # the pending replica starts at the first step boundary, joins at the second
+    relayouts, original = [], FakeExecutor.relayout
+
+    def relayout(executor: FakeExecutor, survivors: list) -> None:
+        relayouts.append(len(executor.group.actors))
+        if len(relayouts) == 1:  # the grown layout's group: old rank 1 held in its formation
+            raise WorkersLost({1: "hung"})
+        original(executor, survivors)
+
+    monkeypatch.setattr(FakeExecutor, "relayout", relayout)
+    run(controller, range(1, 6))
+    assert relayouts[0] == 4 and relayouts[1:2] == [2]  # the heal's, on the old layout, once rank 1 was replaced
+    assert_healed(controller, 6)
+    assert "replica 0 stage 1 hung" in controller.failures[0], controller.failures
+    assert decided(fake_ray) == ["ReplaceWorkers", "RestoreSnapshot"]
+    assert controller.layout.topology.num_replicas == 2 and [d for _, d, _ in controller.resizes] == ["grow"]
+
+
 @pytest.mark.parametrize("shard_optimizer", [False, True], ids=["copies", "zero1"])
 def test_an_elastic_run_at_t2_shrinks_and_grows_in_whole_replicas(fake_ray, monkeypatch, shard_optimizer) -> None:
     """t = 2: a replica is its p x t workers. One rank's replacement finds no room: its replica is
