@@ -406,8 +406,8 @@ def test_a_second_fault_while_a_heal_restores_state_is_healed_in_the_same_heal(r
     from raypipe.control.state_transfer import StateTransfer
 
     healed_with_a_worker_faulted_in_the_heal(config(num_replicas=replicas), tmp_path, monkeypatch, StateTransfer,
-                                                 "transfer_state", _killed if second_fault == KILL else stop,
-                                                 FOUND[second_fault])
+                                             "transfer_state", _killed if second_fault == KILL else stop,
+                                             FOUND[second_fault])
 
 
 @pytest.mark.cluster
@@ -422,7 +422,7 @@ def test_a_survivor_stopped_before_the_heal_forms_the_group_does_not_hold_the_ot
     from raypipe.executor.per_step import PerStepExecutor
 
     healed_with_a_worker_faulted_in_the_heal(config(num_replicas=2), tmp_path, monkeypatch, PerStepExecutor,
-                                                 "_join", stop, "hung")
+                                             "_join", stop, "hung")
 
 
 @pytest.mark.cluster
@@ -453,4 +453,4 @@ def test_a_survivor_stopped_as_the_failed_step_ends_is_found_hung_not_waited_for
     from raypipe.executor.step_dispatch import Connections
 
     healed_with_a_worker_faulted_in_the_heal(config(p2p_timeout_s=60.0), tmp_path, monkeypatch, Connections,
-                                                 "drain", stop, "hung (found as the failed step ended)")
+                                             "drain", stop, "hung (found as the failed step ended)")
