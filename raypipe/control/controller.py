@@ -88,8 +88,8 @@ from raypipe.control.snapshots import LoggedStep, Snapshots
 from raypipe.control.state_transfer import CopyLost, Load, StateTransfer, survivors_that_ended
 from raypipe.control.states import (GROW, SHRINK, STATES, ControllerState, Failed, Healing, Recovered,
                                     Repartitioned, Resizing, Running, Starting, State, Stopped, heal_under_way)
-from raypipe.control.stragglers import (ComputeHistory, RebalanceSlow, ReplaceSlow, ReportSlow, SlowView, SlowWorker,
-                                        decide_slow, find_slow, slowdowns, well_stage_seconds)
+from raypipe.control.stragglers import (ComputeHistory, RebalanceSlow, ReplaceSlow, SlowView, SlowWorker, decide_slow,
+                                        find_slow, slowdowns, well_stage_seconds)
 from raypipe.control.view import FailedWorker, LayoutView, repartitioned
 from raypipe.core.micro_batches import MicroBatches
 from raypipe.core.partition import worker_chunks
@@ -521,15 +521,13 @@ class Controller:
             spares = self.spares
             decision = decide_slow(SlowView(found, self._config.on_slow, 0 if spares is None else spares.up_count(),
                                             topology.num_stages, topology.num_replicas, topology.tensor_parallel))
-            newly_found = {topology.rank(*slow.worker) for slow in newly}
+            left = {topology.rank(*slow.worker) for slow in newly}
             if isinstance(decision, ReplaceSlow):
                 self._slow_to_replace = decision.ranks
-                left, why = newly_found & set(decision.left), "no more warm spares are up"
-            else:
-                left, why = newly_found, decision.why
+                left &= set(decision.left)
             if left:  # said once, as workers are newly found slow (not at every step they stay slow and unswapped)
                 logger.warning("raypipe: on_slow='replace' leaves %s in place: %s",
-                               ", ".join(place_name(topology.place(rank)) for rank in sorted(left)), why)
+                               ", ".join(place_name(topology.place(rank)) for rank in sorted(left)), decision.why)
         elif self._config.on_slow == "rebalance" and newly and not self.layout.repartitioned:
             # asked once as workers are newly found slow (not at every step they stay slow): after a rebalance
             # their baselines start again at their slow pace, so they are found again only if they slow further

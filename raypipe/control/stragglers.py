@@ -229,10 +229,12 @@ class ReportSlow:
 @dataclass(frozen=True)
 class ReplaceSlow:
     """At the next step boundary, swap the workers ``ranks`` (found slow) for warm spares, each
-    taking its state from the worker it replaces; ``left``: those found slow with no spare up for them."""
+    taking its state from the worker it replaces; ``left``: those found slow with no spare up for
+    them, ``why`` they are left in place."""
 
     ranks: tuple[int, ...]
     left: tuple[int, ...] = ()
+    why: str = "no more warm spares are up"
 
 
 @dataclass(frozen=True)
