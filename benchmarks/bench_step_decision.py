@@ -1,5 +1,8 @@
-"""The step decision's reduction of gradient statistics over gloo: a ring all-reduce against
-``P2PChannel.all_reduce_sum`` itself (a gather to rank 0 and a broadcast).
+"""The step decision's reduction of gradient statistics over gloo: a ring all-reduce, a gather to
+rank 0 and a broadcast, and ``P2PChannel.all_reduce_sum`` itself (each rank's numbers sent to
+rank 0, which adds them in rank order and sends the sum back), its receives posted when the
+reduction is called or, as the step runner posts them, when the step begins
+(``P2PChannel.expect_statistics``).
 
 Every worker adds a few float64 numbers a virtual stage (squared norm, overflow flag, loss
 share), so the reduction is all latency. In a 1F1B step stage 0 ends last (its last
@@ -30,13 +33,31 @@ NUMBERS = 12  # 3 numbers a virtual stage, 4 virtual stages
 
 
 def ring_all_reduce(_: P2PChannel, values: list[float]) -> list[float]:
-    """What ``all_reduce_sum`` ran before: gloo's all-reduce (a ring) over the same group."""
+    """What ``all_reduce_sum`` ran first: gloo's all-reduce (a ring) over the same group."""
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)
     return tensor.tolist()
 
 
-CONTENDERS = {"gloo ring all_reduce": ring_all_reduce, "P2PChannel.all_reduce_sum (raypipe)": P2PChannel.all_reduce_sum}
+def gather_and_broadcast(_: P2PChannel, values: list[float]) -> list[float]:
+    """What ``all_reduce_sum`` ran next: gloo's gather to rank 0, the sum in rank order, gloo's broadcast."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    first = dist.get_rank() == 0
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if first else None
+    dist.gather(tensor, parts, group_dst=0)
+    if first:
+        tensor = parts[0]
+        for part in parts[1:]:
+            tensor += part
+    dist.broadcast(tensor, group_src=0)
+    return tensor.tolist()
+
+
+# name -> (the reduction, whether its receives are posted when the step begins, before the late rank's wait)
+CONTENDERS = {"gloo ring all_reduce": (ring_all_reduce, False),
+              "gather + broadcast": (gather_and_broadcast, False),
+              "P2PChannel.all_reduce_sum, receives posted at the call": (P2PChannel.all_reduce_sum, False),
+              "P2PChannel.all_reduce_sum, receives posted ahead (raypipe's step)": (P2PChannel.all_reduce_sum, True)}
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
@@ -46,8 +67,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     late = 0  # stage 0 after its last backward: rank 0 of raypipe's control group, where the gather ends
     seconds = {name: [] for name in CONTENDERS}
     for round_index in range(args.warmup + args.rounds):
-        for name, reduce in CONTENDERS.items():
+        for name, (reduce, ahead) in CONTENDERS.items():
             dist.barrier()
+            if ahead:  # as the step runner does at the step's start
+                channel.expect_statistics(NUMBERS)
             if rank == late:
                 time.sleep(args.late_ms / 1e3)
             start = time.perf_counter()

@@ -3,7 +3,8 @@
 order on NCCL and its emulation (:class:`InOrder`: tags ignored, nothing posted
 ahead, operations started together in one batch). The tag of a message comes
 from its kind (:data:`HEADER`, :data:`PREDICTED`, :data:`UNPREDICTED`,
-:data:`GRADIENT`, a tree's :data:`LAYOUT`) and its message key
+:data:`GRADIENT`, a tree's :data:`LAYOUT`, or the step's :data:`STATISTICS`, which
+go on the control channel with key 0) and its message key
 (:func:`raypipe.core.ops.message_key`: the micro-batch and the chunk boundary it
 crosses), ``KINDS * key + kind + 1``: gloo's tags are 32-bit, and keys stay small.
 """
@@ -17,8 +18,8 @@ import torch.distributed as dist
 from raypipe.comm.nccl_emulation import EmulatedStream
 
 # what a message is, for its tag
-HEADER, PREDICTED, UNPREDICTED, GRADIENT, LAYOUT = range(5)
-KINDS = 5
+HEADER, PREDICTED, UNPREDICTED, GRADIENT, LAYOUT, STATISTICS = range(6)
+KINDS = 6
 
 # a point-to-point operation to start: dist.isend or dist.irecv, the tensor, the peer's rank, the tag
 Operation = tuple[Any, torch.Tensor, int, int]

@@ -33,7 +33,9 @@ receive is posted as early as the schedule allows
 (:class:`~raypipe.comm.matching.ByTag`): a stage's activation headers at the
 start of its step, each payload too when its shape is predicted (the shape the
 message of this key had last step, which both sides remember the same way), and a
-gradient's receive as soon as its activation is sent. A payload whose shape
+gradient's receive as soon as its activation is sent (the step's statistics reduction's
+receives go on the control channel, gloo on every transport, when the step begins:
+:meth:`P2PChannel.expect_statistics`). A payload whose shape
 changed goes under another tag, and the stale prediction is consumed by a filler
 of the predicted size, so no posted receive is ever left unmatched (a key whose
 signature is learned sends no header and no filler: its shape never changes). NCCL matches
@@ -71,7 +73,8 @@ from raypipe.comm import tree_messages
 from raypipe.comm.boundary_signatures import HEADERS, BoundarySignature, LearnedSignatures, changed
 from raypipe.comm.headers import (HEADER_LENGTH, TREE, MessageSignature, decode, empty_buffers, encode,
                                   inline_structure, message_signature, structure_inline, tree_signature)
-from raypipe.comm.matching import GRADIENT, HEADER, LAYOUT, PREDICTED, UNPREDICTED, ByTag, InOrder, Operation
+from raypipe.comm.matching import (GRADIENT, HEADER, LAYOUT, PREDICTED, STATISTICS, UNPREDICTED, ByTag, InOrder,
+                                   Operation)
 from raypipe.comm.membership import GroupMembership
 from raypipe.comm.tree_messages import TreeStructure
 from raypipe.comm.polled_wait import WaitedOnThread, work_of_parts
@@ -434,30 +437,64 @@ class P2PChannel:
             self._waits.wait(work, None, None, "send")
         self._messages.sends.clear()
 
+    def expect_statistics(self, length: int) -> None:
+        """Post this step's receives of :meth:`all_reduce_sum` of ``length`` numbers ahead: on the
+        control group's first rank every other rank's numbers, on the others the sum. Gloo hands a
+        message over only once its receive is posted, so each rank's numbers then travel as it
+        sends them, while the first rank (stage 0, which ends a 1F1B or GPipe step last, after its
+        last backward) still computes. Without this call :meth:`all_reduce_sum` posts them itself."""
+        if self._messages.statistics:
+            raise RuntimeError(f"stage {self.stage} already expects this step's statistics")
+        self._messages.statistics = self._posted_statistics(length)
+
+    def _posted_statistics(self, length: int) -> list[tuple[Any, torch.Tensor]]:
+        """The receives of :meth:`all_reduce_sum`, posted now (Work, buffer): every other rank's
+        numbers, in rank order, on the first rank; the sum on the others."""
+        self._waits.refuse_after_abort("reduction")
+        rank, world = dist.get_rank(self.control), dist.get_world_size(self.control)
+        peers = range(1, world) if rank == 0 else [0]
+        buffers = [torch.empty(length, dtype=torch.float64, device=self._control_device) for _ in peers]
+        return [(self._statistics_op(dist.irecv, buffer, peer), buffer) for peer, buffer in zip(peers, buffers)]
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum of ``values`` over every worker, in float64, added in rank order by the
-        control group's first rank and broadcast from it, so every worker gets the same bits (those
-        of the in-process harness's sum in rank order).
+        control group's first rank and sent from it to every other, so every worker gets the same
+        bits (those of the in-process harness's sum in rank order).
 
-        A gather and a broadcast rather than ``all_reduce``: the statistics are a few numbers a
-        virtual stage, so the reduction is all latency, and gloo's all-reduce is a ring that passes
-        2(n - 1) messages one after another once the last worker (stage 0, after its last backward)
-        arrives. Gathered, the others' numbers are already at the first rank when it arrives: from
-        that arrival to every worker's return 1.0 ms against the ring's 5.8 at n = 4, 2.0 against
-        17.7 at n = 8 (gloo on one 2-core machine; ``benchmarks/bench_step_decision.py``)."""
+        Point-to-point messages to and from the first rank rather than ``all_reduce``: the statistics
+        are a few numbers a virtual stage, so the reduction is all latency, and gloo's all-reduce is a
+        ring that passes 2(n - 1) messages one after another once the last worker (stage 0, after its
+        last backward) arrives. Here every rank's numbers are already at the first rank when it
+        arrives, in receives posted when the step began (:meth:`expect_statistics`): from that arrival
+        to every worker's return 1.1 ms against 2.1 for a gather and a broadcast and 3.8 for the ring
+        at n = 4; 2.3, 4.1 and 18.3 at n = 8 (gloo on one 2-core machine;
+        ``benchmarks/bench_step_decision.py``)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self._control_device)
-        self._waits.refuse_after_abort("reduction")
-        first = dist.get_rank(self.control) == 0
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.control))] if first else None
-        work = dist.gather(tensor, parts, group=self.control, group_dst=0, async_op=True)
-        self._waits.wait(work, None, None, "reduction")
-        if first:
-            tensor = parts[0]
-            for part in parts[1:]:
-                tensor += part
-        work = dist.broadcast(tensor, group=self.control, group_src=0, async_op=True)
-        self._waits.wait(work, None, None, "reduction")
+        posted = self._messages.statistics or self._posted_statistics(len(values))
+        if any(buffer.numel() != len(values) for _, buffer in posted):  # kept pending: leaving drops them
+            raise RuntimeError(f"stage {self.stage} expected {posted[0][1].numel()} statistics this step, "
+                               f"not {len(values)}")
+        self._messages.statistics = []
+        if dist.get_rank(self.control) != 0:
+            (received, total), = posted
+            sent = self._statistics_op(dist.isend, tensor, 0)  # the sum's receive is posted: its send never waits
+            self._waits.wait(sent, 0, None, "reduction")
+            self._waits.wait(received, 0, None, "reduction")
+            return total.tolist()
+        for peer, (received, part) in enumerate(posted, start=1):
+            self._waits.wait(received, peer, None, "reduction")
+            tensor += part
+        sent = [self._statistics_op(dist.isend, tensor, peer) for peer in range(1, len(posted) + 1)]
+        for peer, work in enumerate(sent, start=1):
+            self._waits.wait(work, peer, None, "reduction")
         return tensor.tolist()
+
+    def _statistics_op(self, function: Any, tensor: torch.Tensor, peer_rank: int) -> Any:
+        """Start a send or receive of the statistics reduction on the control channel (its own tag);
+        not counted in :attr:`control_messages`, which counts the activations' headers."""
+        self._waits.refuse_after_abort("reduction")
+        work = function(tensor, peer_rank, group=self.control, tag=ByTag.tag(STATISTICS, 0))
+        return WaitedOnThread(work, self._waits.pool) if self._waits.polls else work
 
     @property
     def _control_device(self) -> torch.device:

@@ -99,6 +99,10 @@ class WaitedOnThread:
     def wait(self, timeout: Any = None) -> bool:
         if self._waited is None:  # not polled: the plain wait
             return self._work.wait()
+        # the Work is let go first: a failed wait's error refers back to this object (its traceback's frames), so
+        # until the garbage collector breaks that cycle the Work would keep the group's connections open after the
+        # step left it, and a peer waiting on this worker would not see it leave
+        self._work = None
         self._waited.result()  # raises the wait's error
         return True
 

@@ -17,16 +17,19 @@ class StepMessages:
 
     ``sends``: the running step's unfinished sends (Work and buffer, one per part of a message);
     ``headers``, ``payloads`` and ``gradients``: its posted receives (Work, and the header, or each
-    part's buffer: :mod:`raypipe.comm.tree_messages`); a pending operation keeps the group's connections
-    open, so leaving drops them all. ``sent`` and ``received``: the shape each key's activation had last step,
-    as sent and as received, the same on both ends of a message, as its key is. ``sent_structures`` and
-    ``received_structures``: the running step's trees (:mod:`raypipe.comm.tree_messages`): a sent one
-    gives its gradient's parts, a received one the parts of the gradient sent back."""
+    part's buffer: :mod:`raypipe.comm.tree_messages`); ``statistics``: the posted receives of its
+    statistics reduction (:meth:`~raypipe.comm.p2p.P2PChannel.expect_statistics`). A pending
+    operation keeps the group's connections open, so leaving drops them all. ``sent`` and
+    ``received``: the shape each key's activation had last step, as sent and as received, the same
+    on both ends of a message, as its key is. ``sent_structures`` and ``received_structures``: the
+    running step's trees (:mod:`raypipe.comm.tree_messages`): a sent one gives its gradient's parts,
+    a received one the parts of the gradient sent back."""
 
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     headers: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
     payloads: dict[int, tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     gradients: dict[int, tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    statistics: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     sent: dict[int, MessageSignature] = field(default_factory=dict)
     received: dict[int, MessageSignature] = field(default_factory=dict)
     sent_structures: dict[int, TreeStructure] = field(default_factory=dict)
@@ -35,7 +38,7 @@ class StepMessages:
     @property
     def pending(self) -> bool:
         """Whether an operation was started and not finished."""
-        return any((self.sends, self.headers, self.payloads, self.gradients))
+        return any((self.sends, self.headers, self.payloads, self.gradients, self.statistics))
 
     def clear(self) -> None:
         """Forget everything (leaving the group: every member leaves before a group re-forms)."""

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from raypipe.comm.replicas import Owners
+from raypipe.config import PipelineConfig
 from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
 from raypipe.core.schedule import PLACEMENT, make_schedule
@@ -91,6 +92,10 @@ class StepChannel(Protocol):
 
     def finish_sends(self) -> None:
         """Wait until every send started has completed."""
+
+    def expect_statistics(self, length: int) -> None:
+        """The step's :meth:`all_reduce_sum` of ``length`` numbers to come: its receives posted ahead where the
+        transport can."""
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """The element-wise sum of ``values`` over every worker of the run."""
@@ -159,6 +164,7 @@ class StepRunner:
                       sent_before=self.channel.sent_bytes)
         try:
             self.channel.expect_activations(self._expected_activations)
+            self.channel.expect_statistics(_statistics_length(self.worker.config))
             with self.worker.step_scope():  # with tensor parallelism, the loss's stage: vocabulary-parallel loss
                 for index, op in enumerate(self.ops):
                     if before_op is not None:
@@ -277,7 +283,7 @@ class StepRunner:
                                      tp_rank=worker.spec.tp_rank))
         scale = 1.0 if state.loss_scale is None else state.loss_scale
         count = config.num_virtual_stages  # the decision is over virtual stages (one a worker without chunks)
-        slots = [0.0] * (3 * count)  # every one's squared norm, overflow flag and loss share, over all workers
+        slots = [0.0] * _statistics_length(config)  # every one's squared norm, overflow flag and loss share
         for chunk, own in enumerate(worker.chunk_grad_stats(1.0 / scale, config.clip_grad_value)):
             me = ops.virtual_stage(worker.stage_index, chunk, worker.num_stages, config.placement)
             if worker.ownership.counts_in_norm():  # each owner's part, or one replica's whole (all hold the same)
@@ -293,6 +299,12 @@ class StepRunner:
         # the driver's overhead is a step's wall time minus the longest of these
         state.report.stats.task_seconds = time.time() - state.started
         state.report.stats.sent_bytes = self.channel.sent_bytes - state.sent_before
+
+
+def _statistics_length(config: PipelineConfig) -> int:
+    """How many numbers each worker adds in a step's statistics all-reduce: every virtual stage's
+    squared gradient norm, overflow flag and loss share (zero where not its own)."""
+    return 3 * config.num_virtual_stages
 
 
 def lowered_stage_ops(spec: WorkerSpec) -> list[ops.LoweredOp]:

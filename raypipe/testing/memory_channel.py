@@ -234,6 +234,9 @@ class MemoryChannel:
     def finish_sends(self) -> None:
         """Nothing to wait for: a send is queued at once."""
 
+    def expect_statistics(self, length: int) -> None:
+        """Nothing to post ahead: the all-reduce combines what every worker gives."""
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """The element-wise sum over every worker, in rank order."""
         topology = self.group.topology

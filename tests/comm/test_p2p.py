@@ -153,6 +153,65 @@ def test_replicas_keep_to_their_pipeline_and_sum_gradients_per_stage(ranks):
     ranks.run(run_replicated_stage, free_port(), nprocs=4)
 
 
+def run_statistics_posted_ahead(rank: int, port: int, emulate_nccl: bool) -> list:
+    """Four stages' step statistics, their receives posted as the step begins (as the step runner
+    posts them), stage 0 arriving last (after its last backward); then one stage leaving before it
+    sends its numbers, so stage 0 fails instead of waiting on the receive posted for them, and
+    leaves in turn, which fails the others. What each rank's reductions returned, or how they
+    failed and after how long. The garbage collector is off: a failed wait's leftovers must not
+    keep the group's connections open after its worker left it, however late it runs."""
+    import gc
+    import time
+    import traceback
+
+    from raypipe.errors import StepAborted
+
+    gc.disable()
+    channel = P2PChannel(Topology(num_stages=4), 0, rank, torch.device("cpu"))
+    channel.join("127.0.0.1", port, timeout_s=60, emulate_nccl=emulate_nccl)
+    addends = [1e16, 1.0, -1e16, 1.0]  # added in rank order: another order gives 0.0 or 2.0
+    outcomes: list = []
+    try:
+        for late_s in (0.3, 0.0):
+            channel.expect_statistics(2)
+            if rank == 0:
+                time.sleep(late_s)
+            outcomes.append(channel.all_reduce_sum([addends[rank], float(rank)]))
+            outcomes.append(channel._messages.pending)
+        channel.expect_statistics(2)
+        if rank == 3:
+            return outcomes  # leaves (finally) as a failed step leaves: its numbers never come
+        start = time.monotonic()
+        try:
+            channel.all_reduce_sum([0.0, 0.0])
+            outcomes.append("returned")
+        except StepAborted as error:
+            outcomes.append(str(error).splitlines()[0])
+            traceback.clear_frames(error.__traceback__)  # as the step runner does before it leaves
+        outcomes.append(time.monotonic() - start)
+    finally:
+        channel.leave()
+        gc.enable()
+    return outcomes
+
+
+@pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+def test_the_step_statistics_received_as_the_step_began_are_summed_in_rank_order_and_a_lost_sender_fails_the_step(
+        ranks, emulate_nccl):
+    """The statistics all-reduce with its receives posted when the step begins (P2PChannel.expect_statistics):
+    every rank gets the rank-order sum, the same bits, and nothing stays pending; a rank that left
+    before sending its numbers fails the first rank's reduction, and its leaving every other's, at
+    once (not after the group's 60-s timeout), on gloo and under NCCL's emulation, where a wait
+    runs on a thread of the channel's (polled_wait.WaitedOnThread)."""
+    outcomes = ranks.run(run_statistics_posted_ahead, free_port(), emulate_nccl, nprocs=4)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome[:4] == [[1.0, 6.0], False, [1.0, 6.0], False], (rank, outcome)
+    assert len(outcomes[3]) == 4
+    assert "stage 3 left the step before this reduction completed" in outcomes[0][4], outcomes
+    assert all("stage 0 left the step before this reduction completed" in outcome[4] for outcome in outcomes[1:3])
+    assert all(outcome[5] < 30 for outcome in outcomes[:3]), outcomes
+
+
 def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> None:
     """Stage ``rank`` of a two-stage 1F1B, run op by op from its lowering: the
     exchanges (a send and the receive behind it) deliver exactly, over gloo's posted
