@@ -1,7 +1,7 @@
 """The step decision's reduction of gradient statistics over gloo: a ring all-reduce, a gather to
 rank 0 and a broadcast, and ``P2PChannel.all_reduce_sum`` itself (each rank's numbers sent to
 rank 0, which adds them in rank order and sends the sum back), its receives posted when the
-reduction is called or, as the step runner posts them, when the step begins
+reduction is called or, as the step runner posts them, early in the step
 (``P2PChannel.expect_statistics``).
 
 Every worker adds a few float64 numbers a virtual stage (squared norm, overflow flag, loss
@@ -53,7 +53,7 @@ def gather_and_broadcast(_: P2PChannel, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-# name -> (the reduction, whether its receives are posted when the step begins, before the late rank's wait)
+# name -> (the reduction, whether its receives are posted early in the step, before the late rank's wait)
 CONTENDERS = {"gloo ring all_reduce": (ring_all_reduce, False),
               "gather + broadcast": (gather_and_broadcast, False),
               "P2PChannel.all_reduce_sum, receives posted at the call": (P2PChannel.all_reduce_sum, False),

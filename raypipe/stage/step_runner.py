@@ -143,6 +143,10 @@ class StepRunner:
         self.key_of = message_keys(spec.stage, spec.num_stages, spec.num_chunks, PLACEMENT[spec.config.schedule])
         self._expected_activations = [(self.key_of(op), op.peer) for op in ops.unbatch(self.ops)
                                       if op.kind == ops.RECV_ACT]
+        # the statistics' receives are posted before the worker first waits for a peer: on the first rank one from
+        # every other worker of the run, so not before stage 0's first forward, which every other stage waits for
+        self._statistics_posted_before = next((index for index, op in enumerate(self.ops)
+                                               if any(part.kind in ops.RECEIVES for part in op.unbatched())), 0)
         # each handler takes the op (its micro-batch and chunk; a send's or receive's peer too)
         self._handlers: dict[str, Callable[[ops.LoweredOp, _Step], None]] = {
             ops.RECV_ACT: self._recv_activation, ops.F: self._forward, ops.SEND_ACT: self._send_activation,
@@ -164,9 +168,10 @@ class StepRunner:
                       sent_before=self.channel.sent_bytes)
         try:
             self.channel.expect_activations(self._expected_activations)
-            self.channel.expect_statistics(_statistics_length(self.worker.config))
             with self.worker.step_scope():  # with tensor parallelism, the loss's stage: vocabulary-parallel loss
                 for index, op in enumerate(self.ops):
+                    if index == self._statistics_posted_before:
+                        self.channel.expect_statistics(_statistics_length(self.worker.config))
                     if before_op is not None:
                         before_op(index)
                     self._handlers[op.kind](op, state)

@@ -154,7 +154,7 @@ def test_replicas_keep_to_their_pipeline_and_sum_gradients_per_stage(ranks):
 
 
 def run_statistics_posted_ahead(rank: int, port: int, emulate_nccl: bool) -> list:
-    """Four stages' step statistics, their receives posted as the step begins (as the step runner
+    """Four stages' step statistics, their receives posted early in the step (as the step runner
     posts them), stage 0 arriving last (after its last backward); then one stage leaving before it
     sends its numbers, so stage 0 fails instead of waiting on the receive posted for them, and
     leaves in turn, which fails the others. What each rank's reductions returned, or how they
@@ -198,7 +198,7 @@ def run_statistics_posted_ahead(rank: int, port: int, emulate_nccl: bool) -> lis
 @pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
 def test_the_step_statistics_received_as_the_step_began_are_summed_in_rank_order_and_a_lost_sender_fails_the_step(
         ranks, emulate_nccl):
-    """The statistics all-reduce with its receives posted when the step begins (P2PChannel.expect_statistics):
+    """The statistics all-reduce with its receives posted early in the step (P2PChannel.expect_statistics):
     every rank gets the rank-order sum, the same bits, and nothing stays pending; a rank that left
     before sending its numbers fails the first rank's reduction, and its leaving every other's, at
     once (not after the group's 60-s timeout), on gloo and under NCCL's emulation, where a wait

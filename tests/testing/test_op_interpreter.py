@@ -278,3 +278,35 @@ def test_messages_between_two_workers_pair_in_issue_order():
                                            r"got the activation of message key \d+ instead \(the messages are "
                                            r"mis-paired\)"):
         pipeline.step(0, *random_batches(BATCH, 1)[0])
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("zbv", 2)])
+def test_the_statistics_receives_are_posted_before_each_worker_first_waits_not_before_stage_0s_first_forward(
+        monkeypatch, schedule, v):
+    """The step runner asks its channel to post the statistics all-reduce's receives
+    (``expect_statistics``) once a step, just before the worker's first op that waits for a
+    peer: on stage 0 after its first forward (the first rank of a run posts one from every other
+    worker, which would delay the forward every other stage waits for), on the others before
+    their first op, which receives."""
+    from raypipe.testing.memory_channel import MemoryChannel
+
+    calls: list = []
+    expect = MemoryChannel.expect_statistics
+
+    def recording(channel, length):
+        calls.append((channel.stage, length))
+        return expect(channel, length)
+
+    monkeypatch.setattr(MemoryChannel, "expect_statistics", recording)
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=4, schedule=schedule, virtual_stages=v)
+    pipeline = OpInterpreter([nn.Linear(4, 4) for _ in range(4)], nn.functional.mse_loss,
+                             lambda parameters: torch.optim.SGD(parameters, lr=0.1), config)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipeline.step(0, x, y)
+    assert sorted(calls) == [(0, 3 * 2 * v), (1, 3 * 2 * v)]  # once a worker, three numbers a virtual stage
+    for runner in pipeline.replicas[0].runners:
+        posted_before = runner.ops[runner._statistics_posted_before]
+        assert any(part.kind in ops.RECEIVES for part in posted_before.unbatched())
+        assert not any(part.kind in ops.RECEIVES for op in runner.ops[:runner._statistics_posted_before]
+                       for part in op.unbatched())
+    assert pipeline.replicas[0].runners[0]._statistics_posted_before > 0  # stage 0 forwards first
