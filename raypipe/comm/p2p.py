@@ -452,7 +452,6 @@ class P2PChannel:
     def _posted_statistics(self, length: int) -> list[tuple[Any, torch.Tensor]]:
         """The receives of :meth:`all_reduce_sum`, posted now (Work, buffer): every other rank's
         numbers, in rank order, on the first rank; the sum on the others."""
-        self._waits.refuse_after_abort("reduction")
         rank, world = dist.get_rank(self.control), dist.get_world_size(self.control)
         peers = range(1, world) if rank == 0 else [0]
         buffers = [torch.empty(length, dtype=torch.float64, device=self._control_device) for _ in peers]

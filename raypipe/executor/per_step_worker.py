@@ -37,7 +37,7 @@ from raypipe.errors import RaypipeError
 from raypipe.stage.concurrency_groups import HEALTH_GROUP
 from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.step_gate import StepGate
-from raypipe.stage.step_runner import StepRunner
+from raypipe.stage.step_runner import StepRunner, first_receive
 from raypipe.stage.worker import StageWorker
 
 logger = logging.getLogger("raypipe")
@@ -206,12 +206,9 @@ class PerStepWorker(StageWorker, AnswersCalls):
 
 def first_wait(stage_ops: list[ops.LoweredOp], gated_op: int) -> int:
     """The index of the op before which a stage first waits for a neighbour (its first
-    receive, alone or in an exchange: stage 0's first gradient, the others' first activation),
-    and no later than ``gated_op`` (which waits for the snapshot); 0 with no receive (a lone
-    stage never idles)."""
-    receives = (index for index, op in enumerate(stage_ops)
-                if any(part.kind in ops.RECEIVES for part in op.unbatched()))
-    return min(next(receives, 0), gated_op)
+    receive, alone or in an exchange: :func:`~raypipe.stage.step_runner.first_receive`), and no
+    later than ``gated_op`` (which waits for the snapshot)."""
+    return min(first_receive(stage_ops), gated_op)
 
 
 def _saves_buffers(layers: torch.nn.Module) -> bool:

@@ -94,8 +94,8 @@ class StepChannel(Protocol):
         """Wait until every send started has completed."""
 
     def expect_statistics(self, length: int) -> None:
-        """The step's :meth:`all_reduce_sum` of ``length`` numbers to come: its receives posted ahead where the
-        transport can."""
+        """The step's :meth:`all_reduce_sum` of ``length`` numbers to come: its receives posted ahead
+        where the transport can."""
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """The element-wise sum of ``values`` over every worker of the run."""
@@ -145,8 +145,7 @@ class StepRunner:
                                       if op.kind == ops.RECV_ACT]
         # the statistics' receives are posted before the worker first waits for a peer: on the first rank one from
         # every other worker of the run, so not before stage 0's first forward, which every other stage waits for
-        self._statistics_posted_before = next((index for index, op in enumerate(self.ops)
-                                               if any(part.kind in ops.RECEIVES for part in op.unbatched())), 0)
+        self._statistics_posted_before = first_receive(self.ops)
         # each handler takes the op (its micro-batch and chunk; a send's or receive's peer too)
         self._handlers: dict[str, Callable[[ops.LoweredOp, _Step], None]] = {
             ops.RECV_ACT: self._recv_activation, ops.F: self._forward, ops.SEND_ACT: self._send_activation,
@@ -310,6 +309,15 @@ def _statistics_length(config: PipelineConfig) -> int:
     """How many numbers each worker adds in a step's statistics all-reduce: every virtual stage's
     squared gradient norm, overflow flag and loss share (zero where not its own)."""
     return 3 * config.num_virtual_stages
+
+
+def first_receive(stage_ops: list[ops.LoweredOp]) -> int:
+    """The index of the first of a worker's lowered ``stage_ops`` that waits for a peer (a receive,
+    alone or in an exchange: stage 0's first gradient, the others' first activation); 0 with none
+    (a lone stage never waits)."""
+    receives = (index for index, op in enumerate(stage_ops)
+                if any(part.kind in ops.RECEIVES for part in op.unbatched()))
+    return next(receives, 0)
 
 
 def lowered_stage_ops(spec: WorkerSpec) -> list[ops.LoweredOp]:
