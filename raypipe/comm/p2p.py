@@ -63,6 +63,7 @@ releases a blocked step) is :mod:`raypipe.comm.membership`.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -78,7 +79,7 @@ from raypipe.comm.matching import (GRADIENT, HEADER, LAYOUT, PREDICTED, STATISTI
 from raypipe.comm.membership import GroupMembership
 from raypipe.comm.tree_messages import TreeStructure
 from raypipe.comm.polled_wait import WaitedOnThread, work_of_parts
-from raypipe.comm.step_messages import StepMessages
+from raypipe.comm.step_messages import DeferredReceive, StepMessages
 from raypipe.core.ops import RECEIVES, RECV_ACT, SEND_ACT, SENDS, LoweredOp, micro_batch_of_key
 from raypipe.core.topology import Topology
 from raypipe.errors import BoundaryShapeChanged
@@ -364,7 +365,9 @@ class P2PChannel:
         and so is a gradient that comes after it from the same peer (a pair's messages
         match in issue order, the order of ``receives``, as the dry-run checks:
         :func:`raypipe.core.simulator.postings`). On gloo every receive is posted ahead
-        already: the sends start, then the receives are waited for.
+        already and no send waits for its receive: the sends start, and each receive is returned as
+        a :class:`~raypipe.comm.step_messages.DeferredReceive`, waited for by the op that uses it
+        (under NCCL's rules, and their emulation, every receive is waited for here, as it came).
         """
         # checked before anything starts: an exchange is posted whole or not at all
         for parts, kinds, role in (([op for op, _ in sends], SENDS, "sends"), (receives, RECEIVES, "receives")):
@@ -420,9 +423,12 @@ class P2PChannel:
         for op in receives:
             key = key_of(op)
             if key in structures:
-                received.append(self._received_in_batch(key, op.peer, structures[key]))
+                receive = functools.partial(self._received_in_batch, key, op.peer, structures[key])
             else:
-                received.append((self.recv_activation if op.kind == RECV_ACT else self.recv_gradient)(key, op.peer))
+                receive = functools.partial(self.recv_activation if op.kind == RECV_ACT else self.recv_gradient,
+                                            key, op.peer)
+            # under NCCL's rules a receive after the batch is posted in the exchange's place in the issue order
+            received.append(receive() if self._group.in_order else DeferredReceive(receive))
         return received
 
     def _received_in_batch(self, key: int, peer: int, structure: TreeStructure | None) -> Any:

@@ -2,6 +2,7 @@
 between steps (:class:`~raypipe.comm.p2p.P2PChannel`'s bookkeeping)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -9,6 +10,26 @@ import torch
 
 from raypipe.comm.headers import MessageSignature
 from raypipe.comm.tree_messages import TreeStructure
+
+
+@dataclass(frozen=True)
+class DeferredReceive:
+    """A receive an EXCHANGE posted (or will post) and did not wait for: :meth:`result` waits for
+    it and returns what came, once the op that uses it runs. Where a channel may leave a receive
+    so (gloo: messages match by tag and no send waits for its receive), the exchange blocks on
+    none of its receives, and an op waits only for what it uses: an interleaved step's forward
+    does not wait behind the gradient that came in the same exchange for the backward after it."""
+
+    receive: Callable[[], Any]
+
+    def result(self) -> Any:
+        """What the receive got, once it came."""
+        return self.receive()
+
+
+def waited(received: Any) -> Any:
+    """What an exchange's receive got: ``received`` itself, or a :class:`DeferredReceive`'s result."""
+    return received.result() if isinstance(received, DeferredReceive) else received
 
 
 @dataclass

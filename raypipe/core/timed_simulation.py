@@ -25,7 +25,10 @@ asynchronously and compute on, and on gloo every receive is posted ahead (see
 ``buffered_sends=True`` a send completes as it is posted, holding neither
 worker, and its message arrives its time later, when the receive (alone or in
 an EXCHANGE) can complete. Which ops can run is still decided by the
-rendezvous rule, the stricter one.
+rendezvous rule, the stricter one. An EXCHANGE still holds its worker until
+every receive in it is in, as NCCL's batch does; on gloo the runtime leaves
+each receive to the op that uses it (:class:`~raypipe.comm.step_messages.DeferredReceive`),
+so for chunked schedules on gloo these timings are an upper bound.
 
 Nothing in this rule lets a time depend on a step that comes after it in the
 dry-run's steps (:func:`~raypipe.core.simulator.simulate_events`: a worker reaching

@@ -7,7 +7,8 @@ channel, so the exactness matrices run the code that trains.
 What each compute op does is :class:`~raypipe.stage.worker.StageWorker`'s (forward,
 backward, backward_input, backward_weight, the gradient statistics, the commit);
 this module says when: receive before a compute op needs a neighbour's tensor, send
-after it made one, post an EXCHANGE's sends and receives together, then end the step
+after it made one, post an EXCHANGE's sends and receives together (each receive waited
+for by the op that uses it, where the channel leaves it so: gloo's), then end the step
 as every worker ends it: the replicas of the stage sum their gradients (onto each
 gradient's owner with ZeRO-1) while the last sends finish, one all-reduce of every
 virtual stage's gradient statistics, the same decision and commit on every worker,
@@ -33,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from raypipe.comm.replicas import Owners
+from raypipe.comm.step_messages import DeferredReceive
 from raypipe.config import PipelineConfig
 from raypipe.core import lowering, ops
 from raypipe.core.result import OpEvent, StageReport
@@ -88,7 +90,8 @@ class StepChannel(Protocol):
     def exchange(self, sends: list[tuple[ops.LoweredOp, Any]], receives: list[ops.LoweredOp],
                  key_of: Callable[[ops.LoweredOp], int],
                  header_first: Collection[ops.LoweredOp] = ()) -> list[Any]:
-        """One EXCHANGE: ``sends`` (each part with its tensor) and ``receives`` posted together; what each receive got."""
+        """One EXCHANGE: ``sends`` (each part with its tensor) and ``receives`` posted together; what each
+        receive got, or a :class:`~raypipe.comm.step_messages.DeferredReceive` that the op using it waits for."""
 
     def finish_sends(self) -> None:
         """Wait until every send started has completed."""
@@ -208,10 +211,19 @@ class StepRunner:
         state.activations[op.chunk, op.micro_batch] = self.channel.recv_activation(self.key_of(op), op.peer)
         self._timed_receive([op], start)
 
+    def _taken(self, op: ops.LoweredOp, received: Any) -> Any:
+        """What ``op`` uses, received for it: a receive an exchange left to this op is waited for now."""
+        if not isinstance(received, DeferredReceive):
+            return received
+        start = time.time()
+        value = received.result()
+        self._timed_receive([op], start)
+        return value
+
     def _forward(self, op: ops.LoweredOp, state: _Step) -> None:
         worker, chunk, micro_batch = self.worker, op.chunk, op.micro_batch
         hidden = (state.inputs[micro_batch] if worker.chunks.is_first(chunk)
-                  else state.activations.pop((chunk, micro_batch)))
+                  else self._taken(op, state.activations.pop((chunk, micro_batch))))
         output = worker.forward(micro_batch, hidden, state.targets[micro_batch], state.weights[micro_batch],
                                 state.number, chunk, read_loss=False)  # the loss is read once, with the norm
         if chunk != worker.chunks.last:
@@ -234,7 +246,7 @@ class StepRunner:
     def _backpropagate(self, op: ops.LoweredOp, state: _Step, backward: Callable) -> None:
         """B or I of one micro-batch on one chunk: its input gradient goes to the previous virtual stage."""
         chunks, chunk, micro_batch = self.worker.chunks, op.chunk, op.micro_batch
-        gradient = state.gradients.pop((chunk, micro_batch), None)  # none on the last: it starts from the loss
+        gradient = self._taken(op, state.gradients.pop((chunk, micro_batch), None))  # none on the last: the loss's
         scale = state.loss_scale if chunk == chunks.last and state.loss_scale is not None else 1.0
         input_gradient = backward(micro_batch, gradient, scale, chunk)
         if not chunks.is_first(chunk):  # the model's first virtual stage has no input gradient to send
@@ -269,7 +281,9 @@ class StepRunner:
         received = self.channel.exchange(sends, receives, self.key_of, op.header_first)
         for part, tensor in zip(receives, received):
             incoming[part.kind][part.chunk, part.micro_batch] = tensor
-        self._timed_receive(receives, start)
+        # a receive left to the op that uses it is timed there (_taken): here only those waited for
+        self._timed_receive([part for part, tensor in zip(receives, received)
+                             if not isinstance(tensor, DeferredReceive)], start)
 
     def _reduce(self, _: ops.LoweredOp, state: _Step) -> None:
         worker, channel, config = self.worker, self.channel, self.worker.config

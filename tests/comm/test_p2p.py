@@ -4,7 +4,8 @@ on a payload of unchanged shape lands in a receive posted before it was needed;
 the lowered ops of interleaved (looped) and ZBV (V-shaped) schedules, whose
 messages go to peers other than the next and previous stage and carry one
 micro-batch across several chunk boundaries between the same two workers,
-deliver each message under its key (raypipe.core.ops.message_key). The ranks are forked
+deliver each message under its key (raypipe.core.ops.message_key); on gloo an exchange leaves each
+receive to the op that uses it, under NCCL's rules it waits for all. The ranks are forked
 processes reused from test to test (tests/comm/shared_ranks.py), each run joining its groups afresh."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from raypipe.comm.p2p import P2PChannel
+from raypipe.comm.step_messages import DeferredReceive, waited
 from raypipe.core import ops
 from raypipe.core.topology import Topology
 from tests.comm.shared_ranks import shared_ranks
@@ -46,7 +48,7 @@ def run_ops(channel: P2PChannel, stage_ops: list[ops.LoweredOp], key_of: Callabl
         sends = [(part, tensor(part)) for part in parts if part.kind in ops.SENDS]
         receives = [part for part in parts if part.kind in ops.RECEIVES]
         if op.kind == ops.EXCHANGE:
-            received.update(zip(receives, channel.exchange(sends, receives, key_of, op.header_first)))
+            received.update(zip(receives, map(waited, channel.exchange(sends, receives, key_of, op.header_first))))
         elif op.kind == ops.SEND_ACT:
             channel.send_activation(sends[0][1], key_of(op), op.peer)
         elif op.kind == ops.SEND_GRAD:
@@ -243,7 +245,7 @@ def run_exchanging_stage(rank: int, port: int, emulate_nccl: bool = False) -> No
                     sends = [(part, (1 if rank == 0 else -1) * activation(shapes, part.micro_batch))
                              for part in op.parts if part.kind in ops.SENDS]
                     receives = [part for part in op.parts if part.kind in ops.RECEIVES]
-                    received.update(zip(receives, channel.exchange(sends, receives, key_of)))
+                    received.update(zip(receives, map(waited, channel.exchange(sends, receives, key_of))))
                 elif op.kind == ops.SEND_ACT:
                     channel.send_activation(activation(shapes, op.micro_batch), key_of(op), op.peer)
                 elif op.kind == ops.SEND_GRAD:
@@ -271,6 +273,44 @@ def test_one_f_one_b_exchanges_deliver_under_the_emulation(ranks):
     ranks.run(run_exchanging_stage, free_port(), True, nprocs=2)
 
 
+def run_deferring_stage(rank: int, port: int, emulate_nccl: bool) -> None:
+    """Two workers of two chunks each (interleaved, p = 2): worker 0's exchange receives the activation
+    of its chunk 1 and the gradient of its chunk 0, both from worker 1, which sends the gradient only
+    once worker 0 has used the activation and told it so. On gloo the exchange waits for neither, and
+    the forward that uses the activation waits for it alone; under NCCL's rules (and their emulation)
+    the exchange waits for both, as NCCL's batch does, so the gradient goes first there."""
+    torch.set_num_threads(1)
+    channel = P2PChannel(Topology(num_stages=2), 0, rank, torch.device("cpu"), num_chunks=2)
+    channel.join("127.0.0.1", port, timeout_s=30, emulate_nccl=emulate_nccl)
+    key_of = keys_of(rank, 2, 2)
+    first, activation, gradient, word = torch.ones(2), torch.arange(4.0), -torch.arange(2.0), torch.zeros(1)
+    try:
+        if rank == 0:
+            channel.send_activation(first, key_of(ops.LoweredOp(ops.SEND_ACT, 0, 1)), 1)
+            received = channel.exchange([], [ops.LoweredOp(ops.RECV_ACT, 0, 1, chunk=1),
+                                             ops.LoweredOp(ops.RECV_GRAD, 0, 1)], key_of)
+            assert [isinstance(each, DeferredReceive) for each in received] == [not emulate_nccl] * 2
+            torch.testing.assert_close(waited(received[0]), activation, rtol=0, atol=0)
+            channel.send_activation(word, key_of(ops.LoweredOp(ops.SEND_ACT, 1, 1)), 1)  # "used it"
+            torch.testing.assert_close(waited(received[1]), gradient, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(channel.recv_activation(key_of(ops.LoweredOp(ops.RECV_ACT, 0, 0)), 0), first)
+            channel.send_activation(activation, key_of(ops.LoweredOp(ops.SEND_ACT, 0, 0)), 0)
+            if emulate_nccl:  # the exchange waits for both: the word comes only after the gradient
+                channel.send_gradient(gradient, key_of(ops.LoweredOp(ops.SEND_GRAD, 0, 0)), 0)
+            torch.testing.assert_close(channel.recv_activation(key_of(ops.LoweredOp(ops.RECV_ACT, 1, 0)), 0), word)
+            if not emulate_nccl:
+                channel.send_gradient(gradient, key_of(ops.LoweredOp(ops.SEND_GRAD, 0, 0)), 0)
+        channel.finish_sends()
+    finally:
+        channel.leave()
+
+
+@pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+def test_on_gloo_an_exchange_leaves_each_receive_to_the_op_that_uses_it(ranks, emulate_nccl):
+    ranks.run(run_deferring_stage, free_port(), emulate_nccl, nprocs=2)
+
+
 def tree_activation(step: int, micro_batch: int) -> dict:
     """A packed-sequence boundary: hidden states with positions, document ids and a mask beside
     them, a None and a constant; micro-batch 1 changes its sequence length at step 1."""
@@ -287,7 +327,7 @@ def receive_tree(channel: P2PChannel, micro_batch: int) -> dict:
     if micro_batch < 2:
         return channel.recv_activation(key(micro_batch), 0)
     receive = ops.LoweredOp(ops.RECV_ACT, micro_batch, 0)
-    return channel.exchange([], [receive], lambda op: key(op.micro_batch), header_first=[receive])[0]
+    return waited(channel.exchange([], [receive], lambda op: key(op.micro_batch), header_first=[receive])[0])
 
 
 def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:

@@ -14,6 +14,7 @@ import torch
 from raypipe.comm import tree_messages
 from raypipe.comm.boundary_signatures import HEADERS, LEARNED
 from raypipe.comm.p2p import P2PChannel
+from raypipe.comm.step_messages import waited
 from raypipe.core import ops
 from raypipe.core.topology import Topology
 from tests.comm.shared_ranks import shared_ranks
@@ -96,7 +97,7 @@ def run_tree_parts_stage(rank: int, port: int, mode: str, emulate_nccl: bool) ->
                         received = channel.recv_activation(key(micro_batch), 0)
                     else:
                         receive = ops.LoweredOp(ops.RECV_ACT, micro_batch, 0)
-                        received = channel.exchange([], [receive], lambda op: key(op.micro_batch), [receive])[0]
+                        received = waited(channel.exchange([], [receive], lambda op: key(op.micro_batch), [receive])[0])
                     assert_bitwise(received, large_tree(step, micro_batch, changes))
                     in_place = [received[leaf] is part for leaf, part in
                                 zip(("hidden", "ids", "transposed"), posted.get(key(micro_batch), ()))]
