@@ -32,6 +32,10 @@ STEPS = [
 ]
 
 
+# a test's two transports: gloo as it is, and under NCCL's emulation (raypipe.comm.nccl_emulation)
+on_gloo_and_under_the_emulation = pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+
+
 @pytest.fixture(scope="module")
 def ranks():
     """Forked ranks (tests/comm/shared_ranks.py's, shared with the other modules that use them)."""
@@ -197,7 +201,7 @@ def run_statistics_posted_ahead(rank: int, port: int, emulate_nccl: bool) -> lis
     return outcomes
 
 
-@pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+@on_gloo_and_under_the_emulation
 def test_the_step_statistics_received_as_the_step_began_are_summed_in_rank_order_and_a_lost_sender_fails_the_step(
         ranks, emulate_nccl):
     """The statistics all-reduce with its receives posted early in the step (P2PChannel.expect_statistics):
@@ -273,7 +277,7 @@ def test_one_f_one_b_exchanges_deliver_under_the_emulation(ranks):
     ranks.run(run_exchanging_stage, free_port(), True, nprocs=2)
 
 
-def run_deferring_stage(rank: int, port: int, emulate_nccl: bool) -> None:
+def run_deferring_stage(rank: int, port: int, emulate_nccl: bool) -> list[str]:
     """Two workers of two chunks each (interleaved, p = 2): worker 0's exchange receives the activation
     of its chunk 1 and the gradient of its chunk 0, both from worker 1, which sends the gradient only
     once worker 0 has used the activation and told it so. On gloo the exchange waits for neither, and
@@ -289,7 +293,7 @@ def run_deferring_stage(rank: int, port: int, emulate_nccl: bool) -> None:
             channel.send_activation(first, key_of(ops.LoweredOp(ops.SEND_ACT, 0, 1)), 1)
             received = channel.exchange([], [ops.LoweredOp(ops.RECV_ACT, 0, 1, chunk=1),
                                              ops.LoweredOp(ops.RECV_GRAD, 0, 1)], key_of)
-            assert [isinstance(each, DeferredReceive) for each in received] == [not emulate_nccl] * 2
+            kinds = [type(each).__name__ for each in received]
             torch.testing.assert_close(waited(received[0]), activation, rtol=0, atol=0)
             channel.send_activation(word, key_of(ops.LoweredOp(ops.SEND_ACT, 1, 1)), 1)  # "used it"
             torch.testing.assert_close(waited(received[1]), gradient, rtol=0, atol=0)
@@ -301,14 +305,17 @@ def run_deferring_stage(rank: int, port: int, emulate_nccl: bool) -> None:
             torch.testing.assert_close(channel.recv_activation(key_of(ops.LoweredOp(ops.RECV_ACT, 1, 0)), 0), word)
             if not emulate_nccl:
                 channel.send_gradient(gradient, key_of(ops.LoweredOp(ops.SEND_GRAD, 0, 0)), 0)
+            kinds = []
         channel.finish_sends()
+        return kinds
     finally:
         channel.leave()
 
 
-@pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+@on_gloo_and_under_the_emulation
 def test_on_gloo_an_exchange_leaves_each_receive_to_the_op_that_uses_it(ranks, emulate_nccl):
-    ranks.run(run_deferring_stage, free_port(), emulate_nccl, nprocs=2)
+    exchanged, _ = ranks.run(run_deferring_stage, free_port(), emulate_nccl, nprocs=2)
+    assert exchanged == (["Tensor"] * 2 if emulate_nccl else [DeferredReceive.__name__] * 2)
 
 
 def tree_activation(step: int, micro_batch: int) -> dict:
@@ -367,7 +374,7 @@ def run_tree_stage(rank: int, port: int, emulate_nccl: bool) -> None:
         channel.leave()
 
 
-@pytest.mark.parametrize("emulate_nccl", [False, True], ids=["gloo", "nccl-emulation"])
+@on_gloo_and_under_the_emulation
 def test_a_tree_of_tensors_crosses_the_boundary_and_its_float_leaves_get_gradients(ranks, emulate_nccl):
     ranks.run(run_tree_stage, free_port(), emulate_nccl, nprocs=2)
 
