@@ -310,3 +310,43 @@ def test_the_statistics_receives_are_posted_before_each_worker_first_waits_not_b
         assert not any(part.kind in ops.RECEIVES for op in runner.ops[:runner._statistics_posted_before]
                        for part in op.unbatched())
     assert pipeline.replicas[0].runners[0]._statistics_posted_before > 0  # stage 0 forwards first
+
+
+def test_a_receive_an_exchange_leaves_to_the_op_that_uses_it_is_waited_for_and_timed_there(monkeypatch):
+    """A channel whose exchanges leave each receive to the op that uses it (gloo's P2PChannel does:
+    :class:`~raypipe.comm.step_messages.DeferredReceive`) trains bitwise as one whose exchanges wait for
+    all, and the worker times each such receive where it waited for it: in interleaved 1F1B's steady
+    state stage 1's exchange after B1.0 receives the activation of F0.5 and the gradient of B1.1, and
+    that gradient is waited for after F0.5, not before it."""
+    import functools
+
+    from raypipe.comm.step_messages import DeferredReceive
+    from raypipe.testing.memory_channel import MemoryChannel
+
+    config = raypipe.PipelineConfig(num_stages=4, num_micro_batches=8, schedule="interleaved_1f1b", virtual_stages=2)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(8)]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def trained() -> tuple:
+        pipeline = OpInterpreter(copy.deepcopy(layers), nn.functional.mse_loss,
+                                 lambda parameters: torch.optim.SGD(parameters, lr=0.1), config)
+        decision = pipeline.step(0, x, y)
+        events = {(event.op, event.chunk, event.micro_batch): event for event in pipeline.reports[1].events}
+        return repr(decision), pipeline.state_dict(), events
+
+    decision, state, waited = trained()
+    exchange = MemoryChannel.exchange
+
+    def deferring(channel, sends, receives, key_of, header_first=()):
+        exchange(channel, sends, [], key_of)
+        return [DeferredReceive(functools.partial(channel.recv_activation if part.kind == ops.RECV_ACT
+                                                  else channel.recv_gradient, key_of(part), part.peer))
+                for part in receives]
+
+    monkeypatch.setattr(MemoryChannel, "exchange", deferring)
+    deferred_decision, deferred_state, deferred = trained()
+    assert deferred_decision == decision
+    assert_bitwise_equal(deferred_state, state)
+    assert waited[("recv", 1, 1)].end <= waited[("F", 0, 5)].start  # waited for in the exchange, before F0.5
+    assert deferred[("F", 0, 5)].end <= deferred[("recv", 1, 1)].start <= deferred[("B", 1, 1)].start
