@@ -27,11 +27,6 @@ class DeferredReceive:
         return self.receive()
 
 
-def waited(received: Any) -> Any:
-    """What an exchange's receive got: ``received`` itself, or a :class:`DeferredReceive`'s result."""
-    return received.result() if isinstance(received, DeferredReceive) else received
-
-
 @dataclass
 class StepMessages:
     """Per message key (a key names one message of the step, whichever peer it is with).

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from raypipe.comm.p2p import P2PChannel
-from raypipe.comm.step_messages import DeferredReceive, waited
+from raypipe.comm.step_messages import DeferredReceive
 from raypipe.core import ops
 from raypipe.core.topology import Topology
 from tests.comm.shared_ranks import shared_ranks
@@ -75,6 +75,12 @@ def key(micro_batch: int) -> int:
     """The message key of ``micro_batch``'s activation from stage 0 to stage 1 of a two-stage
     pipeline of one chunk per worker (and of its gradient)."""
     return ops.message_key(micro_batch, 1, 2)
+
+
+def waited(received: object) -> object:
+    """What an exchange's receive got: the value (NCCL's path waits in the exchange), or on gloo what
+    its :class:`~raypipe.comm.step_messages.DeferredReceive` gets once waited for."""
+    return received.result() if isinstance(received, DeferredReceive) else received
 
 
 def keys_of(stage: int, num_stages: int, num_chunks: int = 1,

@@ -14,11 +14,10 @@ import torch
 from raypipe.comm import tree_messages
 from raypipe.comm.boundary_signatures import HEADERS, LEARNED
 from raypipe.comm.p2p import P2PChannel
-from raypipe.comm.step_messages import waited
 from raypipe.core import ops
 from raypipe.core.topology import Topology
 from tests.comm.shared_ranks import shared_ranks
-from tests.comm.test_p2p import key
+from tests.comm.test_p2p import key, waited
 from tests.ports import free_port
 
 CPU = torch.device("cpu")
