@@ -6,6 +6,7 @@ once the worker is built: :func:`frozen_heap_worker`)."""
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 import ray
@@ -44,11 +45,11 @@ def frozen_heap_worker(worker_class: type) -> type:
             gc.freeze()  # no full pass first: ~0.1 s of a worker's start, for ~30 objects of garbage
 
         def take_layout(self, spec: Any) -> None:
-            built = getattr(self, "layers", None)
+            # a weak reference: the worker frees its old model before it builds the new one (one model in
+            # memory at a time), which a reference held here would prevent
+            built = weakref.ref(self.layers) if hasattr(self, "layers") else None
             super().take_layout(spec)
-            rebuilt = built is not None and self.layers is not built
-            del built  # the old model is garbage now: held here, the pass would keep it
-            if rebuilt:
+            if built is not None and built() is not self.layers:
                 _frozen_after_a_full_pass()
 
     FrozenHeapWorker.__name__, FrozenHeapWorker.__qualname__ = worker_class.__name__, worker_class.__qualname__
