@@ -97,6 +97,8 @@ class ActivationStore:
 
     def clear(self) -> None:
         self._kept.clear()
+        if self._offloader is not None:
+            self._offloader.clear()
         self.held_bytes = self.offloaded_bytes = 0
 
     def __len__(self) -> int:

@@ -76,6 +76,14 @@ class Offloader:
             tensor.record_stream(torch.cuda.current_stream(self.device))
         return tensor
 
+    def clear(self) -> None:
+        """Drop what a step left here: inputs fetched ahead for backwards that never ran (a
+        failed step's), and copies under way. A fetched input is found by its key (micro-batch
+        and chunk), the same in every step: one left by a failed step would stand in for the
+        input of the same key in the step run next (a replayed earlier step, another batch)."""
+        self._prefetched.clear()
+        self._copying.clear()
+
     def _store_finished_copies(self) -> None:
         """Hand host copies whose device-to-host transfer is done to the object store."""
         still_copying = []
