@@ -70,20 +70,28 @@ def test_a_failed_step_changes_nothing_and_the_next_one_trains(ray_cluster, tmp_
     assert_a_failed_step_changes_nothing_and_the_next_one_trains(on_ray, tmp_path, transport, num_stages)
 
 
+# and with the stage inputs kept in the object store for recompute, each backward fetching the next one's
+# ahead: the failed backward (micro-batch 1's) has fetched micro-batch 2's, which the next step must not use
+@pytest.mark.parametrize("fields", [{}, {"activation_checkpoint": "always", "offload_activations": True}],
+                         ids=["kept", "offloaded"])
 @pytest.mark.parametrize("num_stages,transport", [(3, "p2p")])
-def test_a_failed_step_changes_nothing_and_the_next_one_trains_in_process(tmp_path, transport, num_stages):
-    assert_a_failed_step_changes_nothing_and_the_next_one_trains(in_process, tmp_path, transport, num_stages)
+def test_a_failed_step_changes_nothing_and_the_next_one_trains_in_process(request, tmp_path, transport, num_stages,
+                                                                          fields):
+    if fields.get("offload_activations"):
+        request.getfixturevalue("ray_cluster")  # the offloader's object store: the driver's, in one process
+    assert_a_failed_step_changes_nothing_and_the_next_one_trains(in_process, tmp_path, transport, num_stages,
+                                                                 **fields)
 
 
 def assert_a_failed_step_changes_nothing_and_the_next_one_trains(trainer_of, tmp_path, transport: str,
-                                                                 num_stages: int) -> None:
+                                                                 num_stages: int, **fields) -> None:
     layers, balance = layers_and_balance(num_stages)
     reference = nn.Sequential(*copy.deepcopy(layers))
     reference_optimizer = adamw(reference.parameters())
     reference_scheduler = halving(reference_optimizer)
     clip = 1.0 if num_stages == 3 else None  # both the early-apply path and the reduce-first path
     config = raypipe.PipelineConfig(num_stages=num_stages, num_micro_batches=MICRO_BATCHES, balance=balance,
-                                    clip_grad_norm=clip, **executor_options(transport))
+                                    clip_grad_norm=clip, **executor_options(transport), **fields)
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator))
                for _ in range(2)]
