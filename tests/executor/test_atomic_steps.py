@@ -128,3 +128,47 @@ def test_under_nccls_emulation_a_failed_step_changes_nothing_and_the_next_one_tr
     raises when a peer leaves), still within seconds, with the cause reported."""
     monkeypatch.setenv("RAYPIPE_EMULATE_NCCL", "1")
     assert_a_failed_step_changes_nothing_and_the_next_one_trains(on_ray, tmp_path, "p2p", 3)
+
+
+# every way a stage keeps, recomputes and steps (each cell against itself: the same trainer in one process
+# that never saw the failed batches); the offloaded cells' inputs in the driver's object store
+LEAVES_NOTHING = {
+    "1f1b-recompute-offload": {"schedule": "1f1b", "activation_checkpoint": "always", "offload_activations": True},
+    "gpipe-except_last-offload": {"schedule": "gpipe", "activation_checkpoint": "except_last",
+                                  "offload_activations": True},
+    "zb_h1-recompute": {"schedule": "zb_h1", "activation_checkpoint": "always"},
+    "zb_h1-offload": {"schedule": "zb_h1", "activation_checkpoint": "always", "offload_activations": True},
+    "interleaved-offload": {"schedule": "interleaved_1f1b", "virtual_stages": 2, "balance": [1, 1, 2, 1],
+                            "activation_checkpoint": "always", "offload_activations": True},
+    "zbv-offload": {"schedule": "zbv", "virtual_stages": 2, "balance": [1, 1, 2, 1],
+                    "activation_checkpoint": "always", "offload_activations": True},
+    "bf16-zero1": {"precision": "bf16", "num_replicas": 2, "shard_optimizer": True},
+    "fp16": {"precision": "fp16"},
+}
+
+
+@pytest.mark.parametrize("fields", LEAVES_NOTHING.values(), ids=LEAVES_NOTHING.keys())
+def test_a_failed_step_leaves_nothing_the_next_steps_read(request, fields):
+    """A step failing in its forward, then one failing in its backward (micro-batch 1, stage 1), then
+    a step on another batch: bitwise the run without the two failed steps, in every cell."""
+    if fields.get("offload_activations"):
+        request.getfixturevalue("ray_cluster")
+    config = raypipe.PipelineConfig(num_stages=2, num_micro_batches=MICRO_BATCHES, clip_grad_norm=1.0,
+                                    **{"balance": [1, 4], **fields})
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator))
+               for _ in range(3)]
+    runs = []
+    for failing in (True, False):
+        layers, _ = layers_and_balance(2)
+        with in_process(layers, nn.functional.mse_loss, adamw, config, lr_scheduler=halving) as trainer:
+            results = [trainer.step(*batches[0])]
+            if failing:
+                for column in (0, 1):
+                    with pytest.raises(StageError):
+                        trainer.step(marked(batches[1][0], column), batches[1][1])
+            results += [trainer.step(*batch) for batch in batches[1:]]
+            runs.append(([(result.loss, result.grad_norm) for result in results], trainer.state_dict()))
+    (failed_results, failed_state), (results, state) = runs
+    assert failed_results == results
+    assert_bitwise_equal(state, failed_state)
