@@ -176,14 +176,15 @@ def assert_global_clipping_matches_single_process_reference(trainer_of, num_stag
 
 
 # Model chunks on Ray (v chunks on each worker, activations crossing back from the last worker to the first,
-# zbv's both ends on worker 0): two replicas with ZeRO-1 under zbv, and interleaved 1F1B on a ring of three
-# under NCCL's emulation below (that every chunked schedule's lowered order runs under the rendezvous rule,
-# which the emulation enforces, zbv's at p = 3 and m = 3 among them, exchanges and headers included, is
-# checked without Ray: tests/core/test_header_first.py, tests/core/test_new_schedules.py). The other cells
-# of this pairwise subset run the same step runner in one process (with the same assertions but evaluate,
-# the driver's forward through every chunk in order, which each Ray cell checks); the whole matrix (every
-# chunked schedule x activation checkpointing x replicas with ZeRO-1, bf16 and fp16) runs in-process in
-# tests/testing/test_op_interpreter.py. zbv at p = 3, m = 3 runs its list-scheduled order
+# zbv's both ends on worker 0): interleaved 1F1B on a ring of three under NCCL's emulation below, and two
+# replicas with ZeRO-1 under zbv recomputing every forward in tests/executor/test_elastic.py's elastic run (its
+# first steps, before it grows to three; the same checks of the measured receives and of evaluate) (that every
+# chunked schedule's lowered order runs under the rendezvous rule, which the emulation enforces, zbv's at
+# p = 3 and m = 3 among them, exchanges and headers included, is checked without Ray:
+# tests/core/test_header_first.py, tests/core/test_new_schedules.py). Every cell of this pairwise subset runs
+# the same step runner in one process (with the same assertions but evaluate, the driver's forward through
+# every chunk in order, which the Ray cells check); the whole matrix (every chunked schedule x activation
+# checkpointing x replicas with ZeRO-1, bf16 and fp16) runs in-process in tests/testing/test_op_interpreter.py. zbv at p = 3, m = 3 runs its list-scheduled order
 # (raypipe.core.list_scheduling), at p = 2, m = 3 the paper's V.
 CHUNKED = [("interleaved_1f1b", 2, 2, 4, {}, 1),
            ("interleaved_1f1b", 3, 2, 3, {"activation_checkpoint": "except_last"}, 1),
@@ -220,16 +221,8 @@ def assert_chunked_run_matches_single_process_reference(schedule, num_stages, vi
             assert trainer.evaluate(x, y) == pytest.approx(expected, rel=1e-5)  # forward through every chunk in order
 
 
-@pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas", [CHUNKED[2]],
-                         ids=lambda value: str(value))
-def test_chunked_schedules_match_single_process_reference(ray_cluster, schedule, num_stages, virtual_stages,
-                                                          num_micro_batches, mode, num_replicas):
-    assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,
-                                                        mode, num_replicas)
-
-
 @pytest.mark.parametrize("schedule,num_stages,virtual_stages,num_micro_batches,mode,num_replicas",
-                         [CHUNKED[0], CHUNKED[1], CHUNKED[3]], ids=lambda value: str(value))
+                         CHUNKED, ids=lambda value: str(value))
 def test_chunked_schedules_match_single_process_reference_in_process(schedule, num_stages, virtual_stages,
                                                                      num_micro_batches, mode, num_replicas):
     assert_chunked_run_matches_single_process_reference(schedule, num_stages, virtual_stages, num_micro_batches,

@@ -161,13 +161,15 @@ def test_an_elastic_run_at_t2_grows_by_a_whole_replica_under_zero1_as_one_proces
     workers start beside, join at a step boundary, and every worker adopts its tp_rank's optimizer
     parts from the old layout's snapshots (local shards). Every step equals one process's within
     1e-5, before and after the grow (SGD with momentum: its state moves, and over this many steps it
-    keeps the reduction-order noise well below the tolerance). A shrink at t = 2 (its ZeRO-1
+    keeps the reduction-order noise well below the tolerance), each replica in a placement group of
+    its own. A shrink at t = 2 (its ZeRO-1
     re-sharding) runs through the same adoption: tests/control/test_compound_faults.py drives it."""
     config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2, num_replicas=(1, 2), tensor_parallel=2,
                                     clip_grad_norm=0.5, shard_optimizer=True)
     generator = torch.Generator().manual_seed(6)
     model = nn.Sequential(*(build_layer(spec, index, config.seed) for index, spec in enumerate(llama_layers("tiny"))))
     optimizer = sgd_momentum(model.parameters())
+    before = set(ray.util.placement_group_table())
     blocker = placement_group([{"CPU": 1.0}] * 4)  # of the session's 6 CPUs: room for one replica of 2 workers
     ray.get(blocker.ready(), timeout=60)
     with raypipe.PipelineTrainer(llama_layers("tiny"), llama_loss, sgd_momentum, config) as trainer:
@@ -186,6 +188,10 @@ def test_an_elastic_run_at_t2_grows_by_a_whole_replica_under_zero1_as_one_proces
             time.sleep(0.2)  # let the new replica's workers start
         assert replicas[0] == 1 and [direction for _, direction, _ in trainer.resizes] == ["grow"]
         assert [(w.replica, w.tp_rank) for w in trainer.workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        # a placement group per replica, its one stage's t workers in one bundle (a bundle never spans nodes)
+        groups = [group for key, group in ray.util.placement_group_table().items()
+                  if key not in before and group["state"] == "CREATED"]
+        assert [list(group["bundles"].values()) for group in groups] == [[{"CPU": 2.0}]] * 2, groups
         state = trainer.state_dict()
     for name, expected in model.state_dict().items():
         assert float((state[name] - expected).norm()) <= 1e-5 * float(expected.norm()), name
