@@ -86,14 +86,12 @@ class TokenMLP(nn.Module):
         return self.embed(tokens)
 
 
-# p2p on Ray (it predicts each micro-batch's shape from the step before), its layers given as specs (built in
-# the stages; the trainer's state dict round trips); the token-weighted arithmetic also through the step
-# runner in one process, which hands the tensors over as they are (the per-op executor's object store takes
-# any shape: tests/executor/test_packed_pipeline.py sends it trees)
-def test_micro_batches_with_different_sequence_lengths_train(ray_cluster):
-    assert_micro_batches_with_different_sequence_lengths_train(on_ray)
-
-
+# micro-batches of other lengths in every step, token-weighted, through the step runner in one process, which
+# hands the tensors over as they are. On Ray: a boundary whose shape changes with the data, each new
+# signature's step retried with headers, and the Ray trainer's state dict round trip, in
+# tests/executor/test_learned_boundaries.py; layers given as specs (built in the stages) with a token-weighted
+# loss: every LLaMA run on Ray (tests/test_fit.py's among them); the per-op executor's object store takes any
+# shape (tests/executor/test_packed_pipeline.py sends it trees)
 def test_micro_batches_with_different_sequence_lengths_train_in_process():
     assert_micro_batches_with_different_sequence_lengths_train(in_process)
 
@@ -118,8 +116,6 @@ def assert_micro_batches_with_different_sequence_lengths_train(trainer_of) -> No
     with trainer_of(layers, loss_fn, adamw, config, loss_count_fn=lambda y: y.numel()) as trainer:
         results = [trainer.step(xs, ys) for xs, ys in steps]
         state = trainer.state_dict()
-        if trainer_of is on_ray:
-            assert_state_round_trips(trainer, {"0.embed.weight", "1.weight", "1.bias", "3.weight", "3.bias"})
     optimizer = adamw(reference.parameters())
     for result, (xs, ys) in zip(results, steps):  # one process with token-weighted accumulation
         total, expected = sum(y.numel() for y in ys), 0.0
@@ -131,18 +127,6 @@ def assert_micro_batches_with_different_sequence_lengths_train(trainer_of) -> No
         optimizer.zero_grad()
         assert result.loss == pytest.approx(expected, rel=1e-5)
     assert_parameters_match(state, reference.state_dict())
-
-
-def assert_state_round_trips(trainer, keys: set) -> None:
-    """A Ray trainer's state dict has ``keys`` (a layer without parameters has none; its index is kept),
-    loads back into it, and a key of no layer is refused by name."""
-    state = trainer.state_dict()
-    assert set(state) == keys
-    zeros = {k: torch.zeros_like(v) for k, v in state.items()}
-    trainer.load_state_dict(zeros)
-    assert all(torch.equal(v, zeros[k]) for k, v in trainer.state_dict().items())
-    with pytest.raises(KeyError, match="9.weight"):
-        trainer.load_state_dict({**zeros, "9.weight": torch.zeros(1)})
 
 
 # three stages (a middle one) with the split backward (zb_h1: I and W ops, W deferred) on Ray: the per-op

@@ -2,7 +2,8 @@
 (the default): the step whose activation changed signature fails before anything of it is sent
 (:class:`raypipe.errors.BoundaryShapeChanged`), is retried with headers on that message key without
 charging ``max_failures``, and the run equals one process; with ``"headers"`` no step is retried.
-The retries are the controller's: that run is on Ray. With headers nothing is retried, so its run
+The retries are the controller's: that run is on Ray (and its trainer's state dict round trips there).
+With headers nothing is retried, so its run
 (the same step runner's arithmetic on the same changing shapes) is in one process; each transport's
 headers are counted in tests/comm/test_boundary_signatures.py."""
 from __future__ import annotations
@@ -53,6 +54,8 @@ def train(trainer_of, boundary_shapes: str) -> tuple[list[float], dict]:
     with trainer_of(layers, loss_fn, adamw, config) as trainer:
         losses = [trainer.step(x, y).loss for x, y in batches()]
         state = trainer.state_dict()
+        if trainer_of is on_ray:
+            assert_state_round_trips(trainer, {"1.weight", "1.bias", "3.weight", "3.bias"})
     optimizer = adamw(reference.parameters())
     expected = [reference_step(reference, optimizer, loss_fn, x, y, NUM_MICRO_BATCHES)[0] for x, y in batches()]
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-7)
@@ -81,3 +84,15 @@ def test_a_data_dependent_boundary_trains_exactly_with_headers(caplog):
     with caplog.at_level(logging.INFO, logger="raypipe"):
         train(in_process, "headers")
     assert not [record for record in caplog.records if "changed from" in record.getMessage()]
+
+
+def assert_state_round_trips(trainer, keys: set) -> None:
+    """A Ray trainer's state dict has ``keys`` (a layer without parameters has none; its index is kept),
+    loads back into it, and a key of no layer is refused by name."""
+    state = trainer.state_dict()
+    assert set(state) == keys
+    zeros = {k: torch.zeros_like(v) for k, v in state.items()}
+    trainer.load_state_dict(zeros)
+    assert all(torch.equal(v, zeros[k]) for k, v in trainer.state_dict().items())
+    with pytest.raises(KeyError, match="9.weight"):
+        trainer.load_state_dict({**zeros, "9.weight": torch.zeros(1)})
