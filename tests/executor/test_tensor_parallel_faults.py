@@ -162,8 +162,8 @@ def test_an_elastic_run_at_t2_grows_by_a_whole_replica_under_zero1_as_one_proces
     parts from the old layout's snapshots (local shards). Every step equals one process's within
     1e-5, before and after the grow (SGD with momentum: its state moves, and over this many steps it
     keeps the reduction-order noise well below the tolerance), each replica in a placement group of
-    its own. A shrink at t = 2 (its ZeRO-1
-    re-sharding) runs through the same adoption: tests/control/test_compound_faults.py drives it."""
+    its own. A shrink at t = 2 (its ZeRO-1 re-sharding) runs through the same adoption:
+    tests/control/test_compound_faults.py drives it."""
     config = raypipe.PipelineConfig(num_stages=1, num_micro_batches=2, num_replicas=(1, 2), tensor_parallel=2,
                                     clip_grad_norm=0.5, shard_optimizer=True)
     generator = torch.Generator().manual_seed(6)
