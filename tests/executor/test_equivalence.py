@@ -93,10 +93,6 @@ class TokenMLP(nn.Module):
 # loss: every LLaMA run on Ray (tests/test_fit.py's among them); the per-op executor's object store takes any
 # shape (tests/executor/test_packed_pipeline.py sends it trees)
 def test_micro_batches_with_different_sequence_lengths_train_in_process():
-    assert_micro_batches_with_different_sequence_lengths_train(in_process)
-
-
-def assert_micro_batches_with_different_sequence_lengths_train(trainer_of) -> None:
     # specs: each built in its stage with the seed of its index (as the reference builds them here)
     layers = [raypipe.LayerSpec(TokenMLP), raypipe.LayerSpec(nn.Linear, 16, 16), raypipe.LayerSpec(nn.Tanh),
               raypipe.LayerSpec(nn.Linear, 16, 32)]
@@ -113,7 +109,7 @@ def assert_micro_batches_with_different_sequence_lengths_train(trainer_of) -> No
     # micro-batches 0 and 2 and keeps 1, step 3 repeats step 2
     steps = [batch([5, 9, 3]), batch([3, 9, 5]), batch([3, 9, 5])]
     # weight by token count so the loss is the exact mean over all tokens of the step
-    with trainer_of(layers, loss_fn, adamw, config, loss_count_fn=lambda y: y.numel()) as trainer:
+    with in_process(layers, loss_fn, adamw, config, loss_count_fn=lambda y: y.numel()) as trainer:
         results = [trainer.step(xs, ys) for xs, ys in steps]
         state = trainer.state_dict()
     optimizer = adamw(reference.parameters())
