@@ -70,8 +70,10 @@ print(json.dumps({"seconds": seconds, "open_seconds": open_seconds,
 def trial(code: Path, kind: str, data: Path, steps: int, cache: Path) -> dict:
     """One reader process of checkout ``code``; its figures."""
     env = {**os.environ, "PYTHONPATH": str(code), "RAYPIPE_CACHE": str(cache), "RAY_ADDRESS": "local"}
-    done = subprocess.run([sys.executable, "-c", TRIAL, kind, str(data), str(steps)], env=env, capture_output=True,
-                          text=True, timeout=900, check=False)
+    # run in the checkout: ``python -c`` puts the working directory first on the path, so from another
+    # checkout's root both contenders would import that one
+    done = subprocess.run([sys.executable, "-c", TRIAL, kind, str(Path(data).resolve()), str(steps)], env=env,
+                          cwd=code, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} trial of {code} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

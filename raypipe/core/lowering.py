@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection, Sequence
 
+from raypipe.core.collector_paused import collector_paused
 from raypipe.core.ops import (COMPUTE, HEADERS, LEARNED, LOOPED, OPTIMIZER_STEP, RECEIVES, RECV_ACT, RECV_GRAD,
                               REDUCE_GRAD, SEND_ACT, SEND_GRAD, SENDS, B, F, I, LoweredOp, Op, W, awaiting_header,
                               exchange, neighbour)
@@ -116,6 +117,7 @@ def lower(schedule: list[list[Op]], placement: str = LOOPED) -> list[list[Lowere
 
 
 @functools.lru_cache(maxsize=256)
+@collector_paused()
 def _lower_once(schedule: tuple[tuple[Op, ...], ...], placement: str) -> tuple[tuple[LoweredOp, ...], ...]:
     return tuple(tuple(ops) for ops in _lower([list(ops) for ops in schedule], placement))
 
@@ -212,11 +214,13 @@ def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: i
     behind a stuck batch with its header in (its sender got to the send, which may wait on
     it) is received in the batch instead, with the earlier activations from that peer in
     the exchange (a pair's messages are issued in order); in the same dry-run where its
-    header was in as the batch was posted (nothing before changes), else in a new one from
-    the start; until the dry-run completes or finds none. Deterministic; each new dry-run
+    header was in as the batch was posted (nothing before changes), else in a new one (from
+    the start, as :func:`~raypipe.core.simulator.run_draft` runs it: going on from the last
+    one where both agree); until the dry-run completes or finds none. Deterministic; each new dry-run
     moves at least one payload. With the sends the last dry-run finds waiting."""
+    draft = None
     while True:
-        draft = run_draft(lowered, placement, num_chunks)
+        draft = run_draft(lowered, placement, num_chunks, after=draft)  # goes on from the last one's run
         if not draft.late_payloads:
             return draft
         lowered = draft.lowered
@@ -239,7 +243,8 @@ def _defer_waiting_sends(alone: list[list[LoweredOp]], placement: str, num_chunk
     are left for the dry-run to report."""
     alone = [list(ops) for ops in alone]
     while True:
-        lowered, _, waiting = _closed(alone, placement, num_chunks)
+        closed = _closed(alone, placement, num_chunks)
+        lowered, waiting = closed.lowered, closed.stuck_sends
         moved = False
         for stage in sorted({stage for stage, _ in waiting}):
             ops = alone[stage]

@@ -35,11 +35,13 @@ runs the same rule with time: the step's length and each stage's bubble.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from raypipe.core.collector_paused import collector_paused
 from raypipe.core.ops import (BOUNDARY_SHAPES, COLLECTIVES, COMPUTE, EXCHANGE, HEADERS, LEARNED, LOOPED, RECEIVES,
                               RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, SENDS, LoweredOp, awaiting_header, neighbour)
 from raypipe.core.schedule_checks import ScheduleError, check_schedule  # ScheduleError: re-exported
@@ -128,6 +130,7 @@ def _frozen(lowered: list[list[LoweredOp]]) -> tuple | None:
     return key
 
 
+@collector_paused()
 def _finished_run(lowered: list[list[LoweredOp]], placement: str,
                   boundary_shapes: str) -> tuple[tuple[tuple[int, LoweredOp], ...], tuple[Event, ...]]:
     """The checked run's (order, events); raises as :func:`simulate` says."""
@@ -158,9 +161,11 @@ class DraftRun(NamedTuple):
     lowered: list[list[LoweredOp]]  # the draft, with the payloads awaited first that changed nothing before
     late_payloads: list[tuple[int, int, LoweredOp]]  # payloads behind stuck batches, headers in too late
     stuck_sends: list[tuple[int, LoweredOp]]  # sends waiting for a receive never posted
+    run: _Run | None = None  # the run itself, which the next draft's run may go on from (run_draft's after)
 
 
-def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1) -> DraftRun:
+def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1,
+              after: DraftRun | None = None) -> DraftRun:
     """Dry-run ``lowered`` (no checks), receiving in its exchange's batch each activation's
     payload found behind a stuck batch, where that changes nothing that happened before:
     its header was in when the batch was posted, so awaiting it first (``header_first``)
@@ -169,11 +174,23 @@ def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunk
     batch whose header came in only after the batch was posted (awaiting it first changes
     what ran before: a dry-run from the start must judge), and each ``(stage, send)`` of a
     send (alone or in an EXCHANGE) that waits for a receive not posted; neither if the
-    run completes."""
-    run = _Run([list(ops) for ops in lowered], placement, num_chunks)
+    run completes.
+
+    ``after``: an earlier draft run, with the same ``placement`` and ``num_chunks``, of a
+    lowering that differs from ``lowered`` only in the headers some EXCHANGEs await first (the
+    lowering's next draft: more awaited). Two dry-runs are the same until a stage takes an op
+    where they differ, so this one goes on from the last sweep before that point of that run
+    (which becomes this one) instead of from the start: the same run, without the part both
+    share (the lowering's drafts of a long pipeline are each stuck further on). Any other
+    ``after`` is run from the start."""
+    run = after.run if after is not None else None
+    if run is None or (run.placement, run.num_chunks) != (placement, num_chunks) or not run.rewind(lowered):
+        run = _Run([list(ops) for ops in lowered], placement, num_chunks, rewindable=True)
     amended = False
     while not run.finished():
-        if run.sweep():
+        progressed = run.sweep()
+        run.checkpoint()
+        if progressed:
             continue
         stuck = run.payloads_behind_stuck_batches()
         in_time = [(stage, index, part) for stage, index, part in stuck if part in run.headers_in_at_batch[stage]]
@@ -181,7 +198,7 @@ def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunk
             sends = [(stage, part) for stage in range(len(lowered))
                      if (op := run.next_op(stage)) is not None and op.kind not in COLLECTIVES
                      for part in run.unmatched(stage) if part.kind in SENDS]
-            return DraftRun(run.lowered, stuck, sends)
+            return DraftRun(run.lowered, stuck, sends, run)
         for stage, _, part in in_time:
             run.await_in_batch(stage, part)
         amended = True
@@ -190,7 +207,7 @@ def run_draft(lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunk
             (op.chunk for ops in frozen for op in ops if op.kind in COMPUTE), default=0):
         # the checked dry-run of this lowering, run from the start as this one was: the lowering times it next
         _keep(_runs, (frozen, placement, HEADERS), (tuple(run.order), tuple(run.events)))
-    return DraftRun(run.lowered, [], [])
+    return DraftRun(run.lowered, [], [], run)
 
 
 @dataclass
@@ -272,12 +289,19 @@ class Event(NamedTuple):
 _event = functools.partial(tuple.__new__, Event)
 
 
+# A rewindable run keeps its state at the end of every this many sweeps: a rewind goes back to the
+# last one kept before where it must (a few sweeps run again), and a run that is never rewound, as
+# most drafts are, copies its state a few times in a long run instead of at every sweep
+_SWEEPS_KEPT = 8
+
+
 class _Run:
     """The state of a dry-run: where each stage is and what it has posted."""
 
     def __init__(self, lowered: list[list[LoweredOp]], placement: str = LOOPED, num_chunks: int = 1,
-                 boundary_shapes: str = HEADERS) -> None:
+                 boundary_shapes: str = HEADERS, rewindable: bool = False) -> None:
         self.lowered = lowered
+        self.boundary_shapes = boundary_shapes
         self.placement, self.num_chunks = placement, num_chunks
         self.position = [0] * len(lowered)
         self.reached = [False] * len(lowered)  # whether each stage has reached its next op
@@ -301,6 +325,18 @@ class _Run:
         # reaching or posting wakes it; a sweep skips the others, which would do nothing
         self.awake = [True] * len(lowered)
         self.targets: dict[tuple[int, int, str], tuple[int, int] | None] = {}  # neighbour(), per (stage, chunk, kind)
+        self.sweeps = 0  # sweeps begun
+        # per stage, per op taken so far: the sweep at whose end it became the stage's next op (0: before
+        # any); a sweep takes a stage's next op once at most, so the op is first taken in a later one
+        self.current_since: list[list[int]] = [[0] for _ in lowered]
+        # rewindable (run_draft's runs): the lowering it started from, every part posted on a channel
+        # in order (the channels' lists only grow), and the state at the end of every sweep
+        self.rewindable = rewindable
+        self.start = tuple(tuple(ops) for ops in lowered) if rewindable else ()
+        self.appended: list[list[LoweredOp]] = []  # the channel list each posted part went on, in order
+        self.checkpoints: list[tuple] = []
+        if rewindable:
+            self.checkpoint()
 
     def next_op(self, stage: int) -> LoweredOp | None:
         ops = self.lowered[stage]
@@ -309,8 +345,57 @@ class _Run:
     def finished(self) -> bool:
         return len(self.order) == self.total
 
+    def checkpoint(self) -> None:
+        """Keep the state at the end of this sweep, every :data:`_SWEEPS_KEPT`-th (a rewindable
+        run's; nothing otherwise)."""
+        if self.rewindable and self.sweeps % _SWEEPS_KEPT == 0:
+            self.checkpoints.append((self.sweeps, len(self.order), len(self.events), len(self.appended),
+                                     list(self.position), list(self.reached), list(self.posting), list(self.posted),
+                                     list(self.awake), list(self.headers_in_at_batch)))
+
+    def rewind(self, lowered: list[list[LoweredOp]]) -> bool:
+        """Make this run the run of ``lowered`` so far: go back to the end of the last sweep
+        before any stage took an op where ``lowered`` differs from what this run started from,
+        and take ``lowered``'s ops from there. Only where those ops are EXCHANGEs that differ
+        in the headers they await first (the same parts: every message and every header's
+        source stays where it was); False, changing nothing, otherwise."""
+        start = self.start
+        if not self.rewindable or len(lowered) != len(start):
+            return False
+        changed = []
+        for stage, (ops, started, held) in enumerate(zip(lowered, start, self.lowered)):
+            if len(ops) != len(started):
+                return False
+            for index, (op, was, now) in enumerate(zip(ops, started, held)):
+                # an op this run changed as it went (await_in_batch) counts as changed too, whatever
+                # ``lowered`` holds there: the state after it holds the change
+                if (op is not was and op != was) or now is not was:
+                    if op.kind != EXCHANGE or was.kind != EXCHANGE or op.parts != was.parts:
+                        return False
+                    changed.append((stage, index))
+        taken = [self.current_since[stage][index] for stage, index in changed
+                 if index < len(self.current_since[stage])]
+        sweep = min(taken, default=self.sweeps)
+        place = bisect.bisect_right(self.checkpoints, sweep, key=lambda kept: kept[0]) - 1
+        (self.sweeps, orders, events, appended, position, reached, posting, posted, awake,
+         headers_in) = self.checkpoints[place]
+        del self.checkpoints[place + 1:]
+        del self.order[orders:], self.events[events:]
+        while len(self.appended) > appended:  # each part posted since, off its channel's list
+            self.appended.pop().pop()
+        self.position, self.reached, self.posting = list(position), list(reached), list(posting)
+        self.posted, self.awake, self.headers_in_at_batch = list(posted), list(awake), list(headers_in)
+        for stage, since in enumerate(self.current_since):
+            del since[self.position[stage] + 1:]
+        self.lowered = [list(ops) for ops in lowered]
+        for stage, index in changed:
+            self.postings[stage][index] = postings(self.lowered[stage][index], self.boundary_shapes)
+        self.start = tuple(tuple(ops) for ops in lowered)
+        return True
+
     def sweep(self) -> bool:
         """One round-robin sweep; False when nothing could run."""
+        self.sweeps += 1
         progressed = False
         awake, lowered, position, events = self.awake, self.lowered, self.position, self.events
         for stage in range(len(lowered)):
@@ -419,6 +504,8 @@ class _Run:
                 channel = channels[(part.peer, stage)]
                 own, other = channel.receives, channel.sends
             own.append(part)
+            if self.rewindable:
+                self.appended.append(own)
             place = len(own) - 1
             if place < len(other):  # both ends posted: the message is matched
                 if part.kind in SENDS:
@@ -460,6 +547,7 @@ class _Run:
         self.order.append((stage, op))
         self.events.append(_event((COMPLETED, stage, self.position[stage], 0, ())))
         self.position[stage] += 1
+        self.current_since[stage].append(self.sweeps)
         self.reached[stage], self.posting[stage], self.posted[stage] = False, 0, None
 
     def waiting_on(self, stage: int) -> str:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
+from raypipe.core.collector_paused import collector_paused
 from raypipe.core.ops import COLLECTIVES, EXCHANGE, HEADERS, LOOPED, RECEIVES, SENDS, LoweredOp
 from raypipe.core.simulator import DONE, POSTED, REACHED, Event, postings, simulate_events
 
@@ -89,6 +90,7 @@ class TimedRun:
     timeline: tuple[TimedOp, ...]
 
 
+@collector_paused()
 def simulate_timed(lowered: list[list[LoweredOp]], op_seconds: OpSeconds,
                    message_seconds: MessageSeconds = 0.0, *, buffered_sends: bool = False,
                    placement: str = LOOPED, events: Sequence[Event] | None = None,

@@ -44,6 +44,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from raypipe.core.collector_paused import collector_paused
 from raypipe.core.ops import F, I, W
 from raypipe.core.partition import worker_chunks
 from raypipe.core.schedule import PLACEMENT, SINGLE_CHUNK_SCHEDULES, interleaved_runs
@@ -294,6 +295,7 @@ def _shapes_at(slots: int, num_layers: int, seq_len: int, precision: str, global
     return shapes
 
 
+@collector_paused()
 def search_plans(config: LlamaConfig, cluster: Cluster, num_gpus: int, *, seq_len: int | None = None,
                  precision: str = "bf16", gpu_memory_bytes: int | None = None, global_batch: int | None = None,
                  top: int = 3, snapshot_every: int | None = None, fused_attention: bool = True,

@@ -11,11 +11,12 @@ import re
 
 import pytest
 
+from raypipe.core import lowering
 from raypipe.core.lowering import lower
 from raypipe.core.ops import (EXCHANGE, RECV_ACT, RECV_GRAD, SEND_ACT, LoweredOp, exchange, unbatch,
                               with_header_first)
 from raypipe.core.schedule import PLACEMENT, make_schedule
-from raypipe.core.simulator import Posting, ScheduleError, postings, simulate
+from raypipe.core.simulator import Posting, ScheduleError, postings, run_draft, simulate
 from raypipe.core.timed_simulation import simulate_timed
 from tests.core.test_simulator import assert_valid_order
 
@@ -126,6 +127,37 @@ def test_a_receive_behind_an_activation_received_after_the_batch_from_the_same_p
 # boundary_shapes="learned": once every message key's signature is learned no header goes, and an exchange
 # receives every payload in its batch; the lowering's header_first serves the steps that send headers
 ONE_CHUNK = [(name, p, 1, m) for name in ("gpipe", "1f1b", "zb_h1") for p, m in ((2, 2), (3, 5), (4, 8))]
+
+
+def test_a_draft_run_going_on_from_the_one_before_is_the_run_from_the_start(monkeypatch):
+    """The lowering awaits more headers first, draft after draft; each draft's dry-run goes on from the
+    last sweep of the one before that no changed exchange reached (run_draft's ``after``). Each must be
+    the dry-run from the start of the same lowering: the same outcome, order and events."""
+    drafts = []
+
+    def checked(lowered, placement, num_chunks, after=None):
+        before = [list(ops) for ops in lowered]
+        draft = run_draft(lowered, placement, num_chunks, after=after)
+        if after is not None:
+            assert draft.run is after.run  # went on from it
+            fresh = run_draft(before, placement, num_chunks)
+            assert (draft.lowered, draft.late_payloads, draft.stuck_sends) == (
+                fresh.lowered, fresh.late_payloads, fresh.stuck_sends)
+            assert (draft.run.order, draft.run.events) == (fresh.run.order, fresh.run.events)
+            drafts.append(draft)
+        return draft
+
+    monkeypatch.setattr(lowering, "run_draft", checked)
+    # interleaved 1F1B at p = 4, m = 10 (rounds of 5 micro-batches): a draft needs three dry-runs
+    lowered = lowering._lower(make_schedule("interleaved_1f1b", 4, 10, 2), PLACEMENT["interleaved_1f1b"])
+    assert len(drafts) >= 2
+    assert lowered == lower(make_schedule("interleaved_1f1b", 4, 10, 2), PLACEMENT["interleaved_1f1b"])
+    # a draft of other ops (here another m: sends and receives elsewhere) is run from the start
+    other = lower(make_schedule("interleaved_1f1b", 4, 7, 2), PLACEMENT["interleaved_1f1b"])
+    draft = run_draft([list(ops) for ops in other], PLACEMENT["interleaved_1f1b"], 2, after=drafts[-1])
+    fresh = run_draft(other, PLACEMENT["interleaved_1f1b"], 2)
+    assert draft.run is not drafts[-1].run
+    assert (draft.lowered, draft.run.order, draft.run.events) == (fresh.lowered, fresh.run.order, fresh.run.events)
 
 
 @pytest.mark.parametrize("name,p,v,m", CHUNKED + ONE_CHUNK)
