@@ -66,6 +66,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(line)
 
 
+@pytest.fixture
+def collector_on():
+    """Python's cyclic garbage collector on as the test starts, and as it was after it (the lowering,
+    dry-runs and planner's search pause it: raypipe/core/collector_paused.py)."""
+    import gc
+
+    was_on = gc.isenabled()
+    gc.enable()
+    yield
+    if not was_on:
+        gc.disable()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray instance with 6 logical CPUs (workers take 1 each, up to 3 replicas x 2 stages;

@@ -214,10 +214,11 @@ def _await_headers(lowered: list[list[LoweredOp]], placement: str, num_chunks: i
     behind a stuck batch with its header in (its sender got to the send, which may wait on
     it) is received in the batch instead, with the earlier activations from that peer in
     the exchange (a pair's messages are issued in order); in the same dry-run where its
-    header was in as the batch was posted (nothing before changes), else in a new one (from
-    the start, as :func:`~raypipe.core.simulator.run_draft` runs it: going on from the last
-    one where both agree); until the dry-run completes or finds none. Deterministic; each new dry-run
-    moves at least one payload. With the sends the last dry-run finds waiting."""
+    header was in as the batch was posted (nothing before changes), else in a new one, which
+    goes on from the last one where the two agree (:func:`~raypipe.core.simulator.run_draft`'s
+    ``after``: the run from the start, without the part both share); until the dry-run
+    completes or finds none. Deterministic; each new dry-run moves at least one payload. With
+    the sends the last dry-run finds waiting."""
     draft = None
     while True:
         draft = run_draft(lowered, placement, num_chunks, after=draft)  # goes on from the last one's run

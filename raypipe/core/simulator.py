@@ -326,12 +326,12 @@ class _Run:
         self.awake = [True] * len(lowered)
         self.targets: dict[tuple[int, int, str], tuple[int, int] | None] = {}  # neighbour(), per (stage, chunk, kind)
         self.sweeps = 0  # sweeps begun
-        # per stage, per op taken so far: the sweep at whose end it became the stage's next op (0: before
-        # any); a sweep takes a stage's next op once at most, so the op is first taken in a later one
-        self.current_since: list[list[int]] = [[0] for _ in lowered]
-        # rewindable (run_draft's runs): the lowering it started from, every part posted on a channel
-        # in order (the channels' lists only grow), and the state at the end of every sweep
+        # rewindable (run_draft's runs): per stage, per op taken so far, the sweep at whose end it became
+        # the stage's next op (0: before any; a sweep takes a stage's next op once at most, so the op is
+        # first taken in a later one); the lowering it started from; every part posted on a channel in
+        # order (the channels' lists only grow); and the state at the end of every few sweeps
         self.rewindable = rewindable
+        self.current_since: list[list[int]] = [[0] for _ in lowered]
         self.start = tuple(tuple(ops) for ops in lowered) if rewindable else ()
         self.appended: list[list[LoweredOp]] = []  # the channel list each posted part went on, in order
         self.checkpoints: list[tuple] = []
@@ -547,7 +547,8 @@ class _Run:
         self.order.append((stage, op))
         self.events.append(_event((COMPLETED, stage, self.position[stage], 0, ())))
         self.position[stage] += 1
-        self.current_since[stage].append(self.sweeps)
+        if self.rewindable:
+            self.current_since[stage].append(self.sweeps)
         self.reached[stage], self.posting[stage], self.posted[stage] = False, 0, None
 
     def waiting_on(self, stage: int) -> str:

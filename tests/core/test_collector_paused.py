@@ -11,16 +11,6 @@ from raypipe.core.schedule import PLACEMENT, interleaved_1f1b_schedule
 from raypipe.core.timed_simulation import simulate_timed
 
 
-@pytest.fixture
-def collector_on():
-    """The collector on as the test starts, and as it was after it."""
-    was_on = gc.isenabled()
-    gc.enable()
-    yield
-    if not was_on:
-        gc.disable()
-
-
 def test_a_pause_turns_the_collector_off_and_back_on_even_after_an_error(collector_on):
     with collector_paused():
         assert not gc.isenabled()
@@ -40,14 +30,14 @@ def test_a_pause_turns_the_collector_off_and_back_on_even_after_an_error(collect
 def test_lowering_and_timing_a_long_schedule_run_with_the_collector_off(collector_on, monkeypatch):
     # interleaved 1F1B at p = 6, m = 9 (rounds of 9): a lowering no other test asks for, so not cached;
     # its dry-runs make ~10^5 tuples: dozens of the collector's passes, some of them full, were it on
-    collector_on = []  # at each sweep of a dry-run and each posting of the timed run
+    on_at_each = []  # whether the collector was on, at each sweep of a dry-run and each posting of the timed run
     for owner, name in ((simulator._Run, "sweep"), (timed_simulation, "_posting_end")):
         def recording(*args, _real=getattr(owner, name), **kwargs):
-            collector_on.append(gc.isenabled())
+            on_at_each.append(gc.isenabled())
             return _real(*args, **kwargs)
         monkeypatch.setattr(owner, name, recording)
     schedule = interleaved_1f1b_schedule(6, 9, 2)
     lowered = lower(schedule, PLACEMENT["interleaved_1f1b"])
     run = simulate_timed(lowered, {"F": 1.0, "B": 2.0}, placement=PLACEMENT["interleaved_1f1b"])
     assert run.step_s > 0 and gc.isenabled()
-    assert len(collector_on) > 1000 and not any(collector_on)
+    assert len(on_at_each) > 1000 and not any(on_at_each)

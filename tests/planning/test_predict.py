@@ -256,30 +256,24 @@ def test_405b_on_16384_gpus_finds_a_layout_that_fits():
     assert result.best[0].shape.num_stages * result.best[0].shape.num_replicas == 16384
 
 
-def test_the_search_runs_with_the_cyclic_collector_off_and_leaves_it_on(monkeypatch):
+def test_the_search_runs_with_the_cyclic_collector_off_and_leaves_it_on(collector_on, monkeypatch):
     # the search allocates millions of small objects and makes no reference cycle: the collector's
     # passes over them took ~40% of its CPU (raypipe/core/collector_paused.py)
     import gc
 
     from raypipe.planning import configuration_search
 
-    collector_on = []
+    on_at_each = []  # whether the collector was on, at each split the search balances
     real = configuration_search.fastest_split_within
 
     def recording(*args, **kwargs):
-        collector_on.append(gc.isenabled())
+        on_at_each.append(gc.isenabled())
         return real(*args, **kwargs)
 
     monkeypatch.setattr(configuration_search, "fastest_split_within", recording)
-    was_on = gc.isenabled()
-    gc.enable()
-    try:
-        result = search_plans(get_config("llama3-8b"), load_cluster("h100"), 8, tensor_parallel=1)
-        assert gc.isenabled()
-    finally:
-        if not was_on:
-            gc.disable()
-    assert result.best and collector_on and not any(collector_on)
+    result = search_plans(get_config("llama3-8b"), load_cluster("h100"), 8, tensor_parallel=1)
+    assert gc.isenabled()
+    assert result.best and on_at_each and not any(on_at_each)
 
 
 def test_presets_and_a_users_cluster_file(tmp_path):
