@@ -2,13 +2,15 @@
 replacement worker can be built from exactly the same description."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torch import nn
 
 from raypipe.config import PipelineConfig
-from raypipe.core.ops import Op, worker_and_chunk
+from raypipe.core import lowering
+from raypipe.core.ops import I, W, LoweredOp, Op, worker_and_chunk
 from raypipe.core.schedule import PLACEMENT, make_schedule
 from raypipe.models.layers import LayerSpec
 
@@ -22,7 +24,9 @@ class WorkerSpec:
     ``config.virtual_stages`` (v) > 1 holds v model chunks (each one virtual stage,
     placed as :data:`~raypipe.core.schedule.PLACEMENT` says): ``layers`` are its
     chunks' layers one chunk after the other, ``chunk_sizes`` how many each has. ``ops`` the stage's part
-    of the schedule the driver built and dry-ran (empty: the config's schedule). ``loss_fn`` is given to the
+    of the schedule the driver built and dry-ran (empty: the config's schedule), and ``lowered`` the same
+    stage's lowered ops (:meth:`lowered_ops`), lowered once by the driver for every worker of a layout
+    (:meth:`for_layout`) rather than by each worker as it starts. ``loss_fn`` is given to the
     last stage only. ``use_gpu`` is what the runtime resolved for this cluster
     (the config's ``use_gpu`` may say "decide for me").
     """
@@ -43,6 +47,7 @@ class WorkerSpec:
     scheduler_factory: Callable | None = None
     chunk_sizes: tuple[int, ...] = ()  # layers per chunk, in chunk order; empty: one chunk of every layer
     tp_rank: int = 0  # which of the stage's config.tensor_parallel workers (its shard of the planned layers)
+    lowered: tuple[LoweredOp, ...] = ()  # this stage's lowered ops of a step (empty: lowered from ops when asked)
 
     @property
     def bundle_index(self) -> int:
@@ -70,14 +75,31 @@ class WorkerSpec:
         return self._schedule_ops(len(self.block))
 
     def for_layout(self, replica: int, num_replicas: int, micro_batches: range) -> WorkerSpec:
-        """This stage as replica ``replica`` of ``num_replicas`` running ``micro_batches``."""
-        return replace(self, replica=replica, num_replicas=num_replicas, micro_batches=micro_batches,
-                       ops=self._schedule_ops(len(micro_batches)))
+        """This stage as replica ``replica`` of ``num_replicas`` running ``micro_batches``, with
+        its ops and their lowering (each distinct schedule lowered once in this process, so a
+        layout of many workers costs one lowering, and the workers none)."""
+        laid_out = replace(self, replica=replica, num_replicas=num_replicas, micro_batches=micro_batches,
+                           ops=self._schedule_ops(len(micro_batches)), lowered=())
+        return replace(laid_out, lowered=tuple(laid_out.lowered_ops()))
+
+    def lowered_ops(self) -> list[LoweredOp]:
+        """This stage's lowered ops of a step: :attr:`lowered` where the driver gave them,
+        else lowered here. A split backward (I, W) or several chunks place each receive after its
+        peer's send, so the whole schedule is lowered (alike on every worker)."""
+        if self.lowered:
+            return list(self.lowered)
+        stage_ops = self.stage_ops()
+        if self.num_chunks == 1 and not any(op.kind in (I, W) for op in stage_ops):
+            return lowering.lower_stage(self.stage, stage_ops, self.num_stages)
+        schedule, lowered = _lowered_schedule(self.config.schedule, self.num_stages, len(self.block), self.num_chunks)
+        if schedule[self.stage] != tuple(stage_ops):
+            raise ValueError(f"stage {self.stage}: its ops are not those of schedule {self.config.schedule!r}, "
+                             "which the other workers lower")
+        return list(lowered[self.stage])
 
     def _schedule_ops(self, num_micro_batches: int) -> tuple[Op, ...]:
         config = self.config
-        return tuple(make_schedule(config.schedule, self.num_stages, num_micro_batches,
-                                   config.virtual_stages)[self.stage])
+        return _lowered_schedule(config.schedule, self.num_stages, num_micro_batches, config.virtual_stages)[0][self.stage]
 
     @property
     def num_chunks(self) -> int:
@@ -105,3 +127,13 @@ class WorkerSpec:
     def is_last(self) -> bool:
         """Whether this worker holds the last virtual stage: it reads targets and computes the loss."""
         return self.last_chunk is not None
+
+
+@functools.lru_cache(maxsize=32)
+def _lowered_schedule(name: str, num_stages: int, num_micro_batches: int, num_chunks: int
+                      ) -> tuple[tuple[tuple[Op, ...], ...], tuple[tuple[LoweredOp, ...], ...]]:
+    """Schedule ``name``'s ops (built and dry-run) and their lowering, per worker: once per
+    distinct schedule in a process (the driver asks for every worker of a layout)."""
+    schedule = make_schedule(name, num_stages, num_micro_batches, num_chunks)
+    return (tuple(map(tuple, schedule)),
+            tuple(map(tuple, lowering.lower(schedule, PLACEMENT[name]))))

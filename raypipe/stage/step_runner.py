@@ -36,13 +36,12 @@ import torch
 from raypipe.comm.replicas import Owners
 from raypipe.comm.step_messages import DeferredReceive
 from raypipe.config import PipelineConfig
-from raypipe.core import lowering, ops
+from raypipe.core import ops
 from raypipe.core.result import OpEvent, StageReport
-from raypipe.core.schedule import PLACEMENT, make_schedule
+from raypipe.core.schedule import PLACEMENT
 from raypipe.core.step_decision import StageGradStats
 from raypipe.errors import StepAborted
 from raypipe.stage.chunks import Key
-from raypipe.stage.spec import WorkerSpec
 from raypipe.stage.worker import StageWorker
 
 
@@ -136,13 +135,13 @@ class _Step:
 
 
 class StepRunner:
-    """Runs ``worker``'s lowered ops of a step (:func:`lowered_stage_ops` of its spec)
+    """Runs ``worker``'s lowered ops of a step (:meth:`~raypipe.stage.spec.WorkerSpec.lowered_ops` of its spec)
     over ``channel``; built once per layout."""
 
     def __init__(self, worker: StageWorker, channel: StepChannel) -> None:
         spec = worker.spec
         self.worker, self.channel = worker, channel
-        self.ops = lowered_stage_ops(spec)
+        self.ops = spec.lowered_ops()
         self.key_of = message_keys(spec.stage, spec.num_stages, spec.num_chunks, PLACEMENT[spec.config.schedule])
         self._expected_activations = [(self.key_of(op), op.peer) for op in ops.unbatch(self.ops)
                                       if op.kind == ops.RECV_ACT]
@@ -332,19 +331,6 @@ def first_receive(stage_ops: list[ops.LoweredOp]) -> int:
     receives = (index for index, op in enumerate(stage_ops)
                 if any(part.kind in ops.RECEIVES for part in op.unbatched()))
     return next(receives, 0)
-
-
-def lowered_stage_ops(spec: WorkerSpec) -> list[ops.LoweredOp]:
-    """Worker ``spec.stage``'s lowered ops of a step. A split backward (I, W) places each
-    receive after its peer's send, so the whole schedule is lowered (alike on every worker)."""
-    stage_ops = spec.stage_ops()
-    if spec.num_chunks == 1 and not any(op.kind in (ops.I, ops.W) for op in stage_ops):
-        return lowering.lower_stage(spec.stage, stage_ops, spec.num_stages)
-    schedule = make_schedule(spec.config.schedule, spec.num_stages, len(spec.block), spec.num_chunks)
-    if tuple(schedule[spec.stage]) != tuple(stage_ops):
-        raise ValueError(f"stage {spec.stage}: its ops are not those of schedule {spec.config.schedule!r}, "
-                         "which the other workers lower")
-    return lowering.lower(schedule, PLACEMENT[spec.config.schedule])[spec.stage]
 
 
 def message_keys(stage: int, num_stages: int, num_chunks: int,
