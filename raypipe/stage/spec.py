@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -47,7 +47,8 @@ class WorkerSpec:
     scheduler_factory: Callable | None = None
     chunk_sizes: tuple[int, ...] = ()  # layers per chunk, in chunk order; empty: one chunk of every layer
     tp_rank: int = 0  # which of the stage's config.tensor_parallel workers (its shard of the planned layers)
-    lowered: tuple[LoweredOp, ...] = ()  # this stage's lowered ops of a step (empty: lowered from ops when asked)
+    # this stage's lowered ops of a step (empty: lowered from ops when asked); long, and ops says what they run
+    lowered: tuple[LoweredOp, ...] = field(default=(), repr=False)
 
     @property
     def bundle_index(self) -> int:
