@@ -60,9 +60,10 @@ def replica_specs(stages: list[WorkerSpec], num_replicas: int, num_micro_batches
     (one spec per stage, each held by its config's ``tensor_parallel`` workers) share a
     step of ``num_micro_batches``."""
     blocks = replica_blocks(num_micro_batches, num_replicas)
-    return [replace(spec.for_layout(replica, num_replicas, blocks[replica]), tp_rank=tp_rank)
-            for replica in range(num_replicas) for spec in stages
-            for tp_rank in range(spec.config.tensor_parallel)]
+    # each (replica, stage) laid out once (its ops and their lowering), then given to its t ranks
+    laid_out = [spec.for_layout(replica, num_replicas, blocks[replica])
+                for replica in range(num_replicas) for spec in stages]
+    return [replace(spec, tp_rank=tp_rank) for spec in laid_out for tp_rank in range(spec.config.tensor_parallel)]
 
 
 class Resizer:

@@ -59,3 +59,21 @@ def test_a_spec_without_its_lowering_is_lowered_where_it_is_asked_and_checked_ag
     other = WorkerSpec(0, 3, (nn.Identity(),), (0,), config, ops=tuple(schedule[1]))
     with pytest.raises(ValueError, match="stage 0: its ops are not those of schedule 'interleaved_1f1b'"):
         other.lowered_ops()
+
+
+def test_a_stages_tensor_parallel_ranks_share_one_layout_of_it(monkeypatch):
+    config = PipelineConfig(num_stages=2, num_micro_batches=4, schedule="zbv", tensor_parallel=2)
+    laid_out = []
+    original = WorkerSpec.for_layout
+
+    def counted(spec, *args, **kwargs):
+        laid_out.append((spec.stage, *args[:1]))
+        return original(spec, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerSpec, "for_layout", counted)
+    specs = replica_specs(stage_specs(config), 2, 8)
+    assert sorted(laid_out) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # once per (stage, replica), not per rank
+    assert [(spec.replica, spec.stage, spec.tp_rank) for spec in specs] == [
+        (replica, stage, rank) for replica in range(2) for stage in range(2) for rank in range(2)]
+    for first, second in zip(specs[::2], specs[1::2]):
+        assert second.lowered is first.lowered and first.lowered
