@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import socket
 import statistics
 import sys
 from collections.abc import Callable, Hashable, Sequence
@@ -96,6 +97,13 @@ def spread(values: Sequence[float], digits: int = 3) -> str:
     """``median [min-max] (n rounds)`` of per-round figures."""
     return (f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}] "
             f"(n={len(values)})")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a process group's rendezvous for the contenders' processes)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def command_line() -> str:

@@ -16,14 +16,13 @@ same round.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from alternate import command_line, print_table, spread
+from alternate import command_line, free_port, print_table, spread
 
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core import ops
@@ -88,15 +87,9 @@ def _in_process(rank: int, port: int, args: argparse.Namespace, results) -> None
         results.put(medians)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_in_processes(args: argparse.Namespace) -> dict[str, list[float]]:
     context = mp.get_context("spawn")
-    results, port = context.Queue(), _free_port()
+    results, port = context.Queue(), free_port()
     processes = [context.Process(target=_in_process, args=(rank, port, args, results)) for rank in range(2)]
     for process in processes:
         process.start()
@@ -112,7 +105,7 @@ def run_in_ray_actors(args: argparse.Namespace) -> dict[str, list[float]]:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         actor = ray.remote(num_cpus=1)(_Stage)
-        stages, port = [actor.remote() for _ in range(2)], _free_port()
+        stages, port = [actor.remote() for _ in range(2)], free_port()
         return ray.get([each.run.remote(__file__, rank, port, args) for rank, each in enumerate(stages)])[0]
     finally:
         ray.shutdown()

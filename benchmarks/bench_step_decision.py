@@ -18,13 +18,13 @@ The contenders alternate round by round in one process group.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from alternate import free_port
 
 from raypipe.comm.p2p import P2PChannel
 from raypipe.core.topology import Topology
@@ -86,12 +86,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     channel.leave()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8], help="process counts (default 4 8)")
@@ -104,7 +98,7 @@ def main() -> None:
     print("|---|---|---|")
     for world in args.ranks:
         results = context.Queue()
-        port = _free_port()
+        port = free_port()
         processes = [context.Process(target=_worker, args=(rank, world, port, args, results)) for rank in range(world)]
         for process in processes:
             process.start()

@@ -42,7 +42,6 @@ import argparse
 import os
 import platform
 import queue
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -51,8 +50,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from alternate import (add_round_arguments, command_line, print_round_ms, print_table, round_medians, round_ratios,
-                       run_rounds, spread)
+from alternate import (add_round_arguments, command_line, free_port, print_round_ms, print_table, round_medians,
+                       round_ratios, run_rounds, spread)
 
 NUM_STAGES = 2
 # preset -> model and batch; target is the largest acceptable median raypipe/PiPPy ratio
@@ -164,7 +163,7 @@ class PippyRunner:
         self._commands = [context.Queue() for _ in range(num_ranks)]
         self._results = context.Queue()
         self._procs = mp.start_processes(worker or pippy_worker,
-                                         args=(_free_port(), args, self._commands, self._results),
+                                         args=(free_port(), args, self._commands, self._results),
                                          nprocs=num_ranks, join=False, start_method="spawn")
 
     def run(self, steps: int, option=None) -> tuple[list[float], list[float]]:
@@ -184,12 +183,6 @@ class PippyRunner:
         for commands in self._commands:
             commands.put(None)
         self._procs.join()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- raypipe side ---------------------------------------------------------------
