@@ -54,7 +54,8 @@ import raypipe
 spec = pickle.load(open(sys.argv[1], "rb"))
 start = time.process_time()
 lowered = spec.lowered_ops()
-print(json.dumps({"seconds": time.process_time() - start, "lowering": hashlib.sha256(repr(lowered).encode()).hexdigest()[:16],
+seconds = time.process_time() - start
+print(json.dumps({"seconds": seconds, "lowering": hashlib.sha256(repr(lowered).encode()).hexdigest()[:16],
                   "raypipe": raypipe.__file__}))
 """
 
@@ -115,7 +116,8 @@ def main_worker(args: argparse.Namespace) -> None:
                                  reverse_odd_rounds=True)
             seconds = {label: [result["seconds"] for result in results[label]] for label in files}
             same = len({result["lowering"] for values in results.values() for result in values}) == 1
-            row = [case, *(spread([1e3 * value for value in seconds[label]], 3) for label in files), "yes" if same else "NO"]
+            row = [case, *(spread([1e3 * value for value in seconds[label]], 3) for label in files),
+                   "yes" if same else "NO"]
             rows.append(row)
             print(" | ".join(map(str, row)), flush=True)
     print()

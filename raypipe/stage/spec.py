@@ -99,8 +99,8 @@ class WorkerSpec:
         return list(lowered[self.stage])
 
     def _schedule_ops(self, num_micro_batches: int) -> tuple[Op, ...]:
-        config = self.config
-        return _lowered_schedule(config.schedule, self.num_stages, num_micro_batches, config.virtual_stages)[0][self.stage]
+        schedule, _ = _lowered_schedule(self.config.schedule, self.num_stages, num_micro_batches, self.num_chunks)
+        return schedule[self.stage]
 
     @property
     def num_chunks(self) -> int:
