@@ -87,11 +87,14 @@ def ray_cluster():
 
     from raypipe.runtime.cluster import LOCAL_SYSTEM_CONFIG
 
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    # address="local": a head another test (or person) started on this machine is not joined
+    # address="local": a head another test (or person) started on this machine is not joined.
+    # log_to_driver=False: the driver's log thread can hang ray.shutdown() at the session's end, closing
+    # its GCS subscriber while the driver closes it too (ray-project/ray#44836; a CI run spent
+    # pytest-timeout's 600 s there and failed). The workers' output stays in the session's log files;
+    # failures reach the tests as exceptions with their tracebacks.
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level="WARNING",
-                 _system_config=LOCAL_SYSTEM_CONFIG)
+                 log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
     yield ray
     ray.shutdown()
 
