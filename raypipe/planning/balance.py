@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from raypipe.config import BALANCE_MODES, CHECKPOINT_MODES, PipelineConfig
+from raypipe.config import CHECKPOINT_MODES, PipelineConfig
 from raypipe.core.partition import min_max_partition, partition_by_cost
 from raypipe.core.schedule import make_schedule
 from raypipe.core.validation import check_choice, check_positive_int

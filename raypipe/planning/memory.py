@@ -67,11 +67,10 @@ from raypipe.core.schedule import make_schedule
 from raypipe.core.validation import check_choice, check_int, check_positive_int
 from raypipe.errors import ConfigError
 from raypipe.models.llama import LlamaConfig, llama_layers, num_parameters
-from raypipe.models.llama_memory import (AMP_STYLES, OPTIMIZER_STATE_BYTES, PRECISIONS, RAYPIPE_AMP,
-                                         STATIC_BYTES_PER_PARAMETER, StaticBytes, activation_breakdown, amp_style,
-                                         estimate_layer_activation_bytes, layer_gradient_counts, layer_kinds,
-                                         layer_parameter_counts, replicated_activation_breakdown, stage_input_bytes,
-                                         static_bytes_per_parameter)
+from raypipe.models.llama_memory import (AMP_STYLES, PRECISIONS, RAYPIPE_AMP, STATIC_BYTES_PER_PARAMETER,
+                                         StaticBytes, activation_breakdown, amp_style, estimate_layer_activation_bytes,
+                                         layer_gradient_counts, layer_kinds, layer_parameter_counts,
+                                         replicated_activation_breakdown, stage_input_bytes, static_bytes_per_parameter)
 
 # -- per stage -----------------------------------------------------------------------
 

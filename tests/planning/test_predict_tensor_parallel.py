@@ -100,7 +100,7 @@ def test_the_llamas_collectives_by_hand():
         # the embedding: an all-reduce of its output, or a reduce-scatter and (backward) an all-gather
         assert [p for p, _ in embedding.forward + embedding.backward] == ([1, 1] if sequence_parallel else [2])
     # at t = 8 on NVLink 4 (450 GB/s a direction, 5 us): an all-reduce of a 70B's 256 MiB hidden state
-    t, seconds = 8, collective_seconds([(2, hidden)], 8, link, 1)
+    seconds = collective_seconds([(2, hidden)], 8, link, 1)
     assert seconds == pytest.approx(2 * 7 / 8 * hidden / 450e9 + 2 * 7 * 5e-6)
     assert collective_seconds([(2, hidden)], 1, link, 1) == 0.0
 
