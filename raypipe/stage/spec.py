@@ -73,15 +73,17 @@ class WorkerSpec:
         """This stage's F/B ops, in the order it runs them."""
         if self.ops:
             return self.ops
-        return self._schedule_ops(len(self.block))
+        schedule, _ = _lowered_schedule(self.config.schedule, self.num_stages, len(self.block), self.num_chunks)
+        return schedule[self.stage]
 
     def for_layout(self, replica: int, num_replicas: int, micro_batches: range) -> WorkerSpec:
         """This stage as replica ``replica`` of ``num_replicas`` running ``micro_batches``, with
         its ops and their lowering (each distinct schedule lowered once in this process, so a
         layout of many workers costs one lowering, and the workers none)."""
-        laid_out = replace(self, replica=replica, num_replicas=num_replicas, micro_batches=micro_batches,
-                           ops=self._schedule_ops(len(micro_batches)), lowered=())
-        return replace(laid_out, lowered=tuple(laid_out.lowered_ops()))
+        schedule, lowered = _lowered_schedule(self.config.schedule, self.num_stages, len(micro_batches),
+                                              self.num_chunks)
+        return replace(self, replica=replica, num_replicas=num_replicas, micro_batches=micro_batches,
+                       ops=schedule[self.stage], lowered=lowered[self.stage])
 
     def lowered_ops(self) -> list[LoweredOp]:
         """This stage's lowered ops of a step: :attr:`lowered` where the driver gave them,
@@ -97,10 +99,6 @@ class WorkerSpec:
             raise ValueError(f"stage {self.stage}: its ops are not those of schedule {self.config.schedule!r}, "
                              "which the other workers lower")
         return list(lowered[self.stage])
-
-    def _schedule_ops(self, num_micro_batches: int) -> tuple[Op, ...]:
-        schedule, _ = _lowered_schedule(self.config.schedule, self.num_stages, num_micro_batches, self.num_chunks)
-        return schedule[self.stage]
 
     @property
     def num_chunks(self) -> int:
