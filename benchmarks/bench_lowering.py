@@ -60,28 +60,30 @@ print(json.dumps({"seconds": seconds, "lowering": hashlib.sha256(repr(lowered).e
 """
 
 
-def trial(code: Path, case: str) -> dict:
-    """One process of checkout ``code`` building ``case``; its CPU seconds and lowering's digest."""
+def run_trial(code: Path, script: str, arguments: list[str], what: str) -> dict:
+    """One process of checkout ``code`` running ``script`` with ``arguments``: what it printed (its CPU
+    seconds and its lowering's digest), checked to have imported that checkout's raypipe."""
     env = {**os.environ, "PYTHONPATH": str(code)}
     # run in the checkout: ``python -c`` puts the working directory first on the path
-    done = subprocess.run([sys.executable, "-c", TRIAL, *case.split(":")], env=env, cwd=code, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script, *arguments], env=env, cwd=code, capture_output=True,
                           text=True, timeout=3600, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{case} in {code} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{what} in {code} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if not Path(result["raypipe"]).resolve().is_relative_to(code.resolve()):
         raise RuntimeError(f"the trial of {code} imported raypipe from {result['raypipe']}")
     return result
 
 
+def trial(code: Path, case: str) -> dict:
+    """One process of checkout ``code`` building ``case``; its CPU seconds and lowering's digest."""
+    return run_trial(code, TRIAL, case.split(":"), case)
+
+
 def worker_trial(spec_file: Path) -> dict:
     """One process of this checkout taking the pickled spec in ``spec_file`` as a stage worker
     does: its CPU seconds to have its lowered ops."""
-    done = subprocess.run([sys.executable, "-c", WORKER_TRIAL, str(spec_file)], cwd=REPO, capture_output=True,
-                          text=True, timeout=3600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{spec_file} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_trial(REPO, WORKER_TRIAL, [str(spec_file)], str(spec_file))
 
 
 def worker_specs(case: str, directory: Path) -> dict[str, Path]:
