@@ -141,5 +141,6 @@ def main() -> None:
             rows.append([where, name, spread([seconds * 1e3 for seconds in medians[name]]), spread(ratios, 2)])
     print_table(["where", "contender", "round trip, ms", "/ plain gloo's in the same round"], rows)
 
+
 if __name__ == "__main__":
     main()
