@@ -156,7 +156,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batches", "-m", type=int, default=8, help="micro-batches per step (default 8)")
     parser.add_argument("--layers-per-stage", type=int, default=2,
                         help="timed layers per stage; even, as the 2-chunk schedules halve it (default 2)")
-    parser.add_argument("--forward-ms", type=float, default=4.0, help="each layer's forward sleep (default 4)")
+    parser.add_argument("--forward-ms", type=float, default=4.0,
+                        help="each layer's forward sleep (default 4; 0 for all three: nothing sleeps, so a step "
+                             "takes the runtimes' own CPU)")
     parser.add_argument("--input-grad-ms", type=float, default=4.0, help="each layer's input-gradient sleep (default 4)")
     parser.add_argument("--weight-grad-ms", type=float, default=4.0,
                         help="each layer's weight-gradient sleep (default 4)")
@@ -230,10 +232,11 @@ def main() -> None:
     report(args, times, {name: runner.results[-args.rounds * args.steps:] for name, runner in raypipe_runners.items()})
 
 
-def simulated(args: argparse.Namespace, schedule: str) -> tuple[float, float]:
+def simulated(args: argparse.Namespace, schedule: str) -> tuple[float, float | None]:
     """``simulate_timed`` on the schedule's lowered ops with the layers' sleeps as op times (no message
     time): the step's compute window in ms and its bubble (1 - busy/window, mean over stages), as
-    :func:`raypipe.observability.step_report.measured_bubble` measures it."""
+    :func:`raypipe.observability.step_report.measured_bubble` measures it; None for the bubble when
+    the layers sleep 0 ms (a run that measures the runtimes' own cost per op has no window)."""
     from raypipe.core.lowering import lower
     from raypipe.core.ops import COMPUTE
     from raypipe.core.schedule import PLACEMENT, make_schedule
@@ -248,6 +251,8 @@ def simulated(args: argparse.Namespace, schedule: str) -> tuple[float, float]:
     compute = [timed for timed in run.timeline if timed.op.kind in COMPUTE]
     window = max(timed.end for timed in compute) - min(timed.start for timed in compute)
     busy = [sum(t.end - t.start for t in compute if t.stage == stage) for stage in range(args.stages)]
+    if window == 0:
+        return 0.0, None
     return 1e3 * window, statistics.mean(1 - b / window for b in busy)
 
 
@@ -257,7 +262,8 @@ def report(args: argparse.Namespace, times: dict, results: dict) -> None:
     for name, measured in results.items():
         window_ms, bubble = simulated(args, name)
         per_step = [statistics.mean(result.bubble_fraction) for result in measured]
-        bubbles.append([f"raypipe {name}", f"{window_ms:.0f}", f"{100 * bubble:.1f}",
+        simulated_bubble = "—" if bubble is None else f"{100 * bubble:.1f}"
+        bubbles.append([f"raypipe {name}", f"{window_ms:.0f}", simulated_bubble,
                         f"{100 * statistics.median(per_step):.1f} [{100 * min(per_step):.1f}-{100 * max(per_step):.1f}]"])
     rows = []
     for key, values in times.items():
@@ -269,7 +275,9 @@ def report(args: argparse.Namespace, times: dict, results: dict) -> None:
             if counterpart in times:
                 ratio = f"{spread(round_ratios(values, times[counterpart], args.steps))} vs {counterpart[1]}"
             overhead = f"{1e3 * statistics.median(driver_overhead(results[name])):.1f}"
-        rows.append([f"{system} {name}", spread(per_round, digits=0), f"{statistics.median(per_round) / one_f_one_b:.3f}",
+        # layers of 0 ms have no ideal step
+        of_ideal = f"{statistics.median(per_round) / one_f_one_b:.3f}" if one_f_one_b else "—"
+        rows.append([f"{system} {name}", spread(per_round, digits=0), of_ideal,
                      ratio, overhead])
     print()
     print_table(["contender", "step ms, median [min-max] of per-round medians",
