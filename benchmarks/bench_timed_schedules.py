@@ -250,9 +250,9 @@ def simulated(args: argparse.Namespace, schedule: str) -> tuple[float, float | N
                          lambda stage, op: layers * seconds.get(op.kind, 0.0) / 1e3, placement=PLACEMENT[schedule])
     compute = [timed for timed in run.timeline if timed.op.kind in COMPUTE]
     window = max(timed.end for timed in compute) - min(timed.start for timed in compute)
-    busy = [sum(t.end - t.start for t in compute if t.stage == stage) for stage in range(args.stages)]
-    if window == 0:
+    if window == 0:  # nothing sleeps: no window to be busy in
         return 0.0, None
+    busy = [sum(t.end - t.start for t in compute if t.stage == stage) for stage in range(args.stages)]
     return 1e3 * window, statistics.mean(1 - b / window for b in busy)
 
 
